@@ -1,0 +1,1 @@
+"""Storage tiers: memory arenas (HBM, DRAM) and the NVMe segment log, behind kvstore.tiers.base."""

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for kvstore.v1 (regenerate with `python -m kvstore.genproto`)."""
