@@ -1,0 +1,5 @@
+import sys
+
+from kvstore.cli import main
+
+sys.exit(main())

@@ -1,0 +1,113 @@
+"""`kvstore` command line: serve, health, stats, demo.
+
+    kvstore serve --listen 127.0.0.1:7070 --dram 2GiB [--nvme-dir /data --nvme 100GiB]
+    kvstore health --target 127.0.0.1:7070      # exit 0 only when SERVING
+    kvstore stats --target 127.0.0.1:7070 [--json]
+    kvstore demo                                 # embedded store + put/get throughput
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from kvstore import config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    cfg = config.load(args)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvstore.server.app import StoreServer
+
+    StoreServer(cfg).serve_forever()
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(args.target) if not args.tls_ca else grpc.secure_channel(
+                args.target, grpc.ssl_channel_credentials(open(args.tls_ca, "rb").read())) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    except grpc.RpcError as err:
+        print(f"{args.target}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.target}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from kvstore.client import Client, KVStoreError
+
+    try:
+        with Client(args.target, token=args.token, tls_ca=args.tls_ca, timeout=args.timeout) as client:
+            stats = client.stats()
+    except KVStoreError as err:
+        print(f"{args.target}: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    from kvstore.sizes import format_size
+
+    print(f"node {stats.get('node_id', '')}: {stats.get('blocks', 0)} blocks, "
+          f"lookups {stats.get('lookups', 0)} (hits {stats.get('lookup_hits', 0)}, misses {stats.get('lookup_misses', 0)})")
+    print(f"{'tier':6} {'used':>10} {'capacity':>10} {'blocks':>8} {'hits':>8} {'evictions':>9}  backend")
+    for t in stats.get("tiers", []):
+        print(f"{t['name']:6} {format_size(int(t['used_bytes'])):>10} {format_size(int(t['capacity_bytes'])):>10} "
+              f"{int(t['blocks']):>8} {int(t['hits']):>8} {int(t['evictions']):>9}  {t['backend']}"
+              + ("  DEGRADED: " + t["fault"] if t.get("degraded") else ""))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvstore.demo import main as demo_main
+
+    return demo_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstore", description="Tiered KV-cache block store for disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run a store node",
+                           description="Run a store node. Every option can also be given as env var KVSTORE_<OPTION> "
+                                       "or as a key in the --config YAML file; flags win over env over file.")
+    config.add_arguments(serve)
+    serve.set_defaults(func=_serve)
+
+    for name, func, text in (("health", _health, "exit 0 only when the node reports SERVING"),
+                             ("stats", _stats, "print a node's tiers and counters")):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("--target", default="127.0.0.1:7070", help="store address HOST:PORT (default: %(default)s)")
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds (default: %(default)s)")
+        p.add_argument("--tls-ca", default=None, help="CA bundle to verify a TLS server")
+        if name == "health":
+            p.add_argument("--service", default="", help="service name to check (default: the whole server)")
+        else:
+            p.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+            p.add_argument("--token", default=None, help="tenant bearer token")
+        p.set_defaults(func=func)
+
+    demo = sub.add_parser("demo", help="start an embedded store and run the demo (see `kvstore demo -- --help`)")
+    demo.add_argument("rest", nargs=argparse.REMAINDER)
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"kvstore: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""Python client of the kvstore service (DESIGN 2.4).
+
+    from kvstore.client import Client
+    with Client("127.0.0.1:7070") as kv:
+        n = kv.lookup("ns", hashes)                  # leading hashes present
+        results = kv.put("ns", hashes, payloads)      # one stream, many blocks
+        blocks = kv.get("ns", hashes)                 # bytes-like, in order
+
+Verbs and promises:
+- ``lookup(namespace, hashes) -> int``; ``lookup_tiers`` also returns the tier of each.
+- ``put(namespace, hashes, payloads, *, parent=None, dtype=None) -> [PutResult]``: one
+  result per block (stored, already present, or rejected with a reason).
+  Payloads are bytes-like, numpy arrays or torch tensors; they are sliced, not
+  copied, until the gRPC layer serializes each chunk. Consecutive hashes form a
+  chain (block i is the parent of block i+1); ``parent`` names the block before
+  the first, so the store can evict leaves before their parents.
+- ``get(namespace, hashes, *, out=None, allow_missing=False, verify=True)``:
+  payloads in order; with ``out`` the bytes land in the caller's buffers (for
+  example a paged KV pool's blocks) instead of new ones. Raises
+  ``KVStoreError`` (code NOT_FOUND) on a missing hash unless ``allow_missing``,
+  which returns None in its place. Every block's CRC32C is checked.
+- ``delete``, ``stats``; deadlines on every call (``timeout``) and retries with
+  backoff on UNAVAILABLE (``retries``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import grpc
+
+from kvstore.checksum import crc32c
+import numpy as np
+
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+CHUNK_BYTES = 1 << 20
+TIER_NAMES = {pb.TIER_HBM: "hbm", pb.TIER_DRAM: "dram", pb.TIER_NVME: "nvme"}
+_STATUS = {pb.PUT_STORED: "stored", pb.PUT_ALREADY_PRESENT: "already_present", pb.PUT_REJECTED: "rejected"}
+T = TypeVar("T")
+
+
+class KVStoreError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    hash: bytes
+    status: str          # "stored", "already_present" or "rejected"
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status != "rejected"
+
+
+def as_bytes_view(payload: Any) -> tuple[memoryview, str]:
+    """A flat byte view of a payload without copying when it is contiguous, and its dtype name."""
+    module = type(payload).__module__
+    if module.startswith("torch"):
+        import torch
+
+        tensor = payload.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        flat = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+        return memoryview(flat), dtype
+    if isinstance(payload, np.ndarray):
+        arr = np.ascontiguousarray(payload)
+        dtype = "bfloat16" if arr.dtype.name in ("bfloat16", "|V2") else arr.dtype.name
+        return memoryview(arr.reshape(-1).view(np.uint8)), dtype
+    view = memoryview(payload)
+    return (view if view.format == "B" and view.ndim == 1 else view.cast("B")), "uint8"
+
+
+_TORCH_TO_WIRE = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "uint8": "uint8", "int8": "int8",
+                  "float8_e4m3fn": "float8_e4m3fn"}
+
+
+class Client:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        timeout: float = 60.0,
+        retries: int = 3,
+        chunk_bytes: int = CHUNK_BYTES,
+        max_message: int = 4 << 20,
+    ):
+        if target.startswith("redis://") or target.startswith("rediss://"):
+            raise KVStoreError(grpc.StatusCode.UNIMPLEMENTED,
+                               "cluster targets (redis://) are served by kvstore.cluster.ClusterClient")
+        self.target, self.timeout, self.retries, self.chunk_bytes = target, timeout, retries, chunk_bytes
+        options = [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)]
+        if tls_ca or tls_cert:
+            read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
+            creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- verbs ---------------------------------------------------------------------------
+    def lookup(self, namespace: str, hashes: Sequence[bytes]) -> int:
+        return self.lookup_tiers(namespace, hashes)[0]
+
+    def lookup_tiers(self, namespace: str, hashes: Sequence[bytes]) -> tuple[int, list[str]]:
+        reply = self._call(lambda: self._stub.Lookup(
+            pb.LookupRequest(namespace=namespace, hashes=list(hashes)), timeout=self.timeout, metadata=self._metadata))
+        return reply.prefix_length, [TIER_NAMES.get(t, "?") for t in reply.tiers]
+
+    def put(self, namespace: str, hashes: Sequence[bytes], payloads: Sequence[Any], *,
+            parent: bytes | None = None, dtype: str | None = None, chained: bool = True) -> list[PutResult]:
+        if len(hashes) != len(payloads):
+            raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
+        if not hashes:
+            return []
+        views = [as_bytes_view(p) for p in payloads]
+        crcs = [crc32c(v) for v, _ in views]  # C implementation; accepts any buffer
+
+        def requests() -> Iterator[pb.PutRequest]:
+            prev = parent or b""
+            for i, (key, (view, kind)) in enumerate(zip(hashes, views)):
+                n = len(view)
+                header = pb.BlockHeader(hash=key, parent=prev if chained else (parent or b"") if i == 0 else b"",
+                                        codec=pb.CODEC_NONE, raw_length=n, stored_length=n, crc32c=crcs[i],
+                                        dtype=_TORCH_TO_WIRE.get(dtype or kind, dtype or kind))
+                first = min(self.chunk_bytes, n)
+                yield pb.PutRequest(namespace=namespace if i == 0 else "", header=header, data=bytes(view[:first]))
+                for start in range(first, n, self.chunk_bytes):
+                    yield pb.PutRequest(data=bytes(view[start : start + self.chunk_bytes]))
+                prev = key
+
+        reply = self._call(lambda: self._stub.Put(requests(), timeout=self.timeout, metadata=self._metadata))
+        return [PutResult(r.hash, _STATUS.get(r.status, "rejected"),
+                          grpc.StatusCode.OK if not r.code else _code(r.code), r.reason) for r in reply.results]
+
+    def get(self, namespace: str, hashes: Sequence[bytes], *, out: Sequence[Any] | None = None,
+            allow_missing: bool = False, verify: bool = True) -> list[Any]:
+        if out is not None and len(out) != len(hashes):
+            raise ValueError(f"{len(hashes)} hashes but {len(out)} output buffers")
+        request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing)
+        return self._call(lambda: self._receive(request, out, verify))
+
+    def _receive(self, request: pb.GetRequest, out: Sequence[Any] | None, verify: bool) -> list[Any]:
+        results: list[Any] = []
+        stream = self._stub.Get(request, timeout=self.timeout, metadata=self._metadata)
+        header: pb.BlockHeader | None = None
+        dest: memoryview | None = None
+        single: bytes | None = None
+        filled = 0
+        for msg in stream:
+            if msg.HasField("header"):
+                header = msg.header
+                if header.missing:
+                    results.append(None)
+                    header = None
+                    continue
+                n = header.stored_length
+                filled, single = 0, None
+                if out is not None:
+                    dest = as_bytes_view(out[len(results)])[0]
+                    if len(dest) < n:
+                        raise ValueError(f"output buffer {len(results)} holds {len(dest)} bytes; block is {n}")
+                elif len(msg.data) == n:
+                    dest, single = None, msg.data  # whole block in one message: keep it, no copy
+                else:
+                    dest = memoryview(bytearray(n))
+            if header is None:
+                continue
+            if single is None and msg.data:
+                assert dest is not None
+                dest[filled : filled + len(msg.data)] = msg.data
+            filled += len(msg.data)
+            if filled == header.stored_length:
+                block = single if single is not None else (out[len(results)] if out is not None else dest)
+                if verify:
+                    view = single if single is not None else dest[: header.stored_length]  # type: ignore[index]
+                    if header.codec == pb.CODEC_NONE and crc32c(view) != header.crc32c:
+                        raise KVStoreError(grpc.StatusCode.DATA_LOSS,
+                                           f"block {len(results)} ({header.hash.hex()}) failed its CRC32C check")
+                results.append(block)
+                header = None
+        if len(results) != len(request.hashes):
+            raise KVStoreError(grpc.StatusCode.DATA_LOSS,
+                               f"stream ended after {len(results)} of {len(request.hashes)} blocks")
+        return results
+
+    def delete(self, namespace: str, hashes: Sequence[bytes]) -> int:
+        return self._call(lambda: self._stub.Delete(
+            pb.DeleteRequest(namespace=namespace, hashes=list(hashes)), timeout=self.timeout,
+            metadata=self._metadata)).deleted
+
+    def stats(self, namespace: str = "") -> dict[str, Any]:
+        reply = self._call(lambda: self._stub.Stats(pb.StatsRequest(namespace=namespace), timeout=self.timeout,
+                                                     metadata=self._metadata))
+        out: dict[str, Any] = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields
+                               if f.name not in ("tiers", "counters")}
+        out["counters"] = dict(reply.counters)
+        out["tiers"] = [{f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields} for t in reply.tiers]
+        return out
+
+    # -- retries ---------------------------------------------------------------------------
+    def _call(self, fn: Callable[[], T]) -> T:
+        delay = 0.05
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+                if code == grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
+                    time.sleep(delay)
+                    delay = min(delay * 4, 2.0)
+                    continue
+                raise KVStoreError(code, err.details() if hasattr(err, "details") else str(err)) from None
+        raise AssertionError("unreachable")
+
+
+def _code(value: int) -> grpc.StatusCode:
+    for code in grpc.StatusCode:
+        if code.value[0] == value:
+            return code
+    return grpc.StatusCode.UNKNOWN

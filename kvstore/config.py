@@ -1,0 +1,124 @@
+"""Configuration of `kvstore serve`: one table of options, three sources.
+
+Precedence: command-line flag > environment variable ``KVSTORE_<FLAG>`` >
+YAML config file (``--config``; keys are the flag names with dashes or
+underscores) > default. ``kvstore serve --help`` prints every option with its
+default; docs/config.example.yaml lists them all.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from kvstore.sizes import parse_size
+
+
+def _bool(text: Any) -> bool:
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _opt(default: Any, help: str, parse: Callable[[Any], Any] = str, metavar: str | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "parse": parse, "metavar": metavar})
+
+
+@dataclass
+class ServeConfig:
+    listen: str = _opt("127.0.0.1:7070", "gRPC listen address HOST:PORT (0.0.0.0:7070 to accept remote clients)")
+    dram: int = _opt(parse_size("1GiB"), "DRAM tier capacity (e.g. 512MiB, 2GiB)", parse_size, "SIZE")
+    hbm: int = _opt(0, "HBM tier capacity on the CUDA device (0: no HBM tier)", parse_size, "SIZE")
+    hbm_device: str = _opt("cuda:0", "CUDA device of the HBM tier")
+    nvme_dir: str | None = _opt(None, "directory of the NVMe segment log (unset: no NVMe tier)", metavar="DIR")
+    nvme: int = _opt(parse_size("16GiB"), "NVMe tier capacity on disk", parse_size, "SIZE")
+    nvme_segment: int = _opt(parse_size("256MiB"), "NVMe segment file size", parse_size, "SIZE")
+    write_policy: str = _opt("write-back", "write-back (ack when in DRAM) or write-through (ack when on NVMe)")
+    promote_on_hit: bool = _opt(True, "copy blocks read from NVMe back into DRAM when there is room", _bool)
+    max_block: int = _opt(parse_size("8MiB"), "largest accepted block (stored bytes)", parse_size, "SIZE")
+    max_message: int = _opt(parse_size("4MiB"), "gRPC max message size (data chunks are at most 1MiB)", parse_size, "SIZE")
+    max_stream: int = _opt(parse_size("16GiB"), "max payload bytes in one Put stream", parse_size, "SIZE")
+    max_hashes: int = _opt(65536, "max hashes in one Lookup/Get/Delete", int)
+    workers: int = _opt(16, "gRPC handler threads (concurrent RPCs)", int)
+    drain_seconds: float = _opt(15.0, "on SIGTERM, seconds to let in-flight streams finish", float)
+    metrics_port: int = _opt(9090, "Prometheus /metrics port (0: off)", int)
+    log_level: str = _opt("info", "debug, info, warning or error")
+    node_id: str = _opt("", "node id shown in Stats (default: the advertise or listen address)")
+    config: str | None = _opt(None, "YAML config file (keys are these option names)", metavar="FILE")
+    # Cluster and security (DESIGN 2.4)
+    redis: str | None = _opt(None, "Redis URL for cluster mode (membership and global index)", metavar="URL")
+    advertise: str | None = _opt(None, "address other hosts reach this node at (default: --listen)", metavar="HOST:PORT")
+    tls_cert: str | None = _opt(None, "server TLS certificate (PEM)", metavar="FILE")
+    tls_key: str | None = _opt(None, "server TLS private key (PEM)", metavar="FILE")
+    tls_client_ca: str | None = _opt(None, "CA bundle for client certificates (enables mutual TLS)", metavar="FILE")
+    tenants: str | None = _opt(None, "tenants YAML: [{name, token, namespaces: [...]}]; every RPC then needs a token",
+                               metavar="FILE")
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in fields(ServeConfig):
+        kind = f.metadata["parse"]
+        default = f.default
+        shown = default if kind is not parse_size else _fmt(default)
+        parser.add_argument(_flag(f.name), dest=f.name, default=None, metavar=f.metadata["metavar"] or f.name.upper(),
+                            help=f"{f.metadata['help']} [env KVSTORE_{f.name.upper()}; default: {shown}]")
+
+
+def _fmt(n: int) -> str:
+    from kvstore.sizes import format_size
+
+    return format_size(n) if n else "0"
+
+
+def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = None) -> ServeConfig:
+    """Merge defaults, the YAML file, KVSTORE_* env vars and flags into a ServeConfig."""
+    env = dict(os.environ if env is None else env)
+    flags = {k: v for k, v in vars(args).items() if v is not None} if args is not None else {}
+    config_path = flags.get("config") or env.get("KVSTORE_CONFIG")
+    from_file: dict[str, Any] = {}
+    if config_path:
+        loaded = yaml.safe_load(Path(config_path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{config_path}: expected a mapping of option names to values")
+        from_file = {str(k).replace("-", "_"): v for k, v in loaded.items()}
+    known = {f.name for f in fields(ServeConfig)}
+    unknown = set(from_file) - known
+    if unknown:
+        raise ValueError(f"{config_path}: unknown options {sorted(unknown)}")
+    values: dict[str, Any] = {}
+    for f in fields(ServeConfig):
+        raw: Any = None
+        for source in (flags.get(f.name), env.get(f"KVSTORE_{f.name.upper()}"), from_file.get(f.name)):
+            if source is not None:
+                raw = source
+                break
+        if raw is None:
+            continue
+        try:
+            values[f.name] = f.metadata["parse"](raw)
+        except ValueError as err:
+            raise ValueError(f"option {_flag(f.name)}: {err}") from None
+    cfg = ServeConfig(**values)
+    if cfg.write_policy not in ("write-back", "write-through"):
+        raise ValueError("option --write-policy: write-back or write-through")
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    return cfg

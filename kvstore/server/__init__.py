@@ -1,0 +1,1 @@
+"""The store server: gRPC service, validation, metrics and process lifecycle."""

@@ -1,0 +1,143 @@
+"""Process lifecycle of a store node: build tiers and store, serve gRPC, drain on SIGTERM.
+
+``StoreServer(cfg).start()`` binds the port (``.port`` is the bound port, so
+tests can listen on port 0), registers the KVStore service, the standard
+``grpc.health.v1`` health service and server reflection, and starts the
+metrics endpoint and the background demoter. ``stop(grace)`` flips health to
+NOT_SERVING, refuses new RPCs, lets in-flight streams finish for ``grace``
+seconds, then closes the tiers (flushing the NVMe write buffer).
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.config import ServeConfig
+from kvstore.server.metrics import Metrics
+from kvstore.server.service import KVStoreService
+from kvstore.server.validate import Limits
+from kvstore.store import BlockStore
+from kvstore.tiers.arena import ArenaTier
+from kvstore.tiers.base import Tier
+from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+log = logging.getLogger("kvstore.server")
+
+SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
+
+
+def build_tiers(cfg: ServeConfig) -> list[Tier]:
+    tiers: list[Tier] = []
+    if cfg.hbm:
+        tiers.append(ArenaTier(cfg.hbm, device=cfg.hbm_device, page_size=_page_size(cfg)))
+    tiers.append(ArenaTier(cfg.dram, device="cpu", page_size=_page_size(cfg)))
+    if cfg.nvme_dir:
+        from kvstore.tiers.nvme import NvmeTier
+
+        tiers.append(NvmeTier(cfg.nvme_dir, capacity_bytes=cfg.nvme, segment_bytes=cfg.nvme_segment))
+    return tiers
+
+
+def _page_size(cfg: ServeConfig) -> int:
+    return max(8 << 20, -(-cfg.max_block // 4096) * 4096)
+
+
+def build_store(cfg: ServeConfig, tiers: list[Tier] | None = None) -> BlockStore:
+    store = BlockStore(tiers or build_tiers(cfg), promote_on_hit=cfg.promote_on_hit,
+                       write_through=cfg.write_policy == "write-through")
+    for tier in store.tiers:
+        if hasattr(tier, "on_relocate"):
+            tier.on_relocate = lambda moves, rank=tier.rank: store.relocate(rank, moves)
+    return store
+
+
+class StoreServer:
+    def __init__(self, cfg: ServeConfig, store: BlockStore | None = None):
+        self.cfg = cfg
+        self.store = store or build_store(cfg)
+        self.metrics = Metrics(self.store.stats)
+        self.limits = Limits(max_block_bytes=cfg.max_block, max_hashes=cfg.max_hashes,
+                             max_stream_bytes=cfg.max_stream)
+        self.node_id = cfg.node_id or cfg.advertise or cfg.listen
+        self.health = health.HealthServicer()
+        self.service = KVStoreService(self.store, self.limits, self.metrics, self.node_id)
+        self.server: grpc.Server | None = None
+        self.port = 0
+        self._metrics_http: Any = None
+        self._stopped = threading.Event()
+
+    def grpc_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_receive_message_length", self.cfg.max_message),
+            ("grpc.max_send_message_length", self.cfg.max_message),
+            ("grpc.so_reuseport", 0),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+
+    def start(self) -> "StoreServer":
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="kvstore-rpc"),
+                             options=self.grpc_options(), maximum_concurrent_rpcs=self.cfg.workers * 4)
+        kvstore_pb2_grpc.add_KVStoreServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.port = self._bind(server)
+        server.start()
+        self.server = server
+        self.store.start()
+        if self.cfg.metrics_port:
+            self._metrics_http = self.metrics.start_http(self.cfg.metrics_port)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving on %s (port %d); tiers: %s", self.cfg.listen, self.port,
+                 ", ".join(f"{t.name}={t.capacity_bytes}" for t in self.store.tiers))
+        return self
+
+    def _bind(self, server: grpc.Server) -> int:
+        if self.cfg.tls_cert:
+            from kvstore.server.tls import server_credentials
+
+            return server.add_secure_port(self.cfg.listen, server_credentials(self.cfg))
+        if not self.cfg.listen.startswith(("127.", "localhost", "[::1]")):
+            log.warning("serving plaintext gRPC on %s without TLS: anyone who can reach it can read and "
+                        "write blocks; use --tls-cert/--tls-key outside a trusted network", self.cfg.listen)
+        return server.add_insecure_port(self.cfg.listen)
+
+    def stop(self, grace: float | None = None) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        grace = self.cfg.drain_seconds if grace is None else grace
+        self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            self.server.stop(grace).wait()
+        self.store.close()
+        if self._metrics_http is not None:
+            httpd, thread = self._metrics_http
+            httpd.shutdown()
+        log.info("stopped")
+
+    def wait(self) -> None:
+        if self.server is not None:
+            self.server.wait_for_termination()
+
+    def serve_forever(self) -> None:
+        """Run until SIGTERM/SIGINT, then drain and exit."""
+        done = threading.Event()
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            log.info("%s: draining (up to %.0fs)", signal.Signals(signum).name, self.cfg.drain_seconds)
+            done.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        self.start()
+        done.wait()
+        self.stop()

@@ -1,0 +1,225 @@
+"""The gRPC KVStore service: Lookup, Put, Get, Delete, Stats (DESIGN 2.3).
+
+Put is a two-phase write per block: the header reserves a slot in the top tier
+(``BlockStore.begin_put``), data chunks are copied straight into it while their
+CRC32C is accumulated, and the block becomes visible only at ``commit_put``
+after the checksum matched. A malformed stream is aborted with
+INVALID_ARGUMENT; blocks committed before the fault stay stored (they were
+whole and verified) but the caller sees the error, not an acknowledgement.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import grpc
+
+from kvstore.checksum import crc32c
+from kvstore.server import validate
+from kvstore.server.metrics import Metrics
+from kvstore.server.validate import InvalidRequest, Limits
+from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
+from kvstore.store.blockstore import ALREADY_PRESENT
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+GET_WINDOW_BYTES = 64 << 20  # NVMe reads of a Get are materialized this much at a time
+
+
+def verify_crc(ticket_meta, stored: memoryview, stored_crc: int) -> bool:
+    """CRC32C of the raw bytes must match the header; encoded blocks are decoded to check."""
+    if ticket_meta.codec == 0:
+        return stored_crc == ticket_meta.crc32c
+    from kvstore.codecs import decode, name_of
+
+    raw = decode(name_of(ticket_meta.codec), stored, ticket_meta.dtype, ticket_meta.raw_length)
+    return len(raw) == ticket_meta.raw_length and crc32c(raw) == ticket_meta.crc32c
+
+
+class _PutState:
+    """The block being received on one Put stream."""
+
+    __slots__ = ("index", "meta", "ticket", "received", "crc", "result")
+
+    def __init__(self, index: int, meta, ticket: PutTicket | None, result: pb.BlockResult | None):
+        self.index, self.meta, self.ticket, self.result = index, meta, ticket, result
+        self.received = 0
+        self.crc = 0
+
+
+class KVStoreService(pb_grpc.KVStoreServicer):
+    def __init__(self, store: BlockStore, limits: Limits, metrics: Metrics, node_id: str = ""):
+        self.store, self.limits, self.metrics, self.node_id = store, limits, metrics, node_id
+
+    # -- Lookup ------------------------------------------------------------------------
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        with self.metrics.rpc("Lookup", context):
+            ns = self._check(context, validate.namespace, request.namespace)
+            keys = self._check(context, validate.hashes, request.hashes, self.limits)
+            n, ranks = self.store.lookup(ns, keys)
+            return pb.LookupResponse(prefix_length=n, tiers=ranks)
+
+    # -- Put ----------------------------------------------------------------------------
+    def Put(self, request_iterator: Iterator[pb.PutRequest], context: grpc.ServicerContext) -> pb.PutResponse:
+        with self.metrics.rpc("Put", context):
+            results: list[pb.BlockResult] = []
+            state: _PutState | None = None
+            ns: str | None = None
+            total = 0
+            committed: list[int] = []
+            try:
+                for msg in request_iterator:
+                    if ns is None:
+                        ns = self._check(context, validate.namespace, msg.namespace)
+                    if msg.HasField("header"):
+                        if state is not None:
+                            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"block {state.index}: header of the next block arrived after "
+                                        f"{state.received} of {state.meta.stored_length} bytes")
+                        state = self._start_block(context, ns, msg.header, len(results))
+                    if msg.data:
+                        n = len(msg.data)
+                        total += n
+                        if state is None:
+                            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "data chunk before any block header")
+                        if n > self.limits.max_chunk_bytes:
+                            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"block {state.index}: chunk of {n} bytes exceeds {self.limits.max_chunk_bytes}")
+                        if state.received + n > state.meta.stored_length:
+                            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"block {state.index}: {state.received + n} bytes sent but the header "
+                                        f"says stored_length={state.meta.stored_length}")
+                        if total > self.limits.max_stream_bytes:
+                            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"Put stream exceeds {self.limits.max_stream_bytes} bytes; split it")
+                        if state.ticket is not None:
+                            state.ticket.buffer[state.received : state.received + n] = msg.data
+                            state.crc = crc32c(msg.data, state.crc)
+                        state.received += n
+                    if state is not None and state.received == state.meta.stored_length:
+                        results.append(self._finish_block(context, state, committed))
+                        state = None
+                if state is not None:
+                    self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                f"stream ended in the middle of block {state.index} "
+                                f"({state.received} of {state.meta.stored_length} bytes)")
+                self.store.persist(committed)
+                self.metrics.bytes_in(total)
+                return pb.PutResponse(results=results)
+            finally:
+                if state is not None and state.ticket is not None:
+                    self.store.abort_put(state.ticket)
+
+    def _start_block(self, context, ns: str, header: pb.BlockHeader, index: int) -> _PutState:
+        meta = self._check(context, validate.header, ns, header, index, self.limits)
+        try:
+            ticket = self.store.begin_put(ns, meta)
+        except CapacityError as err:
+            return _PutState(index, meta, None, pb.BlockResult(
+                hash=meta.hash, status=pb.PUT_REJECTED, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                reason=str(err)))
+        if ticket is None:
+            return _PutState(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT))
+        return _PutState(index, meta, ticket, None)
+
+    def _finish_block(self, context, state: _PutState, committed: list[int]) -> pb.BlockResult:
+        if state.ticket is None:
+            return state.result  # already present or rejected: its bytes were drained
+        ticket, state.ticket = state.ticket, None
+        if not verify_crc(state.meta, ticket.buffer, state.crc):
+            self.store.abort_put(ticket)
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"block {state.index} ({state.meta.hash.hex()}): CRC32C mismatch; the bytes "
+                        f"were corrupted in transit or the header's checksum is wrong")
+        status, entry = self.store.commit_put(ticket)
+        if status == ALREADY_PRESENT:
+            return pb.BlockResult(hash=state.meta.hash, status=pb.PUT_ALREADY_PRESENT)
+        committed.append(entry)
+        return pb.BlockResult(hash=state.meta.hash, status=pb.PUT_STORED, tier=self.store.top.rank)
+
+    # -- Get -------------------------------------------------------------------------------
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
+        with self.metrics.rpc("Get", context):
+            ns = self._check(context, validate.namespace, request.namespace)
+            keys = self._check(context, validate.hashes, request.hashes, self.limits)
+            try:
+                leases = self.store.acquire(ns, keys, allow_missing=request.allow_missing)
+            except NotFoundError as err:
+                self._abort(context, grpc.StatusCode.NOT_FOUND, str(err.args[0]))
+            sent = 0
+            try:
+                for window in _windows(leases, GET_WINDOW_BYTES):
+                    try:
+                        self.store.materialize(window)
+                    except DataLossError as err:
+                        self._abort(context, grpc.StatusCode.DATA_LOSS, f"{err}; the block was dropped")
+                    for lease in window:
+                        for msg in self._block_messages(lease):
+                            sent += len(msg.data)
+                            yield msg
+            finally:
+                self.store.release(leases)
+                self.metrics.bytes_out(sent)
+
+    def _block_messages(self, lease: Lease | None) -> Iterator[pb.GetResponse]:
+        if lease is None:
+            return iter([pb.GetResponse(header=pb.BlockHeader(missing=True))])
+        return _chunks(lease, self.limits.max_chunk_bytes)
+
+    # -- Delete / Stats ---------------------------------------------------------------------
+    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
+        with self.metrics.rpc("Delete", context):
+            ns = self._check(context, validate.namespace, request.namespace)
+            keys = self._check(context, validate.hashes, request.hashes, self.limits)
+            return pb.DeleteResponse(deleted=self.store.delete(ns, keys))
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        with self.metrics.rpc("Stats", context):
+            s = self.store.stats()
+            tiers = [pb.TierStats(name=t["name"], capacity_bytes=t["capacity_bytes"], used_bytes=t["used_bytes"],
+                                  blocks=t["blocks"], hits=t["hits"], evictions=t["evictions"],
+                                  backend=t["backend"], degraded=t["degraded"], fault=t["fault"])
+                     for t in s["tiers"]]
+            counters = {k: float(v) for k, v in s.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            counters.update(self.metrics.counters())
+            return pb.StatsResponse(tiers=tiers, blocks=s["blocks"], lookups=s["lookups"],
+                                    lookup_hits=s["lookup_hits"], lookup_misses=s["lookup_misses"],
+                                    bytes_in=int(self.metrics.total_in), bytes_out=int(self.metrics.total_out),
+                                    counters=counters, node_id=self.node_id)
+
+    # -- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str):
+        context.abort(code, message)
+        raise AssertionError("unreachable")  # context.abort raises
+
+    def _check(self, context, fn, *args):
+        try:
+            return fn(*args)
+        except InvalidRequest as err:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+
+def _windows(leases: list[Lease | None], budget: int) -> Iterator[list[Lease | None]]:
+    window: list[Lease | None] = []
+    size = 0
+    for lease in leases:
+        window.append(lease)
+        size += lease.stored_length if lease is not None else 0
+        if size >= budget:
+            yield window
+            window, size = [], 0
+    if window:
+        yield window
+
+
+def _chunks(lease: Lease, chunk: int) -> Iterator[pb.GetResponse]:
+    buf = lease.buffer
+    n = lease.stored_length
+    header = pb.BlockHeader(hash=lease.hash, codec=lease.codec, raw_length=lease.raw_length,
+                            stored_length=n, crc32c=lease.crc32c, dtype=lease.dtype)
+    yield pb.GetResponse(header=header, data=bytes(buf[: min(chunk, n)]))
+    for start in range(chunk, n, chunk):
+        yield pb.GetResponse(data=bytes(buf[start : start + chunk]))

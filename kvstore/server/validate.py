@@ -1,0 +1,75 @@
+"""Request validation shared by every lane: one place decides what is malformed.
+
+Each check raises ``InvalidRequest`` (mapped to INVALID_ARGUMENT) with a message
+that tells the caller what to fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.hashing import HASH_BYTES
+from kvstore.store.index import DTYPES
+from kvstore.tiers.base import BlockMeta
+
+MAX_NAMESPACE_BYTES = 256
+KNOWN_CODECS = frozenset(range(6))  # kvstore.v1.Codec values
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_block_bytes: int = 8 << 20
+    max_chunk_bytes: int = 1 << 20
+    max_hashes: int = 65536
+    max_stream_bytes: int = 16 << 30
+
+
+def namespace(ns: str) -> str:
+    raw = ns.encode("utf-8", "surrogatepass")
+    if len(raw) > MAX_NAMESPACE_BYTES:
+        raise InvalidRequest(f"namespace is {len(raw)} bytes; the limit is {MAX_NAMESPACE_BYTES}")
+    if "\0" in ns or any(ord(c) < 0x20 for c in ns):
+        raise InvalidRequest("namespace must not contain NUL or control characters")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("namespace is not valid UTF-8") from None
+    return ns
+
+
+def hashes(keys: list[bytes] | tuple[bytes, ...], limits: Limits) -> list[bytes]:
+    if len(keys) > limits.max_hashes:
+        raise InvalidRequest(f"{len(keys)} hashes in one request; the limit is {limits.max_hashes}")
+    for i, key in enumerate(keys):
+        if len(key) != HASH_BYTES:
+            raise InvalidRequest(f"hash {i} is {len(key)} bytes; block hashes are {HASH_BYTES} bytes")
+    return list(keys)
+
+
+def header(ns: str, hdr, index: int, limits: Limits) -> BlockMeta:
+    """A BlockMeta from a wire BlockHeader, or InvalidRequest naming block `index`."""
+    where = f"block {index}"
+    if len(hdr.hash) != HASH_BYTES:
+        raise InvalidRequest(f"{where}: hash is {len(hdr.hash)} bytes; block hashes are {HASH_BYTES} bytes")
+    if hdr.parent and len(hdr.parent) != HASH_BYTES:
+        raise InvalidRequest(f"{where}: parent hash is {len(hdr.parent)} bytes; expected {HASH_BYTES} or none")
+    if hdr.codec not in KNOWN_CODECS:
+        raise InvalidRequest(f"{where}: unknown codec {hdr.codec}")
+    if hdr.stored_length == 0 or hdr.raw_length == 0:
+        raise InvalidRequest(f"{where}: empty block (raw_length and stored_length must be > 0)")
+    if hdr.stored_length > limits.max_block_bytes or hdr.raw_length > limits.max_block_bytes:
+        raise InvalidRequest(
+            f"{where}: {max(hdr.stored_length, hdr.raw_length)} bytes exceeds the block size limit "
+            f"of {limits.max_block_bytes} bytes")
+    if hdr.codec == 0 and hdr.stored_length != hdr.raw_length:
+        raise InvalidRequest(f"{where}: codec none needs stored_length == raw_length "
+                             f"({hdr.stored_length} != {hdr.raw_length})")
+    dtype = hdr.dtype or "uint8"
+    if dtype not in DTYPES:
+        raise InvalidRequest(f"{where}: unknown dtype {dtype!r}")
+    return BlockMeta(namespace=ns, hash=bytes(hdr.hash), parent=bytes(hdr.parent), codec=hdr.codec,
+                     dtype=dtype, raw_length=hdr.raw_length, stored_length=hdr.stored_length,
+                     crc32c=hdr.crc32c)

@@ -1,0 +1,564 @@
+"""BlockStore: the index, placement across tiers, leases and eviction of one node.
+
+Verbs (thread-safe; the transport layers call only these):
+
+- ``lookup(ns, hashes) -> (n, ranks)``: how many leading hashes are present and
+  the top tier of each. Does not change recency.
+- ``begin_put(ns, meta) -> PutTicket | None``: phase one of a Put. None means
+  the block is already present. Otherwise a slot in the top tier is reserved
+  (evicting or demoting colder blocks if needed, else ``CapacityError``) and
+  ``ticket.buffer`` is a writable view of it; the block is invisible until
+- ``commit_put(ticket) -> (status, entry)``: phase two, after the caller wrote
+  and verified the bytes; or ``abort_put(ticket)`` to give the slot back.
+- ``acquire(ns, hashes, allow_missing) -> [Lease | None]``: lease blocks for
+  reading (a leased block is never freed, demoted away or compacted under the
+  reader), then ``materialize(leases)`` loads any NVMe-only ones (promoting
+  them to the top tier when there is free room), and ``release(leases)``.
+- ``delete(ns, hashes) -> n``: unmap now; bytes are freed when the last lease ends.
+- ``stats()``; ``start()`` / ``close()`` run the background demoter.
+
+Placement (DESIGN 3): new blocks land in the top tier. Past ``high_watermark``
+the demoter moves the lowest-priority *leaves* of a tier to the next tier in
+batches (I/O outside the lock) until ``low_watermark``; the last tier drops
+them. A block may hold copies in several tiers (a promoted block keeps its
+clean NVMe copy), so a later demotion of it is free.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from kvstore.store.index import NO_LOC, EntryTable, dtype_id
+from kvstore.store.policy import LeafLRU
+from kvstore.tiers.base import BlockMeta, CorruptBlock, MemoryTier, Tier, TierFault, TierFull
+
+log = logging.getLogger(__name__)
+
+STORED, ALREADY_PRESENT = 1, 2  # kvstore.v1.PutStatus values
+
+
+class CapacityError(Exception):
+    """No room even after eviction (e.g. everything evictable is leased)."""
+
+
+class NotFoundError(KeyError):
+    def __init__(self, index: int, key: bytes):
+        super().__init__(f"block {index} ({key.hex()}) is not in the store")
+        self.index, self.key = index, key
+
+
+class DataLossError(Exception):
+    """A stored copy failed its checksum; it was dropped and is never served."""
+
+
+@dataclass(slots=True)
+class PutTicket:
+    ns: int
+    meta: BlockMeta
+    dtype: int
+    loc: int
+    buffer: Any
+
+
+@dataclass(slots=True)
+class Lease:
+    entry: int
+    hash: bytes
+    codec: int
+    dtype: str
+    raw_length: int
+    stored_length: int
+    crc32c: int
+    rank: int                   # tier the bytes come from
+    buffer: Any = None          # filled for memory tiers at acquire, by materialize() otherwise
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+
+
+@dataclass
+class StoreCounters:
+    lookups: int = 0
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    puts: int = 0
+    already_present: int = 0
+    rejected: int = 0
+    corrupt: int = 0
+    tiers: dict[int, TierCounters] = field(default_factory=dict)
+
+
+class BlockStore:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        policy_factory: Callable[[], LeafLRU] = LeafLRU,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.85,
+        demote_batch_bytes: int = 64 << 20,
+        promote_on_hit: bool = True,
+        write_through: bool = False,
+    ):
+        if not tiers or not isinstance(tiers[0], MemoryTier):
+            raise ValueError("the top tier must be a memory tier (HBM or DRAM)")
+        self.tiers = sorted(tiers, key=lambda t: t.rank)
+        self.top: MemoryTier = self.tiers[0]  # type: ignore[assignment]
+        self.policies = {t.rank: policy_factory() for t in self.tiers}
+        self.table = EntryTable()
+        self.high, self.low = high_watermark, low_watermark
+        self.demote_batch_bytes = demote_batch_bytes
+        self.promote_on_hit = promote_on_hit
+        self.write_through = write_through and len(self.tiers) > 1
+        self.counters = StoreCounters(tiers={t.rank: TierCounters() for t in self.tiers})
+        self._lock = threading.RLock()
+        self._doomed: set[int] = set()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._demoter: threading.Thread | None = None
+        self.max_block_bytes = min(t.max_block_bytes for t in self.tiers if isinstance(t, MemoryTier))
+        for tier in self.tiers[1:]:
+            self._recover(tier)
+
+    # -- lookups ------------------------------------------------------------------
+    def lookup(self, namespace: str, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
+        ranks: list[int] = []
+        with self._lock:
+            ns = self.table.namespace_id(namespace)
+            for key in hashes:
+                e = self.table.find(ns, key)
+                if e is None:
+                    break
+                ranks.append(self._top_rank(e))
+            self.counters.lookups += 1
+            self.counters.lookup_hits += len(ranks)
+            self.counters.lookup_misses += len(hashes) - len(ranks)
+        return len(ranks), ranks
+
+    def _top_rank(self, e: int) -> int:
+        for tier in self.tiers:
+            if self.table.loc[e, tier.rank] != NO_LOC:
+                return tier.rank
+        raise AssertionError(f"entry {e} has no copy")
+
+    # -- put ------------------------------------------------------------------------
+    def begin_put(self, namespace: str, meta: BlockMeta) -> PutTicket | None:
+        dtype = dtype_id(meta.dtype)
+        if not self.top.fits(meta.stored_length):
+            raise CapacityError(f"a block of {meta.stored_length} bytes exceeds the largest slot "
+                                f"({self.max_block_bytes} bytes)")
+        with self._lock:
+            ns = self.table.namespace_id(namespace, create=True)
+            e = self.table.find(ns, meta.hash)
+            if e is not None:
+                self._touch(e)
+                self.counters.already_present += 1
+                return None
+            loc = self._make_room(self.top, meta.stored_length)
+            return PutTicket(ns, meta, dtype, loc, self.top.view(loc, meta.stored_length))
+
+    def commit_put(self, ticket: PutTicket) -> tuple[int, int]:
+        with self._lock:
+            e = self.table.find(ticket.ns, ticket.meta.hash)
+            if e is not None:  # a concurrent Put of the same block won
+                self.top.free([ticket.loc])
+                self.counters.already_present += 1
+                return ALREADY_PRESENT, e
+            e = self.table.insert(ticket.ns, ticket.meta.hash, ticket.meta, ticket.dtype)
+            self._add_copy(e, self.top.rank, ticket.loc)
+            self.counters.puts += 1
+            if self.top.used_bytes > self.high * self.top.capacity_bytes:
+                self._wake.set()
+            return STORED, e
+
+    def abort_put(self, ticket: PutTicket) -> None:
+        with self._lock:
+            self.top.free([ticket.loc])
+
+    def persist(self, entries: Sequence[int]) -> None:
+        """Write-through: copy freshly committed blocks to the durable tier before acking."""
+        if not self.write_through or not entries:
+            return
+        durable = self.tiers[-1]
+        with self._lock:
+            todo = [e for e in entries if self.table.live[e] and self.table.loc[e, durable.rank] == NO_LOC]
+            for e in todo:
+                self.table.leases[e] += 1
+        try:
+            self._copy_down(todo, self.top, durable)
+        finally:
+            with self._lock:
+                for e in todo:
+                    self._unlease(e)
+
+    # -- get ------------------------------------------------------------------------
+    def acquire(self, namespace: str, hashes: Sequence[bytes], allow_missing: bool = False) -> list[Lease | None]:
+        out: list[Lease | None] = []
+        with self._lock:
+            ns = self.table.namespace_id(namespace)
+            for i, key in enumerate(hashes):
+                e = self.table.find(ns, key)
+                if e is None:
+                    if not allow_missing:
+                        for lease in out:
+                            if lease is not None:
+                                self._unlease(lease.entry)
+                        raise NotFoundError(i, key)
+                    out.append(None)
+                    continue
+                t = self.table
+                t.leases[e] += 1
+                rank = self._top_rank(e)
+                self.counters.tiers[rank].hits += 1
+                self._touch(e)
+                lease = Lease(e, key, int(t.codec[e]), self._dtype_name(e), int(t.raw_len[e]),
+                              int(t.stored_len[e]), int(t.crc[e]), rank)
+                tier = self._tier(rank)
+                if isinstance(tier, MemoryTier):
+                    lease.buffer = tier.view(int(t.loc[e, rank]), lease.stored_length)
+                out.append(lease)
+        return out
+
+    def materialize(self, leases: Sequence[Lease | None]) -> None:
+        """Read NVMe-only blocks of the batch (coalesced by the tier), promoting when there is room."""
+        cold = [lease for lease in leases if lease is not None and lease.buffer is None]
+        if not cold:
+            return
+        promoted: dict[int, int] = {}
+        with self._lock:
+            for lease in cold:
+                loc = self.top.allocate(lease.stored_length) if self.promote_on_hit else None
+                if loc is None:
+                    lease.buffer = bytearray(lease.stored_length)
+                else:
+                    promoted[lease.entry] = loc
+                    lease.buffer = self.top.view(loc, lease.stored_length)
+            by_rank: dict[int, list[Lease]] = {}
+            for lease in cold:
+                by_rank.setdefault(lease.rank, []).append(lease)
+            plans = [(self._tier(r), ls, [int(self.table.loc[x.entry, r]) for x in ls]) for r, ls in by_rank.items()]
+        try:
+            for tier, group, locs in plans:
+                try:
+                    tier.read(locs, [x.stored_length for x in group], [x.buffer for x in group])
+                except CorruptBlock as err:
+                    bad = {loc for loc in err.locs}
+                    self._drop_corrupt(tier, [(x, loc) for x, loc in zip(group, locs) if loc in bad])
+                    raise DataLossError(str(err)) from err
+        except BaseException:
+            with self._lock:
+                self.top.free(list(promoted.values()))
+            for lease in cold:
+                lease.buffer = None
+            raise
+        with self._lock:
+            for e, loc in promoted.items():
+                if self.table.live[e] and self.table.loc[e, self.top.rank] == NO_LOC:
+                    self._add_copy(e, self.top.rank, loc)
+                    self.counters.tiers[self.top.rank].promotions += 1
+                else:
+                    self.top.free([loc])  # keep serving from the buffer: freed slot is reused only after release
+            if self.top.used_bytes > self.high * self.top.capacity_bytes:
+                self._wake.set()
+
+    def release(self, leases: Sequence[Lease | None]) -> None:
+        with self._lock:
+            for lease in leases:
+                if lease is not None:
+                    self._unlease(lease.entry)
+
+    def _drop_corrupt(self, tier: Tier, bad: list[tuple[Lease, int]]) -> None:
+        with self._lock:
+            for lease, _ in bad:
+                log.error("block %s failed its checksum in %s: dropped", lease.hash.hex(), tier.name)
+                self.counters.corrupt += 1
+                self._remove_copy(lease.entry, tier.rank)
+                if not self._has_copy(lease.entry):
+                    self._unmap(lease.entry)
+
+    # -- delete ------------------------------------------------------------------------
+    def delete(self, namespace: str, hashes: Sequence[bytes]) -> int:
+        n = 0
+        with self._lock:
+            ns = self.table.namespace_id(namespace)
+            for key in hashes:
+                e = self.table.find(ns, key)
+                if e is not None:
+                    self._unmap(e)
+                    n += 1
+        return n
+
+    def _unmap(self, e: int) -> None:
+        """Invisible now; copies freed once no lease holds the entry."""
+        self.table.unmap(e)
+        if self.table.leases[e] == 0:
+            self._destroy(e)
+        else:
+            self._doomed.add(e)
+
+    def _destroy(self, e: int) -> None:
+        for tier in self.tiers:
+            if self.table.loc[e, tier.rank] != NO_LOC:
+                self._remove_copy(e, tier.rank)
+        self._doomed.discard(e)
+        self.table.release_id(e)
+
+    def _unlease(self, e: int) -> None:
+        self.table.leases[e] -= 1
+        if self.table.leases[e] == 0 and e in self._doomed:
+            self._destroy(e)
+
+    # -- copies and the leaf structure ----------------------------------------------------
+    def _tier(self, rank: int) -> Tier:
+        for tier in self.tiers:
+            if tier.rank == rank:
+                return tier
+        raise KeyError(rank)
+
+    def _dtype_name(self, e: int) -> str:
+        from kvstore.store.index import DTYPES
+
+        return DTYPES[int(self.table.dtype[e])]
+
+    def _has_copy(self, e: int) -> bool:
+        return any(self.table.loc[e, t.rank] != NO_LOC for t in self.tiers)
+
+    def _touch(self, e: int) -> None:
+        for tier in self.tiers:
+            if self.table.loc[e, tier.rank] != NO_LOC:
+                self.policies[tier.rank].touch(e)
+
+    def _add_copy(self, e: int, rank: int, loc: int) -> None:
+        t = self.table
+        t.loc[e, rank] = loc
+        self.policies[rank].insert(e, is_leaf=t.nchild[e, rank] == 0)
+        p = t.parent_of(e)
+        if p is not None:
+            t.nchild[p, rank] += 1
+            if t.nchild[p, rank] == 1:
+                self.policies[rank].set_leaf(p, False)
+
+    def _remove_copy(self, e: int, rank: int) -> None:
+        t = self.table
+        self._tier(rank).free([int(t.loc[e, rank])])
+        t.loc[e, rank] = NO_LOC
+        self.policies[rank].remove(e)
+        p = t.parent_of(e)
+        if p is not None:
+            t.nchild[p, rank] -= 1
+            if t.nchild[p, rank] == 0:
+                self.policies[rank].set_leaf(p, True)
+
+    # -- eviction and demotion ----------------------------------------------------------
+    def _evictable(self, e: int) -> bool:
+        return self.table.leases[e] == 0
+
+    def _make_room(self, tier: MemoryTier, nbytes: int) -> int:
+        """Allocate in a memory tier, evicting (synchronously, lock held) until it fits."""
+        # Dropping frees exactly what is needed; a demotion batches more for sequential I/O.
+        want = nbytes if self._next_tier(tier) is None else \
+            max(nbytes, min(self.demote_batch_bytes // 8, tier.capacity_bytes // 50))
+        for _ in range(64):
+            loc = tier.allocate(nbytes)
+            if loc is not None:
+                return loc
+            if not self._evict(tier, want):
+                break
+        self.counters.rejected += 1
+        raise CapacityError(
+            f"{tier.name} tier full: {tier.used_bytes} of {tier.capacity_bytes} bytes in use and "
+            f"nothing evictable (blocks are leased by readers or pinned)")
+
+    def _evict(self, tier: Tier, want: int) -> int:
+        """Move or drop the lowest-priority leaves of `tier` until `want` bytes are freed.
+
+        Victims that need a copy below are leased, written down in one batch (outside
+        the lock unless the caller holds it: the synchronous path of a Put), then freed.
+        """
+        t, policy = self.table, self.policies[tier.rank]
+        lower = self._next_tier(tier)
+        demote: list[int] = []
+        freed = 0
+        with self._lock:
+            while freed < want:
+                e = policy.pop_victim(self._evictable)
+                if e is None:
+                    break
+                freed += int(t.stored_len[e])
+                has_lower = any(t.loc[e, x.rank] != NO_LOC for x in self.tiers if x.rank > tier.rank)
+                if has_lower or lower is None or self._degraded(lower):
+                    self._evict_copy(e, tier)
+                else:
+                    policy.insert(e, is_leaf=True)  # stays readable until its copy below exists
+                    t.leases[e] += 1
+                    demote.append(e)
+        if not demote:
+            return freed
+        assert lower is not None
+        try:
+            self._copy_down(demote, tier, lower)
+        finally:
+            with self._lock:
+                for e in demote:
+                    self._unlease(e)
+                    if (t.loc[e, tier.rank] != NO_LOC and t.loc[e, lower.rank] != NO_LOC
+                            and t.leases[e] == 0 and t.nchild[e, tier.rank] == 0):
+                        self._evict_copy(e, tier)
+                        self.counters.tiers[tier.rank].demotions += 1
+        return freed
+
+    def _evict_copy(self, e: int, tier: Tier) -> None:
+        assert self.table.nchild[e, tier.rank] == 0, "only leaves are evicted"
+        self._remove_copy(e, tier.rank)
+        self.counters.tiers[tier.rank].evictions += 1
+        if not self._has_copy(e):
+            self._unmap(e)
+
+    def _next_tier(self, tier: Tier) -> Tier | None:
+        i = self.tiers.index(tier)
+        return self.tiers[i + 1] if i + 1 < len(self.tiers) else None
+
+    @staticmethod
+    def _degraded(tier: Tier) -> bool:
+        return bool(getattr(tier, "degraded", False))
+
+    def _copy_down(self, entries: list[int], upper: Tier, lower: Tier) -> None:
+        """Copy leased entries' bytes from `upper` into `lower` (one batched write)."""
+        if not entries:
+            return
+        with self._lock:
+            metas = [self.table.meta(e) for e in entries]
+            sources = [upper.view(int(self.table.loc[e, upper.rank]), m.stored_length)  # type: ignore[attr-defined]
+                       for e, m in zip(entries, metas)]
+        try:
+            locs = self._write_with_room(lower, metas, sources)
+        except (TierFault, TierFull) as err:
+            log.warning("copy of %d blocks to %s failed: %s", len(entries), lower.name, err)
+            return
+        with self._lock:
+            for e, loc in zip(entries, locs):
+                self._add_copy(e, lower.rank, loc)
+
+    def _write_with_room(self, lower: Tier, metas: list[BlockMeta], sources: list[Any]) -> list[int]:
+        need = sum(m.stored_length for m in metas)
+        for attempt in range(3):
+            try:
+                return lower.write(metas, sources)
+            except TierFull:
+                if attempt == 2:
+                    raise
+                freed = self._evict(lower, need)
+                compact = getattr(lower, "compact", None)
+                if compact is not None:
+                    compact()
+                if not freed and compact is None:
+                    raise
+        raise TierFull(lower.name)
+
+    def demote_once(self) -> int:
+        """One pass of the background demoter: bring every tier under its low watermark."""
+        moved = 0
+        for tier in self.tiers:
+            over = tier.used_bytes - self.low * tier.capacity_bytes
+            if tier.used_bytes > self.high * tier.capacity_bytes and over > 0:
+                moved += self._evict(tier, int(min(over, self.demote_batch_bytes)))
+        return moved
+
+    def start(self) -> None:
+        if self._demoter is None:
+            self._demoter = threading.Thread(target=self._demote_loop, name="kvstore-demoter", daemon=True)
+            self._demoter.start()
+
+    def _demote_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.5)
+            self._wake.clear()
+            try:
+                while self.demote_once() and not self._stop.is_set():
+                    pass
+            except Exception:  # keep the demoter alive; the fault shows in tier stats
+                log.exception("demoter pass failed")
+                time.sleep(0.5)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._demoter is not None:
+            self._demoter.join(timeout=10)
+        for tier in self.tiers:
+            tier.close()
+
+    # -- recovery -------------------------------------------------------------------
+    def _recover(self, tier: Tier) -> None:
+        n = 0
+        with self._lock:
+            for meta, loc in tier.recover():
+                ns = self.table.namespace_id(meta.namespace, create=True)
+                if self.table.find(ns, meta.hash) is not None:
+                    tier.free([loc])
+                    continue
+                e = self.table.insert(ns, meta.hash, meta, dtype_id(meta.dtype))
+                self._add_copy(e, tier.rank, loc)
+                n += 1
+        if n:
+            log.info("recovered %d blocks from %s", n, tier.name)
+
+    def relocate(self, rank: int, moves: Sequence[tuple[int, int]]) -> None:
+        """Compaction moved records: (old_loc, new_loc) pairs in tier `rank`."""
+        import numpy as np
+
+        mapping = dict(moves)
+        with self._lock:
+            column = self.table.loc[:, rank]
+            for e in np.nonzero(np.isin(column, list(mapping)))[0]:
+                column[e] = mapping[int(column[e])]
+
+    # -- stats ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            tiers = []
+            for tier in self.tiers:
+                s = tier.stats()
+                c = self.counters.tiers[tier.rank]
+                tiers.append({
+                    "name": s.name, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes,
+                    "blocks": len(self.policies[tier.rank]), "hits": c.hits, "evictions": c.evictions,
+                    "demotions": c.demotions, "promotions": c.promotions, "backend": s.backend,
+                    "degraded": s.degraded, "fault": s.fault, **s.extra,
+                })
+            c = self.counters
+            return {
+                "blocks": len(self.table), "tiers": tiers, "lookups": c.lookups,
+                "lookup_hits": c.lookup_hits, "lookup_misses": c.lookup_misses, "puts": c.puts,
+                "already_present": c.already_present, "rejected": c.rejected, "corrupt": c.corrupt,
+                "index_bytes": self.table.nbytes(),
+            }
+
+    def check_invariants(self) -> None:
+        """For tests: capacity bounds, leaf structure and per-tier accounting agree."""
+        with self._lock:
+            t = self.table
+            for tier in self.tiers:
+                assert tier.used_bytes <= tier.capacity_bytes, tier.name
+                resident = [e for e in range(len(t.live)) if t.live[e] and t.loc[e, tier.rank] != NO_LOC]
+                assert len(resident) == len(self.policies[tier.rank]), tier.name
+                for e in resident:
+                    p = t.parent_of(e)
+                    if p is not None and p not in self._doomed:
+                        assert t.loc[p, tier.rank] != NO_LOC or self._has_copy(p), "orphaned parent"
+                counts: dict[int, int] = {}
+                for e in resident:
+                    p = t.parent_of(e)
+                    if p is not None:
+                        counts[p] = counts.get(p, 0) + 1
+                for e in range(len(t.live)):
+                    if t.live[e]:
+                        assert t.nchild[e, tier.rank] == counts.get(e, 0), (tier.name, e)

@@ -1,0 +1,86 @@
+"""Eviction order inside one tier: the lowest-priority evictable *leaf* goes first.
+
+A block is a leaf in a tier when no child block holds a copy in that tier; a
+parent is worth at least as much as any child (losing it makes the children
+unreachable by prefix match), so only leaves are ever chosen (DESIGN 3).
+
+Verbs (all O(log n), called with the store lock held):
+- ``insert(e)`` a copy of entry e arrived in this tier (as a leaf or not);
+- ``touch(e)`` e was read or written: its priority rises;
+- ``set_leaf(e, is_leaf)`` e's leaf status in this tier changed;
+- ``remove(e)`` the copy left the tier;
+- ``pop_victim(evictable) -> e | None`` the lowest-priority leaf with
+  ``evictable(e)`` true (leased copies are skipped but kept);
+
+``priority(e)`` is the hook policies override: plain LRU uses a logical clock.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Callable
+
+
+class LeafLRU:
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._clock = 0
+        self._prio: dict[int, float] = {}     # every resident copy -> current priority
+        self._leaf: set[int] = set()
+        self._heap: list[tuple[float, int]] = []  # (priority, e) of leaves; stale rows skipped
+
+    def priority(self, e: int) -> float:
+        self._clock += 1
+        return float(self._clock)
+
+    def insert(self, e: int, is_leaf: bool = True) -> None:
+        self._prio[e] = self.priority(e)
+        if is_leaf:
+            self._leaf.add(e)
+            self._push(e)
+
+    def touch(self, e: int) -> None:
+        if e in self._prio:
+            self._prio[e] = self.priority(e)
+            if e in self._leaf:
+                self._push(e)
+
+    def set_leaf(self, e: int, is_leaf: bool) -> None:
+        if e not in self._prio:
+            return
+        if is_leaf and e not in self._leaf:
+            self._leaf.add(e)
+            self._push(e)
+        elif not is_leaf:
+            self._leaf.discard(e)
+
+    def remove(self, e: int) -> None:
+        self._prio.pop(e, None)
+        self._leaf.discard(e)
+
+    def __contains__(self, e: int) -> bool:
+        return e in self._prio
+
+    def __len__(self) -> int:
+        return len(self._prio)
+
+    def _push(self, e: int) -> None:
+        heapq.heappush(self._heap, (self._prio[e], e))
+        if len(self._heap) > 4 * len(self._prio) + 64:
+            self._heap = [(p, x) for x, p in self._prio.items() if x in self._leaf]
+            heapq.heapify(self._heap)
+
+    def pop_victim(self, evictable: Callable[[int], bool]) -> int | None:
+        skipped: list[tuple[float, int]] = []
+        victim = None
+        while self._heap:
+            prio, e = heapq.heappop(self._heap)
+            if self._prio.get(e) != prio or e not in self._leaf:
+                continue  # stale row
+            if evictable(e):
+                victim = e
+                break
+            skipped.append((prio, e))
+        for row in skipped:
+            heapq.heappush(self._heap, row)
+        return victim

@@ -1,0 +1,127 @@
+"""Memory tiers (DRAM and HBM): one preallocated arena carved by a slab allocator.
+
+The same class serves both tiers, parameterised by device (DESIGN 3): on ``cpu``
+the arena is host memory (pinned through torch when a CUDA device exists, so
+device copies can be asynchronous; pageable numpy memory otherwise, which the
+kernel faults in as it is first written); on ``cuda`` it is one torch tensor in
+device memory. No per-block allocation happens after start.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstore.tiers.base import DRAM, HBM, TIER_NAMES, BlockMeta, MemoryTier, TierFull, TierStats
+from kvstore.tiers.slab import SlabAllocator
+
+log = logging.getLogger(__name__)
+
+
+def cuda_available() -> bool:
+    """True only where torch imports and sees a CUDA device; torch is not imported otherwise."""
+    import os
+
+    if not (os.path.exists("/dev/nvidiactl") or os.environ.get("CUDA_VISIBLE_DEVICES")):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _host_buffer(nbytes: int, pinned: bool) -> tuple[np.ndarray, Any]:
+    if pinned:
+        import torch
+
+        tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return tensor.numpy(), tensor
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(region, dtype=np.uint8, count=nbytes), region
+
+
+class ArenaTier(MemoryTier):
+    """A memory tier: ``device`` is "cpu" (DRAM) or "cuda[:N]" (HBM)."""
+
+    def __init__(self, capacity_bytes: int, *, device: str = "cpu", page_size: int = 8 << 20,
+                 pinned: bool | None = None):
+        self.device = device
+        self.rank = HBM if device.startswith("cuda") else DRAM
+        self.name = TIER_NAMES[self.rank]
+        page_size = min(page_size, max(capacity_bytes, 4096) // 4096 * 4096)
+        self.slabs = SlabAllocator(capacity_bytes, page_size)
+        if self.rank == HBM:
+            import torch
+
+            self._tensor = torch.empty(self.slabs.capacity, dtype=torch.uint8, device=device)
+            self._host: np.ndarray | None = None
+            self.backend = f"torch:{device}"
+        else:
+            if pinned is None:
+                pinned = cuda_available()
+            self._host, self._keepalive = _host_buffer(self.slabs.capacity, pinned)
+            self._view = memoryview(self._host)
+            self.backend = "pinned" if pinned else "pageable"
+        log.info("%s arena: %d bytes (%s), %d pages of %d", self.name, self.slabs.capacity,
+                 self.backend, self.slabs.n_pages, self.slabs.page_size)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.slabs.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self.slabs.used_bytes
+
+    @property
+    def max_block_bytes(self) -> int:
+        return self.slabs.max_slot
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= min(self.slabs.max_slot, self.slabs.capacity)
+
+    def allocate(self, nbytes: int) -> int | None:
+        return self.slabs.allocate(nbytes)
+
+    def view(self, loc: int, nbytes: int) -> Any:
+        if self._host is None:
+            return self._tensor[loc : loc + nbytes]
+        return self._view[loc : loc + nbytes]
+
+    def free(self, locs: Sequence[int]) -> None:
+        for loc in locs:
+            self.slabs.free(loc)
+
+    def write(self, metas: Sequence[BlockMeta], sources: Sequence[Any]) -> list[int]:
+        locs: list[int] = []
+        for meta in metas:
+            loc = self.slabs.allocate(meta.stored_length)
+            if loc is None:
+                self.free(locs)
+                raise TierFull(f"{self.name} arena full")
+            locs.append(loc)
+        for loc, meta, src in zip(locs, metas, sources):
+            _copy(self.view(loc, meta.stored_length), src)
+        return locs
+
+    def read(self, locs: Sequence[int], lengths: Sequence[int], dests: Sequence[Any]) -> None:
+        for loc, n, dest in zip(locs, lengths, dests):
+            _copy(dest, self.view(loc, n))
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name, self.capacity_bytes, self.used_bytes, backend=self.backend)
+
+
+def _copy(dest: Any, src: Any) -> None:
+    """Copy between host buffers (memoryview/numpy) or torch tensors, whichever they are."""
+    if hasattr(dest, "copy_") or hasattr(src, "copy_"):
+        import torch
+
+        d = dest if hasattr(dest, "copy_") else torch.frombuffer(dest, dtype=torch.uint8)
+        s = src if hasattr(src, "copy_") else torch.frombuffer(memoryview(src), dtype=torch.uint8)
+        d.copy_(s.view(torch.uint8).reshape(-1), non_blocking=False)
+        return
+    memoryview(dest).cast("B")[:] = memoryview(src).cast("B")
