@@ -1,0 +1,169 @@
+"""Lossy FP8 (``fp8``, wire id 3) and FP8 then zstd-1 (``fp8+zstd``, wire id 4).
+
+Each vector of ``head_dim`` consecutive elements (one token of one head in the
+block layout ``[layers][K,V][block_size][kv_heads][head_dim]``) gets its own
+scale ``s = m / 448`` with ``m`` the vector's largest magnitude, stored as
+bfloat16 rounded up (so ``|x / s| <= 448`` always); the elements are stored as
+E4M3 codes of ``x / s`` and decoded to ``s * q(x / s)`` in the block's own
+dtype. A block whose element count is not a multiple of ``head_dim`` gets a
+shorter last vector; a byte length that is not a multiple of the element size
+keeps its last bytes raw. Only bfloat16, float16 and float32 blocks.
+
+Error bound, per element ``x`` of a vector with max magnitude ``m`` and decoded
+value ``x'`` (finite inputs)::
+
+    |x' - x| <= 2**-4 * |x|  +  2**-10 * s  +  r(x')
+    s <= m / 448 * (1 + 2**-7)        (bfloat16 scale, rounded up)
+    r(x') = rounding to the output dtype: 2**-8 |x'| for bfloat16,
+            2**-11 |x'| (+ 2**-25 below 2**-14) for float16, 0 for float32
+
+so relative to the vector max the error is at most about 6.7% (bfloat16
+output), and elements below ``m * 2**-15`` are kept only to within
+``m * 2.2e-6`` absolutely. Decoded values are clamped to the output dtype's
+finite range. A vector holding Inf or NaN decodes to NaN throughout.
+
+``fp8`` payload (little-endian)::
+
+    header  2s magic b"F8" | u8 version=1 | u8 dtype (1 bf16, 2 fp16, 3 fp32)
+            | u16 head_dim | u8 tail t | u8 pad | u64 elements n
+    scales  ceil(n / head_dim) x u16 (bfloat16 bits)
+    codes   n x u8 (E4M3FN)
+    tail    t raw bytes
+
+``fp8+zstd`` is one zstd-1 frame of the ``fp8`` payload.
+"""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from . import e4m3, zstd
+from .base import Codec, CodecError, EncodeOptions, DEFAULT_OPTIONS, check_out, itemsize_of
+
+_MAGIC = b"F8"
+_VERSION = 1
+_HEADER = struct.Struct("<2sBBHBxQ")
+_DTYPE_CODE = {"bfloat16": 1, "float16": 2, "float32": 3}
+_FINITE_MAX = {
+    "bfloat16": float(np.uint32(0x7F7F0000).view(np.float32)),
+    "float16": 65504.0,
+    "float32": float(np.finfo(np.float32).max),
+}
+
+
+def _to_f32(body: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return e4m3.bf16_bits_to_f32(body.view("<u2"))
+    if dtype == "float16":
+        return body.view("<f2").astype(np.float32)
+    return body.view("<f4")
+
+
+def _write_from_f32(values: np.ndarray, dtype: str, out: np.ndarray) -> None:
+    if dtype == "bfloat16":
+        e4m3.f32_to_bf16_bits(values, out=out.view("<u2"))
+    elif dtype == "float16":
+        out.view("<f2")[...] = values
+    else:
+        out.view("<f4")[...] = values
+
+
+def fp8_payload_len(raw_len: int, dtype: str, head_dim: int) -> int:
+    n = raw_len // itemsize_of(dtype)
+    return _HEADER.size + 2 * (-(-n // head_dim)) + n + raw_len % itemsize_of(dtype)
+
+
+class Fp8Codec(Codec):
+    """E4M3 with one bfloat16 scale per ``head_dim`` vector; see the module docstring."""
+
+    name = "fp8"
+    id = 3
+    lossy = True
+
+    def encode(self, src: np.ndarray, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> bytes:
+        with np.errstate(invalid="ignore", over="ignore"):  # Inf/NaN vectors become NaN by design
+            return self._encode(src, dtype, opts)
+
+    def _encode(self, src: np.ndarray, dtype: str, opts: EncodeOptions) -> bytes:
+        itemsize = itemsize_of(dtype)
+        head_dim = opts.head_dim
+        n = src.nbytes // itemsize
+        n_vec = -(-n // head_dim)
+        x = _to_f32(src[: n * itemsize], dtype)
+        if n_vec * head_dim != n:
+            padded = np.zeros(n_vec * head_dim, dtype=np.float32)
+            padded[:n] = x
+            x = padded
+        vectors = x.reshape(n_vec, head_dim)
+        amax = np.max(np.abs(vectors), axis=1) if n_vec else np.zeros(0, np.float32)
+        scale_bits = e4m3.bf16_bits_round_up(amax / np.float32(e4m3.E4M3_MAX))
+        scale_bits[(scale_bits == 0) & (amax > 0)] = 1  # smallest bf16 subnormal
+        scale = e4m3.bf16_bits_to_f32(scale_bits)
+        safe = np.where(scale > 0, scale, np.float32(1.0))
+        codes = e4m3.quantize(vectors / safe[:, None]).reshape(-1)[:n]
+        header = _HEADER.pack(_MAGIC, _VERSION, _DTYPE_CODE[dtype], head_dim, src.nbytes - n * itemsize, n)
+        return b"".join((header, scale_bits.astype("<u2").tobytes(), memoryview(codes), memoryview(src[n * itemsize :])))
+
+    def decode_into(self, encoded: memoryview, dtype: str, raw_len: int, out: np.ndarray) -> None:
+        check_out(self.name, out, raw_len)
+        itemsize = itemsize_of(dtype)
+        if len(encoded) < _HEADER.size:
+            raise CodecError(f"{self.name}: payload shorter than its header")
+        magic, version, dtype_code, head_dim, tail_len, n = _HEADER.unpack_from(encoded)
+        if magic != _MAGIC or version != _VERSION:
+            raise CodecError(f"{self.name}: bad magic/version {magic!r}/{version}")
+        if dtype_code != _DTYPE_CODE[dtype] or head_dim == 0 or n * itemsize + tail_len != raw_len:
+            raise CodecError(
+                f"{self.name}: payload holds {n} elements of dtype code {dtype_code} "
+                f"(+{tail_len} bytes), not raw_len {raw_len} of {dtype}"
+            )
+        n_vec = -(-n // head_dim)
+        if len(encoded) != _HEADER.size + 2 * n_vec + n + tail_len:
+            raise CodecError(f"{self.name}: payload length {len(encoded)} does not match its header")
+        pos = _HEADER.size
+        scales = e4m3.bf16_bits_to_f32(np.frombuffer(encoded, dtype="<u2", count=n_vec, offset=pos))
+        pos += 2 * n_vec
+        values = e4m3.dequantize(np.frombuffer(encoded, dtype=np.uint8, count=n, offset=pos))
+        pos += n
+        full = n // head_dim
+        with np.errstate(invalid="ignore", over="ignore"):
+            values[: full * head_dim].reshape(full, head_dim)[...] *= scales[:full, None]
+            if full < n_vec:
+                values[full * head_dim :] *= scales[full]
+        limit = _FINITE_MAX[dtype]
+        if n_vec and not float(np.nanmax(scales, initial=0.0)) * e4m3.E4M3_MAX < limit:
+            np.clip(values, -limit, limit, out=values)
+        _write_from_f32(values, dtype, out[: n * itemsize])
+        out[n * itemsize : raw_len] = np.frombuffer(encoded, dtype=np.uint8, offset=pos)
+
+    def max_encoded_len(self, raw_len: int, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> int:
+        return fp8_payload_len(raw_len, dtype, opts.head_dim)
+
+
+class Fp8ZstdCodec(Codec):
+    """``fp8``, then one zstd-1 frame over its payload."""
+
+    name = "fp8+zstd"
+    id = 4
+    lossy = True
+
+    def __init__(self) -> None:
+        self._fp8 = Fp8Codec()
+
+    def encode(self, src: np.ndarray, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> bytes:
+        return zstd.compress(np.frombuffer(self._fp8.encode(src, dtype, opts), dtype=np.uint8))
+
+    def decode_into(self, encoded: memoryview, dtype: str, raw_len: int, out: np.ndarray) -> None:
+        check_out(self.name, out, raw_len)
+        try:
+            inner_len = zstd.zstandard.frame_content_size(encoded)
+        except zstd.zstandard.ZstdError as exc:
+            raise CodecError(f"{self.name}: not a zstd frame ({exc})") from None
+        if not 0 < inner_len <= fp8_payload_len(raw_len, dtype, 1):
+            raise CodecError(f"{self.name}: inner fp8 payload of {inner_len} bytes is implausible for raw_len {raw_len}")
+        inner = zstd.decompress(encoded, inner_len, codec=self.name)
+        self._fp8.decode_into(memoryview(inner), dtype, raw_len, out)
+
+    def max_encoded_len(self, raw_len: int, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> int:
+        return zstd.compress_bound(fp8_payload_len(raw_len, dtype, opts.head_dim))

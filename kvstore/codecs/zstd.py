@@ -1,0 +1,109 @@
+"""zstd level 1 (``zstd``, wire id 1), plus the zstd helpers other codecs share.
+
+zstd contexts are not thread-safe, so each thread keeps its own compressor and
+decompressor (``threading.local``); both release the GIL while they run, which
+is what lets the encoder pipeline overlap coding with sending. Level 1 on
+purpose: higher levels gain nothing on KV (DESIGN 5). Payload: one zstd frame
+with the content size in its header.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import zstandard
+
+from .base import Codec, CodecError, EncodeOptions, DEFAULT_OPTIONS, check_out
+
+LEVEL = 1
+_local = threading.local()
+
+
+def compressor() -> zstandard.ZstdCompressor:
+    """This thread's level-1 compressor (writes the content size into each frame)."""
+    cctx = getattr(_local, "cctx", None)
+    if cctx is None:
+        cctx = _local.cctx = zstandard.ZstdCompressor(level=LEVEL, write_content_size=True)
+    return cctx
+
+
+def decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor."""
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
+def compress_bound(n: int) -> int:
+    """ZSTD_COMPRESSBOUND(n) plus room for the frame header."""
+    small = ((128 << 10) - n) >> 11 if n < (128 << 10) else 0
+    return n + (n >> 8) + small + 32
+
+
+def compress(src: np.ndarray) -> bytes:
+    return compressor().compress(src)
+
+
+def compress_into(src: np.ndarray, out: np.ndarray) -> int:
+    """Compress ``src`` straight into ``out``; returns the frame length."""
+    reader = compressor().stream_reader(src, size=src.nbytes, read_size=max(src.nbytes, 1))
+    return _drain(reader, memoryview(out), "zstd: output buffer too small")
+
+
+def decompress_into(encoded: memoryview, out: np.ndarray, raw_len: int, codec: str = "zstd") -> None:
+    """Decompress one frame of exactly ``raw_len`` bytes into ``out[:raw_len]``."""
+    try:
+        declared = zstandard.frame_content_size(encoded)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"{codec}: not a zstd frame ({exc})") from None
+    if declared not in (-1, raw_len):
+        raise CodecError(f"{codec}: frame holds {declared} bytes, expected raw_len {raw_len}")
+    reader = decompressor().stream_reader(encoded, read_across_frames=False)
+    try:
+        n = _drain(reader, memoryview(out)[:raw_len], f"{codec}: frame decodes to more than raw_len {raw_len}")
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"{codec}: corrupt frame ({exc})") from None
+    if n != raw_len:
+        raise CodecError(f"{codec}: frame decodes to {n} bytes, expected raw_len {raw_len}")
+
+
+def decompress(encoded: memoryview, raw_len: int, codec: str = "zstd") -> np.ndarray:
+    """Decompress one frame of exactly ``raw_len`` bytes into a new array."""
+    out = np.empty(raw_len, dtype=np.uint8)
+    decompress_into(encoded, out, raw_len, codec)
+    return out
+
+
+def _drain(reader: zstandard.ZstdDecompressionReader, view: memoryview, overflow: str) -> int:
+    """readinto until EOF; raises CodecError if the stream does not fit ``view``."""
+    filled = 0
+    with reader:
+        while filled < len(view):
+            got = reader.readinto(view[filled:])
+            if got == 0:
+                return filled
+            filled += got
+        if reader.read(1):
+            raise CodecError(overflow)
+    return filled
+
+
+class ZstdCodec(Codec):
+    """zstd-1 over the raw bytes; any dtype."""
+
+    name = "zstd"
+    id = 1
+
+    def encode(self, src: np.ndarray, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> bytes:
+        return compress(src)
+
+    def encode_into(self, src: np.ndarray, dtype: str, opts: EncodeOptions, out: np.ndarray) -> int:
+        return compress_into(src, out)
+
+    def decode_into(self, encoded: memoryview, dtype: str, raw_len: int, out: np.ndarray) -> None:
+        check_out(self.name, out, raw_len)
+        decompress_into(encoded, out, raw_len)
+
+    def max_encoded_len(self, raw_len: int, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> int:
+        return compress_bound(raw_len)
