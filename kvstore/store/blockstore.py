@@ -339,7 +339,7 @@ class BlockStore:
     def _add_copy(self, e: int, rank: int, loc: int) -> None:
         t = self.table
         t.loc[e, rank] = loc
-        self.policies[rank].insert(e, is_leaf=t.nchild[e, rank] == 0)
+        self.policies[rank].insert(e, is_leaf=t.nchild[e, rank] == 0, cold=not t.rooted[e])
         p = t.parent_of(e)
         if p is not None:
             t.nchild[p, rank] += 1
@@ -466,7 +466,7 @@ class BlockStore:
     def demote_once(self) -> int:
         """One pass of the background demoter: bring every tier under its low watermark."""
         moved = 0
-        for tier in self.tiers:
+        for tier in self.tiers[:-1]:  # the last tier drops only on demand, never ahead of time
             over = tier.used_bytes - self.low * tier.capacity_bytes
             if tier.used_bytes > self.high * tier.capacity_bytes and over > 0:
                 moved += self._evict(tier, int(min(over, self.demote_batch_bytes)))
@@ -539,7 +539,7 @@ class BlockStore:
                 "blocks": len(self.table), "tiers": tiers, "lookups": c.lookups,
                 "lookup_hits": c.lookup_hits, "lookup_misses": c.lookup_misses, "puts": c.puts,
                 "already_present": c.already_present, "rejected": c.rejected, "corrupt": c.corrupt,
-                "index_bytes": self.table.nbytes(),
+                "index_bytes": self.table.nbytes() + sum(p.nbytes() for p in self.policies.values()),
             }
 
     def check_invariants(self) -> None:

@@ -52,6 +52,7 @@ class EntryTable:
         self.depth = np.zeros(n, dtype=np.uint32)
         self.leases = np.zeros(n, dtype=np.int32)
         self.live = np.zeros(n, dtype=np.bool_)
+        self.rooted = np.zeros(n, dtype=np.bool_)  # reachable by prefix match when it was stored
         self.hashes = np.zeros((n, 16), dtype=np.uint8)
 
     def _grow(self) -> None:
@@ -101,6 +102,7 @@ class EntryTable:
         self.parent[e] = -1 if parent is None else parent
         self.parent_gen[e] = 0 if parent is None else self.gen[parent]
         self.depth[e] = 0 if parent is None else self.depth[parent] + 1
+        self.rooted[e] = not meta.parent or (parent is not None and bool(self.rooted[parent]))
         return e
 
     def parent_of(self, e: int) -> int | None:
@@ -139,5 +141,10 @@ class EntryTable:
         return self._size - len(self._free)
 
     def nbytes(self) -> int:
-        """Bytes held by the columns (the dict and keys are measured by the caller)."""
-        return sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray))
+        """Bytes of the index: numpy columns, the per-namespace dicts and their 16-byte keys."""
+        import sys
+
+        columns = sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray))
+        dicts = sum(sys.getsizeof(m) for m in self._maps)
+        keys = len(self) * sys.getsizeof(bytes(16))
+        return columns + dicts + keys + sys.getsizeof(self._free)

@@ -5,7 +5,9 @@ parent is worth at least as much as any child (losing it makes the children
 unreachable by prefix match), so only leaves are ever chosen (DESIGN 3).
 
 Verbs (all O(log n), called with the store lock held):
-- ``insert(e)`` a copy of entry e arrived in this tier (as a leaf or not);
+- ``insert(e, is_leaf, cold)`` a copy of entry e arrived in this tier; ``cold``
+  marks a block no prefix match can reach (its parent was never stored or is
+  gone), which goes before every reachable one;
 - ``touch(e)`` e was read or written: its priority rises;
 - ``set_leaf(e, is_leaf)`` e's leaf status in this tier changed;
 - ``remove(e)`` the copy left the tier;
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import heapq
 from typing import Callable
+
+COLD_PENALTY = 1e15
 
 
 class LeafLRU:
@@ -33,8 +37,8 @@ class LeafLRU:
         self._clock += 1
         return float(self._clock)
 
-    def insert(self, e: int, is_leaf: bool = True) -> None:
-        self._prio[e] = self.priority(e)
+    def insert(self, e: int, is_leaf: bool = True, cold: bool = False) -> None:
+        self._prio[e] = self.priority(e) - (COLD_PENALTY if cold else 0.0)
         if is_leaf:
             self._leaf.add(e)
             self._push(e)
@@ -57,6 +61,12 @@ class LeafLRU:
     def remove(self, e: int) -> None:
         self._prio.pop(e, None)
         self._leaf.discard(e)
+
+    def nbytes(self) -> int:
+        import sys
+
+        return sys.getsizeof(self._prio) + sys.getsizeof(self._leaf) + sys.getsizeof(self._heap) \
+            + len(self._heap) * 64 + len(self._prio) * 24  # heap rows (tuple + float) and float values
 
     def __contains__(self, e: int) -> bool:
         return e in self._prio

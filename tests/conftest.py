@@ -1,0 +1,110 @@
+"""Shared fixtures: real store servers on loopback ports (in-process or as a subprocess)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from kvstore.client import Client
+from kvstore.config import ServeConfig
+from kvstore.server.app import StoreServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., StoreServer]]:
+    """Start in-process servers on 127.0.0.1:<free port>; all are stopped at teardown."""
+    servers: list[StoreServer] = []
+
+    def start(**overrides) -> StoreServer:
+        cfg = ServeConfig(**{"listen": "127.0.0.1:0", "dram": 256 << 20, "metrics_port": 0,
+                             "drain_seconds": 1.0, **overrides})
+        server = StoreServer(cfg).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop(0)
+
+
+@pytest.fixture
+def server(make_server) -> StoreServer:
+    return make_server()
+
+
+@pytest.fixture
+def client(server) -> Iterator[Client]:
+    with Client(f"127.0.0.1:{server.port}", timeout=30) as c:
+        yield c
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`kvstore serve` in a subprocess (for kill -9, SIGTERM and RSS tests)."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", "--listen", self.target, "--metrics-port", "0", *args],
+            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            ok = subprocess.run([sys.executable, "-m", "kvstore", "health", "--target", self.target, "--timeout", "1"],
+                                capture_output=True, cwd=ROOT).returncode == 0
+            if ok:
+                return
+            time.sleep(0.2)
+        raise TimeoutError("server did not become healthy")
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def output(self) -> str:
+        return self.proc.stdout.read() if self.proc.stdout else ""
+
+
+@pytest.fixture
+def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
+    procs: list[ServerProcess] = []
+
+    def spawn(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        p = ServerProcess(*args, env=env)
+        procs.append(p)
+        return p
+
+    yield spawn
+    for p in procs:
+        if p.proc.poll() is None:
+            p.kill9()

@@ -1,0 +1,100 @@
+"""`kvstore serve` as a process: flags, env vars, YAML config, health, stats, SIGTERM drain, metrics."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import pytest
+
+from kvstore import config
+from kvstore.client import Client
+from tests.conftest import ROOT, free_port
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+def test_help_lists_every_option_with_default():
+    out = run_cli("serve", "--help").stdout
+    for flag in ("--listen", "--dram", "--nvme-dir", "--nvme", "--metrics-port", "--config", "--redis",
+                 "--advertise", "--tls-cert", "--tls-key", "--tls-client-ca", "--tenants", "--max-message",
+                 "--log-level"):
+        assert flag in out
+    assert "default: 1GiB" in out and "KVSTORE_DRAM" in out
+
+
+def test_precedence_flag_env_file(tmp_path):
+    cfg_file = tmp_path / "kv.yaml"
+    cfg_file.write_text("dram: 64MiB\nmax-hashes: 7\nlisten: 127.0.0.1:1\n")
+    parser = __import__("argparse").ArgumentParser()
+    config.add_arguments(parser)
+    args = parser.parse_args(["--config", str(cfg_file), "--listen", "127.0.0.1:3"])
+    cfg = config.load(args, env={"KVSTORE_DRAM": "32MiB", "KVSTORE_LISTEN": "127.0.0.1:2"})
+    assert (cfg.listen, cfg.dram, cfg.max_hashes) == ("127.0.0.1:3", 32 << 20, 7)
+
+
+def test_bad_config_is_reported(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dramm: 1GiB\n")
+    result = run_cli("serve", "--config", str(bad))
+    assert result.returncode == 2 and "unknown options ['dramm']" in result.stderr
+    result = run_cli("serve", "--dram", "lots")
+    assert result.returncode == 2 and "--dram" in result.stderr
+
+
+def test_serve_env_health_stats_metrics_and_sigterm(spawn_server):
+    metrics_port = free_port()
+    proc = spawn_server(env={"KVSTORE_DRAM": "64MiB", "KVSTORE_METRICS_PORT": str(metrics_port)})
+    # the fixture passes --metrics-port 0 as a flag, which wins over the env var
+    assert run_cli("health", "--target", proc.target).returncode == 0
+    with Client(proc.target) as kv:
+        kv.put("ns", [b"k" * 16], [b"v" * 1000])
+    stats = json.loads(run_cli("stats", "--target", proc.target, "--json").stdout)
+    assert stats["blocks"] == 1 and stats["tiers"][0]["capacity_bytes"] == 64 << 20
+    table = run_cli("stats", "--target", proc.target).stdout
+    assert "dram" in table and "64MiB" in table
+    assert proc.terminate() == 0
+    assert run_cli("health", "--target", proc.target, "--timeout", "1").returncode != 0
+
+
+def test_metrics_endpoint(spawn_server):
+    port = free_port()
+    proc = spawn_server("--metrics-port", str(port))
+    with Client(proc.target) as kv:
+        kv.put("ns", [b"k" * 16], [b"v" * 1000])
+        kv.get("ns", [b"k" * 16])
+        kv.lookup("ns", [b"k" * 16, b"j" * 16])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for name in ('kvstore_tier_used_bytes{tier="dram"}', 'kvstore_tier_hits_total{tier="dram"} 1.0',
+                 "kvstore_lookup_misses_total 1.0", "kvstore_bytes_in_total 1000.0", "kvstore_bytes_out_total 1000.0",
+                 'kvstore_rpc_seconds_bucket{code="OK",le="0.005",method="Put"}', "kvstore_tier_evictions_total"):
+        assert name in text, name
+
+
+def test_sigterm_drains_an_in_flight_stream(spawn_server):
+    proc = spawn_server("--drain-seconds", "20")
+    keys = [bytes([i]) * 16 for i in range(64)]
+    payloads = [bytes([i]) * (1 << 20) for i in range(64)]
+    with Client(proc.target) as kv:
+        kv.put("ns", keys, payloads)
+        got: list = []
+
+        def slow_reader():
+            got.extend(kv.get("ns", keys))
+
+        reader = threading.Thread(target=slow_reader)
+        reader.start()
+        code = proc.terminate()
+        reader.join()
+    assert code == 0
+    assert len(got) == 64 and all(bytes(g) == p for g, p in zip(got, payloads))
+
+
+@pytest.mark.parametrize("size", ["512MiB", "2GiB", "1.5G", "4096"])
+def test_sizes(size):
+    from kvstore.sizes import parse_size
+    assert parse_size(size) > 0
