@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO = "kvstore/v1/kvstore.proto"
+PROTO_DIR = ROOT / "proto"
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -19,16 +19,16 @@ def generate(out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     args = [
         "protoc",
-        f"-I{ROOT / 'proto'}",
+        f"-I{PROTO_DIR}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        str(ROOT / "proto" / PROTO),
+        *sorted(str(p) for p in (PROTO_DIR / "kvstore" / "v1").glob("*.proto")),
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
     gen = out_dir / "kvstore" / "v1"
-    return sorted(gen.glob("kvstore_pb2*"))
+    return sorted(gen.glob("*_pb2*"))
 
 
 def main() -> None:

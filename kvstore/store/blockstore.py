@@ -16,6 +16,10 @@ Verbs (thread-safe; the transport layers call only these):
   them to the top tier when there is free room), and ``release(leases)``.
 - ``delete(ns, hashes) -> n``: unmap now; bytes are freed when the last lease ends.
 - ``stats()``; ``start()`` / ``close()`` run the background demoter.
+- ``subscribe(fn)``: ``fn(event, namespace, key, rank)`` is called (lock held:
+  keep it to an append onto a queue) with event "add" when a copy of a block
+  appears in the tier of that rank and "remove" when it leaves; a block is gone
+  from the node when its last copy is removed. The cluster index publishes these.
 
 Placement (DESIGN 3): new blocks land in the top tier. Past ``high_watermark``
 the demoter moves the lowest-priority *leaves* of a tier to the next tier in
@@ -124,9 +128,19 @@ class BlockStore:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._demoter: threading.Thread | None = None
+        self._listeners: list[Callable[[str, str, bytes, int], None]] = []
         self.max_block_bytes = min(t.max_block_bytes for t in self.tiers if isinstance(t, MemoryTier))
         for tier in self.tiers[1:]:
             self._recover(tier)
+
+    def subscribe(self, fn: Callable[[str, str, bytes, int], None]) -> None:
+        self._listeners.append(fn)
+
+    def _notify(self, event: str, e: int, rank: int) -> None:
+        if self._listeners:
+            ns, key = self.table.namespace_name(int(self.table.ns[e])), self.table.key(e)
+            for fn in self._listeners:
+                fn(event, ns, key, rank)
 
     # -- lookups ------------------------------------------------------------------
     def lookup(self, namespace: str, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
@@ -339,6 +353,7 @@ class BlockStore:
     def _add_copy(self, e: int, rank: int, loc: int) -> None:
         t = self.table
         t.loc[e, rank] = loc
+        self._notify("add", e, rank)
         self.policies[rank].insert(e, is_leaf=t.nchild[e, rank] == 0, cold=not t.rooted[e])
         p = t.parent_of(e)
         if p is not None:
@@ -350,6 +365,7 @@ class BlockStore:
         t = self.table
         self._tier(rank).free([int(t.loc[e, rank])])
         t.loc[e, rank] = NO_LOC
+        self._notify("remove", e, rank)
         self.policies[rank].remove(e)
         p = t.parent_of(e)
         if p is not None:
