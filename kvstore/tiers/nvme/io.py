@@ -1,0 +1,241 @@
+"""I/O backends of the NVMe tier: one small interface, two implementations.
+
+Verbs (all offsets and lengths 4 KiB aligned, buffers page aligned):
+
+- ``create(path, size) -> FileHandle``: a new file, preallocated to ``size``
+  (fallocate, so later writes inside it never grow the file).
+- ``open(path) -> FileHandle``: an existing file.
+- ``pwrite(fh, buf, offset)`` / ``pread(fh, buf, offset) -> n``: whole-buffer
+  transfers (short transfers are retried; ``pread`` returns less only at EOF).
+- ``sync(fh)``: fdatasync.
+- ``close(fh)``.
+
+``PosixBackend`` (the default): os.pread/os.pwrite with O_DIRECT (both release
+the GIL, so a small thread pool overlaps them). Where a filesystem refuses
+O_DIRECT it falls back to buffered I/O for that file, logs it once, and
+``FileHandle.direct`` says so (the tier then always fdatasyncs before acking).
+
+``KvikioBackend``: kvikio ``CuFile`` (GPUDirect Storage, or kvikio's POSIX
+compatibility mode, which its name reports), chosen only when kvikio imports
+and a CUDA device exists. It accepts host or device buffers.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("kvstore.nvme")
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A zeroed, page-aligned uint8 buffer (anonymous mmap), usable for O_DIRECT."""
+    m = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+    return np.frombuffer(m, dtype=np.uint8)[:nbytes]
+
+
+@dataclass(eq=False)
+class FileHandle:
+    path: str
+    fd: int
+    direct: bool
+    native: Any = None  # backend-specific object (kvikio CuFile)
+    retired_fds: list[int] = field(default_factory=list)  # O_DIRECT fds replaced by buffered ones
+
+
+class IoBackend(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def create(self, path: str, size: int) -> FileHandle: ...
+
+    @abstractmethod
+    def open(self, path: str) -> FileHandle: ...
+
+    @abstractmethod
+    def pwrite(self, fh: FileHandle, buf: Any, offset: int) -> None: ...
+
+    @abstractmethod
+    def pread(self, fh: FileHandle, buf: Any, offset: int) -> int: ...
+
+    def sync(self, fh: FileHandle) -> None:
+        os.fdatasync(fh.fd)
+
+    def close(self, fh: FileHandle) -> None:
+        os.close(fh.fd)
+
+
+def _open_fd(path: str, flags: int, direct: bool) -> tuple[int, bool]:
+    if direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o644), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            log.warning("O_DIRECT refused on %s (%s): buffered I/O + fdatasync for this file", path, e)
+    return os.open(path, flags, 0o644), False
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Reserve ``size`` bytes (ENOSPC surfaces here, not in a later write)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)
+
+
+class PosixBackend(IoBackend):
+    """pread/pwrite with O_DIRECT from aligned buffers (buffered where refused)."""
+
+    def __init__(self, direct: bool = True):
+        self.direct = direct
+        self.name = "posix-odirect" if direct else "posix-buffered"
+
+    def create(self, path: str, size: int) -> FileHandle:
+        fd, direct = _open_fd(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.direct)
+        try:
+            preallocate(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return FileHandle(path, fd, direct)
+
+    def open(self, path: str) -> FileHandle:
+        fd, direct = _open_fd(path, os.O_RDWR, self.direct)
+        return FileHandle(path, fd, direct)
+
+    def pwrite(self, fh: FileHandle, buf: Any, offset: int) -> None:
+        view = memoryview(buf).cast("B")
+        done = 0
+        while done < len(view):
+            try:
+                n = os.pwrite(fh.fd, view[done:], offset + done)
+            except OSError as e:
+                if not self._demoted(fh, e):
+                    raise
+                continue
+            if n <= 0:
+                raise OSError(errno.EIO, f"pwrite returned {n}", fh.path)
+            done += n
+
+    def pread(self, fh: FileHandle, buf: Any, offset: int) -> int:
+        view = memoryview(buf).cast("B")
+        done = 0
+        while done < len(view):
+            try:
+                n = os.preadv(fh.fd, [view[done:]], offset + done)
+            except OSError as e:
+                if not self._demoted(fh, e):
+                    raise
+                continue
+            if n == 0:
+                break
+            done += n
+        return done
+
+    @staticmethod
+    def _demoted(fh: FileHandle, e: OSError) -> bool:
+        """Some filesystems accept O_DIRECT at open and refuse it per I/O: reopen buffered."""
+        if e.errno != errno.EINVAL or not fh.direct:
+            return False
+        log.warning("O_DIRECT I/O refused on %s (%s): buffered I/O + fdatasync for this file", fh.path, e)
+        old, fh.fd, fh.direct = fh.fd, os.open(fh.path, os.O_RDWR), False
+        fh.retired_fds.append(old)
+        return True
+
+    def close(self, fh: FileHandle) -> None:
+        for fd in fh.retired_fds:
+            os.close(fd)
+        os.close(fh.fd)
+
+
+def cuda_device_present() -> bool:
+    """Whether a CUDA device is usable (checked through torch or cupy, whichever imports)."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        pass
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no cupy, no driver: no device
+        return False
+
+
+class KvikioBackend(IoBackend):
+    """kvikio CuFile: GPUDirect Storage into host or device buffers (or kvikio's compat mode)."""
+
+    def __init__(self) -> None:
+        import kvikio
+        import kvikio.defaults
+
+        self._kvikio = kvikio
+        mode = kvikio.defaults.compat_mode()
+        compat = bool(mode) if isinstance(mode, bool) else str(mode).upper().endswith("ON")
+        self.name = "kvikio-compat" if compat else "kvikio-gds"
+
+    def _wrap(self, path: str, fd: int) -> FileHandle:
+        return FileHandle(path, fd, True, self._kvikio.CuFile(path, "r+"))
+
+    def create(self, path: str, size: int) -> FileHandle:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            preallocate(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return self._wrap(path, fd)
+
+    def open(self, path: str) -> FileHandle:
+        return self._wrap(path, os.open(path, os.O_RDWR))
+
+    def pwrite(self, fh: FileHandle, buf: Any, offset: int) -> None:
+        n = fh.native.pwrite(buf, file_offset=offset).get()
+        if n != _nbytes(buf):
+            raise OSError(errno.EIO, f"kvikio pwrite wrote {n} of {_nbytes(buf)} bytes", fh.path)
+
+    def pread(self, fh: FileHandle, buf: Any, offset: int) -> int:
+        return int(fh.native.pread(buf, file_offset=offset).get())
+
+    def close(self, fh: FileHandle) -> None:
+        fh.native.close()
+        os.close(fh.fd)
+
+
+def _nbytes(buf: Any) -> int:
+    return int(getattr(buf, "nbytes", None) or memoryview(buf).nbytes)
+
+
+def select_backend(kind: str = "auto") -> IoBackend:
+    """``auto``: kvikio when it imports and a CUDA device exists, else POSIX O_DIRECT."""
+    if kind in ("auto", "kvikio"):
+        try:
+            import kvikio  # noqa: F401 - probe first: cheaper than looking for a device
+
+            if cuda_device_present():
+                return KvikioBackend()
+            reason = "no CUDA device"
+        except ImportError as e:
+            reason = f"kvikio not importable ({e})"
+        if kind == "kvikio":
+            raise RuntimeError(f"kvikio backend requested but unavailable: {reason}")
+        log.info("nvme backend: POSIX O_DIRECT (kvikio skipped: %s)", reason)
+        return PosixBackend()
+    if kind == "posix":
+        return PosixBackend()
+    if kind == "posix-buffered":
+        return PosixBackend(direct=False)
+    raise ValueError(f"unknown nvme I/O backend {kind!r} (auto, posix, posix-buffered, kvikio)")

@@ -1,0 +1,317 @@
+"""The segment log: appends, accounting, reader pins, forwarding and retirement.
+
+Verbs (thread-safe; ``NvmeTier`` and the compactor are the only callers):
+
+- ``append(items, use_reserve, force_sync) -> locs``: place a batch at the end
+  of the log (rolling over to new preallocated segments as needed), write it
+  through the write-combining buffer and fdatasync per the write policy. On
+  return every record is on disk; on ``TierFull`` nothing was written; on
+  ``OSError`` nothing of the batch is committed, the segment that was being
+  appended to is sealed at its last committed record (so no later write lands
+  behind a partly written one) and segments created for the batch are deleted.
+- ``kill(locs)``: mark records dead (a forwarded location kills its new copy).
+- ``pin(locs)`` / ``unpin(segs)``: resolve locations (through forwards) for a
+  read and hold their segments against deletion until the read is done.
+- ``commit_moves(pairs)``: after compaction copied records, make each old
+  location forward to its copy (or kill the copy if the old one was freed
+  meanwhile). ``retire(seg)``: delete a segment once no read of it is in flight.
+- ``checkpoint()``, ``close()``.
+
+Capacity is counted in whole segment files: the log never holds more than
+``max_segments`` of them. Foreground appends leave ``reserve_segments`` free
+for compaction, which needs room to copy live records into before it can
+delete their old segment.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from kvstore.tiers.base import BlockMeta, TierFull
+from kvstore.tiers.nvme.format import PAGE, align_up, encode_header, make_loc, record_bytes, split_loc
+from kvstore.tiers.nvme.io import IoBackend
+from kvstore.tiers.nvme.recovery import Recovered, recover_log
+from kvstore.tiers.nvme.segments import Segment, SegmentState, fsync_dir, segment_path, summary_path
+from kvstore.tiers.nvme.sidecar import Checkpoint, write_checkpoint, write_summary
+from kvstore.tiers.nvme.writer import Chunk, WriteCombiner
+
+log = logging.getLogger("kvstore.nvme")
+
+_ZERO_PAGE = bytes(PAGE)
+
+
+@dataclass(slots=True)
+class Pending:
+    """A record to append: a new block (meta + stored CRC) or a verbatim copy (header given)."""
+
+    payload: np.ndarray  # the stored bytes, uint8
+    meta: BlockMeta | None = None
+    stored_crc: int = 0
+    header: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return record_bytes(self.payload.nbytes)
+
+
+class SegmentLog:
+    def __init__(self, data_dir: Path, backend: IoBackend, *, segment_bytes: int, max_segments: int,
+                 reserve_segments: int, write_buffer_bytes: int, sync_writes: bool):
+        self.data_dir = data_dir
+        self.backend = backend
+        self.segment_bytes = segment_bytes
+        self.max_segments = max_segments
+        self.reserve_segments = reserve_segments
+        self.sync_writes = sync_writes
+        self.lock = threading.Lock()  # segment table, accounting, forwards, pins
+        self._unpinned = threading.Condition(self.lock)
+        self.write_lock = threading.Lock()  # one append at a time
+        rec: Recovered = recover_log(data_dir, backend)
+        self.recovered: Recovered | None = rec
+        self.segments: dict[int, Segment] = rec.segments
+        self.next_seq = rec.next_seq
+        self.next_segment_id = rec.next_segment_id
+        self.active: Segment | None = None
+        self.forwards: dict[int, tuple[int, float]] = {}  # old loc -> (new loc, when)
+        self.disk_bytes = sum(s.size for s in self.segments.values())
+        self.live_bytes = sum(s.live_bytes for s in self.segments.values())
+        self.combiner = WriteCombiner(backend, write_buffer_bytes)
+        self.bytes_appended = 0
+        self.syncs = 0
+
+    # -- appends -------------------------------------------------------------------
+    def append(self, items: Sequence[Pending], *, use_reserve: bool = False, force_sync: bool = False) -> list[int]:
+        with self.write_lock:
+            sizes = [p.nbytes for p in items]
+            self._ensure_room(sizes, use_reserve)
+            seq0 = self.next_seq
+            headers = [p.header if p.header is not None else encode_header(p.meta, seq0 + i, p.stored_crc)
+                       for i, p in enumerate(items)]  # type: ignore[arg-type]  # ValueError: nothing touched
+            runs: list[tuple[Segment, int, list[int]]] = []  # (segment, start offset, item indices)
+            created: list[Segment] = []
+            offsets: list[int] = []
+            seg, pos = self.active, (self.active.end if self.active else 0)
+            try:
+                for i in range(len(items)):
+                    if seg is None or pos + sizes[i] > seg.size:
+                        seg, pos = self._new_segment(), 0
+                        created.append(seg)
+                    if not runs or runs[-1][0] is not seg:
+                        runs.append((seg, pos, []))
+                    runs[-1][2].append(i)
+                    offsets.append(pos)
+                    pos += sizes[i]
+                for run_seg, start, idxs in runs:
+                    self.combiner.write(run_seg.fh, start, self._chunks(items, headers, idxs))
+                    if self.sync_writes or force_sync or not run_seg.fh.direct:
+                        self.backend.sync(run_seg.fh)
+                        self.syncs += 1
+            except BaseException:
+                self._abandon(created)
+                raise
+            self.next_seq = seq0 + len(items)
+            return self._commit(runs, created, sizes, headers, offsets)
+
+    def _chunks(self, items: Sequence[Pending], headers: list[bytes], idxs: list[int]) -> Iterator[Chunk]:
+        for i in idxs:
+            h = headers[i]
+            yield np.frombuffer(h + _ZERO_PAGE[len(h):], dtype=np.uint8)
+            payload = items[i].payload
+            yield payload
+            pad = align_up(payload.nbytes) - payload.nbytes
+            if pad:
+                yield pad
+
+    def _ensure_room(self, sizes: list[int], use_reserve: bool) -> None:
+        new = 0
+        free = self.active.size - self.active.end if self.active else 0
+        for n in sizes:
+            if n > self.segment_bytes:
+                raise ValueError(f"a record of {n} bytes does not fit in a {self.segment_bytes}-byte segment")
+            if n > free:
+                new, free = new + 1, self.segment_bytes
+            free -= n
+        limit = self.max_segments - (0 if use_reserve else self.reserve_segments)
+        if new and len(self.segments) + new > limit:
+            self.drop_empty()
+            if len(self.segments) + new > limit:
+                raise TierFull(
+                    f"nvme tier full: the batch needs {new} new segment(s), {len(self.segments)} of "
+                    f"{self.max_segments} exist ({self.reserve_segments} reserved for compaction); "
+                    f"free blocks and compact()")
+
+    def _new_segment(self) -> Segment:
+        seg_id = self.next_segment_id
+        self.next_segment_id += 1
+        path = segment_path(self.data_dir, seg_id)
+        fh = self.backend.create(str(path), self.segment_bytes)
+        fsync_dir(self.data_dir)
+        seg = Segment(seg_id, path, fh, self.segment_bytes)
+        with self.lock:
+            self.segments[seg_id] = seg
+            self.disk_bytes += seg.size
+        return seg
+
+    def _commit(self, runs: list[tuple[Segment, int, list[int]]], created: list[Segment],
+                sizes: list[int], headers: list[bytes], offsets: list[int]) -> list[int]:
+        locs = [0] * len(sizes)
+        with self.lock:
+            for seg, _, idxs in runs:
+                for i in idxs:
+                    seg.records.append(offsets[i], sizes[i])
+                    assert seg.headers is not None
+                    seg.headers.append((offsets[i], headers[i]))
+                    locs[i] = make_loc(seg.id, offsets[i])
+                    seg.end = offsets[i] + sizes[i]
+                    self.live_bytes += sizes[i]
+                    self.bytes_appended += sizes[i]
+            old, to_seal = self.active, []
+            if created:
+                to_seal = ([old] if old is not None else []) + created[:-1]
+                self.active = created[-1]
+        for seg in to_seal:
+            self._seal(seg)
+        return locs
+
+    def _abandon(self, created: list[Segment]) -> None:
+        """A failed append: drop what it created, seal the segment it was appending to."""
+        with self.lock:
+            old, self.active = self.active, None
+            for seg in created:
+                del self.segments[seg.id]
+                self.disk_bytes -= seg.size
+        for seg in created:
+            self.backend.close(seg.fh)
+            seg.path.unlink(missing_ok=True)
+        if old is not None:
+            self._seal(old)
+
+    def _seal(self, seg: Segment) -> None:
+        with self.lock:
+            seg.state = SegmentState.SEALED
+            headers, seg.headers = seg.headers, None
+        if headers:
+            try:
+                write_summary(self.data_dir, seg.id, seg.end, headers)
+            except OSError as e:  # the summary only speeds up recovery
+                log.warning("summary of segment %d not written (%s): recovery will scan it", seg.id, e)
+
+    # -- frees, pins, forwards ---------------------------------------------------------
+    def _resolve(self, loc: int) -> int:
+        for _ in range(16):
+            fwd = self.forwards.get(loc)
+            if fwd is None:
+                return loc
+            loc = fwd[0]
+        return loc
+
+    def _kill_one(self, loc: int) -> int:
+        seg_id, off = split_loc(loc)
+        seg = self.segments.get(seg_id)
+        n = seg.records.kill(off) if seg is not None else 0
+        self.live_bytes -= n
+        return n
+
+    def kill(self, locs: Sequence[int]) -> int:
+        freed = 0
+        with self.lock:
+            for loc in locs:
+                if loc in self.forwards:
+                    freed += self._kill_one(self._resolve(loc))
+                freed += self._kill_one(loc)
+        return freed
+
+    def pin(self, locs: Sequence[int]) -> tuple[list[tuple[int, Segment | None]], list[Segment]]:
+        """Resolve each location to (loc, segment or None if gone) and pin those segments."""
+        out: list[tuple[int, Segment | None]] = []
+        pinned: dict[int, Segment] = {}
+        with self.lock:
+            for loc in locs:
+                r = self._resolve(loc)
+                seg = self.segments.get(split_loc(r)[0])
+                if seg is not None and seg.state is SegmentState.RETIRING:
+                    seg = None
+                if seg is not None and seg.id not in pinned:
+                    seg.readers += 1
+                    pinned[seg.id] = seg
+                out.append((r, seg))
+        return out, list(pinned.values())
+
+    def unpin(self, segs: Sequence[Segment]) -> None:
+        with self.lock:
+            for seg in segs:
+                seg.readers -= 1
+            self._unpinned.notify_all()
+
+    def live_records(self, seg: Segment) -> list[tuple[int, int]]:
+        with self.lock:
+            return list(seg.records.live())
+
+    def commit_moves(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Old records whose copies are durable: forward them; returns the pairs still live."""
+        kept = []
+        now = time.monotonic()
+        with self.lock:
+            for old, new in pairs:
+                if self._kill_one(old):
+                    self.forwards[old] = (new, now)
+                    kept.append((old, new))
+                else:  # freed while being copied: the copy is garbage
+                    self._kill_one(new)
+        return kept
+
+    def expire_forwards(self, ttl_s: float) -> None:
+        cutoff = time.monotonic() - ttl_s
+        with self.lock:
+            for old in [k for k, (_, t) in self.forwards.items() if t < cutoff]:
+                del self.forwards[old]
+
+    # -- retirement ------------------------------------------------------------------
+    def retire(self, seg: Segment) -> None:
+        """Delete a segment: new reads of it are refused at once, in-flight ones finish first."""
+        with self.lock:
+            seg.state = SegmentState.RETIRING
+            while seg.readers:
+                self._unpinned.wait()
+            del self.segments[seg.id]
+            self.disk_bytes -= seg.size
+            self.live_bytes -= seg.live_bytes
+        self.backend.close(seg.fh)
+        seg.path.unlink(missing_ok=True)
+        summary_path(self.data_dir, seg.id).unlink(missing_ok=True)
+        fsync_dir(self.data_dir)
+
+    def drop_empty(self) -> int:
+        """Delete sealed segments with nothing live and no read in flight; returns how many."""
+        with self.lock:
+            empty = [s for s in self.segments.values() if s.state is SegmentState.SEALED
+                     and s.records.live_count == 0 and s.readers == 0]
+        for seg in empty:
+            self.retire(seg)
+        return len(empty)
+
+    # -- persistence -----------------------------------------------------------------
+    def checkpoint(self) -> None:
+        with self.write_lock, self.lock:
+            dead = {sid: s.records.dead_offsets() for sid, s in self.segments.items()}
+            ckpt = Checkpoint(self.next_seq, self.next_segment_id, {k: v for k, v in dead.items() if len(v)})
+        write_checkpoint(self.data_dir, ckpt)
+
+    def close(self) -> None:
+        with self.write_lock:
+            active, self.active = self.active, None
+        if active is not None:
+            self._seal(active)
+        self.drop_empty()
+        self.checkpoint()
+        with self.lock:
+            segs = list(self.segments.values())
+        for seg in segs:
+            self.backend.close(seg.fh)
+        self.combiner.close()

@@ -1,0 +1,146 @@
+"""The read path: plan coalesced reads, run them, verify every record before use.
+
+``plan_pieces(seg, wanted, max_bytes, gap_bytes)`` sorts the records wanted
+from one segment by offset and cuts them into *pieces*: runs of adjacent
+records (or records separated by at most ``gap_bytes``, read through) of at
+most ``max_bytes`` each, so a 32-block prefix written together is one read.
+
+``read_piece(backend, piece, buf)`` issues one pread for the piece into an
+aligned bounce buffer and checks each record in it: header magic and CRC, the
+stored length the caller expects, and the CRC32C of the payload. It returns a
+``Checked`` per record: the payload view on success, the reason otherwise.
+Callers copy a payload out only after its check passed, so a caller buffer
+never receives bytes that failed verification.
+
+``BufferPool`` bounds the bounce-buffer memory (``count x size``; a single
+record larger than ``size`` gets a temporary buffer of its own).
+"""
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstore.tiers.nvme.format import HEADER_BYTES, Header, crc32c, decode_header, record_bytes
+from kvstore.tiers.nvme.io import IoBackend, aligned_buffer
+from kvstore.tiers.nvme.segments import Segment
+
+
+@dataclass(slots=True)
+class Wanted:
+    """One record to read: where, how big, the payload length expected (None: any), and for whom."""
+
+    offset: int
+    nbytes: int  # record bytes
+    length: int | None = None
+    targets: list[int] = field(default_factory=list)  # indices into the caller's dests
+
+    @classmethod
+    def block(cls, offset: int, length: int) -> "Wanted":
+        return cls(offset, record_bytes(length), length)
+
+
+@dataclass(slots=True)
+class Piece:
+    seg: Segment
+    offset: int
+    nbytes: int
+    records: list[Wanted]
+
+
+@dataclass(slots=True)
+class Checked:
+    wanted: Wanted
+    header: Header | None
+    record: np.ndarray | None  # the whole record (header page, payload, pad) when valid
+    reason: str = ""
+
+    @property
+    def payload(self) -> np.ndarray:
+        assert self.record is not None and self.header is not None
+        return self.record[HEADER_BYTES:HEADER_BYTES + self.header.meta.stored_length]
+
+
+def plan_pieces(seg: Segment, wanted: Sequence[Wanted], max_bytes: int, gap_bytes: int) -> list[Piece]:
+    pieces: list[Piece] = []
+    cur: Piece | None = None
+    for w in sorted(wanted, key=lambda w: w.offset):
+        end = w.offset + w.nbytes
+        if cur is not None:
+            cur_end = cur.offset + cur.nbytes
+            if cur_end <= w.offset <= cur_end + gap_bytes and end - cur.offset <= max_bytes:
+                cur.nbytes = end - cur.offset
+                cur.records.append(w)
+                continue
+        cur = Piece(seg, w.offset, w.nbytes, [w])
+        pieces.append(cur)
+    return pieces
+
+
+def check_record(buf: np.ndarray, rel: int, w: Wanted) -> Checked:
+    """Validate the record at ``buf[rel:]`` against what the caller expects."""
+    header = decode_header(buf, rel)
+    if header is None:
+        return Checked(w, None, None, "no valid record header at this location")
+    n = header.meta.stored_length
+    if (w.length is not None and n != w.length) or record_bytes(n) != w.nbytes:
+        return Checked(w, header, None, f"record holds {n} bytes, caller expects {w.length}")
+    record = buf[rel:rel + w.nbytes]
+    if len(record) < w.nbytes:
+        return Checked(w, header, None, "record extends past the end of the segment file")
+    payload = record[HEADER_BYTES:HEADER_BYTES + n]
+    if crc32c(payload) != header.stored_crc:
+        return Checked(w, header, None, "payload fails its CRC32C")
+    return Checked(w, header, record)
+
+
+def read_piece(backend: IoBackend, piece: Piece, buf: np.ndarray) -> list[Checked]:
+    """One pread for the whole piece, then a check of every record in it."""
+    view = buf[:piece.nbytes]
+    try:
+        got = backend.pread(piece.seg.fh, view, piece.offset)
+    except OSError as e:
+        return [Checked(w, None, None, f"read failed: {e}") for w in piece.records]
+    view = view[:got]
+    return [check_record(view, w.offset - piece.offset, w) for w in piece.records]
+
+
+class BufferPool:
+    """A fixed set of aligned bounce buffers; borrowing blocks while all are out."""
+
+    def __init__(self, count: int, size: int):
+        self.size = size
+        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        for _ in range(count):
+            self._free.put(aligned_buffer(size))
+
+    def get(self, nbytes: int) -> np.ndarray:
+        if nbytes > self.size:
+            return aligned_buffer(nbytes)
+        return self._free.get()
+
+    def put(self, buf: np.ndarray) -> None:
+        if len(buf) == self.size:
+            self._free.put(buf)
+
+
+def copy_into(dest: Any, payload: np.ndarray) -> None:
+    """Copy verified payload bytes into a caller buffer (bytes-like, numpy array or torch tensor)."""
+    n = payload.nbytes
+    if hasattr(dest, "copy_") and hasattr(dest, "is_cuda"):  # torch tensor
+        import torch
+
+        flat = dest.view(torch.uint8).reshape(-1)
+        flat[:n].copy_(torch.from_numpy(payload))
+        return
+    if isinstance(dest, np.ndarray):
+        if not dest.flags.c_contiguous:
+            raise ValueError("destination arrays must be C-contiguous")
+        out = dest.reshape(-1).view(np.uint8)
+    else:
+        out = np.frombuffer(dest, dtype=np.uint8)
+    if out.nbytes < n:
+        raise ValueError(f"destination holds {out.nbytes} bytes, the block has {n}")
+    np.copyto(out[:n], payload)

@@ -1,0 +1,197 @@
+"""Recovery: rebuild the tier's segment table and block list from the data directory.
+
+``recover_log(data_dir, backend)`` runs once when the tier opens:
+
+1. Every ``seg-*.log`` is opened. A segment with a valid summary is loaded from
+   it (headers only, no payload read: payloads are verified on every read). A
+   segment without one (it was active at a crash, or its summary is damaged) is
+   scanned: records are read in large sequential reads and each must have a
+   valid header CRC *and* payload CRC; the first record that fails (a torn
+   tail, garbage, or the zeros of never-written space) ends the segment, and
+   nothing after it is trusted. The scan then writes the missing summary.
+2. Dead records named by the checkpoint are marked dead (frees since the last
+   checkpoint are not persisted: those blocks come back, with valid bytes).
+3. For each (namespace, hash) the record with the highest sequence number wins
+   (a tie is a compaction copy of the same record: the newer location wins);
+   the others are marked dead. Segments with nothing live are deleted.
+
+All recovered segments are sealed: new writes always go to a fresh segment,
+so no write ever lands behind a torn record.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.tiers.base import BlockMeta
+from kvstore.tiers.nvme.format import PAGE, Header, align_down, align_up, crc32c, decode_header, make_loc, split_loc
+from kvstore.tiers.nvme.io import FileHandle, IoBackend, aligned_buffer
+from kvstore.tiers.nvme.segments import (
+    Segment, SegmentState, list_segment_ids, segment_path, summary_path,
+)
+from kvstore.tiers.nvme.sidecar import read_checkpoint, read_summary, write_summary
+
+log = logging.getLogger("kvstore.nvme")
+
+SCAN_CHUNK = 8 << 20
+
+
+@dataclass
+class ScanResult:
+    records: list[tuple[int, Header]]
+    raw_headers: list[bytes]  # the header bytes of each record, for its segment's summary
+    end: int
+    stop: str  # why the scan ended
+
+
+class _Window:
+    """A sliding aligned read window over one file, for sequential scans."""
+
+    def __init__(self, backend: IoBackend, fh: FileHandle, size: int, chunk: int):
+        self.backend, self.fh, self.size, self.chunk = backend, fh, size, chunk
+        self.buf = aligned_buffer(chunk)
+        self.start = self.len = 0
+
+    def get(self, off: int, n: int) -> np.ndarray | None:
+        if not (self.start <= off and off + n <= self.start + self.len):
+            self.start = align_down(off)
+            nread = min(self.chunk, align_up(self.size) - self.start)
+            self.len = self.backend.pread(self.fh, self.buf[:nread], self.start)
+            if off + n > self.start + self.len:
+                return None
+        rel = off - self.start
+        return self.buf[rel:rel + n]
+
+
+def scan_segment(backend: IoBackend, fh: FileHandle, size: int, chunk: int = SCAN_CHUNK) -> ScanResult:
+    """Validate records from offset 0 until the first one that fails."""
+    win = _Window(backend, fh, size, chunk)
+    step = chunk - PAGE
+    records: list[tuple[int, Header]] = []
+    raw: list[bytes] = []
+    pos = 0
+
+    def done(why: str) -> ScanResult:
+        return ScanResult(records, raw, pos, why)
+
+    while True:
+        if pos + PAGE > size:
+            return done("end of file")
+        page = win.get(pos, PAGE)
+        if page is None:
+            return done("short read")
+        header = decode_header(page)
+        if header is None:
+            return done("end of written records" if not page.any() else f"invalid header at offset {pos}")
+        head = bytes(page[:header.header_len])
+        nbytes = header.record_bytes
+        if pos + nbytes > size:
+            return done(f"record at offset {pos} runs past the end of the file")
+        crc, p, left = 0, pos + PAGE, header.meta.stored_length
+        while left:
+            take = min(left, step)
+            data = win.get(p, take)
+            if data is None:
+                return done(f"record at offset {pos} is cut short")
+            crc = crc32c(data, crc)
+            p += take
+            left -= take
+        if crc != header.stored_crc:
+            return done(f"record at offset {pos} fails its payload CRC (torn write)")
+        records.append((pos, header))
+        raw.append(head)
+        pos += nbytes
+
+
+@dataclass
+class Recovered:
+    segments: dict[int, Segment]
+    winners: list[tuple[BlockMeta, int]]
+    next_seq: int
+    next_segment_id: int
+    summarized: int = 0  # segments loaded from their summary
+    scanned: int = 0  # segments scanned record by record
+    deleted: int = 0  # segments with nothing live, removed
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _cleanup(data_dir: Path, ids: list[int]) -> None:
+    known = set(ids)
+    for name in os.listdir(data_dir):
+        if name.endswith(".tmp"):
+            os.unlink(data_dir / name)
+        elif name.startswith("seg-") and name.endswith(".sum") and int(name[4:-4]) not in known:
+            os.unlink(data_dir / name)
+
+
+def _load_segment(data_dir: Path, backend: IoBackend, seg_id: int, out: Recovered) -> tuple[Segment, list]:
+    path = segment_path(data_dir, seg_id)
+    fh = backend.open(str(path))
+    size = os.fstat(fh.fd).st_size
+    summary = read_summary(data_dir, seg_id)
+    if summary is not None:
+        records, end = summary.records, summary.end
+        out.summarized += 1
+    else:
+        res = scan_segment(backend, fh, size)
+        records, end = res.records, res.end
+        out.scanned += 1
+        out.notes.append(f"segment {seg_id}: scanned {len(records)} records, stopped: {res.stop}")
+        if records:
+            write_summary(data_dir, seg_id, end, [(off, head) for (off, _), head in zip(records, res.raw_headers)])
+    seg = Segment(seg_id, path, fh, size, end, SegmentState.SEALED, headers=None)
+    for off, h in records:
+        seg.records.append(off, h.record_bytes)
+    return seg, records
+
+
+def recover_log(data_dir: Path, backend: IoBackend) -> Recovered:
+    t0 = time.perf_counter()
+    ids = list_segment_ids(data_dir)
+    _cleanup(data_dir, ids)
+    ckpt = read_checkpoint(data_dir)
+    out = Recovered({}, [], 0, (max(ids) + 1) if ids else 1)
+    if ckpt is not None:
+        out.next_seq = ckpt.next_seq
+        out.next_segment_id = max(out.next_segment_id, ckpt.next_segment_id)
+    best: dict[tuple[str, bytes], tuple[int, int, BlockMeta]] = {}  # key -> (seq, loc, meta)
+    for seg_id in ids:
+        seg, records = _load_segment(data_dir, backend, seg_id, out)
+        out.segments[seg_id] = seg
+        if ckpt is not None and seg_id in ckpt.dead:
+            for page in ckpt.dead[seg_id].tolist():
+                seg.records.kill(page * PAGE)
+        for off, h in records:
+            if not seg.records.is_live(off):
+                continue
+            out.next_seq = max(out.next_seq, h.seq + 1)
+            loc = make_loc(seg_id, off)
+            key = (h.meta.namespace, h.meta.hash)
+            prev = best.get(key)
+            if prev is None or h.seq >= prev[0]:
+                best[key] = (h.seq, loc, h.meta)
+                if prev is not None:
+                    _kill(out.segments, prev[1])
+            else:
+                seg.records.kill(off)
+    out.winners = [(meta, loc) for _, loc, meta in best.values()]
+    for seg_id, seg in list(out.segments.items()):
+        if seg.records.live_count == 0:
+            backend.close(seg.fh)
+            os.unlink(seg.path)
+            summary_path(data_dir, seg_id).unlink(missing_ok=True)
+            del out.segments[seg_id]
+            out.deleted += 1
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _kill(segments: dict[int, Segment], loc: int) -> None:
+    seg_id, off = split_loc(loc)
+    segments[seg_id].records.kill(off)

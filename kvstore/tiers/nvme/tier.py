@@ -1,0 +1,312 @@
+"""NvmeTier: the tier verbs over the segment log (see docs/nvme.md).
+
+- ``write(metas, sources) -> locs``: one batch, appended in large aligned
+  O_DIRECT writes. Returns when the batch is *acknowledged*: under
+  ``write_policy="fdatasync"`` (default) every byte went through O_DIRECT and
+  the segment was fdatasync'ed (it survives a crash of the process, the OS or
+  the power); under ``"direct"`` it went through O_DIRECT without fdatasync
+  (survives a crash of the process; after a power loss, blocks acked in the
+  last moments may be missing, never wrong). ``TierFull`` when the batch
+  needs more segment files than the capacity allows (nothing written; free
+  blocks and ``compact()``); ``TierFault`` on an I/O error (nothing of the batch
+  stays allocated; the tier turns degraded and fails writes fast until a
+  write after ``probe_interval_s`` succeeds). Reads keep working meanwhile.
+- ``read(locs, lengths, dests)``: coalesced, parallel preads; every record's
+  header and payload CRC are verified before its dest is filled; failures
+  raise ``CorruptBlock`` naming the bad locations (other dests are filled).
+- ``free(locs)``: records die; their space returns through compaction.
+- ``compact(max_segments, threshold) -> CompactionReport``: run by the owner
+  from a background thread; moves are reported through ``on_relocate``.
+- ``recover()``: the blocks found on disk at open, once.
+- ``reclaimable() -> ReclaimInfo``, ``stats()``, ``checkpoint()``, ``close()``.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from kvstore.tiers.base import NVME, BlockMeta, CorruptBlock, Tier, TierFault, TierFull, TierStats
+from kvstore.tiers.nvme.compaction import CompactionReport, RelocateHook, compact_log
+from kvstore.tiers.nvme.format import PAGE, crc32c, record_bytes, split_loc
+from kvstore.tiers.nvme.io import IoBackend, select_backend
+from kvstore.tiers.nvme.log import Pending, SegmentLog
+from kvstore.tiers.nvme.reader import BufferPool, Piece, Wanted, copy_into, plan_pieces, read_piece
+from kvstore.tiers.nvme.segments import SegmentState
+
+log = logging.getLogger("kvstore.nvme")
+
+WRITE_POLICIES = ("fdatasync", "direct")
+
+
+@dataclass(frozen=True)
+class ReclaimInfo:
+    """What the owner needs to decide between evicting and compacting."""
+
+    capacity_bytes: int
+    disk_bytes: int  # whole segment files on disk
+    live_bytes: int
+    dead_bytes: int  # in sealed segments: freed records and unused tails
+    free_segments: int  # new segment files that still fit (the compaction reserve excluded)
+    empty_segments: int  # sealed with nothing live: compact() deletes them without copying
+    compactable_segments: int  # sealed with live fraction below the threshold
+    compactable_gain_bytes: int  # disk bytes compacting those would release (net of the copies)
+
+
+def as_source(src: Any) -> np.ndarray:
+    """A flat uint8 view of a payload (bytes-like, numpy array or torch tensor)."""
+    if hasattr(src, "detach") and hasattr(src, "is_cuda"):  # torch tensor
+        import torch
+
+        src = src.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
+    if isinstance(src, np.ndarray):
+        if not src.flags.c_contiguous:
+            src = np.ascontiguousarray(src)
+        return src.reshape(-1).view(np.uint8)
+    return np.frombuffer(src, dtype=np.uint8)
+
+
+class NvmeTier(Tier):
+    rank = NVME
+    name = "nvme"
+
+    def __init__(self, data_dir: str | os.PathLike[str], capacity_bytes: int, *,
+                 segment_bytes: int = 256 << 20, write_policy: str = "fdatasync",
+                 compact_threshold: float = 0.5, reserve_segments: int = 1,
+                 write_buffer_bytes: int = 8 << 20, read_threads: int = 4, max_read_bytes: int = 8 << 20,
+                 coalesce_gap_bytes: int = 128 << 10, probe_interval_s: float = 5.0,
+                 forward_ttl_s: float = 60.0, backend: IoBackend | str = "auto",
+                 on_relocate: RelocateHook | None = None):
+        if segment_bytes % PAGE or segment_bytes < 4 * PAGE:
+            raise ValueError("segment_bytes must be a multiple of 4 KiB and at least 16 KiB")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        max_segments = capacity_bytes // segment_bytes
+        if max_segments < reserve_segments + 1:
+            raise ValueError(f"capacity {capacity_bytes} holds {max_segments} segments of {segment_bytes} bytes; "
+                             f"at least {reserve_segments + 1} are needed (one is the compaction reserve)")
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._capacity = capacity_bytes
+        self.segment_bytes = segment_bytes
+        self.write_policy = write_policy
+        self.compact_threshold = compact_threshold
+        self.max_read_bytes = max(max_read_bytes, PAGE)
+        self.coalesce_gap_bytes = coalesce_gap_bytes
+        self.probe_interval_s = probe_interval_s
+        self.forward_ttl_s = forward_ttl_s
+        self.on_relocate = on_relocate
+        self.backend = select_backend(backend) if isinstance(backend, str) else backend
+        self._log = SegmentLog(self.data_dir, self.backend, segment_bytes=segment_bytes, max_segments=max_segments,
+                               reserve_segments=reserve_segments, write_buffer_bytes=write_buffer_bytes,
+                               sync_writes=write_policy == "fdatasync")
+        self._pool = ThreadPoolExecutor(read_threads, thread_name_prefix="nvme-read")
+        self._buffers = BufferPool(read_threads + 1, self.max_read_bytes)
+        self._compact_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._fault = ""
+        self._probe_at = 0.0
+        self._pressure = False
+        self._counts = dict(writes=0, blocks_written=0, reads=0, blocks_read=0, read_ios=0, corrupt=0,
+                            write_faults=0, compactions=0, relocated=0)
+        rec = self._log.recovered
+        assert rec is not None
+        self.recovery_seconds = rec.seconds
+        log.info("nvme tier %s: backend %s, %d segments (%d from summaries, %d scanned), %d blocks recovered "
+                 "in %.3f s, write policy %s", self.data_dir, self.backend.name, len(rec.segments),
+                 rec.summarized, rec.scanned, len(rec.winners), rec.seconds, write_policy)
+        for note in rec.notes:
+            log.info("nvme recovery: %s", note)
+
+    # -- accounting ---------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of live records (headers and padding included); disk use is in ``stats().extra``."""
+        return self._log.live_bytes
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self._fault)
+
+    def fits(self, nbytes: int) -> bool:
+        return record_bytes(nbytes) <= self.segment_bytes
+
+    # -- write ----------------------------------------------------------------------
+    def write(self, metas: Sequence[BlockMeta], sources: Sequence[Any]) -> list[int]:
+        if len(metas) != len(sources):
+            raise ValueError(f"{len(metas)} metas but {len(sources)} sources")
+        if not metas:
+            return []
+        self._fail_fast()
+        items = []
+        for meta, src in zip(metas, sources):
+            payload = as_source(src)
+            if payload.nbytes != meta.stored_length:
+                raise ValueError(f"source holds {payload.nbytes} bytes, meta says stored_length={meta.stored_length}")
+            items.append(Pending(payload, meta, crc32c(payload)))
+        try:
+            locs = self._log.append(items)
+        except TierFull:
+            self._pressure = True
+            raise
+        except OSError as e:
+            raise self._degrade(e) from e
+        self._healed()
+        self._counts["writes"] += 1
+        self._counts["blocks_written"] += len(locs)
+        return locs
+
+    def _fail_fast(self) -> None:
+        with self._state_lock:
+            if self._fault and time.monotonic() < self._probe_at:
+                wait = self._probe_at - time.monotonic()
+                raise TierFault(f"nvme tier degraded: {self._fault}; next write attempt in {wait:.1f} s")
+
+    def _degrade(self, e: OSError) -> TierFault:
+        name = errno.errorcode.get(e.errno or 0, "EIO")
+        reason = f"{name}: {e.strerror or e} ({e.filename or self.data_dir})"
+        with self._state_lock:
+            self._fault = reason
+            self._probe_at = time.monotonic() + self.probe_interval_s
+            self._counts["write_faults"] += 1
+        log.error("nvme tier degraded: %s; writes fail fast for %.1f s", reason, self.probe_interval_s)
+        return TierFault(f"nvme write failed, batch discarded: {reason}")
+
+    def _healed(self) -> None:
+        if self._fault:
+            with self._state_lock:
+                log.warning("nvme tier healthy again (was: %s)", self._fault)
+                self._fault = ""
+
+    # -- read -----------------------------------------------------------------------
+    def read(self, locs: Sequence[int], lengths: Sequence[int], dests: Sequence[Any]) -> None:
+        if not (len(locs) == len(lengths) == len(dests)):
+            raise ValueError("locs, lengths and dests must have the same length")
+        resolved, pinned = self._log.pin(locs)
+        bad: dict[int, str] = {}
+        try:
+            groups: dict[int, tuple[Any, dict[tuple[int, int], Wanted]]] = {}
+            for i, ((loc, seg), length) in enumerate(zip(resolved, lengths)):
+                if seg is None:
+                    bad[locs[i]] = "no such location (never written, or compacted away)"
+                    continue
+                off = split_loc(loc)[1]
+                wanted = groups.setdefault(seg.id, (seg, {}))[1]
+                w = wanted.get((off, length))
+                if w is None:
+                    w = wanted[(off, length)] = Wanted.block(off, length)
+                w.targets.append(i)
+            pieces = [p for seg, wanted in groups.values()
+                      for p in plan_pieces(seg, list(wanted.values()), self.max_read_bytes, self.coalesce_gap_bytes)]
+            if len(pieces) == 1:
+                failures = [self._read_piece(pieces[0], dests)]
+            else:
+                failures = list(self._pool.map(lambda p: self._read_piece(p, dests), pieces))
+        finally:
+            self._log.unpin(pinned)
+        for fail in failures:
+            for i, reason in fail:
+                bad[locs[i]] = reason
+        self._counts["reads"] += 1
+        self._counts["blocks_read"] += len(locs)
+        self._counts["read_ios"] += len(pieces)
+        if bad:
+            self._counts["corrupt"] += len(bad)
+            first = next(iter(bad.items()))
+            raise CorruptBlock(f"{len(bad)} of {len(locs)} nvme records failed verification "
+                               f"(first: loc {first[0]:#x}: {first[1]})", list(bad))
+
+    def _read_piece(self, piece: Piece, dests: Sequence[Any]) -> list[tuple[int, str]]:
+        buf = self._buffers.get(piece.nbytes)
+        try:
+            failed = []
+            for c in read_piece(self.backend, piece, buf):
+                if c.record is None:
+                    failed.extend((t, c.reason) for t in c.wanted.targets)
+                    continue
+                payload = c.payload
+                for t in c.wanted.targets:
+                    copy_into(dests[t], payload)
+            return failed
+        finally:
+            self._buffers.put(buf)
+
+    # -- free, compaction ---------------------------------------------------------------
+    def free(self, locs: Sequence[int]) -> None:
+        self._log.kill(locs)
+
+    def compact(self, max_segments: int | None = None, threshold: float | None = None) -> CompactionReport:
+        """Compact up to ``max_segments`` (default: all eligible) segments below ``threshold``."""
+        with self._compact_lock:
+            if self._fault:
+                return CompactionReport(stopped=f"tier degraded: {self._fault}")
+            try:
+                report = compact_log(
+                    self._log, self.backend, self._buffers, self.on_relocate,
+                    threshold=self.compact_threshold if threshold is None else threshold,
+                    max_segments=max_segments or self._log.max_segments, pressure=self._pressure,
+                    max_read_bytes=self.max_read_bytes, forward_ttl_s=self.forward_ttl_s)
+            except OSError as e:
+                raise self._degrade(e) from e
+            if report.bytes_freed:
+                self._pressure = False
+            self._counts["compactions"] += 1
+            self._counts["relocated"] += report.records_moved
+            if report.segments_compacted or report.segments_dropped:
+                self._log.checkpoint()
+            return report
+
+    def reclaimable(self) -> ReclaimInfo:
+        lg = self._log
+        with lg.lock:
+            sealed = [s for s in lg.segments.values() if s.state is SegmentState.SEALED]
+            below = [s for s in sealed if s.live_fraction < self.compact_threshold]
+            return ReclaimInfo(
+                capacity_bytes=self._capacity, disk_bytes=lg.disk_bytes, live_bytes=lg.live_bytes,
+                dead_bytes=sum(s.size - s.live_bytes for s in sealed),
+                free_segments=max(0, lg.max_segments - lg.reserve_segments - len(lg.segments)),
+                empty_segments=sum(1 for s in sealed if s.records.live_count == 0),
+                compactable_segments=len(below),
+                compactable_gain_bytes=sum(s.size - s.live_bytes for s in below))
+
+    # -- recovery, lifecycle ----------------------------------------------------------
+    def recover(self) -> Iterator[tuple[BlockMeta, int]]:
+        rec, self._log.recovered = self._log.recovered, None
+        if rec is not None:
+            yield from rec.winners
+
+    def checkpoint(self) -> None:
+        """Persist the free list now (it is also written on close and after compaction)."""
+        self._log.checkpoint()
+
+    def stats(self) -> TierStats:
+        info = self.reclaimable()
+        with self._log.lock:
+            segs = list(self._log.segments.values())
+        buffered = sum(1 for s in segs if not s.fh.direct)
+        backend = self.backend.name + (f" ({buffered} files buffered: O_DIRECT refused)" if buffered else "")
+        extra: dict[str, float] = {
+            "disk_bytes": info.disk_bytes, "dead_bytes": info.dead_bytes, "segments": len(segs),
+            "records": sum(s.records.live_count for s in segs), "bytes_appended": self._log.bytes_appended,
+            "fdatasyncs": self._log.syncs, "recovery_seconds": self.recovery_seconds,
+            "index_bytes": sum(s.records.nbytes() for s in segs), **self._counts,
+        }
+        return TierStats(self.name, self._capacity, self.used_bytes, backend=backend,
+                         degraded=self.degraded, fault=self._fault, extra=extra)
+
+    def close(self) -> None:
+        with self._compact_lock:
+            self._pool.shutdown(wait=True)
+            self._log.close()
