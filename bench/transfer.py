@@ -1,0 +1,110 @@
+"""Put and get throughput through the client, beside memcpy, raw loopback TCP and Redis.
+
+    python -m bench.transfer [--quick] [--out bench/results/transfer.json]
+
+For blocks of 64 KiB, 512 KiB and 2 MiB in batches of 64, one row per (op,
+block size, lane): GB/s through kvstore.client.Client against a `kvstore
+serve` process, and in the same run the same bytes through a raw loopback
+socket between two processes, through Redis (redis-server, redis-py with
+hiredis, pipelined SET/GET) and through numpy memcpy. Medians over repetitions.
+Also the p50/p99 latency of a single 2 MiB block Get.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.baselines import memcpy_gbps, raw_socket_gbps, redis_gbps, redis_server
+from kvstore.server.process import store_process
+from kvstore.client import Client
+
+SIZES = [64 << 10, 512 << 10, 2 << 20]
+BATCH = 64
+
+
+def measure_lane(target: str, lane: str, size: int, reps: int) -> tuple[float, float]:
+    blocks = [os.urandom(size) for _ in range(BATCH)]
+    total = size * BATCH
+    put_t, get_t = [], []
+    with Client(target, timeout=120, **({} if lane == "grpc" else {"lane": lane})) as kv:
+        for rep in range(reps + 1):  # first repetition warms up connections and pages
+            keys = [os.urandom(16) for _ in range(BATCH)]
+            start = time.perf_counter()
+            results = kv.put("bench", keys, blocks)
+            put_s = time.perf_counter() - start
+            assert all(r.status == "stored" for r in results), results[0]
+            start = time.perf_counter()
+            got = kv.get("bench", keys)
+            get_s = time.perf_counter() - start
+            assert len(got) == BATCH and bytes(got[-1][:64]) == blocks[-1][:64]
+            kv.delete("bench", keys)
+            if rep:
+                put_t.append(put_s)
+                get_t.append(get_s)
+    return total / statistics.median(put_t) / 1e9, total / statistics.median(get_t) / 1e9
+
+
+def get_latency(target: str, lane: str, n: int) -> tuple[float, float]:
+    with Client(target, **({} if lane == "grpc" else {"lane": lane})) as kv:
+        key = os.urandom(16)
+        kv.put("lat", [key], [os.urandom(2 << 20)])
+        samples = []
+        for _ in range(n + 5):
+            start = time.perf_counter()
+            kv.get("lat", [key])
+            samples.append(time.perf_counter() - start)
+        samples = sorted(samples[5:])
+    return samples[len(samples) // 2], samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (same code path)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/transfer.json"), help="JSON rows")
+    parser.add_argument("--lanes", default="grpc", help="comma-separated lanes to measure (grpc, shm, tcp)")
+    args = parser.parse_args(argv)
+    reps = 3 if args.quick else 7
+    lanes = args.lanes.split(",")
+    rows = []
+    with store_process("--dram", "1GiB") as (target, _), redis_server() as redis_port:
+        cases = [(size, lane) for size in SIZES for lane in lanes]
+        baseline_cache: dict[int, dict[str, float]] = {}
+        for size, lane in tqdm(cases, desc="transfer", unit="case"):
+            total = size * BATCH
+            if size not in baseline_cache:
+                blocks = [os.urandom(size) for _ in range(BATCH)]
+                keys = [os.urandom(16) for _ in range(BATCH)]
+                r_put, r_get = redis_gbps(redis_port, keys, blocks, reps)
+                baseline_cache[size] = {
+                    "memcpy": memcpy_gbps(total), "raw_put": raw_socket_gbps(total, "put", reps),
+                    "raw_get": raw_socket_gbps(total, "get", reps), "redis_put": r_put, "redis_get": r_get}
+            base = baseline_cache[size]
+            put, get = measure_lane(target, lane, size, reps)
+            for op, gbps in (("put", put), ("get", get)):
+                rows.append({"op": op, "lane": lane, "block_bytes": size, "batch": BATCH, "gbps": round(gbps, 3),
+                             "raw_socket_gbps": round(base[f"raw_{op}"], 3), "redis_gbps": round(base[f"redis_{op}"], 3),
+                             "memcpy_gbps": round(base["memcpy"], 3),
+                             "vs_redis": round(gbps / base[f"redis_{op}"], 2),
+                             "vs_raw_socket": round(gbps / base[f"raw_{op}"], 2)})
+        latency = {lane: get_latency(target, lane, 20 if args.quick else 100) for lane in lanes}
+    print(f"\n{'op':4} {'lane':5} {'block':>8} {'GB/s':>7} {'raw sock':>8} {'redis':>7} {'memcpy':>7} {'/redis':>7} {'/raw':>6}")
+    for r in rows:
+        print(f"{r['op']:4} {r['lane']:5} {r['block_bytes'] >> 10:>6}Ki {r['gbps']:>7.3f} {r['raw_socket_gbps']:>8.3f} "
+              f"{r['redis_gbps']:>7.3f} {r['memcpy_gbps']:>7.2f} {r['vs_redis']:>7.2f} {r['vs_raw_socket']:>6.2f}")
+    for lane, (p50, p99) in latency.items():
+        print(f"single 2 MiB Get on {lane}: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
+        rows.append({"op": "get_latency_2mib", "lane": lane, "p50_ms": round(p50 * 1e3, 3), "p99_ms": round(p99 * 1e3, 3)})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
