@@ -614,7 +614,7 @@ def test_hostpath_config(rendered: dict[str, Rendered]) -> None:
     assert pod["nodeSelector"] == {"node.kubernetes.io/nvme": "true"}
     # Config file from values, with a checksum that rolls the pods on change.
     cm = r.one("ConfigMap", "store")
-    assert yaml.safe_load(cm["data"]["config.yaml"]) == {"log-level": "debug"}
+    assert yaml.safe_load(cm["data"]["config.yaml"]) == {"write-policy": "write-through", "nvme-segment": "512MiB"}
     assert _flags(store)["config"] == "/etc/kvstore/config/config.yaml"
     assert volumes["config"]["configMap"]["name"] == cm["metadata"]["name"]
     assert re.fullmatch(r"[0-9a-f]{64}", sts["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
@@ -625,6 +625,31 @@ def test_hostpath_config(rendered: dict[str, Rendered]) -> None:
         worker = _container(r.one("Deployment", component))
         assert _flags(worker)["store"] == "$(KVSTORE_REDIS)"
         assert _env(worker)["KVSTORE_REDIS"]["valueFrom"] == secret_ref
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_store_args_parse_with_the_cli(rendered: dict[str, Rendered], case: str, tmp_path: Path) -> None:
+    """The flags and KVSTORE_* variables the chart gives the store are ones
+    `kvstore serve` accepts, with values it can parse."""
+    cli = pytest.importorskip("kvstore.cli", reason="the kvstore package is not importable")
+    config = pytest.importorskip("kvstore.config", reason="the kvstore package is not importable")
+    sizes = pytest.importorskip("kvstore.sizes", reason="the kvstore package is not importable")
+    r = rendered[case]
+    sts = r.one("StatefulSet", "store")
+    store = _container(sts, "store")
+    args = list(store["command"][1:] + store["args"])
+    cm = next(iter(r.all("ConfigMap")), None)
+    if cm is not None:  # the mounted config file, read from a local copy
+        local = tmp_path / "config.yaml"
+        local.write_text(cm["data"]["config.yaml"])
+        args = [f"--config={local}" if a.startswith("--config=") else a for a in args]
+    env = {name: e.get("value", "redis://from-a-secret:6379/0") for name, e in _env(store).items()
+           if name.startswith("KVSTORE_")}
+    cfg = config.load(cli.build_parser().parse_args(args), env=env)
+    assert cfg.listen == "0.0.0.0:7070"
+    assert cfg.dram == sizes.parse_size(_flags(store)["dram"])
+    assert cfg.redis == env.get("KVSTORE_REDIS")
+    assert (cfg.nvme_dir is not None) == ("nvme-dir" in _flags(store))
 
 
 # ---------------------------------------------------------------- refused values
