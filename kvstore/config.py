@@ -42,7 +42,10 @@ class ServeConfig:
     nvme_dir: str | None = _opt(None, "directory of the NVMe segment log (unset: no NVMe tier)", metavar="DIR")
     nvme: int = _opt(parse_size("16GiB"), "NVMe tier capacity on disk", parse_size, "SIZE")
     nvme_segment: int = _opt(parse_size("256MiB"), "NVMe segment file size", parse_size, "SIZE")
-    write_policy: str = _opt("write-back", "write-back (ack when in DRAM) or write-through (ack when on NVMe)")
+    write_policy: str = _opt("write-back", "write-back (a Put is acked once in memory; NVMe copies are made on "
+                                           "demotion) or write-through (acked once also on NVMe)")
+    nvme_sync: str = _opt("fdatasync", "NVMe write durability: fdatasync (survives power loss) or direct "
+                                       "(O_DIRECT only: survives a process crash)")
     promote_on_hit: bool = _opt(True, "copy blocks read from NVMe back into DRAM when there is room", _bool)
     max_block: int = _opt(parse_size("8MiB"), "largest accepted block (stored bytes)", parse_size, "SIZE")
     max_message: int = _opt(parse_size("4MiB"), "gRPC max message size (data chunks are at most 1MiB)", parse_size, "SIZE")

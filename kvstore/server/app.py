@@ -41,7 +41,8 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
     if cfg.nvme_dir:
         from kvstore.tiers.nvme import NvmeTier
 
-        tiers.append(NvmeTier(cfg.nvme_dir, capacity_bytes=cfg.nvme, segment_bytes=cfg.nvme_segment))
+        tiers.append(NvmeTier(cfg.nvme_dir, capacity_bytes=cfg.nvme, segment_bytes=cfg.nvme_segment,
+                              write_policy=cfg.nvme_sync))
     return tiers
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -124,6 +126,8 @@ class BlockStore:
         self.write_through = write_through and len(self.tiers) > 1
         self.counters = StoreCounters(tiers={t.rank: TierCounters() for t in self.tiers})
         self._lock = threading.RLock()
+        self._demoted = threading.Condition(self._lock)  # signalled when an in-flight demotion batch lands
+        self._inflight = 0
         self._doomed: set[int] = set()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -387,7 +391,9 @@ class BlockStore:
             if loc is not None:
                 return loc
             if not self._evict(tier, want):
-                break
+                if not self._inflight:
+                    break
+                self._demoted.wait(timeout=5.0)  # the demoter holds the victims: wait for its batch
         self.counters.rejected += 1
         raise CapacityError(
             f"{tier.name} tier full: {tier.used_bytes} of {tier.capacity_bytes} bytes in use and "
@@ -416,6 +422,7 @@ class BlockStore:
                     policy.insert(e, is_leaf=True)  # stays readable until its copy below exists
                     t.leases[e] += 1
                     demote.append(e)
+            self._inflight += len(demote)
         if not demote:
             return freed
         assert lower is not None
@@ -429,6 +436,8 @@ class BlockStore:
                             and t.leases[e] == 0 and t.nchild[e, tier.rank] == 0):
                         self._evict_copy(e, tier)
                         self.counters.tiers[tier.rank].demotions += 1
+                self._inflight -= len(demote)
+                self._demoted.notify_all()
         return freed
 
     def _evict_copy(self, e: int, tier: Tier) -> None:
@@ -500,15 +509,52 @@ class BlockStore:
             try:
                 while self.demote_once() and not self._stop.is_set():
                     pass
+                self.compact_once()
             except Exception:  # keep the demoter alive; the fault shows in tier stats
                 log.exception("demoter pass failed")
                 time.sleep(0.5)
 
-    def close(self) -> None:
+    def flush(self, batch_bytes: int = 64 << 20) -> int:
+        """Copy every block that has no copy in the last (durable) tier down to it; returns blocks copied."""
+        if len(self.tiers) < 2:
+            return 0
+        durable, copied = self.tiers[-1], 0
+        while True:
+            with self._lock:
+                t, todo, size = self.table, [], 0
+                for e in np.nonzero(t.live & (t.loc[:, durable.rank] == NO_LOC))[0]:
+                    if size >= batch_bytes:
+                        break
+                    todo.append(int(e))
+                    size += int(t.stored_len[e])
+                for e in todo:
+                    t.leases[e] += 1
+            if not todo:
+                return copied
+            upper = {e: next(x for x in self.tiers if t.loc[e, x.rank] != NO_LOC) for e in todo}
+            try:
+                for tier in {id(x): x for x in upper.values()}.values():
+                    self._copy_down([e for e in todo if upper[e] is tier], tier, durable)
+            finally:
+                with self._lock:
+                    for e in todo:
+                        self._unlease(e)
+            done = sum(1 for e in todo if t.loc[e, durable.rank] != NO_LOC)
+            if not done:
+                log.warning("flush to %s stopped: %d blocks could not be written", durable.name, len(todo))
+                return copied
+            copied += done
+
+    def close(self, flush: bool = True) -> None:
+        """Stop the demoter; with `flush`, make memory-only blocks durable first (graceful shutdown)."""
         self._stop.set()
         self._wake.set()
         if self._demoter is not None:
             self._demoter.join(timeout=10)
+        if flush and len(self.tiers) > 1 and not self._degraded(self.tiers[-1]):
+            n = self.flush()
+            if n:
+                log.info("flushed %d memory-only blocks to %s before exit", n, self.tiers[-1].name)
         for tier in self.tiers:
             tier.close()
 
@@ -528,14 +574,35 @@ class BlockStore:
             log.info("recovered %d blocks from %s", n, tier.name)
 
     def relocate(self, rank: int, moves: Sequence[tuple[int, int]]) -> None:
-        """Compaction moved records: (old_loc, new_loc) pairs in tier `rank`."""
-        import numpy as np
-
+        """Compaction moved records of tier `rank`: (old_loc, new_loc) pairs; new_loc == NO_LOC
+        means the record failed its checksum while being copied and is gone."""
         mapping = dict(moves)
         with self._lock:
             column = self.table.loc[:, rank]
             for e in np.nonzero(np.isin(column, list(mapping)))[0]:
-                column[e] = mapping[int(column[e])]
+                e = int(e)
+                new = mapping[int(column[e])]
+                if new != NO_LOC:
+                    column[e] = new
+                    continue
+                self.counters.corrupt += 1
+                column[e] = NO_LOC  # the record is already gone from the tier: no free()
+                self._notify("remove", e, rank)
+                self.policies[rank].remove(e)
+                p = self.table.parent_of(e)
+                if p is not None:
+                    self.table.nchild[p, rank] -= 1
+                    if self.table.nchild[p, rank] == 0:
+                        self.policies[rank].set_leaf(p, True)
+                if not self._has_copy(e):
+                    self._unmap(e)
+
+    def compact_once(self) -> None:
+        """Let durable tiers reclaim dead space when they have segments worth compacting."""
+        for tier in self.tiers[1:]:
+            reclaimable = getattr(tier, "reclaimable", None)
+            if reclaimable is not None and reclaimable().compactable_segments and not self._degraded(tier):
+                tier.compact(max_segments=1)  # type: ignore[attr-defined]
 
     # -- stats ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
