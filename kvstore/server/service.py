@@ -32,9 +32,12 @@ def verify_crc(ticket_meta, stored: memoryview, stored_crc: int) -> bool:
     """CRC32C of the raw bytes must match the header; encoded blocks are decoded to check."""
     if ticket_meta.codec == 0:
         return stored_crc == ticket_meta.crc32c
-    from kvstore.codecs import decode, name_of
+    from kvstore.codecs import CodecError, decode
 
-    raw = decode(name_of(ticket_meta.codec), stored, ticket_meta.dtype, ticket_meta.raw_length)
+    try:
+        raw = decode(ticket_meta.codec, stored, ticket_meta.dtype, ticket_meta.raw_length)
+    except (CodecError, ValueError):
+        return False
     return len(raw) == ticket_meta.raw_length and crc32c(raw) == ticket_meta.crc32c
 
 
@@ -155,17 +158,24 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         self.store.materialize(window)
                     except DataLossError as err:
                         self._abort(context, grpc.StatusCode.DATA_LOSS, f"{err}; the block was dropped")
+                    accepted = set(request.accepted_codecs) | {pb.CODEC_NONE}
                     for lease in window:
-                        for msg in self._block_messages(lease):
+                        for msg in self._block_messages(lease, accepted):
                             sent += len(msg.data)
                             yield msg
             finally:
                 self.store.release(leases)
                 self.metrics.bytes_out(sent)
 
-    def _block_messages(self, lease: Lease | None) -> Iterator[pb.GetResponse]:
+    def _block_messages(self, lease: Lease | None, accepted: set[int]) -> Iterator[pb.GetResponse]:
         if lease is None:
             return iter([pb.GetResponse(header=pb.BlockHeader(missing=True))])
+        if lease.codec not in accepted:  # stored encoded, the reader cannot decode it: decode here
+            from kvstore.codecs import decode
+
+            raw = decode(lease.codec, lease.buffer, lease.dtype, lease.raw_length)
+            lease = Lease(lease.entry, lease.hash, pb.CODEC_NONE, lease.dtype, lease.raw_length, lease.raw_length,
+                          lease.crc32c, lease.rank, memoryview(raw))
         return _chunks(lease, self.limits.max_chunk_bytes)
 
     # -- Delete / Stats ---------------------------------------------------------------------
