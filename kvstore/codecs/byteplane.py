@@ -8,7 +8,8 @@ bfloat16/float16, 4 for float32) plane ``k`` holds byte ``k`` of every
 little-endian element; each plane is stored zstd-1 coded or raw, whichever is
 smaller (for 16-bit KV that is coded high plane, raw low plane; for float32
 the two high planes code and the two low ones usually stay raw). zstd stops
-early on incompressible input, so trying every plane costs little.
+early on incompressible input, so trying every plane costs little. Planes use
+zstd level 1 with a 7-byte minimum match (``zstd.plane_compressor``).
 
 Payload (little-endian)::
 
@@ -67,7 +68,7 @@ class BytePlaneCodec(Codec):
         chunks: list[bytes | np.ndarray] = []
         heads = [_HEADER.pack(_MAGIC, _VERSION, itemsize, tail.nbytes, itemsize)]
         for plane in split_planes(src[:body_len], itemsize):
-            coded = zstd.compress(plane)
+            coded = zstd.compress_plane(plane)
             if len(coded) < plane.nbytes:
                 heads.append(_PLANE.pack(_ZSTD, len(coded)))
                 chunks.append(coded)

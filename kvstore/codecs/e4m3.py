@@ -19,6 +19,8 @@ E4M3_MAX = 448.0
 MIN_NORMAL = 2.0**-6
 MAX_CODE = 0x7E  # 448; 0x7F is NaN
 _REBIAS = (127 - 7) << 3  # float32 (exponent << 3 | mantissa) minus this = e4m3 code
+_MIN_NORMAL_BITS = (127 - 6) << 23  # float32 bits of 2**-6
+_INF_BITS = 0x7F800000
 
 
 def _decode_table() -> np.ndarray:
@@ -50,25 +52,30 @@ def quantize(y: np.ndarray) -> np.ndarray:
 
 
 def _quantize(y: np.ndarray) -> np.ndarray:
-    bits = y.view(np.uint32)
-    magnitude = np.abs(y)
-    mbits = magnitude.view(np.uint32)
+    bits = y.reshape(-1).view(np.int32)
+    mbits = bits & np.int32(0x7FFFFFFF)  # |y| as bits; orders like the magnitudes
     # Normal range: round the float32 mantissa to 3 bits (ties to even), then rebias.
-    rounded = mbits + np.uint32(0x7FFFF) + ((mbits >> np.uint32(20)) & np.uint32(1))
-    normal = (rounded >> np.uint32(20)).astype(np.int32) - _REBIAS
-    # Subnormal range: multiples of 2**-9, ties to even.
-    sub = np.rint(magnitude * np.float32(512.0)).astype(np.int32)
-    code = np.where(magnitude < np.float32(MIN_NORMAL), sub, normal)
+    code = (mbits >> 20) & 1
+    code += mbits
+    code += 0x7FFFF  # NaN bit patterns may wrap here; they are fixed below
+    code >>= 20
+    code -= _REBIAS
     np.clip(code, 0, MAX_CODE, out=code)
-    code = code.astype(np.uint8)
-    code |= (bits >> np.uint32(24)).astype(np.uint8) & np.uint8(0x80)
-    code[np.isnan(y)] |= np.uint8(0x7F)
-    return code
+    # Subnormal range (|y| < 2**-6): multiples of 2**-9, ties to even. Rare after scaling.
+    small = np.flatnonzero(mbits < _MIN_NORMAL_BITS)
+    if small.size:
+        code[small] = np.rint(np.abs(y.reshape(-1)[small]) * np.float32(512.0))
+    out = code.astype(np.uint8)
+    out |= ((bits >> 24) & 0x80).astype(np.uint8)
+    nan = np.flatnonzero(mbits > _INF_BITS)
+    if nan.size:
+        out[nan] |= np.uint8(0x7F)
+    return out.reshape(y.shape)
 
 
 def dequantize(codes: np.ndarray) -> np.ndarray:
     """float32 values of E4M3 ``codes``."""
-    return DECODE_TABLE[codes]
+    return np.take(DECODE_TABLE, codes)
 
 
 def bf16_bits_round_up(x: np.ndarray) -> np.ndarray:
@@ -84,15 +91,22 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def f32_to_bf16_bits(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """bfloat16 bit patterns of float32 ``x``, round to nearest even (NaN stays NaN)."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    rounded >>= np.uint32(16)
-    nan = np.isnan(x)
-    if nan.any():
-        rounded[nan] = (bits[nan] >> np.uint32(16)) | np.uint32(0x40)
+def f32_to_bf16_bits(x: np.ndarray, out: np.ndarray | None = None, *, may_have_nan: bool = True) -> np.ndarray:
+    """bfloat16 bit patterns of float32 ``x``, round to nearest even (NaN stays NaN).
+
+    ``out`` (uint16, same size) receives them if given; ``may_have_nan=False``
+    skips the NaN pass when the caller knows there are none.
+    """
+    bits = np.ascontiguousarray(x, dtype=np.float32).reshape(-1).view(np.uint32)
+    rounded = (bits >> 16) & 1
+    rounded += bits
+    rounded += 0x7FFF
+    rounded >>= 16
+    if may_have_nan:
+        nan = np.flatnonzero((bits & np.uint32(0x7FFFFFFF)) > np.uint32(_INF_BITS))
+        if nan.size:
+            rounded[nan] = (bits[nan] >> 16) | 0x40
     if out is None:
-        return rounded.astype(np.uint16)
-    out[...] = rounded
+        return rounded.astype(np.uint16).reshape(np.shape(x))
+    out.reshape(-1)[...] = rounded
     return out

@@ -52,17 +52,23 @@ _FINITE_MAX = {
 }
 
 
+_F16_TO_F32: np.ndarray | None = None
+
+
 def _to_f32(body: np.ndarray, dtype: str) -> np.ndarray:
+    global _F16_TO_F32
     if dtype == "bfloat16":
         return e4m3.bf16_bits_to_f32(body.view("<u2"))
     if dtype == "float16":
-        return body.view("<f2").astype(np.float32)
+        if _F16_TO_F32 is None:  # a 256 KiB table lookup is twice as fast as numpy's half cast here
+            _F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+        return np.take(_F16_TO_F32, body.view("<u2"))
     return body.view("<f4")
 
 
-def _write_from_f32(values: np.ndarray, dtype: str, out: np.ndarray) -> None:
+def _write_from_f32(values: np.ndarray, dtype: str, out: np.ndarray, may_have_nan: bool) -> None:
     if dtype == "bfloat16":
-        e4m3.f32_to_bf16_bits(values, out=out.view("<u2"))
+        e4m3.f32_to_bf16_bits(values, out=out.view("<u2"), may_have_nan=may_have_nan)
     elif dtype == "float16":
         out.view("<f2")[...] = values
     else:
@@ -96,7 +102,9 @@ class Fp8Codec(Codec):
             padded[:n] = x
             x = padded
         vectors = x.reshape(n_vec, head_dim)
-        amax = np.max(np.abs(vectors), axis=1) if n_vec else np.zeros(0, np.float32)
+        # max |x| per vector via the bit patterns: integer max is faster, and NaN wins as it should
+        magnitude_bits = vectors.view(np.uint32) & np.uint32(0x7FFFFFFF)
+        amax = magnitude_bits.max(axis=1).view(np.float32) if n_vec else np.zeros(0, np.float32)
         scale_bits = e4m3.bf16_bits_round_up(amax / np.float32(e4m3.E4M3_MAX))
         scale_bits[(scale_bits == 0) & (amax > 0)] = 1  # smallest bf16 subnormal
         scale = e4m3.bf16_bits_to_f32(scale_bits)
@@ -132,9 +140,10 @@ class Fp8Codec(Codec):
             if full < n_vec:
                 values[full * head_dim :] *= scales[full]
         limit = _FINITE_MAX[dtype]
-        if n_vec and not float(np.nanmax(scales, initial=0.0)) * e4m3.E4M3_MAX < limit:
+        top = float(scales.max(initial=0.0))  # NaN if any vector was non-finite
+        if not top * e4m3.E4M3_MAX < limit:
             np.clip(values, -limit, limit, out=values)
-        _write_from_f32(values, dtype, out[: n * itemsize])
+        _write_from_f32(values, dtype, out[: n * itemsize], may_have_nan=not top == top)
         out[n * itemsize : raw_len] = np.frombuffer(encoded, dtype=np.uint8, offset=pos)
 
     def max_encoded_len(self, raw_len: int, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> int:

