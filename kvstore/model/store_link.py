@@ -1,0 +1,149 @@
+"""The bridge between a worker's paged KV pool and the store.
+
+Verbs:
+- ``prompt_hashes(tokens)``: the chained hashes of the prompt's full blocks.
+- ``fetch_prefix(pool, seq_id, hashes, max_blocks) -> Fetched``: Lookup, then
+  Get the leading cached blocks **straight into freshly allocated pool blocks**
+  (the client writes the received chunks into the pool's memory: one copy per
+  block on this side). Any store failure (unreachable, a block vanished, a
+  checksum mismatch) frees what was fetched and returns zero blocks: the caller
+  recomputes, and ``recompute_fallbacks`` counts it. Wrong KV is never used.
+- ``BlockUploader``: puts full blocks from the pool on a background thread
+  while the model computes the next chunk (chunked prefill overlaps transfer).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from kvstore.client import Client, KVStoreError
+from kvstore.hashing import block_hashes
+from kvstore.model.llama import LlamaModel
+from kvstore.model.paged import PagedKVPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Fetched:
+    blocks: int = 0
+    bytes: int = 0
+    lookup_s: float = 0.0
+    transfer_s: float = 0.0
+    load_s: float = 0.0
+    failed: str = ""
+
+
+@dataclass
+class LinkCounters:
+    recompute_fallbacks: int = 0
+    fetched_blocks: int = 0
+    stored_blocks: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class StoreLink:
+    def __init__(self, model: LlamaModel, target: str | None, *, token: str | None = None, timeout: float = 30.0):
+        self.model = model
+        self.fingerprint = model.config.fingerprint()
+        self.block_size = model.config.block_size
+        self.client = Client(target, token=token, timeout=timeout, retries=1) if target else None
+        self.counters = LinkCounters()
+        self._lock = threading.Lock()
+
+    def prompt_hashes(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
+        return block_hashes(tokens, self.block_size, namespace, self.fingerprint)
+
+    def fetch_prefix(self, pool: PagedKVPool, seq_id: object, namespace: str, hashes: Sequence[bytes],
+                     max_blocks: int) -> Fetched:
+        out = Fetched()
+        if self.client is None or not hashes or max_blocks <= 0:
+            return out
+        t0 = time.perf_counter()
+        try:
+            n = min(self.client.lookup(namespace, hashes), max_blocks)
+        except KVStoreError as err:
+            return self._fallback(out, f"lookup: {err}")
+        out.lookup_s = time.perf_counter() - t0
+        if n == 0:
+            return out
+        ids = pool.manager.extend_full(seq_id, n)  # type: ignore[arg-type]
+        views = [pool.block_bytes_view(b).numpy() for b in ids]
+        t1 = time.perf_counter()
+        try:
+            self.client.get(namespace, hashes[:n], out=views)
+        except (KVStoreError, ValueError) as err:
+            pool.free_sequence(seq_id)  # type: ignore[arg-type]
+            pool.add_sequence(seq_id)  # type: ignore[arg-type]
+            return self._fallback(out, f"get: {err}")
+        out.transfer_s = time.perf_counter() - t1  # received chunks land in the pool: transfer includes the load
+        pool.add_hashes(seq_id, hashes[:n])  # type: ignore[arg-type]
+        out.blocks, out.bytes = n, n * pool.block_nbytes
+        with self._lock:
+            self.counters.fetched_blocks += n
+            self.counters.bytes_in += out.bytes
+        return out
+
+    def _fallback(self, out: Fetched, why: str) -> Fetched:
+        log.warning("store unavailable for this request, recomputing: %s", why)
+        with self._lock:
+            self.counters.recompute_fallbacks += 1
+            self.counters.errors = (self.counters.errors + [why])[-20:]
+        out.failed = why
+        return out
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+class BlockUploader:
+    """Puts pool blocks on a background thread, in order; ``finish()`` waits and reports."""
+
+    def __init__(self, link: StoreLink, pool: PagedKVPool, namespace: str):
+        self.link, self.pool, self.namespace = link, pool, namespace
+        self._queue: queue.Queue = queue.Queue()
+        self.stored = 0
+        self.bytes = 0
+        self.error = ""
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kv-uploader")
+        self._thread.start()
+
+    def submit(self, hashes: Sequence[bytes], payloads: Sequence[object], parent: bytes | None) -> None:
+        """Payloads must stay unchanged until finish(): pass pool block views of a live sequence."""
+        if hashes:
+            self._queue.put((list(hashes), list(payloads), parent))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            hashes, payloads, parent = item
+            client = self.link.client
+            if client is None or self.error:
+                continue
+            try:
+                results = client.put(self.namespace, hashes, payloads, parent=parent,
+                                     dtype=self.link.model.config.dtype)
+                self.stored += sum(r.status == "stored" for r in results)
+                self.bytes += sum(p.numel() if hasattr(p, "numel") else len(p) for p in payloads)  # type: ignore[arg-type]
+            except KVStoreError as err:
+                self.error = str(err)
+                log.warning("put failed, later blocks of this prompt are not stored: %s", err)
+
+    def finish(self) -> float:
+        """Wait for every submitted put; returns the seconds spent waiting."""
+        t0 = time.perf_counter()
+        self._queue.put(None)
+        self._thread.join()
+        with self.link._lock:
+            self.link.counters.stored_blocks += self.stored
+            self.link.counters.bytes_out += self.bytes
+        return time.perf_counter() - t0
