@@ -494,8 +494,14 @@ def test_external_redis(rendered: dict[str, Rendered]) -> None:
     assert _env(store)["KVSTORE_REDIS"] == {"name": "KVSTORE_REDIS", "value": url}
     for component in ("prefill", "decode"):
         assert _flags(_container(r.one("Deployment", component)))["store"] == url
-    assert r.one("StatefulSet", "store")["spec"]["replicas"] == 2
+    sts = r.one("StatefulSet", "store")
+    assert sts["spec"]["replicas"] == 2
     assert r.one("PodDisruptionBudget", "store")["spec"]["maxUnavailable"] == 1
+    # NVMe tier on an emptyDir bounded by the tier's size plus 10%.
+    assert "volumeClaimTemplates" not in sts["spec"]
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["nvme"] == {"name": "nvme", "emptyDir": {"sizeLimit": "110Gi"}}
+    assert _flags(store)["nvme-dir"] == "/var/lib/kvstore/nvme"
 
 
 def test_no_nvme(rendered: dict[str, Rendered]) -> None:
