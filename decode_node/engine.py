@@ -1,0 +1,167 @@
+"""Continuous-batching decode engine over a paged KV pool.
+
+One engine thread owns the model and the pool. Each loop iteration first
+admits waiting requests (Lookup + Get of the cached prefix straight into pool
+blocks, then a prefill of only the uncached tail, which yields the first
+token), then runs one batched decode step for every active sequence. A
+sequence leaves the batch at a stop token or ``max_new_tokens`` and its blocks
+are freed. If the store fails (unreachable, missing block, bad checksum) the
+request recomputes its prefix instead: it never decodes from wrong KV.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from kvstore.model import ByteBPETokenizer, LlamaModel, OutOfBlocks, PagedKVPool
+from kvstore.model.store_link import StoreLink
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FirstToken:
+    """Facts attached to a request's first token: what was cached and where the time went."""
+
+    prompt_tokens: int
+    cached_blocks: int
+    transfer_bytes: int
+    recomputed: bool
+    lookup_s: float
+    transfer_s: float
+    load_s: float
+    compute_s: float
+    total_s: float
+
+
+@dataclass
+class Request:
+    tokens: list[int]
+    namespace: str
+    max_new_tokens: int
+    use_store: bool
+    arrived: float = field(default_factory=time.perf_counter)
+    events: "queue.Queue[tuple[int | None, FirstToken | None, str]]" = field(default_factory=queue.Queue)
+
+    def stream(self) -> Iterator[tuple[int, FirstToken | None]]:
+        """Generated token ids, the first with its FirstToken facts; raises RuntimeError on failure."""
+        while True:
+            token, first, error = self.events.get()
+            if error:
+                raise RuntimeError(error)
+            if token is None:
+                return
+            yield token, first
+
+
+@dataclass
+class _Active:
+    req: Request
+    seq: int
+    last: int
+    produced: int
+
+
+class DecodeEngine:
+    def __init__(self, model: LlamaModel, tokenizer: ByteBPETokenizer | None, link: StoreLink, *,
+                 pool_blocks: int = 2048, max_batch: int = 16):
+        self.model, self.tokenizer, self.link = model, tokenizer, link
+        self.pool = PagedKVPool(model.config, pool_blocks)
+        self.stop_ids = set(tokenizer.stop_ids) if tokenizer is not None else set()
+        self.max_batch = max_batch
+        self._waiting: "queue.Queue[Request | None]" = queue.Queue()
+        self._ids = itertools.count()
+        self._active: list[_Active] = []
+        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: Request) -> Request:
+        self._waiting.put(req)
+        return req
+
+    def close(self) -> None:
+        self._waiting.put(None)
+        self._thread.join(timeout=30)
+
+    # -- the loop -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            block = not self._active
+            while len(self._active) < self.max_batch:
+                try:
+                    req = self._waiting.get(block=block, timeout=None if block else 0)
+                except queue.Empty:
+                    break
+                if req is None:
+                    return
+                block = False
+                self._admit(req)
+            if self._active:
+                self._step()
+
+    def _admit(self, req: Request) -> None:
+        seq = next(self._ids)
+        bs = self.model.config.block_size
+        self.pool.add_sequence(seq)
+        try:
+            t0 = time.perf_counter()
+            fetched = None
+            if req.use_store:
+                hashes = self.link.prompt_hashes(req.tokens, req.namespace)
+                fetched = self.link.fetch_prefix(self.pool, seq, req.namespace, hashes,
+                                                 max_blocks=(len(req.tokens) - 1) // bs)
+            cached = fetched.blocks if fetched else 0
+            c0 = time.perf_counter()
+            logits = self.model.prefill(self.pool, seq, req.tokens[cached * bs :], logits="last")
+            token = int(torch.argmax(logits[-1]))
+            now = time.perf_counter()
+            first = FirstToken(
+                prompt_tokens=len(req.tokens), cached_blocks=cached, transfer_bytes=fetched.bytes if fetched else 0,
+                recomputed=bool(fetched and fetched.failed), lookup_s=fetched.lookup_s if fetched else 0.0,
+                transfer_s=fetched.transfer_s if fetched else 0.0, load_s=fetched.load_s if fetched else 0.0,
+                compute_s=now - c0, total_s=now - t0)
+        except (OutOfBlocks, ValueError) as err:
+            self.pool.free_sequence(seq)
+            req.events.put((None, None, f"cannot admit request: {err}"))
+            return
+        req.events.put((token, first, ""))
+        active = _Active(req, seq, token, 1)
+        if self._finished(active):
+            self._retire(active)
+        else:
+            self._active.append(active)
+
+    def _step(self) -> None:
+        batch = self._active
+        try:
+            logits = self.model.decode(self.pool, [a.seq for a in batch], [a.last for a in batch])
+        except OutOfBlocks as err:
+            for a in batch:
+                a.req.events.put((None, None, f"KV pool exhausted: {err}"))
+                self.pool.free_sequence(a.seq)
+            self._active = []
+            return
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        still: list[_Active] = []
+        for a, token in zip(batch, tokens):
+            a.last, a.produced = int(token), a.produced + 1
+            a.req.events.put((a.last, None, ""))
+            if self._finished(a):
+                self._retire(a)
+            else:
+                still.append(a)
+        self._active = still
+
+    def _finished(self, a: _Active) -> bool:
+        return a.produced >= a.req.max_new_tokens or a.last in self.stop_ids
+
+    def _retire(self, a: _Active) -> None:
+        self.pool.free_sequence(a.seq)
+        a.req.events.put((None, None, ""))

@@ -1,0 +1,1 @@
+"""Prefill worker: computes a prompt's KV blocks and writes them to the store (see prefill_node.service)."""

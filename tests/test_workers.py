@@ -1,0 +1,107 @@
+"""prefill_node -> store -> decode_node over real gRPC, against one process computing everything."""
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from decode_node.engine import DecodeEngine  # noqa: E402
+from decode_node.service import DecodeServicer  # noqa: E402
+from kvstore.model import greedy_generate, load_model  # noqa: E402
+from kvstore.model.store_link import StoreLink  # noqa: E402
+from kvstore.v1 import workers_pb2 as wpb  # noqa: E402
+from kvstore.v1 import workers_pb2_grpc as wpb_grpc  # noqa: E402
+from prefill_node.service import PrefillServicer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, _ = load_model("tiny")
+    return model
+
+
+def start_grpc(register):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    register(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def workers(tiny, server):
+    store = f"127.0.0.1:{server.port}"
+    p_link, d_link = StoreLink(tiny, store), StoreLink(tiny, store)
+    prefill = PrefillServicer(tiny, None, p_link, pool_blocks=256, chunk_tokens=64)
+    engine = DecodeEngine(tiny, None, d_link, pool_blocks=256)
+    p_srv, p_addr = start_grpc(lambda s: wpb_grpc.add_PrefillServiceServicer_to_server(prefill, s))
+    d_srv, d_addr = start_grpc(lambda s: wpb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine), s))
+    p_ch, d_ch = grpc.insecure_channel(p_addr), grpc.insecure_channel(d_addr)
+    yield wpb_grpc.PrefillServiceStub(p_ch), wpb_grpc.DecodeServiceStub(d_ch), engine, d_link
+    p_ch.close(), d_ch.close()
+    p_srv.stop(0), d_srv.stop(0)
+    engine.close()
+
+
+def reference(model, tokens, n):
+    pool = model.new_pool(256)
+    return greedy_generate(model, pool, {0: tokens}, n)[0]
+
+
+def generate(decode, tokens, n, use_store=True):
+    replies = list(decode.Generate(wpb.GenerateRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=tokens)),
+                                                       namespace="t", max_new_tokens=n, use_store=use_store),
+                                   timeout=60))
+    return [t for r in replies for t in r.token_ids], replies[0]
+
+
+PROMPT = [(i * 37 + 11) % 250 + 1 for i in range(150)]  # 9 full blocks of 16 and a 6-token tail
+
+
+def test_disaggregated_equals_one_process(tiny, workers):
+    prefill, decode, _, _ = workers
+    reply = prefill.Prefill(wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT)), namespace="t"),
+                            timeout=60)
+    assert reply.stored_blocks == 9 and reply.cached_blocks == 0 and len(reply.hashes) == 9
+    tokens, first = generate(decode, PROMPT, 12)
+    assert first.cached_blocks == 9 and not first.recomputed and first.transfer_bytes > 0
+    assert tokens == reference(tiny, PROMPT, 12)
+    again = prefill.Prefill(wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT + [5] * 40)),
+                                               namespace="t"), timeout=60)
+    assert again.cached_blocks == 9 and again.stored_blocks == 2  # only the new blocks were computed and stored
+
+
+def test_concurrent_requests_batch_and_match(tiny, workers):
+    prefill, decode, _, _ = workers
+    prompts = [PROMPT[: 40 + 17 * i] for i in range(4)]
+    for p in prompts:
+        prefill.Prefill(wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=p)), namespace="t"), timeout=60)
+    with futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: generate(decode, p, 8)[0], prompts))
+    for p, got in zip(prompts, results):
+        assert got == reference(tiny, p, 8)
+
+
+def test_store_down_falls_back_to_recompute(tiny, workers, server):
+    prefill, decode, _, link = workers
+    prefill.Prefill(wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT)), namespace="t"), timeout=60)
+    server.stop(0)
+    tokens, first = generate(decode, PROMPT, 6)
+    assert first.recomputed and first.cached_blocks == 0
+    assert tokens == reference(tiny, PROMPT, 6)
+    assert link.counters.recompute_fallbacks == 1
+
+
+def test_corrupt_block_falls_back_to_recompute(tiny, workers, server):
+    prefill, decode, _, link = workers
+    reply = prefill.Prefill(wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT)), namespace="t"),
+                            timeout=60)
+    store = server.store
+    leases = store.acquire("t", [reply.hashes[4]])
+    leases[0].buffer[100] ^= 0xFF  # flip a byte of a stored block in the arena
+    store.release(leases)
+    tokens, first = generate(decode, PROMPT, 6)
+    assert first.recomputed and tokens == reference(tiny, PROMPT, 6)
