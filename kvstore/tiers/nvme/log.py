@@ -25,6 +25,7 @@ delete their old segment.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from kvstore.tiers.base import BlockMeta, TierFull
 from kvstore.tiers.nvme.format import PAGE, align_up, encode_header, make_loc, record_bytes, split_loc
 from kvstore.tiers.nvme.io import IoBackend
 from kvstore.tiers.nvme.recovery import Recovered, recover_log
-from kvstore.tiers.nvme.segments import Segment, SegmentState, fsync_dir, segment_path, summary_path
+from kvstore.tiers.nvme.segments import Segment, SegmentState, fsync_dir, lock_dir, segment_path, summary_path
 from kvstore.tiers.nvme.sidecar import Checkpoint, write_checkpoint, write_summary
 from kvstore.tiers.nvme.writer import Chunk, WriteCombiner
 
@@ -72,7 +73,12 @@ class SegmentLog:
         self.lock = threading.Lock()  # segment table, accounting, forwards, pins
         self._unpinned = threading.Condition(self.lock)
         self.write_lock = threading.Lock()  # one append at a time
-        rec: Recovered = recover_log(data_dir, backend)
+        self._dir_lock = lock_dir(data_dir)
+        try:
+            rec: Recovered = recover_log(data_dir, backend)
+        except BaseException:
+            os.close(self._dir_lock)
+            raise
         self.recovered: Recovered | None = rec
         self.segments: dict[int, Segment] = rec.segments
         self.next_seq = rec.next_seq
@@ -315,3 +321,4 @@ class SegmentLog:
         for seg in segs:
             self.backend.close(seg.fh)
         self.combiner.close()
+        os.close(self._dir_lock)

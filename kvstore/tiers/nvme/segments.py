@@ -13,6 +13,7 @@ a live flag; ``live_bytes`` is kept up to date for the compaction policy.
 from __future__ import annotations
 
 import enum
+import fcntl
 import os
 import re
 from dataclasses import dataclass, field
@@ -38,6 +39,17 @@ def summary_path(data_dir: Path, seg_id: int) -> Path:
 def list_segment_ids(data_dir: Path) -> list[int]:
     ids = [int(m.group(1)) for name in os.listdir(data_dir) if (m := _SEG_RE.match(name))]
     return sorted(ids)
+
+
+def lock_dir(data_dir: Path) -> int:
+    """Take the directory's exclusive lock (released when the fd closes or the process dies)."""
+    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"{data_dir} is in use by another NVMe tier (its LOCK is held)") from None
+    return fd
 
 
 def fsync_dir(data_dir: Path) -> None:

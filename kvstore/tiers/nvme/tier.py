@@ -115,6 +115,7 @@ class NvmeTier(Tier):
         self._fault = ""
         self._probe_at = 0.0
         self._pressure = False
+        self._closed = False
         self._counts = dict(writes=0, blocks_written=0, reads=0, blocks_read=0, read_ios=0, corrupt=0,
                             write_faults=0, compactions=0, relocated=0)
         rec = self._log.recovered
@@ -250,8 +251,9 @@ class NvmeTier(Tier):
     def compact(self, max_segments: int | None = None, threshold: float | None = None) -> CompactionReport:
         """Compact up to ``max_segments`` (default: all eligible) segments below ``threshold``."""
         with self._compact_lock:
-            if self._fault:
-                return CompactionReport(stopped=f"tier degraded: {self._fault}")
+            if self._fault:  # no copying while writes fail; deleting empty segments still frees space
+                return CompactionReport(segments_dropped=self._log.drop_empty(),
+                                        stopped=f"tier degraded: {self._fault}")
             try:
                 report = compact_log(
                     self._log, self.backend, self._buffers, self.on_relocate,
@@ -308,5 +310,8 @@ class NvmeTier(Tier):
 
     def close(self) -> None:
         with self._compact_lock:
+            if self._closed:
+                return
+            self._closed = True
             self._pool.shutdown(wait=True)
             self._log.close()
