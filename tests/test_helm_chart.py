@@ -17,7 +17,7 @@ tests/output/helm/<shape>.yaml (a self-ignoring directory) for inspection.
 No cluster, Docker or network is needed. Install the tools (the ``test``
 extra lists them)::
 
-    pip install "helm-python-sdk>=0.2.2" "kubernetes-validate>=1.37"
+    pip install "helm-python-sdk>=0.2.2,<0.3" "kubernetes-validate>=1.37"
 
 ``helm-python-sdk`` bundles Helm's Go SDK as a shared library (import name
 ``helm_python``). Without it a ``helm`` binary on PATH is used instead; with
@@ -59,7 +59,7 @@ CASES = sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))
 HELM_BIN = shutil.which("helm")
 if helm_python is None and HELM_BIN is None:
     pytest.skip(
-        'neither the Helm SDK nor a helm binary is available: pip install "helm-python-sdk>=0.2.2"',
+        'neither the Helm SDK nor a helm binary is available: pip install "helm-python-sdk>=0.2.2,<0.3"',
         allow_module_level=True,
     )
 
@@ -69,7 +69,10 @@ def _kube_versions() -> list[str]:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     match = re.search(r">=\s*v?(\d+\.\d+)", chart["kubeVersion"])
     assert match, f"Chart.yaml kubeVersion {chart['kubeVersion']!r} has no lower bound"
-    return sorted({match.group(1), kv_utils.latest_version()}, key=lambda v: tuple(map(int, v.split("."))))
+    key = lambda v: tuple(map(int, v.split(".")))  # noqa: E731
+    shipped = [kv_utils.major_minor(v) for v in kv_utils.all_versions()]
+    oldest = max(match.group(1), shipped[0], key=key)
+    return sorted({oldest, shipped[-1]}, key=key)
 
 
 KUBE_VERSIONS = _kube_versions()
