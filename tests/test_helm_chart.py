@@ -30,6 +30,7 @@ import json
 import re
 import shutil
 import subprocess
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -679,9 +680,10 @@ def test_refused_values(values: dict[str, Any], message: str) -> None:
 def _readme_yaml_blocks() -> list[tuple[int, list[dict[str, Any]]]]:
     text = (ROOT / "deploy" / "README.md").read_text()
     blocks = []
-    for match in re.finditer(r"^```yaml\n(.*?)^```", text, flags=re.M | re.S):
+    for match in re.finditer(r"^( *)```yaml\n(.*?)^\1```", text, flags=re.M | re.S):
         line = text.count("\n", 0, match.start()) + 1
-        blocks.append((line, [d for d in yaml.safe_load_all(match.group(1)) if d]))
+        body = textwrap.dedent(match.group(2))
+        blocks.append((line, [d for d in yaml.safe_load_all(body) if d]))
     return blocks
 
 
@@ -689,7 +691,7 @@ def test_readme_examples(tmp_path: Path) -> None:
     """Every YAML block of deploy/README.md is either chart values that render
     to valid manifests, or Kubernetes manifests that validate."""
     blocks = _readme_yaml_blocks()
-    assert len(blocks) >= 2, "deploy/README.md lost its examples"
+    assert len(blocks) >= 4, "deploy/README.md lost its examples"
     problems = []
     for line, docs in blocks:
         if all("apiVersion" in d and "kind" in d for d in docs):
