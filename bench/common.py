@@ -12,7 +12,8 @@ A benchmark module does::
 ``--quick`` (same code path, fewer repetitions and smaller sizes; under a
 minute) and ``--out FILE.json`` are always there. The JSON file holds
 ``{"bench", "quick", "argv", "host", "started", "seconds", "rows"}`` so a
-figure can be traced back to the run that made it.
+figure can be traced back to the run that made it (``host.loadavg_at_end``
+shows whether other work shared the cores).
 """
 from __future__ import annotations
 
@@ -103,7 +104,12 @@ def write_json(path: Path, rows: Sequence[Row], args: argparse.Namespace | None 
         "bench": bench,
         "quick": bool(getattr(args, "quick", False)),
         "argv": sys.argv[1:],
-        "host": {"machine": platform.machine(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "host": {
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        },
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(_STARTED)),
         "seconds": round(time.time() - _STARTED, 2),
         "rows": list(rows),

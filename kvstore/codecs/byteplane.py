@@ -26,33 +26,24 @@ import numpy as np
 
 from . import zstd
 from .base import Codec, CodecError, EncodeOptions, DEFAULT_OPTIONS, check_out, itemsize_of
+from .scratch import scratch
 
 _MAGIC = b"BP"
 _VERSION = 1
 _HEADER = struct.Struct("<2sBBBB")
 _PLANE = struct.Struct("<BQ")
 _RAW, _ZSTD = 0, 1
-_WORD = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
-
-
-def split_planes(body: np.ndarray, itemsize: int) -> list[np.ndarray]:
-    """Planes of ``body`` (uint8, length a multiple of ``itemsize``), low byte first."""
-    words = body.view(_WORD[itemsize])
-    planes = [words.astype(np.uint8)]
-    for k in range(1, itemsize):
-        planes.append((words >> np.uint8(8 * k)).astype(np.uint8))
-    return planes
 
 
 def join_planes(planes: list[np.ndarray], out: np.ndarray) -> None:
-    """Interleave ``planes`` back into ``out`` (uint8 of len(planes) * plane length)."""
-    itemsize = len(planes)
-    word = _WORD[itemsize]
-    words = out.view(word)
-    np.left_shift(planes[-1], 8 * (itemsize - 1), out=words, dtype=word)
-    for k in range(itemsize - 2, 0, -1):
-        np.bitwise_or(words, np.left_shift(planes[k], 8 * k, dtype=word), out=words)
-    np.bitwise_or(words, planes[0], out=words, dtype=word)
+    """Interleave ``planes`` (low byte first) into ``out`` (uint8, len(planes) x plane length)."""
+    if len(planes) == 2:  # the common case, shift-and-or without temporaries
+        words = out.view("<u2")
+        np.left_shift(planes[1], 8, out=words, dtype=np.uint16)
+        np.bitwise_or(words, planes[0], out=words, dtype=np.uint16)
+        return
+    for k, plane in enumerate(planes):
+        np.copyto(out[k :: len(planes)], plane)
 
 
 class BytePlaneCodec(Codec):
@@ -62,21 +53,33 @@ class BytePlaneCodec(Codec):
     id = 2
 
     def encode(self, src: np.ndarray, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> bytes:
+        buf = scratch("byteplane.payload", self.max_encoded_len(src.nbytes, dtype, opts))
+        return buf[: self.encode_into(src, dtype, opts, buf)].tobytes()
+
+    def encode_into(self, src: np.ndarray, dtype: str, opts: EncodeOptions, out: np.ndarray) -> int:
         itemsize = itemsize_of(dtype)
-        body_len = src.nbytes - src.nbytes % itemsize
-        tail = src[body_len:]
-        chunks: list[bytes | np.ndarray] = []
-        heads = [_HEADER.pack(_MAGIC, _VERSION, itemsize, tail.nbytes, itemsize)]
-        for plane in split_planes(src[:body_len], itemsize):
-            coded = zstd.compress_plane(plane)
-            if len(coded) < plane.nbytes:
-                heads.append(_PLANE.pack(_ZSTD, len(coded)))
-                chunks.append(coded)
+        room = self.max_encoded_len(src.nbytes, dtype, opts)
+        if out.nbytes < room:
+            raise CodecError(f"{self.name}: output buffer of {out.nbytes} bytes is smaller than {room}")
+        plane_len = src.nbytes // itemsize
+        body_len = plane_len * itemsize
+        tail_len = src.nbytes - body_len
+        _HEADER.pack_into(out, 0, _MAGIC, _VERSION, itemsize, tail_len, itemsize)
+        pos = _HEADER.size + itemsize * _PLANE.size
+        plane = scratch("byteplane.plane", plane_len)
+        for k in range(itemsize):
+            np.copyto(plane, src[k:body_len:itemsize])
+            # coded only if strictly smaller than raw: give zstd one byte less room than the plane
+            coded = zstd.try_compress_into(plane, out[pos : pos + max(plane_len - 1, 0)], plane=True)
+            if coded is None:
+                out[pos : pos + plane_len] = plane
+                mode, length = _RAW, plane_len
             else:
-                heads.append(_PLANE.pack(_RAW, plane.nbytes))
-                chunks.append(plane)
-        chunks.append(tail)
-        return b"".join([*heads, *(memoryview(c) for c in chunks)])
+                mode, length = _ZSTD, coded
+            _PLANE.pack_into(out, _HEADER.size + k * _PLANE.size, mode, length)
+            pos += length
+        out[pos : pos + tail_len] = src[body_len:]
+        return pos + tail_len
 
     def decode_into(self, encoded: memoryview, dtype: str, raw_len: int, out: np.ndarray) -> None:
         check_out(self.name, out, raw_len)
@@ -106,7 +109,9 @@ class BytePlaneCodec(Codec):
                     raise CodecError(f"byteplane: raw plane {k} has {length} bytes, expected {plane_len}")
                 planes.append(np.frombuffer(data, dtype=np.uint8))
             elif mode == _ZSTD:
-                planes.append(zstd.decompress(data, plane_len, codec=self.name))
+                plane = scratch(f"byteplane.plane{k}", plane_len)
+                zstd.decompress_into(data, plane, plane_len, codec=self.name)
+                planes.append(plane)
             else:
                 raise CodecError(f"byteplane: unknown plane mode {mode}")
             pos += length

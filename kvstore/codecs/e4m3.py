@@ -10,17 +10,24 @@ to nearest, ties to even, the same as ``torch.Tensor.to(torch.float8_e4m3fn)``
 Error of one rounding: ``|q(y) - y| <= max(2**-4 * |y|, 2**-10)`` for
 ``|y| <= 448`` (half a unit in the last place of a 3-bit mantissa, or half a
 subnormal step).
+
+The ``*_into`` kernels write into caller arrays and take their temporaries
+from ``scratch`` (no per-block allocation); the plain forms allocate.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .scratch import scratch
+
 E4M3_MAX = 448.0
 MIN_NORMAL = 2.0**-6
 MAX_CODE = 0x7E  # 448; 0x7F is NaN
 _REBIAS = (127 - 7) << 3  # float32 (exponent << 3 | mantissa) minus this = e4m3 code
-_MIN_NORMAL_BITS = (127 - 6) << 23  # float32 bits of 2**-6
+_SUBNORMAL_LO_BITS = (127 - 10) << 23  # 2**-10: at or below, the normal path's clip to 0 is exact
+_MIN_NORMAL_BITS = (127 - 6) << 23  # 2**-6
 _INF_BITS = 0x7F800000
+BF16_NAN = 0x7FC0
 
 
 def _decode_table() -> np.ndarray:
@@ -43,34 +50,49 @@ DECODE_TABLE = _decode_table()
 
 
 def quantize(y: np.ndarray) -> np.ndarray:
-    """E4M3 codes (uint8) of float32 ``y``, |y| <= 448 assumed (larger saturates to 448).
+    """E4M3 codes (uint8) of float32 ``y``; beyond +-448 saturates to 448, NaN maps to NaN."""
+    y = np.ascontiguousarray(y, dtype=np.float32)
+    out = np.empty(y.shape, dtype=np.uint8)
+    quantize_into(y.reshape(-1), out.reshape(-1), may_have_nan=True)
+    return out
 
-    NaN maps to the NaN code.
+
+def quantize_into(y: np.ndarray, out: np.ndarray, *, may_have_nan: bool) -> None:
+    """Write the E4M3 codes of flat float32 ``y`` into flat uint8 ``out``.
+
+    ``may_have_nan=False`` skips the NaN pass (the fp8 codec knows from the
+    per-vector maxima).
     """
-    with np.errstate(invalid="ignore", over="ignore"):
-        return _quantize(np.ascontiguousarray(y, dtype=np.float32))
-
-
-def _quantize(y: np.ndarray) -> np.ndarray:
-    bits = y.reshape(-1).view(np.int32)
-    mbits = bits & np.int32(0x7FFFFFFF)  # |y| as bits; orders like the magnitudes
-    # Normal range: round the float32 mantissa to 3 bits (ties to even), then rebias.
-    code = (mbits >> 20) & 1
+    n = y.size
+    bits = y.view(np.int32)
+    mbits = scratch("e4m3.mbits", n, np.int32)
+    code = scratch("e4m3.code", n, np.int32)
+    np.bitwise_and(bits, 0x7FFFFFFF, out=mbits)  # |y| as bits; orders like the magnitudes
+    # Normal range: round the float32 mantissa to 3 bits (ties to even), then rebias;
+    # anything at or below 2**-10 lands below zero and clips to code 0, as it should.
+    np.right_shift(mbits, 20, out=code)
+    code &= 1
     code += mbits
     code += 0x7FFFF  # NaN bit patterns may wrap here; they are fixed below
     code >>= 20
     code -= _REBIAS
     np.clip(code, 0, MAX_CODE, out=code)
-    # Subnormal range (|y| < 2**-6): multiples of 2**-9, ties to even. Rare after scaling.
-    small = np.flatnonzero(mbits < _MIN_NORMAL_BITS)
+    # Subnormal range (2**-10, 2**-6): multiples of 2**-9, ties to even. Rare after scaling.
+    above = scratch("e4m3.above", n, np.bool_)
+    below = scratch("e4m3.below", n, np.bool_)
+    np.greater(mbits, _SUBNORMAL_LO_BITS, out=above)
+    np.less(mbits, _MIN_NORMAL_BITS, out=below)
+    above &= below
+    small = np.flatnonzero(above)
     if small.size:
-        code[small] = np.rint(np.abs(y.reshape(-1)[small]) * np.float32(512.0))
-    out = code.astype(np.uint8)
-    out |= ((bits >> 24) & 0x80).astype(np.uint8)
-    nan = np.flatnonzero(mbits > _INF_BITS)
+        code[small] = np.rint(np.abs(y[small]) * np.float32(512.0))
+    nan = np.flatnonzero(np.greater(mbits, _INF_BITS, out=above)) if may_have_nan else small[:0]
+    np.right_shift(bits, 24, out=mbits)  # sign bit into 0x80
+    mbits &= 0x80
+    code |= mbits
     if nan.size:
-        out[nan] |= np.uint8(0x7F)
-    return out.reshape(y.shape)
+        code[nan] |= 0x7F
+    np.copyto(out, code, casting="unsafe")
 
 
 def dequantize(codes: np.ndarray) -> np.ndarray:
@@ -82,7 +104,7 @@ def bf16_bits_round_up(x: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) of non-negative float32 ``x``, rounded toward +inf."""
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     up = (bits.astype(np.uint64) + 0xFFFF) >> 16
-    up = np.where(np.isnan(x), 0x7FC0, up)
+    up = np.where(np.isnan(x), BF16_NAN, up)
     return np.minimum(up, 0x7F80).astype(np.uint16)
 
 
@@ -97,16 +119,18 @@ def f32_to_bf16_bits(x: np.ndarray, out: np.ndarray | None = None, *, may_have_n
     ``out`` (uint16, same size) receives them if given; ``may_have_nan=False``
     skips the NaN pass when the caller knows there are none.
     """
-    bits = np.ascontiguousarray(x, dtype=np.float32).reshape(-1).view(np.uint32)
-    rounded = (bits >> 16) & 1
+    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    target = np.empty(flat.size, dtype=np.uint16) if out is None else out.reshape(-1)
+    bits = flat.view(np.uint32)
+    rounded = scratch("e4m3.bf16", flat.size, np.uint32)
+    np.right_shift(bits, 16, out=rounded)
+    rounded &= 1
     rounded += bits
     rounded += 0x7FFF
     rounded >>= 16
+    np.copyto(target, rounded, casting="unsafe")
     if may_have_nan:
-        nan = np.flatnonzero((bits & np.uint32(0x7FFFFFFF)) > np.uint32(_INF_BITS))
+        nan = np.flatnonzero(np.isnan(flat))
         if nan.size:
-            rounded[nan] = (bits[nan] >> 16) | 0x40
-    if out is None:
-        return rounded.astype(np.uint16).reshape(np.shape(x))
-    out.reshape(-1)[...] = rounded
-    return out
+            target[nan] = BF16_NAN | (bits[nan] >> 16) & 0x8000
+    return target.reshape(np.shape(x)) if out is None else out

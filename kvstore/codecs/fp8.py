@@ -40,6 +40,7 @@ import numpy as np
 
 from . import e4m3, zstd
 from .base import Codec, CodecError, EncodeOptions, DEFAULT_OPTIONS, check_out, itemsize_of
+from .scratch import scratch
 
 _MAGIC = b"F8"
 _VERSION = 1
@@ -50,34 +51,33 @@ _FINITE_MAX = {
     "float16": 65504.0,
     "float32": float(np.finfo(np.float32).max),
 }
-
-
-_F16_TO_F32: np.ndarray | None = None
-
-
-def _to_f32(body: np.ndarray, dtype: str) -> np.ndarray:
-    global _F16_TO_F32
-    if dtype == "bfloat16":
-        return e4m3.bf16_bits_to_f32(body.view("<u2"))
-    if dtype == "float16":
-        if _F16_TO_F32 is None:  # a 256 KiB table lookup is twice as fast as numpy's half cast here
-            _F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-        return np.take(_F16_TO_F32, body.view("<u2"))
-    return body.view("<f4")
-
-
-def _write_from_f32(values: np.ndarray, dtype: str, out: np.ndarray, may_have_nan: bool) -> None:
-    if dtype == "bfloat16":
-        e4m3.f32_to_bf16_bits(values, out=out.view("<u2"), may_have_nan=may_have_nan)
-    elif dtype == "float16":
-        out.view("<f2")[...] = values
-    else:
-        out.view("<f4")[...] = values
+# float16 -> float32 by table: a 256 KiB lookup is twice as fast as numpy's half cast here.
+_F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 
 def fp8_payload_len(raw_len: int, dtype: str, head_dim: int) -> int:
     n = raw_len // itemsize_of(dtype)
     return _HEADER.size + 2 * (-(-n // head_dim)) + n + raw_len % itemsize_of(dtype)
+
+
+def _load_f32(body: np.ndarray, dtype: str, out: np.ndarray) -> None:
+    """Widen ``body`` (raw bytes of ``dtype``) into float32 ``out``."""
+    if dtype == "bfloat16":
+        np.left_shift(body.view("<u2"), 16, out=out.view(np.uint32), dtype=np.uint32)
+    elif dtype == "float16":
+        np.take(_F16_TO_F32, body.view("<u2"), out=out)
+    else:
+        np.copyto(out, body.view("<f4"))
+
+
+def _store_from_f32(values: np.ndarray, dtype: str, out: np.ndarray, may_have_nan: bool) -> None:
+    """Narrow float32 ``values`` into ``out`` (raw bytes of ``dtype``), round to nearest even."""
+    if dtype == "bfloat16":
+        e4m3.f32_to_bf16_bits(values, out=out.view("<u2"), may_have_nan=may_have_nan)
+    elif dtype == "float16":
+        np.copyto(out.view("<f2"), values, casting="same_kind")
+    else:
+        np.copyto(out.view("<f4"), values)
 
 
 class Fp8Codec(Codec):
@@ -88,30 +88,41 @@ class Fp8Codec(Codec):
     lossy = True
 
     def encode(self, src: np.ndarray, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> bytes:
-        with np.errstate(invalid="ignore", over="ignore"):  # Inf/NaN vectors become NaN by design
-            return self._encode(src, dtype, opts)
+        buf = scratch("fp8.payload", self.max_encoded_len(src.nbytes, dtype, opts))
+        return buf[: self.encode_into(src, dtype, opts, buf)].tobytes()
 
-    def _encode(self, src: np.ndarray, dtype: str, opts: EncodeOptions) -> bytes:
+    def encode_into(self, src: np.ndarray, dtype: str, opts: EncodeOptions, out: np.ndarray) -> int:
+        total = self.max_encoded_len(src.nbytes, dtype, opts)
+        if out.nbytes < total:
+            raise CodecError(f"{self.name}: output buffer of {out.nbytes} bytes is smaller than {total}")
+        with np.errstate(invalid="ignore", over="ignore"):  # Inf/NaN vectors become NaN by design
+            self._encode_into(src, dtype, opts.head_dim, out[:total])
+        return total
+
+    def _encode_into(self, src: np.ndarray, dtype: str, head_dim: int, out: np.ndarray) -> None:
         itemsize = itemsize_of(dtype)
-        head_dim = opts.head_dim
         n = src.nbytes // itemsize
         n_vec = -(-n // head_dim)
-        x = _to_f32(src[: n * itemsize], dtype)
-        if n_vec * head_dim != n:
-            padded = np.zeros(n_vec * head_dim, dtype=np.float32)
-            padded[:n] = x
-            x = padded
+        x = scratch("fp8.x", n_vec * head_dim, np.float32)
+        _load_f32(src[: n * itemsize], dtype, x[:n])
+        x[n:] = 0.0  # a short last vector is padded for the arithmetic, not stored
         vectors = x.reshape(n_vec, head_dim)
         # max |x| per vector via the bit patterns: integer max is faster, and NaN wins as it should
-        magnitude_bits = vectors.view(np.uint32) & np.uint32(0x7FFFFFFF)
-        amax = magnitude_bits.max(axis=1).view(np.float32) if n_vec else np.zeros(0, np.float32)
+        magnitude = scratch("fp8.magnitude", x.size, np.uint32)
+        np.bitwise_and(x.view(np.uint32), 0x7FFFFFFF, out=magnitude)
+        amax = magnitude.reshape(n_vec, head_dim).max(axis=1).view(np.float32) if n_vec else x[:0]
         scale_bits = e4m3.bf16_bits_round_up(amax / np.float32(e4m3.E4M3_MAX))
         scale_bits[(scale_bits == 0) & (amax > 0)] = 1  # smallest bf16 subnormal
+        scale_bits[scale_bits >= 0x7F80] = e4m3.BF16_NAN  # a vector with Inf/NaN decodes to NaN
         scale = e4m3.bf16_bits_to_f32(scale_bits)
-        safe = np.where(scale > 0, scale, np.float32(1.0))
-        codes = e4m3.quantize(vectors / safe[:, None]).reshape(-1)[:n]
-        header = _HEADER.pack(_MAGIC, _VERSION, _DTYPE_CODE[dtype], head_dim, src.nbytes - n * itemsize, n)
-        return b"".join((header, scale_bits.astype("<u2").tobytes(), memoryview(codes), memoryview(src[n * itemsize :])))
+        np.divide(vectors, np.where(scale > 0, scale, np.float32(1.0))[:, None], out=vectors)
+        _HEADER.pack_into(out, 0, _MAGIC, _VERSION, _DTYPE_CODE[dtype], head_dim, src.nbytes - n * itemsize, n)
+        pos = _HEADER.size
+        out[pos : pos + 2 * n_vec].view("<u2")[...] = scale_bits
+        pos += 2 * n_vec
+        has_nan = bool(np.isnan(scale).any())
+        e4m3.quantize_into(x[:n], out[pos : pos + n], may_have_nan=has_nan)
+        out[pos + n :] = src[n * itemsize :]
 
     def decode_into(self, encoded: memoryview, dtype: str, raw_len: int, out: np.ndarray) -> None:
         check_out(self.name, out, raw_len)
@@ -132,21 +143,24 @@ class Fp8Codec(Codec):
         pos = _HEADER.size
         scales = e4m3.bf16_bits_to_f32(np.frombuffer(encoded, dtype="<u2", count=n_vec, offset=pos))
         pos += 2 * n_vec
-        values = e4m3.dequantize(np.frombuffer(encoded, dtype=np.uint8, count=n, offset=pos))
+        values = scratch("fp8.values", n, np.float32)
+        np.take(e4m3.DECODE_TABLE, np.frombuffer(encoded, dtype=np.uint8, count=n, offset=pos), out=values)
         pos += n
         full = n // head_dim
         with np.errstate(invalid="ignore", over="ignore"):
-            values[: full * head_dim].reshape(full, head_dim)[...] *= scales[:full, None]
+            head = values[: full * head_dim].reshape(full, head_dim)
+            np.multiply(head, scales[:full, None], out=head)
             if full < n_vec:
                 values[full * head_dim :] *= scales[full]
         limit = _FINITE_MAX[dtype]
         top = float(scales.max(initial=0.0))  # NaN if any vector was non-finite
         if not top * e4m3.E4M3_MAX < limit:
             np.clip(values, -limit, limit, out=values)
-        _write_from_f32(values, dtype, out[: n * itemsize], may_have_nan=not top == top)
+        _store_from_f32(values, dtype, out[: n * itemsize], may_have_nan=not top == top)
         out[n * itemsize : raw_len] = np.frombuffer(encoded, dtype=np.uint8, offset=pos)
 
     def max_encoded_len(self, raw_len: int, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> int:
+        """Exact: an fp8 payload's length depends only on raw_len, dtype and head_dim."""
         return fp8_payload_len(raw_len, dtype, opts.head_dim)
 
 
@@ -160,8 +174,16 @@ class Fp8ZstdCodec(Codec):
     def __init__(self) -> None:
         self._fp8 = Fp8Codec()
 
+    def _inner(self, src: np.ndarray, dtype: str, opts: EncodeOptions) -> np.ndarray:
+        inner = scratch("fp8zstd.inner", self._fp8.max_encoded_len(src.nbytes, dtype, opts))
+        self._fp8.encode_into(src, dtype, opts, inner)
+        return inner
+
     def encode(self, src: np.ndarray, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> bytes:
-        return zstd.compress(np.frombuffer(self._fp8.encode(src, dtype, opts), dtype=np.uint8))
+        return zstd.compress(self._inner(src, dtype, opts))
+
+    def encode_into(self, src: np.ndarray, dtype: str, opts: EncodeOptions, out: np.ndarray) -> int:
+        return zstd.compress_into(self._inner(src, dtype, opts), out)
 
     def decode_into(self, encoded: memoryview, dtype: str, raw_len: int, out: np.ndarray) -> None:
         check_out(self.name, out, raw_len)
@@ -171,7 +193,8 @@ class Fp8ZstdCodec(Codec):
             raise CodecError(f"{self.name}: not a zstd frame ({exc})") from None
         if not 0 < inner_len <= fp8_payload_len(raw_len, dtype, 1):
             raise CodecError(f"{self.name}: inner fp8 payload of {inner_len} bytes is implausible for raw_len {raw_len}")
-        inner = zstd.decompress(encoded, inner_len, codec=self.name)
+        inner = scratch("fp8zstd.inner", inner_len)
+        zstd.decompress_into(encoded, inner, inner_len, codec=self.name)
         self._fp8.decode_into(memoryview(inner), dtype, raw_len, out)
 
     def max_encoded_len(self, raw_len: int, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> int:

@@ -60,14 +60,26 @@ def compress(src: np.ndarray) -> bytes:
     return compressor().compress(src)
 
 
-def compress_plane(src: np.ndarray) -> bytes:
-    return plane_compressor().compress(src)
+def compress_into(src: np.ndarray, out: np.ndarray, *, plane: bool = False) -> int:
+    """Compress ``src`` straight into ``out``; returns the frame length.
+
+    Raises CodecError if the frame does not fit (``try_compress_into`` returns
+    None instead). ``plane=True`` uses ``plane_compressor``.
+    """
+    n = try_compress_into(src, out, plane=plane)
+    if n is None:
+        raise CodecError(f"zstd: output buffer of {out.nbytes} bytes too small")
+    return n
 
 
-def compress_into(src: np.ndarray, out: np.ndarray) -> int:
-    """Compress ``src`` straight into ``out``; returns the frame length."""
-    reader = compressor().stream_reader(src, size=src.nbytes, read_size=max(src.nbytes, 1))
-    return _drain(reader, memoryview(out), "zstd: output buffer too small")
+def try_compress_into(src: np.ndarray, out: np.ndarray, *, plane: bool = False) -> int | None:
+    """Like ``compress_into``, but None when the frame would not fit in ``out``."""
+    cctx = plane_compressor() if plane else compressor()
+    reader = cctx.stream_reader(src, size=src.nbytes, read_size=max(src.nbytes, 1))
+    try:
+        return _drain(reader, memoryview(out), "")
+    except CodecError:
+        return None
 
 
 def decompress_into(encoded: memoryview, out: np.ndarray, raw_len: int, codec: str = "zstd") -> None:
@@ -94,7 +106,9 @@ def decompress(encoded: memoryview, raw_len: int, codec: str = "zstd") -> np.nda
     return out
 
 
-def _drain(reader: zstandard.ZstdDecompressionReader, view: memoryview, overflow: str) -> int:
+def _drain(
+    reader: zstandard.ZstdCompressionReader | zstandard.ZstdDecompressionReader, view: memoryview, overflow: str
+) -> int:
     """readinto until EOF; raises CodecError if the stream does not fit ``view``."""
     filled = 0
     with reader:
