@@ -152,3 +152,39 @@ def test_package_import_does_not_import_torch() -> None:
     code = "import sys, kvstore.codecs, kvstore.codecs.pipeline, kvstore.codecs.controller; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("codec", codec_names())
+def test_threads_do_not_share_work_buffers(codec: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    blocks = [kv_like(96_000 + 2 * i, "bfloat16", i) for i in range(8)]
+    expected = [encode(codec, b, "bfloat16") for b in blocks]
+
+    def round_trip(i: int) -> tuple[bytes, bytes]:
+        payload = encode(codec, blocks[i], "bfloat16")
+        return payload, decode(codec, payload, "bfloat16", len(blocks[i]))
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(round_trip, list(range(8)) * 4))
+    for i, (payload, back) in enumerate(results):
+        assert payload == expected[i % 8]
+        assert back == decode(codec, expected[i % 8], "bfloat16", len(blocks[i % 8]))
+
+
+def test_device_destination_goes_through_host() -> None:
+    torch = pytest.importorskip("torch")
+    raw = kv_like(4096, "bfloat16", 5)
+    dest = torch.empty(2048, dtype=torch.bfloat16, device="meta")  # stands in for a cuda tensor: no host view
+    with pytest.raises(TypeError):
+        from kvstore.codecs.buffers import as_writable_u8
+
+        as_writable_u8(dest)
+    decode_into("zstd", encode("zstd", raw, "bfloat16"), "bfloat16", len(raw), dest)
+
+
+def test_accepted_from_wire() -> None:
+    from kvstore.codecs import accepted_from_wire
+
+    assert accepted_from_wire([]) == {"none"}
+    assert accepted_from_wire([pb.CODEC_ZSTD, pb.CODEC_FP8, 99]) == {"none", "zstd", "fp8"}

@@ -12,6 +12,7 @@ Verbs (``kvstore.codecs``):
   buffers (send buffer, arena slot, KV pool block).
 - ``get_codec(name_or_id)``, ``codec_names()``, ``codec_id(name)``,
   ``codec_name(id)``: the registry; ids are the wire enum ``kvstore.v1.Codec``.
+  ``accepted_from_wire(ids)``: the names a Get request's accepted list allows.
 
 Codecs: ``none`` (0), ``zstd`` (1), ``byteplane`` (2), ``fp8`` (3, lossy),
 ``fp8+zstd`` (4, lossy), ``lz4`` (5, when the lz4 package is installed).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from .base import DEFAULT_HEAD_DIM, Codec, CodecError, EncodeOptions
 from .registry import (
+    accepted_from_wire,
     codec_id,
     codec_name,
     codec_names,
@@ -36,6 +38,7 @@ from .registry import (
 
 __all__ = [
     "DEFAULT_HEAD_DIM",
+    "accepted_from_wire",
     "Codec",
     "CodecError",
     "EncodeOptions",

@@ -65,7 +65,7 @@ class Context:
     nbytes: int
     pipelined: bool = False
     lossy_ok: bool = False
-    accepted: frozenset[str] | None = None  # the receiver's accepted codecs; None: any
+    accepted: frozenset[str] | None = None  # receiver's codecs (codecs.accepted_from_wire); None: any
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ the ``lz4`` package is importable.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -59,6 +60,16 @@ def codec_id(name: str) -> int:
 
 def codec_name(wire_id: int) -> str:
     return get_codec(wire_id).name
+
+
+def accepted_from_wire(codec_ids: Iterable[int]) -> frozenset[str]:
+    """Names of the codecs a ``GetRequest.accepted_codecs`` list allows.
+
+    An empty list means ``none`` only (kvstore.v1); ids this build does not
+    know (a newer peer's) are skipped, ``none`` is always included.
+    """
+    names = {_BY_ID[i].name for i in codec_ids if i in _BY_ID}
+    return frozenset(names | {"none"})
 
 
 def _opts(head_dim: int) -> EncodeOptions:

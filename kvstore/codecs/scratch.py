@@ -5,7 +5,8 @@ on free, so every block would page-fault its temporaries in again; on this
 machine that made fp8 encoding 5-10x slower than its arithmetic (measured:
 1,400 minor faults per 360 KiB block). Each call site asks for its buffer by a
 name of its own; a thread's buffer only grows, to the largest block it has
-coded (fp8 keeps about 13 bytes per element, byteplane about 1.5x the block).
+coded (fp8 encoding keeps about 19 bytes per element, decoding 8; byteplane
+about twice the block).
 Contents are undefined on return and must not outlive the codec call.
 """
 from __future__ import annotations
