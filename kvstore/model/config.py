@@ -180,11 +180,11 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             s = self.rope_scaling
-            out["rope_scaling"] = {
-                "rope_type": s.kind, "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_position,
-            }
+            scaling: dict[str, Any] = {"rope_type": s.kind, "factor": s.factor}
+            if s.kind == "llama3":
+                scaling.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                               original_max_position_embeddings=s.original_max_position)
+            out["rope_scaling"] = scaling
         return out
 
 

@@ -10,7 +10,11 @@ Promises:
   (``<|im_start|>``) become their ids, the rest is pre-tokenized by the
   model's regex (``smollm``: each digit alone, then the GPT-2 pattern),
   mapped to GPT-2's byte-to-unicode alphabet and merged by rank.
-- ``decode(encode(text)) == text`` for any text (every byte has a token).
+- ``decode(encode(text)) == text`` for any text whose UTF-8 bytes all have
+  a token. A byte-level vocabulary may lack a few bytes (SmolLM2's lacks 21:
+  some ASCII controls such as 0x04, bytes never valid in UTF-8, and the lead
+  bytes of unassigned planes 4-11); such bytes are dropped, exactly as
+  Hugging Face's tokenizer for the model drops them. ``missing_bytes`` lists them.
 - ``apply_chat_template(messages)`` renders ChatML
   (``<|im_start|>role\\ncontent<|im_end|>\\n``), adding the model's default
   system message when the first message is not a system one.
@@ -112,6 +116,11 @@ class ByteBPETokenizer:
     def eos_id(self) -> int | None:
         return self.spec.eos_id
 
+    @property
+    def missing_bytes(self) -> set[int]:
+        """Bytes without a token: dropped by ``encode``."""
+        return {b for b, c in self._byte_enc.items() if c not in self._vocab}
+
     def token_id(self, token: str) -> int:
         return self._vocab[token]
 
@@ -198,18 +207,11 @@ class ByteBPETokenizer:
                     merged.append(parts[i])
                     i += 1
             parts = merged
-        ids = [self._lookup(p) for p in parts]
+        vocab = self._vocab
+        ids = [vocab[p] for p in parts if p in vocab]  # only lone bytes can be missing
         if len(self._cache) < 200_000:
             self._cache[word] = ids
         return ids
-
-    def _lookup(self, piece: str) -> int:
-        tid = self._vocab.get(piece)
-        if tid is None:
-            if self.spec.unk_id is None:
-                raise KeyError(f"piece {piece!r} is not in the vocabulary and there is no UNK token")
-            return self.spec.unk_id
-        return tid
 
 
 def _default_system(template: str | None) -> str | None:
