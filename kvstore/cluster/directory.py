@@ -1,0 +1,101 @@
+"""The cluster client's directory: live members, one gRPC client per member, nodes marked down.
+
+Verbs:
+
+- ``members() -> [NodeInfo]``: the live members from Redis, re-read when the cached
+  list is older than ``refresh`` seconds. When Redis cannot be read the last list
+  is kept (``redis_up`` turns False) and, before any list was ever read, the
+  ``static`` addresses given to the client stand in (without index ids).
+- ``live() -> [NodeInfo]``: members not marked down.
+- ``client(member) -> Client``: the per-node client, created on first use and
+  replaced when the member restarts (a new incarnation gets a fresh channel, so
+  no gRPC reconnect backoff of the dead process carries over).
+- ``mark_down(member, why)``: skip a node that just failed for ``down_for``
+  seconds (its requests fall over to the next holder instead of timing out again).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+from kvstore.client import Client
+from kvstore.cluster.connect import REDIS_ERRORS, RedisConnector
+from kvstore.cluster.keys import KeyLayout
+from kvstore.cluster.membership import NodeInfo, read_members
+
+log = logging.getLogger("kvstore.cluster.client")
+
+
+class Directory:
+    def __init__(self, connector: RedisConnector, layout: KeyLayout, *, refresh: float = 1.0, down_for: float = 2.0,
+                 static: Sequence[str] = (), client_options: dict[str, Any] | None = None):
+        self.connector, self.layout, self.refresh, self.down_for = connector, layout, refresh, down_for
+        self._static = [NodeInfo(id=addr, addr=addr, incarnation="static") for addr in static]
+        self._options = dict(client_options or {})
+        self._members: list[NodeInfo] | None = None
+        self._read_at = -1e9
+        self._clients: dict[str, tuple[str, Client]] = {}   # node id -> (incarnation, client)
+        self._down: dict[str, float] = {}                    # node id -> until (monotonic)
+        self._lock = threading.Lock()
+        self.redis_up = False
+
+    def members(self) -> list[NodeInfo]:
+        now = time.monotonic()
+        if self._members is not None and now - self._read_at < self.refresh:
+            return self._members
+        with self._lock:
+            if self._members is not None and now - self._read_at < self.refresh:
+                return self._members
+            try:
+                members = read_members(self.connector.get(), self.layout)
+            except REDIS_ERRORS as err:
+                self.connector.failed(err)
+                if self.redis_up:
+                    log.warning("Redis unreachable (%s): routing with the last known %d members", err,
+                                len(self._members or self._static))
+                self.redis_up = False
+                self._read_at = now  # do not retry on every call; the connector backs off too
+                return self._members if self._members is not None else self._static
+            self.connector.ok()
+            self.redis_up = True
+            self._members, self._read_at = members, now
+            self._forget_gone({m.id: m.incarnation for m in members})
+            return members
+
+    def live(self) -> list[NodeInfo]:
+        now = time.monotonic()
+        return [m for m in self.members() if self._down.get(m.id, 0.0) <= now]
+
+    def is_down(self, node_id: str) -> bool:
+        return self._down.get(node_id, 0.0) > time.monotonic()
+
+    def mark_down(self, member: NodeInfo, why: object) -> None:
+        log.info("store node %s (%s) failed: %s; skipping it for %.1fs", member.id, member.addr, why, self.down_for)
+        self._down[member.id] = time.monotonic() + self.down_for
+
+    def client(self, member: NodeInfo) -> Client:
+        with self._lock:
+            held = self._clients.get(member.id)
+            if held is not None and held[0] == member.incarnation:
+                return held[1]
+            client = Client(member.addr, **self._options)
+            self._clients[member.id] = (member.incarnation, client)
+            self._down.pop(member.id, None)
+        if held is not None:
+            held[1].close()
+        return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, {}
+        for _, client in clients.values():
+            client.close()
+
+    def _forget_gone(self, alive: dict[str, str]) -> None:
+        """Lock held: close clients of members that left or restarted."""
+        for node_id in [n for n, (inc, _) in self._clients.items() if alive.get(n) != inc]:
+            _, client = self._clients.pop(node_id)
+            self._down.pop(node_id, None)
+            client.close()
