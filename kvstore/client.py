@@ -6,6 +6,9 @@
         results = kv.put("ns", hashes, payloads)      # one stream, many blocks
         blocks = kv.get("ns", hashes)                 # bytes-like, in order
 
+``Client("redis://HOST:PORT")`` returns a ``kvstore.cluster.ClusterClient`` instead:
+the same verbs over every node of a cluster (see kvstore/cluster/client.py).
+
 Verbs and promises:
 - ``lookup(namespace, hashes) -> int``; ``lookup_tiers`` also returns the tier of each.
 - ``put(namespace, hashes, payloads, *, parent=None, dtype=None) -> [PutResult]``: one
@@ -85,6 +88,14 @@ _TORCH_TO_WIRE = {"bfloat16": "bfloat16", "float16": "float16", "float32": "floa
 
 
 class Client:
+    def __new__(cls, target: str, *args: Any, **kwargs: Any) -> Any:
+        """``Client("redis://HOST:PORT")`` (or rediss://, redis+cluster://) is a cluster client."""
+        if cls is Client and target.split("://", 1)[0].lower() in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+            from kvstore.cluster.client import ClusterClient
+
+            return ClusterClient(target, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         target: str,

@@ -60,6 +60,8 @@ class ServeConfig:
     # Cluster and security (DESIGN 2.4)
     redis: str | None = _opt(None, "Redis URL for cluster mode (membership and global index)", metavar="URL")
     advertise: str | None = _opt(None, "address other hosts reach this node at (default: --listen)", metavar="HOST:PORT")
+    cluster_ttl: float = _opt(10.0, "cluster mode: seconds a node stays listed in Redis without a heartbeat (it "
+                                    "heartbeats every third of it); its index entries expire with it", float)
     tls_cert: str | None = _opt(None, "server TLS certificate (PEM)", metavar="FILE")
     tls_key: str | None = _opt(None, "server TLS private key (PEM)", metavar="FILE")
     tls_client_ca: str | None = _opt(None, "CA bundle for client certificates (enables mutual TLS)", metavar="FILE")

@@ -73,6 +73,7 @@ class StoreServer:
         self.port = 0
         self._metrics_http: Any = None
         self._stopped = threading.Event()
+        self.cluster: Any = None  # kvstore.cluster.node.ClusterNode when cfg.redis is set
 
     def grpc_options(self) -> list[tuple[str, Any]]:
         return [
@@ -93,6 +94,11 @@ class StoreServer:
         server.start()
         self.server = server
         self.store.start()
+        if self.cfg.redis:  # cluster mode: membership heartbeats and the global index, on background threads
+            from kvstore.cluster.node import ClusterNode
+
+            self.cluster = ClusterNode(self.cfg, self.store, self.metrics, self.port).start()
+            self.node_id = self.service.node_id = self.cluster.node_id
         if self.cfg.metrics_port:
             self._metrics_http = self.metrics.start_http(self.cfg.metrics_port)
         for name in ("", SERVICE_NAME):
@@ -117,6 +123,8 @@ class StoreServer:
         self._stopped.set()
         grace = self.cfg.drain_seconds if grace is None else grace
         self.health.enter_graceful_shutdown()
+        if self.cluster is not None:
+            self.cluster.stop()  # deregister first: clients stop routing here while streams drain
         if self.server is not None:
             self.server.stop(grace).wait()
         self.store.close()
