@@ -65,6 +65,14 @@ class ServeConfig:
     tls_cert: str | None = _opt(None, "server TLS certificate (PEM)", metavar="FILE")
     tls_key: str | None = _opt(None, "server TLS private key (PEM)", metavar="FILE")
     tls_client_ca: str | None = _opt(None, "CA bundle for client certificates (enables mutual TLS)", metavar="FILE")
+    insecure_plaintext: bool = _opt(False, "allow plaintext gRPC on a non-loopback --listen address (trusted networks "
+                                           "only); without it such a node needs --tls-cert/--tls-key to start", _bool)
+    tenant_quota: int = _opt(0, "default byte quota per tenant: bytes stored in its namespaces, all tiers (0: none; "
+                                "a tenant's quota in the tenants file wins)", parse_size, "SIZE")
+    tenant_streams: int = _opt(8, "default max concurrent Put/Get streams per tenant (0: no limit; max_streams in "
+                                  "the tenants file wins)", int)
+    max_rpc_seconds: float = _opt(300.0, "server-side limit on any RPC's duration; past it the call ends with "
+                                         "DEADLINE_EXCEEDED (0: none)", float)
     tenants: str | None = _opt(None, "tenants YAML: [{name, token, namespaces: [...]}]; every RPC then needs a token",
                                metavar="FILE")
 
@@ -126,4 +134,6 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
         raise ValueError("option --write-policy: write-back or write-through")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
+    if cfg.tls_client_ca and not cfg.tls_cert:
+        raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     return cfg

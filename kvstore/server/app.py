@@ -5,7 +5,9 @@ tests can listen on port 0), registers the KVStore service, the standard
 ``grpc.health.v1`` health service and server reflection, and starts the
 metrics endpoint and the background demoter. ``stop(grace)`` flips health to
 NOT_SERVING, refuses new RPCs, lets in-flight streams finish for ``grace``
-seconds, then closes the tiers (flushing the NVMe write buffer).
+seconds, then closes the tiers (flushing the NVMe write buffer). Every RPC
+passes the ``Gatekeeper`` interceptor (kvstore/server/auth.py: tokens,
+tenants, stream limits, deadlines); SIGHUP re-reads the TLS and tenants files.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import ServeConfig
+from kvstore.server import tls
+from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import KVStoreService
 from kvstore.server.validate import Limits
@@ -68,7 +72,10 @@ class StoreServer:
                              max_stream_bytes=cfg.max_stream)
         self.node_id = cfg.node_id or cfg.advertise or cfg.listen
         self.health = health.HealthServicer()
-        self.service = KVStoreService(self.store, self.limits, self.metrics, self.node_id)
+        tls.transport(cfg)  # refuse an unsafe transport before anything starts
+        self.gate = Gatekeeper.from_config(cfg, self.store, self.metrics)  # tokens, tenants, quotas, deadlines
+        self.service = KVStoreService(self.store, self.limits, self.metrics, self.node_id, gate=self.gate)
+        self.tls: tls.CertReloader | None = None
         self.server: grpc.Server | None = None
         self.port = 0
         self._metrics_http: Any = None
@@ -86,13 +93,15 @@ class StoreServer:
 
     def start(self) -> "StoreServer":
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="kvstore-rpc"),
-                             options=self.grpc_options(), maximum_concurrent_rpcs=self.cfg.workers * 4)
+                             options=self.grpc_options(), maximum_concurrent_rpcs=self.cfg.workers * 4,
+                             interceptors=self.gate.interceptors())
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         self.port = self._bind(server)
         server.start()
         self.server = server
+        self.gate.start()
         self.store.start()
         if self.cfg.redis:  # cluster mode: membership heartbeats and the global index, on background threads
             from kvstore.cluster.node import ClusterNode
@@ -108,14 +117,14 @@ class StoreServer:
         return self
 
     def _bind(self, server: grpc.Server) -> int:
-        if self.cfg.tls_cert:
-            from kvstore.server.tls import server_credentials
+        port, self.tls = tls.bind(server, self.cfg)  # TLS/mTLS, or plaintext only where the rule allows it
+        return port
 
-            return server.add_secure_port(self.cfg.listen, server_credentials(self.cfg))
-        if not self.cfg.listen.startswith(("127.", "localhost", "[::1]")):
-            log.warning("serving plaintext gRPC on %s without TLS: anyone who can reach it can read and "
-                        "write blocks; use --tls-cert/--tls-key outside a trusted network", self.cfg.listen)
-        return server.add_insecure_port(self.cfg.listen)
+    def reload(self) -> None:
+        """SIGHUP: re-read the TLS files (before the next handshake) and the tenants file."""
+        if self.tls is not None:
+            self.tls.request_reload()
+        self.gate.reload_tenants()
 
     def stop(self, grace: float | None = None) -> None:
         if self._stopped.is_set():
@@ -131,6 +140,7 @@ class StoreServer:
         if self._metrics_http is not None:
             httpd, thread = self._metrics_http
             httpd.shutdown()
+        self.gate.stop()
         log.info("stopped")
 
     def wait(self) -> None:
@@ -147,6 +157,7 @@ class StoreServer:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGHUP, lambda _signum, _frame: self.reload())
         self.start()
         done.wait()
         self.stop()

@@ -6,6 +6,11 @@ CRC32C is accumulated, and the block becomes visible only at ``commit_put``
 after the checksum matched. A malformed stream is aborted with
 INVALID_ARGUMENT; blocks committed before the fault stay stored (they were
 whole and verified) but the caller sees the error, not an acknowledgement.
+
+With a ``gate`` (kvstore/server/auth.py) every handler authorizes the
+request's namespace before touching the store (PERMISSION_DENIED otherwise),
+a Put block over its tenant's byte quota is rejected with RESOURCE_EXHAUSTED,
+and Stats is per namespace, or whole-node for admin tenants only.
 """
 from __future__ import annotations
 
@@ -16,9 +21,12 @@ import grpc
 
 from kvstore.checksum import crc32c
 from kvstore.server import validate
+from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
+from kvstore.server.quotas import namespace_usage
 from kvstore.server.validate import InvalidRequest, Limits
 from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
+from kvstore.tiers.base import TierFault
 from kvstore.store.blockstore import ALREADY_PRESENT
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -53,13 +61,15 @@ class _PutState:
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
-    def __init__(self, store: BlockStore, limits: Limits, metrics: Metrics, node_id: str = ""):
+    def __init__(self, store: BlockStore, limits: Limits, metrics: Metrics, node_id: str = "",
+                 gate: Gatekeeper | None = None):
         self.store, self.limits, self.metrics, self.node_id = store, limits, metrics, node_id
+        self.gate = gate  # None: no authorization at all (an embedded service without the interceptor)
 
     # -- Lookup ------------------------------------------------------------------------
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         with self.metrics.rpc("Lookup", context):
-            ns = self._check(context, validate.namespace, request.namespace)
+            ns = self._authorized(context, request.namespace)
             keys = self._check(context, validate.hashes, request.hashes, self.limits)
             n, ranks = self.store.lookup(ns, keys)
             return pb.LookupResponse(prefix_length=n, tiers=ranks)
@@ -75,7 +85,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             try:
                 for msg in request_iterator:
                     if ns is None:
-                        ns = self._check(context, validate.namespace, msg.namespace)
+                        ns = self._authorized(context, msg.namespace)
                     if msg.HasField("header"):
                         if state is not None:
                             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
@@ -117,6 +127,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def _start_block(self, context, ns: str, header: pb.BlockHeader, index: int) -> _PutState:
         meta = self._check(context, validate.header, ns, header, index, self.limits)
+        over = self.gate.admit_block(ns, meta.stored_length) if self.gate is not None else None
+        if over is not None:  # before begin_put: a tenant over quota never evicts anyone's blocks
+            present = self.store.lookup(ns, [meta.hash])[0] == 1
+            return _PutState(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT) if present
+                             else pb.BlockResult(hash=meta.hash, status=pb.PUT_REJECTED, reason=over,
+                                                 code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]))
         try:
             ticket = self.store.begin_put(ns, meta)
         except CapacityError as err:
@@ -140,12 +156,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if status == ALREADY_PRESENT:
             return pb.BlockResult(hash=state.meta.hash, status=pb.PUT_ALREADY_PRESENT)
         committed.append(entry)
+        if self.gate is not None:
+            self.gate.charge(state.meta.namespace, state.meta.stored_length)
         return pb.BlockResult(hash=state.meta.hash, status=pb.PUT_STORED, tier=self.store.top.rank)
 
     # -- Get -------------------------------------------------------------------------------
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
         with self.metrics.rpc("Get", context):
-            ns = self._check(context, validate.namespace, request.namespace)
+            ns = self._authorized(context, request.namespace)
             keys = self._check(context, validate.hashes, request.hashes, self.limits)
             try:
                 leases = self.store.acquire(ns, keys, allow_missing=request.allow_missing)
@@ -158,6 +176,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         self.store.materialize(window)
                     except DataLossError as err:
                         self._abort(context, grpc.StatusCode.DATA_LOSS, f"{err}; the block was dropped")
+                    except (TierFault, OSError) as err:  # e.g. EIO: the copy may read fine later
+                        self._abort(context, grpc.StatusCode.UNAVAILABLE,
+                                    f"reading blocks from a lower tier failed ({err}); retry, or recompute them")
                     accepted = set(request.accepted_codecs) | {pb.CODEC_NONE}
                     for lease in window:
                         for msg in self._block_messages(lease, accepted):
@@ -181,12 +202,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # -- Delete / Stats ---------------------------------------------------------------------
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
         with self.metrics.rpc("Delete", context):
-            ns = self._check(context, validate.namespace, request.namespace)
+            ns = self._authorized(context, request.namespace)
             keys = self._check(context, validate.hashes, request.hashes, self.limits)
             return pb.DeleteResponse(deleted=self.store.delete(ns, keys))
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         with self.metrics.rpc("Stats", context):
+            if request.namespace:
+                return self._namespace_stats(self._authorized(context, request.namespace))
+            if self.gate is not None:
+                self.gate.authorize_node(context)
             s = self.store.stats()
             tiers = [pb.TierStats(name=t["name"], capacity_bytes=t["capacity_bytes"], used_bytes=t["used_bytes"],
                                   blocks=t["blocks"], hits=t["hits"], evictions=t["evictions"],
@@ -199,7 +224,24 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                     bytes_in=int(self.metrics.total_in), bytes_out=int(self.metrics.total_out),
                                     counters=counters, node_id=self.node_id)
 
+    def _namespace_stats(self, ns: str) -> pb.StatsResponse:
+        """One namespace's blocks and bytes per tier (node-wide counters would show other tenants' traffic)."""
+        use = namespace_usage(self.store, ns)
+        tiers = [pb.TierStats(name=t.name, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes, blocks=t.blocks)
+                 for t in use.tiers]
+        counters = {"namespace_bytes": float(use.bytes)}
+        if self.gate is not None:
+            counters.update(self.gate.quota_counters(ns))
+        return pb.StatsResponse(tiers=tiers, blocks=use.blocks, counters=counters, node_id=self.node_id)
+
     # -- helpers ------------------------------------------------------------------------------
+    def _authorized(self, context, namespace: str) -> str:
+        """A well-formed namespace the caller may use; INVALID_ARGUMENT or PERMISSION_DENIED otherwise."""
+        ns = self._check(context, validate.namespace, namespace)
+        if self.gate is not None:
+            self.gate.authorize(context, ns)
+        return ns
+
     @staticmethod
     def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str):
         context.abort(code, message)
