@@ -24,6 +24,12 @@ Verbs and promises:
   which returns None in its place. Every block's CRC32C is checked.
 - ``delete``, ``stats``; deadlines on every call (``timeout``) and retries with
   backoff on UNAVAILABLE (``retries``).
+
+Data lanes (``lane=``, kvstore/lanes): ``"auto"`` (default) moves the bytes of
+put and get over shared memory when the server is on this host, else over the
+bulk TCP lane, and falls back to the gRPC stream when neither is offered;
+``"shm"``/``"tcp"`` insist on that lane (KVStoreError when it cannot be had);
+``"grpc"`` always streams over gRPC. ``lane_kind`` tells which is in use.
 """
 from __future__ import annotations
 
@@ -108,6 +114,7 @@ class Client:
         retries: int = 3,
         chunk_bytes: int = CHUNK_BYTES,
         max_message: int = 4 << 20,
+        lane: str = "auto",
     ):
         if target.startswith("redis://") or target.startswith("rediss://"):
             raise KVStoreError(grpc.StatusCode.UNIMPLEMENTED,
@@ -122,9 +129,19 @@ class Client:
             self._channel = grpc.insecure_channel(target, options=options)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        from kvstore.lanes.negotiate import LanePool
+
+        self._lanes = LanePool(self._channel, target, lane, metadata=self._metadata, timeout=timeout,
+                               tls=bool(tls_ca or tls_cert))
+
+    @property
+    def lane_kind(self) -> str:
+        """The data lane in use: "shm", "tcp" or "grpc"."""
+        return self._lanes.kind
 
     # -- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
+        self._lanes.close()
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -149,20 +166,27 @@ class Client:
         if not hashes:
             return []
         views = [as_bytes_view(p) for p in payloads]
-        crcs = [crc32c(v) for v, _ in views]  # C implementation; accepts any buffer
+        headers: list[pb.BlockHeader] = []
+        prev = parent or b""
+        for i, (key, (view, kind)) in enumerate(zip(hashes, views)):
+            n = len(view)
+            headers.append(pb.BlockHeader(hash=key, parent=prev if chained else (parent or b"") if i == 0 else b"",
+                                          codec=pb.CODEC_NONE, raw_length=n, stored_length=n,
+                                          dtype=_TORCH_TO_WIRE.get(dtype or kind, dtype or kind)))
+            prev = key
+        on_lane = self._lanes.run(lambda lane: lane.put(namespace, headers, [v for v, _ in views]))
+        if on_lane is not None:
+            return on_lane
+        for header, (view, _) in zip(headers, views):
+            header.crc32c = crc32c(view)  # C implementation; accepts any buffer
 
         def requests() -> Iterator[pb.PutRequest]:
-            prev = parent or b""
-            for i, (key, (view, kind)) in enumerate(zip(hashes, views)):
+            for i, (header, (view, _)) in enumerate(zip(headers, views)):
                 n = len(view)
-                header = pb.BlockHeader(hash=key, parent=prev if chained else (parent or b"") if i == 0 else b"",
-                                        codec=pb.CODEC_NONE, raw_length=n, stored_length=n, crc32c=crcs[i],
-                                        dtype=_TORCH_TO_WIRE.get(dtype or kind, dtype or kind))
                 first = min(self.chunk_bytes, n)
                 yield pb.PutRequest(namespace=namespace if i == 0 else "", header=header, data=bytes(view[:first]))
                 for start in range(first, n, self.chunk_bytes):
                     yield pb.PutRequest(data=bytes(view[start : start + self.chunk_bytes]))
-                prev = key
 
         reply = self._call(lambda: self._stub.Put(requests(), timeout=self.timeout, metadata=self._metadata))
         return [PutResult(r.hash, _STATUS.get(r.status, "rejected"),
@@ -172,6 +196,11 @@ class Client:
             allow_missing: bool = False, verify: bool = True) -> list[Any]:
         if out is not None and len(out) != len(hashes):
             raise ValueError(f"{len(hashes)} hashes but {len(out)} output buffers")
+        if not hashes:
+            return []
+        on_lane = self._lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
+        if on_lane is not None:
+            return on_lane
         request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing)
         return self._call(lambda: self._receive(request, out, verify))
 

@@ -98,6 +98,9 @@ class StoreServer:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        from kvstore.lanes.server import LaneServer  # fast data lanes (shm, tcp), negotiated over gRPC
+
+        self.lanes = LaneServer(self).register(server)
         self.port = self._bind(server)
         server.start()
         self.server = server
@@ -136,6 +139,8 @@ class StoreServer:
             self.cluster.stop()  # deregister first: clients stop routing here while streams drain
         if self.server is not None:
             self.server.stop(grace).wait()
+        if getattr(self, "lanes", None) is not None:
+            self.lanes.close(grace)
         self.store.close()
         if self._metrics_http is not None:
             httpd, thread = self._metrics_http

@@ -1,0 +1,54 @@
+"""Fast data lanes: block bytes off the gRPC path (DESIGN 4).
+
+gRPC stays the control plane; ``KVStoreLanes.OpenLane`` negotiates a lane and
+the bytes of Put and Get move on it. Every lane runs the same store verbs as
+the gRPC service (``kvstore/server/validate.py`` for requests,
+``BlockStore.begin_put/commit_put/abort_put`` for writes, ``acquire/
+materialize/release`` for reads), so validation, checksums, leases and status
+codes are the same whichever lane carried the bytes.
+
+Handshake (``negotiate.py`` on the client, ``servicer.py`` on the server)::
+
+    client                                   server
+    OpenLane(kinds=[shm, tcp], host_id) ──▶  same host_id and shm enabled: create
+                                             /dev/shm/kvstore-lane-<128 random bits>
+                                             (O_EXCL, mode 0600, fallocated)
+    ◀── kind, lane_id, token, host_id,       else tcp: token for the bulk listener
+        shm_path+shm_bytes | tcp_port,
+        lease_seconds
+    shm: open + mmap the path (checks owner, mode, size); the server unlinks it
+         at the first request on the lane, or when the lease runs out unused
+    tcp: connect, send TcpHello(lane_id, token); wrong token: the socket closes
+    any failure ──▶ the next kind, and at the end the gRPC Put/Get
+
+Copies per side (payload bytes; the CRC32C is computed on the bytes while they
+are still in cache, fused with the copy, never as a separate pass over memory):
+
+    lane  op   client                                server
+    shm   put  1: payload -> granted region offsets  1: region -> arena slot (from begin_put)
+    shm   get  1: region -> caller's `out` or new    1: arena slot -> region
+    tcp   put  0: sendmsg straight from the payloads 0: recv_into straight into the arena slot
+    tcp   get  0: recv_into `out` or a new buffer    0: sendmsg straight from the arena slots
+    (tcp: the kernel copies once into and once out of the socket buffers)
+
+Why shm keeps a server-side copy: the arena holds every tenant's blocks, so no
+client may map it; and a client keeps writing access to its region, so the
+server checks the CRC of the bytes *after* they landed in the arena slot (a
+client that scribbles on its region after committing cannot change a stored
+block).
+
+Leases and ownership: a shm put grant reserves store slots and region ranges
+for ``lease_seconds``; whatever is not committed by then is aborted (the slot
+returns to the arena, the block never becomes visible). A commit may only name
+offsets and lengths the server granted, in a grant of the lane whose token it
+carries: anything else is PERMISSION_DENIED and touches nothing. Get grants
+(region ranges holding copies for the client) end when the client releases
+them on its next request, or at the lease. Idle lanes close after ten leases.
+
+Modules: ``base`` (the Lane interface: where a CUDA IPC lane plugs in),
+``memops`` (fused copy+CRC), ``grants`` (region ranges and grant leases),
+``storeops`` (the store verbs shared by every lane), ``registry`` (lanes,
+tokens, expiry), ``shm_region``, ``shm_server``, ``shm_client``, ``framing``,
+``tcp_server``, ``tcp_client``, ``servicer`` (gRPC), ``server`` (wiring into
+StoreServer), ``negotiate`` (client-side lane selection and pool).
+"""

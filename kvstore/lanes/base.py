@@ -1,0 +1,102 @@
+"""The lane interface: what every data lane (shm, tcp, and a future cuda_ipc) implements.
+
+Client side, one ``Lane`` is one negotiated channel for block bytes, used by
+one call at a time (``negotiate.LanePool`` hands lanes out exclusively):
+
+- ``put(namespace, headers, payloads) -> [PutResult]``: store a batch; one
+  result per block, in order (stored, already present, or rejected with the
+  reason). ``headers`` are wire BlockHeaders (hash, parent, codec, lengths,
+  dtype; the lane fills in the CRC32C). Raises ``KVStoreError`` with the
+  server's status code; blocks acknowledged before an error stay stored.
+- ``get(namespace, hashes, out, allow_missing, verify) -> [payload | None]``:
+  the blocks in order, into ``out`` buffers when given, else new buffers;
+  NOT_FOUND on a missing hash unless ``allow_missing``; DATA_LOSS when a CRC32C
+  does not match.
+- ``close()``: give the lane back to the server (its region, its token).
+
+A transport failure (connection reset, region gone, lane expired on the
+server) raises ``LaneBroken``: the pool drops the lane and retries the call
+once on a fresh one; puts and gets are idempotent.
+
+Server side, one ``ServerLane`` holds what a lane owns on the node (a shared
+memory region and its grants, or just a token); the registry expires it.
+
+A CUDA IPC lane (HBM to HBM) plugs in as: a ``LaneKind`` value in lanes.proto;
+a ``ServerLane`` whose OpenLane hands out nothing but a token and whose commit
+takes ``cudaIpcMemHandle``s of the client's tensors, copying device to device
+into the HBM arena slot from ``begin_put`` (and out of it for get) with
+``torch.cuda`` streams; and a client ``Lane`` that sends those handles instead
+of writing bytes. The store verbs (``storeops.StoreOps``), grants and leases
+(``grants``), tokens and expiry (``registry``) are reused as they are.
+"""
+from __future__ import annotations
+
+import hmac
+import secrets
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import grpc
+
+from kvstore.v1 import kvstore_pb2 as pb
+
+TOKEN_BYTES = 32
+
+
+class LaneError(Exception):
+    """A request on a lane failed with a gRPC status code (server side)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message = code, message
+
+
+class LaneBroken(Exception):
+    """The lane itself failed (transport, expired, region gone): drop it and use another."""
+
+
+class Lane(ABC):
+    """Client side of one negotiated lane."""
+
+    kind: str = ""
+
+    @abstractmethod
+    def put(self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[memoryview]) -> list[Any]:
+        """Store a batch; a ``kvstore.client.PutResult`` per block, in order."""
+
+    @abstractmethod
+    def get(self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None,
+            allow_missing: bool, verify: bool) -> list[Any]:
+        """Fetch a batch in order (None for a missing block with ``allow_missing``)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the lane on the server; the object is unusable afterwards."""
+
+
+class ServerLane(ABC):
+    """Server side of one lane: its identity, its secret, and what it holds."""
+
+    kind: str = ""
+
+    def __init__(self, lane_id: str | None = None):
+        self.lane_id = lane_id or secrets.token_hex(8)
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.last_used = time.monotonic()
+        self.closed = threading.Event()
+
+    def check_token(self, token: bytes) -> bool:
+        return hmac.compare_digest(self.token, bytes(token))
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+    @abstractmethod
+    def expire(self, now: float) -> int:
+        """Take back grants whose lease ran out; returns how many expired."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Abort outstanding grants and free what the lane holds (idempotent)."""

@@ -1,0 +1,143 @@
+"""Frames of the bulk TCP lane: a fixed header, protobuf metadata, then raw payload bytes.
+
+Wire layout of one frame (little endian)::
+
+    magic  b"KVL1"   4 bytes
+    kind   u8        HELLO, PUT, PUT_REPLY, GET, GET_REPLY, DATA, STATUS
+    pad    3 bytes
+    meta   u32       length of the metadata (a lanes.proto / kvstore.proto message)
+    data   u64       length of the payload that follows the metadata
+
+Conversation (client -> server, one request at a time per connection; many
+blocks per frame, so a batch costs one round trip)::
+
+    HELLO(TcpHello{lane_id, token})            -> STATUS(OK) | STATUS(error) and close
+    PUT(TcpPut{ns, headers}) + payloads         -> PUT_REPLY(PutResponse) | STATUS(error)
+    GET(GetRequest)                             -> GET_REPLY(TcpGetReply{headers})
+                                                   DATA(payloads of the next blocks) ...
+                                                   | STATUS(error) at any point
+
+The payload of a PUT is every block's stored bytes back to back in header
+order; a DATA frame carries whole blocks, in request order, skipping missing
+ones. Errors are a STATUS frame with a grpc.StatusCode value and a message;
+after an error in the middle of a PUT the server still reads (and drops) the
+rest of the payload, so the connection stays usable.
+
+Sending gathers the frame header, the metadata and the payload buffers into
+``sendmsg`` calls (no copy in user space); receiving uses ``recv_into`` with
+MSG_WAITALL straight into the destination buffer (an arena slot on the
+server, the caller's buffer on the client).
+"""
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+HEADER = struct.Struct("<4sB3xIQ")
+MAGIC = b"KVL1"
+HELLO, PUT, PUT_REPLY, GET, GET_REPLY, DATA, STATUS = range(1, 8)
+MAX_META = 64 << 20
+IOV_MAX = 1024
+SOCKET_BUFFER = 4 << 20
+DRAIN_PIECE = 1 << 20
+
+
+class FrameError(ConnectionError):
+    """The peer broke the framing or went away: the connection is unusable."""
+
+
+@dataclass(slots=True)
+class Frame:
+    kind: int
+    meta: bytes
+    data_len: int
+
+
+def tune(sock: socket.socket) -> None:
+    """Large buffers and no Nagle delay (headers are small and must not wait)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+def send_frame(sock: socket.socket, kind: int, meta: bytes = b"", payload: Sequence[memoryview] = ()) -> None:
+    data_len = sum(len(p) for p in payload)
+    send_all(sock, [memoryview(HEADER.pack(MAGIC, kind, len(meta), data_len)), memoryview(meta), *payload])
+
+
+def send_all(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
+    """sendmsg until every buffer is out, resuming after partial sends."""
+    bufs = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in buffers if len(b)]
+    i = 0
+    while i < len(bufs):
+        sent = sock.sendmsg(bufs[i : i + IOV_MAX])
+        while sent:
+            n = len(bufs[i])
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                bufs[i] = bufs[i][sent:]
+                sent = 0
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` completely or raise FrameError."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if k == 0:
+            raise FrameError(f"connection closed after {got} of {n} bytes")
+        got += k
+
+
+def recv_frame(sock: socket.socket) -> Frame | None:
+    """The next frame's header and metadata (its payload is still on the socket); None on a clean close."""
+    head = memoryview(bytearray(HEADER.size))
+    k = sock.recv_into(head, HEADER.size, socket.MSG_WAITALL)
+    if k == 0:
+        return None
+    if k < HEADER.size:
+        recv_into(sock, head[k:])
+    magic, kind, meta_len, data_len = HEADER.unpack(head)
+    if magic != MAGIC or not HELLO <= kind <= STATUS or meta_len > MAX_META:
+        raise FrameError(f"bad frame header (magic {bytes(magic)!r}, kind {kind}, meta {meta_len} bytes)")
+    meta = bytearray(meta_len)
+    if meta_len:
+        recv_into(sock, memoryview(meta))
+    return Frame(kind, bytes(meta), data_len)
+
+
+def drain(sock: socket.socket, nbytes: int, scratch: memoryview | None = None) -> None:
+    """Read and drop ``nbytes`` of payload."""
+    scratch = scratch if scratch is not None else memoryview(bytearray(min(nbytes, DRAIN_PIECE) or 1))
+    while nbytes > 0:
+        k = min(nbytes, len(scratch))
+        recv_into(sock, scratch[:k])
+        nbytes -= k
+
+
+def recv_into_crc(sock: socket.socket, view: memoryview, piece: int = 1 << 20) -> int:
+    """Fill ``view`` piece by piece, computing the CRC32C of each piece while it is in cache."""
+    from kvstore.checksum import crc32c
+
+    crc, n = 0, len(view)
+    for start in range(0, n, piece):
+        part = view[start : min(start + piece, n)]
+        recv_into(sock, part)
+        crc = crc32c(part, crc)
+    return crc
+
+
+def set_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Kernel send/receive timeouts on a blocking socket (keeps MSG_WAITALL one call per buffer)."""
+    whole = int(seconds)
+    tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)

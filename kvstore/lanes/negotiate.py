@@ -1,0 +1,194 @@
+"""Client-side lane selection and the pool of open lanes.
+
+``LanePool(channel, target, mode, ...)``; ``mode`` is the Client's ``lane=``:
+
+- ``"auto"``: ask for shm then tcp (tcp only on a plaintext channel: it
+  carries no TLS). The server offers shm only to a client whose host id (boot
+  id and host name) equals its own; if the region still cannot be mapped here
+  (another /dev/shm, another uid) the lane is closed and tcp asked for. When
+  the server offers nothing (lanes off, an older server without the service,
+  the lane limit reached) the pool answers ``None`` and the caller uses gRPC;
+  it asks again after ``RETRY_SECONDS``.
+- ``"shm"`` / ``"tcp"``: that lane or a ``KVStoreError`` saying why not.
+- ``"grpc"``: never a lane.
+
+Verbs: ``run(fn) -> result | None`` calls ``fn(lane)`` on a lane held for
+that call alone (None: no lane, use gRPC). A ``LaneBroken`` drops that lane
+and retries ``fn`` once on a fresh one. At most ``max_lanes`` lanes are open;
+more concurrent calls wait for one. ``kind`` is the lane in use ("grpc" when
+none); ``close()`` closes every lane.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, TypeVar
+
+import grpc
+
+from kvstore.lanes.base import Lane, LaneBroken
+from kvstore.lanes.shm_region import RegionError
+from kvstore.v1 import lanes_pb2 as lpb
+from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MODES = ("auto", "grpc", "shm", "tcp")
+RETRY_SECONDS = 30.0
+MAX_LANES = 4
+_KINDS = {"shm": lpb.LANE_SHM, "tcp": lpb.LANE_TCP}
+
+
+class LanePool:
+    def __init__(self, channel: grpc.Channel, target: str, mode: str, *, metadata: tuple[tuple[str, str], ...],
+                 timeout: float, tls: bool, max_lanes: int = MAX_LANES):
+        if mode not in MODES:
+            raise ValueError(f"lane must be one of {', '.join(MODES)}; got {mode!r}")
+        self.mode, self.target, self.tls = mode, target, tls
+        self._stub = lpb_grpc.KVStoreLanesStub(channel)
+        self._metadata, self._timeout, self._max = metadata, timeout, max_lanes
+        self._idle: list[Lane] = []
+        self._open = 0
+        self._cond = threading.Condition()
+        self._retry_at = 0.0
+        self.kind = "grpc"
+
+    def run(self, fn: Callable[[Lane], T]) -> T | None:
+        if self.mode == "grpc":
+            return None
+        lane = self._acquire()
+        if lane is None:
+            return None
+        try:
+            try:
+                result = fn(lane)
+            except LaneBroken as err:
+                log.info("%s lane broke (%s); opening a fresh one", lane.kind, err)
+                self._discard(lane)
+                lane = self._acquire(fresh=True)
+                if lane is None:
+                    return None
+                result = fn(lane)
+        except LaneBroken as err:
+            self._discard(lane)
+            from kvstore.client import KVStoreError
+
+            raise KVStoreError(grpc.StatusCode.UNAVAILABLE, f"{lane.kind} lane failed twice: {err}") from None
+        except BaseException:
+            self._give_back(lane)
+            raise
+        self._give_back(lane)
+        return result
+
+    def close(self) -> None:
+        with self._cond:
+            lanes, self._idle = self._idle, []
+            self._open -= len(lanes)
+        for lane in lanes:
+            lane.close()
+
+    # -- pool --------------------------------------------------------------------------
+    def _acquire(self, fresh: bool = False) -> Lane | None:
+        deadline = time.monotonic() + self._timeout
+        with self._cond:
+            while True:
+                if self._idle and not fresh:
+                    return self._idle.pop()
+                if self._open < self._max:
+                    if self.mode == "auto" and time.monotonic() < self._retry_at:
+                        return None
+                    self._open += 1
+                    break
+                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    return None
+        try:
+            lane = self._negotiate()
+        except BaseException:
+            self._forget()
+            raise
+        if lane is None:
+            self._forget()
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+        else:
+            self.kind = lane.kind
+        return lane
+
+    def _give_back(self, lane: Lane) -> None:
+        with self._cond:
+            self._idle.append(lane)
+            self._cond.notify()
+
+    def _discard(self, lane: Lane) -> None:
+        try:
+            lane.close()
+        except Exception:  # the lane is broken already; the server reaps it
+            pass
+        self._forget()
+
+    def _forget(self) -> None:
+        with self._cond:
+            self._open -= 1
+            self._cond.notify()
+
+    # -- negotiation -----------------------------------------------------------------------
+    def _negotiate(self) -> Lane | None:
+        wanted = ["shm", "tcp"] if self.mode == "auto" else [self.mode]
+        if self.mode == "auto" and (self.tls or self.target.startswith("unix:")):
+            wanted.remove("tcp")
+        reasons: list[str] = []
+        while wanted:
+            reply = self._open_lane(wanted, reasons)
+            if reply is None or reply.kind == lpb.LANE_UNSPECIFIED:
+                if reply is not None:
+                    reasons.append(reply.reason)
+                break
+            kind = "shm" if reply.kind == lpb.LANE_SHM else "tcp"
+            try:
+                return self._connect(kind, reply)
+            except (RegionError, OSError) as err:
+                reasons.append(f"{kind}: {err}")
+                self._close_remote(reply)
+                wanted.remove(kind)
+        why = "; ".join(r for r in reasons if r) or "the server offers no lane"
+        if self.mode != "auto":
+            from kvstore.client import KVStoreError
+
+            raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, f"no {self.mode} lane to {self.target}: {why}")
+        log.info("no fast lane to %s (%s): using gRPC", self.target, why)
+        return None
+
+    def _open_lane(self, wanted: list[str], reasons: list[str]) -> lpb.OpenLaneResponse | None:
+        from kvstore.lanes.server import host_id
+
+        request = lpb.OpenLaneRequest(kinds=[_KINDS[k] for k in wanted], host_id=host_id())
+        try:
+            return self._stub.OpenLane(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+            reasons.append(f"OpenLane: {code.name}: {err.details() if hasattr(err, 'details') else err}")
+            return None
+
+    def _connect(self, kind: str, reply: lpb.OpenLaneResponse) -> Lane:
+        if kind == "shm":
+            from kvstore.lanes.shm_client import ShmClientLane
+
+            return ShmClientLane(self._stub, reply, self._metadata, self._timeout)
+        from kvstore.lanes.tcp_client import TcpClientLane
+
+        return TcpClientLane(reply.tcp_host or _host_of(self.target), reply.tcp_port, reply, self._timeout)
+
+    def _close_remote(self, reply: lpb.OpenLaneResponse) -> None:
+        try:
+            self._stub.CloseLane(lpb.CloseLaneRequest(lane=lpb.LaneRef(lane_id=reply.lane_id, token=reply.token)),
+                                 timeout=5, metadata=self._metadata)
+        except grpc.RpcError:
+            pass
+
+
+def _host_of(target: str) -> str:
+    """The host part of a gRPC target ``HOST:PORT``, ``[V6]:PORT`` or ``dns:///HOST:PORT``."""
+    target = target.split("///", 1)[-1]
+    host = target.rpartition(":")[0] or target
+    return host.strip("[]")

@@ -1,0 +1,144 @@
+"""The KVStoreLanes gRPC service: negotiates lanes and carries the shm lane's control messages.
+
+- ``OpenLane(kinds, host_id)``: the first requested kind this node can give:
+  ``shm`` when the client's host id equals this node's and a region can be
+  created, ``tcp`` when the bulk listener runs; else ``LANE_UNSPECIFIED`` with
+  the reason (the client keeps using the gRPC Put/Get).
+- ``LanePut`` (a stream of reserves and commits) / ``LaneGet``: the shm
+  lane's verbs (``shm_server``); the first of them unlinks the region's file.
+  When a LanePut stream ends, whatever it reserved and did not commit is
+  taken back.
+- ``CloseLane``: aborts what the lane still holds and frees its region.
+
+Every request names its lane and carries its token: an unknown lane is
+FAILED_PRECONDITION (open a new one), a wrong token PERMISSION_DENIED.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator, TypeVar
+
+import grpc
+
+from kvstore.lanes.base import LaneError
+from kvstore.lanes.registry import LaneRegistry
+from kvstore.lanes.shm_region import RegionError, ShmRegion
+from kvstore.lanes.shm_server import ShmServerLane
+from kvstore.lanes.storeops import StoreOps
+from kvstore.lanes.tcp_server import TcpLaneServer, TcpServerLane
+from kvstore.v1 import lanes_pb2 as lpb
+from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class LaneServicer(lpb_grpc.KVStoreLanesServicer):
+    def __init__(self, registry: LaneRegistry, ops: StoreOps, *, host_id: str, shm_dir: str | None,
+                 shm_bytes: int, tcp: TcpLaneServer | None):
+        self.registry, self.ops, self.host_id = registry, ops, host_id
+        self.shm_dir, self.shm_bytes, self.tcp = shm_dir, shm_bytes, tcp
+
+    # -- negotiation ---------------------------------------------------------------------
+    def OpenLane(self, request: lpb.OpenLaneRequest, context: grpc.ServicerContext) -> lpb.OpenLaneResponse:
+        with self.ops.metrics.rpc("OpenLane", context):
+            reasons: list[str] = []
+            for kind in request.kinds:
+                try:
+                    reply = self._open(kind, request, reasons)
+                except LaneError as err:
+                    reasons.append(err.message)
+                    continue
+                if reply is not None:
+                    reply.reason = "; ".join(reasons)
+                    return reply
+            return lpb.OpenLaneResponse(kind=lpb.LANE_UNSPECIFIED, host_id=self.host_id,
+                                        reason="; ".join(reasons) or "no lane kind requested")
+
+    def _open(self, kind: int, request: lpb.OpenLaneRequest, reasons: list[str]) -> lpb.OpenLaneResponse | None:
+        common = dict(host_id=self.host_id, lease_seconds=self.registry.lease)
+        if kind == lpb.LANE_SHM:
+            if self.shm_dir is None:
+                reasons.append("shm lane disabled on this node")
+                return None
+            if request.host_id != self.host_id:
+                reasons.append("shm needs the same host")
+                return None
+            try:
+                region = ShmRegion.create(self.shm_dir, self.shm_bytes)
+            except (RegionError, OSError) as err:
+                log.warning("cannot create a shm lane region: %s", err)
+                reasons.append(f"shm region: {err}")
+                return None
+            lane = ShmServerLane(region, self.ops, self.registry.lease)
+            try:
+                self.registry.add(lane)
+            except LaneError:
+                lane.close()
+                raise
+            return lpb.OpenLaneResponse(kind=kind, lane_id=lane.lane_id, token=lane.token, shm_path=region.path,
+                                        shm_bytes=region.size, **common)
+        if kind == lpb.LANE_TCP:
+            if self.tcp is None:
+                reasons.append("tcp lane disabled on this node")
+                return None
+            tlane = TcpServerLane()
+            self.registry.add(tlane)
+            return lpb.OpenLaneResponse(kind=kind, lane_id=tlane.lane_id, token=tlane.token,
+                                        tcp_port=self.tcp.port, **common)
+        reasons.append(f"unknown lane kind {kind}")
+        return None
+
+    def CloseLane(self, request: lpb.CloseLaneRequest, context: grpc.ServicerContext) -> lpb.CloseLaneResponse:
+        with self.ops.metrics.rpc("CloseLane", context):
+            self._run(context, lambda: self.registry.close(request.lane.lane_id, request.lane.token))
+            return lpb.CloseLaneResponse()
+
+    # -- shm verbs ------------------------------------------------------------------------
+    def _shm(self, ref: lpb.LaneRef) -> ShmServerLane:
+        lane = self.registry.get(ref.lane_id, ref.token, "shm")
+        assert isinstance(lane, ShmServerLane)
+        lane.attached()
+        return lane
+
+    def LanePut(self, request_iterator: Iterator[lpb.LanePutRequest],
+                context: grpc.ServicerContext) -> Iterator[lpb.LanePutResponse]:
+        with self.ops.metrics.rpc("LanePut", context):
+            lane: ShmServerLane | None = None
+            grants: list[int] = []
+            try:
+                for msg in request_iterator:
+                    if lane is None:
+                        lane = self._run(context, lambda: self._shm(msg.lane))
+                    step = msg.WhichOneof("step")
+                    if step == "reserve":
+                        r = msg.reserve
+                        grant = self._run(context, lambda: lane.reserve(r.namespace, r.headers, r.release))
+                        grants.append(grant.grant_id)
+                        yield lpb.LanePutResponse(grant=grant)
+                    elif step == "commit":
+                        c = msg.commit
+                        yield lpb.LanePutResponse(committed=self._run(
+                            context, lambda: lane.commit(c.grant_id, c.blocks)))
+                    else:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LanePut message without reserve or commit")
+            finally:
+                if lane is not None:
+                    lane.end_stream(grants)
+
+    def LaneGet(self, request: lpb.LaneGetRequest, context: grpc.ServicerContext) -> Iterator[lpb.LaneGetResponse]:
+        with self.ops.metrics.rpc("LaneGet", context):
+            stream = self._run(context, lambda: self._shm(request.lane).get(request.request, request.release))
+            while True:
+                msg = self._run(context, lambda: next(stream, None))
+                if msg is None:
+                    return
+                yield msg
+
+    @staticmethod
+    def _run(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except LaneError as err:
+            context.abort(err.code, err.message)
+            raise AssertionError("unreachable")  # context.abort raises

@@ -1,0 +1,234 @@
+"""Client side of the shared-memory lane.
+
+``put`` is one LanePut stream, in rounds of at most one region: ``reserve``
+(the headers; the server answers with a region offset per block it wants, or
+the block's final result), then for each granted block ``write`` (one copy,
+payload -> region, with the CRC32C fused in) and, every ``COMMIT_BYTES``, a
+``commit`` sent without waiting, so the server copies into its arena while
+the client writes the next blocks; the results are collected at the end of
+the round. Closing the stream takes back anything reserved and not committed.
+
+``get`` streams LaneGet: each message describes blocks the server has copied
+into the region; the client copies each out (one copy, into ``out`` or a new
+buffer, CRC32C fused in and checked) and releases the grant with its next
+request on the lane. A region smaller than the batch means more rounds.
+
+The lane is used by one call at a time (``negotiate.LanePool``).
+"""
+from __future__ import annotations
+
+import queue
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import grpc
+
+from kvstore.lanes.base import Lane, LaneBroken
+from kvstore.lanes.memops import alloc_blocks, copy_crc
+from kvstore.lanes.shm_region import attach
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import lanes_pb2 as lpb
+from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
+
+COMMIT_BYTES = 16 << 20
+T = TypeVar("T")
+
+
+class ShmClientLane(Lane):
+    kind = "shm"
+
+    def __init__(self, stub: lpb_grpc.KVStoreLanesStub, opened: lpb.OpenLaneResponse,
+                 metadata: tuple[tuple[str, str], ...], timeout: float):
+        self.region = attach(opened.shm_path, opened.shm_bytes)
+        self.ref = lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)
+        self._stub, self._metadata, self._timeout = stub, metadata, timeout
+        self._release: list[int] = []
+
+    # -- put ------------------------------------------------------------------------------
+    def put(self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[memoryview]) -> list[Any]:
+        results: list[Any] = [None] * len(headers)
+        stream = self.open_put()
+        try:
+            start = 0
+            while start < len(headers):
+                grant = stream.reserve(namespace, headers[start:], self._take_release())
+                descriptors: list[lpb.BlockDescriptor] = []
+                commits: list[list[int]] = []
+                indices: list[int] = []
+                batch = 0
+                for j, slot in enumerate(grant.slots):
+                    i = start + j
+                    if slot.result.status != pb.PUT_STATUS_UNSPECIFIED:
+                        results[i] = _put_result(slot.result)
+                        continue
+                    crc = self.write(slot, payloads[i])
+                    descriptors.append(lpb.BlockDescriptor(index=j, hash=headers[i].hash, offset=slot.offset,
+                                                           length=slot.length, crc32c=crc))
+                    indices.append(i)
+                    batch += slot.length
+                    if batch >= COMMIT_BYTES:  # the server copies these while we write the next ones
+                        stream.send_commit(grant.grant_id, descriptors)
+                        commits.append(indices)
+                        descriptors, indices, batch = [], [], 0
+                if descriptors:
+                    stream.send_commit(grant.grant_id, descriptors)
+                    commits.append(indices)
+                for indices in commits:
+                    for i, r in zip(indices, stream.committed()):
+                        results[i] = _put_result(r)
+                start += len(grant.slots)
+        finally:
+            stream.close()
+        return results
+
+    def open_put(self) -> "PutStream":
+        """A LanePut stream on this lane (its phases are public for tests and tools)."""
+        return PutStream(self)
+
+    def write(self, slot: lpb.SlotGrant, payload: memoryview) -> int:
+        """Copy one payload into its granted offset; its CRC32C."""
+        return copy_crc(self.region.view[slot.offset : slot.offset + slot.length], payload)
+
+    # -- get ------------------------------------------------------------------------------
+    def get(self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None,
+            allow_missing: bool, verify: bool) -> list[Any]:
+        results: list[Any] = [None] * len(hashes)
+        start = 0
+        while start < len(hashes):
+            request = lpb.LaneGetRequest(
+                lane=self.ref, release=self._take_release(),
+                request=pb.GetRequest(namespace=namespace, hashes=hashes[start:], allow_missing=allow_missing))
+            handled = self._call(lambda: self._receive(request, start, out, verify, results))
+            start += handled
+        return results
+
+    def _receive(self, request: lpb.LaneGetRequest, start: int, out: Sequence[Any] | None, verify: bool,
+                 results: list[Any]) -> int:
+        from kvstore.client import as_bytes_view
+
+        handled = -1
+        grant = 0
+        try:
+            for msg in self._stub.LaneGet(request, timeout=self._timeout, metadata=self._metadata):
+                grant = msg.grant_id
+                present = [d for d in msg.blocks if not d.header.missing]
+                fresh = iter(alloc_blocks([d.length for d in present]) if out is None else ())
+                for d in present:
+                    i = start + d.index
+                    src = self.region.view[d.offset : d.offset + d.length]
+                    if out is not None:
+                        dst = as_bytes_view(out[i])[0]
+                        if len(dst) < d.length:
+                            raise _error(grpc.StatusCode.INVALID_ARGUMENT,
+                                         f"output buffer {i} holds {len(dst)} bytes; block is {d.length}")
+                        dst = dst[: d.length]
+                    else:
+                        dst = next(fresh)
+                    if verify and d.header.codec == pb.CODEC_NONE:
+                        if copy_crc(dst, src) != d.header.crc32c:
+                            raise _error(grpc.StatusCode.DATA_LOSS,
+                                         f"block {i} ({d.hash.hex()}) failed its CRC32C check")
+                    else:
+                        dst[:] = src
+                    results[i] = out[i] if out is not None else dst
+                if msg.last:
+                    handled = msg.handled
+        finally:
+            if grant:
+                self._release.append(grant)
+        if handled <= 0:
+            raise _error(grpc.StatusCode.DATA_LOSS, "lane Get stream ended without its last message")
+        return handled
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        try:
+            self._stub.CloseLane(lpb.CloseLaneRequest(lane=self.ref), timeout=5, metadata=self._metadata)
+        except grpc.RpcError:
+            pass  # the server closes it at its idle timeout
+        self.region.close()
+
+    def _take_release(self) -> list[int]:
+        release, self._release = self._release, []
+        return release
+
+    @staticmethod
+    def _call(fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except grpc.RpcError as err:
+            raise _from_rpc(err) from None
+
+
+def _put_result(r: pb.BlockResult) -> Any:
+    from kvstore.client import _STATUS, PutResult, _code
+
+    return PutResult(r.hash, _STATUS.get(r.status, "rejected"), grpc.StatusCode.OK if not r.code else _code(r.code),
+                     r.reason)
+
+
+def _error(code: grpc.StatusCode, message: str) -> Exception:
+    from kvstore.client import KVStoreError
+
+    return KVStoreError(code, message)
+
+
+def _from_rpc(err: grpc.RpcError) -> Exception:
+    """UNAVAILABLE and FAILED_PRECONDITION (lane or grant gone) break the lane; the rest are the caller's."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED):
+        return LaneBroken(f"{code.name}: {details}")
+    return _error(code, details)
+
+
+class PutStream:
+    """One LanePut stream: ``reserve`` -> ``send_commit`` ... -> ``committed`` (in order) -> ``close``."""
+
+    def __init__(self, lane: ShmClientLane):
+        self._lane = lane
+        self._queue: queue.SimpleQueue[lpb.LanePutRequest | None] = queue.SimpleQueue()
+        self._first = True
+        self._responses = lane._stub.LanePut(self._requests(), timeout=lane._timeout, metadata=lane._metadata)
+
+    def _requests(self) -> Iterator[lpb.LanePutRequest]:
+        while True:
+            msg = self._queue.get()
+            if msg is None:
+                return
+            yield msg
+
+    def _send(self, msg: lpb.LanePutRequest) -> None:
+        if self._first:
+            msg.lane.CopyFrom(self._lane.ref)
+            self._first = False
+        self._queue.put(msg)
+
+    def _next(self, step: str) -> Any:
+        try:
+            reply = next(self._responses)
+        except StopIteration:
+            raise LaneBroken("the LanePut stream ended early") from None
+        except grpc.RpcError as err:
+            raise _from_rpc(err) from None
+        if reply.WhichOneof("step") != step:
+            raise LaneBroken(f"LanePut stream out of step: expected {step}")
+        return getattr(reply, step)
+
+    def reserve(self, namespace: str, headers: Sequence[pb.BlockHeader], release: Sequence[int] = ()) -> lpb.LaneGrant:
+        self._send(lpb.LanePutRequest(reserve=lpb.LaneReserve(namespace=namespace, headers=headers, release=release)))
+        return self._next("grant")
+
+    def send_commit(self, grant_id: int, descriptors: Sequence[lpb.BlockDescriptor]) -> None:
+        self._send(lpb.LanePutRequest(commit=lpb.LaneCommit(grant_id=grant_id, blocks=descriptors)))
+
+    def committed(self) -> Sequence[pb.BlockResult]:
+        """Results of the oldest commit not yet collected."""
+        return self._next("committed").results
+
+    def close(self) -> None:
+        self._queue.put(None)
+        try:
+            for _ in self._responses:
+                pass
+        except grpc.RpcError:
+            pass  # the error, if any, was raised to the caller already

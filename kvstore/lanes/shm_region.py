@@ -1,0 +1,95 @@
+"""Shared-memory regions of the shm lane: created by the server, mapped by both sides.
+
+``ShmRegion.create(dir, size)`` (server): a file ``<dir>/kvstore-lane-<32 hex
+digits from secrets.token_hex>`` opened with O_CREAT|O_EXCL|O_NOFOLLOW and
+mode 0600 (only this uid can open it; the name is unguessable), its pages
+reserved with ``posix_fallocate`` (a full /dev/shm fails here with ENOSPC,
+never later as SIGBUS), and mapped shared. ``unlink()`` removes the name once
+the client has mapped it (or the lane closes): from then on only the two
+mappings keep the memory, and it is freed when both are gone, even if a
+process is killed.
+
+``attach(path, size)`` (client): opens the file without following links and
+checks it is a regular file of this uid, mode 0600 and the announced size
+before mapping it.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+
+import numpy as np
+
+PREFIX = "kvstore-lane-"
+
+
+class RegionError(OSError):
+    """The region cannot be created or attached (the lane falls back to another kind)."""
+
+
+@dataclass
+class ShmRegion:
+    path: str
+    size: int
+    mapping: mmap.mmap
+    array: np.ndarray   # uint8 view of the whole region
+    view: memoryview    # flat byte view of the whole region
+
+    @classmethod
+    def create(cls, directory: str, size: int) -> "ShmRegion":
+        path = os.path.join(directory, PREFIX + secrets.token_hex(16))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as err:
+                raise RegionError(err.errno, f"cannot reserve {size} bytes in {directory}: {err.strerror}") from None
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        array = np.frombuffer(mapping, dtype=np.uint8)
+        return cls(path, size, mapping, array, memoryview(array))
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Unlink and drop this side's references; the pages go when the last mapping does."""
+        self.unlink()
+        self.array = np.empty(0, np.uint8)
+        try:
+            self.view.release()
+            self.mapping.close()
+        except BufferError:  # a copy in flight still holds a view; the mapping goes with the last one
+            pass
+
+
+def attach(path: str, size: int) -> ShmRegion:
+    """Map a region the server announced; RegionError when it is not ours or not as announced."""
+    if not os.path.basename(path).startswith(PREFIX):
+        raise RegionError(errno.EINVAL, f"{path} is not a kvstore lane region")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        raise RegionError(err.errno, f"cannot open lane region {path}: {err.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o600 \
+                or st.st_size != size:
+            raise RegionError(errno.EPERM, f"lane region {path} is not a {size}-byte file of this user with mode 0600")
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    array = np.frombuffer(mapping, dtype=np.uint8)
+    return ShmRegion(path, size, mapping, array, memoryview(array))

@@ -1,0 +1,186 @@
+"""The store verbs every lane runs: the same validation, checksums and leases as the gRPC service.
+
+Verbs (``StoreOps``, thread-safe like the BlockStore under it):
+
+- ``reserve(ns, headers) -> [Reservation]``: validate every header first
+  (``kvstore.server.validate``; INVALID_ARGUMENT names the block, and nothing
+  is reserved), then ``begin_put`` each: a reservation holds a ticket (a
+  writable arena slot, invisible until committed) or a final result (already
+  present; rejected with RESOURCE_EXHAUSTED).
+- ``finish(res, crc, computed) -> BlockResult``: ``crc`` is the CRC32C the
+  client claims for the raw bytes, ``computed`` the CRC32C of the bytes that
+  landed in the slot (codec none). On a match the block is committed; on a
+  mismatch the slot is given back and INVALID_ARGUMENT raised.
+- ``abort(reservations)``: give back the slots of uncommitted reservations.
+- ``persist(entries)``: write-through to the durable tier before acknowledging.
+- ``acquire / materialize / release``: leases for reading, as the gRPC Get,
+  with NOT_FOUND and DATA_LOSS mapped to ``LaneError``; ``servable(lease,
+  accepted)`` decodes a block stored with a codec the reader does not accept.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import grpc
+
+from kvstore.lanes.base import LaneError
+from kvstore.server import validate
+from kvstore.server.metrics import Metrics
+from kvstore.server.service import verify_crc
+from kvstore.server.validate import InvalidRequest, Limits
+from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
+from kvstore.store.blockstore import ALREADY_PRESENT
+from kvstore.tiers.base import BlockMeta
+from kvstore.v1 import kvstore_pb2 as pb
+
+GET_WINDOW_BYTES = 64 << 20  # NVMe reads of a Get are materialized this much at a time
+
+
+@dataclass(slots=True)
+class Reservation:
+    index: int
+    meta: BlockMeta
+    ticket: PutTicket | None
+    result: pb.BlockResult | None  # final when there is no ticket
+
+
+class StoreOps:
+    def __init__(self, store: BlockStore, limits: Limits, metrics: Metrics):
+        self.store, self.limits, self.metrics = store, limits, metrics
+
+    # -- validation ---------------------------------------------------------------------
+    @staticmethod
+    def check(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except InvalidRequest as err:
+            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+
+    def namespace(self, ns: str) -> str:
+        return self.check(validate.namespace, ns)
+
+    def hashes(self, keys: Sequence[bytes]) -> list[bytes]:
+        return self.check(validate.hashes, keys, self.limits)
+
+    def headers(self, ns: str, headers: Sequence[pb.BlockHeader]) -> list[BlockMeta]:
+        if len(headers) > self.limits.max_hashes:
+            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{len(headers)} blocks in one request; the limit is {self.limits.max_hashes}")
+        metas = [self.check(validate.header, ns, h, i, self.limits) for i, h in enumerate(headers)]
+        total = sum(m.stored_length for m in metas)
+        if total > self.limits.max_stream_bytes:
+            raise LaneError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{total} bytes in one request exceed {self.limits.max_stream_bytes}; split it")
+        return metas
+
+    # -- put ----------------------------------------------------------------------------------
+    def reserve(self, ns: str, headers: Sequence[pb.BlockHeader]) -> list[Reservation]:
+        metas = self.headers(ns, headers)
+        out: list[Reservation] = []
+        try:
+            for i, meta in enumerate(metas):
+                out.append(self.reserve_one(ns, meta, i))
+        except BaseException:
+            self.abort(out)
+            raise
+        return out
+
+    def reserve_one(self, ns: str, meta: BlockMeta, index: int) -> Reservation:
+        try:
+            ticket = self.store.begin_put(ns, meta)
+        except CapacityError as err:
+            return Reservation(index, meta, None, pb.BlockResult(
+                hash=meta.hash, status=pb.PUT_REJECTED, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                reason=str(err)))
+        if ticket is None:
+            return Reservation(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT))
+        return Reservation(index, meta, ticket, None)
+
+    def finish(self, res: Reservation, crc: int, computed: int, committed: list[int]) -> pb.BlockResult:
+        """Verify and commit one reserved block whose bytes are in ``res.ticket.buffer``."""
+        if res.ticket is None:
+            assert res.result is not None
+            return res.result
+        ticket, res.ticket = res.ticket, None
+        if crc != ticket.meta.crc32c:
+            ticket.meta = dataclasses.replace(ticket.meta, crc32c=crc)
+        if not verify_crc(ticket.meta, ticket.buffer, computed):
+            self.store.abort_put(ticket)
+            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"block {res.index} ({res.meta.hash.hex()}): CRC32C mismatch; the bytes were "
+                            f"corrupted in transit or the header's checksum is wrong")
+        status, entry = self.store.commit_put(ticket)
+        if status == ALREADY_PRESENT:
+            return pb.BlockResult(hash=res.meta.hash, status=pb.PUT_ALREADY_PRESENT)
+        committed.append(entry)
+        return pb.BlockResult(hash=res.meta.hash, status=pb.PUT_STORED, tier=self.store.top.rank)
+
+    def abort(self, reservations: Sequence[Reservation | None]) -> None:
+        for res in reservations:
+            if res is not None and res.ticket is not None:
+                ticket, res.ticket = res.ticket, None
+                self.store.abort_put(ticket)
+
+    def persist(self, entries: list[int]) -> None:
+        self.store.persist(entries)
+
+    # -- get ------------------------------------------------------------------------------------
+    def acquire(self, request: pb.GetRequest) -> tuple[str, list[Lease | None]]:
+        ns = self.namespace(request.namespace)
+        keys = self.hashes(request.hashes)
+        try:
+            return ns, self.store.acquire(ns, keys, allow_missing=request.allow_missing)
+        except NotFoundError as err:
+            raise LaneError(grpc.StatusCode.NOT_FOUND, str(err.args[0])) from None
+
+    def materialize(self, leases: Sequence[Lease | None]) -> None:
+        try:
+            self.store.materialize(leases)
+        except DataLossError as err:
+            raise LaneError(grpc.StatusCode.DATA_LOSS, f"{err}; the block was dropped") from None
+
+    def release(self, leases: Sequence[Lease | None]) -> None:
+        self.store.release(leases)
+
+    @staticmethod
+    def windows(leases: list[Lease | None], budget: int = GET_WINDOW_BYTES) -> Iterator[list[Lease | None]]:
+        window: list[Lease | None] = []
+        size = 0
+        for lease in leases:
+            window.append(lease)
+            size += lease.stored_length if lease is not None else 0
+            if size >= budget:
+                yield window
+                window, size = [], 0
+        if window:
+            yield window
+
+    @staticmethod
+    def servable(lease: Lease, accepted: set[int]) -> tuple[pb.BlockHeader, Any]:
+        """The header and bytes to send for a leased block, decoded when the reader cannot decode it."""
+        codec, stored, buf = lease.codec, lease.stored_length, lease.buffer
+        if codec not in accepted:
+            from kvstore.codecs import decode
+
+            buf = memoryview(decode(codec, buf, lease.dtype, lease.raw_length))
+            codec, stored = pb.CODEC_NONE, lease.raw_length
+        header = pb.BlockHeader(hash=lease.hash, codec=codec, raw_length=lease.raw_length, stored_length=stored,
+                                crc32c=lease.crc32c, dtype=lease.dtype)
+        return header, buf
+
+    @staticmethod
+    def header_of(lease: Lease | None, accepted: set[int]) -> pb.BlockHeader:
+        """The header a reader will see for a lease, without touching its bytes."""
+        if lease is None:
+            return pb.BlockHeader(missing=True)
+        if lease.codec in accepted:
+            return pb.BlockHeader(hash=lease.hash, codec=lease.codec, raw_length=lease.raw_length,
+                                  stored_length=lease.stored_length, crc32c=lease.crc32c, dtype=lease.dtype)
+        return pb.BlockHeader(hash=lease.hash, codec=pb.CODEC_NONE, raw_length=lease.raw_length,
+                              stored_length=lease.raw_length, crc32c=lease.crc32c, dtype=lease.dtype)
+
+
+def accepted_codecs(request: pb.GetRequest) -> set[int]:
+    return set(request.accepted_codecs) | {pb.CODEC_NONE}

@@ -1,0 +1,287 @@
+"""Server side of the bulk TCP lane: a listener, one thread per connection, many blocks per frame.
+
+Verbs (frames in ``framing.py``):
+
+- HELLO: the first frame of a connection names a TCP lane opened over gRPC and
+  proves it with the lane's token; anything else, or nothing within
+  ``HELLO_SECONDS``, closes the connection.
+- PUT: all headers are validated before any byte is stored (INVALID_ARGUMENT
+  names the block; the payload is read and dropped). Then, block by block,
+  ``begin_put`` and ``recv_into`` straight into the arena slot (no copy in
+  user space) with the CRC32C computed piece by piece as the bytes arrive,
+  verified, committed. A block that is already present or rejected has its
+  bytes read and dropped. A connection that dies mid-block aborts that slot:
+  nothing partial ever becomes visible and no slot leaks.
+- GET: lease the blocks, send every header, then DATA frames of whole blocks
+  gathered straight from the arena slots with ``sendmsg`` (materializing NVMe
+  blocks one window at a time); leases are dropped as each window is sent.
+
+Socket reads and writes inside a frame time out after ``frame_seconds``
+(kernel SO_RCVTIMEO/SO_SNDTIMEO), so a stalled peer cannot hold slots or
+leases longer than that.
+"""
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+from typing import Any
+
+import grpc
+
+from kvstore.lanes import framing
+from kvstore.lanes.base import LaneError, ServerLane
+from kvstore.lanes.memops import copy_into, host_view
+from kvstore.lanes.registry import LaneRegistry
+from kvstore.lanes.storeops import StoreOps, accepted_codecs
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import lanes_pb2 as lpb
+
+log = logging.getLogger(__name__)
+
+HELLO_SECONDS = 10.0
+POLL_SECONDS = 0.5
+
+
+class TcpServerLane(ServerLane):
+    """A TCP lane is a token for exactly one connection; the lane closes when the connection does."""
+
+    kind = "tcp"
+    connected = False
+
+    def expire(self, now: float) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+class TcpLaneServer:
+    def __init__(self, host: str, port: int, registry: LaneRegistry, ops: StoreOps, frame_seconds: float):
+        self.registry, self.ops, self.frame_seconds = registry, ops, frame_seconds
+        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                              backlog=128)
+        self.port = self._listener.getsockname()[1]
+        self._stopping = threading.Event()
+        self._conns: dict[socket.socket, bool] = {}  # connection -> busy
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "TcpLaneServer":
+        self._thread = threading.Thread(target=self._accept_loop, name="kvstore-tcp-lane", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, grace: float = 5.0) -> None:
+        """Stop accepting, let frames in progress finish for ``grace`` seconds, then cut the rest."""
+        self._stopping.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            self._idle.wait_for(lambda: not any(self._conns.values()), timeout=grace)
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # -- connections ----------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                continue
+            framing.tune(conn)
+            with self._lock:
+                self._conns[conn] = False
+            threading.Thread(target=self._serve, args=(conn,), name="kvstore-tcp-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        lane: ServerLane | None = None
+        try:
+            lane = self._hello(conn)
+            if lane is not None:
+                framing.set_timeouts(conn, self.frame_seconds)
+                self._frames(conn, lane)
+        except OSError as err:
+            log.debug("tcp lane connection ended: %s", err)
+        except Exception:
+            log.exception("tcp lane connection failed")
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+                self._idle.notify_all()
+            conn.close()
+            if lane is not None:
+                self.registry.close(lane.lane_id, lane.token)
+
+    def _hello(self, conn: socket.socket) -> ServerLane | None:
+        if not select.select([conn], [], [], HELLO_SECONDS)[0]:
+            return None
+        framing.set_timeouts(conn, HELLO_SECONDS)
+        frame = framing.recv_frame(conn)
+        if frame is None or frame.kind != framing.HELLO or frame.data_len:
+            return None
+        ref = lpb.TcpHello.FromString(frame.meta).lane
+        try:
+            lane = self.registry.get(ref.lane_id, ref.token, "tcp")
+            assert isinstance(lane, TcpServerLane)
+            with self._lock:
+                if lane.connected:
+                    raise LaneError(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"tcp lane {ref.lane_id!r} already has its connection")
+                lane.connected = True
+        except LaneError as err:
+            self._status(conn, err.code, err.message)
+            return None
+        self._status(conn, grpc.StatusCode.OK, "")
+        return lane
+
+    def _frames(self, conn: socket.socket, lane: ServerLane) -> None:
+        while not self._stopping.is_set():
+            if not select.select([conn], [], [], POLL_SECONDS)[0]:
+                if lane.closed.is_set():
+                    return
+                continue
+            frame = framing.recv_frame(conn)
+            if frame is None:
+                return
+            self._busy(conn, True)
+            try:
+                if lane.closed.is_set():
+                    framing.drain(conn, frame.data_len)
+                    self._status(conn, grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"lane {lane.lane_id!r} was closed; open a new lane")
+                    return
+                lane.touch()
+                if frame.kind == framing.PUT:
+                    with self.ops.metrics.rpc("TcpLanePut"):
+                        self._put(conn, frame)
+                elif frame.kind == framing.GET and not frame.data_len:
+                    with self.ops.metrics.rpc("TcpLaneGet"):
+                        self._get(conn, frame)
+                else:
+                    self._status(conn, grpc.StatusCode.INVALID_ARGUMENT, f"unexpected frame kind {frame.kind}")
+                    return
+            finally:
+                self._busy(conn, False)
+
+    def _busy(self, conn: socket.socket, busy: bool) -> None:
+        with self._lock:
+            self._conns[conn] = busy
+            if not busy:
+                self._idle.notify_all()
+
+    def _status(self, conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
+        meta = lpb.LaneStatus(code=code.value[0], message=message).SerializeToString()
+        framing.send_frame(conn, framing.STATUS, meta)
+
+    # -- put ------------------------------------------------------------------------------------
+    def _put(self, conn: socket.socket, frame: framing.Frame) -> None:
+        ops = self.ops
+        try:
+            request = lpb.TcpPut.FromString(frame.meta)
+            ns = ops.namespace(request.namespace)
+            metas = ops.headers(ns, request.headers)
+            expected = sum(m.stored_length for m in metas)
+            if expected != frame.data_len:
+                raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the headers announce {expected} payload bytes but the frame carries {frame.data_len}")
+        except LaneError as err:
+            framing.drain(conn, frame.data_len)
+            self._status(conn, err.code, err.message)
+            return
+        reply = pb.PutResponse()
+        committed: list[int] = []
+        error: LaneError | None = None
+        stored = 0
+        res = None
+        try:
+            for i, meta in enumerate(metas):
+                n = meta.stored_length
+                if error is not None:
+                    framing.drain(conn, n)
+                    continue
+                res = ops.reserve_one(ns, meta, i)
+                if res.ticket is None:
+                    framing.drain(conn, n)
+                    reply.results.append(res.result)
+                    res = None
+                    continue
+                computed = self._recv_block(conn, res.ticket.buffer, n)
+                try:
+                    reply.results.append(ops.finish(res, meta.crc32c, computed, committed))
+                    stored += n
+                except LaneError as err:
+                    error = err
+                res = None
+        finally:
+            if res is not None:
+                ops.abort([res])  # the connection died in the middle of this block
+            ops.metrics.add("lane_tcp_put_bytes", stored)
+            ops.metrics.bytes_in(stored)
+        ops.persist(committed)
+        if error is not None:
+            self._status(conn, error.code, error.message)
+        else:
+            framing.send_frame(conn, framing.PUT_REPLY, reply.SerializeToString())
+
+    @staticmethod
+    def _recv_block(conn: socket.socket, buffer: Any, n: int) -> int:
+        dst = host_view(buffer)
+        if dst is not None:
+            return framing.recv_into_crc(conn, dst[:n])
+        staging = memoryview(bytearray(n))  # device slot (HBM tier): land on host, then upload
+        crc = framing.recv_into_crc(conn, staging)
+        copy_into(buffer, staging)
+        return crc
+
+    # -- get ------------------------------------------------------------------------------------
+    def _get(self, conn: socket.socket, frame: framing.Frame) -> None:
+        ops = self.ops
+        try:
+            request = pb.GetRequest.FromString(frame.meta)
+            _, leases = ops.acquire(request)
+        except LaneError as err:
+            self._status(conn, err.code, err.message)
+            return
+        accepted = accepted_codecs(request)
+        released = 0
+        sent = 0
+        try:
+            reply = lpb.TcpGetReply(headers=[ops.header_of(lease, accepted) for lease in leases])
+            framing.send_frame(conn, framing.GET_REPLY, reply.SerializeToString())
+            for window in ops.windows(leases):
+                try:
+                    ops.materialize(window)
+                except LaneError as err:
+                    self._status(conn, err.code, err.message)
+                    return
+                payload = [_host_bytes(ops.servable(lease, accepted)[1]) for lease in window if lease is not None]
+                if payload:
+                    framing.send_frame(conn, framing.DATA, b"", payload)
+                    sent += sum(len(p) for p in payload)
+                ops.release(window)
+                released += len(window)
+        finally:
+            ops.release(leases[released:])
+            ops.metrics.add("lane_tcp_get_bytes", sent)
+            ops.metrics.bytes_out(sent)
+
+
+def _host_bytes(buf: Any) -> memoryview:
+    view = host_view(buf)
+    if view is not None:
+        return view
+    return memoryview(buf.cpu().numpy()).cast("B")  # device slot (HBM tier): one download

@@ -1,0 +1,196 @@
+from kvstore.v1 import kvstore_pb2 as _kvstore_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LaneKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LANE_UNSPECIFIED: _ClassVar[LaneKind]
+    LANE_SHM: _ClassVar[LaneKind]
+    LANE_TCP: _ClassVar[LaneKind]
+LANE_UNSPECIFIED: LaneKind
+LANE_SHM: LaneKind
+LANE_TCP: LaneKind
+
+class OpenLaneRequest(_message.Message):
+    __slots__ = ("kinds", "host_id")
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    kinds: _containers.RepeatedScalarFieldContainer[LaneKind]
+    host_id: str
+    def __init__(self, kinds: _Optional[_Iterable[_Union[LaneKind, str]]] = ..., host_id: _Optional[str] = ...) -> None: ...
+
+class OpenLaneResponse(_message.Message):
+    __slots__ = ("kind", "lane_id", "token", "host_id", "lease_seconds", "shm_path", "shm_bytes", "tcp_host", "tcp_port", "reason")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LANE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TCP_HOST_FIELD_NUMBER: _ClassVar[int]
+    TCP_PORT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    kind: LaneKind
+    lane_id: str
+    token: bytes
+    host_id: str
+    lease_seconds: float
+    shm_path: str
+    shm_bytes: int
+    tcp_host: str
+    tcp_port: int
+    reason: str
+    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., lane_id: _Optional[str] = ..., token: _Optional[bytes] = ..., host_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., tcp_host: _Optional[str] = ..., tcp_port: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LaneRef(_message.Message):
+    __slots__ = ("lane_id", "token")
+    LANE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    lane_id: str
+    token: bytes
+    def __init__(self, lane_id: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class LanePutRequest(_message.Message):
+    __slots__ = ("lane", "reserve", "commit")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    lane: LaneRef
+    reserve: LaneReserve
+    commit: LaneCommit
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., reserve: _Optional[_Union[LaneReserve, _Mapping]] = ..., commit: _Optional[_Union[LaneCommit, _Mapping]] = ...) -> None: ...
+
+class LaneReserve(_message.Message):
+    __slots__ = ("namespace", "headers", "release")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    headers: _containers.RepeatedCompositeFieldContainer[_kvstore_pb2.BlockHeader]
+    release: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., headers: _Optional[_Iterable[_Union[_kvstore_pb2.BlockHeader, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SlotGrant(_message.Message):
+    __slots__ = ("offset", "length", "result")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    result: _kvstore_pb2.BlockResult
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., result: _Optional[_Union[_kvstore_pb2.BlockResult, _Mapping]] = ...) -> None: ...
+
+class LaneGrant(_message.Message):
+    __slots__ = ("grant_id", "slots", "expires_in")
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_FIELD_NUMBER: _ClassVar[int]
+    grant_id: int
+    slots: _containers.RepeatedCompositeFieldContainer[SlotGrant]
+    expires_in: float
+    def __init__(self, grant_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ..., expires_in: _Optional[float] = ...) -> None: ...
+
+class BlockDescriptor(_message.Message):
+    __slots__ = ("index", "hash", "offset", "length", "crc32c", "header")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    hash: bytes
+    offset: int
+    length: int
+    crc32c: int
+    header: _kvstore_pb2.BlockHeader
+    def __init__(self, index: _Optional[int] = ..., hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., crc32c: _Optional[int] = ..., header: _Optional[_Union[_kvstore_pb2.BlockHeader, _Mapping]] = ...) -> None: ...
+
+class LaneCommit(_message.Message):
+    __slots__ = ("grant_id", "blocks")
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    grant_id: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockDescriptor]
+    def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ...) -> None: ...
+
+class LaneCommitted(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[_kvstore_pb2.BlockResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[_kvstore_pb2.BlockResult, _Mapping]]] = ...) -> None: ...
+
+class LanePutResponse(_message.Message):
+    __slots__ = ("grant", "committed")
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    grant: LaneGrant
+    committed: LaneCommitted
+    def __init__(self, grant: _Optional[_Union[LaneGrant, _Mapping]] = ..., committed: _Optional[_Union[LaneCommitted, _Mapping]] = ...) -> None: ...
+
+class LaneGetRequest(_message.Message):
+    __slots__ = ("lane", "request", "release")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    lane: LaneRef
+    request: _kvstore_pb2.GetRequest
+    release: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LaneGetResponse(_message.Message):
+    __slots__ = ("grant_id", "blocks", "handled", "last")
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HANDLED_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    grant_id: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockDescriptor]
+    handled: int
+    last: bool
+    def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., handled: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class CloseLaneRequest(_message.Message):
+    __slots__ = ("lane",)
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    lane: LaneRef
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ...) -> None: ...
+
+class CloseLaneResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TcpHello(_message.Message):
+    __slots__ = ("lane",)
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    lane: LaneRef
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ...) -> None: ...
+
+class TcpPut(_message.Message):
+    __slots__ = ("namespace", "headers")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    headers: _containers.RepeatedCompositeFieldContainer[_kvstore_pb2.BlockHeader]
+    def __init__(self, namespace: _Optional[str] = ..., headers: _Optional[_Iterable[_Union[_kvstore_pb2.BlockHeader, _Mapping]]] = ...) -> None: ...
+
+class TcpGetReply(_message.Message):
+    __slots__ = ("headers",)
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    headers: _containers.RepeatedCompositeFieldContainer[_kvstore_pb2.BlockHeader]
+    def __init__(self, headers: _Optional[_Iterable[_Union[_kvstore_pb2.BlockHeader, _Mapping]]] = ...) -> None: ...
+
+class LaneStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
