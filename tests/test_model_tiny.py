@@ -89,6 +89,18 @@ def test_blocks_moved_as_payload_bytes_continue_the_sequence(model: LlamaModel) 
     assert _rel(got, ref[48:]) < 1e-5
 
 
+def test_iter_prefill_reports_blocks_as_they_fill(model: LlamaModel) -> None:
+    toks = _tokens(45, seed=12)
+    pool = model.new_pool(8)
+    pool.add_sequence("s")
+    pool.append_slots("s", 0)
+    chunks = list(model.iter_prefill(pool, "s", toks, 20))
+    assert [c.tokens_done for c in chunks] == [20, 40, 45]
+    assert [c.full_blocks for c in chunks] == [range(0, 1), range(1, 2), range(2, 2)]
+    assert [c.logits is None for c in chunks] == [True, True, False]
+    assert _rel(chunks[-1].logits[0], _full(model, toks)[-1]) < 1e-5
+
+
 def test_batched_decode_of_ragged_sequences_equals_single(model: LlamaModel) -> None:
     lengths = [5, 16, 17, 40]
     prompts = {i: _tokens(n, seed=10 + i) for i, n in enumerate(lengths)}

@@ -12,19 +12,22 @@ Inference only. Verbs and their promises:
   call, longer rows (prefill chunks) get one causal call each. Capacity is
   checked up front: ``OutOfBlocks`` leaves the pool unchanged.
 - ``prefill(pool, seq, tokens, chunk_size=None)``: ``forward`` for one
-  sequence, optionally in chunks (chunked prefill).
+  sequence, optionally in chunks (chunked prefill); ``iter_prefill`` yields
+  after each chunk the range of blocks that just became full, so the worker
+  can Put them while the next chunk computes.
 - ``decode(pool, seqs, tokens)``: one new token for each sequence.
 - Logits come back in fp32: ``"last"`` gives ``[len(batch), vocab]``,
   ``"all"`` gives ``[total_new_tokens, vocab]`` in batch order, ``"none"``
   skips the LM head (intermediate prefill chunks).
 
+CPU only, and not thread-safe: one ``forward`` at a time per pool.
 Numerics follow Hugging Face's ``LlamaForCausalLM`` (fp32 by default, bf16 or
 fp16 when the config says so); projections are fused (QKV, gate+up) for speed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +41,15 @@ from kvstore.model.weights import check_state_dict, random_state_dict
 
 LogitsMode = Literal["last", "all", "none"]
 TokenChunk = Sequence[int] | torch.Tensor
+
+
+@dataclass(frozen=True)
+class ChunkDone:
+    """Progress of a chunked prefill after one chunk."""
+
+    tokens_done: int          # tokens of the sequence now held in the pool
+    full_blocks: range        # block-table indices that became full during this chunk
+    logits: torch.Tensor | None
 
 
 @dataclass
@@ -120,19 +132,35 @@ class LlamaModel:
         return PagedKVPool(self.config, num_blocks, block_size=block_size)
 
     # -- verbs ------------------------------------------------------------------------
+    def iter_prefill(
+        self, pool: PagedKVPool, seq_id: SeqId, tokens: TokenChunk, chunk_size: int, *,
+        logits: LogitsMode = "last",
+    ) -> Iterator[ChunkDone]:
+        """Chunked prefill that reports, after each chunk, which blocks just became full.
+
+        The prefill worker Puts ``pool.sequence_payloads(seq_id, r.start, r.stop)``
+        for each chunk's ``full_blocks`` range while the next chunk computes.
+        ``logits`` applies to the last chunk ("all": to every chunk).
+        """
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        bs = pool.block_size
+        for s in range(0, len(toks), chunk_size):
+            final = s + chunk_size >= len(toks)
+            mode: LogitsMode = logits if (final or logits == "all") else "none"
+            before = pool.num_tokens(seq_id) // bs
+            out = self.forward(pool, [(seq_id, toks[s:s + chunk_size])], logits=mode)
+            done = pool.num_tokens(seq_id)
+            yield ChunkDone(tokens_done=done, full_blocks=range(before, done // bs), logits=out)
+
     def prefill(
         self, pool: PagedKVPool, seq_id: SeqId, tokens: TokenChunk, *,
         logits: LogitsMode = "last", chunk_size: int | None = None,
     ) -> torch.Tensor | None:
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        step = chunk_size or max(len(tokens), 1)
-        outs: list[torch.Tensor] = []
-        for s in range(0, len(tokens), step):
-            last = s + step >= len(tokens)
-            mode: LogitsMode = logits if (last or logits == "all") else "none"
-            out = self.forward(pool, [(seq_id, tokens[s:s + step])], logits=mode)
-            if out is not None:
-                outs.append(out)
+        toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        outs = [c.logits for c in self.iter_prefill(pool, seq_id, toks, chunk_size or max(len(toks), 1), logits=logits)
+                if c.logits is not None]
         if not outs:
             return None
         return outs[-1] if logits == "last" else torch.cat(outs)
@@ -150,6 +178,8 @@ class LlamaModel:
         self, pool: PagedKVPool, batch: Sequence[tuple[SeqId, TokenChunk]], *, logits: LogitsMode = "last",
     ) -> torch.Tensor | None:
         c = self.config
+        if pool.device.type != "cpu":
+            raise ValueError(f"this runtime computes on CPU; the pool lives on {pool.device}")
         if pool.config.layers != c.layers or pool.config.kv_heads != c.kv_heads or pool.config.head_dim != c.head_dim:
             raise ValueError("pool was built for a different model shape")
         seq_ids = [s for s, _ in batch]
