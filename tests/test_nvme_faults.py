@@ -35,7 +35,7 @@ def read_back(tier: NvmeTier, locs: list[int], data: list[bytes]) -> None:
 def test_write_fault_discards_the_batch_degrades_and_heals(tmp_path: Path, err: int) -> None:
     rng = np.random.default_rng(err)
     backend = InstrumentedBackend(PosixBackend())
-    tier = NvmeTier(tmp_path, 64 * MiB, segment_bytes=4 * MiB, write_buffer_bytes=256 * KiB,
+    tier = NvmeTier(tmp_path, 64 * MiB, segment_bytes=4 * MiB, write_io_bytes=256 * KiB,
                     backend=backend, probe_interval_s=0.3)
     m1, d1 = blocks(rng, 10, 100_000)
     locs1 = tier.write(m1, d1)

@@ -179,7 +179,7 @@ import json, sys, numpy as np
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.nvme import NvmeTier
 d, seed = sys.argv[1], int(sys.argv[2])
-tier = NvmeTier(d, 1 << 30, segment_bytes=8 << 20, write_buffer_bytes=1 << 20)
+tier = NvmeTier(d, 1 << 30, segment_bytes=8 << 20, write_io_bytes=1 << 20)
 rng = np.random.default_rng(seed)
 out = sys.stdout
 while True:

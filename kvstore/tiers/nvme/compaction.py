@@ -114,8 +114,8 @@ def _move_segment(log_: SegmentLog, backend: IoBackend, pool: BufferPool, hook: 
                         report.records_lost += 1
                 if not good:
                     continue
-                items = [Pending(c.payload, header=bytes(c.record[:c.header.header_len]))  # type: ignore[union-attr,index]
-                         for c in good]
+                items = [Pending(c.payload, header=bytes(c.record[:c.header.header_len]),  # type: ignore[union-attr,index]
+                                 decoded=c.header) for c in good]
                 try:
                     new_locs = log_.append(items, use_reserve=True, force_sync=True)
                 except TierFull as e:

@@ -1,10 +1,11 @@
 """Fault-injection and counting seam: an IoBackend wrapper for tests and benchmarks.
 
 ``InstrumentedBackend(inner)`` forwards every verb to ``inner`` and counts
-calls and bytes (``preads``, ``pwrites``, ``syncs``, ``creates``,
-``bytes_read``, ``bytes_written``). Faults are armed explicitly:
+calls and bytes (``preads``, ``pwrites`` (one per pwrite or pwritev call),
+``syncs``, ``creates``, ``bytes_read``, ``bytes_written``). Faults are armed
+explicitly:
 
-- ``fail_writes_after(nbytes, err=ENOSPC)``: pwrites succeed until ``nbytes``
+- ``fail_writes_after(nbytes, err=ENOSPC)``: writes succeed until ``nbytes``
   more bytes have been written, then raise ``OSError(err)`` (a write that
   would cross the limit writes nothing). ``create`` fails the same way while
   armed and exhausted, as a full filesystem would.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 from kvstore.tiers.nvme.io import FileHandle, IoBackend
 
@@ -64,7 +65,10 @@ class InstrumentedBackend(IoBackend):
         return self.inner.open(path)
 
     def pwrite(self, fh: FileHandle, buf: Any, offset: int) -> None:
-        n = memoryview(buf).nbytes
+        self._account_write(fh, memoryview(buf).nbytes)
+        self.inner.pwrite(fh, buf, offset)
+
+    def _account_write(self, fh: FileHandle, n: int) -> None:
         with self._lock:
             if self._write_budget is not None:
                 if n > self._write_budget:
@@ -73,7 +77,10 @@ class InstrumentedBackend(IoBackend):
                 self._write_budget -= n
             self.pwrites += 1
             self.bytes_written += n
-        self.inner.pwrite(fh, buf, offset)
+
+    def pwritev(self, fh: FileHandle, bufs: Sequence[Any], offset: int) -> None:
+        self._account_write(fh, sum(memoryview(b).nbytes for b in bufs))
+        self.inner.pwritev(fh, bufs, offset)
 
     def pread(self, fh: FileHandle, buf: Any, offset: int) -> int:
         if self._read_errno is not None:

@@ -34,9 +34,8 @@ A location is one int: ``segment_id << 40 | byte offset of the record``.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import google_crc32c._crc32c as _crc  # the C implementation (fails loudly if absent)
 import numpy as np
@@ -105,18 +104,27 @@ def _dtype_bytes(dtype: str) -> bytes:
     return raw
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
     """A decoded, validated record header."""
 
     seq: int
     meta: BlockMeta
     stored_crc: int
-    header_len: int  # bytes of the header proper (94 + N + 4), the rest of the page is zeros
+    header_len: int  # bytes of the header proper (94 + N + 4); the rest of its page is zeros
 
     @property
     def record_bytes(self) -> int:
         return record_bytes(self.meta.stored_length)
+
+
+@lru_cache(maxsize=4096)
+def _namespace_str(raw: bytes) -> str:
+    return raw.decode("utf-8")
+
+
+@lru_cache(maxsize=64)
+def _dtype_str(raw: bytes) -> str:
+    return raw.decode("ascii")
 
 
 def encode_header(meta: BlockMeta, seq: int, stored_crc: int) -> bytes:
@@ -152,8 +160,8 @@ def decode_header(buf: Any, offset: int = 0) -> Header | None:
     if _crc.value(body) != _CRC.unpack_from(buf, end)[0]:
         return None
     try:
-        namespace = body[_FIXED.size:].decode("utf-8")
-        dtype = dt[:dtlen].decode("ascii")
+        namespace = _namespace_str(body[_FIXED.size:])
+        dtype = _dtype_str(dt[:dtlen])
     except UnicodeDecodeError:
         return None
     meta = BlockMeta(namespace, h, parent if flags & FLAG_PARENT else b"", codec, dtype,

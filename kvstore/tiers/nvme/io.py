@@ -27,7 +27,7 @@ import mmap
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -63,6 +63,12 @@ class IoBackend(ABC):
 
     @abstractmethod
     def pread(self, fh: FileHandle, buf: Any, offset: int) -> int: ...
+
+    def pwritev(self, fh: FileHandle, bufs: Sequence[Any], offset: int) -> None:
+        """Write the buffers back to back from ``offset`` (one syscall where the backend can)."""
+        for buf in bufs:
+            self.pwrite(fh, buf, offset)
+            offset += _nbytes(buf)
 
     def sync(self, fh: FileHandle) -> None:
         os.fdatasync(fh.fd)
@@ -126,6 +132,23 @@ class PosixBackend(IoBackend):
             if n <= 0:
                 raise OSError(errno.EIO, f"pwrite returned {n}", fh.path)
             done += n
+
+    def pwritev(self, fh: FileHandle, bufs: Sequence[Any], offset: int) -> None:
+        views = [memoryview(b).cast("B") for b in bufs]
+        total = sum(len(v) for v in views)
+        try:
+            n = os.pwritev(fh.fd, views, offset)
+        except OSError as e:
+            if not self._demoted(fh, e):
+                raise
+            n = 0
+        if n < total:  # short or refused: finish buffer by buffer
+            pos = 0
+            for v in views:
+                if pos + len(v) > n:
+                    skip = max(0, n - pos)
+                    self.pwrite(fh, v[skip:], offset + pos + skip)
+                pos += len(v)
 
     def pread(self, fh: FileHandle, buf: Any, offset: int) -> int:
         view = memoryview(buf).cast("B")

@@ -35,7 +35,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kvstore.tiers.base import BlockMeta, TierFull
-from kvstore.tiers.nvme.format import PAGE, align_up, encode_header, make_loc, record_bytes, split_loc
+from kvstore.tiers.nvme.format import PAGE, Header, align_up, encode_header, make_loc, record_bytes, split_loc
 from kvstore.tiers.nvme.io import IoBackend
 from kvstore.tiers.nvme.recovery import Recovered, recover_log
 from kvstore.tiers.nvme.segments import Segment, SegmentState, fsync_dir, lock_dir, segment_path, summary_path
@@ -54,7 +54,8 @@ class Pending:
     payload: np.ndarray  # the stored bytes, uint8
     meta: BlockMeta | None = None
     stored_crc: int = 0
-    header: bytes | None = None
+    header: bytes | None = None  # a copy's header bytes, as on disk
+    decoded: Header | None = None  # ... and decoded
 
     @property
     def nbytes(self) -> int:
@@ -63,13 +64,17 @@ class Pending:
 
 class SegmentLog:
     def __init__(self, data_dir: Path, backend: IoBackend, *, segment_bytes: int, max_segments: int,
-                 reserve_segments: int, write_buffer_bytes: int, sync_writes: bool):
+                 reserve_segments: int, write_io_bytes: int, write_buffers: int, sync_writes: bool,
+                 sync_interval_s: float):
         self.data_dir = data_dir
         self.backend = backend
         self.segment_bytes = segment_bytes
         self.max_segments = max_segments
         self.reserve_segments = reserve_segments
         self.sync_writes = sync_writes
+        self.sync_interval_s = sync_interval_s
+        self._dirty: dict[int, Segment] = {}  # written without fdatasync since the last sync
+        self._last_sync = time.monotonic()
         self.lock = threading.Lock()  # segment table, accounting, forwards, pins
         self._unpinned = threading.Condition(self.lock)
         self.write_lock = threading.Lock()  # one append at a time
@@ -87,7 +92,7 @@ class SegmentLog:
         self.forwards: dict[int, tuple[int, float]] = {}  # old loc -> (new loc, when)
         self.disk_bytes = sum(s.size for s in self.segments.values())
         self.live_bytes = sum(s.live_bytes for s in self.segments.values())
-        self.combiner = WriteCombiner(backend, write_buffer_bytes)
+        self.combiner = WriteCombiner(backend, write_io_bytes, write_buffers)
         self.bytes_appended = 0
         self.syncs = 0
 
@@ -97,8 +102,7 @@ class SegmentLog:
             sizes = [p.nbytes for p in items]
             self._ensure_room(sizes, use_reserve)
             seq0 = self.next_seq
-            headers = [p.header if p.header is not None else encode_header(p.meta, seq0 + i, p.stored_crc)
-                       for i, p in enumerate(items)]  # type: ignore[arg-type]  # ValueError: nothing touched
+            headers, decoded = self._headers(items, seq0)  # ValueError here: nothing touched yet
             runs: list[tuple[Segment, int, list[int]]] = []  # (segment, start offset, item indices)
             created: list[Segment] = []
             offsets: list[int] = []
@@ -116,13 +120,44 @@ class SegmentLog:
                 for run_seg, start, idxs in runs:
                     self.combiner.write(run_seg.fh, start, self._chunks(items, headers, idxs))
                     if self.sync_writes or force_sync or not run_seg.fh.direct:
-                        self.backend.sync(run_seg.fh)
-                        self.syncs += 1
+                        self._sync(run_seg)
+                    else:
+                        self._dirty[run_seg.id] = run_seg
+                if self._dirty and time.monotonic() - self._last_sync >= self.sync_interval_s:
+                    self.sync_dirty()
             except BaseException:
                 self._abandon(created)
                 raise
             self.next_seq = seq0 + len(items)
-            return self._commit(runs, created, sizes, headers, offsets)
+            return self._commit(runs, created, sizes, decoded, offsets)
+
+    @staticmethod
+    def _headers(items: Sequence[Pending], seq0: int) -> tuple[list[bytes], list[Header]]:
+        raw: list[bytes] = []
+        decoded: list[Header] = []
+        for i, p in enumerate(items):
+            if p.header is not None and p.decoded is not None:
+                raw.append(p.header)
+                decoded.append(p.decoded)
+                continue
+            assert p.meta is not None
+            h = encode_header(p.meta, seq0 + i, p.stored_crc)
+            raw.append(h)
+            decoded.append(Header(seq0 + i, p.meta, p.stored_crc, len(h)))
+        return raw, decoded
+
+    def _sync(self, seg: Segment) -> None:
+        self.backend.sync(seg.fh)
+        self.syncs += 1
+        self._dirty.pop(seg.id, None)
+
+    def sync_dirty(self) -> None:
+        """fdatasync every segment written since its last sync (bounds what a power loss can take)."""
+        for seg in list(self._dirty.values()):
+            if seg.id in self.segments:
+                self._sync(seg)
+        self._dirty.clear()
+        self._last_sync = time.monotonic()
 
     def _chunks(self, items: Sequence[Pending], headers: list[bytes], idxs: list[int]) -> Iterator[Chunk]:
         for i in idxs:
@@ -165,7 +200,7 @@ class SegmentLog:
         return seg
 
     def _commit(self, runs: list[tuple[Segment, int, list[int]]], created: list[Segment],
-                sizes: list[int], headers: list[bytes], offsets: list[int]) -> list[int]:
+                sizes: list[int], headers: list[Header], offsets: list[int]) -> list[int]:
         locs = [0] * len(sizes)
         with self.lock:
             for seg, _, idxs in runs:
@@ -191,6 +226,7 @@ class SegmentLog:
             old, self.active = self.active, None
             for seg in created:
                 del self.segments[seg.id]
+                self._dirty.pop(seg.id, None)
                 self.disk_bytes -= seg.size
         for seg in created:
             self.backend.close(seg.fh)
@@ -286,6 +322,7 @@ class SegmentLog:
             while seg.readers:
                 self._unpinned.wait()
             del self.segments[seg.id]
+            self._dirty.pop(seg.id, None)
             self.disk_bytes -= seg.size
             self.live_bytes -= seg.live_bytes
         self.backend.close(seg.fh)
@@ -311,6 +348,7 @@ class SegmentLog:
 
     def close(self) -> None:
         with self.write_lock:
+            self.sync_dirty()
             active, self.active = self.active, None
         if active is not None:
             self._seal(active)

@@ -12,8 +12,8 @@ stored length the caller expects, and the CRC32C of the payload. It returns a
 Callers copy a payload out only after its check passed, so a caller buffer
 never receives bytes that failed verification.
 
-``BufferPool`` bounds the bounce-buffer memory (``count x size``; a single
-record larger than ``size`` gets a temporary buffer of its own).
+``BufferPool`` bounds the bounce-buffer memory (``count`` buffers, each as
+large as the largest piece read so far).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvstore.tiers.nvme.format import HEADER_BYTES, Header, crc32c, decode_header, record_bytes
+from kvstore.tiers.nvme.format import HEADER_BYTES, Header, align_up, crc32c, decode_header, record_bytes
 from kvstore.tiers.nvme.io import IoBackend, aligned_buffer
 from kvstore.tiers.nvme.segments import Segment
 
@@ -108,7 +108,11 @@ def read_piece(backend: IoBackend, piece: Piece, buf: np.ndarray) -> list[Checke
 
 
 class BufferPool:
-    """A fixed set of aligned bounce buffers; borrowing blocks while all are out."""
+    """A fixed number of aligned bounce buffers; borrowing blocks while all are out.
+
+    A buffer too small for a piece is replaced by one that fits (and kept), so
+    memory stays at ``count x`` the largest piece read, never per-call allocations.
+    """
 
     def __init__(self, count: int, size: int):
         self.size = size
@@ -117,13 +121,11 @@ class BufferPool:
             self._free.put(aligned_buffer(size))
 
     def get(self, nbytes: int) -> np.ndarray:
-        if nbytes > self.size:
-            return aligned_buffer(nbytes)
-        return self._free.get()
+        buf = self._free.get()
+        return buf if len(buf) >= nbytes else aligned_buffer(align_up(nbytes))
 
     def put(self, buf: np.ndarray) -> None:
-        if len(buf) == self.size:
-            self._free.put(buf)
+        self._free.put(buf)
 
 
 def copy_into(dest: Any, payload: np.ndarray) -> None:

@@ -29,12 +29,12 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.tiers.base import BlockMeta
-from kvstore.tiers.nvme.format import PAGE, Header, align_down, align_up, crc32c, decode_header, make_loc, split_loc
+from kvstore.tiers.nvme.format import PAGE, Header, align_down, align_up, crc32c, decode_header, make_loc, record_bytes
 from kvstore.tiers.nvme.io import FileHandle, IoBackend, aligned_buffer
 from kvstore.tiers.nvme.segments import (
-    Segment, SegmentState, list_segment_ids, segment_path, summary_path,
+    RecordTable, Segment, SegmentState, list_segment_ids, segment_path, summary_path,
 )
-from kvstore.tiers.nvme.sidecar import read_checkpoint, read_summary, write_summary
+from kvstore.tiers.nvme.sidecar import SegmentRecords, read_checkpoint, read_summary, write_summary
 
 log = logging.getLogger("kvstore.nvme")
 
@@ -43,8 +43,7 @@ SCAN_CHUNK = 8 << 20
 
 @dataclass
 class ScanResult:
-    records: list[tuple[int, Header]]
-    raw_headers: list[bytes]  # the header bytes of each record, for its segment's summary
+    records: list[tuple[int, Header]]  # (offset, header) of every valid record, ascending
     end: int
     stop: str  # why the scan ended
 
@@ -73,11 +72,10 @@ def scan_segment(backend: IoBackend, fh: FileHandle, size: int, chunk: int = SCA
     win = _Window(backend, fh, size, chunk)
     step = chunk - PAGE
     records: list[tuple[int, Header]] = []
-    raw: list[bytes] = []
     pos = 0
 
     def done(why: str) -> ScanResult:
-        return ScanResult(records, raw, pos, why)
+        return ScanResult(records, pos, why)
 
     while True:
         if pos + PAGE > size:
@@ -88,7 +86,6 @@ def scan_segment(backend: IoBackend, fh: FileHandle, size: int, chunk: int = SCA
         header = decode_header(page)
         if header is None:
             return done("end of written records" if not page.any() else f"invalid header at offset {pos}")
-        head = bytes(page[:header.header_len])
         nbytes = header.record_bytes
         if pos + nbytes > size:
             return done(f"record at offset {pos} runs past the end of the file")
@@ -104,7 +101,6 @@ def scan_segment(backend: IoBackend, fh: FileHandle, size: int, chunk: int = SCA
         if crc != header.stored_crc:
             return done(f"record at offset {pos} fails its payload CRC (torn write)")
         records.append((pos, header))
-        raw.append(head)
         pos += nbytes
 
 
@@ -130,25 +126,24 @@ def _cleanup(data_dir: Path, ids: list[int]) -> None:
             os.unlink(data_dir / name)
 
 
-def _load_segment(data_dir: Path, backend: IoBackend, seg_id: int, out: Recovered) -> tuple[Segment, list]:
+def _load_segment(data_dir: Path, backend: IoBackend, seg_id: int, out: Recovered) -> tuple[Segment, SegmentRecords]:
     path = segment_path(data_dir, seg_id)
     fh = backend.open(str(path))
     size = os.fstat(fh.fd).st_size
-    summary = read_summary(data_dir, seg_id)
-    if summary is not None:
-        records, end = summary.records, summary.end
+    recs = read_summary(data_dir, seg_id)
+    if recs is not None:
         out.summarized += 1
     else:
         res = scan_segment(backend, fh, size)
-        records, end = res.records, res.end
         out.scanned += 1
-        out.notes.append(f"segment {seg_id}: scanned {len(records)} records, stopped: {res.stop}")
-        if records:
-            write_summary(data_dir, seg_id, end, [(off, head) for (off, _), head in zip(records, res.raw_headers)])
-    seg = Segment(seg_id, path, fh, size, end, SegmentState.SEALED, headers=None)
-    for off, h in records:
-        seg.records.append(off, h.record_bytes)
-    return seg, records
+        out.notes.append(f"segment {seg_id}: scanned {len(res.records)} records, stopped: {res.stop}")
+        if res.records:
+            write_summary(data_dir, seg_id, res.end, res.records)
+        recs = SegmentRecords(res.end, [off for off, _ in res.records], [h.seq for _, h in res.records],
+                              [h.meta for _, h in res.records])
+    table = RecordTable.bulk(recs.offsets, [record_bytes(m.stored_length) for m in recs.metas])
+    seg = Segment(seg_id, path, fh, size, recs.end, SegmentState.SEALED, table, headers=None)
+    return seg, recs
 
 
 def recover_log(data_dir: Path, backend: IoBackend) -> Recovered:
@@ -160,27 +155,27 @@ def recover_log(data_dir: Path, backend: IoBackend) -> Recovered:
     if ckpt is not None:
         out.next_seq = ckpt.next_seq
         out.next_segment_id = max(out.next_segment_id, ckpt.next_segment_id)
-    best: dict[tuple[str, bytes], tuple[int, int, BlockMeta]] = {}  # key -> (seq, loc, meta)
+    best: dict[tuple[str, bytes], tuple[int, int, int, int, BlockMeta]] = {}  # key -> (seq, seg, index, offset, meta)
     for seg_id in ids:
-        seg, records = _load_segment(data_dir, backend, seg_id, out)
+        seg, recs = _load_segment(data_dir, backend, seg_id, out)
         out.segments[seg_id] = seg
         if ckpt is not None and seg_id in ckpt.dead:
-            for page in ckpt.dead[seg_id].tolist():
-                seg.records.kill(page * PAGE)
-        for off, h in records:
-            if not seg.records.is_live(off):
+            seg.records.kill_pages(ckpt.dead[seg_id])
+        live = seg.records.live_mask()
+        if recs.seqs:
+            out.next_seq = max(out.next_seq, max(recs.seqs) + 1)
+        for i, (seq, off, meta) in enumerate(zip(recs.seqs, recs.offsets, recs.metas)):
+            if not live[i]:
                 continue
-            out.next_seq = max(out.next_seq, h.seq + 1)
-            loc = make_loc(seg_id, off)
-            key = (h.meta.namespace, h.meta.hash)
+            key = (meta.namespace, meta.hash)
             prev = best.get(key)
-            if prev is None or h.seq >= prev[0]:
-                best[key] = (h.seq, loc, h.meta)
+            if prev is None or seq >= prev[0]:  # a tie is a compaction copy: the newer location wins
+                best[key] = (seq, seg_id, i, off, meta)
                 if prev is not None:
-                    _kill(out.segments, prev[1])
+                    out.segments[prev[1]].records.kill_index(prev[2])
             else:
-                seg.records.kill(off)
-    out.winners = [(meta, loc) for _, loc, meta in best.values()]
+                seg.records.kill_index(i)
+    out.winners = [(meta, make_loc(sid, off)) for _, sid, _, off, meta in best.values()]
     for seg_id, seg in list(out.segments.items()):
         if seg.records.live_count == 0:
             backend.close(seg.fh)
@@ -190,8 +185,3 @@ def recover_log(data_dir: Path, backend: IoBackend) -> Recovered:
             out.deleted += 1
     out.seconds = time.perf_counter() - t0
     return out
-
-
-def _kill(segments: dict[int, Segment], loc: int) -> None:
-    seg_id, off = split_loc(loc)
-    segments[seg_id].records.kill(off)

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import numpy as np
 
-from kvstore.tiers.nvme.format import PAGE
+from kvstore.tiers.nvme.format import PAGE, Header
 from kvstore.tiers.nvme.io import FileHandle
 
 _SEG_RE = re.compile(r"^seg-(\d{10})\.log$")
@@ -77,6 +77,42 @@ class RecordTable:
         self.live_count = 0
         self.live_bytes = 0
 
+    @classmethod
+    def bulk(cls, offsets: list[int], nbytes: list[int]) -> "RecordTable":
+        """A table of live records, built at once (offsets ascending)."""
+        t = cls(capacity=max(len(offsets), 64))
+        n = len(offsets)
+        t._off[:n] = np.asarray(offsets, dtype=np.int64) // PAGE
+        t._len[:n] = np.asarray(nbytes, dtype=np.int64) // PAGE
+        t._live[:n] = True
+        if n > 1 and np.any(np.diff(t._off[:n].astype(np.int64)) <= 0):
+            raise ValueError("records must be in ascending offset order")
+        t.count = t.live_count = n
+        t.live_bytes = int(t._len[:n].sum(dtype=np.int64)) * PAGE
+        return t
+
+    def kill_pages(self, pages: np.ndarray) -> None:
+        """Mark dead every record starting at one of these page numbers (unknown ones ignored)."""
+        off = self._off[: self.count]
+        pages = np.asarray(pages, dtype=np.uint32)
+        idx = np.searchsorted(off, pages)
+        ok = idx < self.count
+        idx, pages = idx[ok], pages[ok]
+        for i in np.unique(idx[off[idx] == pages]).tolist():
+            self.kill_index(i)
+
+    def kill_index(self, i: int) -> int:
+        if not self._live[i]:
+            return 0
+        self._live[i] = False
+        nbytes = int(self._len[i]) * PAGE
+        self.live_count -= 1
+        self.live_bytes -= nbytes
+        return nbytes
+
+    def live_mask(self) -> list[bool]:
+        return self._live[: self.count].tolist()
+
     def append(self, offset: int, nbytes: int) -> None:
         if self.count and offset < int(self._off[self.count - 1]) * PAGE:
             raise ValueError("records must be appended in offset order")
@@ -104,13 +140,7 @@ class RecordTable:
     def kill(self, offset: int) -> int:
         """Mark the record at ``offset`` dead; returns its bytes (0 if unknown or already dead)."""
         i = self.find(offset)
-        if i < 0 or not self._live[i]:
-            return 0
-        self._live[i] = False
-        nbytes = int(self._len[i]) * PAGE
-        self.live_count -= 1
-        self.live_bytes -= nbytes
-        return nbytes
+        return self.kill_index(i) if i >= 0 else 0
 
     def live(self) -> Iterator[tuple[int, int]]:
         """(offset, record bytes) of every live record, ascending."""
@@ -136,7 +166,7 @@ class Segment:
     state: SegmentState = SegmentState.ACTIVE
     records: RecordTable = field(default_factory=RecordTable)
     readers: int = 0  # reads in flight
-    headers: list[tuple[int, bytes]] | None = field(default_factory=list)  # (offset, header) for the summary
+    headers: list[tuple[int, Header]] | None = field(default_factory=list)  # (offset, header) for the summary
 
     @property
     def live_bytes(self) -> int:

@@ -5,10 +5,14 @@ every record still carries its own header and CRCs, and reads verify them.
 
 Segment summary ``seg-<id>.sum``, written when a segment is sealed (it is never
 appended to afterwards), so recovery reads one small file instead of scanning
-the segment::
+the segment. It is columnar, so loading it is a few numpy views::
 
-    magic b"KVSS" | version u16 | reserved u16 | segment id u64 | end u64 | count u32
-    count x ( offset in pages u32 | header length u16 | header bytes (as on disk) )
+    magic b"KVSS" | version u16 | reserved u16 | segment id u64 | end u64
+    | count u32 | namespaces u32 | dtypes u32
+    namespaces x ( length u16 | utf-8 )        dtypes x ( length u8 | ascii )
+    columns, count entries each: offset in pages u32 | seq u64 | hash 16 B
+    | parent 16 B | has parent u8 | codec u32 | dtype index u16 | namespace index u32
+    | raw length u64 | stored length u64 | raw crc32c u32 | stored crc32c u32
     crc32c u32 of everything before it
 
 Checkpoint ``checkpoint``, written on close, after compaction and on demand:
@@ -27,18 +31,19 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from kvstore.tiers.nvme.format import PAGE, Header, crc32c, decode_header
+from kvstore.tiers.base import BlockMeta
+from kvstore.tiers.nvme.format import PAGE, Header, crc32c
 from kvstore.tiers.nvme.segments import fsync_dir, summary_path
 
 log = logging.getLogger("kvstore.nvme")
 
-_SUM_HEAD = struct.Struct("<4sHHQQI")
-_SUM_ENTRY = struct.Struct("<IH")
+_SUM_HEAD = struct.Struct("<4sHHQQIII")
+_U16 = struct.Struct("<H")
 _CKPT_HEAD = struct.Struct("<4sHHQQI")
 _CKPT_SEG = struct.Struct("<QI")
 _U32 = struct.Struct("<I")
@@ -63,23 +68,50 @@ def _checked(data: bytes) -> bytes | None:
     return data[:-4]
 
 
-def write_summary(data_dir: Path, seg_id: int, end: int, headers: list[tuple[int, bytes]]) -> None:
-    parts = [_SUM_HEAD.pack(b"KVSS", VERSION, 0, seg_id, end, len(headers))]
-    for offset, header in headers:
-        parts.append(_SUM_ENTRY.pack(offset // PAGE, len(header)))
-        parts.append(header)
+_KEY = "16B"  # 16 raw bytes each (numpy's S16 would drop trailing NULs)
+_COLUMNS = (("offset", "<u4"), ("seq", "<u8"), ("hash", _KEY), ("parent", _KEY), ("has_parent", "u1"),
+            ("codec", "<u4"), ("dtype", "<u2"), ("namespace", "<u4"), ("raw_length", "<u8"),
+            ("stored_length", "<u8"), ("raw_crc", "<u4"), ("stored_crc", "<u4"))
+
+
+@dataclass
+class SegmentRecords:
+    """The records of one segment, as columns (ascending offsets)."""
+
+    end: int
+    offsets: list[int] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+    metas: list[BlockMeta] = field(default_factory=list)
+
+
+def write_summary(data_dir: Path, seg_id: int, end: int, records: list[tuple[int, Header]]) -> None:
+    ns_idx: dict[str, int] = {}
+    dt_idx: dict[str, int] = {}
+    cols: dict[str, list] = {name: [] for name, _ in _COLUMNS}
+    for off, h in records:
+        m = h.meta
+        for name, value in (("offset", off // PAGE), ("seq", h.seq), ("hash", m.hash),
+                            ("parent", m.parent or bytes(16)), ("has_parent", 1 if m.parent else 0),
+                            ("codec", m.codec), ("dtype", dt_idx.setdefault(m.dtype, len(dt_idx))),
+                            ("namespace", ns_idx.setdefault(m.namespace, len(ns_idx))),
+                            ("raw_length", m.raw_length), ("stored_length", m.stored_length),
+                            ("raw_crc", m.crc32c & 0xFFFFFFFF), ("stored_crc", h.stored_crc)):
+            cols[name].append(value)
+    parts = [_SUM_HEAD.pack(b"KVSS", VERSION, 0, seg_id, end, len(records), len(ns_idx), len(dt_idx))]
+    for ns in ns_idx:
+        raw = ns.encode("utf-8")
+        parts += [_U16.pack(len(raw)), raw]
+    for dt in dt_idx:
+        raw = dt.encode("ascii")
+        parts += [bytes([len(raw)]), raw]
+    parts += [b"".join(cols[name]) if dtype == _KEY else np.asarray(cols[name], dtype=dtype).tobytes()
+              for name, dtype in _COLUMNS]
     body = b"".join(parts)
     _write_atomic(summary_path(data_dir, seg_id), body + _U32.pack(crc32c(body)), durable=False)
 
 
-@dataclass(frozen=True, slots=True)
-class Summary:
-    end: int
-    records: list[tuple[int, Header]]  # (offset, header), ascending
-
-
-def read_summary(data_dir: Path, seg_id: int) -> Summary | None:
-    """The summary of a sealed segment, or None when missing or invalid."""
+def read_summary(data_dir: Path, seg_id: int) -> SegmentRecords | None:
+    """The records of a sealed segment from its summary, or None when missing or invalid."""
     path = summary_path(data_dir, seg_id)
     try:
         raw = path.read_bytes()
@@ -89,21 +121,43 @@ def read_summary(data_dir: Path, seg_id: int) -> Summary | None:
     if body is None or len(body) < _SUM_HEAD.size:
         log.warning("summary %s fails its checksum: scanning the segment instead", path)
         return None
-    magic, version, _, sid, end, count = _SUM_HEAD.unpack_from(body, 0)
-    if magic != b"KVSS" or version != VERSION or sid != seg_id:
-        log.warning("summary %s has a wrong magic, version or segment id: scanning instead", path)
+    try:
+        return _parse_summary(body, seg_id)
+    except (ValueError, UnicodeDecodeError, struct.error, IndexError) as e:
+        log.warning("summary %s is malformed (%s): scanning the segment instead", path, e)
         return None
-    pos, records = _SUM_HEAD.size, []
-    for _ in range(count):
-        page, hlen = _SUM_ENTRY.unpack_from(body, pos)
-        pos += _SUM_ENTRY.size
-        header = decode_header(body[pos:pos + hlen])
-        pos += hlen
-        if header is None:
-            log.warning("summary %s holds an invalid header: scanning instead", path)
-            return None
-        records.append((page * PAGE, header))
-    return Summary(end, records)
+
+
+def _parse_summary(body: bytes, seg_id: int) -> SegmentRecords:
+    magic, version, _, sid, end, count, n_ns, n_dt = _SUM_HEAD.unpack_from(body, 0)
+    if magic != b"KVSS" or version != VERSION or sid != seg_id:
+        raise ValueError("wrong magic, version or segment id")
+    pos = _SUM_HEAD.size
+    namespaces, dtypes = [], []
+    for _ in range(n_ns):
+        (n,) = _U16.unpack_from(body, pos)
+        namespaces.append(body[pos + 2:pos + 2 + n].decode("utf-8"))
+        pos += 2 + n
+    for _ in range(n_dt):
+        n = body[pos]
+        dtypes.append(body[pos + 1:pos + 1 + n].decode("ascii"))
+        pos += 1 + n
+    cols = {}
+    for name, dtype in _COLUMNS:
+        if dtype == _KEY:
+            cols[name] = [body[p:p + 16] for p in range(pos, pos + 16 * count, 16)]
+            pos += 16 * count
+            continue
+        arr = np.frombuffer(body, dtype=dtype, count=count, offset=pos)
+        pos += arr.nbytes
+        cols[name] = arr.tolist()
+    if pos != len(body):
+        raise ValueError(f"{len(body) - pos} trailing bytes")
+    metas = [BlockMeta(namespaces[ns], h, p if hp else b"", codec, dtypes[dt], raw_len, stored, rcrc)
+             for ns, h, p, hp, codec, dt, raw_len, stored, rcrc in zip(
+                 cols["namespace"], cols["hash"], cols["parent"], cols["has_parent"], cols["codec"],
+                 cols["dtype"], cols["raw_length"], cols["stored_length"], cols["raw_crc"])]
+    return SegmentRecords(end, [o * PAGE for o in cols["offset"]], cols["seq"], metas)
 
 
 @dataclass

@@ -79,9 +79,10 @@ class NvmeTier(Tier):
     name = "nvme"
 
     def __init__(self, data_dir: str | os.PathLike[str], capacity_bytes: int, *,
-                 segment_bytes: int = 256 << 20, write_policy: str = "fdatasync",
+                 segment_bytes: int = 256 << 20, write_policy: str = "direct", sync_interval_s: float = 1.0,
                  compact_threshold: float = 0.5, reserve_segments: int = 1,
-                 write_buffer_bytes: int = 8 << 20, read_threads: int = 4, max_read_bytes: int = 8 << 20,
+                 write_io_bytes: int = 1 << 20, write_buffers: int = 4,
+                 read_threads: int = 4, max_read_bytes: int = 2 << 20,
                  coalesce_gap_bytes: int = 128 << 10, probe_interval_s: float = 5.0,
                  forward_ttl_s: float = 60.0, backend: IoBackend | str = "auto",
                  on_relocate: RelocateHook | None = None):
@@ -106,8 +107,9 @@ class NvmeTier(Tier):
         self.on_relocate = on_relocate
         self.backend = select_backend(backend) if isinstance(backend, str) else backend
         self._log = SegmentLog(self.data_dir, self.backend, segment_bytes=segment_bytes, max_segments=max_segments,
-                               reserve_segments=reserve_segments, write_buffer_bytes=write_buffer_bytes,
-                               sync_writes=write_policy == "fdatasync")
+                               reserve_segments=reserve_segments, write_io_bytes=write_io_bytes,
+                               write_buffers=write_buffers, sync_writes=write_policy == "fdatasync",
+                               sync_interval_s=sync_interval_s)
         self._pool = ThreadPoolExecutor(read_threads, thread_name_prefix="nvme-read")
         self._buffers = BufferPool(read_threads + 1, self.max_read_bytes)
         self._compact_lock = threading.Lock()

@@ -1,13 +1,18 @@
 """The write-combining buffer: record bytes in, few large aligned writes out.
 
 ``WriteCombiner.write(fh, offset, chunks)`` lays a contiguous run of bytes
-(headers, payloads, zero padding) at ``offset`` of one file. The bytes are
-copied into page-aligned buffers of ``buffer_bytes`` each; a full buffer is
-handed to a writer thread as one O_DIRECT pwrite while the caller fills the
-next one, so copying and disk I/O overlap. ``write`` returns once every pwrite
-of the run has completed (the caller then fdatasyncs per its write policy), or
-raises the first OSError after all in-flight writes have settled. Memory is
-bounded: ``buffers x buffer_bytes``, whatever the size of the batch.
+(headers, payloads, zero padding) at ``offset`` of one file and returns once
+all of it is written (the caller then fdatasyncs per its write policy), or
+raises the first OSError after every in-flight write has settled.
+
+How: bytes are gathered into I/Os of up to ``io_bytes`` each, issued as one
+``pwritev`` on a writer thread while the caller gathers the next one, so
+copying and disk I/O overlap (up to ``buffers - 1`` I/Os in flight). Small or
+unaligned pieces (headers, payload tails, padding) are copied into page-aligned
+staging buffers; a payload that already sits in page-aligned memory (a DRAM
+arena slot, say) is not copied at all: its aligned part goes into the iovec
+list as is, as O_DIRECT allows. Memory is bounded (``buffers x io_bytes`` of
+staging), whatever the size of the batch.
 
 Only one run is written at a time (the caller serialises appends).
 """
@@ -21,53 +26,36 @@ import numpy as np
 from kvstore.tiers.nvme.format import PAGE
 from kvstore.tiers.nvme.io import FileHandle, IoBackend, aligned_buffer
 
-Chunk = Union[np.ndarray, int]  # bytes to copy, or a count of zero bytes
+Chunk = Union[np.ndarray, int]  # bytes to write, or a count of zero bytes
+DIRECT_ALIGN = PAGE  # sources aligned like this are written in place (O_DIRECT needs the sector size: be safe)
+DIRECT_MIN = 16 << 10  # smaller payloads are cheaper to copy than to give their own iovec
+MAX_IOVECS = 512
+MAX_IO_FACTOR = 4  # an I/O carrying in-place payloads may reach this many times io_bytes
 
 
 class WriteCombiner:
-    def __init__(self, backend: IoBackend, buffer_bytes: int = 8 << 20, buffers: int = 2):
-        if buffer_bytes % PAGE or buffer_bytes <= 0:
-            raise ValueError("write buffer size must be a positive multiple of 4 KiB")
+    def __init__(self, backend: IoBackend, io_bytes: int = 2 << 20, buffers: int = 3):
+        if io_bytes % PAGE or io_bytes <= 0:
+            raise ValueError("the write I/O size must be a positive multiple of 4 KiB")
         self.backend = backend
-        self.buffer_bytes = buffer_bytes
-        self._bufs = [aligned_buffer(buffer_bytes) for _ in range(max(2, buffers))]
+        self.io_bytes = io_bytes
+        self._bufs = [aligned_buffer(io_bytes) for _ in range(max(2, buffers))]
         self._inflight: list[Future[None] | None] = [None] * len(self._bufs)
         self._pool = ThreadPoolExecutor(len(self._bufs) - 1, thread_name_prefix="nvme-write")
-        self.writes_issued = 0
+        self.ios_issued = 0
+        self.bytes_copied = 0
+        self.bytes_in_place = 0
 
     def write(self, fh: FileHandle, offset: int, chunks: Iterable[Chunk]) -> int:
         """Write the concatenation of ``chunks`` at ``offset``; returns the bytes written."""
         if offset % PAGE:
             raise ValueError("runs start on a 4 KiB boundary")
-        cur, fill, file_pos, total = 0, 0, offset, 0
+        run = _Run(self, fh, offset)
         error: BaseException | None = None
         try:
             for chunk in chunks:
-                if isinstance(chunk, int):
-                    n, src = chunk, None
-                else:
-                    n, src = chunk.nbytes, chunk
-                done = 0
-                while done < n:
-                    if fill == self.buffer_bytes:
-                        self._submit(cur, fh, fill, file_pos)
-                        file_pos += fill
-                        cur = (cur + 1) % len(self._bufs)
-                        self._wait(cur)
-                        fill = 0
-                    take = min(n - done, self.buffer_bytes - fill)
-                    dst = self._bufs[cur][fill:fill + take]
-                    if src is None:
-                        dst.fill(0)
-                    else:
-                        np.copyto(dst, src[done:done + take])
-                    fill += take
-                    done += take
-                total += n
-            if fill:
-                if fill % PAGE:
-                    raise ValueError("a run must end on a 4 KiB boundary")
-                self._submit(cur, fh, fill, file_pos)
+                run.add(chunk)
+            run.flush()
         except BaseException as e:  # noqa: BLE001 - re-raised below, after draining
             error = e
         for i in range(len(self._bufs)):
@@ -77,11 +65,11 @@ class WriteCombiner:
                 error = error or e
         if error is not None:
             raise error
-        return total
+        return run.total
 
-    def _submit(self, i: int, fh: FileHandle, nbytes: int, file_pos: int) -> None:
-        self._inflight[i] = self._pool.submit(self.backend.pwrite, fh, self._bufs[i][:nbytes], file_pos)
-        self.writes_issued += 1
+    def _submit(self, i: int, fh: FileHandle, iovecs: list[np.ndarray], file_pos: int) -> None:
+        self._inflight[i] = self._pool.submit(self.backend.pwritev, fh, iovecs, file_pos)
+        self.ios_issued += 1
 
     def _wait(self, i: int) -> None:
         fut, self._inflight[i] = self._inflight[i], None
@@ -90,3 +78,78 @@ class WriteCombiner:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class _Run:
+    """Gathering state of one ``write`` call: the I/O being assembled and its staging buffer."""
+
+    def __init__(self, owner: WriteCombiner, fh: FileHandle, offset: int):
+        self.o, self.fh = owner, fh
+        self.cur = 0  # staging buffer index
+        self.fill = 0  # bytes used in the staging buffer
+        self.iov: list[np.ndarray] = []
+        self.iov_bytes = 0
+        self.file_pos = offset  # where the I/O being assembled starts
+        self.total = 0
+        self.stage_start = 0  # start of the staging span not yet in ``iov``
+
+    def add(self, chunk: Chunk) -> None:
+        if isinstance(chunk, int):
+            self.total += chunk
+            self._stage(None, chunk)
+            return
+        n = chunk.nbytes
+        self.total += n
+        inplace = n // PAGE * PAGE
+        if n < DIRECT_MIN or chunk.ctypes.data % DIRECT_ALIGN:
+            self._stage(chunk, n)
+            return
+        self._close_stage()
+        if self.iov and self.iov_bytes + inplace > MAX_IO_FACTOR * self.o.io_bytes:
+            self.flush()  # in-place bytes take no staging room: an I/O may grow past io_bytes with them
+        self.iov.append(chunk[:inplace])
+        self.iov_bytes += inplace
+        self.o.bytes_in_place += inplace
+        if self.iov_bytes >= self.o.io_bytes or len(self.iov) >= MAX_IOVECS:
+            self.flush()
+        if inplace < n:
+            self._stage(chunk[inplace:], n - inplace)
+
+    def _room(self) -> int:
+        return self.o.io_bytes - self.iov_bytes - (self.fill - self.stage_start)
+
+    def _stage(self, src: np.ndarray | None, n: int) -> None:
+        done = 0
+        while done < n:
+            if self._room() <= 0:
+                self.flush()
+            take = min(n - done, self._room())
+            dst = self.o._bufs[self.cur][self.fill:self.fill + take]
+            if src is None:
+                dst.fill(0)
+            else:
+                np.copyto(dst, src[done:done + take])
+                self.o.bytes_copied += take
+            self.fill += take
+            done += take
+
+    def _close_stage(self) -> None:
+        if self.fill > self.stage_start:
+            self.iov.append(self.o._bufs[self.cur][self.stage_start:self.fill])
+            self.iov_bytes += self.fill - self.stage_start
+            self.stage_start = self.fill
+            if len(self.iov) >= MAX_IOVECS:
+                self.flush()
+
+    def flush(self) -> None:
+        self._close_stage()
+        if not self.iov:
+            return
+        if self.iov_bytes % PAGE:
+            raise ValueError("a write must end on a 4 KiB boundary (records are 4 KiB aligned)")
+        self.o._submit(self.cur, self.fh, self.iov, self.file_pos)
+        self.file_pos += self.iov_bytes
+        self.iov, self.iov_bytes = [], 0
+        self.cur = (self.cur + 1) % len(self.o._bufs)
+        self.o._wait(self.cur)
+        self.fill = self.stage_start = 0
