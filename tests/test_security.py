@@ -41,6 +41,12 @@ def target(server) -> str:
     return f"127.0.0.1:{server.port}"
 
 
+@pytest.fixture(params=["grpc", "auto"])
+def lane(request) -> str:
+    """Every check holds on the gRPC stream and on the data lanes a client negotiates (shm here)."""
+    return request.param
+
+
 def keys(ns: str, n: int = 4) -> list[bytes]:
     return block_hashes(list(range(16 * n)), 16, ns, "model")
 
@@ -101,11 +107,11 @@ def test_authentication_compares_every_digest(monkeypatch):
 
 
 # -- namespaces -------------------------------------------------------------------------------
-def test_each_tenant_reaches_only_its_namespaces(tenant_server):
+def test_each_tenant_reaches_only_its_namespaces(tenant_server, lane):
     kb = keys("ns-b")
-    with Client(target(tenant_server), token=TOKEN_B) as b:
+    with Client(target(tenant_server), token=TOKEN_B, lane=lane) as b:
         assert all(r.status == "stored" for r in b.put("ns-b", kb, [k * 64 for k in kb]))
-    with Client(target(tenant_server), token=TOKEN_A, retries=0) as a:
+    with Client(target(tenant_server), token=TOKEN_A, lane=lane, retries=0) as a:
         lookups_before = tenant_server.store.stats()["lookups"]
         for call in (lambda: a.lookup("ns-b", kb), lambda: a.get("ns-b", kb), lambda: a.delete("ns-b", kb),
                      lambda: a.put("ns-b", kb[:1], [b"evil" * 16]), lambda: a.stats("ns-b")):
@@ -116,17 +122,17 @@ def test_each_tenant_reaches_only_its_namespaces(tenant_server):
         for ns in ("a/sub/x", "public", "both"):
             k = keys(ns, 1)
             assert a.put(ns, k, [b"y" * 32])[0].status == "stored"
-    with Client(target(tenant_server), token=TOKEN_B) as b:
+    with Client(target(tenant_server), token=TOKEN_B, lane=lane) as b:
         assert b.get("ns-b", kb) == [k * 64 for k in kb]  # untouched by a's attempts
         assert b.lookup("public", keys("public", 1)) == 1 and b.lookup("both", keys("both", 1)) == 1
         assert code_of(lambda: b.lookup("a/sub/x", keys("a/sub/x", 1)))[0] == grpc.StatusCode.PERMISSION_DENIED
 
 
-def test_no_existence_oracle(tenant_server):
+def test_no_existence_oracle(tenant_server, lane):
     """Denial for b's namespace reads the same whether it holds blocks, is empty or never existed."""
-    with Client(target(tenant_server), token=TOKEN_B) as b:
+    with Client(target(tenant_server), token=TOKEN_B, lane=lane) as b:
         b.put("ns-b", keys("ns-b"), [b"z" * 64] * 4)
-    with Client(target(tenant_server), token=TOKEN_A, retries=0) as a:
+    with Client(target(tenant_server), token=TOKEN_A, lane=lane, retries=0) as a:
         seen = {ns: code_of(lambda ns=ns: a.lookup(ns, keys("ns-b")))[1].replace(repr(ns), "NS")
                 for ns in ("ns-b", "never-created", "ns-b-typo")}
         assert len(set(seen.values())) == 1, seen
@@ -134,12 +140,12 @@ def test_no_existence_oracle(tenant_server):
     assert tenant_server.store.table.namespace_id("never-created") is None  # a denied Put creates nothing
 
 
-def test_anothers_hashes_in_my_namespace_are_plain_misses(tenant_server):
+def test_anothers_hashes_in_my_namespace_are_plain_misses(tenant_server, lane):
     """Hashes include the namespace, and a lookup in a's namespace never sees b's blocks: same path as a miss."""
     kb = keys("ns-b")
-    with Client(target(tenant_server), token=TOKEN_B) as b:
+    with Client(target(tenant_server), token=TOKEN_B, lane=lane) as b:
         b.put("ns-b", kb, [b"s" * 64] * 4)
-    with Client(target(tenant_server), token=TOKEN_A, retries=0) as a:
+    with Client(target(tenant_server), token=TOKEN_A, lane=lane, retries=0) as a:
         assert a.lookup("ns-a", kb) == 0
         code, message = code_of(lambda: a.get("ns-a", kb))
         _, never = code_of(lambda: a.get("ns-a", [b"\x01" * 16]))
@@ -147,15 +153,15 @@ def test_anothers_hashes_in_my_namespace_are_plain_misses(tenant_server):
         assert message.replace(kb[0].hex(), "H") == never.replace((b"\x01" * 16).hex(), "H")
         assert a.get("ns-a", kb, allow_missing=True) == [None] * 4
         assert a.delete("ns-a", kb) == 0
-    with Client(target(tenant_server), token=TOKEN_B) as b:
+    with Client(target(tenant_server), token=TOKEN_B, lane=lane) as b:
         assert b.lookup("ns-b", kb) == 4
 
 
 # -- Stats --------------------------------------------------------------------------------------
-def test_stats_scope(tenant_server):
-    with Client(target(tenant_server), token=TOKEN_B) as b:
+def test_stats_scope(tenant_server, lane):
+    with Client(target(tenant_server), token=TOKEN_B, lane=lane) as b:
         b.put("ns-b", keys("ns-b"), [b"w" * 1000] * 4)
-    with Client(target(tenant_server), token=TOKEN_A, retries=0) as a:
+    with Client(target(tenant_server), token=TOKEN_A, lane=lane, retries=0) as a:
         a.put("ns-a", keys("ns-a", 2), [b"v" * 500] * 2)
         code, message = code_of(lambda: a.stats())
         assert code == grpc.StatusCode.PERMISSION_DENIED and "admin" in message
@@ -164,7 +170,7 @@ def test_stats_scope(tenant_server):
         assert mine["lookups"] == 0 and mine["bytes_in"] == 0  # no node-wide traffic figures
         dram = next(t for t in mine["tiers"] if t["name"] == "dram")
         assert dram["used_bytes"] == 1000 and dram["blocks"] == 2
-    with Client(target(tenant_server), token=TOKEN_OPS) as ops:
+    with Client(target(tenant_server), token=TOKEN_OPS, lane=lane) as ops:
         whole = ops.stats()
         assert whole["blocks"] == 6
         assert code_of(lambda: ops.stats("ns-a"))[0] == grpc.StatusCode.PERMISSION_DENIED  # admin != every namespace

@@ -194,11 +194,14 @@ class Gatekeeper:
                           f"ask for one of your namespaces (StatsRequest.namespace)")
         return principal
 
-    def admit_block(self, namespace: str, nbytes: int) -> str | None:
-        """None if a block of `nbytes` fits its namespace's quota; else the reason it does not."""
+    def admit_block(self, namespace: str, nbytes: int, key: bytes | None = None) -> str | None:
+        """None if a block of `nbytes` may be put: it fits its namespace's quota, or (when `key` is
+        given) it is already stored, so the Put reports it present at no cost; else why it may not."""
         if self.quotas is None:
             return None
         reason = self.quotas.admit(namespace, nbytes)
+        if reason is not None and key is not None and self.quotas.store.lookup(namespace, [key])[0] == 1:
+            return None
         if reason is not None:
             self.count("quota_rejected")
         return reason

@@ -127,12 +127,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def _start_block(self, context, ns: str, header: pb.BlockHeader, index: int) -> _PutState:
         meta = self._check(context, validate.header, ns, header, index, self.limits)
-        over = self.gate.admit_block(ns, meta.stored_length) if self.gate is not None else None
+        over = self.gate.admit_block(ns, meta.stored_length, meta.hash) if self.gate is not None else None
         if over is not None:  # before begin_put: a tenant over quota never evicts anyone's blocks
-            present = self.store.lookup(ns, [meta.hash])[0] == 1
-            return _PutState(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT) if present
-                             else pb.BlockResult(hash=meta.hash, status=pb.PUT_REJECTED, reason=over,
-                                                 code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]))
+            return _PutState(index, meta, None, pb.BlockResult(
+                hash=meta.hash, status=pb.PUT_REJECTED, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], reason=over))
         try:
             ticket = self.store.begin_put(ns, meta)
         except CapacityError as err:
