@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from kvstore.tiers.base import BlockMeta, CorruptBlock
 from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.nvme.format import PAGE, crc32c, split_loc
+from kvstore.tiers.nvme.format import PAGE, crc32c, record_bytes, split_loc
 
 KiB, MiB = 1 << 10, 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,6 +172,34 @@ def test_frees_after_the_last_checkpoint_come_back_with_valid_bytes(tmp_path: Pa
     found = recovered(again)
     assert set(found) == {m.hash for m, _ in blocks}
     check_bytes(again, found)
+    again.close()
+
+
+def test_a_crash_in_the_middle_of_compaction_keeps_one_copy(tmp_path: Path) -> None:
+    rng = np.random.default_rng(9)
+    moved: list[tuple[int, int]] = []
+
+    def hook(pairs: list[tuple[int, int]]) -> None:
+        moved.extend(pairs)
+        raise RuntimeError("the owner died before the old segment was deleted")
+
+    d = tmp_path / "live"
+    tier = NvmeTier(d, 64 * MiB, segment_bytes=1 * MiB, on_relocate=hook)
+    blocks = make_blocks(rng, [100_000] * 20)
+    locs = write(tier, blocks)
+    tier.free(locs[:7])  # the first segment (9 records) is mostly dead
+    with pytest.raises(RuntimeError):
+        tier.compact(max_segments=1)
+    assert len(moved) == 2
+    crashed = tmp_path / "crashed"
+    shutil.copytree(d, crashed)  # the files as a crash right now would leave them
+    tier.close()
+    again = NvmeTier(crashed, 64 * MiB, segment_bytes=1 * MiB)
+    found = recovered(again)
+    assert len(found) == 20  # the freed ones come back (frees were not checkpointed), once each
+    assert {found[blocks[i][0].hash][1] for i in (7, 8)} == {new for _, new in moved}  # the copies win
+    check_bytes(again, found)
+    assert again.used_bytes == 20 * record_bytes(100_000)  # the losing old copies count as dead
     again.close()
 
 

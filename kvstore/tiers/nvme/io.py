@@ -109,6 +109,7 @@ class PosixBackend(IoBackend):
         fd, direct = _open_fd(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.direct)
         try:
             preallocate(fd, size)
+            os.fsync(fd)  # the size and extents are durable before any record is acked in them
         except BaseException:
             os.close(fd)
             os.unlink(path)
@@ -216,6 +217,7 @@ class KvikioBackend(IoBackend):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             preallocate(fd, size)
+            os.fsync(fd)
         except BaseException:
             os.close(fd)
             os.unlink(path)
