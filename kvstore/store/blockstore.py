@@ -120,6 +120,8 @@ class BlockStore:
         self.top: MemoryTier = self.tiers[0]  # type: ignore[assignment]
         self.policies = {t.rank: policy_factory() for t in self.tiers}
         self.table = EntryTable()
+        for rank, policy in self.policies.items():
+            policy.bind(self.table, rank)
         self.high, self.low = high_watermark, low_watermark
         self.demote_batch_bytes = demote_batch_bytes
         self.promote_on_hit = promote_on_hit

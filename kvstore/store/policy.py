@@ -15,11 +15,14 @@ Verbs (all O(log n), called with the store lock held):
   ``evictable(e)`` true (leased copies are skipped but kept);
 
 ``priority(e)`` is the hook policies override: plain LRU uses a logical clock.
+``bind(table, rank)`` is called once by the owning BlockStore, so a policy may
+read per-entry context (depth, key, copies in other tiers) from the index
+(kvstore.store.policies uses it for access frequency).
 """
 from __future__ import annotations
 
 import heapq
-from typing import Callable
+from typing import Any, Callable
 
 COLD_PENALTY = 1e15
 
@@ -32,6 +35,12 @@ class LeafLRU:
         self._prio: dict[int, float] = {}     # every resident copy -> current priority
         self._leaf: set[int] = set()
         self._heap: list[tuple[float, int]] = []  # (priority, e) of leaves; stale rows skipped
+        self.table: Any = None  # the owner's EntryTable once bound
+        self.rank = 0           # the rank of the tier this policy orders
+
+    def bind(self, table: Any, rank: int) -> None:
+        """Context from the owning BlockStore: its index and this tier's rank."""
+        self.table, self.rank = table, rank
 
     def priority(self, e: int) -> float:
         self._clock += 1
