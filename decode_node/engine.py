@@ -127,7 +127,8 @@ class DecodeEngine:
                 recomputed=bool(fetched and fetched.failed), lookup_s=fetched.lookup_s if fetched else 0.0,
                 transfer_s=fetched.transfer_s if fetched else 0.0, load_s=fetched.load_s if fetched else 0.0,
                 compute_s=now - c0, total_s=now - t0)
-        except (OutOfBlocks, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - the engine thread must survive any one request
+            log.exception("request failed at admission")
             self.pool.free_sequence(seq)
             req.events.put((None, None, f"cannot admit request: {err}"))
             return
@@ -142,9 +143,11 @@ class DecodeEngine:
         batch = self._active
         try:
             logits = self.model.decode(self.pool, [a.seq for a in batch], [a.last for a in batch])
-        except OutOfBlocks as err:
+        except Exception as err:  # noqa: BLE001 - fail this batch, keep serving
+            why = f"KV pool exhausted: {err}" if isinstance(err, OutOfBlocks) else f"decode step failed: {err}"
+            log.exception("decode step failed")
             for a in batch:
-                a.req.events.put((None, None, f"KV pool exhausted: {err}"))
+                a.req.events.put((None, None, why))
                 self.pool.free_sequence(a.seq)
             self._active = []
             return

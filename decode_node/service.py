@@ -20,7 +20,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
     def Generate(self, request: wpb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[wpb.GenerateReply]:
         try:
             ns = validate.namespace(request.namespace)
-            tokens = prompt_tokens(request.prompt, self.engine.tokenizer)
+            tokens = prompt_tokens(request.prompt, self.engine.tokenizer, self.engine.model.config.vocab)
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if not tokens or not 0 < request.max_new_tokens <= self.limit:

@@ -38,7 +38,7 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillReply:
         try:
             ns = validate.namespace(request.namespace)
-            tokens = prompt_tokens(request.prompt, self.tokenizer)
+            tokens = prompt_tokens(request.prompt, self.tokenizer, self.model.config.vocab)
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if not tokens:

@@ -45,9 +45,14 @@ def parse_args(prog: str, default_listen: str, argv: list[str] | None) -> Worker
                       a.token, a.log_level)
 
 
-def prompt_tokens(prompt: wpb.Prompt, tokenizer: ByteBPETokenizer | None) -> list[int]:
+def prompt_tokens(prompt: wpb.Prompt, tokenizer: ByteBPETokenizer | None, vocab: int) -> list[int]:
+    """Token ids of a prompt; ValueError (INVALID_ARGUMENT) for ids outside the model's vocabulary."""
     if prompt.WhichOneof("input") == "tokens":
-        return list(prompt.tokens.ids)
+        ids = list(prompt.tokens.ids)
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary of {vocab}")
+        return ids
     if tokenizer is None:
         raise ValueError("this worker's model has no tokenizer: send token ids")
     if prompt.chat:

@@ -1,0 +1,242 @@
+"""Time to first token with and without the store, on a real model (SmolLM2-135M by default).
+
+    python -m bench.ttft [--quick] [--out bench/results/ttft.json] [--plot bench/results/ttft.png]
+                         [--prefill HOST:PORT --decode HOST:PORT --store HOST:PORT]
+                         [--workload chat|trace] [--trace FILE] [--rate R]
+
+Without addresses it starts a store, a prefill worker and a decode worker on
+loopback ports. Workloads:
+
+- ``chat``: multi-turn conversations over a shared system prompt of real
+  English text (prompts of 2,000-4,000 tokens; ``--quick`` shorter). Every
+  prompt is served three ways: ``recompute`` (decode worker computes it all),
+  ``disaggregated`` (prefill worker computes what the store lacks and stores
+  it, then the decode worker fetches it) and ``store`` (decode worker, prefix
+  already in the store: a later turn, a retry, another decode replica).
+- ``trace``: the Mooncake trace (``--trace``) scaled down: each hash id becomes
+  a deterministic run of 16 tokens, so equal ids mean equal tokens; requests
+  go down the disaggregated path at ``--rate`` requests/s (open loop).
+
+Reported: TTFT p50/p99 per mode, time per output token, the TTFT split
+(lookup, transfer, load, compute), the floor (compute of the uncached tail +
+moving the KV bytes at memcpy speed), transfer GB/s, hit rate and the store's
+tiers. JSON rows carry ``mode``, ``ttft_p50_s``, ``ttft_p99_s``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvstore.router import Result, Router, local_stack
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] if s else 0.0
+
+
+def chat_prompts(quick: bool, tokenizer_model: str) -> list[list[int]]:
+    from kvstore.model import load_model
+    from kvstore.model.real_kv import english_tokens
+
+    model, tok = load_model(tokenizer_model)
+    vocab = model.config.vocab
+    if tok is None:  # random-init models: synthetic ids, same shape of workload
+        system = [(i * 7919) % (vocab - 10) + 10 for i in range(600 if quick else 2000)]
+        turn = lambda c, t: [(c * 131 + t * 17 + i) % (vocab - 10) + 10 for i in range(200 if quick else 600)]  # noqa: E731
+    else:
+        system = english_tokens(tok, 600 if quick else 2000, seed=1)
+        turn = lambda c, t: english_tokens(tok, 200 if quick else 600, seed=100 + 10 * c + t)  # noqa: E731
+    prompts = []
+    for c in range(2 if quick else 3):
+        history = list(system)
+        for t in range(2 if quick else 3):
+            history = history + turn(c, t)
+            prompts.append(list(history))
+    return prompts
+
+
+def trace_prompts(path: Path, n: int, max_blocks: int, vocab: int) -> list[list[int]]:
+    prompts = []
+    with path.open() as f:
+        for line, _ in zip(f, range(n)):
+            ids = json.loads(line)["hash_ids"][:max_blocks]
+            prompts.append([t for hid in ids for t in random.Random(hid).choices(range(10, vocab), k=16)] + [3, 4, 5])
+    return prompts
+
+
+def run_chat(router: Router, prompts: list[list[int]], new_tokens: int) -> list[Result]:
+    results = []
+    for i, prompt in enumerate(tqdm(prompts, desc="chat prompts", unit="prompt")):
+        results.append(router.run("recompute", prompt, "chat", new_tokens))
+        results.append(router.run("disaggregated", prompt, "chat", new_tokens))
+        results.append(router.run("store", prompt, "chat", new_tokens))
+        ref, dis, hit = results[-3:]
+        assert dis.tokens == ref.tokens == hit.tokens, f"prompt {i}: tokens differ from recomputing"
+    return results
+
+
+def run_trace(router: Router, prompts: list[list[int]], new_tokens: int, rate: float) -> list[Result]:
+    results: list[Result] = []
+    lock = threading.Lock()
+    threads = []
+    start = time.perf_counter()
+    bar = tqdm(total=len(prompts), desc="trace requests", unit="req")
+    rng = random.Random(0)
+
+    def one(prompt: list[int]) -> None:
+        r = router.run("disaggregated", prompt, "trace", new_tokens)
+        r.arrived_s = time.perf_counter() - start
+        with lock:
+            results.append(r)
+            bar.update()
+
+    for prompt in prompts:
+        if rate > 0:
+            time.sleep(rng.expovariate(rate))
+            t = threading.Thread(target=one, args=(prompt,))
+            t.start()
+            threads.append(t)
+        else:
+            one(prompt)
+    for t in threads:
+        t.join()
+    bar.close()
+    return sorted(results, key=lambda r: r.arrived_s)
+
+
+def summarize(results: list[Result], memcpy_gbps: float, block_tokens: int = 16) -> list[dict]:
+    rows = []
+    for mode in ("recompute", "disaggregated", "store"):
+        rs = [r for r in results if r.mode == mode]
+        if not rs:
+            continue
+        ttft = [r.ttft_s for r in rs]
+        moved = sum(r.transfer_bytes for r in rs)
+        transfer = sum(r.transfer_s for r in rs)
+        blocks = sum(r.prompt_tokens // block_tokens for r in rs)
+        rows.append({
+            "mode": mode, "requests": len(rs), "prompt_tokens_mean": statistics.mean(r.prompt_tokens for r in rs),
+            "ttft_p50_s": round(pct(ttft, 0.5), 4), "ttft_p99_s": round(pct(ttft, 0.99), 4),
+            "tpot_s": round(statistics.mean(r.tpot_s for r in rs), 4),
+            "prefill_s": round(statistics.mean(r.prefill_s for r in rs), 4),
+            "lookup_s": round(statistics.mean(r.lookup_s for r in rs), 4),
+            "transfer_s": round(statistics.mean(r.transfer_s for r in rs), 4),
+            "load_s": round(statistics.mean(r.load_s for r in rs), 4),
+            "compute_s": round(statistics.mean(r.compute_s for r in rs), 4),
+            "floor_s": round(statistics.mean(r.compute_s + r.transfer_bytes / (memcpy_gbps * 1e9) for r in rs), 4),
+            "transfer_gbps": round(moved / transfer / 1e9, 3) if transfer else 0.0,
+            "hit_rate": round(sum(r.cached_blocks for r in rs) / blocks, 3) if blocks else 0.0,
+            "recomputed": sum(r.recomputed for r in rs),
+        })
+    return rows
+
+
+def plot(results: list[Result], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in ("recompute", "disaggregated", "store"):
+        xs = sorted(r.ttft_s for r in results if r.mode == mode)
+        if xs:
+            a.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=mode, drawstyle="steps-post")
+    a.set_xscale("log"), a.set_xlabel("TTFT (s)"), a.set_ylabel("CDF"), a.legend(), a.set_title("TTFT")
+    served = [r for r in results if r.mode != "recompute"]
+    hits, total, xs, ys = 0, 0, [], []
+    for i, r in enumerate(served):
+        hits += r.cached_blocks
+        total += max(1, r.prompt_tokens // 16)
+        xs.append(i + 1)
+        ys.append(hits / total)
+    b.plot(xs, ys), b.set_xlabel("request"), b.set_ylabel("cumulative block hit rate"), b.set_title("Hit rate")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer, shorter requests on the same path")
+    p.add_argument("--out", type=Path, default=Path("bench/results/ttft.json"))
+    p.add_argument("--plot", type=Path, default=Path("bench/results/ttft.png"))
+    p.add_argument("--model", default="smollm2", help="model the local stack runs (smollm2, tiny, bench, ...)")
+    p.add_argument("--prefill", default=None, help="prefill worker HOST:PORT (default: start a local stack)")
+    p.add_argument("--decode", default=None, help="decode worker HOST:PORT")
+    p.add_argument("--store", default=None, help="store HOST:PORT, for its stats")
+    p.add_argument("--workload", choices=("chat", "trace"), default="chat")
+    p.add_argument("--trace", type=Path, default=Path("../shared/traces/synthetic_trace.jsonl"))
+    p.add_argument("--requests", type=int, default=40, help="trace requests to replay")
+    p.add_argument("--max-blocks", type=int, default=48, help="trace: hash ids per request kept (16 tokens each)")
+    p.add_argument("--rate", type=float, default=0.0, help="trace: open-loop arrivals per second (0: one at a time)")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request")
+    args = p.parse_args(argv)
+
+    from bench.baselines import memcpy_gbps
+
+    with ExitStack() as stack:
+        if args.decode:
+            store, prefill, decode = args.store, args.prefill, args.decode
+        else:
+            store, prefill, decode = stack.enter_context(local_stack(args.model))
+        router = Router(prefill, decode)
+        stack.callback(router.close)
+        if args.workload == "chat":
+            results = run_chat(router, chat_prompts(args.quick, args.model), args.new_tokens)
+        else:
+            n = min(args.requests, 12) if args.quick else args.requests
+            from kvstore.model import load_model
+
+            vocab = load_model(args.model)[0].config.vocab
+            results = run_trace(router, trace_prompts(args.trace, n, args.max_blocks, vocab), args.new_tokens, args.rate)
+        stats = None
+        if store:
+            from kvstore.client import Client
+
+            with Client(store) as kv:
+                stats = kv.stats()
+    rows = summarize(results, memcpy_gbps(256 << 20))
+    base = next((r for r in rows if r["mode"] == "recompute"), None)
+    print(f"\n{'mode':14} {'n':>3} {'tokens':>7} {'TTFT p50':>9} {'p99':>8} {'speedup':>8} {'lookup':>7} "
+          f"{'transfer':>8} {'compute':>8} {'floor':>7} {'GB/s':>6} {'hit':>5}")
+    for r in rows:
+        speed = base["ttft_p50_s"] / r["ttft_p50_s"] if base and r["ttft_p50_s"] else 0.0
+        r["speedup_vs_recompute_p50"] = round(speed, 2)
+        print(f"{r['mode']:14} {r['requests']:>3} {r['prompt_tokens_mean']:>7.0f} {r['ttft_p50_s']:>9.3f} "
+              f"{r['ttft_p99_s']:>8.3f} {speed:>7.1f}x {r['lookup_s']:>7.3f} {r['transfer_s']:>8.3f} "
+              f"{r['compute_s']:>8.3f} {r['floor_s']:>7.3f} {r['transfer_gbps']:>6.2f} {r['hit_rate']:>5.2f}")
+    if stats:
+        for t in stats["tiers"]:
+            print(f"store tier {t['name']}: {t['blocks']} blocks, {t['used_bytes'] / 2**20:.0f} MiB, {t['hits']} hits")
+    sample = next((r.text for r in results if r.text), "")
+    for r in rows:
+        r.update(workload=args.workload, model=args.model)
+        if stats:
+            r["store_tiers"] = {t["name"]: {"blocks": t["blocks"], "used_bytes": t["used_bytes"], "hits": t["hits"]}
+                                for t in stats["tiers"]}
+    if sample:
+        print(f"sample generation: {sample!r}")
+        rows[-1]["sample_text"] = sample
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
