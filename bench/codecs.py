@@ -9,7 +9,9 @@ random-init KV (rows say ``source: synthetic``) for testing the bench itself.
 
 Per codec, dtype and variant: ratio (raw / encoded bytes over all blocks) and
 single-thread encode and decode GB/s (raw bytes per second, best of the
-repetitions, through the public ``encode`` / ``decode_into``). Variant
+repetitions, through the public ``encode`` / ``decode_into``), per CPU-second
+of the coding thread (``encode_gbps``, ``decode_gbps``; steady when other work
+shares the two cores) and per wall-second (``*_wall_gbps``, in the JSON). Variant
 ``dense`` is the real blocks; ``half-zero`` zeroes the last 8 tokens of each
 block (a zero-padded, half-filled page: the case lz4 is kept for). For the
 lossy codecs on dense blocks: relative L2 error, the largest error divided by
@@ -17,10 +19,17 @@ its head vector's max magnitude, and the cosine between attention outputs
 ``softmax(q K^T / sqrt(d)) V`` computed from original and decoded K and V per
 layer and head, with queries drawn from the keys of 128 random tokens; also
 with only K or only V decoded, to show where the error comes from.
+
+Variant ``link N Gbit/s (sim)`` moves the dense bf16 blocks over a simulated
+link (a sleep of encoded bytes / bandwidth per batch) with decoding on the
+receiving side: ``sequential_gbps`` encodes, sends and decodes one batch after
+another; ``pipelined_gbps`` uses ``iter_encoded`` and ``DecodePipeline`` so
+coding overlaps the wire. Both in raw bytes per second of the whole transfer.
 """
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +37,7 @@ import torch
 
 from bench.common import Row, best_seconds, parse_args, report
 from kvstore.codecs import codec_names, decode_into, encode, get_codec
+from kvstore.codecs.pipeline import DecodePipeline, iter_encoded
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LAYOUT = dict(layers=30, kv_heads=3, head_dim=64)  # SmolLM2-135M
@@ -39,6 +49,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 2)")
     parser.add_argument("--dtypes", default=None, help="comma list (default bfloat16,float16,float32; quick bfloat16,float16)")
     parser.add_argument("--codecs", default=",".join(codec_names()), help="comma list of codecs")
+    parser.add_argument("--link-gbit", type=float, default=1.0, help="simulated link for the pipelining rows")
 
 
 def synthetic_kv(num_tokens: int, dtype: torch.dtype, block_size: int = 16, seed: int = 0) -> torch.Tensor:
@@ -79,15 +90,43 @@ def measure(codec: str, blocks: Sequence[np.ndarray], dtype: str, reps: int) -> 
         for b in blocks:  # each payload dropped at once, as a streaming sender does
             encode(codec, b, dtype)
 
-    enc_s = best_seconds(encode_all, reps)
-    dec_s = best_seconds(lambda: [decode_into(codec, p, dtype, o.nbytes, o) for p, o in zip(payloads, outs)], reps)
+    def decode_all() -> None:
+        for p, o in zip(payloads, outs):
+            decode_into(codec, p, dtype, o.nbytes, o)
+
+    enc_cpu, dec_cpu = (best_seconds(f, reps, clock=time.thread_time) for f in (encode_all, decode_all))
+    enc_wall, dec_wall = (best_seconds(f, reps) for f in (encode_all, decode_all))
     if not get_codec(codec).lossy:
         assert all(np.array_equal(o, b) for o, b in zip(outs, blocks)), f"{codec} did not round-trip"
     return {
         "ratio": raw / sum(len(p) for p in payloads),
-        "encode_gbps": raw / enc_s / 1e9,
-        "decode_gbps": raw / dec_s / 1e9,
+        "encode_gbps": raw / enc_cpu / 1e9,
+        "decode_gbps": raw / dec_cpu / 1e9,
+        "encode_wall_gbps": raw / enc_wall / 1e9,
+        "decode_wall_gbps": raw / dec_wall / 1e9,
     }
+
+
+def over_link(codec: str, blocks: Sequence[np.ndarray], dtype: str, gbit: float, pipelined: bool) -> float:
+    """Raw GB/s of moving ``blocks`` over a simulated ``gbit`` link, coding in line or overlapped."""
+    wire_bps = gbit * 1e9 / 8
+    outs = [np.empty_like(b) for b in blocks]
+    start = time.perf_counter()
+    if pipelined:
+        with DecodePipeline(max_pending=2) as receiver:
+            for batch in iter_encoded(blocks, dtype, codec, depth=2):
+                time.sleep(batch.encoded_bytes / wire_bps)
+                for i, payload in enumerate(batch.payloads):
+                    out = outs[batch.start + i]
+                    receiver.submit(codec, payload, dtype, out.nbytes, out)
+    else:
+        for batch in iter_encoded(blocks, dtype, codec, depth=0):
+            time.sleep(batch.encoded_bytes / wire_bps)
+            for i, payload in enumerate(batch.payloads):
+                out = outs[batch.start + i]
+                decode_into(codec, payload, dtype, out.nbytes, out)
+    elapsed = time.perf_counter() - start
+    return sum(b.nbytes for b in blocks) / elapsed / 1e9
 
 
 def decoded(codec: str, kv: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -155,8 +194,18 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
                     row.update(quality(kv, decoded(codec, kv, dtype)))
                 row.update({"block_kib": block_kib, "blocks": len(blocks), "source": source})
                 rows.append(row)
+        if dtype == "bfloat16":
+            blocks = as_blocks(kv)
+            for codec in codecs:
+                rows.append({
+                    "codec": codec, "dtype": dtype, "variant": f"link {args.link_gbit:g} Gbit/s (sim)",
+                    "sequential_gbps": over_link(codec, blocks, dtype, args.link_gbit, pipelined=False),
+                    "pipelined_gbps": over_link(codec, blocks, dtype, args.link_gbit, pipelined=True),
+                    "block_kib": block_kib, "blocks": len(blocks), "source": source,
+                })
     columns = ["codec", "dtype", "variant", "ratio", "encode_gbps", "decode_gbps", "rel_error",
-               "max_err_per_vecmax", "attn_cosine", "attn_cosine_k_only", "attn_cosine_v_only", "source"]
+               "max_err_per_vecmax", "attn_cosine", "attn_cosine_k_only", "attn_cosine_v_only",
+               "sequential_gbps", "pipelined_gbps", "source"]
     report(rows, args, title=f"codecs on {source} KV: {tokens} tokens, single core, best of {reps}", columns=columns, bench="codecs")
     return rows
 

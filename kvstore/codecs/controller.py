@@ -77,14 +77,15 @@ class ArmPrior:
     decode_gbps: float
 
 
-# Single-core figures measured on real SmolLM2 bf16 KV by bench/codecs.py (bench/results/codecs.json).
+# Single-core figures (per CPU-second) measured on real SmolLM2 bf16 KV, dense 360 KiB blocks,
+# by bench/codecs.py (bench/results/codecs.json). Priors only: observations replace them.
 DEFAULT_PRIORS: dict[str, ArmPrior] = {
     "none": ArmPrior(1.0, 20.0, 20.0),
-    "zstd": ArmPrior(1.25, 1.0, 1.5),
-    "byteplane": ArmPrior(1.45, 0.5, 1.5),
-    "fp8": ArmPrior(2.0, 0.5, 1.0),
-    "fp8+zstd": ArmPrior(2.4, 0.45, 0.8),
-    "lz4": ArmPrior(1.0, 10.0, 15.0),
+    "zstd": ArmPrior(1.255, 1.27, 1.57),
+    "byteplane": ArmPrior(1.436, 0.66, 2.13),
+    "fp8": ArmPrior(1.94, 0.82, 1.29),
+    "fp8+zstd": ArmPrior(2.257, 0.58, 0.92),
+    "lz4": ArmPrior(0.998, 11.8, 11.8),
 }
 _PRIOR = ArmPrior(1.0, 1.0, 1.0)
 
