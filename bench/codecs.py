@@ -44,10 +44,14 @@ LAYOUT = dict(layers=30, kv_heads=3, head_dim=64)  # SmolLM2-135M
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--synthetic", action="store_true", help="random-init KV instead of the real model (testing only)")
+    parser.add_argument(
+        "--synthetic", action="store_true", help="random-init KV instead of the real model (testing only)"
+    )
     parser.add_argument("--tokens", type=int, default=None, help="tokens of KV (default 2048, quick 256)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 2)")
-    parser.add_argument("--dtypes", default=None, help="comma list (default bfloat16,float16,float32; quick bfloat16,float16)")
+    parser.add_argument(
+        "--dtypes", default=None, help="comma list (default bfloat16,float16,float32; quick bfloat16,float16)"
+    )
     parser.add_argument("--codecs", default=",".join(codec_names()), help="comma list of codecs")
     parser.add_argument("--link-gbit", type=float, default=1.0, help="simulated link for the pipelining rows")
 
@@ -206,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     columns = ["codec", "dtype", "variant", "ratio", "encode_gbps", "decode_gbps", "rel_error",
                "max_err_per_vecmax", "attn_cosine", "attn_cosine_k_only", "attn_cosine_v_only",
                "sequential_gbps", "pipelined_gbps", "source"]
-    report(rows, args, title=f"codecs on {source} KV: {tokens} tokens, single core, best of {reps}", columns=columns, bench="codecs")
+    title = f"codecs on {source} KV: {tokens} tokens, single core, best of {reps}"
+    report(rows, args, title=title, columns=columns, bench="codecs")
     return rows
 
 

@@ -149,7 +149,10 @@ def test_corrupt_or_mismatched_payload_raises(codec: str) -> None:
 
 
 def test_package_import_does_not_import_torch() -> None:
-    code = "import sys, kvstore.codecs, kvstore.codecs.pipeline, kvstore.codecs.controller; print('torch' in sys.modules)"
+    code = (
+        "import sys, kvstore.codecs, kvstore.codecs.pipeline, kvstore.codecs.controller; "
+        "print('torch' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 

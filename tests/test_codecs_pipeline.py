@@ -110,7 +110,8 @@ def test_controller_drives_the_pipeline() -> None:
         return ctl.choose(Context("bfloat16", batch.nbytes, pipelined=True))
 
     for batch in iter_encoded(data, "bfloat16", choose):
-        ctl.observe(batch.codec, Context("bfloat16", batch.raw_bytes), batch.raw_bytes, batch.encoded_bytes, batch.encode_s)
+        ctx = Context("bfloat16", batch.raw_bytes)
+        ctl.observe(batch.codec, ctx, batch.raw_bytes, batch.encoded_bytes, batch.encode_s)
         ctl.observe_transfer(batch.encoded_bytes, batch.encoded_bytes / 1.25e8)
     snap = ctl.snapshot()
     assert sum(v for k, v in snap.items() if k.startswith("codec.choices.")) == 8

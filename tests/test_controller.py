@@ -43,7 +43,9 @@ def true_cost(arm: str, ctx: Context, bandwidth: float, truth: dict[str, SimArm]
 class SimLink:
     """Reports to the controller what a transfer under the chosen arm would have cost (3% noise)."""
 
-    def __init__(self, controller: Controller, seed: int = 1, truth: dict[str, SimArm] = TRUTH, decode_late: bool = True):
+    def __init__(
+        self, controller: Controller, seed: int = 1, truth: dict[str, SimArm] = TRUTH, decode_late: bool = True
+    ):
         self.controller = controller
         self.rng = np.random.default_rng(seed)
         self.truth = truth
@@ -71,7 +73,9 @@ def best_arm(ctx: Context, bandwidth: float, controller: Controller) -> str:
     return min(controller.allowed(ctx), key=lambda a: true_cost(a, ctx, bandwidth))
 
 
-def run_phases(controller: Controller, ctx: Context, phases: list[float], per_phase: int, seed: int = 1) -> list[list[str]]:
+def run_phases(
+    controller: Controller, ctx: Context, phases: list[float], per_phase: int, seed: int = 1
+) -> list[list[str]]:
     link = SimLink(controller, seed)
     return [[link.transfer(ctx, bw) for _ in range(per_phase)] for bw in phases]
 

@@ -10,11 +10,11 @@ already handed us a tensor, so the store server never pays for it.
 from __future__ import annotations
 
 import sys
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
-BufferLike = Union[bytes, bytearray, memoryview, np.ndarray, Any]
+BufferLike = bytes | bytearray | memoryview | np.ndarray | Any
 """bytes-like, numpy array, or torch tensor (``Any`` because torch is optional)."""
 
 

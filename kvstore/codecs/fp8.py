@@ -192,7 +192,9 @@ class Fp8ZstdCodec(Codec):
         except zstd.zstandard.ZstdError as exc:
             raise CodecError(f"{self.name}: not a zstd frame ({exc})") from None
         if not 0 < inner_len <= fp8_payload_len(raw_len, dtype, 1):
-            raise CodecError(f"{self.name}: inner fp8 payload of {inner_len} bytes is implausible for raw_len {raw_len}")
+            raise CodecError(
+                f"{self.name}: inner fp8 payload of {inner_len} bytes is implausible for raw_len {raw_len}"
+            )
         inner = scratch("fp8zstd.inner", inner_len)
         zstd.decompress_into(encoded, inner, inner_len, codec=self.name)
         self._fp8.decode_into(memoryview(inner), dtype, raw_len, out)

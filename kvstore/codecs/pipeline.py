@@ -138,7 +138,8 @@ def iter_encoded(
     plan = plan_batches([nbytes_of(b) for b in blocks], min_batch_bytes)
 
     def encode(batch: Batch) -> EncodedBatch:
-        return encode_batch(choose(batch), blocks[batch.start : batch.stop], dtype, start=batch.start, head_dim=head_dim)
+        codec = choose(batch)
+        return encode_batch(codec, blocks[batch.start : batch.stop], dtype, start=batch.start, head_dim=head_dim)
 
     if depth <= 0:
         for batch in plan:
