@@ -2,11 +2,11 @@
 
 - ``write(metas, sources) -> locs``: one batch, appended in large aligned
   O_DIRECT writes. Returns when the batch is *acknowledged*: under
-  ``write_policy="fdatasync"`` (default) every byte went through O_DIRECT and
-  the segment was fdatasync'ed (it survives a crash of the process, the OS or
-  the power); under ``"direct"`` it went through O_DIRECT without fdatasync
-  (survives a crash of the process; after a power loss, blocks acked in the
-  last moments may be missing, never wrong). ``TierFull`` when the batch
+  ``write_policy="direct"`` (default) every byte went through O_DIRECT (it
+  survives a crash of the process; segments are fdatasync'ed within
+  ``sync_interval_s``, so after an OS crash or power loss blocks acked in the
+  last moments may be missing, never wrong); under ``"fdatasync"`` the
+  segment was also fdatasync'ed (it survives a power loss). ``TierFull`` when the batch
   needs more segment files than the capacity allows (nothing written; free
   blocks and ``compact()``); ``TierFault`` on an I/O error (nothing of the batch
   stays allocated; the tier turns degraded and fails writes fast until a
