@@ -206,12 +206,26 @@ class KvikioBackend(IoBackend):
         import kvikio.defaults
 
         self._kvikio = kvikio
-        mode = kvikio.defaults.compat_mode()
-        compat = bool(mode) if isinstance(mode, bool) else str(mode).upper().endswith("ON")
-        self.name = "kvikio-compat" if compat else "kvikio-gds"
+        self.name = "kvikio-compat" if self._compat_requested() is True else "kvikio-gds"
+
+    def _compat_requested(self) -> bool | None:
+        """True (POSIX), False (cuFile) or None (AUTO: decided per file), across kvikio versions."""
+        defaults = self._kvikio.defaults
+        mode = defaults.get("compat_mode") if hasattr(defaults, "get") else defaults.compat_mode()
+        if isinstance(mode, bool):
+            return mode
+        text = str(mode).upper()
+        return True if text.endswith("ON") else False if text.endswith("OFF") else None
 
     def _wrap(self, path: str, fd: int) -> FileHandle:
-        return FileHandle(path, fd, True, self._kvikio.CuFile(path, "r+"))
+        f = self._kvikio.CuFile(path, "r+")
+        preferred = getattr(f, "is_compat_mode_preferred", None)
+        if callable(preferred):
+            name = "kvikio-compat" if preferred() else "kvikio-gds"
+            if name != self.name:
+                log.info("kvikio backend: %s (was %s)", name, self.name)
+                self.name = name
+        return FileHandle(path, fd, True, f)
 
     def create(self, path: str, size: int) -> FileHandle:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
