@@ -15,16 +15,18 @@ Verbs (same names and results as ``kvstore.client.Client``):
   the whole batch goes to one node: the best live holder of ``parent`` when given,
   else the rendezvous winner for the prefix root (``root``, default ``hashes[0]``),
   so a prefix's blocks stay together. A node that fails is skipped for the next in
-  rendezvous order; when none takes it every block comes back rejected with
-  UNAVAILABLE (no exception).
+  rendezvous order (then nodes listed until a moment ago, see ``get``); when none
+  takes it every block comes back rejected with UNAVAILABLE (no exception).
 - ``get(ns, hashes, *, out=None, allow_missing=False, verify=True)``: each block from
   a node the index names (best tier first), nodes fetched in parallel; blocks a
   node misses or that fail with the node are retried on their next holder, then
-  on the rendezvous winner of ``hashes[0]`` (the index lags puts by the
-  publishers' flush interval). A block unavailable everywhere raises
-  ``KVStoreError(NOT_FOUND)`` like the single-node client, or is None with
-  ``allow_missing``.
-- ``delete(ns, hashes) -> int``: sent to every live node; the number of copies removed.
+  on every other live node in rendezvous order of ``hashes[0]`` (the index lags
+  puts by the publishers' flush interval), then on nodes listed until a moment
+  ago (``linger``). A block unavailable everywhere raises ``KVStoreError(NOT_FOUND)``
+  like the single-node client, or is None with ``allow_missing``; so a miss costs
+  one Get per node, a hit on an indexed block one Get per holding node.
+- ``delete(ns, hashes) -> int``: sent to every live (and lingering) node; the number of
+  copies removed.
 - ``stats() -> dict``: per-node stats, members, and whether Redis is reachable.
 
 Failure semantics: a store node failing mid-request never surfaces as an error
@@ -65,12 +67,13 @@ NODE_MISSES = frozenset({grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXH
 
 class ClusterClient:
     def __init__(self, target: str, *, nodes: Sequence[str] = (), refresh: float = 1.0, down_for: float = 2.0,
-                 redis_timeout: float = 1.0, prefix: str = "kv", parallel: int = 8, timeout: float = 60.0,
-                 chunk_bytes: int = CHUNK_BYTES, **client_options: Any):
+                 linger: float = 10.0, redis_timeout: float = 1.0, prefix: str = "kv", parallel: int = 8,
+                 timeout: float = 60.0, chunk_bytes: int = CHUNK_BYTES, **client_options: Any):
         self.connector = RedisConnector(target, timeout=redis_timeout)
         self.layout = KeyLayout(prefix)
         client_options.setdefault("retries", 0)
-        self.directory = Directory(self.connector, self.layout, refresh=refresh, down_for=down_for, static=nodes,
+        self.directory = Directory(self.connector, self.layout, refresh=refresh, down_for=down_for, linger=linger,
+                                   static=nodes,
                                    client_options={"timeout": timeout, "chunk_bytes": chunk_bytes, **client_options})
         self.target, self.timeout = target, timeout
         self._pool = ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="kvstore-cluster")
@@ -106,7 +109,7 @@ class ClusterClient:
     def _lookup_direct(self, namespace: str, hashes: list[bytes]) -> tuple[int, list[str]]:
         """Redis is down: ask every live node; the longest prefix wins and the rest is asked again."""
         done, tiers = 0, []
-        live = self.directory.live()
+        live = self.directory.live() + self.directory.recent()
         while done < len(hashes) and live:
             rest = hashes[done:]
             replies = self._each(live, lambda m: self.directory.client(m).lookup_tiers(namespace, rest))
@@ -154,7 +157,7 @@ class ClusterClient:
     def _placement(self, namespace: str, hashes: Sequence[bytes], parent: bytes | None,
                    root: bytes | None) -> list[NodeInfo]:
         live = self.directory.live()
-        order = routing.rank(root or hashes[0], live)
+        order = routing.rank(root or hashes[0], live) + routing.rank(root or hashes[0], self.directory.recent())
         if parent is None or root is not None:
             return order
         held = self._holders(namespace, [parent])
@@ -171,9 +174,9 @@ class ClusterClient:
         if not hashes:
             return []
         results: list[Any] = [None] * len(hashes)
-        live = self.directory.live()
-        by_id = {m.id: m for m in live}
-        candidates = self._candidates(namespace, hashes, live)
+        live, recent = self.directory.live(), self.directory.recent()
+        by_id = {m.id: m for m in live + recent}
+        candidates = self._candidates(namespace, hashes, live, recent)
         step = [0] * len(hashes)
         pending = set(range(len(hashes)))
         while pending:
@@ -212,25 +215,27 @@ class ClusterClient:
                                f"({len(missing)} of {len(hashes)} blocks unavailable)")
         return results
 
-    def _candidates(self, namespace: str, hashes: Sequence[bytes], live: list[NodeInfo]) -> list[list[str]]:
-        """Per block, node ids to try in order: index holders (best tier, then rendezvous order), then the
-        rendezvous winner; with Redis down, every live node in rendezvous order."""
-        order = [m.id for m in routing.rank(hashes[0], live)]
+    def _candidates(self, namespace: str, hashes: Sequence[bytes], live: list[NodeInfo],
+                    recent: list[NodeInfo]) -> list[list[str]]:
+        """Per block, node ids to try in order: the index's holders (best tier, then rendezvous order), then
+        every other live node in rendezvous order of ``hashes[0]`` (the index lags puts), then nodes listed
+        until a moment ago (Redis restarted and they have not registered again yet). With Redis down the
+        holders are unknown and the list starts with the rendezvous order."""
+        order = [m.id for m in routing.rank(hashes[0], live)] + [m.id for m in routing.rank(hashes[0], recent)]
         found = self._holders(namespace, hashes)
         if found is None:
             return [order for _ in hashes]
         pos = {node: k for k, node in enumerate(order)}
         out = []
         for held in found:
-            nodes = sorted((n for n in held if n in pos), key=lambda n: (held[n], pos[n]))
-            if order and order[0] not in held:
-                nodes.append(order[0])
-            out.append(nodes)
+            first = sorted((n for n in held if n in pos), key=lambda n: (held[n], pos[n]))
+            out.append(first + [n for n in order if n not in held])
         return out
 
     # -- delete / stats ----------------------------------------------------------------------------
     def delete(self, namespace: str, hashes: Sequence[bytes]) -> int:
-        replies = self._each(self.directory.live(), lambda m: self.directory.client(m).delete(namespace, hashes))
+        nodes = self.directory.live() + self.directory.recent()
+        replies = self._each(nodes, lambda m: self.directory.client(m).delete(namespace, hashes))
         return sum(n for n in replies.values() if n is not None)
 
     def stats(self, namespace: str = "") -> dict[str, Any]:

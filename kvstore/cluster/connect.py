@@ -14,7 +14,8 @@ Verbs: ``get()`` returns a connected client or raises ``RedisUnavailable``
 (also, without trying, while a backoff after the last failure runs: callers on
 a request path never wait for a Redis that just failed); ``failed(err)`` records
 a failure (drops the client so the next ``get`` reconnects and re-reads the
-cluster topology); ``ok()`` resets the backoff; ``close()``.
+cluster topology); ``ok()`` resets the backoff; ``retry_now()`` ends the current one (another
+connection just reached Redis); ``close()``.
 
 Timeouts are short (Redis is on the side of the data path, never in it): a
 command that cannot finish in ``timeout`` seconds counts as Redis being down.
@@ -76,6 +77,8 @@ class RedisConnector:
             return self._client
 
     def failed(self, err: BaseException) -> None:
+        if isinstance(err, RedisUnavailable):
+            return  # raised by get(): already recorded, and a backoff must not extend itself
         with self._lock:
             self._note_failure(err)
             client, self._client = self._client, None
@@ -84,6 +87,10 @@ class RedisConnector:
 
     def ok(self) -> None:
         self._backoff = 0.0
+
+    def retry_now(self) -> None:
+        """Someone else just reached this Redis: end the backoff."""
+        self._retry_at = 0.0
 
     @property
     def available(self) -> bool:

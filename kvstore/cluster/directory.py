@@ -7,6 +7,10 @@ Verbs:
   is kept (``redis_up`` turns False) and, before any list was ever read, the
   ``static`` addresses given to the client stand in (without index ids).
 - ``live() -> [NodeInfo]``: members not marked down.
+- ``recent() -> [NodeInfo]``: nodes listed within the last ``linger`` seconds that are
+  not listed now (nor marked down). After Redis restarts empty, members register
+  again one heartbeat at a time; until then their blocks are still reachable by
+  asking them directly, so ``get`` falls back to these too.
 - ``client(member) -> Client``: the per-node client, created on first use and
   replaced when the member restarts (a new incarnation gets a fresh channel, so
   no gRPC reconnect backoff of the dead process carries over).
@@ -30,8 +34,10 @@ log = logging.getLogger("kvstore.cluster.client")
 
 class Directory:
     def __init__(self, connector: RedisConnector, layout: KeyLayout, *, refresh: float = 1.0, down_for: float = 2.0,
-                 static: Sequence[str] = (), client_options: dict[str, Any] | None = None):
+                 linger: float = 10.0, static: Sequence[str] = (), client_options: dict[str, Any] | None = None):
         self.connector, self.layout, self.refresh, self.down_for = connector, layout, refresh, down_for
+        self.linger = linger
+        self._seen: dict[str, tuple[NodeInfo, float]] = {}  # node id -> (info, last listed)
         self._static = [NodeInfo(id=addr, addr=addr, incarnation="static") for addr in static]
         self._options = dict(client_options or {})
         self._members: list[NodeInfo] | None = None
@@ -61,12 +67,20 @@ class Directory:
             self.connector.ok()
             self.redis_up = True
             self._members, self._read_at = members, now
-            self._forget_gone({m.id: m.incarnation for m in members})
+            for m in members:
+                self._seen[m.id] = (m, now)
+            for node_id in [n for n, (_, seen) in self._seen.items() if now - seen > self.linger]:
+                del self._seen[node_id]
+            self._forget_gone()
             return members
 
     def live(self) -> list[NodeInfo]:
         now = time.monotonic()
         return [m for m in self.members() if self._down.get(m.id, 0.0) <= now]
+
+    def recent(self) -> list[NodeInfo]:
+        listed = {m.id for m in self.members()}
+        return [m for node_id, (m, _) in self._seen.items() if node_id not in listed and not self.is_down(node_id)]
 
     def is_down(self, node_id: str) -> bool:
         return self._down.get(node_id, 0.0) > time.monotonic()
@@ -93,9 +107,9 @@ class Directory:
         for _, client in clients.values():
             client.close()
 
-    def _forget_gone(self, alive: dict[str, str]) -> None:
-        """Lock held: close clients of members that left or restarted."""
-        for node_id in [n for n, (inc, _) in self._clients.items() if alive.get(n) != inc]:
+    def _forget_gone(self) -> None:
+        """Lock held: close the clients of nodes no longer listed nor lingering."""
+        for node_id in [n for n in self._clients if n not in self._seen]:
             _, client = self._clients.pop(node_id)
             self._down.pop(node_id, None)
             client.close()

@@ -62,6 +62,8 @@ class ClusterNode:
                                         layout=layout, metrics=metrics, options=options)
 
     def _on_lost(self) -> None:
+        """Membership is back after losing its entry: Redis answers, so resync the index now, not after a backoff."""
+        self.publisher.connector.retry_now()
         self.publisher.request_resync()
 
     def start(self) -> "ClusterNode":
