@@ -15,7 +15,6 @@ from kvstore.hashing import block_hashes
 from kvstore.server import tenants
 from kvstore.server.tenants import SHARED, TenantRegistry, token_digest
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 TOKEN_A = "token-of-tenant-a-0123456789"
 TOKEN_B = "token-of-tenant-b-9876543210"

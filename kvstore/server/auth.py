@@ -78,6 +78,7 @@ class Malformed:
 
 
 def bearer_token(metadata: Any) -> str | None:
+    """The token of an ``authorization: Bearer <token>`` entry; "" for another scheme, None if absent."""
     for key, value in metadata or ():
         if key == "authorization":
             scheme, _, token = str(value).partition(" ")
@@ -87,6 +88,8 @@ def bearer_token(metadata: Any) -> str | None:
 
 @dataclass
 class Gatekeeper:
+    """The node's access policy: who may call (tenants), what they may touch, and how much."""
+
     registry: TenantRegistry | None = None
     tenants_path: str | None = None
     default_quota: int = 0
@@ -104,12 +107,20 @@ class Gatekeeper:
         if metrics is not None:
             gate.count = metrics.add
         if cfg.max_rpc_seconds > 0:
-            gate.watchdog = DeadlineWatchdog(cfg.max_rpc_seconds, on_expire=lambda m: gate.count("rpc_deadline_expired"))
+            gate.watchdog = DeadlineWatchdog(cfg.max_rpc_seconds,
+                                             on_expire=lambda _method: gate.count("rpc_deadline_expired"))
         if gate.registry is not None and store is not None:
-            gate.quotas = ByteQuotas(store, lambda ns: gate.registry.bucket_of(ns),  # type: ignore[union-attr]
-                                     lambda bucket: gate.registry.quota_of(bucket, gate.default_quota or None))  # type: ignore[union-attr]
+            gate.quotas = ByteQuotas(store, gate._bucket_of, gate._quota_of)
             log.info("tenants: %s", ", ".join(t.name + (" (admin)" if t.admin else "") for t in gate.registry.tenants))
         return gate
+
+    def _bucket_of(self, namespace: str) -> str:
+        assert self.registry is not None
+        return self.registry.bucket_of(namespace)
+
+    def _quota_of(self, bucket: str) -> int | None:
+        assert self.registry is not None
+        return self.registry.quota_of(bucket, self.default_quota or None)
 
     # -- lifecycle -------------------------------------------------------------------
     def interceptors(self) -> list[grpc.ServerInterceptor]:
@@ -215,9 +226,8 @@ class Gatekeeper:
         if self.quotas is None or self.registry is None:
             return {}
         self.quotas.rescan()
-        bucket = self.registry.bucket_of(namespace)
-        return {"quota_used_bytes": float(self.quotas.usage(bucket)),
-                "quota_bytes": float(self.registry.quota_of(bucket, self.default_quota or None) or 0)}
+        bucket = self._bucket_of(namespace)
+        return {"quota_used_bytes": float(self.quotas.usage(bucket)), "quota_bytes": float(self._quota_of(bucket) or 0)}
 
 
 class GuardInterceptor(grpc.ServerInterceptor):
@@ -246,7 +256,8 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHan
     return handler._replace(request_deserializer=None, **{kind: refuse})  # unauthenticated bytes are never parsed
 
 
-def _guarded(handler: grpc.RpcMethodHandler, method: str, principal: Principal, gate: Gatekeeper) -> grpc.RpcMethodHandler:
+def _guarded(handler: grpc.RpcMethodHandler, method: str, principal: Principal,
+             gate: Gatekeeper) -> grpc.RpcMethodHandler:
     kind = _KINDS[(handler.request_streaming, handler.response_streaming)]
     behavior = getattr(handler, kind)
     parse = handler.request_deserializer

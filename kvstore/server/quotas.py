@@ -30,7 +30,6 @@ import numpy as np
 
 from kvstore.store import BlockStore
 from kvstore.store.index import NO_LOC
-from kvstore.tiers.base import MemoryTier
 
 log = logging.getLogger(__name__)
 
