@@ -156,3 +156,17 @@ def test_eight_concurrent_clients_overlapping_prefixes(lane_server, lane):
     while len(lane_server.lanes.registry) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(lane_server.lanes.registry) == 0  # every client closed its lanes
+
+
+def test_batch_larger_than_the_memory_tier(make_server, lane):
+    """As on gRPC, a batch bigger than DRAM is stored block by block, evicting the batch's own older blocks."""
+    server = make_server(dram=8 << 20, shm_lane_bytes=32 << 20)
+    rng = random.Random(3)
+    hashes = [rng.randbytes(16) for _ in range(24)]
+    payloads = [rng.randbytes(1 << 20) for _ in range(24)]
+    with Client(f"127.0.0.1:{server.port}", lane=lane) as kv:
+        results = kv.put("big", hashes, payloads, chained=False)
+        assert [r.status for r in results] == ["stored"] * 24
+        n, _ = kv.lookup_tiers("big", hashes[-4:])
+        assert n == 4 and bytes(kv.get("big", hashes[-1:])[0]) == payloads[-1]
+    server.store.check_invariants()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
+import socket
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -43,6 +44,16 @@ import grpc
 from kvstore.v1 import kvstore_pb2 as pb
 
 TOKEN_BYTES = 32
+
+
+def host_id() -> str:
+    """Identity of this host as both lane ends see it: kernel boot id and host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{boot}/{socket.gethostname()}"
 
 
 class LaneError(Exception):
@@ -82,6 +93,9 @@ class ServerLane(ABC):
     kind: str = ""
 
     def __init__(self, lane_id: str | None = None):
+        from kvstore.lanes.access import OPEN_ACCESS
+
+        self.access = OPEN_ACCESS  # the tenant that opened the lane (set by OpenLane)
         self.lane_id = lane_id or secrets.token_hex(8)
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.last_used = time.monotonic()

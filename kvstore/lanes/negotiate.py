@@ -8,8 +8,11 @@
   (another /dev/shm, another uid) the lane is closed and tcp asked for. When
   the server offers nothing (lanes off, an older server without the service,
   the lane limit reached) the pool answers ``None`` and the caller uses gRPC;
-  it asks again after ``RETRY_SECONDS``.
-- ``"shm"`` / ``"tcp"``: that lane or a ``KVStoreError`` saying why not.
+  it asks again after ``RETRY_SECONDS``. When OpenLane itself fails (server
+  unreachable, bad token) the gRPC path runs now and reports it, and the
+  next call asks again.
+- ``"shm"`` / ``"tcp"``: that lane or a ``KVStoreError`` saying why not
+  (with OpenLane's own code when that call failed, e.g. UNAUTHENTICATED).
 - ``"grpc"``: never a lane.
 
 Verbs: ``run(fn) -> result | None`` calls ``fn(lane)`` on a lane held for
@@ -27,7 +30,7 @@ from typing import Callable, TypeVar
 
 import grpc
 
-from kvstore.lanes.base import Lane, LaneBroken
+from kvstore.lanes.base import Lane, LaneBroken, host_id
 from kvstore.lanes.shm_region import RegionError
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
@@ -53,6 +56,7 @@ class LanePool:
         self._open = 0
         self._cond = threading.Condition()
         self._retry_at = 0.0
+        self._no_lane_for_a_while = False
         self.kind = "grpc"
 
     def run(self, fn: Callable[[Lane], T]) -> T | None:
@@ -110,7 +114,8 @@ class LanePool:
             raise
         if lane is None:
             self._forget()
-            self._retry_at = time.monotonic() + RETRY_SECONDS
+            if self._no_lane_for_a_while:
+                self._retry_at = time.monotonic() + RETRY_SECONDS
         else:
             self.kind = lane.kind
         return lane
@@ -138,11 +143,20 @@ class LanePool:
         if self.mode == "auto" and (self.tls or self.target.startswith("unix:")):
             wanted.remove("tcp")
         reasons: list[str] = []
+        code = grpc.StatusCode.FAILED_PRECONDITION
         while wanted:
-            reply = self._open_lane(wanted, reasons)
-            if reply is None or reply.kind == lpb.LANE_UNSPECIFIED:
-                if reply is not None:
-                    reasons.append(reply.reason)
+            request = lpb.OpenLaneRequest(kinds=[_KINDS[k] for k in wanted], host_id=host_id())
+            try:
+                reply = self._stub.OpenLane(request, timeout=self._timeout, metadata=self._metadata)
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+                reasons.append(f"OpenLane: {err.details() if hasattr(err, 'details') else err}")
+                if code != grpc.StatusCode.UNIMPLEMENTED:  # transient or the caller's: ask again next call
+                    self._retry_at = 0.0
+                    return self._no_lane(code, reasons, retry=False)
+                break
+            if reply.kind == lpb.LANE_UNSPECIFIED:
+                reasons.append(reply.reason)
                 break
             kind = "shm" if reply.kind == lpb.LANE_SHM else "tcp"
             try:
@@ -151,24 +165,19 @@ class LanePool:
                 reasons.append(f"{kind}: {err}")
                 self._close_remote(reply)
                 wanted.remove(kind)
+        return self._no_lane(code if code != grpc.StatusCode.UNIMPLEMENTED else grpc.StatusCode.FAILED_PRECONDITION,
+                             reasons, retry=True)
+
+    def _no_lane(self, code: grpc.StatusCode, reasons: list[str], retry: bool) -> None:
+        """No lane: the caller uses gRPC (auto), or hears why (an explicit lane)."""
         why = "; ".join(r for r in reasons if r) or "the server offers no lane"
         if self.mode != "auto":
             from kvstore.client import KVStoreError
 
-            raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, f"no {self.mode} lane to {self.target}: {why}")
+            raise KVStoreError(code, f"no {self.mode} lane to {self.target}: {why}")
         log.info("no fast lane to %s (%s): using gRPC", self.target, why)
+        self._no_lane_for_a_while = retry
         return None
-
-    def _open_lane(self, wanted: list[str], reasons: list[str]) -> lpb.OpenLaneResponse | None:
-        from kvstore.lanes.server import host_id
-
-        request = lpb.OpenLaneRequest(kinds=[_KINDS[k] for k in wanted], host_id=host_id())
-        try:
-            return self._stub.OpenLane(request, timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-            reasons.append(f"OpenLane: {code.name}: {err.details() if hasattr(err, 'details') else err}")
-            return None
 
     def _connect(self, kind: str, reply: lpb.OpenLaneResponse) -> Lane:
         if kind == "shm":

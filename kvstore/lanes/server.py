@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Any
 
 import grpc
 
+from kvstore.lanes.base import host_id
 from kvstore.lanes.registry import LaneRegistry
 from kvstore.lanes.servicer import LaneServicer
+from kvstore.lanes.shm_region import sweep
 from kvstore.lanes.storeops import StoreOps
 from kvstore.lanes.tcp_server import TcpLaneServer
 from kvstore.v1 import lanes_pb2, lanes_pb2_grpc
@@ -26,16 +27,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = lanes_pb2.DESCRIPTOR.services_by_name["KVStoreLanes"].full_name
 IDLE_LEASES = 10  # a lane unused for this many leases is closed
-
-
-def host_id() -> str:
-    """Identity of this host as both lane ends see it: kernel boot id and host name."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "no-boot-id"
-    return f"{boot}/{socket.gethostname()}"
 
 
 def lane_kinds(spec: str) -> set[str]:
@@ -65,8 +56,10 @@ class LaneServer:
         shm_dir = cfg.shm_dir if "shm" in kinds and os.path.isdir(cfg.shm_dir) else None
         if "shm" in kinds and shm_dir is None:
             log.warning("shm lane off: %s is not a directory", cfg.shm_dir)
+        if shm_dir is not None and (stale := sweep(shm_dir)):
+            log.info("removed %d lane region files left by servers that were killed", stale)
         self.servicer = LaneServicer(self.registry, self.ops, host_id=host_id(), shm_dir=shm_dir,
-                                     shm_bytes=cfg.shm_lane_bytes, tcp=self.tcp)
+                                     shm_bytes=cfg.shm_lane_bytes, tcp=self.tcp, gate=getattr(node, "gate", None))
 
     def register(self, server: grpc.Server) -> "LaneServer":
         lanes_pb2_grpc.add_KVStoreLanesServicer_to_server(self.servicer, server)

@@ -11,15 +11,19 @@
 - ``CloseLane``: aborts what the lane still holds and frees its region.
 
 Every request names its lane and carries its token: an unknown lane is
-FAILED_PRECONDITION (open a new one), a wrong token PERMISSION_DENIED.
+FAILED_PRECONDITION (open a new one), a wrong token PERMISSION_DENIED. The
+node's Gatekeeper authenticates every call (the interceptor); the tenant of
+the OpenLane call is bound to the lane and every namespace on it is checked
+against that tenant (``access.py``), on the TCP lane too.
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import grpc
 
+from kvstore.lanes.access import LaneAccess
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.registry import LaneRegistry
 from kvstore.lanes.shm_region import RegionError, ShmRegion
@@ -35,17 +39,18 @@ T = TypeVar("T")
 
 class LaneServicer(lpb_grpc.KVStoreLanesServicer):
     def __init__(self, registry: LaneRegistry, ops: StoreOps, *, host_id: str, shm_dir: str | None,
-                 shm_bytes: int, tcp: TcpLaneServer | None):
-        self.registry, self.ops, self.host_id = registry, ops, host_id
+                 shm_bytes: int, tcp: TcpLaneServer | None, gate: Any = None):
+        self.registry, self.ops, self.host_id, self.gate = registry, ops, host_id, gate
         self.shm_dir, self.shm_bytes, self.tcp = shm_dir, shm_bytes, tcp
 
     # -- negotiation ---------------------------------------------------------------------
     def OpenLane(self, request: lpb.OpenLaneRequest, context: grpc.ServicerContext) -> lpb.OpenLaneResponse:
         with self.ops.metrics.rpc("OpenLane", context):
             reasons: list[str] = []
+            access = self._run(context, lambda: LaneAccess.of_current_call(self.gate))
             for kind in request.kinds:
                 try:
-                    reply = self._open(kind, request, reasons)
+                    reply = self._open(kind, request, reasons, access)
                 except LaneError as err:
                     reasons.append(err.message)
                     continue
@@ -55,7 +60,8 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             return lpb.OpenLaneResponse(kind=lpb.LANE_UNSPECIFIED, host_id=self.host_id,
                                         reason="; ".join(reasons) or "no lane kind requested")
 
-    def _open(self, kind: int, request: lpb.OpenLaneRequest, reasons: list[str]) -> lpb.OpenLaneResponse | None:
+    def _open(self, kind: int, request: lpb.OpenLaneRequest, reasons: list[str],
+              access: LaneAccess) -> lpb.OpenLaneResponse | None:
         common = dict(host_id=self.host_id, lease_seconds=self.registry.lease)
         if kind == lpb.LANE_SHM:
             if self.shm_dir is None:
@@ -71,6 +77,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 reasons.append(f"shm region: {err}")
                 return None
             lane = ShmServerLane(region, self.ops, self.registry.lease)
+            lane.access = access
             try:
                 self.registry.add(lane)
             except LaneError:
@@ -83,6 +90,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 reasons.append("tcp lane disabled on this node")
                 return None
             tlane = TcpServerLane()
+            tlane.access = access
             self.registry.add(tlane)
             return lpb.OpenLaneResponse(kind=kind, lane_id=tlane.lane_id, token=tlane.token,
                                         tcp_port=self.tcp.port, **common)

@@ -1,7 +1,7 @@
 """Shared-memory regions of the shm lane: created by the server, mapped by both sides.
 
-``ShmRegion.create(dir, size)`` (server): a file ``<dir>/kvstore-lane-<32 hex
-digits from secrets.token_hex>`` opened with O_CREAT|O_EXCL|O_NOFOLLOW and
+``ShmRegion.create(dir, size)`` (server): a file ``<dir>/kvstore-lane-<server
+pid>-<32 hex digits from secrets.token_hex>`` opened with O_CREAT|O_EXCL|O_NOFOLLOW and
 mode 0600 (only this uid can open it; the name is unguessable), its pages
 reserved with ``posix_fallocate`` (a full /dev/shm fails here with ENOSPC,
 never later as SIGBUS), and mapped shared. ``unlink()`` removes the name once
@@ -12,6 +12,10 @@ process is killed.
 ``attach(path, size)`` (client): opens the file without following links and
 checks it is a regular file of this uid, mode 0600 and the announced size
 before mapping it.
+
+``sweep(dir)`` (server start): a server killed with SIGKILL before its client
+mapped a region leaves the name behind; files of this uid whose server pid no
+longer runs are removed.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ class ShmRegion:
 
     @classmethod
     def create(cls, directory: str, size: int) -> "ShmRegion":
-        path = os.path.join(directory, PREFIX + secrets.token_hex(16))
+        path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, 0o600)
@@ -93,3 +97,30 @@ def attach(path: str, size: int) -> ShmRegion:
         os.close(fd)
     array = np.frombuffer(mapping, dtype=np.uint8)
     return ShmRegion(path, size, mapping, array, memoryview(array))
+
+
+def sweep(directory: str) -> int:
+    """Remove region files of this uid left by servers that are gone; returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        pid_text = name[len(PREFIX):].partition("-")[0]
+        if not name.startswith(PREFIX) or not pid_text.isdigit():
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid != os.geteuid():
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                removed += 1
+            except OSError:
+                pass
+        except OSError:
+            continue  # not ours to judge (no permission), or the file is gone already
+    return removed

@@ -5,8 +5,10 @@ Verbs of ``ShmServerLane`` (called by ``servicer.LaneServicer``):
 - ``reserve(ns, headers, release) -> LaneGrant``: validate all headers,
   then for each block in order ``begin_put`` and a region range to write it
   at; blocks already present or rejected get their final result and no range.
-  Stops early when the region is full (the client reserves the rest after
-  committing). The grant's lease starts when the reply is built.
+  Stops early when the region is full, or when the top tier is (its room is
+  held by this grant's own uncommitted slots): the client reserves the rest
+  after committing these, as the gRPC Put would have evicted or demoted
+  committed blocks to make room. The grant's lease starts when the reply is built.
 - ``commit(grant_id, descriptors) -> LaneCommitted``: descriptors must
   match granted slots exactly (else PERMISSION_DENIED, nothing touched). Each
   block is copied region -> arena slot with its CRC32C computed on the slot's
@@ -61,16 +63,20 @@ class ShmServerLane(ServerLane):
     # -- put --------------------------------------------------------------------------
     def reserve(self, namespace: str, headers: Sequence[pb.BlockHeader], release: Sequence[int]) -> lpb.LaneGrant:
         self.grants.release(release)
-        ns = self.ops.namespace(namespace)
+        ns = self.ops.namespace(namespace, self.access)
         metas = self.ops.headers(ns, headers)
         grant = self.grants.open_put()
         reply = lpb.LaneGrant(grant_id=grant.id, expires_in=self.lease)
         try:
+            held = False
             for i, meta in enumerate(metas):
-                res = self.ops.reserve_one(ns, meta, i)
+                res = self.ops.reserve(ns, meta, i, self.access)
+                if res.full and held:
+                    break  # the tier is full of this grant's own slots: commit them, then reserve the rest
                 if not self.grants.add_put(grant, meta.hash, meta.stored_length, res if res.ticket else None):
                     self.ops.abort([res])
                     break
+                held = held or res.ticket is not None
                 slot = grant.slots[-1]
                 reply.slots.append(lpb.SlotGrant(offset=max(slot.offset, 0), length=slot.length, result=res.result))
         except BaseException:
@@ -93,7 +99,7 @@ class ShmServerLane(ServerLane):
             for d, slot in zip(descriptors, slots):
                 res: Reservation = slot.item
                 computed = self._copy_in(slot, res)
-                reply.results.append(self.ops.finish(res, d.crc32c, computed, committed))
+                reply.results.append(self.ops.finish(res, d.crc32c, computed, committed, self.access))
                 done += slot.length
         except BaseException:
             self.ops.abort([s.item for s in slots])
@@ -125,7 +131,7 @@ class ShmServerLane(ServerLane):
     def get(self, request: pb.GetRequest, release: Sequence[int]) -> Iterator[lpb.LaneGetResponse]:
         self.grants.release(release)
         accepted = accepted_codecs(request)
-        _, leases = self.ops.acquire(request)
+        _, leases = self.ops.acquire(request, self.access)
         grant = self.grants.grant_get()
         released = 0
         handled = 0

@@ -2,15 +2,19 @@
 
 Verbs (``StoreOps``, thread-safe like the BlockStore under it):
 
-- ``reserve(ns, headers) -> [Reservation]``: validate every header first
-  (``kvstore.server.validate``; INVALID_ARGUMENT names the block, and nothing
-  is reserved), then ``begin_put`` each: a reservation holds a ticket (a
-  writable arena slot, invisible until committed) or a final result (already
-  present; rejected with RESOURCE_EXHAUSTED).
-- ``finish(res, crc, computed) -> BlockResult``: ``crc`` is the CRC32C the
+- ``namespace(ns, access)``, ``headers(ns, headers)``: validation
+  (``kvstore.server.validate``; INVALID_ARGUMENT names the block) and the
+  tenant's right to the namespace (``access.LaneAccess``), before anything
+  is reserved.
+- ``reserve(ns, meta, index, access) -> Reservation``: the tenant's quota,
+  then ``begin_put``: a reservation holds a ticket (a writable arena slot,
+  invisible until committed) or a final result (already present; rejected
+  with RESOURCE_EXHAUSTED over capacity or quota).
+- ``finish(res, crc, computed, committed, access) -> BlockResult``: ``crc`` is the CRC32C the
   client claims for the raw bytes, ``computed`` the CRC32C of the bytes that
   landed in the slot (codec none). On a match the block is committed; on a
-  mismatch the slot is given back and INVALID_ARGUMENT raised.
+  mismatch the slot is given back and INVALID_ARGUMENT raised. A stored
+  block is charged to the tenant's quota.
 - ``abort(reservations)``: give back the slots of uncommitted reservations.
 - ``persist(entries)``: write-through to the durable tier before acknowledging.
 - ``acquire / materialize / release``: leases for reading, as the gRPC Get,
@@ -25,6 +29,7 @@ from typing import Any, Iterator, Sequence
 
 import grpc
 
+from kvstore.lanes.access import LaneAccess
 from kvstore.lanes.base import LaneError
 from kvstore.server import validate
 from kvstore.server.metrics import Metrics
@@ -44,6 +49,7 @@ class Reservation:
     meta: BlockMeta
     ticket: PutTicket | None
     result: pb.BlockResult | None  # final when there is no ticket
+    full: bool = False             # rejected for want of room: may fit once earlier reservations are committed
 
 
 class StoreOps:
@@ -58,8 +64,11 @@ class StoreOps:
         except InvalidRequest as err:
             raise LaneError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
 
-    def namespace(self, ns: str) -> str:
-        return self.check(validate.namespace, ns)
+    def namespace(self, ns: str, access: LaneAccess) -> str:
+        """A well-formed namespace the lane's tenant may use (INVALID_ARGUMENT / PERMISSION_DENIED)."""
+        ns = self.check(validate.namespace, ns)
+        access.check(ns)
+        return ns
 
     def hashes(self, keys: Sequence[bytes]) -> list[bytes]:
         return self.check(validate.hashes, keys, self.limits)
@@ -76,29 +85,25 @@ class StoreOps:
         return metas
 
     # -- put ----------------------------------------------------------------------------------
-    def reserve(self, ns: str, headers: Sequence[pb.BlockHeader]) -> list[Reservation]:
-        metas = self.headers(ns, headers)
-        out: list[Reservation] = []
-        try:
-            for i, meta in enumerate(metas):
-                out.append(self.reserve_one(ns, meta, i))
-        except BaseException:
-            self.abort(out)
-            raise
-        return out
-
-    def reserve_one(self, ns: str, meta: BlockMeta, index: int) -> Reservation:
+    def reserve(self, ns: str, meta: BlockMeta, index: int, access: LaneAccess) -> Reservation:
+        over = access.admit(ns, meta.stored_length)
+        if over is not None:  # before begin_put: a tenant over quota never evicts anyone's blocks
+            if self.store.lookup(ns, [meta.hash])[0] == 1:
+                return Reservation(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT))
+            return Reservation(index, meta, None, pb.BlockResult(
+                hash=meta.hash, status=pb.PUT_REJECTED, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], reason=over))
         try:
             ticket = self.store.begin_put(ns, meta)
         except CapacityError as err:
             return Reservation(index, meta, None, pb.BlockResult(
                 hash=meta.hash, status=pb.PUT_REJECTED, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                reason=str(err)))
+                reason=str(err)), full=True)
         if ticket is None:
             return Reservation(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT))
         return Reservation(index, meta, ticket, None)
 
-    def finish(self, res: Reservation, crc: int, computed: int, committed: list[int]) -> pb.BlockResult:
+    def finish(self, res: Reservation, crc: int, computed: int, committed: list[int],
+               access: LaneAccess) -> pb.BlockResult:
         """Verify and commit one reserved block whose bytes are in ``res.ticket.buffer``."""
         if res.ticket is None:
             assert res.result is not None
@@ -115,6 +120,7 @@ class StoreOps:
         if status == ALREADY_PRESENT:
             return pb.BlockResult(hash=res.meta.hash, status=pb.PUT_ALREADY_PRESENT)
         committed.append(entry)
+        access.charge(res.meta.namespace, res.meta.stored_length)
         return pb.BlockResult(hash=res.meta.hash, status=pb.PUT_STORED, tier=self.store.top.rank)
 
     def abort(self, reservations: Sequence[Reservation | None]) -> None:
@@ -127,8 +133,8 @@ class StoreOps:
         self.store.persist(entries)
 
     # -- get ------------------------------------------------------------------------------------
-    def acquire(self, request: pb.GetRequest) -> tuple[str, list[Lease | None]]:
-        ns = self.namespace(request.namespace)
+    def acquire(self, request: pb.GetRequest, access: LaneAccess) -> tuple[str, list[Lease | None]]:
+        ns = self.namespace(request.namespace, access)
         keys = self.hashes(request.hashes)
         try:
             return ns, self.store.acquire(ns, keys, allow_missing=request.allow_missing)

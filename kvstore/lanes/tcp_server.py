@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from kvstore.lanes import framing
+from kvstore.lanes.access import LaneAccess
 from kvstore.lanes.base import LaneError, ServerLane
 from kvstore.lanes.memops import copy_into, host_view
 from kvstore.lanes.registry import LaneRegistry
@@ -167,10 +168,10 @@ class TcpLaneServer:
                 lane.touch()
                 if frame.kind == framing.PUT:
                     with self.ops.metrics.rpc("TcpLanePut"):
-                        self._put(conn, frame)
+                        self._put(conn, frame, lane.access)
                 elif frame.kind == framing.GET and not frame.data_len:
                     with self.ops.metrics.rpc("TcpLaneGet"):
-                        self._get(conn, frame)
+                        self._get(conn, frame, lane.access)
                 else:
                     self._status(conn, grpc.StatusCode.INVALID_ARGUMENT, f"unexpected frame kind {frame.kind}")
                     return
@@ -188,11 +189,11 @@ class TcpLaneServer:
         framing.send_frame(conn, framing.STATUS, meta)
 
     # -- put ------------------------------------------------------------------------------------
-    def _put(self, conn: socket.socket, frame: framing.Frame) -> None:
+    def _put(self, conn: socket.socket, frame: framing.Frame, access: LaneAccess) -> None:
         ops = self.ops
         try:
             request = lpb.TcpPut.FromString(frame.meta)
-            ns = ops.namespace(request.namespace)
+            ns = ops.namespace(request.namespace, access)
             metas = ops.headers(ns, request.headers)
             expected = sum(m.stored_length for m in metas)
             if expected != frame.data_len:
@@ -213,7 +214,7 @@ class TcpLaneServer:
                 if error is not None:
                     framing.drain(conn, n)
                     continue
-                res = ops.reserve_one(ns, meta, i)
+                res = ops.reserve(ns, meta, i, access)
                 if res.ticket is None:
                     framing.drain(conn, n)
                     reply.results.append(res.result)
@@ -221,7 +222,7 @@ class TcpLaneServer:
                     continue
                 computed = self._recv_block(conn, res.ticket.buffer, n)
                 try:
-                    reply.results.append(ops.finish(res, meta.crc32c, computed, committed))
+                    reply.results.append(ops.finish(res, meta.crc32c, computed, committed, access))
                     stored += n
                 except LaneError as err:
                     error = err
@@ -248,11 +249,11 @@ class TcpLaneServer:
         return crc
 
     # -- get ------------------------------------------------------------------------------------
-    def _get(self, conn: socket.socket, frame: framing.Frame) -> None:
+    def _get(self, conn: socket.socket, frame: framing.Frame, access: LaneAccess) -> None:
         ops = self.ops
         try:
             request = pb.GetRequest.FromString(frame.meta)
-            _, leases = ops.acquire(request)
+            _, leases = ops.acquire(request, access)
         except LaneError as err:
             self._status(conn, err.code, err.message)
             return

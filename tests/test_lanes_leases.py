@@ -1,0 +1,164 @@
+"""Leases on the lanes: a client killed or stalled mid-Put leaves no slot behind and no partial block."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+
+from kvstore.client import Client
+from kvstore.lanes import framing
+from kvstore.lanes.base import LaneBroken
+from kvstore.v1 import lanes_pb2 as lpb
+from tests.conftest import ROOT
+from tests.test_lanes_support import RawLanes, header, keys
+
+LEASE = 1.0
+BLOCK = 1 << 20
+
+
+@pytest.fixture
+def lane_server(make_server):
+    return make_server(dram=64 << 20, shm_lane_bytes=16 << 20, lane_lease=LEASE)
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from kvstore.client import Client
+    from kvstore.checksum import crc32c
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    with Client(sys.argv[1], lane=sys.argv[2]) as kv:
+        blocks = [bytes([i + 1]) * (1 << 20) for i in range(8)]
+        headers = [pb.BlockHeader(hash=bytes([9, i]) * 8, raw_length=len(b), stored_length=len(b),
+                                  crc32c=crc32c(b), dtype="uint8") for i, b in enumerate(blocks)]
+        def half_a_put(lane):
+            if lane.kind == "shm":
+                stream = lane.open_put()
+                grant = stream.reserve("ns", headers)
+                for slot, block in zip(grant.slots[:4], blocks):
+                    lane.write(slot, memoryview(block))  # written, never committed
+            else:
+                from kvstore.lanes import framing
+                from kvstore.v1 import lanes_pb2 as lpb
+                meta = lpb.TcpPut(namespace="ns", headers=headers).SerializeToString()
+                framing.send_all(lane.sock, [memoryview(framing.HEADER.pack(framing.MAGIC, framing.PUT, len(meta),
+                                                                            8 << 20)), memoryview(meta),
+                                             *[memoryview(b) for b in blocks[:3]], memoryview(blocks[3])[:1000]])
+            print("READY", flush=True)
+            time.sleep(60)
+        kv._lanes.run(half_a_put)
+""")
+
+
+@pytest.mark.parametrize("lane", ["shm", "tcp"])
+def test_client_killed_mid_put_leaks_nothing(lane_server, lane):
+    target = f"127.0.0.1:{lane_server.port}"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, target, lane], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line.strip() == "READY", child.stderr.read()
+        hashes = [bytes([9, i]) * 8 for i in range(8)]
+        partial = 0 if lane == "shm" else 3  # tcp commits whole blocks as they arrive; shm only on commit
+        # shm: 8 slots reserved, 4 written; tcp: 3 blocks stored and the 4th slot filling
+        held = 8 * BLOCK if lane == "shm" else 4 * BLOCK
+        assert wait_until(lambda: lane_server.store.top.used_bytes == held)
+        assert lane_server.store.lookup("ns", hashes)[0] == partial
+    finally:
+        child.kill()  # SIGKILL: no cleanup of any kind in the client
+        child.wait()
+    assert wait_until(lambda: lane_server.store.top.used_bytes == partial * BLOCK, timeout=LEASE * 5)
+    assert lane_server.store.lookup("ns", hashes)[0] == partial  # only whole, verified blocks are visible
+    assert lane_server.store.stats()["blocks"] == partial
+    lane_server.store.check_invariants()
+    with Client(target, lane=lane) as kv:  # the node is fine afterwards
+        assert kv.put("ns", hashes[:1], [b"z" * 100])[0].status in ("stored", "already_present")
+
+
+def test_stalled_put_grant_expires_after_its_lease(lane_server):
+    raw = RawLanes(lane_server)
+    shm = raw.shm()
+    stream = shm.open_put()
+    ks = keys(4)
+    data = b"s" * BLOCK
+    grant = stream.reserve("ns", [header(k, data) for k in ks])
+    crc = shm.write(grant.slots[0], memoryview(data))
+    assert lane_server.store.top.used_bytes == 4 * BLOCK
+    assert wait_until(lambda: lane_server.store.top.used_bytes == 0, timeout=LEASE * 5)  # stream still open
+    assert lane_server.metrics.counters()["lane_grants_expired"] >= 4
+    stream.send_commit(grant.grant_id, [lpb.BlockDescriptor(index=0, hash=ks[0], offset=grant.slots[0].offset,
+                                                            length=BLOCK, crc32c=crc)])
+    with pytest.raises(LaneBroken, match="expired"):
+        stream.committed()
+    stream.close()
+    assert lane_server.store.stats()["blocks"] == 0
+    raw.close()
+
+
+def test_put_stream_closed_early_gives_slots_back_at_once(lane_server):
+    raw = RawLanes(lane_server)
+    shm = raw.shm()
+    stream = shm.open_put()
+    stream.reserve("ns", [header(k, b"e" * BLOCK) for k in keys(4)])
+    assert lane_server.store.top.used_bytes == 4 * BLOCK
+    stream.close()
+    assert wait_until(lambda: lane_server.store.top.used_bytes == 0, timeout=LEASE / 2)
+    raw.close()
+
+
+def test_tcp_peer_that_stops_sending_is_cut_after_the_lease(lane_server):
+    raw = RawLanes(lane_server)
+    tcp = raw.tcp()
+    meta = lpb.TcpPut(namespace="ns", headers=[header(k, b"t" * BLOCK) for k in keys(2)]).SerializeToString()
+    framing.send_all(tcp.sock, [memoryview(framing.HEADER.pack(framing.MAGIC, framing.PUT, len(meta), 2 * BLOCK)),
+                                memoryview(meta), memoryview(b"t" * 1000)])
+    assert wait_until(lambda: lane_server.store.top.used_bytes == BLOCK)
+    assert wait_until(lambda: lane_server.store.top.used_bytes == 0, timeout=LEASE * 5)
+    assert lane_server.store.stats()["blocks"] == 0
+    assert wait_until(lambda: len(lane_server.lanes.registry) == 0)  # the connection and its lane are gone
+    tcp.close()
+    raw.close()
+
+
+def test_idle_lanes_close_and_the_client_reopens(make_server):
+    server = make_server(shm_lane_bytes=8 << 20, lane_lease=0.2)  # idle after 10 leases: 2 s
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        kv.put("ns", keys(1), [b"a" * 100])
+        assert len(server.lanes.registry) == 1
+        assert wait_until(lambda: len(server.lanes.registry) == 0, timeout=5)
+        assert bytes(kv.get("ns", keys(1))[0]) == b"a" * 100  # LaneBroken -> a fresh lane, transparently
+        assert kv.lane_kind == "shm" and len(server.lanes.registry) == 1
+
+
+@pytest.mark.parametrize("lane", ["shm", "tcp"])
+def test_lanes_closed_by_the_server_are_reopened(make_server, lane):
+    server = make_server(shm_lane_bytes=8 << 20)
+    with Client(f"127.0.0.1:{server.port}", lane=lane) as kv:
+        kv.put("ns", keys(2), [b"a" * 100, b"b" * 100])
+        server.lanes.registry.close_all()
+        assert [bytes(b) for b in kv.get("ns", keys(2))] == [b"a" * 100, b"b" * 100]
+        assert kv.put("ns", keys(3), [b"a" * 100, b"b" * 100, b"c" * 100])[2].status == "stored"
+
+
+def test_server_stop_ends_lanes(make_server):
+    server = make_server(shm_lane_bytes=8 << 20)
+    target = f"127.0.0.1:{server.port}"
+    with Client(target, lane="tcp", retries=0, timeout=5) as kv:
+        kv.put("ns", keys(1), [b"a"])
+        server.stop(0)
+        with pytest.raises(Exception) as err:
+            kv.get("ns", keys(1))
+        assert getattr(err.value, "code", grpc.StatusCode.UNAVAILABLE) == grpc.StatusCode.UNAVAILABLE
