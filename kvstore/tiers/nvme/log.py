@@ -35,7 +35,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kvstore.tiers.base import BlockMeta, TierFull
-from kvstore.tiers.nvme.format import PAGE, Header, align_up, encode_header, make_loc, record_bytes, split_loc
+from kvstore.tiers.nvme.format import OFFSET_BITS, PAGE, Header, align_up, encode_header, record_bytes, split_loc
 from kvstore.tiers.nvme.io import IoBackend
 from kvstore.tiers.nvme.recovery import Recovered, recover_log
 from kvstore.tiers.nvme.segments import Segment, SegmentState, fsync_dir, lock_dir, segment_path, summary_path
@@ -204,14 +204,17 @@ class SegmentLog:
         locs = [0] * len(sizes)
         with self.lock:
             for seg, _, idxs in runs:
-                for i in idxs:
-                    seg.records.append(offsets[i], sizes[i])
-                    assert seg.headers is not None
-                    seg.headers.append((offsets[i], headers[i]))
-                    locs[i] = make_loc(seg.id, offsets[i])
-                    seg.end = offsets[i] + sizes[i]
-                    self.live_bytes += sizes[i]
-                    self.bytes_appended += sizes[i]
+                run_offsets = [offsets[i] for i in idxs]
+                run_sizes = [sizes[i] for i in idxs]
+                seg.records.extend(run_offsets, run_sizes)
+                assert seg.headers is not None
+                seg.headers.extend(zip(run_offsets, [headers[i] for i in idxs]))
+                base = seg.id << OFFSET_BITS
+                for i, off in zip(idxs, run_offsets):
+                    locs[i] = base | off
+                seg.end = run_offsets[-1] + run_sizes[-1]
+                self.live_bytes += sum(run_sizes)
+                self.bytes_appended += sum(run_sizes)
             old, to_seal = self.active, []
             if created:
                 to_seal = ([old] if old is not None else []) + created[:-1]

@@ -113,6 +113,26 @@ class RecordTable:
     def live_mask(self) -> list[bool]:
         return self._live[: self.count].tolist()
 
+    def extend(self, offsets: list[int], nbytes: list[int]) -> None:
+        """Append records at ascending offsets, all at once."""
+        n = len(offsets)
+        if not n:
+            return
+        if self.count and offsets[0] < int(self._off[self.count - 1]) * PAGE:
+            raise ValueError("records must be appended in offset order")
+        if self.count + n > len(self._off):
+            grow = max(64, self.count, n)
+            self._off = np.concatenate([self._off, np.zeros(grow, np.uint32)])
+            self._len = np.concatenate([self._len, np.zeros(grow, np.uint32)])
+            self._live = np.concatenate([self._live, np.zeros(grow, np.bool_)])
+        i, j = self.count, self.count + n
+        self._off[i:j] = np.asarray(offsets, dtype=np.int64) // PAGE
+        self._len[i:j] = np.asarray(nbytes, dtype=np.int64) // PAGE
+        self._live[i:j] = True
+        self.count = j
+        self.live_count += n
+        self.live_bytes += sum(nbytes)
+
     def append(self, offset: int, nbytes: int) -> None:
         if self.count and offset < int(self._off[self.count - 1]) * PAGE:
             raise ValueError("records must be appended in offset order")

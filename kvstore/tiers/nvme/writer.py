@@ -18,6 +18,7 @@ Only one run is written at a time (the caller serialises appends).
 """
 from __future__ import annotations
 
+import ctypes
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Union
 
@@ -80,6 +81,13 @@ class WriteCombiner:
         self._pool.shutdown(wait=True)
 
 
+def _address(a: np.ndarray) -> int:
+    """Where an array's bytes start (the ctypes route is ~3x cheaper than ``a.ctypes.data`` when writable)."""
+    if a.flags.writeable and a.flags.c_contiguous:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    return int(a.ctypes.data)
+
+
 class _Run:
     """Gathering state of one ``write`` call: the I/O being assembled and its staging buffer."""
 
@@ -101,7 +109,7 @@ class _Run:
         n = chunk.nbytes
         self.total += n
         inplace = n // PAGE * PAGE
-        if n < DIRECT_MIN or chunk.ctypes.data % DIRECT_ALIGN:
+        if n < DIRECT_MIN or _address(chunk) % DIRECT_ALIGN:
             self._stage(chunk, n)
             return
         self._close_stage()
