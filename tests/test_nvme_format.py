@@ -7,7 +7,7 @@ import pytest
 
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.nvme.format import (
-    HEADER_BYTES, PAGE, crc32c, decode_header, encode_header, make_loc, record_bytes, split_loc,
+    HEADER_BYTES, PAGE, check_header, crc32c, decode_header, encode_header, make_loc, record_bytes, split_loc,
 )
 from kvstore.tiers.nvme.segments import RecordTable
 
@@ -27,6 +27,7 @@ def test_header_round_trip(parent: bytes, ns: str) -> None:
     assert h is not None
     assert h.meta == m and h.seq == 123456789 and h.stored_crc == 42 and h.header_len == len(raw)
     assert h.record_bytes == record_bytes(m.stored_length)
+    assert check_header(page) == (m.stored_length, 42)
 
 
 def test_every_single_byte_flip_of_a_header_is_detected() -> None:
@@ -35,6 +36,7 @@ def test_every_single_byte_flip_of_a_header_is_detected() -> None:
         flipped = bytearray(raw)
         flipped[i] ^= 0x40
         assert decode_header(bytes(flipped) + bytes(PAGE)) is None, f"flip at byte {i} not detected"
+        assert check_header(bytes(flipped) + bytes(PAGE)) is None, f"flip at byte {i} not detected"
 
 
 def test_zeros_and_garbage_are_not_headers() -> None:

@@ -103,7 +103,7 @@ def _move_segment(log_: SegmentLog, backend: IoBackend, pool: BufferPool, hook: 
         for piece in plan_pieces(seg, [Wanted(off, n) for off, n in live], max_read_bytes, 0):
             buf = pool.get(piece.nbytes)
             try:
-                checked = read_piece(backend, piece, buf)
+                checked = read_piece(backend, piece, buf, decode=True)
                 good = [c for c in checked if c.record is not None]
                 for c in checked:
                     if c.record is None:

@@ -144,6 +144,21 @@ def encode_header(meta: BlockMeta, seq: int, stored_crc: int) -> bytes:
     return body + _CRC.pack(_crc.value(body))
 
 
+def check_header(buf: Any, offset: int = 0) -> tuple[int, int] | None:
+    """(stored length, stored crc) of a valid header at ``buf[offset:]``, without decoding the rest."""
+    try:
+        fixed = _FIXED.unpack_from(buf, offset)
+    except struct.error:
+        return None
+    nslen = fixed[13]
+    if fixed[0] != MAGIC or fixed[1] != VERSION or nslen > MAX_NAMESPACE_BYTES:
+        return None
+    end = offset + _FIXED.size + nslen
+    if end + 4 > len(buf) or _crc.value(bytes(buf[offset:end])) != _CRC.unpack_from(buf, end)[0]:
+        return None
+    return fixed[10], fixed[12]
+
+
 def decode_header(buf: Any, offset: int = 0) -> Header | None:
     """Decode and validate a header at ``buf[offset:]``; None when it is not a valid header."""
     try:

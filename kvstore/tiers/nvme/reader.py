@@ -23,7 +23,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvstore.tiers.nvme.format import HEADER_BYTES, Header, align_up, crc32c, decode_header, record_bytes
+from kvstore.tiers.nvme.format import (
+    HEADER_BYTES, Header, align_up, check_header, crc32c, decode_header, record_bytes,
+)
 from kvstore.tiers.nvme.io import IoBackend, aligned_buffer
 from kvstore.tiers.nvme.segments import Segment
 
@@ -53,14 +55,15 @@ class Piece:
 @dataclass(slots=True)
 class Checked:
     wanted: Wanted
-    header: Header | None
+    header: Header | None  # decoded only when asked for
     record: np.ndarray | None  # the whole record (header page, payload, pad) when valid
     reason: str = ""
+    length: int = 0  # payload bytes, when valid
 
     @property
     def payload(self) -> np.ndarray:
-        assert self.record is not None and self.header is not None
-        return self.record[HEADER_BYTES:HEADER_BYTES + self.header.meta.stored_length]
+        assert self.record is not None
+        return self.record[HEADER_BYTES:HEADER_BYTES + self.length]
 
 
 def plan_pieces(seg: Segment, wanted: Sequence[Wanted], max_bytes: int, gap_bytes: int) -> list[Piece]:
@@ -79,24 +82,32 @@ def plan_pieces(seg: Segment, wanted: Sequence[Wanted], max_bytes: int, gap_byte
     return pieces
 
 
-def check_record(buf: np.ndarray, rel: int, w: Wanted) -> Checked:
-    """Validate the record at ``buf[rel:]`` against what the caller expects."""
-    header = decode_header(buf, rel)
-    if header is None:
+def check_record(buf: np.ndarray, rel: int, w: Wanted, decode: bool = False) -> Checked:
+    """Validate the record at ``buf[rel:]`` against what the caller expects.
+
+    ``decode=True`` also returns the decoded header (compaction needs it); reads only
+    need the lengths and CRCs, which are cheaper to get.
+    """
+    header: Header | None = None
+    if decode:
+        header = decode_header(buf, rel)
+        fields = None if header is None else (header.meta.stored_length, header.stored_crc)
+    else:
+        fields = check_header(buf, rel)
+    if fields is None:
         return Checked(w, None, None, "no valid record header at this location")
-    n = header.meta.stored_length
+    n, stored_crc = fields
     if (w.length is not None and n != w.length) or record_bytes(n) != w.nbytes:
         return Checked(w, header, None, f"record holds {n} bytes, caller expects {w.length}")
     record = buf[rel:rel + w.nbytes]
     if len(record) < w.nbytes:
         return Checked(w, header, None, "record extends past the end of the segment file")
-    payload = record[HEADER_BYTES:HEADER_BYTES + n]
-    if crc32c(payload) != header.stored_crc:
+    if crc32c(record[HEADER_BYTES:HEADER_BYTES + n]) != stored_crc:
         return Checked(w, header, None, "payload fails its CRC32C")
-    return Checked(w, header, record)
+    return Checked(w, header, record, length=n)
 
 
-def read_piece(backend: IoBackend, piece: Piece, buf: np.ndarray) -> list[Checked]:
+def read_piece(backend: IoBackend, piece: Piece, buf: np.ndarray, decode: bool = False) -> list[Checked]:
     """One pread for the whole piece, then a check of every record in it."""
     view = buf[:piece.nbytes]
     try:
@@ -104,7 +115,7 @@ def read_piece(backend: IoBackend, piece: Piece, buf: np.ndarray) -> list[Checke
     except OSError as e:
         return [Checked(w, None, None, f"read failed: {e}") for w in piece.records]
     view = view[:got]
-    return [check_record(view, w.offset - piece.offset, w) for w in piece.records]
+    return [check_record(view, w.offset - piece.offset, w, decode) for w in piece.records]
 
 
 class BufferPool:
