@@ -1,6 +1,8 @@
 """Every malformed request gets a clear gRPC status, never a hang, a crash or a stored block."""
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -160,4 +162,7 @@ def test_put_rejected_when_everything_is_leased(make_server):
         assert "leased" in results[0].reason
         stream.cancel()
         channel.close()
-        assert kv.put("ns", [b"\xff" * 16], [b"n" * (1 << 20)])[0].status == "stored"  # leases released
+        deadline = time.monotonic() + 10  # the server releases the leases once it sees the cancellation
+        while kv.put("ns", [b"\xff" * 16], [b"n" * (1 << 20)])[0].status != "stored":
+            assert time.monotonic() < deadline, "leases of a cancelled Get were never released"
+            time.sleep(0.05)

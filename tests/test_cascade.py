@@ -94,9 +94,11 @@ def test_corrupt_record_is_reported_not_served(make_server, tmp_path):
     server = nvme_server(make_server, tmp_path, promote_on_hit=False)
     keys = block_hashes(list(range(16 * 64)), 16, "ns", "m")
     with Client(f"127.0.0.1:{server.port}") as kv:
-        kv.put("ns", keys, [payload(k, 256 << 10) for k in keys])
+        assert all(r.ok for r in kv.put("ns", keys, [payload(k, 256 << 10) for k in keys]))
         server.store.flush()
-        cold = [k for k, t in zip(keys, kv.lookup_tiers("ns", keys)[1]) if t == "nvme"]
+        n, tiers = kv.lookup_tiers("ns", keys)
+        assert n == 64, (n, server.store.stats())
+        cold = [k for k, t in zip(keys, tiers) if t == "nvme"]
         victim = cold[0]
         needle = payload(victim, 256 << 10)[:4096]
         for seg in sorted((tmp_path / "nvme").glob("seg-*.log")):
