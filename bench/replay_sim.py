@@ -1,0 +1,244 @@
+"""The machinery of ``bench.replay``: a trace, two reference caches, and the store driven by it.
+
+Hit rule everywhere (DESIGN 2.4): a request's block counts as a hit only while
+every earlier block of that request hit, i.e. the hit blocks of a request are
+its longest present prefix at arrival. All three caches then access every
+block of the request in order (present ones are touched, missing ones put),
+so they see the same accesses and differ only in what they evict.
+
+- ``lru_hit_rate``: plain block-level LRU of ``capacity`` blocks (no leaf rule).
+- ``belady_hit_rate``: Belady's offline optimum for block caching: on a miss
+  with a full cache, evict the cached block whose next use is farthest away
+  (never used again = infinitely far). Every missed block is inserted (no
+  bypass), as a store stores every Put.
+- ``replay_store``: the real ``BlockStore`` (index, placement, leaf-first
+  eviction, demotion, promotion) on byte-accounting tiers, one Lookup,
+  Get (acquire, materialize, release) and chained Puts per request.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from kvstore.store.blockstore import BlockStore, Lease
+from kvstore.store.policies import policy_factory
+from kvstore.tiers.accounting import AccountingDiskTier, AccountingMemoryTier
+from kvstore.tiers.base import DRAM, NVME, BlockMeta
+
+NAMESPACE = "replay"
+TOKENS_PER_BLOCK = 512  # the Mooncake traces' block
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The KV bytes of one block of a model: layers x (K, V) x tokens x kv_heads x head_dim x dtype."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    def block_bytes(self, tokens: int = TOKENS_PER_BLOCK) -> int:
+        return self.layers * 2 * tokens * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+LLAMA3_8B_BF16 = KVShape("Llama-3-8B bf16", layers=32, kv_heads=8, head_dim=128, dtype_bytes=2)  # 64 MiB/block
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Per request, its prefix block ids (equal ids at the same position = shared prefix)."""
+
+    requests: tuple[tuple[int, ...], ...]
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(len(r) for r in self.requests)
+
+    @property
+    def distinct_blocks(self) -> int:
+        return len({b for r in self.requests for b in r})
+
+    def blocks_for(self, capacity_frac: float) -> int:
+        """Capacity in blocks: ``capacity_frac`` of the distinct blocks, at least one."""
+        return max(1, int(capacity_frac * self.distinct_blocks))
+
+
+def load_trace(path: Path, limit: int | None = None) -> Trace:
+    """Read a Mooncake FAST'25 JSONL trace (``hash_ids`` per line), optionally its first ``limit`` requests."""
+    requests: list[tuple[int, ...]] = []
+    with open(path) as f:
+        for line in f:
+            if limit is not None and len(requests) >= limit:
+                break
+            if line.strip():
+                requests.append(tuple(int(h) for h in json.loads(line)["hash_ids"]))
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    return Trace(tuple(requests))
+
+
+# -- reference caches ----------------------------------------------------------------
+def lru_hit_rate(requests: Sequence[Sequence[int]], capacity: int) -> float:
+    """Prefix hit rate of a plain LRU cache of ``capacity`` blocks."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for request in requests:
+        prefix = True
+        for block in request:
+            total += 1
+            if block in cache:
+                hits += prefix
+                cache.move_to_end(block)
+            else:
+                prefix = False
+                cache[block] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hits / max(total, 1)
+
+
+def belady_hit_rate(requests: Sequence[Sequence[int]], capacity: int) -> float:
+    """Prefix hit rate of Belady's offline policy (evict the block used farthest in the future)."""
+    sequence = [block for request in requests for block in request]
+    never = len(sequence)
+    next_use = [never] * len(sequence)
+    seen: dict[int, int] = {}
+    for i in range(len(sequence) - 1, -1, -1):
+        next_use[i] = seen.get(sequence[i], never)
+        seen[sequence[i]] = i
+    cached: dict[int, int] = {}          # block -> its next use
+    heap: list[tuple[int, int]] = []     # (-next use, block); stale rows skipped
+    hits = i = 0
+    for request in requests:
+        prefix = True
+        for block in request:
+            if block in cached:
+                hits += prefix
+            else:
+                prefix = False
+                while len(cached) >= capacity:
+                    neg, victim = heapq.heappop(heap)
+                    if cached.get(victim) == -neg:
+                        del cached[victim]
+            cached[block] = next_use[i]
+            heapq.heappush(heap, (-next_use[i], block))
+            i += 1
+    return hits / max(len(sequence), 1)
+
+
+# -- the store ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StoreSetup:
+    """One replay of the real store: its policy, tier sizes (in blocks) and an optional admission filter."""
+
+    policy: str
+    dram_blocks: int
+    nvme_blocks: int = 0
+    admit_after: int = 1        # Put a block only from its n-th sighting on (1: always)
+    block_bytes: int = LLAMA3_8B_BF16.block_bytes()
+
+
+@dataclass
+class ReplayResult:
+    """What one replay measured; rates are fractions of all blocks requested."""
+
+    setup: StoreSetup
+    total_blocks: int = 0
+    hits: int = 0
+    hits_by_rank: Counter = field(default_factory=Counter)
+    bytes_put: int = 0
+    bytes_demoted: int = 0
+    bytes_promoted: int = 0
+    evictions: dict[str, int] = field(default_factory=dict)
+    index_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(self.total_blocks, 1)
+
+    def tier_hit_rate(self, rank: int) -> float:
+        return self.hits_by_rank[rank] / max(self.total_blocks, 1)
+
+
+def build_store(setup: StoreSetup) -> BlockStore:
+    """A BlockStore over accounting tiers: DRAM, and NVMe below it when ``nvme_blocks`` > 0."""
+    tiers = [AccountingMemoryTier(setup.dram_blocks * setup.block_bytes, rank=DRAM)]
+    if setup.nvme_blocks:
+        tiers.append(AccountingDiskTier(setup.nvme_blocks * setup.block_bytes, rank=NVME))
+    return BlockStore(tiers, policy_factory=policy_factory(setup.policy))
+
+
+def block_keys(trace: Trace) -> dict[int, bytes]:
+    """16-byte keys for the trace's block ids (BLAKE2b, like real block hashes)."""
+    ids = {b for r in trace.requests for b in r}
+    return {b: hashlib.blake2b(b.to_bytes(8, "little"), digest_size=16).digest() for b in ids}
+
+
+def _promotable(store: BlockStore, leases: list[Lease | None], size: int) -> list[Lease | None]:
+    """The leases ``materialize`` would promote: lower-tier hits while the top tier has free room.
+
+    The rest it would read into a fresh temporary buffer without promoting; an
+    accounting tier has no bytes to read, so they are left out (same store state,
+    no 64 MiB allocation per block).
+    """
+    room = (store.top.capacity_bytes - store.top.used_bytes) // size
+    cold = [lease for lease in leases if lease is not None and lease.buffer is None]
+    return cold[:max(room, 0)]
+
+
+def replay_store(trace: Trace, setup: StoreSetup, keys: dict[int, bytes] | None = None,
+                 progress: Callable[[int], None] | None = None) -> ReplayResult:
+    """Drive a fresh store with the trace: per request Lookup, Get the hit prefix, Put the rest."""
+    keys = keys if keys is not None else block_keys(trace)
+    store = build_store(setup)
+    result = ReplayResult(setup)
+    sightings: Counter = Counter()
+    size = setup.block_bytes
+    started = time.perf_counter()
+    for done, request in enumerate(trace.requests, 1):
+        hashes = [keys[b] for b in request]
+        n, ranks = store.lookup(NAMESPACE, hashes)
+        result.total_blocks += len(hashes)
+        result.hits += n
+        result.hits_by_rank.update(ranks)
+        if n:
+            leases = store.acquire(NAMESPACE, hashes[:n])
+            try:
+                store.materialize(_promotable(store, leases, size))
+            finally:
+                store.release(leases)
+        for b in request:
+            sightings[b] += 1
+        parent = hashes[n - 1] if n else b""
+        for i in range(n, len(hashes)):
+            if sightings[request[i]] < setup.admit_after:
+                break  # not admitted: the blocks after it would be unreachable by prefix anyway
+            ticket = store.begin_put(NAMESPACE, BlockMeta(NAMESPACE, hashes[i], parent, 0, "bfloat16", size, size, 0))
+            if ticket is not None:
+                store.commit_put(ticket)
+                result.bytes_put += size
+            parent = hashes[i]
+        if setup.nvme_blocks:
+            while store.demote_once():  # what the background demoter does between requests
+                pass
+        if progress is not None and (done % 64 == 0 or done == len(trace.requests)):
+            progress(done)
+    result.seconds = time.perf_counter() - started
+    stats = store.stats()
+    by_name = {t["name"]: t for t in stats["tiers"]}
+    dram = by_name["dram"]
+    result.bytes_demoted = dram["demotions"] * size
+    result.bytes_promoted = dram["promotions"] * size
+    result.evictions = {name: t["evictions"] for name, t in by_name.items()}
+    result.index_bytes = stats["index_bytes"]
+    store.close(flush=False)
+    return result
