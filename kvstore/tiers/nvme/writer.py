@@ -9,9 +9,9 @@ How: bytes are gathered into I/Os of up to ``io_bytes`` each, issued as one
 ``pwritev`` on a writer thread while the caller gathers the next one, so
 copying and disk I/O overlap (up to ``buffers - 1`` I/Os in flight). Small or
 unaligned pieces (headers, payload tails, padding) are copied into page-aligned
-staging buffers; a payload that already sits in page-aligned memory (a DRAM
-arena slot, say) is not copied at all: its aligned part goes into the iovec
-list as is, as O_DIRECT allows. Memory is bounded (``buffers x io_bytes`` of
+staging buffers; a payload of ``DIRECT_MIN`` bytes or more that already sits
+in page-aligned memory (a DRAM arena slot, say) is not copied at all: its
+aligned part goes into the iovec list as is, as O_DIRECT allows. Memory is bounded (``buffers x io_bytes`` of
 staging), whatever the size of the batch.
 
 Only one run is written at a time (the caller serialises appends).
@@ -29,7 +29,7 @@ from kvstore.tiers.nvme.io import FileHandle, IoBackend, aligned_buffer
 
 Chunk = Union[np.ndarray, int]  # bytes to write, or a count of zero bytes
 DIRECT_ALIGN = PAGE  # sources aligned like this are written in place (O_DIRECT needs the sector size: be safe)
-DIRECT_MIN = 16 << 10  # smaller payloads are cheaper to copy than to give their own iovec
+DIRECT_MIN = 128 << 10  # smaller payloads go faster copied (measured: 64 KiB copied 1.16-1.24 GB/s vs 0.93 in place)
 MAX_IOVECS = 512
 MAX_IO_FACTOR = 4  # an I/O carrying in-place payloads may reach this many times io_bytes
 
