@@ -129,7 +129,7 @@ class ClusterClient:
             found = index.holders(self.connector.get(), self.layout, namespace, hashes, members)
         except REDIS_ERRORS as err:
             self.connector.failed(err)
-            self.directory.redis_up = False
+            self.directory.redis_failed(err)
             return None
         self.connector.ok()
         return found
@@ -149,6 +149,9 @@ class ClusterClient:
             except KVStoreError as err:
                 if err.code not in NODE_FAILURES:
                     raise
+                self.directory.mark_down(member, err)
+                why = f"{member.id}: {err}"
+            except (OSError, grpc.RpcError) as err:
                 self.directory.mark_down(member, err)
                 why = f"{member.id}: {err}"
         return [PutResult(h, "rejected", grpc.StatusCode.UNAVAILABLE, f"no store node took the block ({why})")

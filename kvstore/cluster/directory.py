@@ -14,6 +14,8 @@ Verbs:
 - ``client(member) -> Client``: the per-node client, created on first use and
   replaced when the member restarts (a new incarnation gets a fresh channel, so
   no gRPC reconnect backoff of the dead process carries over).
+- ``redis_failed(err)``: Redis failed a read; ``redis_up`` is False until the next
+  member list is read.
 - ``mark_down(member, why)``: skip a node that just failed for ``down_for``
   seconds (its requests fall over to the next holder instead of timing out again).
 """
@@ -58,10 +60,7 @@ class Directory:
                 members = read_members(self.connector.get(), self.layout)
             except REDIS_ERRORS as err:
                 self.connector.failed(err)
-                if self.redis_up:
-                    log.warning("Redis unreachable (%s): routing with the last known %d members", err,
-                                len(self._members or self._static))
-                self.redis_up = False
+                self.redis_failed(err)
                 self._read_at = now  # do not retry on every call; the connector backs off too
                 return self._members if self._members is not None else self._static
             self.connector.ok()
@@ -73,6 +72,13 @@ class Directory:
                 del self._seen[node_id]
             self._forget_gone()
             return members
+
+    def redis_failed(self, err: object) -> None:
+        """Redis could not be read: route without the index until the next successful refresh."""
+        if self.redis_up:
+            log.warning("Redis unreachable (%s): asking the last known %d members directly", err,
+                        len(self._members or self._static))
+        self.redis_up = False
 
     def live(self) -> list[NodeInfo]:
         now = time.monotonic()
