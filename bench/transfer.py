@@ -8,6 +8,13 @@ serve` process, and in the same run the same bytes through a raw loopback
 socket between two processes, through Redis (redis-server, redis-py with
 hiredis, pipelined SET/GET) and through numpy memcpy. Medians over repetitions.
 Also the p50/p99 latency of a single 2 MiB block Get.
+
+Lanes (``--lanes``, all three by default): ``grpc`` (the streaming RPCs),
+``shm`` (shared memory, same host) and ``tcp`` (the bulk socket lane); each
+row names its lane and, where the lanes have one, the target it is held to
+(``target``, ``met``): shm at 2 MiB >= 0.5x memcpy, shm at 512 KiB and 2 MiB
+>= 2x Redis; tcp at 512 KiB and 2 MiB >= 0.8x the raw socket, >= Redis on put
+and >= 2x Redis on get.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ def measure_lane(target: str, lane: str, size: int, reps: int) -> tuple[float, f
     blocks = [os.urandom(size) for _ in range(BATCH)]
     total = size * BATCH
     put_t, get_t = [], []
-    with Client(target, timeout=120, **({} if lane == "grpc" else {"lane": lane})) as kv:
+    with Client(target, timeout=120, lane=lane) as kv:
         for rep in range(reps + 1):  # first repetition warms up connections and pages
             keys = [os.urandom(16) for _ in range(BATCH)]
             start = time.perf_counter()
@@ -50,8 +57,23 @@ def measure_lane(target: str, lane: str, size: int, reps: int) -> tuple[float, f
     return total / statistics.median(put_t) / 1e9, total / statistics.median(get_t) / 1e9
 
 
+def target_of(lane: str, op: str, size: int, gbps: float, base: dict[str, float]) -> dict[str, object]:
+    """The issue's target for this row, if it has one: {"target": text, "met": bool}."""
+    checks: list[tuple[str, float]] = []
+    if lane == "shm" and size == 2 << 20:
+        checks.append(("0.5x memcpy", 0.5 * base["memcpy"]))
+    if lane == "shm" and size >= 512 << 10:
+        checks.append(("2x redis", 2 * base[f"redis_{op}"]))
+    if lane == "tcp" and size >= 512 << 10:
+        checks.append(("0.8x raw socket", 0.8 * base[f"raw_{op}"]))
+        checks.append(("1x redis" if op == "put" else "2x redis", (1 if op == "put" else 2) * base[f"redis_{op}"]))
+    if not checks:
+        return {}
+    return {"target": " & ".join(name for name, _ in checks), "met": all(gbps >= need for _, need in checks)}
+
+
 def get_latency(target: str, lane: str, n: int) -> tuple[float, float]:
-    with Client(target, **({} if lane == "grpc" else {"lane": lane})) as kv:
+    with Client(target, lane=lane) as kv:
         key = os.urandom(16)
         kv.put("lat", [key], [os.urandom(2 << 20)])
         samples = []
@@ -67,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (same code path)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/transfer.json"), help="JSON rows")
-    parser.add_argument("--lanes", default="grpc", help="comma-separated lanes to measure (grpc, shm, tcp)")
+    parser.add_argument("--lanes", default="grpc,shm,tcp", help="comma-separated lanes to measure (grpc, shm, tcp)")
     args = parser.parse_args(argv)
     reps = 3 if args.quick else 7
     lanes = args.lanes.split(",")
@@ -91,12 +113,17 @@ def main(argv: list[str] | None = None) -> int:
                              "raw_socket_gbps": round(base[f"raw_{op}"], 3), "redis_gbps": round(base[f"redis_{op}"], 3),
                              "memcpy_gbps": round(base["memcpy"], 3),
                              "vs_redis": round(gbps / base[f"redis_{op}"], 2),
-                             "vs_raw_socket": round(gbps / base[f"raw_{op}"], 2)})
+                             "vs_raw_socket": round(gbps / base[f"raw_{op}"], 2),
+                             "vs_memcpy": round(gbps / base["memcpy"], 3),
+                             **target_of(lane, op, size, gbps, base)})
         latency = {lane: get_latency(target, lane, 20 if args.quick else 100) for lane in lanes}
-    print(f"\n{'op':4} {'lane':5} {'block':>8} {'GB/s':>7} {'raw sock':>8} {'redis':>7} {'memcpy':>7} {'/redis':>7} {'/raw':>6}")
+    print(f"\n{'op':4} {'lane':5} {'block':>8} {'GB/s':>7} {'raw sock':>8} {'redis':>7} {'memcpy':>7} {'/redis':>7}"
+          f" {'/raw':>6} {'/memcpy':>7}  target")
     for r in rows:
-        print(f"{r['op']:4} {r['lane']:5} {r['block_bytes'] >> 10:>6}Ki {r['gbps']:>7.3f} {r['raw_socket_gbps']:>8.3f} "
-              f"{r['redis_gbps']:>7.3f} {r['memcpy_gbps']:>7.2f} {r['vs_redis']:>7.2f} {r['vs_raw_socket']:>6.2f}")
+        met = "" if "target" not in r else f"{r['target']}: {'met' if r['met'] else 'MISSED'}"
+        print(f"{r['op']:4} {r['lane']:5} {r['block_bytes'] >> 10:>6}Ki {r['gbps']:>7.3f} "
+              f"{r['raw_socket_gbps']:>8.3f} {r['redis_gbps']:>7.3f} {r['memcpy_gbps']:>7.2f} {r['vs_redis']:>7.2f} "
+              f"{r['vs_raw_socket']:>6.2f} {r['vs_memcpy']:>7.3f}  {met}")
     for lane, (p50, p99) in latency.items():
         print(f"single 2 MiB Get on {lane}: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
         rows.append({"op": "get_latency_2mib", "lane": lane, "p50_ms": round(p50 * 1e3, 3), "p99_ms": round(p99 * 1e3, 3)})

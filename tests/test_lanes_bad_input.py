@@ -107,8 +107,9 @@ def test_checksum_mismatch_stores_nothing(lane_server, lane):
     else:
         tcp = raw.tcp()
         assert tcp.put("ns", [header(bytes(16), good)], [memoryview(good)])[0].status == "stored"
-        meta = lpb.TcpPut(namespace="ns", headers=[header(KEY, data, crc32c=header(KEY, data).crc32c ^ 1)])
-        framing.send_frame(tcp.sock, framing.PUT, meta.SerializeToString(), [memoryview(data)])
+        meta = lpb.TcpPut(namespace="ns", headers=[header(KEY, data)])
+        wrong = framing.CRC.pack(header(KEY, data).crc32c ^ 1)  # each block's CRC32C follows its bytes
+        framing.send_frame(tcp.sock, framing.PUT, meta.SerializeToString(), [memoryview(data), memoryview(wrong)])
         with pytest.raises(KVStoreError) as err:
             tcp._expect(framing.PUT_REPLY)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "CRC32C mismatch" in err.value.message
@@ -124,7 +125,7 @@ def test_tcp_payload_shorter_than_headers(lane_server):
     framing.send_frame(tcp.sock, framing.PUT, meta, [memoryview(b"x" * 60)])
     with pytest.raises(KVStoreError) as err:
         tcp._expect(framing.PUT_REPLY)
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "announce 100 payload bytes" in err.value.message
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "announce 104 payload bytes" in err.value.message
     assert [r.status for r in tcp.put("ns", [header(KEY, b"y" * 10)], [memoryview(b"y" * 10)])] == ["stored"]
     raw.close()
 

@@ -54,9 +54,11 @@ CHILD = textwrap.dedent("""
                 from kvstore.lanes import framing
                 from kvstore.v1 import lanes_pb2 as lpb
                 meta = lpb.TcpPut(namespace="ns", headers=headers).SerializeToString()
-                framing.send_all(lane.sock, [memoryview(framing.HEADER.pack(framing.MAGIC, framing.PUT, len(meta),
-                                                                            8 << 20)), memoryview(meta),
-                                             *[memoryview(b) for b in blocks[:3]], memoryview(blocks[3])[:1000]])
+                parts = [memoryview(framing.HEADER.pack(framing.MAGIC, framing.PUT, len(meta), 8 * ((1 << 20) + 4))),
+                         memoryview(meta)]
+                for b in blocks[:3]:
+                    parts += [memoryview(b), memoryview(framing.CRC.pack(crc32c(b)))]
+                framing.send_all(lane.sock, parts + [memoryview(blocks[3])[:1000]])
             print("READY", flush=True)
             time.sleep(60)
         kv._lanes.run(half_a_put)
@@ -123,7 +125,7 @@ def test_tcp_peer_that_stops_sending_is_cut_after_the_lease(lane_server):
     raw = RawLanes(lane_server)
     tcp = raw.tcp()
     meta = lpb.TcpPut(namespace="ns", headers=[header(k, b"t" * BLOCK) for k in keys(2)]).SerializeToString()
-    framing.send_all(tcp.sock, [memoryview(framing.HEADER.pack(framing.MAGIC, framing.PUT, len(meta), 2 * BLOCK)),
+    framing.send_all(tcp.sock, [memoryview(framing.HEADER.pack(framing.MAGIC, framing.PUT, len(meta), 2 * BLOCK + 8)),
                                 memoryview(meta), memoryview(b"t" * 1000)])
     assert wait_until(lambda: lane_server.store.top.used_bytes == BLOCK)
     assert wait_until(lambda: lane_server.store.top.used_bytes == 0, timeout=LEASE * 5)
@@ -162,3 +164,63 @@ def test_server_stop_ends_lanes(make_server):
         with pytest.raises(Exception) as err:
             kv.get("ns", keys(1))
         assert getattr(err.value, "code", grpc.StatusCode.UNAVAILABLE) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_get_results_lent_in_place_are_returned_when_dropped(make_server):
+    import gc
+
+    server = make_server(shm_lane_bytes=8 << 20)
+    blocks = [bytes([i]) * (1 << 20) for i in range(3)]
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        kv.put("ns", keys(3), blocks)
+        (lane,) = server.lanes.registry._lanes.values()
+        got = kv.get("ns", keys(3))  # 3 MiB lent: under half of the 8 MiB region
+        assert [bytes(g) for g in got] == blocks
+        assert lane.grants.ranges.used_bytes == 3 << 20
+        kept = kv.get("ns", keys(3))  # over the budget now: copied out, and its grant given back
+        assert [bytes(g) for g in kept] == blocks
+        del got
+        gc.collect()
+        kv.get("ns", keys(1)[:1])  # the next request carries the releases
+        assert lane.grants.ranges.used_bytes == 1 << 20  # only the block just lent
+        assert [bytes(g) for g in kept] == blocks
+
+
+def test_lent_views_outlive_their_lane(make_server):
+    server = make_server(shm_lane_bytes=8 << 20)
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        kv.put("ns", keys(2), [b"a" * 5000, b"b" * 7000])
+        got = kv.get("ns", keys(2))
+    server.lanes.registry.close_all()
+    assert bytes(got[0]) == b"a" * 5000 and bytes(got[1]) == b"b" * 7000
+
+
+def test_a_region_full_of_lent_blocks_moves_the_client_to_a_fresh_lane(make_server):
+    server = make_server(shm_lane_bytes=8 << 20)
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        kv.put("ns", keys(2), [b"a" * (3 << 20), b"b" * (1 << 20)])
+        kept = kv.get("ns", keys(2)[:1])  # 3 MiB lent from the 8 MiB region
+        big = keys(1, seed=5)
+        assert kv.put("ns", big, [b"c" * (6 << 20)])[0].status == "stored"  # 5 MiB free: needs another lane
+        assert bytes(kv.get("ns", big)[0]) == b"c" * (6 << 20)
+        assert bytes(kept[0]) == b"a" * (3 << 20)
+
+
+def test_result_buffers_are_recycled_once_dropped():
+    import gc
+
+    from kvstore.lanes.buffers import BufferPool
+
+    pool = BufferPool(limit=8 << 20)
+    views = pool.alloc_blocks([1 << 20, 3 << 20])
+    views[1][:5] = b"hello"
+    assert pool.pooled_bytes == 0
+    del views
+    gc.collect()
+    assert pool.pooled_bytes == 4 << 20
+    again = pool.alloc_blocks([4 << 20])
+    assert pool.pooled_bytes == 0 and len(again[0]) == 4 << 20
+    too_big = pool.alloc_blocks([16 << 20])
+    del too_big, again
+    gc.collect()
+    assert pool.pooled_bytes == 4 << 20  # over the limit: unmapped, not pooled

@@ -26,7 +26,8 @@ are still in cache, fused with the copy, never as a separate pass over memory):
 
     lane  op   client                                server
     shm   put  1: payload -> granted region offsets  1: region -> arena slot (from begin_put)
-    shm   get  1: region -> caller's `out` or new    1: arena slot -> region
+    shm   get  1: region -> caller's `out`           1: arena slot -> region
+               0: no `out`: lent in place (shm_loans)
     tcp   put  0: sendmsg straight from the payloads 0: recv_into straight into the arena slot
     tcp   get  0: recv_into `out` or a new buffer    0: sendmsg straight from the arena slots
     (tcp: the kernel copies once into and once out of the socket buffers)
@@ -41,12 +42,16 @@ Leases and ownership: a shm put grant reserves store slots and region ranges
 for ``lease_seconds``; whatever is not committed by then is aborted (the slot
 returns to the arena, the block never becomes visible). A commit may only name
 offsets and lengths the server granted, in a grant of the lane whose token it
-carries: anything else is PERMISSION_DENIED and touches nothing. Get grants
-(region ranges holding copies for the client) end when the client releases
-them on its next request, or at the lease. Idle lanes close after ten leases.
+carries: anything else is PERMISSION_DENIED and touches nothing. A put
+stream that ends (a killed client's included) gives back its uncommitted
+slots at once. Get grants (region ranges holding copies for the client) hold
+no store resources (the store lease ends as soon as the copy is made) and end
+when the client releases them on a later request, or with the lane. Idle
+lanes close after ten leases.
 
 Modules: ``base`` (the Lane interface: where a CUDA IPC lane plugs in),
 ``memops`` (fused copy+CRC), ``grants`` (region ranges and grant leases),
+``access`` (tenants and quotas), ``shm_loans`` (Get results lent in place),
 ``storeops`` (the store verbs shared by every lane), ``registry`` (lanes,
 tokens, expiry), ``shm_region``, ``shm_server``, ``shm_client``, ``framing``,
 ``tcp_server``, ``tcp_client``, ``servicer`` (gRPC), ``server`` (wiring into

@@ -17,9 +17,11 @@ blocks per frame, so a batch costs one round trip)::
                                                    DATA(payloads of the next blocks) ...
                                                    | STATUS(error) at any point
 
-The payload of a PUT is every block's stored bytes back to back in header
-order; a DATA frame carries whole blocks, in request order, skipping missing
-ones. Errors are a STATUS frame with a grpc.StatusCode value and a message;
+The payload of a PUT is, in header order, every block's stored bytes each
+followed by its CRC32C (u32; the headers' crc32c field is not used), so the
+sender checksums a block just before sending it and the receiver verifies and
+commits each block as soon as it has arrived; a DATA frame carries whole
+blocks, in request order, skipping missing ones. Errors are a STATUS frame with a grpc.StatusCode value and a message;
 after an error in the middle of a PUT the server still reads (and drops) the
 rest of the payload, so the connection stays usable.
 
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 HEADER = struct.Struct("<4sB3xIQ")
+CRC = struct.Struct("<I")
 MAGIC = b"KVL1"
 HELLO, PUT, PUT_REPLY, GET, GET_REPLY, DATA, STATUS = range(1, 8)
 MAX_META = 64 << 20

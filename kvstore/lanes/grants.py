@@ -15,9 +15,12 @@ Verbs of ``GrantTable`` (thread-safe; one per shared-memory lane):
 - ``fail(grant) -> items``: abort what is still pending (after an error);
   ``end(ids) -> items`` the same for the grants of a put stream that ended.
 - ``grant_get() / add_get(grant, n) -> offset | None``: ranges the server
-  fills for a Get; ``release(ids)`` when the client has copied them out.
-- ``expire(now) -> items``: pending put items of expired grants (the caller
-  aborts their store tickets); expired get grants are simply freed.
+  fills for a Get; ``release(ids)`` when the client is done with them. Get
+  grants have no lease: they hold no store resources, only room in the
+  client's own region, where the client may still be reading the bytes in
+  place (``shm_loans``); they end on release or when the lane closes.
+- ``expire(now) -> items``: pending put items of expired put grants (the
+  caller aborts their store tickets).
 - ``close() -> items``: everything pending, for the lane's close.
 """
 from __future__ import annotations
@@ -211,10 +214,7 @@ class GrantTable:
         now = time.monotonic() if now is None else now
         items: list[Any] = []
         with self._lock:
-            for grant in [g for g in self._grants.values() if g.expires < now]:
-                if grant.kind == "get":
-                    self._free_get(grant)
-                    continue
+            for grant in [g for g in self._grants.values() if g.kind == "put" and g.expires < now]:
                 for slot in grant.slots:
                     if slot.state == PENDING:
                         items.append(slot.item)
@@ -225,7 +225,10 @@ class GrantTable:
     def close(self) -> list[Any]:
         with self._lock:
             for grant in list(self._grants.values()):
-                grant.expires = 0.0
+                if grant.kind == "get":
+                    self._free_get(grant)
+                else:
+                    grant.expires = 0.0
         return self.expire(1.0)
 
     # -- internals (lock held) -----------------------------------------------------

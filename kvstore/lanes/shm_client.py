@@ -9,21 +9,29 @@ the client writes the next blocks; the results are collected at the end of
 the round. Closing the stream takes back anything reserved and not committed.
 
 ``get`` streams LaneGet: each message describes blocks the server has copied
-into the region; the client copies each out (one copy, into ``out`` or a new
-buffer, CRC32C fused in and checked) and releases the grant with its next
-request on the lane. A region smaller than the batch means more rounds.
+into the region. With ``out`` buffers the client copies each block into its
+buffer (one copy, CRC32C fused in and checked) and releases the grant with its
+next request on the lane. Without them the blocks are lent in place
+(``shm_loans``: no copy on the client, only the CRC32C check) while at most
+half the region is on loan, and copied into fresh memory beyond that; a loan's
+grant is released once the caller drops its views. A region smaller than the
+batch means more rounds.
 
 The lane is used by one call at a time (``negotiate.LanePool``).
 """
 from __future__ import annotations
 
 import queue
+import threading
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import grpc
 
+from kvstore.checksum import crc32c
 from kvstore.lanes.base import Lane, LaneBroken
-from kvstore.lanes.memops import alloc_blocks, copy_crc
+from kvstore.lanes.buffers import alloc_blocks
+from kvstore.lanes.memops import copy_crc
+from kvstore.lanes.shm_loans import Lender, Loan
 from kvstore.lanes.shm_region import attach
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
@@ -42,6 +50,8 @@ class ShmClientLane(Lane):
         self.ref = lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)
         self._stub, self._metadata, self._timeout = stub, metadata, timeout
         self._release: list[int] = []
+        self._release_lock = threading.Lock()
+        self._lender = Lender(self.region, self._give_back, budget=self.region.size // 2)
 
     # -- put ------------------------------------------------------------------------------
     def put(self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[memoryview]) -> list[Any]:
@@ -103,41 +113,53 @@ class ShmClientLane(Lane):
 
     def _receive(self, request: lpb.LaneGetRequest, start: int, out: Sequence[Any] | None, verify: bool,
                  results: list[Any]) -> int:
-        from kvstore.client import as_bytes_view
-
         handled = -1
-        grant = 0
-        try:
-            for msg in self._stub.LaneGet(request, timeout=self._timeout, metadata=self._metadata):
-                grant = msg.grant_id
-                present = [d for d in msg.blocks if not d.header.missing]
-                fresh = iter(alloc_blocks([d.length for d in present]) if out is None else ())
-                for d in present:
-                    i = start + d.index
-                    src = self.region.view[d.offset : d.offset + d.length]
-                    if out is not None:
-                        dst = as_bytes_view(out[i])[0]
-                        if len(dst) < d.length:
-                            raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                                         f"output buffer {i} holds {len(dst)} bytes; block is {d.length}")
-                        dst = dst[: d.length]
-                    else:
-                        dst = next(fresh)
-                    if verify and d.header.codec == pb.CODEC_NONE:
-                        if copy_crc(dst, src) != d.header.crc32c:
-                            raise _error(grpc.StatusCode.DATA_LOSS,
-                                         f"block {i} ({d.hash.hex()}) failed its CRC32C check")
-                    else:
-                        dst[:] = src
-                    results[i] = out[i] if out is not None else dst
-                if msg.last:
-                    handled = msg.handled
-        finally:
-            if grant:
-                self._release.append(grant)
+        for msg in self._stub.LaneGet(request, timeout=self._timeout, metadata=self._metadata):
+            present = [d for d in msg.blocks if not d.header.missing]
+            lend = out is None and bool(present) and self._lender.can_lend(sum(d.length for d in present))
+            loan = self._lender.open(msg.grant_id) if lend else None
+            try:
+                self._take_blocks(present, start, out, verify, results, loan)
+            finally:
+                if loan is not None:
+                    loan.close()  # its grant is released once the caller drops the lent views
+                else:
+                    self._give_back(msg.grant_id)
+            if msg.last:
+                handled = msg.handled
         if handled <= 0:
             raise _error(grpc.StatusCode.DATA_LOSS, "lane Get stream ended without its last message")
         return handled
+
+    def _take_blocks(self, present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None,
+                     verify: bool, results: list[Any], loan: Loan | None) -> None:
+        """Lend (no copy) or copy out the blocks of one LaneGet message, checking each CRC32C."""
+        fresh = iter(alloc_blocks([d.length for d in present]) if out is None and loan is None else ())
+        for d in present:
+            i = start + d.index
+            check = verify and d.header.codec == pb.CODEC_NONE
+            if loan is not None:
+                results[i] = view = loan.view(d.offset, d.length)  # the bytes stay where the server put them
+                if check and crc32c(view) != d.header.crc32c:
+                    raise _corrupt(i, d)
+                continue
+            dst = self._out_view(out, i, d.length) if out is not None else next(fresh)
+            src = self.region.view[d.offset : d.offset + d.length]
+            if check:
+                if copy_crc(dst, src) != d.header.crc32c:
+                    raise _corrupt(i, d)
+            else:
+                dst[:] = src
+            results[i] = out[i] if out is not None else dst
+
+    @staticmethod
+    def _out_view(out: Sequence[Any], i: int, n: int) -> memoryview:
+        from kvstore.client import as_bytes_view
+
+        dst = as_bytes_view(out[i])[0]
+        if len(dst) < n:
+            raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"output buffer {i} holds {len(dst)} bytes; block is {n}")
+        return dst[:n]
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -147,8 +169,14 @@ class ShmClientLane(Lane):
             pass  # the server closes it at its idle timeout
         self.region.close()
 
+    def _give_back(self, grant_id: int) -> None:
+        """A get grant the client is done with: released with the next request on the lane."""
+        with self._release_lock:
+            self._release.append(grant_id)
+
     def _take_release(self) -> list[int]:
-        release, self._release = self._release, []
+        with self._release_lock:
+            release, self._release = self._release, []
         return release
 
     @staticmethod
@@ -164,6 +192,10 @@ def _put_result(r: pb.BlockResult) -> Any:
 
     return PutResult(r.hash, _STATUS.get(r.status, "rejected"), grpc.StatusCode.OK if not r.code else _code(r.code),
                      r.reason)
+
+
+def _corrupt(i: int, d: lpb.BlockDescriptor) -> Exception:
+    return _error(grpc.StatusCode.DATA_LOSS, f"block {i} ({d.hash.hex()}) failed its CRC32C check")
 
 
 def _error(code: grpc.StatusCode, message: str) -> Exception:

@@ -20,7 +20,8 @@ Verbs of ``ShmServerLane`` (called by ``servicer.LaneServicer``):
 - ``get(request, release) -> iterator of LaneGetResponse``: lease the blocks,
   copy each into a range of the region (one copy), drop the lease as soon as
   the copy is done, and stream descriptors about every ``YIELD_BYTES`` so the
-  client copies out while the server copies in. Stops early when the region is
+  client copies out while the server copies in. Each message has its own get
+  grant, which the client releases when it is done with those blocks. Stops early when the region is
   full (``handled`` says how far it got).
 - ``expire(now)`` / ``close()``: abort the store tickets of expired or
   outstanding put grants; ``close`` also unlinks and unmaps the region.
@@ -84,9 +85,9 @@ class ShmServerLane(ServerLane):
             raise
         finally:
             self.grants.arm(grant)
-        if not reply.slots and metas:
-            raise LaneError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"block 0 of {metas[0].stored_length} bytes does not fit the lane's "
+        if not reply.slots and metas:  # the client's region is taken by blocks it still holds: another lane
+            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"block 0 of {metas[0].stored_length} bytes does not fit what is free of the lane's "
                             f"{self.region.size}-byte region")
         return reply
 
@@ -154,12 +155,13 @@ class ShmServerLane(ServerLane):
                         self.ops.release(leases[released:handled])
                         released = handled
                         yield pending
+                        grant = self.grants.grant_get()  # one grant per message: released separately
                         pending, pending_bytes = lpb.LaneGetResponse(grant_id=grant.id), 0
                 if full:
                     break
-            if handled == 0 and leases:
-                raise LaneError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"block 0 does not fit the lane's {self.region.size}-byte region")
+            if handled == 0 and leases:  # the client's region is taken by blocks it still holds: another lane
+                raise LaneError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"block 0 does not fit what is free of the lane's {self.region.size}-byte region")
             pending.handled, pending.last = handled, True
             self.ops.release(leases[released:])
             released = len(leases)

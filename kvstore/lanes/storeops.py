@@ -23,7 +23,6 @@ Verbs (``StoreOps``, thread-safe like the BlockStore under it):
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -110,7 +109,8 @@ class StoreOps:
             return res.result
         ticket, res.ticket = res.ticket, None
         if crc != ticket.meta.crc32c:
-            ticket.meta = dataclasses.replace(ticket.meta, crc32c=crc)
+            m = ticket.meta
+            ticket.meta = BlockMeta(m.namespace, m.hash, m.parent, m.codec, m.dtype, m.raw_length, m.stored_length, crc)
         if not verify_crc(ticket.meta, ticket.buffer, computed):
             self.store.abort_put(ticket)
             raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,

@@ -9,7 +9,7 @@ Verbs (frames in ``framing.py``):
   names the block; the payload is read and dropped). Then, block by block,
   ``begin_put`` and ``recv_into`` straight into the arena slot (no copy in
   user space) with the CRC32C computed piece by piece as the bytes arrive,
-  verified, committed. A block that is already present or rejected has its
+  verified against the CRC32C that follows the block, committed. A block that is already present or rejected has its
   bytes read and dropped. A connection that dies mid-block aborts that slot:
   nothing partial ever becomes visible and no slot leaks.
 - GET: lease the blocks, send every header, then DATA frames of whole blocks
@@ -195,7 +195,7 @@ class TcpLaneServer:
             request = lpb.TcpPut.FromString(frame.meta)
             ns = ops.namespace(request.namespace, access)
             metas = ops.headers(ns, request.headers)
-            expected = sum(m.stored_length for m in metas)
+            expected = sum(m.stored_length + framing.CRC.size for m in metas)
             if expected != frame.data_len:
                 raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the headers announce {expected} payload bytes but the frame carries {frame.data_len}")
@@ -208,21 +208,24 @@ class TcpLaneServer:
         error: LaneError | None = None
         stored = 0
         res = None
+        crc_bytes = memoryview(bytearray(framing.CRC.size))
         try:
             for i, meta in enumerate(metas):
                 n = meta.stored_length
                 if error is not None:
-                    framing.drain(conn, n)
+                    framing.drain(conn, n + framing.CRC.size)
                     continue
                 res = ops.reserve(ns, meta, i, access)
                 if res.ticket is None:
-                    framing.drain(conn, n)
+                    framing.drain(conn, n + framing.CRC.size)
                     reply.results.append(res.result)
                     res = None
                     continue
                 computed = self._recv_block(conn, res.ticket.buffer, n)
+                framing.recv_into(conn, crc_bytes)
                 try:
-                    reply.results.append(ops.finish(res, meta.crc32c, computed, committed, access))
+                    reply.results.append(ops.finish(res, framing.CRC.unpack(crc_bytes)[0], computed, committed,
+                                                    access))
                     stored += n
                 except LaneError as err:
                     error = err

@@ -1,0 +1,86 @@
+"""Buffers for Get results the caller did not provide (``out=None``), recycled once dropped.
+
+Fresh memory is paid for by page faults and by the kernel zeroing each page:
+here one 2 MiB ``np.empty`` per block ran at 1.2 GB/s where copying into
+memory already faulted in ran at 10 GB/s. So:
+
+- ``alloc_blocks(lengths) -> [memoryview]``: views carved from one anonymous
+  mapping per batch (transparent huge pages where the kernel allows them),
+  taken from the pool when one of a fitting size is there.
+- A batch's mapping comes back to the pool when the caller has dropped every
+  view of it (a finalizer on a numpy array private to the batch), so the next
+  batch lands in memory that is already faulted in. The pool keeps at most
+  ``POOL_BYTES`` per process; beyond that mappings are unmapped as usual.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+import weakref
+from typing import Sequence
+
+import numpy as np
+
+HUGE_PAGE = 2 << 20
+POOL_BYTES = 256 << 20
+
+
+class BufferPool:
+    def __init__(self, limit: int = POOL_BYTES):
+        self.limit = limit
+        self._free: list[mmap.mmap] = []
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def pooled_bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def alloc_blocks(self, lengths: Sequence[int]) -> list[memoryview]:
+        total = sum(lengths)
+        if total == 0:
+            return [memoryview(b"") for _ in lengths]
+        mapping = self._take(total) or _new_mapping(-(-total // HUGE_PAGE) * HUGE_PAGE)
+        array = np.frombuffer(mapping, dtype=np.uint8)
+        weakref.finalize(array, self._give, mapping)
+        views, offset = [], 0
+        for n in lengths:
+            views.append(memoryview(array[offset : offset + n]))
+            offset += n
+        return views
+
+    def _take(self, nbytes: int) -> mmap.mmap | None:
+        with self._lock:
+            fits = [m for m in self._free if nbytes <= len(m) <= 2 * nbytes + HUGE_PAGE]
+            if not fits:
+                return None
+            mapping = min(fits, key=len)
+            self._free.remove(mapping)
+            self._bytes -= len(mapping)
+            return mapping
+
+    def _give(self, mapping: mmap.mmap) -> None:
+        """Runs as the batch's array dies (its buffer export is released just after): pool or drop."""
+        with self._lock:
+            if self._bytes + len(mapping) <= self.limit:
+                self._free.append(mapping)
+                self._bytes += len(mapping)
+
+
+def _new_mapping(size: int) -> mmap.mmap:
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return mapping
+
+
+POOL = BufferPool()
+
+
+def alloc_blocks(lengths: Sequence[int]) -> list[memoryview]:
+    """Buffers for a batch of blocks from the process-wide pool (see the module docstring)."""
+    return POOL.alloc_blocks(lengths)
