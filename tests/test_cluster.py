@@ -10,6 +10,7 @@ import grpc
 import pytest
 import redis
 
+from kvstore.cli import main as cli_main
 from kvstore.client import Client, KVStoreError
 from kvstore.cluster.client import ClusterClient
 from kvstore.cluster.keys import KeyLayout
@@ -90,6 +91,8 @@ def test_prefix_put_by_one_client_is_found_and_fetched_by_another(make_server, l
         assert bytes(got[0]) == chains[0][1][0] and got[1] is None
         stats = b.stats()
         assert stats["redis_up"] and stats["blocks"] == 9 * 6 + 3 and len(stats["nodes"]) == 3
+        assert stats["tiers"][0]["name"] == "dram" and stats["tiers"][0]["blocks"] == 9 * 6 + 3
+        assert cli_main(["stats", "--target", local_redis.url]) == 0  # `kvstore stats` takes a cluster URL too
         assert b.delete("ns", more) == 3
         wait_until(lambda: b.lookup("ns", hashes + more) == 6, what="delete published")
     for s in servers:
@@ -160,6 +163,7 @@ def test_redis_stopped_and_restarted_mid_run_fails_no_request(make_server, local
             with Client(f"127.0.0.1:{s.port}") as direct:
                 counters = direct.stats()["counters"]
             assert counters["redis_up"] == 0 and counters["cluster_index_publish_failures"] > 0
+            assert cli_main(["health", "--target", f"127.0.0.1:{s.port}"]) == 0, "local serving still works"
         local_redis.start()  # empty: nodes re-register and resync their whole index
         wait_until(lambda: len(members(local_redis.url)) == 3, timeout=8, what="re-registration")
         wait_until(lambda: all(s.metrics.counters().get("redis_up") == 1 and s.cluster.publisher.pending == 0

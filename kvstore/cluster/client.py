@@ -249,11 +249,15 @@ class ClusterClient:
         for m in members:
             s = replies.get(m.id)
             nodes[m.id] = s if s is not None else {"error": "unreachable", "addr": m.addr}
-            for t in (s or {}).get("tiers", []):
-                agg = tiers.setdefault(t["name"], {"name": t["name"]})
+            for t in (s or {}).get("tiers", []):  # per tier name: numbers summed, flags or-ed, text from one node
+                agg = tiers.setdefault(t["name"], {})
                 for k, v in t.items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    if isinstance(v, bool):
+                        agg[k] = agg.get(k, False) or v
+                    elif isinstance(v, (int, float)):
                         agg[k] = agg.get(k, 0) + v
+                    else:
+                        agg.setdefault(k, v)
         ok = [s for s in replies.values() if s is not None]
         return {
             "node_id": f"cluster via {self.connector.safe_url}", "redis_up": self.directory.redis_up,
