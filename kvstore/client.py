@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import grpc
 
 from kvstore.checksum import crc32c
+from kvstore.devices import stage_out
 import numpy as np
 
 from kvstore.v1 import kvstore_pb2 as pb
@@ -198,11 +199,16 @@ class Client:
             raise ValueError(f"{len(hashes)} hashes but {len(out)} output buffers")
         if not hashes:
             return []
-        on_lane = self._lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
-        if on_lane is not None:
-            return on_lane
-        request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing)
-        return self._call(lambda: self._receive(request, out, verify))
+        device_out, out = out, None
+        out, finish = stage_out(device_out)  # CUDA destinations are filled through pinned host buffers
+        result = self._lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
+        if result is None:
+            request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing)
+            result = self._call(lambda: self._receive(request, out, verify))
+        if device_out is not None and out is not device_out:
+            finish()
+            return [None if r is None else d for r, d in zip(result, device_out)]
+        return result
 
     def _receive(self, request: pb.GetRequest, out: Sequence[Any] | None, verify: bool) -> list[Any]:
         results: list[Any] = []
