@@ -83,7 +83,7 @@ def test_a_prefix_written_together_is_read_with_one_pread(tmp_path: Path, rng: n
                                                           policy: str) -> None:
     backend = InstrumentedBackend(PosixBackend())
     tier = NvmeTier(tmp_path, 256 * MiB, segment_bytes=64 * MiB, backend=backend, write_policy=policy,
-                    write_io_bytes=4 * MiB, max_read_bytes=8 * MiB)
+                    write_io_bytes=4 * MiB, max_read_bytes=8 * MiB, read_threads=1)
     blocks = write_blocks(tier, [64 * KiB] * 32, rng)
     assert backend.pwrites == 1  # one 2.2 MB aligned write
     assert backend.syncs == (1 if policy == "fdatasync" else 0)
@@ -104,7 +104,8 @@ def test_a_prefix_written_together_is_read_with_one_pread(tmp_path: Path, rng: n
 def test_default_pieces_are_a_few_parallel_reads(tmp_path: Path, rng: np.random.Generator) -> None:
     backend = InstrumentedBackend(PosixBackend())
     tier = NvmeTier(tmp_path, 256 * MiB, segment_bytes=64 * MiB, backend=backend)
-    for size, most in [(64 * KiB, 2), (512 * KiB, 11), (2 * MiB, 32)]:  # pieces of <= 2 MiB, or one record
+    # pieces of <= 2 MiB (or one record), and at least 4 (one per read thread) when that leaves >= 256 KiB each
+    for size, most in [(64 * KiB, 4), (512 * KiB, 11), (2 * MiB, 32)]:
         blocks = write_blocks(tier, [size] * 32, rng)
         backend.reset_counts()
         assert read_all(tier, blocks) == list(blocks.values())

@@ -1,9 +1,11 @@
 """The read path: plan coalesced reads, run them, verify every record before use.
 
-``plan_pieces(seg, wanted, max_bytes, gap_bytes)`` sorts the records wanted
-from one segment by offset and cuts them into *pieces*: runs of adjacent
-records (or records separated by at most ``gap_bytes``, read through) of at
-most ``max_bytes`` each, so a 32-block prefix written together is one read.
+``plan_pieces(seg, wanted, max_bytes, gap_bytes, parallel)`` sorts the records
+wanted from one segment by offset, coalesces them into runs of adjacent records
+(or records at most ``gap_bytes`` apart, read through), and cuts each run into
+a few balanced *pieces* of at most ``max_bytes``, at least ``parallel`` of them
+when the run is large enough: a 32-block prefix written together is a few
+reads, issued at once.
 
 ``read_piece(backend, piece, buf)`` issues one pread for the piece into an
 aligned bounce buffer and checks each record in it: header magic and CRC, the
@@ -28,6 +30,8 @@ from kvstore.tiers.nvme.format import (
 )
 from kvstore.tiers.nvme.io import IoBackend, aligned_buffer
 from kvstore.tiers.nvme.segments import Segment
+
+MIN_PIECE = 256 << 10  # pieces are not cut smaller than this for parallelism
 
 
 @dataclass(slots=True)
@@ -66,19 +70,37 @@ class Checked:
         return self.record[HEADER_BYTES:HEADER_BYTES + self.length]
 
 
-def plan_pieces(seg: Segment, wanted: Sequence[Wanted], max_bytes: int, gap_bytes: int) -> list[Piece]:
-    pieces: list[Piece] = []
-    cur: Piece | None = None
+def plan_pieces(seg: Segment, wanted: Sequence[Wanted], max_bytes: int, gap_bytes: int,
+                parallel: int = 1, min_piece: int = MIN_PIECE) -> list[Piece]:
+    """Coalesce into runs, then cut each run into balanced pieces at record boundaries.
+
+    A run is cut into ``k`` pieces of about equal size, where ``k`` is enough to keep
+    pieces within ``max_bytes`` and, for runs large enough, at least ``parallel`` (so
+    one prefix keeps that many reads in flight) without going below ``min_piece``.
+    """
+    runs: list[list[Wanted]] = []
+    end = -1
     for w in sorted(wanted, key=lambda w: w.offset):
+        if runs and end <= w.offset <= end + gap_bytes:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
         end = w.offset + w.nbytes
-        if cur is not None:
-            cur_end = cur.offset + cur.nbytes
-            if cur_end <= w.offset <= cur_end + gap_bytes and end - cur.offset <= max_bytes:
-                cur.nbytes = end - cur.offset
-                cur.records.append(w)
-                continue
-        cur = Piece(seg, w.offset, w.nbytes, [w])
-        pieces.append(cur)
+    pieces: list[Piece] = []
+    for run in runs:
+        total = run[-1].offset + run[-1].nbytes - run[0].offset
+        k = max(-(-total // max_bytes), min(parallel, total // max(min_piece, 1)), 1)
+        target = -(-total // k)
+        cur: Piece | None = None
+        for w in run:
+            if cur is not None:
+                size = w.offset + w.nbytes - cur.offset
+                if size <= max_bytes and cur.nbytes < target:
+                    cur.nbytes = size
+                    cur.records.append(w)
+                    continue
+            cur = Piece(seg, w.offset, w.nbytes, [w])
+            pieces.append(cur)
     return pieces
 
 

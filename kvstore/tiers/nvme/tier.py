@@ -101,6 +101,7 @@ class NvmeTier(Tier):
         self.write_policy = write_policy
         self.compact_threshold = compact_threshold
         self.max_read_bytes = max(max_read_bytes, PAGE)
+        self.read_threads = read_threads
         self.coalesce_gap_bytes = coalesce_gap_bytes
         self.probe_interval_s = probe_interval_s
         self.forward_ttl_s = forward_ttl_s
@@ -212,7 +213,8 @@ class NvmeTier(Tier):
                     w = wanted[(off, length)] = Wanted.block(off, length)
                 w.targets.append(i)
             pieces = [p for seg, wanted in groups.values()
-                      for p in plan_pieces(seg, list(wanted.values()), self.max_read_bytes, self.coalesce_gap_bytes)]
+                      for p in plan_pieces(seg, list(wanted.values()), self.max_read_bytes,
+                                           self.coalesce_gap_bytes, self.read_threads)]
             if len(pieces) == 1:
                 failures = [self._read_piece(pieces[0], dests)]
             else:
