@@ -109,6 +109,10 @@ class TenantRegistry:
     shared_quota_bytes: int | None = None
     source: str = ""
     _buckets: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    _by_name: dict[str, Tenant] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_name.update((t.name, t) for t in self.tenants)
 
     # -- authentication ------------------------------------------------------------
     def authenticate(self, token: str | None) -> Tenant | None:
@@ -140,10 +144,8 @@ class TenantRegistry:
         """Byte quota of a bucket; None or 0 means unlimited."""
         if bucket == SHARED:
             return self.shared_quota_bytes
-        for tenant in self.tenants:
-            if tenant.name == bucket:
-                return tenant.quota_bytes if tenant.quota_bytes is not None else default
-        return default
+        tenant = self._by_name.get(bucket)
+        return tenant.quota_bytes if tenant is not None and tenant.quota_bytes is not None else default
 
     # -- loading ----------------------------------------------------------------------
     @classmethod
