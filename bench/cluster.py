@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--block", type=int, default=1 << 20, help="block bytes (default 1 MiB)")
         p.add_argument("--chain", type=int, default=8, help="blocks per chain, one put each (default 8)")
         p.add_argument("--chains", type=int, default=None, help="chains per client (default 8 quick, 32 full)")
-        p.add_argument("--dram", default="1GiB", help="DRAM tier of each node")
+        p.add_argument("--dram", default="2GiB", help="DRAM tier of each node (pageable: only what is written is used)")
         p.add_argument("--lane", default="grpc", help="client data lane: grpc (default; what remote clients use) or "
                                                       "auto (shared memory to nodes on this host)")
         p.add_argument("--index-blocks", type=int, default=None, help="blocks for the publish/memory part")

@@ -107,6 +107,8 @@ class IndexPublisher:
 
     # -- store events (store lock held: append only) ---------------------------------------------
     def _on_event(self, event: str, namespace: str, key: bytes, rank: int) -> None:
+        if self._stop.is_set():
+            return  # stopped (the store has no unsubscribe): nothing would drain the queue
         q = self._events
         if len(q) >= self.opt.max_pending:
             q.popleft()
