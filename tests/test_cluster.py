@@ -82,6 +82,12 @@ def test_prefix_put_by_one_client_is_found_and_fetched_by_another(make_server, l
         a.put("ns", more, more_data, parent=hashes[-1])
         assert holder_of(servers, "ns", hashes) == holder_of(servers, "ns", more)
         wait_until(lambda: b.lookup("ns", hashes + more) == 9, what="extension published")
+        for _ in range(5):  # chunked prefill: each chunk put right after the last, before the index lists it
+            first, first_data = chain(2)
+            second, second_data = chain(2)
+            a.put("ns", first, first_data)
+            a.put("ns", second, second_data, parent=first[-1])
+            assert holder_of(servers, "ns", first) == holder_of(servers, "ns", second)
         # a miss anywhere is NOT_FOUND, or None with allow_missing
         unknown = os.urandom(16)
         with pytest.raises(KVStoreError) as err:
@@ -90,8 +96,8 @@ def test_prefix_put_by_one_client_is_found_and_fetched_by_another(make_server, l
         got = b.get("ns", [hashes[0], unknown], allow_missing=True)
         assert bytes(got[0]) == chains[0][1][0] and got[1] is None
         stats = b.stats()
-        assert stats["redis_up"] and stats["blocks"] == 9 * 6 + 3 and len(stats["nodes"]) == 3
-        assert stats["tiers"][0]["name"] == "dram" and stats["tiers"][0]["blocks"] == 9 * 6 + 3
+        assert stats["redis_up"] and stats["blocks"] == 9 * 6 + 3 + 20 and len(stats["nodes"]) == 3
+        assert stats["tiers"][0]["name"] == "dram" and stats["tiers"][0]["blocks"] == 9 * 6 + 3 + 20
         assert cli_main(["stats", "--target", local_redis.url]) == 0  # `kvstore stats` takes a cluster URL too
         assert b.delete("ns", more) == 3
         wait_until(lambda: b.lookup("ns", hashes + more) == 6, what="delete published")

@@ -12,9 +12,11 @@ Verbs (same names and results as ``kvstore.client.Client``):
   whose every block some live node holds, from one pipelined query of the global
   index (``kvstore.cluster.index``); the tier is the best copy's.
 - ``put(ns, hashes, payloads, *, parent=None, dtype=None, chained=True, root=None)``:
-  the whole batch goes to one node: the best live holder of ``parent`` when given,
-  else the rendezvous winner for the prefix root (``root``, default ``hashes[0]``),
-  so a prefix's blocks stay together. A node that fails is skipped for the next in
+  the whole batch goes to one node: with ``parent``, the node this client put the
+  parent on (an extension put right after its prefix, before the index lists it)
+  or else the parent's best live holder in the index; otherwise the rendezvous
+  winner for the prefix root (``root``, default ``hashes[0]``). So a prefix's blocks
+  stay together, and each node's leaf-first eviction sees whole chains. A node that fails is skipped for the next in
   rendezvous order (then nodes listed until a moment ago, see ``get``); when none
   takes it every block comes back rejected with UNAVAILABLE (no exception).
 - ``get(ns, hashes, *, out=None, allow_missing=False, verify=True)``: each block from
@@ -43,6 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -63,6 +67,7 @@ NODE_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE
                            grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
 # This node could not serve this request: try another holder, the node stays in use.
 NODE_MISSES = frozenset({grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND})
+PLACED_MEMORY = 4096  # recent puts remembered for placing their extensions
 
 
 class ClusterClient:
@@ -77,6 +82,8 @@ class ClusterClient:
                                    client_options={"timeout": timeout, "chunk_bytes": chunk_bytes, **client_options})
         self.target, self.timeout = target, timeout
         self._pool = ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="kvstore-cluster")
+        self._placed: OrderedDict[tuple[str, bytes], str] = OrderedDict()
+        self._placed_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -144,8 +151,10 @@ class ClusterClient:
         why = "no live store nodes"
         for member in self._placement(namespace, hashes, parent, root):
             try:
-                return self.directory.client(member).put(namespace, hashes, payloads, parent=parent, dtype=dtype,
-                                                         chained=chained)
+                results = self.directory.client(member).put(namespace, hashes, payloads, parent=parent, dtype=dtype,
+                                                            chained=chained)
+                self._remember(namespace, hashes[-1], member.id)
+                return results
             except KVStoreError as err:
                 if err.code not in NODE_FAILURES:
                     raise
@@ -163,11 +172,24 @@ class ClusterClient:
         order = routing.rank(root or hashes[0], live) + routing.rank(root or hashes[0], self.directory.recent())
         if parent is None or root is not None:
             return order
+        with self._placed_lock:
+            mine = self._placed.get((namespace, parent))  # this client put the parent a moment ago
+        if mine is not None:
+            return [m for m in order if m.id == mine] + [m for m in order if m.id != mine]
         held = self._holders(namespace, [parent])
         if not held or not held[0]:
             return order
         near = sorted((m for m in live if m.id in held[0]), key=lambda m: held[0][m.id])
         return near + [m for m in order if m.id not in held[0]]
+
+    def _remember(self, namespace: str, last: bytes, node_id: str) -> None:
+        """Where this client's last puts ended, so an extension put right after (before the index lists
+        its parent) still lands beside its prefix; bounded, oldest forgotten first."""
+        with self._placed_lock:
+            self._placed[(namespace, last)] = node_id
+            self._placed.move_to_end((namespace, last))
+            while len(self._placed) > PLACED_MEMORY:
+                self._placed.popitem(last=False)
 
     # -- get -------------------------------------------------------------------------------------
     def get(self, namespace: str, hashes: Sequence[bytes], *, out: Sequence[Any] | None = None,
