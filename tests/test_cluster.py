@@ -232,3 +232,18 @@ def test_killed_node_expires_and_its_restart_republishes_from_nvme(spawn_server,
                    what="recovered blocks re-registered")
         for hashes, data in chains:
             assert [bytes(x) for x in b.get("ns", hashes)] == data
+
+
+def test_node_started_before_redis_serves_and_registers_later(make_server, local_redis):
+    local_redis.stop()
+    server = make_server(redis=local_redis.url, cluster_ttl=TTL)
+    hashes, data = chain(4)
+    with Client(f"127.0.0.1:{server.port}") as direct:
+        assert all(r.ok for r in direct.put("ns", hashes, data))  # local serving needs no Redis
+        assert direct.stats()["counters"]["redis_up"] == 0
+    local_redis.start()
+    wait_until(lambda: members(local_redis.url) == [server.cluster.node_id], timeout=2 * TTL, what="registration")
+    with Client(local_redis.url, refresh=0.1) as kv:
+        wait_until(lambda: kv.lookup("ns", hashes) == 4, what="blocks stored before Redis came up are indexed")
+        assert [bytes(x) for x in kv.get("ns", hashes)] == data
+    assert server.metrics.counters()["redis_up"] == 1
