@@ -12,6 +12,7 @@ One file per job (the layout is the map):
 - ``routing.py``     rendezvous placement of prefixes on nodes
 - ``directory.py``   the client's cached members, per-node clients, down marks
 - ``client.py``      ``ClusterClient``: lookup/put/get/delete/stats across nodes
+- ``localredis.py``  throwaway redis-server / 3-master Redis Cluster (tests, bench)
 
 Failure semantics in one place:
 

@@ -16,9 +16,10 @@ Verbs (same names and results as ``kvstore.client.Client``):
   parent on (an extension put right after its prefix, before the index lists it)
   or else the parent's best live holder in the index; otherwise the rendezvous
   winner for the prefix root (``root``, default ``hashes[0]``). So a prefix's blocks
-  stay together, and each node's leaf-first eviction sees whole chains. A node that fails is skipped for the next in
-  rendezvous order (then nodes listed until a moment ago, see ``get``); when none
-  takes it every block comes back rejected with UNAVAILABLE (no exception).
+  stay together, and each node's leaf-first eviction sees whole chains. A node
+  that fails is skipped for the next in rendezvous order (then nodes listed until
+  a moment ago, see ``get``); when none takes the batch every block comes back
+  rejected with UNAVAILABLE (no exception).
 - ``get(ns, hashes, *, out=None, allow_missing=False, verify=True)``: each block from
   a node the index names (best tier first), nodes fetched in parallel; blocks a
   node misses or that fail with the node are retried on their next holder, then
@@ -29,7 +30,14 @@ Verbs (same names and results as ``kvstore.client.Client``):
   one Get per node, a hit on an indexed block one Get per holding node.
 - ``delete(ns, hashes) -> int``: sent to every live (and lingering) node; the number of
   copies removed.
-- ``stats() -> dict``: per-node stats, members, and whether Redis is reachable.
+- ``stats() -> dict``: per-node stats, members, tiers summed over nodes, and whether
+  Redis is reachable.
+
+Options: ``nodes`` (addresses to ask while no member list was ever read),
+``refresh`` (seconds a member list is reused), ``down_for`` (seconds a failed node
+is skipped), ``linger`` (see get), ``redis_timeout``, ``prefix`` (of every Redis
+key), ``parallel`` (node requests in flight); the rest (``token``, ``tls_*``,
+``timeout``, ``lane``, ...) go to each per-node ``Client``.
 
 Failure semantics: a store node failing mid-request never surfaces as an error
 (fallback to other holders, else a miss). Errors that are the caller's own
