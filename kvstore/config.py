@@ -46,6 +46,8 @@ class ServeConfig:
                                            "demotion) or write-through (acked once also on NVMe)")
     nvme_sync: str = _opt("fdatasync", "NVMe write durability: fdatasync (survives power loss) or direct "
                                        "(O_DIRECT only: survives a process crash)")
+    eviction_policy: str = _opt("freq", "eviction order inside a tier, always leaves first: freq (LRU that "
+                                        "protects blocks seen twice) or lru")
     promote_on_hit: bool = _opt(True, "copy blocks read from NVMe back into DRAM when there is room", _bool)
     max_block: int = _opt(parse_size("8MiB"), "largest accepted block (stored bytes)", parse_size, "SIZE")
     max_message: int = _opt(parse_size("4MiB"), "gRPC max message size (data chunks are at most 1MiB)", parse_size, "SIZE")
@@ -141,6 +143,10 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
         except ValueError as err:
             raise ValueError(f"option {_flag(f.name)}: {err}") from None
     cfg = ServeConfig(**values)
+    from kvstore.store.policies import POLICY_NAMES
+
+    if cfg.eviction_policy not in POLICY_NAMES:
+        raise ValueError(f"option --eviction-policy: one of {', '.join(POLICY_NAMES)}")
     if cfg.write_policy not in ("write-back", "write-through"):
         raise ValueError("option --write-policy: write-back or write-through")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):

@@ -55,7 +55,10 @@ def _page_size(cfg: ServeConfig) -> int:
 
 
 def build_store(cfg: ServeConfig, tiers: list[Tier] | None = None) -> BlockStore:
+    from kvstore.store.policies import policy_factory
+
     store = BlockStore(tiers or build_tiers(cfg), promote_on_hit=cfg.promote_on_hit,
+                       policy_factory=policy_factory(cfg.eviction_policy),
                        write_through=cfg.write_policy == "write-through")
     for tier in store.tiers:
         if hasattr(tier, "on_relocate"):
