@@ -314,10 +314,10 @@ def main(argv: list[str] | None = None) -> None:
         args.out = Path("bench/results/disk.json")
     root: Path = args.dir
     root.mkdir(parents=True, exist_ok=True)
-    total = 128 * MiB if args.quick else 1 * GiB
-    fpb_total = 32 * MiB if args.quick else 256 * MiB
+    total = 64 * MiB if args.quick else 1 * GiB
+    fpb_total = 16 * MiB if args.quick else 256 * MiB
     try:
-        rows = bandwidth(root, total, fpb_total, raw_total=256 * MiB if args.quick else 2 * GiB)
+        rows = bandwidth(root, total, fpb_total, raw_total=128 * MiB if args.quick else 2 * GiB)
         for r in recovery(root, 100_000, reps=1 if args.quick else REPS):
             rows.append({"block_bytes": r["payload_bytes"], "recovery": r["recovery"],
                          "recovery_blocks": r["blocks"], "recovery_seconds": r["seconds"]})
