@@ -224,3 +224,13 @@ def test_result_buffers_are_recycled_once_dropped():
     del too_big, again
     gc.collect()
     assert pool.pooled_bytes == 4 << 20  # over the limit: unmapped, not pooled
+
+
+def test_a_failed_lane_get_leaves_no_region_in_use(make_server):
+    server = make_server(shm_lane_bytes=8 << 20)
+    with Client(f"127.0.0.1:{server.port}", lane="shm", retries=0) as kv:
+        kv.put("ns", keys(2), [b"a" * 1000, b"b" * 1000])
+        (lane,) = server.lanes.registry._lanes.values()
+        with pytest.raises(Exception):
+            kv.get("ns", keys(3))  # NOT_FOUND for the third hash: nothing copied, nothing held
+        assert lane.grants.ranges.used_bytes == 0 and len(lane.grants) == 0

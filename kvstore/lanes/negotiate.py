@@ -57,10 +57,11 @@ class LanePool:
         self._cond = threading.Condition()
         self._retry_at = 0.0
         self._no_lane_for_a_while = False
+        self._closed = False
         self.kind = "grpc"
 
     def run(self, fn: Callable[[Lane], T]) -> T | None:
-        if self.mode == "grpc":
+        if self.mode == "grpc" or self._closed:
             return None
         lane = self._acquire()
         if lane is None:
@@ -87,7 +88,9 @@ class LanePool:
         return result
 
     def close(self) -> None:
+        """Close the idle lanes now; lanes still in a call close when that call ends."""
         with self._cond:
+            self._closed = True
             lanes, self._idle = self._idle, []
             self._open -= len(lanes)
         for lane in lanes:
@@ -122,8 +125,12 @@ class LanePool:
 
     def _give_back(self, lane: Lane) -> None:
         with self._cond:
-            self._idle.append(lane)
-            self._cond.notify()
+            if not self._closed:
+                self._idle.append(lane)
+                self._cond.notify()
+                return
+            self._open -= 1
+        lane.close()
 
     def _discard(self, lane: Lane) -> None:
         try:

@@ -20,9 +20,9 @@ Verbs of ``ShmServerLane`` (called by ``servicer.LaneServicer``):
 - ``get(request, release) -> iterator of LaneGetResponse``: lease the blocks,
   copy each into a range of the region (one copy), drop the lease as soon as
   the copy is done, and stream descriptors about every ``YIELD_BYTES`` so the
-  client copies out while the server copies in. Each message has its own get
-  grant, which the client releases when it is done with those blocks. Stops early when the region is
-  full (``handled`` says how far it got).
+  client takes blocks while the server copies the next ones. Each message has
+  its own get grant, which the client releases when it is done with those
+  blocks. Stops early when the region is full (``handled`` says how far).
 - ``expire(now)`` / ``close()``: abort the store tickets of expired or
   outstanding put grants; ``close`` also unlinks and unmaps the region.
 """
@@ -34,7 +34,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from kvstore.lanes.base import LaneError, ServerLane
-from kvstore.lanes.grants import GrantTable, Slot
+from kvstore.lanes.grants import Grant, GrantTable, Slot
 from kvstore.lanes.memops import copy_crc, copy_into, host_view
 from kvstore.lanes.shm_region import ShmRegion
 from kvstore.lanes.storeops import Reservation, StoreOps, accepted_codecs
@@ -133,7 +133,7 @@ class ShmServerLane(ServerLane):
         self.grants.release(release)
         accepted = accepted_codecs(request)
         _, leases = self.ops.acquire(request, self.access)
-        grant = self.grants.grant_get()
+        grant: Grant | None = self.grants.grant_get()
         released = 0
         handled = 0
         sent = 0
@@ -144,6 +144,7 @@ class ShmServerLane(ServerLane):
             for window in self.ops.windows(leases):
                 self.ops.materialize(window)
                 for lease in window:
+                    assert grant is not None
                     n = self._copy_out(grant, handled, lease, accepted, pending)
                     if n < 0:
                         full = True
@@ -166,12 +167,15 @@ class ShmServerLane(ServerLane):
             self.ops.release(leases[released:])
             released = len(leases)
             yield pending
+            grant = None
         finally:
+            if grant is not None:  # its descriptors never reached the client: nobody would release it
+                self.grants.release([grant.id])
             self.ops.release(leases[released:])
             self.ops.metrics.add("lane_shm_get_bytes", sent)
             self.ops.metrics.bytes_out(sent)
 
-    def _copy_out(self, grant, index: int, lease: Lease | None, accepted: set[int],
+    def _copy_out(self, grant: Grant, index: int, lease: Lease | None, accepted: set[int],
                   reply: lpb.LaneGetResponse) -> int:
         """Copy one leased block into the region and describe it; -1 when the region is full."""
         if lease is None:
