@@ -93,7 +93,6 @@ def test_iter_prefill_reports_blocks_as_they_fill(model: LlamaModel) -> None:
     toks = _tokens(45, seed=12)
     pool = model.new_pool(8)
     pool.add_sequence("s")
-    pool.append_slots("s", 0)
     chunks = list(model.iter_prefill(pool, "s", toks, 20))
     assert [c.tokens_done for c in chunks] == [20, 40, 45]
     assert [c.full_blocks for c in chunks] == [range(0, 1), range(1, 2), range(2, 2)]

@@ -102,10 +102,8 @@ class BlockManager:
 
     def blocks_needed(self, seq_id: SeqId, n: int) -> int:
         """Free blocks ``append(seq_id, n)`` would take (new ones plus a copy-on-write)."""
-        state = self.state(seq_id)
-        start = state.num_tokens
-        cow = start % self.block_size != 0 and self.allocator.refcount(state.table[-1]) > 1
-        return -(-(start + n) // self.block_size) - len(state.table) + (1 if cow else 0)
+        new_blocks, cow = self._growth(self.state(seq_id), n)
+        return new_blocks + cow
 
     # -- verbs --------------------------------------------------------------------
     def add(self, seq_id: SeqId, hashes: Sequence[bytes] = ()) -> int:
@@ -140,11 +138,9 @@ class BlockManager:
         state = self.state(seq_id)
         bs = self.block_size
         start = state.num_tokens
-        cow = start % bs != 0 and self.allocator.refcount(state.table[-1]) > 1
-        new_blocks = -(-(start + n) // bs) - len(state.table)
-        needed = self.blocks_needed(seq_id, n)
-        if needed > self.allocator.num_free:
-            raise OutOfBlocks(needed, self.allocator.num_free)
+        new_blocks, cow = self._growth(state, n)
+        if new_blocks + cow > self.allocator.num_free:
+            raise OutOfBlocks(new_blocks + cow, self.allocator.num_free)
         copies: list[tuple[int, int]] = []
         if cow:
             (dst,) = self.allocator.allocate(1)
@@ -194,6 +190,12 @@ class BlockManager:
         return freed
 
     # -- internals ----------------------------------------------------------------
+    def _growth(self, state: SequenceState, n: int) -> tuple[int, bool]:
+        """(new blocks, copy-on-write of the last block?) for appending n tokens."""
+        start = state.num_tokens
+        cow = n > 0 and start % self.block_size != 0 and self.allocator.refcount(state.table[-1]) > 1
+        return -(-(start + n) // self.block_size) - len(state.table), cow
+
     def _publish(self, state: SequenceState) -> None:
         limit = min(state.num_tokens // self.block_size, len(state.hashes))
         for i in range(state.published, limit):
