@@ -44,8 +44,8 @@ class ServeConfig:
     nvme_segment: int = _opt(parse_size("256MiB"), "NVMe segment file size", parse_size, "SIZE")
     write_policy: str = _opt("write-back", "write-back (a Put is acked once in memory; NVMe copies are made on "
                                            "demotion) or write-through (acked once also on NVMe)")
-    nvme_sync: str = _opt("fdatasync", "NVMe write durability: fdatasync (survives power loss) or direct "
-                                       "(O_DIRECT only: survives a process crash)")
+    nvme_sync: str = _opt("direct", "NVMe ack durability: direct (on the device through O_DIRECT: survives a "
+                                    "process crash; segments fdatasync'ed within 1 s) or fdatasync (survives power loss)")
     eviction_policy: str = _opt("freq", "eviction order inside a tier, always leaves first: freq (LRU that "
                                         "protects blocks seen twice) or lru")
     promote_on_hit: bool = _opt(True, "copy blocks read from NVMe back into DRAM when there is room", _bool)
