@@ -29,6 +29,7 @@ from kvstore.v1 import lanes_pb2 as lpb
 
 
 GROUP_BYTES = 16 << 20
+CONNECT_SECONDS = 3.0  # an unreachable lane port (not exposed, filtered) must not stall the first call long
 
 
 def _groups_of(payloads: Sequence[memoryview]) -> list[tuple[int, int]]:
@@ -50,7 +51,7 @@ class TcpClientLane(Lane):
 
     def __init__(self, host: str, port: int, opened: lpb.OpenLaneResponse, timeout: float):
         self.ref = lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)
-        self.sock = socket.create_connection((host, port), timeout=min(timeout, 10.0))
+        self.sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_SECONDS))
         try:
             framing.tune(self.sock)
             self.sock.settimeout(None)  # blocking, so MSG_WAITALL fills a buffer in one call
