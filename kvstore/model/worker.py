@@ -64,7 +64,7 @@ def load(name: str) -> tuple[LlamaModel, ByteBPETokenizer | None]:
     model, tok = load_model(name)
     log.info("model %s: %d layers, %d kv heads, head dim %d, %s, block %d tokens (%d bytes)", name,
              model.config.layers, model.config.kv_heads, model.config.head_dim, model.config.dtype,
-             model.config.block_size, model.config.block_nbytes if hasattr(model.config, "block_nbytes") else 0)
+             model.config.block_size, model.config.kv_block_bytes)
     return model, tok
 
 
