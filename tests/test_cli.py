@@ -98,3 +98,13 @@ def test_sigterm_drains_an_in_flight_stream(spawn_server):
 def test_sizes(size):
     from kvstore.sizes import parse_size
     assert parse_size(size) > 0
+
+
+def test_example_config_lists_every_option():
+    from dataclasses import fields
+
+    import yaml
+
+    example = yaml.safe_load((ROOT / "docs" / "config.example.yaml").read_text())
+    names = {k.replace("-", "_") for k in example}
+    assert names == {f.name for f in fields(config.ServeConfig)} - {"config"}
