@@ -472,7 +472,10 @@ class BlockStore:
             return
         with self._lock:
             for e, loc in zip(entries, locs):
-                self._add_copy(e, lower.rank, loc)
+                if self.table.loc[e, lower.rank] != NO_LOC:  # a concurrent flush/demotion got there first
+                    lower.free([loc])
+                else:
+                    self._add_copy(e, lower.rank, loc)
 
     def _write_with_room(self, lower: Tier, metas: list[BlockMeta], sources: list[Any]) -> list[int]:
         need = sum(m.stored_length for m in metas)
