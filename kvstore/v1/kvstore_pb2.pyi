@@ -104,23 +104,41 @@ class BlockResult(_message.Message):
     tier: Tier
     def __init__(self, hash: _Optional[bytes] = ..., status: _Optional[_Union[PutStatus, str]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
+class CodecTiming(_message.Message):
+    __slots__ = ("codec", "dtype", "raw_bytes", "blocks", "seconds")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    codec: Codec
+    dtype: str
+    raw_bytes: int
+    blocks: int
+    seconds: float
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class PutResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "decode_timings")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[BlockResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[BlockResult, _Mapping]]] = ...) -> None: ...
+    decode_timings: _containers.RepeatedCompositeFieldContainer[CodecTiming]
+    def __init__(self, results: _Optional[_Iterable[_Union[BlockResult, _Mapping]]] = ..., decode_timings: _Optional[_Iterable[_Union[CodecTiming, _Mapping]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "accepted_codecs", "allow_missing")
+    __slots__ = ("namespace", "hashes", "accepted_codecs", "allow_missing", "decode_report")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_CODECS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_MISSING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_REPORT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     accepted_codecs: _containers.RepeatedScalarFieldContainer[Codec]
     allow_missing: bool
-    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., accepted_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., allow_missing: _Optional[bool] = ...) -> None: ...
+    decode_report: _containers.RepeatedCompositeFieldContainer[CodecTiming]
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., accepted_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., allow_missing: _Optional[bool] = ..., decode_report: _Optional[_Iterable[_Union[CodecTiming, _Mapping]]] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("header", "data")
