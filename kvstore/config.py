@@ -83,11 +83,11 @@ class ServeConfig:
     tcp_lane_listen: str = _opt("", "HOST:PORT of the bulk TCP lane (default: the --listen host, a free port)",
                                 metavar="HOST:PORT")
     shm_dir: str = _opt("/dev/shm", "directory (a tmpfs) of the shm lanes' regions", metavar="DIR")
-    shm_lane_bytes: int = _opt(parse_size("128MiB"), "shared-memory region of each shm lane (a batch in flight)",
-                               parse_size, "SIZE")
+    shm_lane_bytes: int = _opt(parse_size("256MiB"), "shared-memory region of each shm lane: a batch in flight "
+                                                     "plus Get results lent to the client", parse_size, "SIZE")
     lane_lease: float = _opt(30.0, "seconds a lane's uncommitted slot grant lives (a crashed client's slots come "
                                    "back after it); a lane idle for 10 leases is closed", float)
-    lane_max: int = _opt(64, "most lanes open at once (each shm lane holds --shm-lane-bytes of memory)", int)
+    lane_max: int = _opt(32, "most lanes open at once (each shm lane holds --shm-lane-bytes of memory)", int)
 
     @property
     def host_port(self) -> tuple[str, int]:

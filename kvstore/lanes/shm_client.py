@@ -37,7 +37,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
 
-COMMIT_BYTES = 8 << 20
+COMMIT_BYTES = 16 << 20
 T = TypeVar("T")
 
 

@@ -42,7 +42,7 @@ from kvstore.store import Lease
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 
-YIELD_BYTES = 8 << 20
+YIELD_BYTES = 16 << 20
 
 
 class ShmServerLane(ServerLane):
