@@ -163,3 +163,23 @@ def test_lane_get_releases_its_leases(make_server, lane):
         second = [bytes([2, i]) * 8 for i in range(8)]
         assert [r.status for r in kv.put("ns", second, [b"b" * (1 << 20)] * 8)] == ["stored"] * 8
     server.store.check_invariants()
+
+
+def test_encoded_block_that_does_not_decode(lane_server, lane):
+    raw = RawLanes(lane_server)
+    data = b"\x01" * 4096
+    bad = header(KEY, data, codec=pb.CODEC_BYTEPLANE, raw_length=8192)  # not byteplane output at all
+    with pytest.raises(KVStoreError) as err:
+        if lane == "shm":
+            shm = raw.shm()
+            stream = shm.open_put()
+            grant = stream.reserve("ns", [bad])
+            crc = shm.write(grant.slots[0], memoryview(data))
+            stream.send_commit(grant.grant_id, [lpb.BlockDescriptor(index=0, hash=KEY, offset=grant.slots[0].offset,
+                                                                    length=4096, crc32c=crc)])
+            stream.committed()
+        else:
+            raw.tcp().put("ns", [bad], [memoryview(data)])
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    raw.close()
+    assert_nothing_stored(lane_server)

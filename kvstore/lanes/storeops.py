@@ -111,7 +111,14 @@ class StoreOps:
         if crc != ticket.meta.crc32c:
             m = ticket.meta
             ticket.meta = BlockMeta(m.namespace, m.hash, m.parent, m.codec, m.dtype, m.raw_length, m.stored_length, crc)
-        if not verify_crc(ticket.meta, ticket.buffer, computed):
+        try:
+            ok = verify_crc(ticket.meta, ticket.buffer, computed)
+        except Exception as err:  # an encoded block that does not decode (codec, dtype): the sender's fault
+            self.store.abort_put(ticket)
+            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"block {res.index} ({res.meta.hash.hex()}): does not decode with codec "
+                            f"{res.meta.codec} and dtype {res.meta.dtype!r}: {err}") from None
+        if not ok:
             self.store.abort_put(ticket)
             raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"block {res.index} ({res.meta.hash.hex()}): CRC32C mismatch; the bytes were "
