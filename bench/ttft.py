@@ -135,6 +135,7 @@ def summarize(results: list[Result], memcpy_gbps: float, block_tokens: int = 16)
             "floor_s": round(statistics.mean(r.compute_s + r.transfer_bytes / (memcpy_gbps * 1e9) for r in rs), 4),
             "transfer_gbps": round(moved / transfer / 1e9, 3) if transfer else 0.0,
             "hit_rate": round(sum(r.cached_blocks for r in rs) / blocks, 3) if blocks else 0.0,
+            "prefill_hit_rate": round(sum(r.prefill_cached_blocks for r in rs) / blocks, 3) if blocks else 0.0,
             "recomputed": sum(r.recomputed for r in rs),
         })
     return rows
@@ -155,14 +156,19 @@ def plot(results: list[Result], path: Path) -> None:
         if xs:
             a.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=mode, drawstyle="steps-post")
     a.set_xscale("log"), a.set_xlabel("TTFT (s)"), a.set_ylabel("CDF"), a.legend(), a.set_title("TTFT")
-    served = [r for r in results if r.mode != "recompute"]
-    hits, total, xs, ys = 0, 0, [], []
+    served = [r for r in results if r.mode == "disaggregated"]
+    hits, total, xs, ys, per = 0, 0, [], [], []
     for i, r in enumerate(served):
-        hits += r.cached_blocks
-        total += max(1, r.prompt_tokens // 16)
+        blocks = max(1, r.prompt_tokens // 16)
+        hits += r.prefill_cached_blocks
+        total += blocks
         xs.append(i + 1)
         ys.append(hits / total)
-    b.plot(xs, ys), b.set_xlabel("request"), b.set_ylabel("cumulative block hit rate"), b.set_title("Hit rate")
+        per.append(r.prefill_cached_blocks / blocks)
+    b.plot(xs, ys, label="cumulative"), b.plot(xs, per, "o", label="per request")
+    b.set_ylim(0, 1.05), b.legend()
+    b.set_xlabel("request (disaggregated path)"), b.set_ylabel("prefix blocks found in the store by prefill")
+    b.set_title("Hit rate over time")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

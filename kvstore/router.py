@@ -45,6 +45,7 @@ class Result:
     transfer_bytes: int = 0
     recomputed: bool = False
     prefill_s: float = 0.0
+    prefill_cached_blocks: int = 0  # disaggregated: blocks the prefill worker found in the store
     lookup_s: float = 0.0
     transfer_s: float = 0.0
     load_s: float = 0.0
@@ -69,12 +70,12 @@ class Router:
         msg = wpb.Prompt(text=prompt, chat=False) if isinstance(prompt, str) else \
             wpb.Prompt(tokens=wpb.TokenIds(ids=list(prompt)))
         start = time.perf_counter()
-        prefill_s = 0.0
+        prefill_s, prefill_cached = 0.0, 0
         if mode == "disaggregated":
             if self.prefill is None:
                 raise ValueError("disaggregated mode needs a prefill worker")
-            self.prefill.Prefill(wpb.PrefillRequest(prompt=msg, namespace=namespace), timeout=self.timeout)
-            prefill_s = time.perf_counter() - start
+            reply = self.prefill.Prefill(wpb.PrefillRequest(prompt=msg, namespace=namespace), timeout=self.timeout)
+            prefill_s, prefill_cached = time.perf_counter() - start, reply.cached_blocks
         stream = self.decode.Generate(wpb.GenerateRequest(prompt=msg, namespace=namespace,
                                                           max_new_tokens=max_new_tokens,
                                                           use_store=mode != "recompute"), timeout=self.timeout)
@@ -93,7 +94,8 @@ class Router:
         return Result(mode=mode, prompt_tokens=first.prompt_tokens, cached_blocks=first.cached_blocks, ttft_s=ttft,
                       total_s=total, tokens=tokens, text="".join(text),
                       tpot_s=(total - ttft) / max(1, len(tokens) - 1), transfer_bytes=first.transfer_bytes,
-                      recomputed=first.recomputed, prefill_s=prefill_s, lookup_s=t.lookup_s,
+                      recomputed=first.recomputed, prefill_s=prefill_s,
+                      prefill_cached_blocks=prefill_cached, lookup_s=t.lookup_s,
                       transfer_s=t.transfer_s, load_s=t.load_s, compute_s=t.compute_s)
 
     def close(self) -> None:
