@@ -2,8 +2,9 @@
 
 ``copy_crc(dst, src)`` copies in pieces of ``PIECE`` bytes and computes the
 CRC32C of each piece right after copying it, while it is still in cache: one
-pass over memory instead of two (measured here: 12.8 GB/s against 10 GB/s for
-a copy followed by a CRC over 2 MiB blocks).
+pass over memory instead of two (measured here over 2 MiB blocks: 13.8 GB/s
+with 512 KiB pieces, 13.4 with 256 KiB, 12.4 for a copy then a CRC, against
+20.6 GB/s for the copy alone and 15.8 for the CRC alone).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from kvstore.checksum import crc32c
 
-PIECE = 256 << 10
+PIECE = 512 << 10
 NUMPY_COPY_BYTES = 1 << 20
 
 
