@@ -88,6 +88,13 @@ class ServeConfig:
     lane_lease: float = _opt(30.0, "seconds a lane's uncommitted slot grant lives (a crashed client's slots come "
                                    "back after it); a lane idle for 10 leases is closed", float)
     lane_max: int = _opt(32, "most lanes open at once (each shm lane holds --shm-lane-bytes of memory)", int)
+    # Compression (kvstore/codecs; DESIGN 5)
+    lossy_namespaces: str = _opt("", "comma list of namespace patterns (shell globs, e.g. draft-*) whose KV may be "
+                                     "lossy (fp8, fp8+zstd); a lossy Put elsewhere is refused with INVALID_ARGUMENT. "
+                                     "Empty: lossless everywhere", metavar="PATTERNS")
+    get_codec: str = _opt("auto", "codec of Get transfers among those the reader accepts: auto (the bandit picks per "
+                                  "transfer from measured CPU cost, ratio and bandwidth) or a codec name (used when "
+                                  "the reader accepts it, else none)", metavar="CODEC")
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -151,6 +158,13 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
         raise ValueError("option --write-policy: write-back or write-through")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
+    if cfg.get_codec != "auto":
+        from kvstore.codecs import CodecError, get_codec
+
+        try:
+            get_codec(cfg.get_codec)
+        except CodecError as err:
+            raise ValueError(f"option --get-codec: auto or {err}") from None
     if cfg.tls_client_ca and not cfg.tls_cert:
         raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     return cfg

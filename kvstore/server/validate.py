@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstore.codecs import codec_name
+from kvstore.codecs.policy import LossyPolicy, is_lossy
 from kvstore.hashing import HASH_BYTES
 from kvstore.store.index import DTYPES
 from kvstore.tiers.base import BlockMeta
@@ -25,6 +27,7 @@ class Limits:
     max_chunk_bytes: int = 1 << 20
     max_hashes: int = 65536
     max_stream_bytes: int = 16 << 30
+    lossy: LossyPolicy = LossyPolicy()  # namespaces whose blocks may arrive under a lossy codec
 
 
 def namespace(ns: str) -> str:
@@ -64,6 +67,10 @@ def header(ns: str, hdr, index: int, limits: Limits) -> BlockMeta:
         raise InvalidRequest(
             f"{where}: {max(hdr.stored_length, hdr.raw_length)} bytes exceeds the block size limit "
             f"of {limits.max_block_bytes} bytes")
+    if is_lossy(hdr.codec) and not limits.lossy.allows(ns):
+        raise InvalidRequest(f"{where}: codec {codec_name(hdr.codec)} is lossy and namespace {ns!r} keeps lossless KV only; "
+                             f"send it uncoded or losslessly coded (the server's --lossy-namespaces lists where "
+                             f"lossy KV may go)")
     if hdr.codec == 0 and hdr.stored_length != hdr.raw_length:
         raise InvalidRequest(f"{where}: codec none needs stored_length == raw_length "
                              f"({hdr.stored_length} != {hdr.raw_length})")
