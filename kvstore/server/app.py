@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvstore.codecs.policy import LossyPolicy
 from kvstore.config import ServeConfig
 from kvstore.server import tls
 from kvstore.server.auth import Gatekeeper
@@ -72,12 +73,13 @@ class StoreServer:
         self.store = store or build_store(cfg)
         self.metrics = Metrics(self.store.stats)
         self.limits = Limits(max_block_bytes=cfg.max_block, max_hashes=cfg.max_hashes,
-                             max_stream_bytes=cfg.max_stream)
+                             max_stream_bytes=cfg.max_stream, lossy=LossyPolicy.from_spec(cfg.lossy_namespaces))
         self.node_id = cfg.node_id or cfg.advertise or cfg.listen
         self.health = health.HealthServicer()
         tls.transport(cfg)  # refuse an unsafe transport before anything starts
         self.gate = Gatekeeper.from_config(cfg, self.store, self.metrics)  # tokens, tenants, quotas, deadlines
-        self.service = KVStoreService(self.store, self.limits, self.metrics, self.node_id, gate=self.gate)
+        self.service = KVStoreService(self.store, self.limits, self.metrics, self.node_id, gate=self.gate,
+                                      get_codec=cfg.get_codec)
         self.tls: tls.CertReloader | None = None
         self.server: grpc.Server | None = None
         self.port = 0

@@ -11,6 +11,14 @@ With a ``gate`` (kvstore/server/auth.py) every handler authorizes the
 request's namespace before touching the store (PERMISSION_DENIED otherwise),
 a Put block over its tenant's byte quota is rejected with RESOURCE_EXHAUSTED,
 and Stats is per namespace, or whole-node for admin tenants only.
+
+Codecs (kvstore/codecs/transfer_server.py): a Put's encoded blocks are
+decoded to verify their CRC32C and the decode time goes back in
+``PutResponse.decode_timings``; a lossy block in a namespace outside
+``--lossy-namespaces`` is INVALID_ARGUMENT (``validate.header``). A Get whose
+reader accepts codecs beyond ``none`` is coded per batch by the node's
+controller (``ServerCoding``), which also learns from the reader's
+``decode_report``. Namespace Stats carry ``codec_lossy_allowed`` (1 or 0).
 """
 from __future__ import annotations
 
@@ -20,6 +28,8 @@ from typing import Iterator
 import grpc
 
 from kvstore.checksum import crc32c
+from kvstore.codecs.transfer import DecodeTally
+from kvstore.codecs.transfer_server import ServerCoding
 from kvstore.server import validate
 from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
@@ -62,9 +72,10 @@ class _PutState:
 
 class KVStoreService(pb_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, limits: Limits, metrics: Metrics, node_id: str = "",
-                 gate: Gatekeeper | None = None):
+                 gate: Gatekeeper | None = None, get_codec: str = "auto"):
         self.store, self.limits, self.metrics, self.node_id = store, limits, metrics, node_id
         self.gate = gate  # None: no authorization at all (an embedded service without the interceptor)
+        self.coding = ServerCoding(metrics, limits.lossy, get_codec)
 
     # -- Lookup ------------------------------------------------------------------------
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
@@ -82,6 +93,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             ns: str | None = None
             total = 0
             committed: list[int] = []
+            decoded = DecodeTally()
             try:
                 for msg in request_iterator:
                     if ns is None:
@@ -112,7 +124,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                             state.crc = crc32c(msg.data, state.crc)
                         state.received += n
                     if state is not None and state.received == state.meta.stored_length:
-                        results.append(self._finish_block(context, state, committed))
+                        results.append(self._finish_block(context, state, committed, decoded))
                         state = None
                 if state is not None:
                     self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
@@ -120,7 +132,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                 f"({state.received} of {state.meta.stored_length} bytes)")
                 self.store.persist(committed)
                 self.metrics.bytes_in(total)
-                return pb.PutResponse(results=results)
+                self.coding.put_decoded(decoded)
+                return pb.PutResponse(results=results, decode_timings=DecodeTally.to_wire(decoded.timings()))
             finally:
                 if state is not None and state.ticket is not None:
                     self.store.abort_put(state.ticket)
@@ -141,11 +154,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             return _PutState(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT))
         return _PutState(index, meta, ticket, None)
 
-    def _finish_block(self, context, state: _PutState, committed: list[int]) -> pb.BlockResult:
+    def _finish_block(self, context, state: _PutState, committed: list[int], decoded: DecodeTally) -> pb.BlockResult:
         if state.ticket is None:
             return state.result  # already present or rejected: its bytes were drained
         ticket, state.ticket = state.ticket, None
-        if not verify_crc(state.meta, ticket.buffer, state.crc):
+        if not self.coding.verify(state.meta, ticket.buffer, state.crc, decoded):  # decode time: for the sender
             self.store.abort_put(ticket)
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                         f"block {state.index} ({state.meta.hash.hex()}): CRC32C mismatch; the bytes "
@@ -168,6 +181,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             except NotFoundError as err:
                 self._abort(context, grpc.StatusCode.NOT_FOUND, str(err.args[0]))
             sent = 0
+            self.coding.observe_report(request.decode_report)
+            coded = self.coding.begin_get(ns, request.accepted_codecs)  # None: the reader takes raw bytes only
             try:
                 for window in _windows(leases, GET_WINDOW_BYTES):
                     try:
@@ -177,12 +192,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     except (TierFault, OSError) as err:  # e.g. EIO: the copy may read fine later
                         self._abort(context, grpc.StatusCode.UNAVAILABLE,
                                     f"reading blocks from a lower tier failed ({err}); retry, or recompute them")
+                    if coded is not None:
+                        for msg in coded.messages(window, self.limits.max_chunk_bytes):
+                            sent += len(msg.data)
+                            yield msg
+                        continue
                     accepted = set(request.accepted_codecs) | {pb.CODEC_NONE}
                     for lease in window:
                         for msg in self._block_messages(lease, accepted):
                             sent += len(msg.data)
                             yield msg
             finally:
+                if coded is not None:
+                    coded.close()
                 self.store.release(leases)
                 self.metrics.bytes_out(sent)
 
@@ -227,7 +249,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         use = namespace_usage(self.store, ns)
         tiers = [pb.TierStats(name=t.name, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes, blocks=t.blocks)
                  for t in use.tiers]
-        counters = {"namespace_bytes": float(use.bytes)}
+        counters = {"namespace_bytes": float(use.bytes),
+                    "codec_lossy_allowed": 1.0 if self.limits.lossy.allows(ns) else 0.0}
         if self.gate is not None:
             counters.update(self.gate.quota_counters(ns))
         return pb.StatsResponse(tiers=tiers, blocks=use.blocks, counters=counters, node_id=self.node_id)

@@ -1,0 +1,358 @@
+"""Codecs on the data path: what the Client and the server do with the codec controller per transfer.
+
+A transfer (one Put stream from a client, one Get stream from the server)
+codes its blocks in batches of at least 256 KiB, one codec per batch, the
+next batch encoded on a worker thread while the current one is on the wire
+(DESIGN 5). Verbs and their promises:
+
+- ``TransferPlan(dtype, codec, controller, lossy_ok, accepted)``: how one
+  transfer picks codecs. ``codec`` is a codec name (every batch uses it) or
+  ``"auto"`` (``controller.choose`` per batch, with the context's
+  constraints: lossy arms only with ``lossy_ok``, only ``accepted`` arms).
+  ``choose(batch) -> name``; ``observe(prepared)`` feeds the controller what
+  a batch cost to encode and how small it got; ``observe_decode(timings)``
+  what the receiver reported for decoding; ``send_clock()`` a ``SendClock``
+  that teaches it the link's bandwidth.
+- ``prepare(blocks, plan, crcs=None, on_stall=None) -> Iterator[PreparedBatch]``: the
+  batches, in order, encoded (``pipeline.iter_encoded``) and checksummed one
+  batch ahead on a worker thread. Each block's CRC32C is of its raw bytes
+  (DESIGN 2.2): taken from ``crcs`` when the caller knows it, else computed;
+  under a lossy codec it is of the bytes the receiver will decode (the block
+  is decoded here to compute it, and that time is charged to the codec).
+  What a batch cost is the worker thread's CPU time (``time.thread_time``),
+  the measure of the controller's priors (bench/codecs.py): wall time would
+  add waits for the GIL and the cores, which on a busy host can make a
+  codec look several times slower than it is, and keep it unexplored.
+  Before the first batch, the worker warms the plan's arms and, for
+  ``auto``, calibrates the controller on the first batch (``warmup.py``).
+  Workers are long-lived threads shared by every transfer, so the codecs'
+  per-thread scratch buffers and contexts stay warm.
+  Closing the iterator early stops the worker; a worker error is raised in
+  the consumer. ``on_stall(seconds)`` hears each time the consumer found no
+  batch ready and waited for the encoder.
+- ``SendClock`` (``sendclock.py``): the wire time of a stream, for the
+  bandwidth estimate. ``prepare`` reports to it when the consumer waited
+  for the encoder.
+- ``DecodeTally``: decode seconds and bytes per (codec, dtype) on the
+  receiving side; ``to_wire()`` / ``from_wire()`` carry it as
+  ``kvstore.v1.CodecTiming`` (PutResponse.decode_timings,
+  GetRequest.decode_report).
+- ``metric_items(prefix, snapshot)``: a controller snapshot as names fit for
+  Stats counters and Prometheus (``[a-zA-Z0-9_:]``).
+"""
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvstore.checksum import crc32c
+
+from .base import FLOAT_DTYPES
+from .buffers import BufferLike, as_u8, nbytes_of
+from .controller import Context, Controller, ControllerConfig
+from .pipeline import MIN_BATCH_BYTES, Batch, EncodedBatch, iter_encoded, plan_batches
+from .registry import codec_names, decode_into, get_codec
+from .sendclock import SendClock
+from .warmup import calibrate, cost_clock, warm_up
+
+AUTO = "auto"
+BANDWIDTH_ALPHA = 0.5  # one sample per Put stream: halve the log error each Put, so a changed link is followed in 3-4
+
+
+def default_arms() -> tuple[str, ...]:
+    """Every registered codec but lz4, which gains nothing on dense KV (ratio 1.00, bench/results/codecs.json)."""
+    return tuple(name for name in codec_names() if name != "lz4")
+
+
+def transfer_config() -> ControllerConfig:
+    """The controller settings of the data path: ``default_arms``, bandwidth samples weighted ``BANDWIDTH_ALPHA``."""
+    return ControllerConfig(arms=default_arms(), bandwidth_alpha=BANDWIDTH_ALPHA)
+
+
+def codable(dtype: str) -> bool:
+    """Whether blocks of ``dtype`` can be coded (the codecs know float element types only)."""
+    return dtype in FLOAT_DTYPES
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    """One encoded batch with the raw CRC32C of each block and what preparing it cost."""
+
+    encoded: EncodedBatch
+    crcs: list[int]
+    context: Context
+    prepare_s: float  # CPU seconds: encoding, plus the local decode of a lossy codec's CRC
+
+
+@dataclass
+class TransferPlan:
+    """How one transfer picks a codec per batch; see the module docstring."""
+
+    dtype: str
+    codec: str = AUTO
+    controller: Controller | None = None
+    lossy_ok: bool = False
+    accepted: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.codec == AUTO and self.controller is None:
+            raise ValueError("codec 'auto' needs a controller")
+        if self.codec != AUTO:
+            self.codec = get_codec(self.codec).name
+
+    def arms(self) -> list[str]:
+        """The codecs this plan may pick."""
+        if self.codec != AUTO:
+            return [self.codec]
+        assert self.controller is not None
+        return self.controller.allowed(self.context(MIN_BATCH_BYTES))
+
+    def context(self, nbytes: int) -> Context:
+        return Context(self.dtype, nbytes, pipelined=True, lossy_ok=self.lossy_ok, accepted=self.accepted)
+
+    def choose(self, batch: Batch) -> str:
+        if self.codec != AUTO:
+            return self.codec
+        assert self.controller is not None
+        return self.controller.choose(self.context(batch.nbytes))
+
+    def observe(self, prepared: PreparedBatch) -> None:
+        if self.controller is None:
+            return
+        enc = prepared.encoded
+        self.controller.observe(enc.codec, prepared.context, enc.raw_bytes, enc.encoded_bytes, prepared.prepare_s)
+
+    def observe_decode(self, timings: Iterable[CodecTiming]) -> None:
+        observe_decode(self.controller, timings)
+
+    def send_clock(self) -> SendClock:
+        """A clock for one stream of this plan, reporting to its controller (to nobody without one)."""
+        if self.controller is None:
+            return SendClock(lambda _n, _s: None)
+        ctl = self.controller
+        return SendClock(ctl.observe_transfer, lambda: ctl.bandwidth_bps)
+
+
+@dataclass(frozen=True, slots=True)
+class CodecTiming:
+    """What decoding ``blocks`` blocks (``raw_bytes``) of one codec and dtype cost a receiver."""
+
+    codec: str
+    dtype: str
+    raw_bytes: int
+    blocks: int
+    seconds: float
+
+
+def observe_decode(controller: Controller | None, timings: Iterable[CodecTiming]) -> None:
+    """Feed a receiver's decode report to ``controller``, sized like the transfer's batches."""
+    if controller is None:
+        return
+    for t in timings:
+        if t.raw_bytes <= 0 or t.blocks <= 0 or t.codec not in controller.arms:
+            continue
+        per_block = t.raw_bytes / t.blocks
+        nbytes = int(min(t.raw_bytes, max(per_block, MIN_BATCH_BYTES)))  # a batch's size class
+        controller.observe_decode(t.codec, Context(t.dtype, nbytes), nbytes, t.seconds * nbytes / t.raw_bytes)
+
+
+@dataclass
+class DecodeTally:
+    """Decode time per (codec, dtype) on a receiver; thread-safe."""
+
+    _rows: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, codec: str | int, dtype: str, raw_bytes: int, seconds: float, blocks: int = 1) -> None:
+        key = (get_codec(codec).name, dtype)
+        with self._lock:
+            row = self._rows.setdefault(key, [0.0, 0.0, 0.0])
+            row[0] += raw_bytes
+            row[1] += blocks
+            row[2] += seconds
+
+    def timings(self) -> list[CodecTiming]:
+        with self._lock:
+            return [CodecTiming(c, d, int(r[0]), int(r[1]), r[2]) for (c, d), r in self._rows.items()]
+
+    def take(self) -> list[CodecTiming]:
+        """The timings so far, leaving the tally empty."""
+        with self._lock:
+            rows, self._rows = self._rows, {}
+        return [CodecTiming(c, d, int(r[0]), int(r[1]), r[2]) for (c, d), r in rows.items()]
+
+    @staticmethod
+    def to_wire(timings: Iterable[CodecTiming]) -> list:
+        from kvstore.v1 import kvstore_pb2 as pb
+
+        return [pb.CodecTiming(codec=get_codec(t.codec).id, dtype=t.dtype, raw_bytes=t.raw_bytes, blocks=t.blocks,
+                               seconds=t.seconds) for t in timings]
+
+    @staticmethod
+    def from_wire(messages: Iterable) -> list[CodecTiming]:
+        out = []
+        for m in messages:
+            try:
+                name = get_codec(int(m.codec)).name
+            except ValueError:  # a codec this build does not know: nothing to learn
+                continue
+            if m.seconds >= 0.0 and m.raw_bytes > 0:
+                out.append(CodecTiming(name, m.dtype, int(m.raw_bytes), max(int(m.blocks), 1), float(m.seconds)))
+        return out
+
+
+# ---------------------------------------------------------------------------------- encoding
+
+_DONE = object()
+
+
+class _Failed:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def prepare(
+    blocks: Sequence[BufferLike],
+    plan: TransferPlan,
+    crcs: Sequence[int | None] | None = None,
+    *,
+    on_stall: Callable[[float], None] | None = None,
+    depth: int = 2,
+    min_batch_bytes: int = MIN_BATCH_BYTES,
+) -> Iterator[PreparedBatch]:
+    """Encoded, checksummed batches of ``blocks`` in order, prepared one batch ahead on a worker thread."""
+
+    def produce() -> Iterator[PreparedBatch]:
+        sizes = [nbytes_of(b) for b in blocks]
+        arms = plan.arms()
+        warm_up(arms, plan.dtype, max(sizes, default=0))
+        if plan.codec == AUTO and plan.controller is not None and blocks:
+            first = plan_batches(sizes, min_batch_bytes)[0]
+            calibrate(plan.controller, arms, plan.dtype, blocks[first.start : first.stop], plan.context(first.nbytes))
+        encoded = iter_encoded(blocks, plan.dtype, plan.choose, min_batch_bytes=min_batch_bytes, depth=0)
+        while True:
+            cpu = cost_clock()
+            enc = next(encoded, None)
+            if enc is None:
+                return
+            encode_cpu = cost_clock() - cpu
+            lossy = get_codec(enc.codec).lossy
+            sums: list[int] = []
+            for j, payload in enumerate(enc.payloads):
+                i = enc.start + j
+                known = crcs[i] if crcs is not None else None
+                if lossy:
+                    out = np.empty(enc.raw_lengths[j], dtype=np.uint8)
+                    decode_into(enc.codec, payload, plan.dtype, enc.raw_lengths[j], out)
+                    sums.append(crc32c(out))
+                else:
+                    sums.append(known if known is not None else crc32c(as_u8(blocks[i])))
+            check_cpu = cost_clock() - cpu - encode_cpu
+            prepared = PreparedBatch(enc, sums, plan.context(enc.raw_bytes),
+                                     encode_cpu + (check_cpu if lossy else 0.0))
+            plan.observe(prepared)
+            yield prepared
+
+    return _ahead(produce(), depth, on_stall)
+
+
+class _Workers:
+    """Long-lived worker threads shared by every transfer of the process; more are started when all are busy.
+
+    The codecs keep per-thread scratch buffers and zstd contexts: a thread per
+    transfer would page-fault its buffers in again on every Put (several
+    times the arithmetic for fp8) and teach the controller a cold cost.
+    """
+
+    def __init__(self, max_idle: int = 8):
+        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []
+        self._lock = threading.Lock()
+        self._max_idle = max_idle
+
+    def run(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._loop, args=(inbox,), name="kvstore-prepare", daemon=True).start()
+        inbox.put(fn)
+
+    def _loop(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            inbox.get()()
+            with self._lock:
+                if len(self._idle) >= self._max_idle:
+                    return
+                self._idle.append(inbox)
+
+
+_WORKERS = _Workers()
+
+
+def _ahead(source: Iterator[PreparedBatch], depth: int,
+           on_stall: Callable[[float], None] | None = None) -> Iterator[PreparedBatch]:
+    """Run ``source`` on a worker thread, at most ``depth`` items ahead; ``on_stall`` times empty-queue waits."""
+    if depth <= 0:
+        yield from source
+        return
+    ready: queue.Queue[object] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    finished = threading.Event()
+
+    def put(item: object) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        try:
+            for item in source:
+                if not put(item):
+                    return
+            put(_DONE)
+        except BaseException as exc:  # handed to the consumer, re-raised there
+            put(_Failed(exc))
+        finally:
+            source.close()
+            finished.set()
+
+    _WORKERS.run(work)
+    try:
+        while True:
+            try:
+                item = ready.get_nowait()
+            except queue.Empty:
+                began = time.perf_counter()
+                item = ready.get()
+                if on_stall is not None:
+                    on_stall(time.perf_counter() - began)
+            if item is _DONE:
+                return
+            if isinstance(item, _Failed):
+                raise item.exc
+            yield item  # type: ignore[misc]
+    finally:
+        stop.set()
+        finished.wait()
+
+
+_METRIC_CHARS = re.compile(r"[^a-zA-Z0-9_:]")
+
+
+def metric_items(prefix: str, snapshot: dict[str, float]) -> dict[str, float]:
+    """``snapshot`` keys (``codec.fp8+zstd.bfloat16.256KiB-1MiB.ratio``) as metric names under ``prefix``."""
+    out = {}
+    for key, value in snapshot.items():
+        name = _METRIC_CHARS.sub("_", key.removeprefix("codec.").replace("+", "_"))
+        out[f"{prefix}{name}"] = float(value)
+    return out
