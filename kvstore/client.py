@@ -30,6 +30,24 @@ put and get over shared memory when the server is on this host, else over the
 bulk TCP lane, and falls back to the gRPC stream when neither is offered;
 ``"shm"``/``"tcp"`` insist on that lane (KVStoreError when it cannot be had);
 ``"grpc"`` always streams over gRPC. ``lane_kind`` tells which is in use.
+
+Compression (``codec=``, kvstore/codecs; DESIGN 5): ``"none"`` (default: raw
+bytes, the fastest choice on local and fast links, on any lane), a codec
+name (``"zstd"``, ``"byteplane"``, ``"fp8"``, ...) or ``"auto"`` (a per-client
+bandit picks a codec per batch of >= 256 KiB from the encode and decode time,
+ratio and link bandwidth it measures). ``put(..., codec=, lossy_ok=)`` and
+``get(..., codec=, lossy_ok=)`` override it per call. A coded Put encodes
+the next batch while the current one is on the wire and sends each block's
+CRC32C of its raw bytes (of the bytes the reader will decode, under a lossy
+codec); a coded Get tells the server which codecs it accepts (the server's
+own controller picks among them), decodes into ``out`` and reports its
+decode time back with the next Get. Lossy codecs (fp8, fp8+zstd) are used
+only when the caller passes ``lossy_ok=True`` *and* the server's policy for
+the namespace allows lossy KV (``lossy_allowed(namespace)``; the server
+refuses a lossy Put elsewhere with INVALID_ARGUMENT). Coded transfers travel
+on the gRPC stream (the lanes carry raw bytes); ``"auto"`` sends raw bytes
+when the client's lane is shared memory. ``codec_stats()`` shows the
+client's controller (choices, bandwidth, ratio and speed estimates).
 """
 from __future__ import annotations
 
@@ -40,6 +58,8 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import grpc
 
 from kvstore.checksum import crc32c
+from kvstore.codecs.transfer import DecodeTally, TransferPlan
+from kvstore.codecs.transfer_client import ClientCoding
 from kvstore.devices import stage_out
 import numpy as np
 
@@ -116,6 +136,7 @@ class Client:
         chunk_bytes: int = CHUNK_BYTES,
         max_message: int = 4 << 20,
         lane: str = "auto",
+        codec: str = "none",
     ):
         if target.startswith("redis://") or target.startswith("rediss://"):
             raise KVStoreError(grpc.StatusCode.UNIMPLEMENTED,
@@ -134,6 +155,8 @@ class Client:
 
         self._lanes = LanePool(self._channel, target, lane, metadata=self._metadata, timeout=timeout,
                                tls=bool(tls_ca or tls_cert))
+        self._coding = ClientCoding(codec)
+        self._lossy_allowed: dict[str, bool] = {}
 
     @property
     def lane_kind(self) -> str:
@@ -161,7 +184,8 @@ class Client:
         return reply.prefix_length, [TIER_NAMES.get(t, "?") for t in reply.tiers]
 
     def put(self, namespace: str, hashes: Sequence[bytes], payloads: Sequence[Any], *,
-            parent: bytes | None = None, dtype: str | None = None, chained: bool = True) -> list[PutResult]:
+            parent: bytes | None = None, dtype: str | None = None, chained: bool = True,
+            codec: str | None = None, lossy_ok: bool = False) -> list[PutResult]:
         if len(hashes) != len(payloads):
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
         if not hashes:
@@ -175,6 +199,9 @@ class Client:
                                           codec=pb.CODEC_NONE, raw_length=n, stored_length=n,
                                           dtype=_TORCH_TO_WIRE.get(dtype or kind, dtype or kind)))
             prev = key
+        plan = self._put_plan(namespace, {dtype or kind for _, kind in views}, codec, lossy_ok)
+        if plan is not None:
+            return self._put_coded(namespace, list(hashes), [h.parent for h in headers], [v for v, _ in views], plan)
         on_lane = self._lanes.run(lambda lane: lane.put(namespace, headers, [v for v, _ in views]))
         if on_lane is not None:
             return on_lane
@@ -190,18 +217,63 @@ class Client:
                     yield pb.PutRequest(data=bytes(view[start : start + self.chunk_bytes]))
 
         reply = self._call(lambda: self._stub.Put(requests(), timeout=self.timeout, metadata=self._metadata))
-        return [PutResult(r.hash, _STATUS.get(r.status, "rejected"),
-                          grpc.StatusCode.OK if not r.code else _code(r.code), r.reason) for r in reply.results]
+        return _put_results(reply)
+
+    def _put_plan(self, namespace: str, kinds: set[str], codec: str | None, lossy_ok: bool) -> TransferPlan | None:
+        """How this Put codes its blocks; None: raw bytes (codec none, mixed or non-float dtypes, a shm lane)."""
+        if len(kinds) != 1 or ((codec or self._coding.codec) == "auto" and self.lane_kind == "shm"):
+            return None
+        return self._coding.put_plan(codec, kinds.pop(), lossy_ok, lambda: self.lossy_allowed(namespace))
+
+    def _put_coded(self, namespace: str, hashes: list[bytes], parents: list[bytes], blocks: list[memoryview],
+                   plan: TransferPlan) -> list[PutResult]:
+        errors: list[BaseException] = []
+
+        def attempt() -> pb.PutResponse:
+            errors.clear()
+            clock = plan.send_clock()
+            requests = self._coding.put_requests(namespace, hashes, parents, blocks, plan, clock, self.chunk_bytes,
+                                                 errors)
+            reply = self._stub.Put(requests, timeout=self.timeout, metadata=self._metadata)
+            clock.finish(drained=True)
+            return reply
+
+        reply = self._call(attempt)
+        if errors:
+            raise errors[0]
+        plan.observe_decode(DecodeTally.from_wire(reply.decode_timings))
+        return _put_results(reply)
+
+    def lossy_allowed(self, namespace: str) -> bool:
+        """Whether the server lets ``namespace`` hold lossy KV (asked once per namespace, from its Stats)."""
+        allowed = self._lossy_allowed.get(namespace)
+        if allowed is None:
+            counters = self.stats(namespace)["counters"]
+            allowed = self._lossy_allowed[namespace] = counters.get("codec_lossy_allowed", 0.0) > 0.0
+        return allowed
+
+    def codec_stats(self) -> dict[str, float]:
+        """This client's codec controller: choices, bandwidth, ratio and speed estimates (controller.snapshot)."""
+        return self._coding.controller.snapshot()
 
     def get(self, namespace: str, hashes: Sequence[bytes], *, out: Sequence[Any] | None = None,
-            allow_missing: bool = False, verify: bool = True) -> list[Any]:
+            allow_missing: bool = False, verify: bool = True, codec: str | None = None,
+            lossy_ok: bool = False) -> list[Any]:
         if out is not None and len(out) != len(hashes):
             raise ValueError(f"{len(hashes)} hashes but {len(out)} output buffers")
         if not hashes:
             return []
         device_out, out = out, None
         out, finish = stage_out(device_out)  # CUDA destinations are filled through pinned host buffers
-        result = self._lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
+        accepted = [] if self.lane_kind == "shm" and (codec or self._coding.codec) == "auto" else \
+            self._coding.accepted(codec, lossy_ok)
+        if accepted:  # coded blocks may come: the gRPC stream, decoded here
+            request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing,
+                                    accepted_codecs=accepted, decode_report=self._coding.take_report())
+            result = self._call(lambda: self._coding.receive(
+                self._stub.Get(request, timeout=self.timeout, metadata=self._metadata), len(hashes), out, verify))
+        else:
+            result = self._lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
         if result is None:
             request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing)
             result = self._call(lambda: self._receive(request, out, verify))
@@ -282,6 +354,11 @@ class Client:
                     continue
                 raise KVStoreError(code, err.details() if hasattr(err, "details") else str(err)) from None
         raise AssertionError("unreachable")
+
+
+def _put_results(reply: pb.PutResponse) -> list[PutResult]:
+    return [PutResult(r.hash, _STATUS.get(r.status, "rejected"),
+                      grpc.StatusCode.OK if not r.code else _code(r.code), r.reason) for r in reply.results]
 
 
 def _code(value: int) -> grpc.StatusCode:
