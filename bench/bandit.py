@@ -55,7 +55,7 @@ NAMESPACES = {"lossless": "bench-lossless", "lossy": "lossy-bench"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--volume", default=None, help="KV bytes moved per run (default 1GiB, quick 48MiB)")
+    parser.add_argument("--volume", default=None, help="KV bytes moved per run (default 1GiB, quick 128MiB)")
     parser.add_argument("--regimes", default=",".join([*RATES, "changing"]), help="comma list of regimes")
     parser.add_argument("--tokens", type=int, default=None, help="distinct real KV tokens (default 2048, quick 512)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON of the runs: client process mode
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if not available():
         raise SystemExit("bench.bandit needs root and the ip and tc tools (network namespaces, veth, tc tbf)")
-    volume = parse_size(args.volume or ("48MiB" if args.quick else "1GiB"))
+    volume = parse_size(args.volume or ("128MiB" if args.quick else "1GiB"))
     tokens = args.tokens or (512 if args.quick else 2048)
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     unknown = set(regimes) - {*RATES, "changing"}

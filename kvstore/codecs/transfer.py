@@ -14,8 +14,10 @@ next batch encoded on a worker thread while the current one is on the wire
   what the receiver reported for decoding; ``send_clock()`` a ``SendClock``
   that teaches it the link's bandwidth.
 - ``prepare(blocks, plan, crcs=None, on_stall=None) -> Iterator[PreparedBatch]``: the
-  batches, in order, encoded (``pipeline.iter_encoded``) and checksummed one
-  batch ahead on a worker thread. Each block's CRC32C is of its raw bytes
+  batches, in order, encoded and checksummed one batch ahead on a worker
+  thread: ``pipeline.iter_encoded``'s batching and pipelining, on a worker
+  that also checksums, and with a batch under ``none`` left as views of the
+  caller's buffers (payloads are bytes, or uint8 arrays for ``none``). Each block's CRC32C is of its raw bytes
   (DESIGN 2.2): taken from ``crcs`` when the caller knows it, else computed;
   under a lossy codec it is of the bytes the receiver will decode (the block
   is decoded here to compute it, and that time is charged to the codec).
@@ -56,13 +58,15 @@ from kvstore.checksum import crc32c
 from .base import FLOAT_DTYPES
 from .buffers import BufferLike, as_u8, nbytes_of
 from .controller import Context, Controller, ControllerConfig
-from .pipeline import MIN_BATCH_BYTES, Batch, EncodedBatch, iter_encoded, plan_batches
+from .pipeline import MIN_BATCH_BYTES, Batch, EncodedBatch, encode_batch, plan_batches
 from .registry import codec_names, decode_into, get_codec
 from .sendclock import SendClock
 from .warmup import calibrate, cost_clock, warm_up
 
 AUTO = "auto"
 BANDWIDTH_ALPHA = 0.5  # one sample per Put stream: halve the log error each Put, so a changed link is followed in 3-4
+EPSILON, EXPLORE_WITHIN = 0.01, 2.0  # exploration costs at most 1% x (2 - 1) of a transfer: the model, not
+# exploration, follows the bandwidth; exploring 3% of batches within 3x cost up to 6% of every transfer
 
 
 def default_arms() -> tuple[str, ...]:
@@ -71,8 +75,9 @@ def default_arms() -> tuple[str, ...]:
 
 
 def transfer_config() -> ControllerConfig:
-    """The controller settings of the data path: ``default_arms``, bandwidth samples weighted ``BANDWIDTH_ALPHA``."""
-    return ControllerConfig(arms=default_arms(), bandwidth_alpha=BANDWIDTH_ALPHA)
+    """The controller settings of the data path: ``default_arms``, the bandwidth weight and exploration above."""
+    return ControllerConfig(arms=default_arms(), bandwidth_alpha=BANDWIDTH_ALPHA, epsilon=EPSILON,
+                            explore_within=EXPLORE_WITHIN)
 
 
 def codable(dtype: str) -> bool:
@@ -235,7 +240,7 @@ def prepare(
         if plan.codec == AUTO and plan.controller is not None and blocks:
             first = plan_batches(sizes, min_batch_bytes)[0]
             calibrate(plan.controller, arms, plan.dtype, blocks[first.start : first.stop], plan.context(first.nbytes))
-        encoded = iter_encoded(blocks, plan.dtype, plan.choose, min_batch_bytes=min_batch_bytes, depth=0)
+        encoded = _encoded(blocks, sizes, plan, min_batch_bytes)
         while True:
             cpu = cost_clock()
             enc = next(encoded, None)
@@ -260,6 +265,19 @@ def prepare(
             yield prepared
 
     return _ahead(produce(), depth, on_stall)
+
+
+def _encoded(blocks: Sequence[BufferLike], sizes: list[int], plan: TransferPlan,
+             min_batch_bytes: int) -> Iterator[EncodedBatch]:
+    """``pipeline.iter_encoded`` inline (we are on the worker already), with ``none`` batches left uncopied."""
+    for batch in plan_batches(sizes, min_batch_bytes):
+        codec = plan.choose(batch)
+        part = blocks[batch.start : batch.stop]
+        if codec == "none":  # raw bytes go as they are: views of the caller's buffers, no copy
+            views = [as_u8(b) for b in part]
+            yield EncodedBatch(batch.start, "none", 0, plan.dtype, [v.nbytes for v in views], views, 0.0)
+        else:
+            yield encode_batch(codec, part, plan.dtype, start=batch.start)
 
 
 class _Workers:

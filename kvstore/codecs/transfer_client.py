@@ -104,8 +104,9 @@ class ClientCoding:
                                             raw_length=enc.raw_lengths[j], stored_length=len(payload),
                                             crc32c=prepared.crcs[j], dtype=plan.dtype)
                     view = memoryview(payload)
+                    whole = isinstance(payload, bytes) and len(payload) <= chunk_bytes
                     yield pb.PutRequest(namespace=namespace if first else "", header=header,
-                                        data=bytes(view[:chunk_bytes]) if len(view) > chunk_bytes else payload)
+                                        data=payload if whole else bytes(view[:chunk_bytes]))
                     first = False
                     for start in range(chunk_bytes, len(view), chunk_bytes):
                         yield pb.PutRequest(data=bytes(view[start : start + chunk_bytes]))
