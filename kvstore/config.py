@@ -121,6 +121,24 @@ def _fmt(n: int) -> str:
     return format_size(n) if n else "0"
 
 
+def example_yaml() -> str:
+    """docs/config.example.yaml: every option with its help and default (tests keep the file equal to this)."""
+    from kvstore.sizes import format_size
+
+    lines = ["# kvstore serve configuration: every option with its default.",
+             "# Keys are the flag names (dashes or underscores). Precedence: flag > env KVSTORE_<OPTION> > "
+             "this file > default.", ""]
+    for f in fields(ServeConfig):
+        if f.name == "config":
+            continue
+        value: Any = f.default
+        if f.metadata["parse"] is parse_size:
+            value = format_size(value) if value else 0
+        value = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        lines += [f"# {f.metadata['help']}", f"{f.name.replace('_', '-')}: {value}", ""]
+    return "\n".join(lines)
+
+
 def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = None) -> ServeConfig:
     """Merge defaults, the YAML file, KVSTORE_* env vars and flags into a ServeConfig."""
     env = dict(os.environ if env is None else env)

@@ -37,7 +37,7 @@ import numpy as np
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from kvstore.store.index import NO_LOC, EntryTable, dtype_id
+from kvstore.store.index import DTYPES, NO_LOC, EntryTable, dtype_id
 from kvstore.store.policy import LeafLRU
 from kvstore.tiers.base import BlockMeta, CorruptBlock, MemoryTier, Tier, TierFault, TierFull
 
@@ -344,8 +344,6 @@ class BlockStore:
         raise KeyError(rank)
 
     def _dtype_name(self, e: int) -> str:
-        from kvstore.store.index import DTYPES
-
         return DTYPES[int(self.table.dtype[e])]
 
     def _has_copy(self, e: int) -> bool:
