@@ -1,0 +1,254 @@
+"""Placement across tiers: eviction, demotion, flush, recovery and compaction hooks.
+
+``Cascade`` is the half of ``BlockStore`` that moves copies between tiers
+(kvstore/store/blockstore.py has the per-block verbs and their bookkeeping):
+
+- ``_make_room(tier, n)``: allocate in a memory tier, evicting synchronously;
+- ``_evict(tier, want)``: the lowest-priority *leaves* of a tier leave it:
+  dropped when a lower copy exists or no lower tier takes them, otherwise
+  leased, written down in one batch (I/O outside the lock unless the caller
+  holds it) and then freed;
+- ``demote_once()`` / ``start()``: the background demoter keeps every tier but
+  the last under its high watermark, down to the low one;
+- ``flush()``: copy every memory-only block to the durable tier (graceful stop);
+- ``relocate(rank, moves)``: the NVMe tier's compaction moved records;
+- ``compact_once()``: let durable tiers reclaim dead space.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstore.store.index import NO_LOC, dtype_id
+from kvstore.tiers.base import BlockMeta, MemoryTier, Tier, TierFault, TierFull
+
+log = logging.getLogger("kvstore.store.blockstore")
+
+
+class CapacityError(Exception):
+    """No room even after eviction (e.g. everything evictable is leased)."""
+
+
+class Cascade:
+    """Mixed into BlockStore; uses its table, tiers, policies, lock and counters."""
+
+    def _evictable(self, e: int) -> bool:
+        return self.table.leases[e] == 0
+
+    def _make_room(self, tier: MemoryTier, nbytes: int) -> int:
+        """Allocate in a memory tier, evicting (synchronously, lock held) until it fits."""
+        # Dropping frees exactly what is needed; a demotion batches more for sequential I/O.
+        want = nbytes if self._next_tier(tier) is None else \
+            max(nbytes, min(self.demote_batch_bytes // 8, tier.capacity_bytes // 50))
+        for _ in range(64):
+            loc = tier.allocate(nbytes)
+            if loc is not None:
+                return loc
+            if not self._evict(tier, want):
+                if not self._inflight:
+                    break
+                self._demoted.wait(timeout=5.0)  # the demoter holds the victims: wait for its batch
+        self.counters.rejected += 1
+        raise CapacityError(
+            f"{tier.name} tier full: {tier.used_bytes} of {tier.capacity_bytes} bytes in use and "
+            f"nothing evictable (blocks are leased by readers or pinned)")
+
+    def _evict(self, tier: Tier, want: int) -> int:
+        """Move or drop the lowest-priority leaves of `tier` until `want` bytes are freed.
+
+        Victims that need a copy below are leased, written down in one batch (outside
+        the lock unless the caller holds it: the synchronous path of a Put), then freed.
+        """
+        t, policy = self.table, self.policies[tier.rank]
+        lower = self._next_tier(tier)
+        demote: list[int] = []
+        freed = 0
+        with self._lock:
+            while freed < want:
+                e = policy.pop_victim(self._evictable)
+                if e is None:
+                    break
+                freed += int(t.stored_len[e])
+                has_lower = any(t.loc[e, x.rank] != NO_LOC for x in self.tiers if x.rank > tier.rank)
+                if has_lower or lower is None or self._degraded(lower):
+                    self._evict_copy(e, tier)
+                else:
+                    policy.insert(e, is_leaf=True)  # stays readable until its copy below exists
+                    t.leases[e] += 1
+                    demote.append(e)
+            self._inflight += len(demote)
+        if not demote:
+            return freed
+        assert lower is not None
+        try:
+            self._copy_down(demote, tier, lower)
+        finally:
+            with self._lock:
+                for e in demote:
+                    self._unlease(e)
+                    if (t.loc[e, tier.rank] != NO_LOC and t.loc[e, lower.rank] != NO_LOC
+                            and t.leases[e] == 0 and t.nchild[e, tier.rank] == 0):
+                        self._evict_copy(e, tier)
+                        self.counters.tiers[tier.rank].demotions += 1
+                self._inflight -= len(demote)
+                self._demoted.notify_all()
+        return freed
+
+    def _evict_copy(self, e: int, tier: Tier) -> None:
+        assert self.table.nchild[e, tier.rank] == 0, "only leaves are evicted"
+        self._remove_copy(e, tier.rank)
+        self.counters.tiers[tier.rank].evictions += 1
+        if not self._has_copy(e):
+            self._unmap(e)
+
+    def _next_tier(self, tier: Tier) -> Tier | None:
+        i = self.tiers.index(tier)
+        return self.tiers[i + 1] if i + 1 < len(self.tiers) else None
+
+    @staticmethod
+    def _degraded(tier: Tier) -> bool:
+        return bool(getattr(tier, "degraded", False))
+
+    def _copy_down(self, entries: list[int], upper: Tier, lower: Tier) -> None:
+        """Copy leased entries' bytes from `upper` into `lower` (one batched write)."""
+        if not entries:
+            return
+        with self._lock:
+            metas = [self.table.meta(e) for e in entries]
+            sources = [upper.view(int(self.table.loc[e, upper.rank]), m.stored_length)  # type: ignore[attr-defined]
+                       for e, m in zip(entries, metas)]
+        try:
+            locs = self._write_with_room(lower, metas, sources)
+        except (TierFault, TierFull) as err:
+            log.warning("copy of %d blocks to %s failed: %s", len(entries), lower.name, err)
+            return
+        with self._lock:
+            for e, loc in zip(entries, locs):
+                if self.table.loc[e, lower.rank] != NO_LOC:  # a concurrent flush/demotion got there first
+                    lower.free([loc])
+                else:
+                    self._add_copy(e, lower.rank, loc)
+
+    def _write_with_room(self, lower: Tier, metas: list[BlockMeta], sources: list[Any]) -> list[int]:
+        need = sum(m.stored_length for m in metas)
+        for attempt in range(3):
+            try:
+                return lower.write(metas, sources)
+            except TierFull:
+                if attempt == 2:
+                    raise
+                freed = self._evict(lower, need)
+                compact = getattr(lower, "compact", None)
+                if compact is not None:
+                    compact()
+                if not freed and compact is None:
+                    raise
+        raise TierFull(lower.name)
+
+    def demote_once(self) -> int:
+        """One pass of the background demoter: bring every tier under its low watermark."""
+        moved = 0
+        for tier in self.tiers[:-1]:  # the last tier drops only on demand, never ahead of time
+            over = tier.used_bytes - self.low * tier.capacity_bytes
+            if tier.used_bytes > self.high * tier.capacity_bytes and over > 0:
+                moved += self._evict(tier, int(min(over, self.demote_batch_bytes)))
+        return moved
+
+    def start(self) -> None:
+        if self._demoter is None:
+            self._demoter = threading.Thread(target=self._demote_loop, name="kvstore-demoter", daemon=True)
+            self._demoter.start()
+
+    def _demote_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.5)
+            self._wake.clear()
+            try:
+                while self.demote_once() and not self._stop.is_set():
+                    pass
+                self.compact_once()
+            except Exception:  # keep the demoter alive; the fault shows in tier stats
+                log.exception("demoter pass failed")
+                time.sleep(0.5)
+
+    def flush(self, batch_bytes: int = 64 << 20) -> int:
+        """Copy every block that has no copy in the last (durable) tier down to it; returns blocks copied."""
+        if len(self.tiers) < 2:
+            return 0
+        durable, copied = self.tiers[-1], 0
+        while True:
+            with self._lock:
+                t, todo, size = self.table, [], 0
+                for e in np.nonzero(t.live & (t.loc[:, durable.rank] == NO_LOC))[0]:
+                    if size >= batch_bytes:
+                        break
+                    todo.append(int(e))
+                    size += int(t.stored_len[e])
+                for e in todo:
+                    t.leases[e] += 1
+            if not todo:
+                return copied
+            upper = {e: next(x for x in self.tiers if t.loc[e, x.rank] != NO_LOC) for e in todo}
+            try:
+                for tier in {id(x): x for x in upper.values()}.values():
+                    self._copy_down([e for e in todo if upper[e] is tier], tier, durable)
+            finally:
+                with self._lock:
+                    for e in todo:
+                        self._unlease(e)
+            done = sum(1 for e in todo if t.loc[e, durable.rank] != NO_LOC)
+            if not done:
+                log.warning("flush to %s stopped: %d blocks could not be written", durable.name, len(todo))
+                return copied
+            copied += done
+
+    # -- recovery -------------------------------------------------------------------
+    def _recover(self, tier: Tier) -> None:
+        n = 0
+        with self._lock:
+            for meta, loc in tier.recover():
+                ns = self.table.namespace_id(meta.namespace, create=True)
+                if self.table.find(ns, meta.hash) is not None:
+                    tier.free([loc])
+                    continue
+                e = self.table.insert(ns, meta.hash, meta, dtype_id(meta.dtype))
+                self._add_copy(e, tier.rank, loc)
+                n += 1
+        if n:
+            log.info("recovered %d blocks from %s", n, tier.name)
+
+    def relocate(self, rank: int, moves: Sequence[tuple[int, int]]) -> None:
+        """Compaction moved records of tier `rank`: (old_loc, new_loc) pairs; new_loc == NO_LOC
+        means the record failed its checksum while being copied and is gone."""
+        mapping = dict(moves)
+        with self._lock:
+            column = self.table.loc[:, rank]
+            for e in np.nonzero(np.isin(column, list(mapping)))[0]:
+                e = int(e)
+                new = mapping[int(column[e])]
+                if new != NO_LOC:
+                    column[e] = new
+                    continue
+                self.counters.corrupt += 1
+                column[e] = NO_LOC  # the record is already gone from the tier: no free()
+                self._notify("remove", e, rank)
+                self.policies[rank].remove(e)
+                p = self.table.parent_of(e)
+                if p is not None:
+                    self.table.nchild[p, rank] -= 1
+                    if self.table.nchild[p, rank] == 0:
+                        self.policies[rank].set_leaf(p, True)
+                if not self._has_copy(e):
+                    self._unmap(e)
+
+    def compact_once(self) -> None:
+        """Let durable tiers reclaim dead space when they have segments worth compacting."""
+        for tier in self.tiers[1:]:
+            reclaimable = getattr(tier, "reclaimable", None)
+            if reclaimable is not None and reclaimable().compactable_segments and not self._degraded(tier):
+                tier.compact(max_segments=1)  # type: ignore[attr-defined]
+
