@@ -8,7 +8,7 @@ import time
 import pytest
 
 from bench import netns
-from bench.bandit import plan_runs, summarize
+from bench.bandit import best_of, plan_runs, summarize
 
 
 def test_plan_measures_lossless_codecs_once_per_regime():
@@ -16,6 +16,16 @@ def test_plan_measures_lossless_codecs_once_per_regime():
     assert len(runs) == 14
     lossy = [r["codec"] for r in runs if r["regime"] == "1gbit" and r["policy"] == "lossy"]
     assert lossy == ["fp8", "fp8+zstd", "bandit"]
+
+
+def test_repetitions_are_interleaved_and_the_fastest_kept():
+    runs = plan_runs(["10gbit"], {"10gbit": 2})
+    assert [r["rep"] for r in runs] == [0] * 7 + [1] * 7
+    rows = [{**r, "seconds": 1.0 + r["rep"] if r["codec"] != "zstd" else 2.0 - r["rep"]} for r in runs]
+    best = {(r["policy"], r["codec"]): r for r in best_of(rows)}
+    assert len(best) == 7 and best[("lossless", "none")]["seconds"] == 1.0
+    assert best[("lossless", "zstd")]["seconds"] == 1.0 and best[("lossless", "zstd")]["seconds_runs"] == [2.0, 1.0]
+    assert "rep" not in best[("lossless", "none")]
 
 
 def row(regime: str, policy: str, codec: str, seconds: float) -> dict:
