@@ -24,7 +24,7 @@ Verbs (``StoreOps``, thread-safe like the BlockStore under it):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import grpc
 
@@ -35,11 +35,10 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.service import verify_crc
 from kvstore.server.validate import InvalidRequest, Limits
 from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
-from kvstore.store.blockstore import ALREADY_PRESENT
+from kvstore.store.blockstore import ALREADY_PRESENT, lease_windows
 from kvstore.tiers.base import BlockMeta
 from kvstore.v1 import kvstore_pb2 as pb
 
-GET_WINDOW_BYTES = 64 << 20  # NVMe reads of a Get are materialized this much at a time
 
 
 @dataclass(slots=True)
@@ -157,18 +156,7 @@ class StoreOps:
     def release(self, leases: Sequence[Lease | None]) -> None:
         self.store.release(leases)
 
-    @staticmethod
-    def windows(leases: list[Lease | None], budget: int = GET_WINDOW_BYTES) -> Iterator[list[Lease | None]]:
-        window: list[Lease | None] = []
-        size = 0
-        for lease in leases:
-            window.append(lease)
-            size += lease.stored_length if lease is not None else 0
-            if size >= budget:
-                yield window
-                window, size = [], 0
-        if window:
-            yield window
+    windows = staticmethod(lease_windows)
 
     @staticmethod
     def servable(lease: Lease, accepted: set[int]) -> tuple[pb.BlockHeader, Any]:

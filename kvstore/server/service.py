@@ -37,13 +37,12 @@ from kvstore.server.quotas import namespace_usage
 from kvstore.server.validate import InvalidRequest, Limits
 from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
 from kvstore.tiers.base import TierFault
-from kvstore.store.blockstore import ALREADY_PRESENT
+from kvstore.store.blockstore import ALREADY_PRESENT, lease_windows
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-GET_WINDOW_BYTES = 64 << 20  # NVMe reads of a Get are materialized this much at a time
 
 
 def verify_crc(ticket_meta, stored: memoryview, stored_crc: int) -> bool:
@@ -184,7 +183,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.coding.observe_report(request.decode_report)
             coded = self.coding.begin_get(ns, request.accepted_codecs)  # None: the reader takes raw bytes only
             try:
-                for window in _windows(leases, GET_WINDOW_BYTES):
+                for window in lease_windows(leases):
                     try:
                         self.store.materialize(window)
                     except DataLossError as err:
@@ -273,19 +272,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             return fn(*args)
         except InvalidRequest as err:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
-
-
-def _windows(leases: list[Lease | None], budget: int) -> Iterator[list[Lease | None]]:
-    window: list[Lease | None] = []
-    size = 0
-    for lease in leases:
-        window.append(lease)
-        size += lease.stored_length if lease is not None else 0
-        if size >= budget:
-            yield window
-            window, size = [], 0
-    if window:
-        yield window
 
 
 def _chunks(lease: Lease, chunk: int) -> Iterator[pb.GetResponse]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from kvstore.store.cascade import Cascade, CapacityError
 from kvstore.store.index import DTYPES, NO_LOC, EntryTable, dtype_id
@@ -74,6 +74,23 @@ class Lease:
     crc32c: int
     rank: int                   # tier the bytes come from
     buffer: Any = None          # filled for memory tiers at acquire, by materialize() otherwise
+
+
+GET_WINDOW_BYTES = 64 << 20  # NVMe reads of a Get are materialized this much at a time
+
+
+def lease_windows(leases: list[Lease | None], budget: int = GET_WINDOW_BYTES) -> Iterator[list[Lease | None]]:
+    """Consecutive runs of leases of about `budget` stored bytes: a Get materializes and sends one at a time."""
+    window: list[Lease | None] = []
+    size = 0
+    for lease in leases:
+        window.append(lease)
+        size += lease.stored_length if lease is not None else 0
+        if size >= budget:
+            yield window
+            window, size = [], 0
+    if window:
+        yield window
 
 
 @dataclass
