@@ -37,9 +37,9 @@ import struct
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-import google_crc32c._crc32c as _crc  # the C implementation (fails loudly if absent)
 import numpy as np
 
+from kvstore.checksum import crc32c as _crc32c  # hardware CRC32C of any buffer
 from kvstore.tiers.base import BlockMeta
 
 MAGIC = b"KVSR"
@@ -60,11 +60,9 @@ assert _FIXED.size == 94
 
 def crc32c(data: Any, value: int = 0) -> int:
     """CRC32C (Castagnoli) of any contiguous bytes-like object, extending ``value``."""
-    if not isinstance(data, (bytes, np.ndarray)):
-        data = np.frombuffer(data, dtype=np.uint8)
-    elif isinstance(data, np.ndarray) and data.dtype != np.uint8:
+    if isinstance(data, np.ndarray) and data.dtype != np.uint8:
         data = data.reshape(-1).view(np.uint8)
-    return _crc.extend(value, data) if value else _crc.value(data)
+    return _crc32c(data, value)
 
 
 def align_up(n: int, a: int = PAGE) -> int:
@@ -141,7 +139,7 @@ def encode_header(meta: BlockMeta, seq: int, stored_crc: int) -> bytes:
         meta.crc32c & 0xFFFFFFFF, stored_crc, len(ns),
     )
     body = fixed + ns
-    return body + _CRC.pack(_crc.value(body))
+    return body + _CRC.pack(_crc32c(body))
 
 
 def check_header(buf: Any, offset: int = 0) -> tuple[int, int] | None:
@@ -154,7 +152,7 @@ def check_header(buf: Any, offset: int = 0) -> tuple[int, int] | None:
     if fixed[0] != MAGIC or fixed[1] != VERSION or nslen > MAX_NAMESPACE_BYTES:
         return None
     end = offset + _FIXED.size + nslen
-    if end + 4 > len(buf) or _crc.value(bytes(buf[offset:end])) != _CRC.unpack_from(buf, end)[0]:
+    if end + 4 > len(buf) or _crc32c(memoryview(buf)[offset:end]) != _CRC.unpack_from(buf, end)[0]:
         return None
     return fixed[10], fixed[12]
 
@@ -172,7 +170,7 @@ def decode_header(buf: Any, offset: int = 0) -> Header | None:
     if end + 4 > len(buf):
         return None
     body = bytes(buf[offset:end])
-    if _crc.value(body) != _CRC.unpack_from(buf, end)[0]:
+    if _crc32c(body) != _CRC.unpack_from(buf, end)[0]:
         return None
     try:
         namespace = _namespace_str(body[_FIXED.size:])
