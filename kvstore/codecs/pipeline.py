@@ -36,10 +36,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .base import DEFAULT_HEAD_DIM, EncodeOptions
 from .buffers import BufferLike, as_u8, nbytes_of
 from .registry import decode_into, get_codec
+
+T = TypeVar("T")
 
 MIN_BATCH_BYTES = 256 * 1024
 
@@ -141,13 +144,24 @@ def iter_encoded(
         codec = choose(batch)
         return encode_batch(codec, blocks[batch.start : batch.stop], dtype, start=batch.start, head_dim=head_dim)
 
-    if depth <= 0:
-        for batch in plan:
-            yield encode(batch)
-        return
+    return run_ahead((encode(batch) for batch in plan), depth)
 
+
+def run_ahead(source: Iterator[T], depth: int, on_stall: Callable[[float], None] | None = None,
+              spawn: Callable[[Callable[[], None]], None] | None = None) -> Iterator[T]:
+    """Items of ``source`` in order, produced on a worker thread at most ``depth`` ahead of the consumer.
+
+    An exception in ``source`` is re-raised to the consumer at the item where it
+    happened; closing the returned iterator stops the worker. ``on_stall`` gets
+    the seconds the consumer waited on an empty queue; ``spawn`` runs the worker
+    (default: a new daemon thread). ``depth <= 0`` runs ``source`` inline.
+    """
+    if depth <= 0:
+        yield from source
+        return
     ready: queue.Queue[object] = queue.Queue(maxsize=depth)
     stop = threading.Event()
+    finished = threading.Event()
 
     def put(item: object) -> bool:
         while not stop.is_set():
@@ -160,28 +174,39 @@ def iter_encoded(
 
     def work() -> None:
         try:
-            for batch in plan:
-                if stop.is_set() or not put(encode(batch)):
+            for item in source:
+                if not put(item):
                     return
+            put(_DONE)
         except BaseException as exc:  # handed to the consumer, re-raised there
             put(_Failed(exc))
-            return
-        put(_DONE)
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+            finished.set()
 
-    worker = threading.Thread(target=work, name="kvstore-encode", daemon=True)
-    worker.start()
+    if spawn is None:
+        threading.Thread(target=work, name="kvstore-encode", daemon=True).start()
+    else:
+        spawn(work)
     try:
         while True:
-            item = ready.get()
+            try:
+                item = ready.get_nowait()
+            except queue.Empty:
+                began = time.perf_counter()
+                item = ready.get()
+                if on_stall is not None:
+                    on_stall(time.perf_counter() - began)
             if item is _DONE:
                 return
             if isinstance(item, _Failed):
                 raise item.exc
-            assert isinstance(item, EncodedBatch)
-            yield item
+            yield item  # type: ignore[misc]
     finally:
         stop.set()
-        worker.join()
+        finished.wait()
 
 
 @dataclass

@@ -47,7 +47,6 @@ from __future__ import annotations
 import queue
 import re
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -58,7 +57,7 @@ from kvstore.checksum import crc32c
 from .base import FLOAT_DTYPES
 from .buffers import BufferLike, as_u8, nbytes_of
 from .controller import Context, Controller, ControllerConfig
-from .pipeline import MIN_BATCH_BYTES, Batch, EncodedBatch, encode_batch, plan_batches
+from .pipeline import MIN_BATCH_BYTES, Batch, EncodedBatch, encode_batch, plan_batches, run_ahead
 from .registry import codec_names, decode_into, get_codec
 from .sendclock import SendClock
 from .warmup import calibrate, cost_clock, warm_up
@@ -214,14 +213,6 @@ class DecodeTally:
 
 # ---------------------------------------------------------------------------------- encoding
 
-_DONE = object()
-
-
-class _Failed:
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
-
 def prepare(
     blocks: Sequence[BufferLike],
     plan: TransferPlan,
@@ -264,7 +255,7 @@ def prepare(
             plan.observe(prepared)
             yield prepared
 
-    return _ahead(produce(), depth, on_stall)
+    return run_ahead(produce(), depth, on_stall, spawn=_WORKERS.run)
 
 
 def _encoded(blocks: Sequence[BufferLike], sizes: list[int], plan: TransferPlan,
@@ -311,57 +302,6 @@ class _Workers:
 
 
 _WORKERS = _Workers()
-
-
-def _ahead(source: Iterator[PreparedBatch], depth: int,
-           on_stall: Callable[[float], None] | None = None) -> Iterator[PreparedBatch]:
-    """Run ``source`` on a worker thread, at most ``depth`` items ahead; ``on_stall`` times empty-queue waits."""
-    if depth <= 0:
-        yield from source
-        return
-    ready: queue.Queue[object] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    finished = threading.Event()
-
-    def put(item: object) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work() -> None:
-        try:
-            for item in source:
-                if not put(item):
-                    return
-            put(_DONE)
-        except BaseException as exc:  # handed to the consumer, re-raised there
-            put(_Failed(exc))
-        finally:
-            source.close()
-            finished.set()
-
-    _WORKERS.run(work)
-    try:
-        while True:
-            try:
-                item = ready.get_nowait()
-            except queue.Empty:
-                began = time.perf_counter()
-                item = ready.get()
-                if on_stall is not None:
-                    on_stall(time.perf_counter() - began)
-            if item is _DONE:
-                return
-            if isinstance(item, _Failed):
-                raise item.exc
-            yield item  # type: ignore[misc]
-    finally:
-        stop.set()
-        finished.wait()
 
 
 _METRIC_CHARS = re.compile(r"[^a-zA-Z0-9_:]")
