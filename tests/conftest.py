@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -63,13 +64,24 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore", "serve", "--listen", self.target, "--metrics-port", "0", *args],
             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        # Drain the server's output on a thread: an unread pipe fills up and then blocks every
+        # server thread that logs, which looks exactly like a server hang.
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
         self.wait_ready()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.append(line)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()}")
+                self._reader.join(5)
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.output()}")
             ok = subprocess.run([sys.executable, "-m", "kvstore", "health", "--target", self.target, "--timeout", "1"],
                                 capture_output=True, cwd=ROOT).returncode == 0
             if ok:
@@ -92,7 +104,10 @@ class ServerProcess:
         return self.proc.wait(timeout)
 
     def output(self) -> str:
-        return self.proc.stdout.read() if self.proc.stdout else ""
+        """What the server printed so far (all of it once the process has exited)."""
+        if self.proc.poll() is not None:
+            self._reader.join(5)
+        return "".join(self._lines)
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ import threading
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvstore.lanes import framing
 from kvstore.lanes.access import LaneAccess
@@ -134,8 +135,8 @@ class TcpLaneServer:
         frame = framing.recv_frame(conn)
         if frame is None or frame.kind != framing.HELLO or frame.data_len:
             return None
-        ref = lpb.TcpHello.FromString(frame.meta).lane
         try:
+            ref = _parse(lpb.TcpHello, frame.meta, "hello").lane
             lane = self.registry.get(ref.lane_id, ref.token, "tcp")
             assert isinstance(lane, TcpServerLane)
             with self._lock:
@@ -192,7 +193,7 @@ class TcpLaneServer:
     def _put(self, conn: socket.socket, frame: framing.Frame, access: LaneAccess) -> None:
         ops = self.ops
         try:
-            request = lpb.TcpPut.FromString(frame.meta)
+            request = _parse(lpb.TcpPut, frame.meta, "put")
             ns = ops.namespace(request.namespace, access)
             metas = ops.headers(ns, request.headers)
             expected = sum(m.stored_length + framing.CRC.size for m in metas)
@@ -255,7 +256,7 @@ class TcpLaneServer:
     def _get(self, conn: socket.socket, frame: framing.Frame, access: LaneAccess) -> None:
         ops = self.ops
         try:
-            request = pb.GetRequest.FromString(frame.meta)
+            request = _parse(pb.GetRequest, frame.meta, "get")
             _, leases = ops.acquire(request, access)
         except LaneError as err:
             self._status(conn, err.code, err.message)
@@ -289,3 +290,11 @@ def _host_bytes(buf: Any) -> memoryview:
     if view is not None:
         return view
     return memoryview(buf.cpu().numpy()).cast("B")  # device slot (HBM tier): one download
+
+
+def _parse(message: Any, data: bytes, what: str) -> Any:
+    """A frame's metadata message; malformed bytes are the client's error, not the server's."""
+    try:
+        return message.FromString(data)
+    except DecodeError:
+        raise LaneError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {what} frame metadata") from None
