@@ -22,7 +22,7 @@ server closes every connection (EOF) within a short timeout after the client sto
 it sends carries a code from the expected set, no hash of a block whose frame was broken becomes visible
 (checked with a normal Client lookup), and the node stays healthy (`kvstore health`).
 
-``KVSTORE_FUZZ_LANE_INPUTS`` sets the inputs per RPC (default 2,000) and ``KVSTORE_FUZZ_FRAMES`` the framing
+``KVSTORE_FUZZ_LANE_INPUTS`` sets the inputs per RPC (default 10,000) and ``KVSTORE_FUZZ_FRAMES`` the framing
 cases (default 1,000); hypothesis runs derandomized, so runs are deterministic.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ from kvstore.v1 import lanes_pb2 as lpb
 from tests.conftest import ROOT, ServerProcess
 from tests.test_fuzz import _metadata, enum_values, mutate, mutations, random_ops, seeds
 
-INPUTS = int(os.environ.get("KVSTORE_FUZZ_LANE_INPUTS", "2000"))
+INPUTS = int(os.environ.get("KVSTORE_FUZZ_LANE_INPUTS", "10000"))
 FRAMES = int(os.environ.get("KVSTORE_FUZZ_FRAMES", "1000"))
 CASES, VARIANTS = 20, 5
 FRAME_CASES = 25
