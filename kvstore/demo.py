@@ -95,10 +95,11 @@ def chat_demo(model: str, new_tokens: int, system_repeat: int) -> int:
                   f"{hit.transfer_bytes / max(hit.transfer_s, 1e-9) / 1e9:.2f} GB/s, hit rate "
                   f"{hit.cached_blocks * 16 / max(hit.prompt_tokens, 1):.2f})")
             print(f"  same tokens as recomputing: {same}")
-            print(f"  assistant: {hit.text.strip()}")
+            answer = hit.text.replace("<|im_end|>", "").strip()
+            print(f"  assistant: {answer}")
             if not same:
                 return 1
-            history.append(("assistant", hit.text.replace("<|im_end|>", "").strip()))
+            history.append(("assistant", answer))
         router.close()
         with Client(store) as kv:
             stats = kv.stats()
