@@ -1,25 +1,34 @@
-"""The GPU check: one short script for a machine with a CUDA device (under 5 minutes).
+"""The GPU check: one short script for a machine with a CUDA device (a few minutes).
 
     python -m bench.gpu_check [--dry-run] [--quick] [--out bench/results/gpu_check.json]
 
-It runs, in order:
-1. the device-parametrized tests on `cuda` (`pytest -m cuda tests/test_devices.py`);
-2. HBM <-> DRAM copy GB/s: the HBM arena tier (torch tensor on cuda) writing
-   and reading pinned host blocks, beside a bare `tensor.copy_` of the same bytes;
-3. GPUDirect Storage: kvikio CuFile write/read GB/s of 2 MiB blocks straight
-   between HBM and a segment file, beside the plain path (device -> pinned host
-   -> O_DIRECT pwrite, and back);
-4. CUDA IPC: a second process maps an exported HBM region (torch's CUDA IPC
-   handles) and copies blocks out of it device to device, beside a
-   device-to-device copy in one process.
-It prints a table and writes JSON rows. `--dry-run` prints this plan and what
-this machine has (torch, CUDA, kvikio) without touching a device.
+It runs, in order, and prints one table (every row also as JSON):
+1. tests: the device-parametrized suites on `cuda` (tests/test_devices.py,
+   tests/test_cuda_lane.py against a real `kvstore serve` process with an HBM
+   tier, tests/test_nvme_kvikio.py), and the lane suites (cuda_ipc on its cpu
+   stand-in there, as in CI);
+2. HBM <-> DRAM: the HBM arena tier writing blocks from pinned host memory and
+   reading them back (batched on a side stream, one synchronisation), and a
+   store with HBM above DRAM demoting full HBM to DRAM, beside a bare
+   `tensor.copy_` of the same bytes;
+3. NVMe: the NVMe tier with the kvikio backend (GPUDirect Storage, or kvikio's
+   compat mode, which the row names) moving blocks between HBM tensors and the
+   segment files, beside the plain path: device -> pinned host -> POSIX
+   O_DIRECT pwrite, and back;
+4. cuda_ipc lane: a `kvstore serve` process with an HBM tier; the client puts
+   and gets 2 MiB bf16 blocks that live on the GPU (device to device through
+   the lane's region), beside the same through the shm lane (pinned staging on
+   the host) and a device-to-device copy in one process; p50/p99 of a single
+   2 MiB Get.
+`--dry-run` prints this plan and what this machine has (torch, CUDA, kvikio)
+without touching a device.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +37,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
+TEST_FILES = ["tests/test_devices.py", "tests/test_cuda_lane.py", "tests/test_nvme_kvikio.py",
+              "tests/test_lanes_roundtrip.py"]
 
 
 def environment() -> dict[str, Any]:
@@ -48,7 +59,8 @@ def environment() -> dict[str, Any]:
     return info
 
 
-def timed(fn: Callable[[], None], nbytes: int, reps: int) -> float:
+def gbps(fn: Callable[[], Any], nbytes: int, reps: int) -> float:
+    """Best of ``reps`` timed calls after one warm-up, synchronised, in GB/s."""
     import torch
 
     fn()
@@ -59,120 +71,162 @@ def timed(fn: Callable[[], None], nbytes: int, reps: int) -> float:
         fn()
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+    return round(nbytes / best / 1e9, 2)
 
 
-def hbm_dram(n_blocks: int, block: int, reps: int) -> list[dict]:
-    import torch
+def run_tests(log: Path) -> list[dict]:
+    t0 = time.perf_counter()
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TEST_FILES],
+                           cwd=ROOT, capture_output=True, text=True, timeout=240)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(tests.stdout + tests.stderr)
+    lines = tests.stdout.strip().splitlines()
+    failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+    return [{"check": "pytest " + " ".join(TEST_FILES), "passed": tests.returncode == 0,
+             "summary": lines[-1] if lines else tests.stderr[-500:], "failures": failed[:10],
+             "seconds": round(time.perf_counter() - t0, 1)}]
 
-    from kvstore.tiers.arena import ArenaTier
+
+def _metas(n: int, block: int, tag: str) -> list:
     from kvstore.tiers.base import BlockMeta
 
-    tier = ArenaTier(n_blocks * block * 2, device="cuda", page_size=max(block, 8 << 20))
-    host = [torch.empty(block, dtype=torch.uint8, pin_memory=True).random_(0, 255) for _ in range(n_blocks)]
-    metas = [BlockMeta("gpu", i.to_bytes(16, "little"), b"", 0, "uint8", block, block, 0) for i in range(n_blocks)]
-    locs: list[int] = []
+    return [BlockMeta(tag, i.to_bytes(16, "little"), b"", 0, "uint8", block, block, 0) for i in range(n)]
+
+
+def hbm_dram(n: int, block: int, reps: int) -> list[dict]:
+    import torch
+
+    from kvstore.store import BlockStore
+    from kvstore.tiers.arena import ArenaTier
+
+    total = n * block
+    tier = ArenaTier(total * 2, device="cuda", page_size=max(block, 8 << 20))
+    host = [torch.randint(0, 255, (block,), dtype=torch.uint8).pin_memory() for _ in range(n)]
+    metas, locs = _metas(n, block, "hbm"), []
 
     def write() -> None:
         if locs:
             tier.free(locs)
         locs[:] = tier.write(metas, host)
 
-    total = n_blocks * block
-    w = timed(write, total, reps)
-    r = timed(lambda: tier.read(locs, [block] * n_blocks, host), total, reps)
+    w = gbps(write, total, reps)
+    r = gbps(lambda: tier.read(locs, [block] * n, host), total, reps)
     dev = torch.empty(total, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    h2d = timed(lambda: dev.copy_(pinned, non_blocking=True), total, reps)
-    d2h = timed(lambda: pinned.copy_(dev, non_blocking=True), total, reps)
-    return [{"check": "hbm_tier_write_from_pinned", "gbps": round(w, 2), "baseline": "h2d copy_", "baseline_gbps": round(h2d, 2)},
-            {"check": "hbm_tier_read_to_pinned", "gbps": round(r, 2), "baseline": "d2h copy_", "baseline_gbps": round(d2h, 2)}]
+    h2d = gbps(lambda: dev.copy_(pinned, non_blocking=True), total, reps)
+    d2h = gbps(lambda: pinned.copy_(dev, non_blocking=True), total, reps)
+
+    # Demotion: a store whose HBM tier is full of blocks demotes them to DRAM in batches.
+    hbm, dram = ArenaTier(total, device="cuda", page_size=max(block, 8 << 20)), ArenaTier(total * 2)
+    store = BlockStore([hbm, dram], high_watermark=0.5, low_watermark=0.0)
+    src = torch.randint(0, 255, (block,), dtype=torch.uint8, device="cuda")
+    for m in _metas(n, block, "demote"):
+        ticket = store.begin_put("demote", m)
+        ticket.buffer.copy_(src)
+        store.commit_put(ticket)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    moved = store.demote_once()
+    demote = round(moved / (time.perf_counter() - t0) / 1e9, 2)
+    store.check_invariants()
+    return [{"check": "hbm tier write (from pinned host)", "gbps": w, "baseline": "h2d copy_", "baseline_gbps": h2d},
+            {"check": "hbm tier read (to pinned host)", "gbps": r, "baseline": "d2h copy_", "baseline_gbps": d2h},
+            {"check": f"store demotion hbm->dram ({moved >> 20} MiB)", "gbps": demote, "baseline": "d2h copy_",
+             "baseline_gbps": d2h}]
 
 
-def gds(n_blocks: int, block: int, reps: int) -> list[dict]:
+def nvme(n: int, block: int, reps: int) -> list[dict]:
     import torch
 
-    from kvstore.tiers.base import BlockMeta
     from kvstore.tiers.nvme import NvmeTier
     from kvstore.tiers.nvme.io import KvikioBackend, PosixBackend
 
-    total = n_blocks * block
-    dev = [torch.randint(0, 255, (block,), dtype=torch.uint8, device="cuda") for _ in range(n_blocks)]
-    metas = [BlockMeta("gpu", i.to_bytes(16, "little"), b"", 0, "uint8", block, block, 0) for i in range(n_blocks)]
+    total = n * block
+    dev = [torch.randint(0, 255, (block,), dtype=torch.uint8, device="cuda") for _ in range(n)]
     rows = []
-    for name, backend in (("kvikio", KvikioBackend()), ("posix_via_host", PosixBackend())):
+    for name, make in (("kvikio", KvikioBackend), ("posix via pinned host", PosixBackend)):
+        try:
+            backend = make()
+        except Exception as err:  # noqa: BLE001 - kvikio may not load: say why
+            rows.append({"check": f"nvme {name}", "error": f"{type(err).__name__}: {err}"})
+            continue
         with tempfile.TemporaryDirectory(dir=os.environ.get("KVSTORE_GPU_CHECK_DIR", "/var/tmp")) as d:
             tier = NvmeTier(d, total * (reps + 3) * 2, segment_bytes=256 << 20, backend=backend)
             staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-            if name == "kvikio":
-                sources: Any = dev
-                write = lambda: tier.write(metas, sources)  # noqa: E731
-            else:  # the plain path: device -> pinned host -> file
-                def write() -> list[int]:
-                    for i, t in enumerate(dev):
-                        staging[i * block:(i + 1) * block].copy_(t)
-                    torch.cuda.synchronize()
-                    return tier.write(metas, [staging[i * block:(i + 1) * block].numpy() for i in range(n_blocks)])
-            t0 = time.perf_counter()
-            locs = None
-            for _ in range(reps):
-                locs = write()
-            w = total * reps / (time.perf_counter() - t0) / 1e9
-            outs = [torch.empty(block, dtype=torch.uint8, device="cuda") for _ in range(n_blocks)]
-            t0 = time.perf_counter()
-            for _ in range(reps):
+            host = [staging[i * block:(i + 1) * block] for i in range(n)]
+            metas = _metas(n, block, "gds")
+            locs: list[int] = []
+
+            def write() -> None:
                 if name == "kvikio":
-                    tier.read(locs, [block] * n_blocks, outs)
-                else:
-                    tier.read(locs, [block] * n_blocks, [staging[i * block:(i + 1) * block].numpy() for i in range(n_blocks)])
-                    for i, o in enumerate(outs):
-                        o.copy_(staging[i * block:(i + 1) * block], non_blocking=True)
-                torch.cuda.synchronize()
-            r = total * reps / (time.perf_counter() - t0) / 1e9
-            assert all(torch.equal(a, b) for a, b in zip(outs, dev)), f"{name}: read back other bytes"
-            rows += [{"check": f"nvme_write_{name}", "gbps": round(w, 2), "backend": tier.stats().backend},
-                     {"check": f"nvme_read_{name}", "gbps": round(r, 2), "backend": tier.stats().backend}]
+                    locs[:] = tier.write(metas, dev)
+                else:  # device -> pinned host -> file
+                    for h, t in zip(host, dev):
+                        h.copy_(t, non_blocking=True)
+                    torch.cuda.synchronize()
+                    locs[:] = tier.write(metas, [h.numpy() for h in host])
+
+            outs = [torch.empty(block, dtype=torch.uint8, device="cuda") for _ in range(n)]
+
+            def read() -> None:
+                if name == "kvikio":
+                    tier.read(locs, [block] * n, outs)
+                else:  # file -> pinned host -> device
+                    tier.read(locs, [block] * n, [h.numpy() for h in host])
+                    for o, h in zip(outs, host):
+                        o.copy_(h, non_blocking=True)
+
+            w, r = gbps(write, total, reps), gbps(read, total, reps)
+            exact = all(torch.equal(a, b) for a, b in zip(outs, dev))
+            rows += [{"check": f"nvme write {name}", "gbps": w, "backend": tier.stats().backend, "exact": exact},
+                     {"check": f"nvme read {name}", "gbps": r, "backend": tier.stats().backend, "exact": exact}]
             tier.close()
     return rows
 
 
-def _ipc_child(q: Any, n: int, reps: int) -> None:
-    """Runs in a second process: maps the parent's HBM tensor by its CUDA IPC handle and copies out of it."""
+def cuda_ipc_lane(n: int, block: int, reps: int) -> list[dict]:
     import torch
 
-    src = q.get()  # torch.multiprocessing passes CUDA tensors as IPC handles
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    q.put((n * reps / (time.perf_counter() - t0) / 1e9, bool(torch.equal(dst, src))))
+    from kvstore.client import Client
+    from kvstore.server.process import store_process
 
-
-def cuda_ipc(total: int, reps: int) -> list[dict]:
-    import torch
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    src = torch.randint(0, 255, (total,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    d2d = timed(lambda: dst.copy_(src), total, reps)
-    q = ctx.SimpleQueue()
-    proc = ctx.Process(target=_ipc_child, args=(q, total, reps))
-    proc.start()
-    q.put(src)
-    gbps, exact = q.get()
-    proc.join(60)
-    return [{"check": "cuda_ipc_copy_from_peer_process", "gbps": round(gbps, 2), "exact": exact,
-             "baseline": "d2d copy_ in one process", "baseline_gbps": round(d2d, 2)}]
+    total = n * block
+    blocks = [torch.randn(block // 2, device="cuda").to(torch.bfloat16) for _ in range(n)]
+    outs = [torch.empty_like(b) for b in blocks]
+    src, dst = torch.cat([b.view(torch.uint8) for b in blocks]), torch.empty(total, dtype=torch.uint8, device="cuda")
+    d2d = gbps(lambda: dst.copy_(src), total, reps)
+    rows = []
+    args = ("--hbm", f"{max(4 * total, 1 << 30)}", "--dram", f"{max(4 * total, 1 << 30)}",
+            "--cuda-lane-bytes", f"{max(total, 64 << 20)}", "--shm-lane-bytes", f"{max(total, 64 << 20)}")
+    with store_process(*args, timeout=90) as (target, _):
+        for lane in ("auto", "shm"):  # auto: cuda_ipc for CUDA tensors; shm: pinned host staging per call
+            with Client(target, lane=lane) as kv:
+                keys = [f"{lane}-{i}".encode().ljust(16, b"\0") for i in range(n)]
+                put = gbps(lambda: kv.put("gpu", keys, blocks, chained=False), total, reps)
+                get = gbps(lambda: kv.get("gpu", keys, out=outs), total, reps)
+                exact = all(torch.equal(a, b) for a, b in zip(outs, blocks))
+                times = []
+                for _ in range(30):
+                    t0 = time.perf_counter()
+                    kv.get("gpu", keys[:1], out=outs[:1])
+                    times.append(time.perf_counter() - t0)
+                times.sort()
+                used = kv._device_lanes.kind if lane == "auto" else f"{kv.lane_kind}+staging"
+                rows += [{"check": f"lane {used} put {block >> 20} MiB x{n}", "gbps": put, "exact": exact,
+                          "baseline": "d2d copy_", "baseline_gbps": d2d},
+                         {"check": f"lane {used} get {block >> 20} MiB x{n}", "gbps": get, "exact": exact,
+                          "baseline": "d2d copy_", "baseline_gbps": d2d},
+                         {"check": f"lane {used} single {block >> 20} MiB get latency",
+                          "p50_ms": round(statistics.median(times) * 1e3, 3),
+                          "p99_ms": round(times[int(len(times) * 0.99) - 1] * 1e3, 3)}]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="print the plan and this machine's GPU stack; run nothing")
-    p.add_argument("--quick", action="store_true", help="smaller sizes")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
+    p.add_argument("--skip-tests", action="store_true", help="only the measurements")
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_check.json"))
     args = p.parse_args(argv)
     env = environment()
@@ -185,21 +239,28 @@ def main(argv: list[str] | None = None) -> int:
     if not env.get("cuda"):
         print("no CUDA device: nothing to check (see --dry-run)", file=sys.stderr)
         return 2
-    n_blocks, block, reps = (16, 2 << 20, 3) if args.quick else (64, 2 << 20, 5)
+    n, block, reps = (16, 2 << 20, 3) if args.quick else (64, 2 << 20, 5)
     rows: list[dict] = [{"check": "environment", **env}]
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/test_devices.py"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=240)
-    rows.append({"check": "pytest -m cuda tests/test_devices.py", "passed": tests.returncode == 0,
-                 "summary": tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else tests.stderr[-500:]})
-    for name, fn in (("hbm_dram", lambda: hbm_dram(n_blocks, block, reps)),
-                     ("gds", lambda: gds(n_blocks, block, reps)),
-                     ("cuda_ipc", lambda: cuda_ipc(n_blocks * block, reps))):
+    steps: list[tuple[str, Callable[[], list[dict]]]] = [] if args.skip_tests else [("tests", lambda: run_tests(args.out.with_suffix(".pytest.txt")))]
+    steps += [("hbm_dram", lambda: hbm_dram(n, block, reps)), ("nvme", lambda: nvme(n, block, reps)),
+              ("cuda_ipc", lambda: cuda_ipc_lane(n, block, reps))]
+    for name, fn in steps:
+        t0 = time.perf_counter()
         try:
-            rows += fn()
+            got = fn()
         except Exception as err:  # noqa: BLE001 - one failing check must not hide the others
-            rows.append({"check": name, "error": f"{type(err).__name__}: {err}"})
-    for r in rows:
-        print(json.dumps(r))
+            import traceback
+
+            got = [{"check": name, "error": f"{type(err).__name__}: {err}",
+                    "trace": traceback.format_exc()[-1500:]}]
+        for r in got:
+            print(json.dumps(r), flush=True)
+        print(f"# {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        rows += got
+    print()
+    for r in rows[1:]:
+        cells = [f"{k}={v}" for k, v in r.items() if k not in ("check", "trace", "failures")]
+        print(f"{r['check']:<48} " + "  ".join(cells))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
     return 0

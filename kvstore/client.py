@@ -28,8 +28,12 @@ Verbs and promises:
 Data lanes (``lane=``, kvstore/lanes): ``"auto"`` (default) moves the bytes of
 put and get over shared memory when the server is on this host, else over the
 bulk TCP lane, and falls back to the gRPC stream when neither is offered;
-``"shm"``/``"tcp"`` insist on that lane (KVStoreError when it cannot be had);
-``"grpc"`` always streams over gRPC. ``lane_kind`` tells which is in use.
+``"shm"``/``"tcp"``/``"cuda_ipc"`` insist on that lane (KVStoreError when it
+cannot be had); ``"grpc"`` always streams over gRPC. ``lane_kind`` tells which
+is in use. CUDA tensors (``put`` payloads, ``get`` ``out``) move device to
+device over the cuda_ipc lane when the store runs on this host and GPU
+(``"auto"`` asks for it on the first call that carries them); elsewhere they
+go through one pinned host staging buffer per call on the host lanes.
 
 Compression (``codec=``, kvstore/codecs; DESIGN 5): ``"none"`` (default: raw
 bytes, the fastest choice on local and fast links, on any lane), a codec
@@ -60,7 +64,7 @@ import grpc
 from kvstore.checksum import crc32c
 from kvstore.codecs.transfer import DecodeTally, TransferPlan
 from kvstore.codecs.transfer_client import ClientCoding
-from kvstore.devices import stage_out
+from kvstore.devices import is_device_tensor, stage_out
 import numpy as np
 
 from kvstore.v1 import kvstore_pb2 as pb
@@ -155,17 +159,21 @@ class Client:
 
         self._lanes = LanePool(self._channel, target, lane, metadata=self._metadata, timeout=timeout,
                                tls=bool(tls_ca or tls_cert))
+        self._device_lanes = self._lanes if lane == "cuda_ipc" else LanePool(
+            self._channel, target, "cuda_ipc" if lane == "auto" else "grpc", metadata=self._metadata,
+            timeout=timeout, tls=bool(tls_ca or tls_cert), optional=True)
         self._coding = ClientCoding(codec)
         self._lossy_allowed: dict[str, bool] = {}
 
     @property
     def lane_kind(self) -> str:
-        """The data lane in use: "shm", "tcp" or "grpc"."""
+        """The data lane in use: "shm", "tcp", "cuda_ipc" or "grpc"."""
         return self._lanes.kind
 
     # -- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
         self._lanes.close()
+        self._device_lanes.close()
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -190,15 +198,12 @@ class Client:
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
         if not hashes:
             return []
+        if (codec or self._coding.codec) in ("none", "auto") and any(is_device_tensor(p) for p in payloads):
+            on_device = self._put_device(namespace, hashes, payloads, parent, dtype, chained)
+            if on_device is not None:
+                return on_device
         views = [as_bytes_view(p) for p in payloads]
-        headers: list[pb.BlockHeader] = []
-        prev = parent or b""
-        for i, (key, (view, kind)) in enumerate(zip(hashes, views)):
-            n = len(view)
-            headers.append(pb.BlockHeader(hash=key, parent=prev if chained else (parent or b"") if i == 0 else b"",
-                                          codec=pb.CODEC_NONE, raw_length=n, stored_length=n,
-                                          dtype=_TORCH_TO_WIRE.get(dtype or kind, dtype or kind)))
-            prev = key
+        headers = _headers(hashes, [(len(v), kind) for v, kind in views], parent, dtype, chained)
         plan = self._put_plan(namespace, {dtype or kind for _, kind in views}, codec, lossy_ok)
         if plan is not None:
             return self._put_coded(namespace, list(hashes), [h.parent for h in headers], [v for v, _ in views], plan)
@@ -218,6 +223,24 @@ class Client:
 
         reply = self._call(lambda: self._stub.Put(requests(), timeout=self.timeout, metadata=self._metadata))
         return _put_results(reply)
+
+    def _put_device(self, namespace: str, hashes: Sequence[bytes], payloads: Sequence[Any], parent: bytes | None,
+                    dtype: str | None, chained: bool) -> list[PutResult] | None:
+        """A Put of CUDA tensors device to device over the cuda_ipc lane; None when there is none."""
+        from kvstore.devices import flat_bytes
+
+        flats, sizes = [], []
+        for p in payloads:
+            if is_device_tensor(p):
+                flat = flat_bytes(p)
+                flats.append(flat)
+                sizes.append((flat.numel(), str(p.dtype).removeprefix("torch.")))
+            else:
+                view, kind = as_bytes_view(p)
+                flats.append(view)
+                sizes.append((len(view), kind))
+        headers = _headers(hashes, sizes, parent, dtype, chained)
+        return self._device_lanes.run(lambda lane: lane.put(namespace, headers, flats))
 
     def _put_plan(self, namespace: str, kinds: set[str], codec: str | None, lossy_ok: bool) -> TransferPlan | None:
         """How this Put codes its blocks; None: raw bytes (codec none, mixed or non-float dtypes, a shm lane)."""
@@ -263,6 +286,12 @@ class Client:
             raise ValueError(f"{len(hashes)} hashes but {len(out)} output buffers")
         if not hashes:
             return []
+        if out is not None and any(is_device_tensor(x) for x in out) and (codec or self._coding.codec) in (
+                "none", "auto"):
+            on_device = self._device_lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing,
+                                                                     verify))
+            if on_device is not None:
+                return on_device
         device_out, out = out, None
         out, finish = stage_out(device_out)  # CUDA destinations are filled through pinned host buffers
         accepted = [] if self.lane_kind == "shm" and (codec or self._coding.codec) == "auto" else \
@@ -354,6 +383,19 @@ class Client:
                     continue
                 raise KVStoreError(code, err.details() if hasattr(err, "details") else str(err)) from None
         raise AssertionError("unreachable")
+
+
+def _headers(hashes: Sequence[bytes], sizes: Sequence[tuple[int, str]], parent: bytes | None, dtype: str | None,
+             chained: bool) -> list[pb.BlockHeader]:
+    """Raw (codec none) headers of a Put: lengths, dtypes and the parent chain."""
+    headers: list[pb.BlockHeader] = []
+    prev = parent or b""
+    for i, (key, (n, kind)) in enumerate(zip(hashes, sizes)):
+        headers.append(pb.BlockHeader(hash=key, parent=prev if chained else (parent or b"") if i == 0 else b"",
+                                      codec=pb.CODEC_NONE, raw_length=n, stored_length=n,
+                                      dtype=_TORCH_TO_WIRE.get(dtype or kind, dtype or kind)))
+        prev = key
+    return headers
 
 
 def _put_results(reply: pb.PutResponse) -> list[PutResult]:

@@ -39,6 +39,8 @@ class ServeConfig:
     dram: int = _opt(parse_size("1GiB"), "DRAM tier capacity (e.g. 512MiB, 2GiB)", parse_size, "SIZE")
     hbm: int = _opt(0, "HBM tier capacity on the CUDA device (0: no HBM tier)", parse_size, "SIZE")
     hbm_device: str = _opt("cuda:0", "CUDA device of the HBM tier")
+    hbm_fraction: float = _opt(0.0, "HBM tier capacity as a fraction of the device's free memory at start "
+                                    "(e.g. 0.5; used when --hbm is 0)", float)
     nvme_dir: str | None = _opt(None, "directory of the NVMe segment log (unset: no NVMe tier)", metavar="DIR")
     nvme: int = _opt(parse_size("16GiB"), "NVMe tier capacity on disk", parse_size, "SIZE")
     nvme_segment: int = _opt(parse_size("256MiB"), "NVMe segment file size", parse_size, "SIZE")
@@ -78,13 +80,18 @@ class ServeConfig:
     tenants: str | None = _opt(None, "tenants YAML: [{name, token, namespaces: [...]}]; every RPC then needs a token",
                                metavar="FILE")
     # Fast data lanes (kvstore/lanes)
-    lanes: str = _opt("shm,tcp", "data lanes offered beside gRPC: comma list of shm (same-host shared memory) "
-                                 "and tcp (bulk socket, off under TLS: it is plaintext); empty: gRPC only")
+    lanes: str = _opt("shm,tcp,cuda_ipc", "data lanes offered beside gRPC: comma list of shm (same-host shared "
+                                          "memory), tcp (bulk socket, off under TLS: it is plaintext) and cuda_ipc "
+                                          "(same-GPU device memory; offered only where CUDA works); empty: gRPC only")
     tcp_lane_listen: str = _opt("", "HOST:PORT of the bulk TCP lane (default: the --listen host, a free port)",
                                 metavar="HOST:PORT")
     shm_dir: str = _opt("/dev/shm", "directory (a tmpfs) of the shm lanes' regions", metavar="DIR")
     shm_lane_bytes: int = _opt(parse_size("256MiB"), "shared-memory region of each shm lane: a batch in flight "
                                                      "plus Get results lent to the client", parse_size, "SIZE")
+    cuda_lane_bytes: int = _opt(parse_size("256MiB"), "device memory region of each cuda_ipc lane", parse_size,
+                                "SIZE")
+    cuda_lane_device: str = _opt("", "device of the cuda_ipc lanes' regions (default: --hbm-device); cpu runs the "
+                                     "same lane over host shared memory, for tests without a GPU")
     lane_lease: float = _opt(30.0, "seconds a lane's uncommitted slot grant lives (a crashed client's slots come "
                                    "back after it); a lane idle for 10 leases is closed", float)
     lane_max: int = _opt(32, "most lanes open at once (each shm lane holds --shm-lane-bytes of memory)", int)

@@ -1,18 +1,45 @@
-"""Device-aware payloads for the client: torch CUDA tensors in, torch CUDA tensors out.
+"""Device memory for the data path: CUDA tensors in the client API, batched device copies, CRCs of device bytes.
 
-Host lanes (gRPC, shm, tcp) move host bytes, so a CUDA destination is filled
-through one pinned host staging buffer per call (device <- host copies are
-issued asynchronously and synchronized once at the end). torch is imported
-only when a tensor is seen; the CUDA IPC lane (HBM to HBM, no host hop) plugs
-in below the client (kvstore/lanes/base.py).
+- ``is_device_tensor(x)`` / ``flat_bytes(t)``: a torch tensor off the CPU, and
+  a contiguous tensor's bytes as a flat uint8 tensor (no copy).
+- ``stage_out(out)``: host lanes move host bytes, so CUDA destinations of a Get
+  that no cuda_ipc lane serves are filled through one pinned host staging
+  buffer per call (device <- host copies issued asynchronously, synchronized
+  once at the end).
+- ``Copier``: ``copy(dst, src)`` between host buffers and tensors of any
+  device without waiting; copies that touch a CUDA device run non-blocking on
+  one side stream per device (truly asynchronous where the host side is pinned,
+  as the DRAM arena is on a GPU machine); ``settle()`` waits once for the
+  batch and drops the references that kept its sources alive. One
+  synchronisation per batch, not per block (the HBM tier's demotions to DRAM,
+  the cuda_ipc lane).
+- ``CrcStaging.crcs(buffers)``: the CRC32C of each buffer; host buffers are
+  read in place, device buffers go through one pinned staging buffer with a
+  single synchronisation (CRC32C runs on the CPU here; a GPU kernel for it is
+  future work).
+
+torch is imported only when a tensor is seen.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Sequence
+
+from kvstore.checksum import crc32c
+from kvstore.lanes.memops import copy_into, host_view
 
 
 def is_device_tensor(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and getattr(getattr(x, "device", None), "type", "cpu") != "cpu"
+
+
+def flat_bytes(tensor: Any) -> Any:
+    """A contiguous torch tensor as a flat uint8 tensor (no copy)."""
+    import torch
+
+    if not tensor.is_contiguous():
+        raise ValueError("tensor payloads must be contiguous")
+    return tensor.detach().reshape(-1).view(torch.uint8)
 
 
 def stage_out(out: Sequence[Any] | None) -> tuple[Sequence[Any] | None, Callable[[], None]]:
@@ -37,3 +64,80 @@ def stage_out(out: Sequence[Any] | None) -> tuple[Sequence[Any] | None, Callable
         torch.cuda.synchronize()
 
     return staged, finish
+
+
+_streams: dict[Any, Any] = {}
+_streams_lock = threading.Lock()
+
+
+def _side_stream(device: Any) -> Any:
+    import torch
+
+    with _streams_lock:
+        stream = _streams.get(device)
+        if stream is None:
+            stream = _streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+
+class Copier:
+    """One batch of copies: ``copy`` each pair, then ``settle`` once. Use one per call (not thread-shared)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[Any, Any] = {}
+        self._held: list[Any] = []
+
+    def copy(self, dst: Any, src: Any) -> None:
+        on = dst if is_device_tensor(dst) else src if is_device_tensor(src) else None
+        if on is None:
+            copy_into(dst, src)
+            return
+        import torch
+
+        stream = self._streams.get(on.device)
+        if stream is None:
+            stream = self._streams[on.device] = _side_stream(on.device)
+            stream.wait_stream(torch.cuda.current_stream(on.device))  # see what the caller wrote before
+        d = dst if hasattr(dst, "copy_") else torch.frombuffer(host_view(dst), dtype=torch.uint8)
+        s = src if hasattr(src, "copy_") else torch.frombuffer(host_view(src), dtype=torch.uint8)
+        with torch.cuda.stream(stream):
+            d.reshape(-1).view(torch.uint8).copy_(s.reshape(-1).view(torch.uint8), non_blocking=True)
+        self._held.append(s)
+
+    def settle(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
+        self._streams.clear()
+        self._held.clear()
+
+
+class CrcStaging:
+    """A growing pinned host buffer for checking the CRC32C of device bytes (one per owner; not thread-shared)."""
+
+    def __init__(self) -> None:
+        self._buf: Any = None
+
+    def crcs(self, buffers: Sequence[Any]) -> list[int]:
+        out = [0] * len(buffers)
+        device = [(i, b) for i, b in enumerate(buffers) if is_device_tensor(b)]
+        for i, b in enumerate(buffers):
+            if not is_device_tensor(b):
+                out[i] = crc32c(host_view(b))
+        if not device:
+            return out
+        import torch
+
+        total = sum(b.numel() * b.element_size() for _, b in device)
+        if self._buf is None or self._buf.numel() < total:
+            self._buf = torch.empty(max(total, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        at, spans = 0, []
+        for i, b in device:
+            n = b.numel() * b.element_size()
+            self._buf[at : at + n].copy_(b.reshape(-1).view(torch.uint8), non_blocking=True)
+            spans.append((i, at, n))
+            at += n
+        torch.cuda.synchronize(device[0][1].device)
+        view = memoryview(self._buf.numpy())
+        for i, start, n in spans:
+            out[i] = crc32c(view[start : start + n])
+        return out

@@ -26,8 +26,10 @@ def make_server() -> Iterator[Callable[..., StoreServer]]:
     servers: list[StoreServer] = []
 
     def start(**overrides) -> StoreServer:
+        # cuda_ipc lanes of in-process servers run on their cpu stand-in: CUDA cannot open an IPC handle in
+        # the process that made it (tests/test_cuda_lane.py runs the real one against a server process).
         cfg = ServeConfig(**{"listen": "127.0.0.1:0", "dram": 256 << 20, "metrics_port": 0,
-                             "drain_seconds": 1.0, **overrides})
+                             "drain_seconds": 1.0, "cuda_lane_device": "cpu", **overrides})
         server = StoreServer(cfg).start()
         servers.append(server)
         return server

@@ -45,7 +45,7 @@ CHILD = textwrap.dedent("""
         headers = [pb.BlockHeader(hash=bytes([9, i]) * 8, raw_length=len(b), stored_length=len(b),
                                   crc32c=crc32c(b), dtype="uint8") for i, b in enumerate(blocks)]
         def half_a_put(lane):
-            if lane.kind == "shm":
+            if lane.kind in ("shm", "cuda_ipc"):
                 stream = lane.open_put()
                 grant = stream.reserve("ns", headers)
                 for slot, block in zip(grant.slots[:4], blocks):
@@ -65,7 +65,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("lane", ["shm", "tcp"])
+@pytest.mark.parametrize("lane", ["shm", "tcp", "cuda_ipc"])
 def test_client_killed_mid_put_leaks_nothing(lane_server, lane):
     target = f"127.0.0.1:{lane_server.port}"
     child = subprocess.Popen([sys.executable, "-c", CHILD, target, lane], cwd=ROOT, stdout=subprocess.PIPE,
@@ -74,9 +74,9 @@ def test_client_killed_mid_put_leaks_nothing(lane_server, lane):
         line = child.stdout.readline()
         assert line.strip() == "READY", child.stderr.read()
         hashes = [bytes([9, i]) * 8 for i in range(8)]
-        partial = 0 if lane == "shm" else 3  # tcp commits whole blocks as they arrive; shm only on commit
+        partial = 0 if lane != "tcp" else 3  # tcp commits whole blocks as they arrive; shm only on commit
         # shm: 8 slots reserved, 4 written; tcp: 3 blocks stored and the 4th slot filling
-        held = 8 * BLOCK if lane == "shm" else 4 * BLOCK
+        held = 8 * BLOCK if lane != "tcp" else 4 * BLOCK
         assert wait_until(lambda: lane_server.store.top.used_bytes == held)
         assert lane_server.store.lookup("ns", hashes)[0] == partial
     finally:
@@ -145,7 +145,7 @@ def test_idle_lanes_close_and_the_client_reopens(make_server):
         assert kv.lane_kind == "shm" and len(server.lanes.registry) == 1
 
 
-@pytest.mark.parametrize("lane", ["shm", "tcp"])
+@pytest.mark.parametrize("lane", ["shm", "tcp", "cuda_ipc"])
 def test_lanes_closed_by_the_server_are_reopened(make_server, lane):
     server = make_server(shm_lane_bytes=8 << 20)
     with Client(f"127.0.0.1:{server.port}", lane=lane) as kv:

@@ -1,4 +1,8 @@
-"""The foundation's round trips, over every lane (grpc, shm, tcp), through a real server."""
+"""The foundation's round trips, over every lane (grpc, shm, tcp, cuda_ipc), through a real server.
+
+cuda_ipc runs here on its cpu stand-in (``--cuda-lane-device cpu``: the same lane
+code over a host region); tests/test_cuda_lane.py runs it on a GPU where one exists.
+"""
 from __future__ import annotations
 
 import random
@@ -11,7 +15,7 @@ import pytest
 from kvstore.client import Client, KVStoreError
 from kvstore.hashing import block_hashes
 
-LANES = ["grpc", "shm", "tcp"]
+LANES = ["grpc", "shm", "tcp", "cuda_ipc"]
 
 
 @pytest.fixture(params=LANES)
@@ -22,7 +26,7 @@ def lane(request) -> str:
 @pytest.fixture
 def lane_server(make_server):
     # A small region, so a batch needs several rounds on the shm lane.
-    return make_server(dram=512 << 20, shm_lane_bytes=16 << 20, lane_lease=5.0)
+    return make_server(dram=512 << 20, shm_lane_bytes=16 << 20, cuda_lane_bytes=16 << 20, lane_lease=5.0)
 
 
 @pytest.fixture

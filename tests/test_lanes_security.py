@@ -162,7 +162,7 @@ TOKEN_A = "token-of-tenant-a-0123456789"
 TOKEN_B = "token-of-tenant-b-9876543210"
 
 
-@pytest.mark.parametrize("lane", ["shm", "tcp"])
+@pytest.mark.parametrize("lane", ["shm", "tcp", "cuda_ipc"])
 def test_a_tenants_lane_reaches_only_its_namespaces(make_server, tmp_path, lane):
     path = tmp_path / "tenants.yaml"
     path.write_text(yaml.safe_dump({"tenants": [

@@ -32,6 +32,15 @@ class RawLanes:
     def shm(self) -> ShmClientLane:
         return ShmClientLane(self.stub, self.open(lpb.LANE_SHM), self.metadata, 10.0)
 
+    def cuda_ipc(self) -> ShmClientLane:
+        from kvstore.lanes.cuda_client import CudaIpcClientLane
+
+        return CudaIpcClientLane(self.stub, self.open(lpb.LANE_CUDA_IPC), self.metadata, 10.0)
+
+    def region_lane(self, kind: str) -> ShmClientLane:
+        """The shm or cuda_ipc lane (they speak the same LanePut/LaneGet messages)."""
+        return self.cuda_ipc() if kind == "cuda_ipc" else self.shm()
+
     def tcp(self, opened: lpb.OpenLaneResponse | None = None) -> TcpClientLane:
         opened = opened or self.open(lpb.LANE_TCP)
         return TcpClientLane("127.0.0.1", opened.tcp_port, opened, 10.0)

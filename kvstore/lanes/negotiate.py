@@ -11,8 +11,12 @@
   it asks again after ``RETRY_SECONDS``. When OpenLane itself fails (server
   unreachable, bad token) the gRPC path runs now and reports it, and the
   next call asks again.
-- ``"shm"`` / ``"tcp"``: that lane or a ``KVStoreError`` saying why not
-  (with OpenLane's own code when that call failed, e.g. UNAUTHENTICATED).
+- ``"shm"`` / ``"tcp"`` / ``"cuda_ipc"``: that lane or a ``KVStoreError``
+  saying why not (with OpenLane's own code when that call failed, e.g.
+  UNAUTHENTICATED); with ``optional=True`` (the Client's pool for device
+  tensors) no lane answers ``None`` as in auto.
+- ``"cuda_ipc"`` is never part of ``"auto"``: the Client asks for it on its
+  own when a call carries CUDA tensors (``Client._device_lanes``).
 - ``"grpc"``: never a lane.
 
 Verbs: ``run(fn) -> result | None`` calls ``fn(lane)`` on a lane held for
@@ -24,6 +28,7 @@ none); ``close()`` closes every lane.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable, TypeVar
@@ -38,18 +43,20 @@ from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MODES = ("auto", "grpc", "shm", "tcp")
+MODES = ("auto", "grpc", "shm", "tcp", "cuda_ipc")
 RETRY_SECONDS = 30.0
 MAX_LANES = 4
-_KINDS = {"shm": lpb.LANE_SHM, "tcp": lpb.LANE_TCP}
+_KINDS = {"shm": lpb.LANE_SHM, "tcp": lpb.LANE_TCP, "cuda_ipc": lpb.LANE_CUDA_IPC}
+_NAMES = {v: k for k, v in _KINDS.items()}
 
 
 class LanePool:
     def __init__(self, channel: grpc.Channel, target: str, mode: str, *, metadata: tuple[tuple[str, str], ...],
-                 timeout: float, tls: bool, max_lanes: int = MAX_LANES):
+                 timeout: float, tls: bool, max_lanes: int = MAX_LANES, optional: bool = False):
         if mode not in MODES:
             raise ValueError(f"lane must be one of {', '.join(MODES)}; got {mode!r}")
         self.mode, self.target, self.tls = mode, target, tls
+        self.optional = optional or mode == "auto"  # no lane: None (use another path), not an error
         self._stub = lpb_grpc.KVStoreLanesStub(channel)
         self._metadata, self._timeout, self._max = metadata, timeout, max_lanes
         self._idle: list[Lane] = []
@@ -104,7 +111,7 @@ class LanePool:
                 if self._idle and not fresh:
                     return self._idle.pop()
                 if self._open < self._max:
-                    if self.mode == "auto" and time.monotonic() < self._retry_at:
+                    if self.optional and time.monotonic() < self._retry_at:
                         return None
                     self._open += 1
                     break
@@ -152,7 +159,7 @@ class LanePool:
         reasons: list[str] = []
         code = grpc.StatusCode.FAILED_PRECONDITION
         while wanted:
-            request = lpb.OpenLaneRequest(kinds=[_KINDS[k] for k in wanted], host_id=host_id())
+            request = lpb.OpenLaneRequest(kinds=[_KINDS[k] for k in wanted], host_id=host_id(), pid=os.getpid())
             try:
                 reply = self._stub.OpenLane(request, timeout=self._timeout, metadata=self._metadata)
             except grpc.RpcError as err:
@@ -165,10 +172,10 @@ class LanePool:
             if reply.kind == lpb.LANE_UNSPECIFIED:
                 reasons.append(reply.reason)
                 break
-            kind = "shm" if reply.kind == lpb.LANE_SHM else "tcp"
+            kind = _NAMES.get(reply.kind, "tcp")
             try:
                 return self._connect(kind, reply)
-            except (RegionError, OSError) as err:
+            except (RegionError, OSError, ImportError) as err:
                 reasons.append(f"{kind}: {err}")
                 self._close_remote(reply)
                 wanted.remove(kind)
@@ -178,7 +185,7 @@ class LanePool:
     def _no_lane(self, code: grpc.StatusCode, reasons: list[str], retry: bool) -> None:
         """No lane: the caller uses gRPC (auto), or hears why (an explicit lane)."""
         why = "; ".join(r for r in reasons if r) or "the server offers no lane"
-        if self.mode != "auto":
+        if not self.optional:
             from kvstore.client import KVStoreError
 
             raise KVStoreError(code, f"no {self.mode} lane to {self.target}: {why}")
@@ -187,6 +194,10 @@ class LanePool:
         return None
 
     def _connect(self, kind: str, reply: lpb.OpenLaneResponse) -> Lane:
+        if kind == "cuda_ipc":
+            from kvstore.lanes.cuda_client import CudaIpcClientLane
+
+            return CudaIpcClientLane(self._stub, reply, self._metadata, self._timeout)
         if kind == "shm":
             from kvstore.lanes.shm_client import ShmClientLane
 

@@ -49,6 +49,12 @@ class LaneRegistry:
             self._lanes[lane.lane_id] = lane
         self._gauges()
 
+    def kind_of(self, lane_id: str) -> str:
+        """The kind of an open lane ("" when none): for servicers that speak for several kinds."""
+        with self._lock:
+            lane = self._lanes.get(lane_id)
+        return lane.kind if lane is not None else ""
+
     def get(self, lane_id: str, token: bytes, kind: str) -> ServerLane:
         with self._lock:
             lane = self._lanes.get(lane_id)
@@ -125,7 +131,7 @@ class LaneRegistry:
 
     def _gauges(self) -> None:
         with self._lock:
-            counts: dict[str, int] = {"shm": 0, "tcp": 0}
+            counts: dict[str, int] = {"shm": 0, "tcp": 0, "cuda_ipc": 0}
             for lane in self._lanes.values():
                 counts[lane.kind] = counts.get(lane.kind, 0) + 1
         for kind, n in counts.items():

@@ -1,7 +1,8 @@
 """Wiring of the lanes into a store node: ``LaneServer(store_server).register(grpc_server)``.
 
 Reads the lane options of ``ServeConfig`` (``lanes``, ``tcp_lane_listen``,
-``shm_dir``, ``shm_lane_bytes``, ``lane_lease``, ``lane_max``), builds the
+``shm_dir``, ``shm_lane_bytes``, ``cuda_lane_bytes``, ``cuda_lane_device``,
+``lane_lease``, ``lane_max``), builds the
 registry (with its reaper), the bulk TCP listener and the KVStoreLanes
 servicer, and registers the servicer on the gRPC server. ``close(grace)``
 stops the listener after in-flight frames and closes every lane (aborting
@@ -31,9 +32,9 @@ IDLE_LEASES = 10  # a lane unused for this many leases is closed
 
 def lane_kinds(spec: str) -> set[str]:
     kinds = {k.strip() for k in spec.split(",") if k.strip()}
-    unknown = kinds - {"shm", "tcp"}
+    unknown = kinds - {"shm", "tcp", "cuda_ipc"}
     if unknown:
-        raise ValueError(f"option --lanes: unknown lane kinds {sorted(unknown)} (shm, tcp)")
+        raise ValueError(f"option --lanes: unknown lane kinds {sorted(unknown)} (shm, tcp, cuda_ipc)")
     return kinds
 
 
@@ -58,8 +59,13 @@ class LaneServer:
             log.warning("shm lane off: %s is not a directory", cfg.shm_dir)
         if shm_dir is not None and (stale := sweep(shm_dir)):
             log.info("removed %d lane region files left by servers that were killed", stale)
+        cuda_device = _cuda_lane_device(cfg) if "cuda_ipc" in kinds else None
+        if cuda_device is not None and cfg.cuda_lane_bytes < cfg.max_block:
+            raise ValueError(f"--cuda-lane-bytes ({cfg.cuda_lane_bytes}) must hold the largest block ({cfg.max_block})")
         self.servicer = LaneServicer(self.registry, self.ops, host_id=host_id(), shm_dir=shm_dir,
-                                     shm_bytes=cfg.shm_lane_bytes, tcp=self.tcp, gate=getattr(node, "gate", None))
+                                     shm_bytes=cfg.shm_lane_bytes, tcp=self.tcp, gate=getattr(node, "gate", None),
+                                     cuda_device=cuda_device, cuda_bytes=cfg.cuda_lane_bytes,
+                                     cuda_shm_dir=cfg.shm_dir if os.path.isdir(cfg.shm_dir) else None)
 
     def register(self, server: grpc.Server) -> "LaneServer":
         lanes_pb2_grpc.add_KVStoreLanesServicer_to_server(self.servicer, server)
@@ -73,6 +79,16 @@ class LaneServer:
         if self.tcp is not None:
             self.tcp.close(grace)
         self.registry.stop()
+
+
+def _cuda_lane_device(cfg: Any) -> str | None:
+    """Where cuda_ipc regions live: None (lane off) unless CUDA works here or the cpu stand-in is asked for."""
+    device = cfg.cuda_lane_device or cfg.hbm_device
+    if device == "cpu":
+        return device
+    from kvstore.tiers.arena import cuda_available
+
+    return device if cuda_available() else None
 
 
 def _listen_address(spec: str, default_host: str) -> tuple[str, int]:

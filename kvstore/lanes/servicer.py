@@ -1,11 +1,13 @@
 """The KVStoreLanes gRPC service: negotiates lanes and carries the shm lane's control messages.
 
-- ``OpenLane(kinds, host_id)``: the first requested kind this node can give:
-  ``shm`` when the client's host id equals this node's and a region can be
-  created, ``tcp`` when the bulk listener runs; else ``LANE_UNSPECIFIED`` with
-  the reason (the client keeps using the gRPC Put/Get).
-- ``LanePut`` (a stream of reserves and commits) / ``LaneGet``: the shm
-  lane's verbs (``shm_server``); the first of them unlinks the region's file.
+- ``OpenLane(kinds, host_id, pid)``: the first requested kind this node can
+  give: ``shm`` when the client's host id equals this node's and a region can
+  be created, ``cuda_ipc`` likewise with a device region (and a client process
+  other than the server's), ``tcp`` when the bulk listener runs; else
+  ``LANE_UNSPECIFIED`` with the reason (the client keeps using gRPC).
+- ``LanePut`` (a stream of reserves and commits) / ``LaneGet``: the shm and
+  cuda_ipc lanes' verbs (``shm_server``, ``cuda_server``); the first of them
+  unlinks the region's file.
   When a LanePut stream ends, whatever it reserved and did not commit is
   taken back.
 - ``CloseLane``: aborts what the lane still holds and frees its region.
@@ -19,12 +21,15 @@ against that tenant (``access.py``), on the TCP lane too.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, Iterator, TypeVar
 
 import grpc
 
 from kvstore.lanes.access import LaneAccess
 from kvstore.lanes.base import LaneError
+from kvstore.lanes.cuda_region import DeviceRegion
+from kvstore.lanes.cuda_server import CudaIpcServerLane
 from kvstore.lanes.registry import LaneRegistry
 from kvstore.lanes.shm_region import RegionError, ShmRegion
 from kvstore.lanes.shm_server import ShmServerLane
@@ -39,9 +44,11 @@ T = TypeVar("T")
 
 class LaneServicer(lpb_grpc.KVStoreLanesServicer):
     def __init__(self, registry: LaneRegistry, ops: StoreOps, *, host_id: str, shm_dir: str | None,
-                 shm_bytes: int, tcp: TcpLaneServer | None, gate: Any = None):
+                 shm_bytes: int, tcp: TcpLaneServer | None, gate: Any = None, cuda_device: str | None = None,
+                 cuda_bytes: int = 0, cuda_shm_dir: str | None = None):
         self.registry, self.ops, self.host_id, self.gate = registry, ops, host_id, gate
         self.shm_dir, self.shm_bytes, self.tcp = shm_dir, shm_bytes, tcp
+        self.cuda_device, self.cuda_bytes, self.cuda_shm_dir = cuda_device, cuda_bytes, cuda_shm_dir
 
     # -- negotiation ---------------------------------------------------------------------
     def OpenLane(self, request: lpb.OpenLaneRequest, context: grpc.ServicerContext) -> lpb.OpenLaneResponse:
@@ -85,6 +92,8 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 raise
             return lpb.OpenLaneResponse(kind=kind, lane_id=lane.lane_id, token=lane.token, shm_path=region.path,
                                         shm_bytes=region.size, **common)
+        if kind == lpb.LANE_CUDA_IPC:
+            return self._open_cuda(request, reasons, access, common)
         if kind == lpb.LANE_TCP:
             if self.tcp is None:
                 reasons.append("tcp lane disabled on this node")
@@ -97,6 +106,33 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
         reasons.append(f"unknown lane kind {kind}")
         return None
 
+    def _open_cuda(self, request: lpb.OpenLaneRequest, reasons: list[str], access: LaneAccess,
+                   common: dict[str, Any]) -> lpb.OpenLaneResponse | None:
+        if self.cuda_device is None:
+            reasons.append("cuda_ipc lane disabled on this node (off, or no CUDA device)")
+            return None
+        if request.host_id != self.host_id:
+            reasons.append("cuda_ipc needs the same host")
+            return None
+        if request.pid == os.getpid() and self.cuda_device != "cpu":
+            reasons.append("cuda_ipc cannot map a handle in the process that made it (client inside the server)")
+            return None
+        try:
+            region = DeviceRegion.create(self.cuda_device, self.cuda_bytes, self.cuda_shm_dir)
+        except (RegionError, OSError) as err:
+            log.warning("cannot create a cuda_ipc lane region: %s", err)
+            reasons.append(f"cuda_ipc region: {err}")
+            return None
+        lane = CudaIpcServerLane(region, self.ops, self.registry.lease)
+        lane.access = access
+        try:
+            self.registry.add(lane)
+        except LaneError:
+            lane.close()
+            raise
+        return lpb.OpenLaneResponse(kind=lpb.LANE_CUDA_IPC, lane_id=lane.lane_id, token=lane.token,
+                                    shm_bytes=region.size, cuda_region=region.message, **common)
+
     def CloseLane(self, request: lpb.CloseLaneRequest, context: grpc.ServicerContext) -> lpb.CloseLaneResponse:
         with self.ops.metrics.rpc("CloseLane", context):
             self._run(context, lambda: self.registry.close(request.lane.lane_id, request.lane.token))
@@ -104,7 +140,9 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
 
     # -- shm verbs ------------------------------------------------------------------------
     def _shm(self, ref: lpb.LaneRef) -> ShmServerLane:
-        lane = self.registry.get(ref.lane_id, ref.token, "shm")
+        """The shm or cuda_ipc lane a LanePut/LaneGet names (both speak the same messages)."""
+        kind = "cuda_ipc" if self.registry.kind_of(ref.lane_id) == "cuda_ipc" else "shm"
+        lane = self.registry.get(ref.lane_id, ref.token, kind)
         assert isinstance(lane, ShmServerLane)
         lane.attached()
         return lane

@@ -76,10 +76,12 @@ class ShmClientLane(Lane):
                     indices.append(i)
                     batch += slot.length
                     if batch >= COMMIT_BYTES:  # the server copies these while we write the next ones
+                        self._settle()
                         stream.send_commit(grant.grant_id, descriptors)
                         commits.append(indices)
                         descriptors, indices, batch = [], [], 0
                 if descriptors:
+                    self._settle()
                     stream.send_commit(grant.grant_id, descriptors)
                     commits.append(indices)
                 for indices in commits:
@@ -93,6 +95,9 @@ class ShmClientLane(Lane):
     def open_put(self) -> "PutStream":
         """A LanePut stream on this lane (its phases are public for tests and tools)."""
         return PutStream(self)
+
+    def _settle(self) -> None:
+        """Wait for writes into the region still in flight (none here: shm copies are synchronous)."""
 
     def write(self, slot: lpb.SlotGrant, payload: memoryview) -> int:
         """Copy one payload into its granted offset; its CRC32C."""

@@ -97,10 +97,10 @@ class ShmServerLane(ServerLane):
         committed: list[int] = []
         done = 0
         try:
-            for d, slot in zip(descriptors, slots):
+            for d, slot, computed in zip(descriptors, slots, self._land(slots)):
                 res: Reservation = slot.item
-                computed = self._copy_in(slot, res)
-                reply.results.append(self.ops.finish(res, d.crc32c, computed, committed, self.access))
+                reply.results.append(self.ops.finish(res, self._claimed_crc(d, computed), computed, committed,
+                                                     self.access))
                 done += slot.length
         except BaseException:
             self.ops.abort([s.item for s in slots])
@@ -108,13 +108,25 @@ class ShmServerLane(ServerLane):
             raise
         finally:
             self.grants.settle(grant, slots)
-            self.ops.metrics.add("lane_shm_put_bytes", done)
+            self.ops.metrics.add(f"lane_{self.kind}_put_bytes", done)
             self.ops.metrics.bytes_in(done)
         self.ops.persist(committed)
         return reply
 
     def end_stream(self, grant_ids: Sequence[int]) -> None:
         self.ops.abort(self.grants.end(grant_ids))
+
+    def _land(self, slots: Sequence[Slot]) -> list[int]:
+        """Copy each granted block region -> arena slot; the CRC32C of each as it landed."""
+        return [self._copy_in(slot, slot.item) for slot in slots]
+
+    @staticmethod
+    def _claimed_crc(d: lpb.BlockDescriptor, computed: int) -> int:
+        """The CRC32C the client vouches for (checked against the landed bytes)."""
+        return d.crc32c
+
+    def _settle(self) -> None:
+        """Wait for copies into the region still in flight (none here: shm copies are synchronous)."""
 
     def _copy_in(self, slot: Slot, res: Reservation) -> int:
         """Region -> arena slot; the CRC32C of the bytes as they landed in the slot."""
@@ -153,6 +165,7 @@ class ShmServerLane(ServerLane):
                     sent += n
                     pending_bytes += n
                     if pending_bytes >= YIELD_BYTES:
+                        self._settle()
                         self.ops.release(leases[released:handled])
                         released = handled
                         yield pending
@@ -164,6 +177,7 @@ class ShmServerLane(ServerLane):
                 raise LaneError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"block 0 does not fit what is free of the lane's {self.region.size}-byte region")
             pending.handled, pending.last = handled, True
+            self._settle()
             self.ops.release(leases[released:])
             released = len(leases)
             yield pending
@@ -171,8 +185,10 @@ class ShmServerLane(ServerLane):
         finally:
             if grant is not None:  # its descriptors never reached the client: nobody would release it
                 self.grants.release([grant.id])
+            if released < len(leases):
+                self._settle()  # no copy may still read a slot whose lease goes
             self.ops.release(leases[released:])
-            self.ops.metrics.add("lane_shm_get_bytes", sent)
+            self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
             self.ops.metrics.bytes_out(sent)
 
     def _copy_out(self, grant: Grant, index: int, lease: Lease | None, accepted: set[int],
@@ -186,10 +202,13 @@ class ShmServerLane(ServerLane):
         offset = self.grants.add_get(grant, index, lease.hash, n)
         if offset is None:
             return -1
-        copy_into(self.region.view[offset : offset + n], buf)
+        self._copy_to_region(self.region.view[offset : offset + n], buf)
         reply.blocks.append(lpb.BlockDescriptor(index=index, hash=lease.hash, offset=offset, length=n,
                                                 crc32c=header.crc32c, header=header))
         return n
+
+    def _copy_to_region(self, dst: memoryview, src: object) -> None:
+        copy_into(dst, src)
 
     # -- expiry -------------------------------------------------------------------------
     def expire(self, now: float) -> int:

@@ -40,8 +40,9 @@ SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 def build_tiers(cfg: ServeConfig) -> list[Tier]:
     tiers: list[Tier] = []
-    if cfg.hbm:
-        tiers.append(ArenaTier(cfg.hbm, device=cfg.hbm_device, page_size=_page_size(cfg)))
+    hbm = cfg.hbm or hbm_from_fraction(cfg.hbm_device, cfg.hbm_fraction)
+    if hbm:
+        tiers.append(ArenaTier(hbm, device=cfg.hbm_device, page_size=_page_size(cfg)))
     tiers.append(ArenaTier(cfg.dram, device="cpu", page_size=_page_size(cfg)))
     if cfg.nvme_dir:
         from kvstore.tiers.nvme import NvmeTier
@@ -49,6 +50,24 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
         tiers.append(NvmeTier(cfg.nvme_dir, capacity_bytes=cfg.nvme, segment_bytes=cfg.nvme_segment,
                               write_policy=cfg.nvme_sync))
     return tiers
+
+
+def hbm_from_fraction(device: str, fraction: float) -> int:
+    """HBM tier bytes as ``fraction`` of the device's free memory now (0 when no fraction is asked for)."""
+    if fraction <= 0:
+        return 0
+    if not 0 < fraction < 1:
+        raise ValueError(f"--hbm-fraction must be between 0 and 1; got {fraction}")
+    from kvstore.tiers.arena import cuda_available
+
+    if not cuda_available():
+        raise ValueError(f"--hbm-fraction {fraction} asks for an HBM tier, but there is no CUDA device here")
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    nbytes = int(free * fraction) // (2 << 20) * (2 << 20)
+    log.info("HBM tier: %.2f of %d free bytes on %s = %d bytes", fraction, free, device, nbytes)
+    return nbytes
 
 
 def _page_size(cfg: ServeConfig) -> int:

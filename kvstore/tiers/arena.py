@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvstore.devices import Copier
 from kvstore.tiers.base import DRAM, HBM, TIER_NAMES, BlockMeta, MemoryTier, TierFull, TierStats
 from kvstore.tiers.slab import SlabAllocator
 
@@ -103,25 +104,22 @@ class ArenaTier(MemoryTier):
                 self.free(locs)
                 raise TierFull(f"{self.name} arena full")
             locs.append(loc)
-        for loc, meta, src in zip(locs, metas, sources):
-            _copy(self.view(loc, meta.stored_length), src)
+        copier = Copier()
+        try:
+            for loc, meta, src in zip(locs, metas, sources):
+                copier.copy(self.view(loc, meta.stored_length), src)
+            copier.settle()
+        except BaseException:
+            self.free(locs)
+            raise
         return locs
 
     def read(self, locs: Sequence[int], lengths: Sequence[int], dests: Sequence[Any]) -> None:
+        copier = Copier()
         for loc, n, dest in zip(locs, lengths, dests):
-            _copy(dest, self.view(loc, n))
+            copier.copy(dest, self.view(loc, n))
+        copier.settle()
 
     def stats(self) -> TierStats:
         return TierStats(self.name, self.capacity_bytes, self.used_bytes, backend=self.backend)
 
-
-def _copy(dest: Any, src: Any) -> None:
-    """Copy between host buffers (memoryview/numpy) or torch tensors, whichever they are."""
-    if hasattr(dest, "copy_") or hasattr(src, "copy_"):
-        import torch
-
-        d = dest if hasattr(dest, "copy_") else torch.frombuffer(dest, dtype=torch.uint8)
-        s = src if hasattr(src, "copy_") else torch.frombuffer(memoryview(src), dtype=torch.uint8)
-        d.copy_(s.view(torch.uint8).reshape(-1), non_blocking=False)
-        return
-    memoryview(dest).cast("B")[:] = memoryview(src).cast("B")

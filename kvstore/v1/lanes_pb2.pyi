@@ -13,20 +13,24 @@ class LaneKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LANE_UNSPECIFIED: _ClassVar[LaneKind]
     LANE_SHM: _ClassVar[LaneKind]
     LANE_TCP: _ClassVar[LaneKind]
+    LANE_CUDA_IPC: _ClassVar[LaneKind]
 LANE_UNSPECIFIED: LaneKind
 LANE_SHM: LaneKind
 LANE_TCP: LaneKind
+LANE_CUDA_IPC: LaneKind
 
 class OpenLaneRequest(_message.Message):
-    __slots__ = ("kinds", "host_id")
+    __slots__ = ("kinds", "host_id", "pid")
     KINDS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     kinds: _containers.RepeatedScalarFieldContainer[LaneKind]
     host_id: str
-    def __init__(self, kinds: _Optional[_Iterable[_Union[LaneKind, str]]] = ..., host_id: _Optional[str] = ...) -> None: ...
+    pid: int
+    def __init__(self, kinds: _Optional[_Iterable[_Union[LaneKind, str]]] = ..., host_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class OpenLaneResponse(_message.Message):
-    __slots__ = ("kind", "lane_id", "token", "host_id", "lease_seconds", "shm_path", "shm_bytes", "tcp_host", "tcp_port", "reason")
+    __slots__ = ("kind", "lane_id", "token", "host_id", "lease_seconds", "shm_path", "shm_bytes", "tcp_host", "tcp_port", "reason", "cuda_region")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LANE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +41,7 @@ class OpenLaneResponse(_message.Message):
     TCP_HOST_FIELD_NUMBER: _ClassVar[int]
     TCP_PORT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CUDA_REGION_FIELD_NUMBER: _ClassVar[int]
     kind: LaneKind
     lane_id: str
     token: bytes
@@ -47,7 +52,32 @@ class OpenLaneResponse(_message.Message):
     tcp_host: str
     tcp_port: int
     reason: str
-    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., lane_id: _Optional[str] = ..., token: _Optional[bytes] = ..., host_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., tcp_host: _Optional[str] = ..., tcp_port: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    cuda_region: CudaIpcRegion
+    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., lane_id: _Optional[str] = ..., token: _Optional[bytes] = ..., host_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., tcp_host: _Optional[str] = ..., tcp_port: _Optional[int] = ..., reason: _Optional[str] = ..., cuda_region: _Optional[_Union[CudaIpcRegion, _Mapping]] = ...) -> None: ...
+
+class CudaIpcRegion(_message.Message):
+    __slots__ = ("device_uuid", "device_index", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "host_path")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    HOST_PATH_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    device_index: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    host_path: str
+    def __init__(self, device_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., host_path: _Optional[str] = ...) -> None: ...
 
 class LaneRef(_message.Message):
     __slots__ = ("lane_id", "token")

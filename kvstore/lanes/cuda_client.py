@@ -1,0 +1,97 @@
+"""Client side of the cuda_ipc lane: the shm lane's messages, device-to-device copies.
+
+The region is the server's device memory, mapped once from its CUDA IPC
+handle (``cuda_region.attach``). Payloads are torch tensors on that GPU (or
+host buffers, which then cross PCIe once); copies are issued on one CUDA
+stream and waited for once per commit (put) or per LaneGet message (get),
+before the server is told the bytes are there or the grant is released.
+
+Put sends no CRC32C: the server computes it on the bytes as they landed in
+its arena slot. Get checks the CRC32C of blocks copied into host buffers; a
+block copied into device memory is not checked here, since that would cost
+the device-to-host copy this lane exists to avoid (the server checks every
+NVMe read before a block is served, and HBM has ECC).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import grpc
+
+from kvstore.checksum import crc32c
+from kvstore.lanes.buffers import alloc_blocks
+from kvstore.lanes.cuda_region import attach
+from kvstore.devices import Copier, flat_bytes, is_device_tensor as is_device
+from kvstore.lanes.memops import host_view
+from kvstore.lanes.shm_client import ShmClientLane, _corrupt, _error
+from kvstore.lanes.shm_loans import Lender
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import lanes_pb2 as lpb
+from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
+
+
+class CudaIpcClientLane(ShmClientLane):
+    kind = "cuda_ipc"
+
+    def __init__(self, stub: lpb_grpc.KVStoreLanesStub, opened: lpb.OpenLaneResponse,
+                 metadata: tuple[tuple[str, str], ...], timeout: float):
+        import threading
+
+        self.region = attach(opened.cuda_region, opened.shm_bytes)  # type: ignore[assignment]
+        self.ref = lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)
+        self._stub, self._metadata, self._timeout = stub, metadata, timeout
+        self._release: list[int] = []
+        self._release_lock = threading.Lock()
+        self._lender = Lender(self.region, self._give_back, budget=0)  # type: ignore[arg-type]  # never lends
+        self._copier = Copier()
+
+    @property
+    def device(self) -> str:
+        return self.region.device
+
+    # -- put ---------------------------------------------------------------------------
+    def write(self, slot: lpb.SlotGrant, payload: Any) -> int:
+        self._copier.copy(self.region.view[slot.offset : slot.offset + slot.length], payload)
+        return 0  # the server computes the CRC32C where the block lands
+
+    def _settle(self) -> None:
+        self._copier.settle()
+
+    # -- get ---------------------------------------------------------------------------
+    def _take_blocks(self, present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None,
+                     verify: bool, results: list[Any], loan: Any) -> None:
+        import torch
+
+        landed: list[tuple[int, lpb.BlockDescriptor, Any]] = []
+        for d in present:
+            i = start + d.index
+            src = self.region.view[d.offset : d.offset + d.length]
+            if out is not None:
+                dst = _destination(out[i], i, d.length)
+                results[i] = out[i]
+            elif self.region.device == "cpu":  # the stand-in: host memory, as the shm lane returns
+                dst = results[i] = alloc_blocks([d.length])[0]
+            else:
+                dst = results[i] = torch.empty(d.length, dtype=torch.uint8, device=self.region.device)
+            self._copier.copy(dst, src)
+            landed.append((i, d, dst))
+        self._copier.settle()
+        if verify:
+            for i, d, dst in landed:
+                if d.header.codec == pb.CODEC_NONE and not is_device(dst) and crc32c(host_view(dst)) != d.header.crc32c:
+                    raise _corrupt(i, d)
+
+
+def _destination(buf: Any, i: int, n: int) -> Any:
+    """The first ``n`` bytes of an output buffer: a flat uint8 tensor for tensors, a memoryview otherwise."""
+    if hasattr(buf, "copy_"):
+        flat = flat_bytes(buf)
+        size = flat.numel()
+    else:
+        from kvstore.client import as_bytes_view
+
+        flat = as_bytes_view(buf)[0]
+        size = len(flat)
+    if size < n:
+        raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"output buffer {i} holds {size} bytes; block is {n}")
+    return flat[:n]
