@@ -184,6 +184,16 @@ def nvme(n: int, block: int, reps: int) -> list[dict]:
     return rows
 
 
+def _latency(fn: Callable[[], Any], n: int = 50) -> dict[str, float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"p50_ms": round(statistics.median(times) * 1e3, 3), "p99_ms": round(times[int(len(times) * 0.99) - 1] * 1e3, 3)}
+
+
 def cuda_ipc_lane(n: int, block: int, reps: int) -> list[dict]:
     import torch
 
@@ -191,34 +201,33 @@ def cuda_ipc_lane(n: int, block: int, reps: int) -> list[dict]:
     from kvstore.server.process import store_process
 
     total = n * block
-    blocks = [torch.randn(block // 2, device="cuda").to(torch.bfloat16) for _ in range(n)]
-    outs = [torch.empty_like(b) for b in blocks]
-    src, dst = torch.cat([b.view(torch.uint8) for b in blocks]), torch.empty(total, dtype=torch.uint8, device="cuda")
-    d2d = gbps(lambda: dst.copy_(src), total, reps)
     rows = []
-    args = ("--hbm", f"{max(4 * total, 1 << 30)}", "--dram", f"{max(4 * total, 1 << 30)}",
+    args = ("--hbm", f"{max(8 * total, 1 << 30)}", "--dram", f"{max(4 * total, 1 << 30)}", "--max-block", "32MiB",
             "--cuda-lane-bytes", f"{max(total, 64 << 20)}", "--shm-lane-bytes", f"{max(total, 64 << 20)}")
     with store_process(*args, timeout=90) as (target, _):
-        for lane in ("auto", "shm"):  # auto: cuda_ipc for CUDA tensors; shm: pinned host staging per call
-            with Client(target, lane=lane) as kv:
-                keys = [f"{lane}-{i}".encode().ljust(16, b"\0") for i in range(n)]
-                put = gbps(lambda: kv.put("gpu", keys, blocks, chained=False), total, reps)
-                get = gbps(lambda: kv.get("gpu", keys, out=outs), total, reps)
-                exact = all(torch.equal(a, b) for a, b in zip(outs, blocks))
-                times = []
-                for _ in range(30):
-                    t0 = time.perf_counter()
-                    kv.get("gpu", keys[:1], out=outs[:1])
-                    times.append(time.perf_counter() - t0)
-                times.sort()
-                used = kv._device_lanes.kind if lane == "auto" else f"{kv.lane_kind}+staging"
-                rows += [{"check": f"lane {used} put {block >> 20} MiB x{n}", "gbps": put, "exact": exact,
-                          "baseline": "d2d copy_", "baseline_gbps": d2d},
-                         {"check": f"lane {used} get {block >> 20} MiB x{n}", "gbps": get, "exact": exact,
-                          "baseline": "d2d copy_", "baseline_gbps": d2d},
-                         {"check": f"lane {used} single {block >> 20} MiB get latency",
-                          "p50_ms": round(statistics.median(times) * 1e3, 3),
-                          "p99_ms": round(times[int(len(times) * 0.99) - 1] * 1e3, 3)}]
+        for size, count in ((block, n), (16 << 20, max(1, total // (16 << 20)))):
+            blocks = [torch.randn(size // 2, device="cuda").to(torch.bfloat16) for _ in range(count)]
+            outs = [torch.empty_like(b) for b in blocks]
+            src = torch.cat([b.view(torch.uint8) for b in blocks])
+            dst = torch.empty_like(src)
+            d2d = gbps(lambda: dst.copy_(src), size * count, reps)
+            for lane in ("auto", "shm"):  # auto: cuda_ipc for CUDA tensors; shm: pinned host staging per call
+                with Client(target, lane=lane) as kv:
+                    keys = [f"{lane}-{size}-{i}".encode()[:16].ljust(16, b"\0") for i in range(count)]
+                    put = gbps(lambda: kv.put("gpu", keys, blocks, chained=False), size * count, reps)
+                    get = gbps(lambda: kv.get("gpu", keys, out=outs), size * count, reps)
+                    exact = all(torch.equal(a, b) for a, b in zip(outs, blocks))
+                    used = kv._device_lanes.kind if lane == "auto" else f"{kv.lane_kind}+staging"
+                    what = f"{size >> 20} MiB x{count}"
+                    rows += [{"check": f"lane {used} put {what}", "gbps": put, "exact": exact,
+                              "baseline": "d2d copy_", "baseline_gbps": d2d},
+                             {"check": f"lane {used} get {what}", "gbps": get, "exact": exact,
+                              "baseline": "d2d copy_", "baseline_gbps": d2d}]
+                    if size == block:
+                        rows.append({"check": f"lane {used} single {size >> 20} MiB get latency",
+                                     **_latency(lambda: kv.get("gpu", keys[:1], out=outs[:1]))})
+                        rows.append({"check": "grpc Lookup of one hash (the RPC floor)",
+                                     **_latency(lambda: kv.lookup("gpu", keys[:1]))})
     return rows
 
 

@@ -31,6 +31,18 @@ are still in cache, fused with the copy, never as a separate pass over memory):
     tcp   put  0: sendmsg straight from the payloads 0: recv_into straight into the arena slot
     tcp   get  0: recv_into `out` or a new buffer    0: sendmsg straight from the arena slots
     (tcp: the kernel copies once into and once out of the socket buffers)
+    cuda_ipc put  1: tensor -> region (d2d)     1: region -> HBM slot (d2d) or DRAM slot (d2h)
+    cuda_ipc get  1: region -> `out` tensor     1: HBM slot (d2d) or DRAM slot (h2d) -> region
+
+cuda_ipc is the shm lane's protocol over a region in device memory, exported
+as a CUDA IPC handle (``cuda_region``, ``cuda_server``, ``cuda_client``); its
+copies are issued on a side stream and waited for once per commit or per
+LaneGet message. The client asks for it on its own when a call carries CUDA
+tensors and the store shares its host and GPU; puts carry no client CRC (the
+server computes it where the block lands), and device destinations are not
+CRC-checked on the client (that would cost the device->host copy the lane
+avoids). ``--cuda-lane-device cpu`` runs the same lane over host memory so
+CI exercises it.
 
 Why shm keeps a server-side copy: the arena holds every tenant's blocks, so no
 client may map it; and a client keeps writing access to its region, so the
@@ -49,11 +61,12 @@ no store resources (the store lease ends as soon as the copy is made) and end
 when the client releases them on a later request, or with the lane. Idle
 lanes close after ten leases.
 
-Modules: ``base`` (the Lane interface: where a CUDA IPC lane plugs in),
+Modules: ``base`` (the Lane interface),
 ``memops`` (fused copy+CRC), ``grants`` (region ranges and grant leases),
 ``access`` (tenants and quotas), ``shm_loans`` (Get results lent in place),
 ``storeops`` (the store verbs shared by every lane), ``registry`` (lanes,
 tokens, expiry), ``shm_region``, ``shm_server``, ``shm_client``, ``framing``,
-``tcp_server``, ``tcp_client``, ``servicer`` (gRPC), ``server`` (wiring into
+``tcp_server``, ``tcp_client``, ``cuda_region``, ``cuda_server``,
+``cuda_client``, ``servicer`` (gRPC), ``server`` (wiring into
 StoreServer), ``negotiate`` (client-side lane selection and pool).
 """

@@ -1,4 +1,4 @@
-"""The lane interface: what every data lane (shm, tcp, and a future cuda_ipc) implements.
+"""The lane interface: what every data lane (shm, tcp, cuda_ipc) implements.
 
 Client side, one ``Lane`` is one negotiated channel for block bytes, used by
 one call at a time (``negotiate.LanePool`` hands lanes out exclusively):
@@ -21,13 +21,10 @@ once on a fresh one; puts and gets are idempotent.
 Server side, one ``ServerLane`` holds what a lane owns on the node (a shared
 memory region and its grants, or just a token); the registry expires it.
 
-A CUDA IPC lane (HBM to HBM) plugs in as: a ``LaneKind`` value in lanes.proto;
-a ``ServerLane`` whose OpenLane hands out nothing but a token and whose commit
-takes ``cudaIpcMemHandle``s of the client's tensors, copying device to device
-into the HBM arena slot from ``begin_put`` (and out of it for get) with
-``torch.cuda`` streams; and a client ``Lane`` that sends those handles instead
-of writing bytes. The store verbs (``storeops.StoreOps``), grants and leases
-(``grants``), tokens and expiry (``registry``) are reused as they are.
+The cuda_ipc lane (HBM to HBM) is the shm lane's ServerLane/Lane over a
+device region (``cuda_server``/``cuda_client``): the store verbs
+(``storeops.StoreOps``), grants and leases (``grants``), tokens and expiry
+(``registry``) are reused as they are.
 """
 from __future__ import annotations
 
