@@ -107,6 +107,7 @@ def worker(spec: dict[str, Any], target: str) -> None:
                 row["choices"] = {k.removeprefix("codec.choices."): int(v) for k, v in snap.items()
                                   if k.startswith("codec.choices.") and v}
                 row["final_bandwidth_gbit_s"] = snap["codec.bandwidth_bps"] * 8 / 1e9
+                row["explorations"] = int(snap.get("codec.explorations", 0))
             for lo in range(0, count, 4096):
                 client.delete(ns, keys[lo : lo + 4096])
         _say("result " + json.dumps(row))

@@ -113,8 +113,9 @@ def test_auto_never_picks_lossy_where_the_server_forbids_it(node):
         assert choices["codec.choices.fp8"] == choices["codec.choices.fp8+zstd"] == 0
         assert sum(choices.values()) == 8  # one choice per 256 KiB batch of three blocks
         assert [bytes(b) for b in kv.get("plain", hashes, lossy_ok=True)] == [raw(b) for b in blocks]
-        kv.put("lossy-ns", keys(24), kv_blocks(24, seed=5), lossy_ok=True)  # allowed: untried lossy arms get tried
-        assert kv.codec_stats()["codec.choices.fp8"] >= 1
+        assert "codec.fp8.bfloat16.256KiB-1MiB.ratio" not in kv.codec_stats()  # not even calibrated
+        kv.put("lossy-ns", keys(24), kv_blocks(24, seed=5), lossy_ok=True)  # allowed: lossy arms are calibrated
+        assert kv.codec_stats()["codec.fp8.bfloat16.256KiB-1MiB.ratio"] > 1.5
     counters = node.metrics.counters()
     assert counters.get("codec_get_choices_fp8", 0) == 0 and counters.get("codec_get_choices_fp8_zstd", 0) == 0
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from kvstore.codecs.controller import Context, Controller, ControllerConfig, size_class
+from kvstore.codecs.controller import TRANSPORT_S_PER_BYTE, Context, Controller, ControllerConfig, size_class
 from kvstore.codecs.estimators import BandwidthEstimator, DiscountedRate
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
@@ -33,11 +33,19 @@ TRUTH = {
 }
 
 
-def true_cost(arm: str, ctx: Context, bandwidth: float, truth: dict[str, SimArm] = TRUTH) -> float:
+def true_cost(arm: str, ctx: Context, bandwidth: float, truth: dict[str, SimArm] = TRUTH,
+              transport: float = TRANSPORT_S_PER_BYTE, cores: int = 2) -> float:
+    """A simulated pipeline: sender (encode + transport CPU), link, receiver (transport CPU + decode)."""
     a = truth[arm]
-    cpu = ctx.nbytes / (a.encode_gbps * 1e9) + ctx.nbytes / (a.decode_gbps * 1e9)
-    wire = ctx.nbytes / a.ratio / bandwidth
-    return max(cpu, wire) if ctx.pipelined else cpu + wire
+    enc, dec = ctx.nbytes / (a.encode_gbps * 1e9), ctx.nbytes / (a.decode_gbps * 1e9)
+    wire_bytes = ctx.nbytes / a.ratio
+    wire = wire_bytes / bandwidth
+    if not ctx.pipelined:
+        return enc + dec + wire
+    send, recv = enc + wire_bytes * transport, dec + wire_bytes * transport
+    slowest = max(send, wire, recv)
+    fill = ctx.nbytes / ctx.stream_bytes if ctx.stream_bytes else 0.0
+    return max(slowest, (send + recv) / cores) + (send + wire + recv - slowest) * fill
 
 
 class SimLink:
@@ -101,9 +109,9 @@ def test_sequential_converges_and_follows_bandwidth(seed: int) -> None:
         assert spent <= 1.15 * best * len(phase[SETTLE:])  # exploration (3%, arms within 3x) included
 
 
-def test_pipelined_cost_is_max_of_cpu_and_wire() -> None:
-    ctl = Controller(ControllerConfig(seed=3))
-    ctx = Context("bfloat16", BLOCK, pipelined=True)
+def test_pipelined_cost_is_the_slowest_stage() -> None:
+    ctl = Controller(ControllerConfig(seed=3, cores=2))
+    ctx = Context("bfloat16", BLOCK, pipelined=True, stream_bytes=16 * BLOCK)
     choices = run_phases(ctl, ctx, PHASES, 60, seed=3)
     # at 1 Gbit/s byteplane's CPU hides behind the wire: it wins pipelined, loses sequential
     assert best_arm(ctx, 1 * GBIT, ctl) == "byteplane"
@@ -118,6 +126,106 @@ def test_pipelined_cost_is_max_of_cpu_and_wire() -> None:
     truth = {a: true_cost(a, ctx, 1 * GBIT) for a in model}
     for arm in ("none", "zstd", "byteplane"):
         assert model[arm] == pytest.approx(truth[arm], rel=0.1)
+
+
+# What bench/bandit.py's 1 Gbit/s run measured per 360 KiB block of real SmolLM2 KV (sender CPU includes a
+# lossy codec's decode for the CRC): the case the old model, max(encode + decode, wire), got wrong.
+MEASURED = {
+    "none": SimArm(1.0, 30.0, 20.0),
+    "zstd": SimArm(1.25, 1.49, 1.68),
+    "byteplane": SimArm(1.43, 0.74, 3.05),
+    "fp8": SimArm(1.94, 0.61, 1.62),
+    "fp8+zstd": SimArm(2.24, 0.32, 1.08),  # 1.15 ms a block to encode and check (a median there)
+}
+KV_BLOCK = 360 << 10
+
+
+def fed(truth: dict[str, SimArm], bandwidth: float, **config) -> Controller:
+    """A controller that has seen each arm of ``truth`` once and knows the link."""
+    ctl = Controller(ControllerConfig(arms=tuple(truth), initial_bandwidth_bps=bandwidth, cores=2, **config))
+    for arm, a in truth.items():
+        ctx = Context("bfloat16", KV_BLOCK)
+        ctl.observe(arm, ctx, KV_BLOCK, int(KV_BLOCK / a.ratio), KV_BLOCK / (a.encode_gbps * 1e9),
+                    KV_BLOCK / (a.decode_gbps * 1e9))
+    return ctl
+
+
+def test_prediction_is_the_pipeline_formula() -> None:
+    ctl = fed(MEASURED, 1 * GBIT)
+    for stream in (0, 16 * KV_BLOCK, KV_BLOCK):
+        ctx = Context("bfloat16", KV_BLOCK, pipelined=True, lossy_ok=True, stream_bytes=stream)
+        for arm, cost in ctl.predict(ctx).items():
+            assert cost == pytest.approx(true_cost(arm, ctx, 1 * GBIT, MEASURED), rel=1e-4), (arm, stream)
+    # a one-batch stream overlaps nothing: its cost is the sum of the stages
+    ctx = Context("bfloat16", KV_BLOCK, pipelined=True, lossy_ok=True, stream_bytes=KV_BLOCK)
+    a, t = MEASURED["zstd"], TRANSPORT_S_PER_BYTE
+    wire_bytes = KV_BLOCK / a.ratio
+    whole = (KV_BLOCK / (a.encode_gbps * 1e9) + wire_bytes * t) + wire_bytes / GBIT \
+        + (KV_BLOCK / (a.decode_gbps * 1e9) + wire_bytes * t)
+    assert ctl.predict(ctx)["zstd"] == pytest.approx(whole, rel=1e-4)
+
+
+def test_coding_hides_behind_a_1gbit_link_on_both_ends() -> None:
+    # fp8+zstd's encode (with its CRC decode) and the receiver's decode together exceed its wire time, but they
+    # run on different ends, each overlapping the link: fp8+zstd (link-bound) beats fp8 as measured (4.02 s
+    # against 4.64 s). Adding the two ends' CPU, as the old model did, put it level with fp8 (and above it, the
+    # store's decode being slower there: it picked fp8).
+    ctl = fed(MEASURED, 1 * GBIT)
+    ctx = Context("bfloat16", KV_BLOCK, pipelined=True, lossy_ok=True, stream_bytes=16 * KV_BLOCK)
+    costs = ctl.predict(ctx)
+    assert min(costs, key=costs.get) == "fp8+zstd"
+    enc, dec = (KV_BLOCK / (MEASURED["fp8+zstd"].encode_gbps * 1e9), KV_BLOCK / (MEASURED["fp8+zstd"].decode_gbps * 1e9))
+    wire = KV_BLOCK / MEASURED["fp8+zstd"].ratio / GBIT
+    assert enc + dec > wire and max(enc, dec) < wire
+    assert costs["fp8"] > 1.05 * costs["fp8+zstd"]
+    # the model's times are the measured ones: fp8+zstd 1.38 ms a block (sender-bound), fp8 1.59 (the link)
+    assert costs["fp8+zstd"] == pytest.approx(1.38e-3, rel=0.1) and costs["fp8"] == pytest.approx(1.59e-3, rel=0.05)
+    old = max(enc + dec, wire)  # the old model's cost for fp8+zstd, against fp8's wire time
+    assert old > KV_BLOCK / MEASURED["fp8"].ratio / GBIT * 0.95
+    lossless = Context("bfloat16", KV_BLOCK, pipelined=True, stream_bytes=16 * KV_BLOCK)
+    assert min(costs := ctl.predict(lossless), key=costs.get) == "byteplane"
+
+
+@pytest.mark.parametrize("gbit", [6.0, 8.0, 10.0, 40.0])
+def test_fast_links_keep_raw_bytes_because_coding_competes_with_the_transport(gbit: float) -> None:
+    # the bare max(encode, decode, wire) has zstd's 0.25 ms encode below raw bytes' wire time at 8 Gbit/s;
+    # measured over the veth, zstd took 0.66 ms a block and raw bytes 0.37
+    ctx = Context("bfloat16", KV_BLOCK, pipelined=True, lossy_ok=True, stream_bytes=16 * KV_BLOCK)
+    costs = fed(MEASURED, gbit * GBIT).predict(ctx)
+    assert min(costs, key=costs.get) == "none"
+    bare = fed(MEASURED, gbit * GBIT, transport_s_per_byte=0.0).predict(ctx)
+    if gbit <= 10.0:
+        assert bare["zstd"] < bare["none"]  # without the transport's CPU the model would code
+
+
+def test_the_fill_term_charges_short_streams() -> None:
+    ctl = fed(MEASURED, 0.3 * GBIT)
+    long = Context("bfloat16", KV_BLOCK, pipelined=True, lossy_ok=True)
+    short = Context("bfloat16", KV_BLOCK, pipelined=True, lossy_ok=True, stream_bytes=2 * KV_BLOCK)
+    for arm in MEASURED:
+        assert ctl.predict(short)[arm] > ctl.predict(long)[arm]
+    assert ctl.predict(long)["none"] == pytest.approx(KV_BLOCK / (0.3 * GBIT))  # raw: the link, nothing else
+
+
+def test_one_core_makes_the_cpu_the_bottleneck() -> None:
+    ctx = Context("bfloat16", KV_BLOCK, pipelined=True, lossy_ok=True)
+    two = fed(MEASURED, 1 * GBIT).predict(ctx)
+    one = Controller(ControllerConfig(arms=tuple(MEASURED), initial_bandwidth_bps=1 * GBIT, cores=1))
+    for arm, a in MEASURED.items():
+        one.observe(arm, ctx, KV_BLOCK, int(KV_BLOCK / a.ratio), KV_BLOCK / (a.encode_gbps * 1e9),
+                    KV_BLOCK / (a.decode_gbps * 1e9))
+    costs = one.predict(ctx)
+    assert costs["fp8+zstd"] > two["fp8+zstd"] and costs["fp8+zstd"] == pytest.approx(
+        true_cost("fp8+zstd", ctx, 1 * GBIT, MEASURED, cores=1))
+
+
+def test_observed_arms_are_not_tried_again() -> None:
+    ctl = fed(MEASURED, 1 * GBIT, epsilon=0.0)
+    ctx = Context("bfloat16", KV_BLOCK, pipelined=True, lossy_ok=True, stream_bytes=16 * KV_BLOCK)
+    assert {ctl.choose(ctx) for _ in range(20)} == {"fp8+zstd"}
+    assert ctl.snapshot()["codec.explorations"] == 0
+    ctl.count("none", 5)
+    assert ctl.snapshot()["codec.choices.none"] == 5
 
 
 def test_lossy_only_when_allowed() -> None:
@@ -205,6 +313,11 @@ def test_bandwidth_estimator_tracks_drop_and_recovery() -> None:
             est.observe(BLOCK, BLOCK / bw)
         assert est.bps == pytest.approx(bw, rel=0.05)
     est.observe(0, 1.0)  # ignored
+    first = BandwidthEstimator(initial_bps=10 * GBIT, alpha=0.5)
+    first.observe(BLOCK, BLOCK / GBIT)  # the first sample replaces the initial guess
+    assert first.bps == pytest.approx(GBIT)
+    first.observe(BLOCK, BLOCK / (4 * GBIT))  # later ones move it by alpha (in log)
+    assert first.bps == pytest.approx(2 * GBIT)
     est.observe(4096, 4096 / (0.01 * GBIT))  # a small, latency-bound sample moves it less
     assert est.bps > 5 * GBIT
 

@@ -1,11 +1,17 @@
 """The codec controller: a contextual bandit over codecs with a cost model (DESIGN 5).
 
-For a transfer of ``n`` raw bytes the predicted cost of codec (arm) ``a`` is::
+For a batch of ``n`` raw bytes the predicted cost of codec (arm) ``a`` is::
 
-    cpu  = n * (encode_a + decode_a)          seconds per byte, learned
-    wire = n * (1 / ratio_a) / bandwidth      1/ratio_a learned, bandwidth estimated
-    cost = cpu + wire                         sequential transfer
-    cost = max(cpu, wire)                     pipelined (encode i+1 while i is sent)
+    enc  = n * encode_a                    sender CPU s/B (a lossy sender's CRC decode included), learned
+    dec  = n * decode_a                    receiver CPU s/B, learned (reported back by the receiver)
+    wb   = n / ratio_a                     wire bytes; 1/ratio_a learned
+    wire = wb / bandwidth                  bandwidth estimated
+    sequential:  cost = enc + wire + dec
+    pipelined:   cost = max(send, recv, wire, host) + fill
+      send = enc + wb * transport          the sending process: encoder and transport
+      recv = dec + wb * transport          the receiving process: transport and decoder
+      host = (send + recv) / cores         both on shared cores
+      fill = (send + wire + recv - max(send, wire, recv)) * n / stream_bytes
 
 ``encode_a``, ``decode_a`` and ``1/ratio_a`` are learned per (arm, dtype, size
 class) from what the transfers report, with exponential discounting; a key
@@ -16,16 +22,47 @@ in CPU and what it saves in bytes barely change with the link, so when the
 bandwidth moves the controller re-ranks every arm at once instead of
 re-exploring them.
 
+Pipelined (the sender encodes batch i+1 while batch i is on the wire and the
+receiver decodes batch i-1), a stream moves at the pace of its slowest
+stage, so a batch costs the largest stage time, not the sum of them. The
+stages are the sending process, the link and the receiving process:
+
+- ``send`` and ``recv``: coding does not overlap the transport's own CPU
+  work in the same process. Python gRPC spends about ``transport`` = 1.25 ns
+  of CPU per wire byte on each end, under the GIL, as does the encoder's
+  interpreter work. On an unshaped veth (bench/results/bandit.json) the
+  model then gives raw bytes 0.46 ms per 360 KiB block, zstd 0.65 and
+  byteplane 0.82 (measured: 0.37, 0.66, 0.76); the bare ``max(enc, dec,
+  wire)`` gave zstd 0.25 and picked it, though it was twice as slow as raw.
+  ``transport`` is a property of the transport
+  (``ControllerConfig.transport_s_per_byte``), not learned: the host's busy
+  time, the only measure of it a sender has, mixes in whatever else runs
+  (on this shared host it read 5-20 ns per byte at 1 Gbit/s).
+- ``host``: when both ends share fewer cores than stages (one core), the
+  CPU is the bottleneck; with two or more it never binds.
+- ``fill``: a pipeline of ``k`` batches takes ``k`` times its slowest
+  stage plus, once, the other stages (the first batch's encode and the last
+  one's decode overlap nothing), shared over its batches
+  (``Context.stream_bytes``; 0: a long stream, no fill term).
+
+At 1 Gbit/s this ranks fp8+zstd (the link: 1.31 ms a block) above fp8
+(1.52), where the old ``max(enc + dec, wire)`` had fp8+zstd's 1.35 ms of CPU
+(sender and receiver added up) lose to fp8's 1.52; raw bytes stay first on
+fast links unless the bandwidth estimate falls below about 4.5 Gbit/s.
+
 Verbs and their promises (all thread-safe):
 
 - ``choose(context) -> arm``: the arm with the lowest predicted cost among
   those the context allows; lossy arms only when ``context.lossy_ok`` (a
   constraint, never traded against cost), and only arms in
-  ``context.accepted`` when the receiver named them. An allowed arm never
-  chosen for this dtype is tried first (once per arm and dtype);
+  ``context.accepted`` when the receiver named them. An allowed arm with
+  no observation for this dtype yet (calibration counts, ``warmup.py``) is
+  tried first (once per arm and dtype);
   after that, with probability ``epsilon`` (seeded, so runs replay) it tries
   the least-observed other arm whose predicted cost is within
   ``explore_within`` times the best.
+- ``count(arm, batches)``: batches sent under ``arm`` without a choice each
+  (a sender's run of raw batches), for the choice counters.
 - ``observe(arm, context, nbytes, encoded_bytes, encode_s, decode_s=None)``:
   what one coded transfer (or batch) cost the sender; ``decode_s`` when known.
 - ``observe_decode(arm, context, nbytes, decode_s)``: the receiver's decode
@@ -40,9 +77,11 @@ Verbs and their promises (all thread-safe):
 from __future__ import annotations
 
 import math
+import os
 import random
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .estimators import BandwidthEstimator, DiscountedRate
@@ -66,6 +105,7 @@ class Context:
     pipelined: bool = False
     lossy_ok: bool = False
     accepted: frozenset[str] | None = None  # receiver's codecs (codecs.accepted_from_wire); None: any
+    stream_bytes: int = 0  # raw bytes of the whole transfer (the pipeline's fill/drain); 0: long, no fill term
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +130,12 @@ DEFAULT_PRIORS: dict[str, ArmPrior] = {
 _PRIOR = ArmPrior(1.0, 1.0, 1.0)
 
 
+# CPU seconds per wire byte of the transport on each end: Python gRPC moved raw KV across the benchmark's
+# veth at about 1 GB/s on two busy cores, and zstd's and byteplane's per-block times there fit 1.25 ns
+# (bench/results/bandit.json, unshaped).
+TRANSPORT_S_PER_BYTE = 1.25e-9
+
+
 @dataclass
 class ControllerConfig:
     arms: tuple[str, ...] = ()  # empty: every registered codec
@@ -100,6 +146,8 @@ class ControllerConfig:
     initial_bandwidth_bps: float = 1.25e9  # 10 Gbit/s until the first transfer says otherwise
     seed: int = 0
     priors: dict[str, ArmPrior] = field(default_factory=lambda: dict(DEFAULT_PRIORS))
+    cores: int = 0  # cores the pipeline's stages share (the host's); 0: os.cpu_count()
+    transport_s_per_byte: float = TRANSPORT_S_PER_BYTE  # the transport's CPU per wire byte, on each end
 
 
 @dataclass(slots=True)
@@ -120,11 +168,15 @@ class Controller:
         arms = self.config.arms or tuple(codec_names())
         self.arms: tuple[str, ...] = tuple(get_codec(a).name for a in arms)
         self._lossy = {a: get_codec(a).lossy for a in self.arms}
+        self._names = {a: a for a in self.arms}  # any spelling observe() may get -> canonical name
         self._stats: dict[_Key, _ArmStats] = {}
+        self._chains: dict[tuple[str, str, int], tuple[_ArmStats, _ArmStats, _ArmStats]] = {}
+        self._allowed: dict[tuple[bool, frozenset[str] | None], tuple[str, ...]] = {}
         self._bandwidth = BandwidthEstimator(self.config.initial_bandwidth_bps, self.config.bandwidth_alpha)
+        self.cores = max(int(self.config.cores or os.cpu_count() or 1), 1)
         self._rng = random.Random(self.config.seed)
         self._choices: Counter[str] = Counter()
-        self._tried: set[tuple[str, str]] = set()  # (arm, dtype) chosen at least once
+        self._tried: set[tuple[str, str]] = set()  # (arm, dtype) chosen or observed at least once
         self._explorations = 0
         self._lock = threading.Lock()
 
@@ -132,21 +184,29 @@ class Controller:
 
     def allowed(self, context: Context) -> list[str]:
         """The arms ``context`` permits, in registry order."""
-        return [
-            a
-            for a in self.arms
-            if (context.lossy_ok or not self._lossy[a]) and (context.accepted is None or a in context.accepted)
-        ]
+        return list(self._allowed_arms(context))
+
+    def _allowed_arms(self, context: Context) -> tuple[str, ...]:
+        key = (context.lossy_ok, context.accepted)
+        arms = self._allowed.get(key)
+        if arms is None:
+            arms = self._allowed[key] = tuple(
+                a
+                for a in self.arms
+                if (context.lossy_ok or not self._lossy[a]) and (context.accepted is None or a in context.accepted)
+            )
+        return arms
 
     def choose(self, context: Context) -> str:
         with self._lock:
-            arms = self.allowed(context)
+            arms = self._allowed_arms(context)
             if not arms:
                 raise ValueError(f"no codec allowed for {context} among {self.arms}")
-            untried = [a for a in arms if (a, context.dtype) not in self._tried]
+            dtype = context.dtype
+            untried = [a for a in arms if (a, dtype) not in self._tried]
             if untried:
                 arm = untried[0]
-                self._tried.add((arm, context.dtype))
+                self._tried.add((arm, dtype))
                 self._explorations += 1
             else:
                 costs = self._predict(context, arms)
@@ -160,38 +220,66 @@ class Controller:
             self._choices[arm] += 1
             return arm
 
+    def count(self, arm: str, batches: int) -> None:
+        """``batches`` more batches went under ``arm`` without a ``choose`` each (a run of raw batches)."""
+        if batches > 0:
+            with self._lock:
+                self._choices[arm] += batches
+
     def predict(self, context: Context) -> dict[str, float]:
         with self._lock:
-            return self._predict(context, self.allowed(context))
+            return self._predict(context, self._allowed_arms(context))
 
-    def _predict(self, context: Context, arms: list[str]) -> dict[str, float]:
+    def _predict(self, context: Context, arms: Sequence[str]) -> dict[str, float]:
         n = float(max(context.nbytes, 1))
         bandwidth = self._bandwidth.bps
+        pipelined = context.pipelined
+        transport = self.config.transport_s_per_byte
+        cores = float(self.cores)
+        fill = min(n / context.stream_bytes, 1.0) if pipelined and context.stream_bytes > 0 else 0.0
         costs = {}
         for arm in arms:
             inv_ratio, encode, decode = self._estimates(arm, context.dtype, context.nbytes)
-            cpu = n * (encode + decode)
-            wire = n * inv_ratio / bandwidth
-            costs[arm] = max(cpu, wire) if context.pipelined else cpu + wire
+            enc, dec, wire_bytes = n * encode, n * decode, n * inv_ratio
+            wire = wire_bytes / bandwidth
+            if pipelined:
+                send = enc + wire_bytes * transport
+                recv = dec + wire_bytes * transport
+                slowest = max(send, recv, wire)
+                costs[arm] = max(slowest, (send + recv) / cores) + (send + wire + recv - slowest) * fill
+            else:
+                costs[arm] = enc + dec + wire
         return costs
 
+    def _chain(self, arm: str, dtype: str, cls: int) -> tuple[_ArmStats, _ArmStats, _ArmStats]:
+        """The stats of (arm, dtype, size class), (arm, dtype, any) and (arm, any, any), most specific first."""
+        chain = self._chains.get((arm, dtype, cls))
+        if chain is None:
+            stats = self._stats
+            chain = self._chains[(arm, dtype, cls)] = (
+                stats.setdefault((arm, dtype, cls), _ArmStats()),
+                stats.setdefault((arm, dtype, None), _ArmStats()),
+                stats.setdefault((arm, None, None), _ArmStats()),
+            )
+        return chain
+
     def _estimates(self, arm: str, dtype: str, nbytes: int) -> tuple[float, float, float]:
-        """(1/ratio, encode s/B, decode s/B), each from the most specific key that has data."""
-        keys: list[_Key] = [(arm, dtype, size_class(nbytes)), (arm, dtype, None), (arm, None, None)]
-        prior = self.config.priors.get(arm, _PRIOR)
-        found = [self._stats.get(k) for k in keys]
-
-        def pick(attr: str, fallback: float) -> float:
-            for stats in found:
-                if stats is not None and getattr(stats, attr).known:
-                    return getattr(stats, attr).value
-            return fallback
-
-        return (
-            pick("inv_ratio", 1.0 / prior.ratio),
-            pick("encode", 1e-9 / prior.encode_gbps),
-            pick("decode", 1e-9 / prior.decode_gbps),
-        )
+        """(1/ratio, encode s/B, decode s/B), each from the most specific key that has data, else the prior."""
+        chain = self._chain(arm, dtype, size_class(nbytes))
+        inv_ratio = encode = decode = None
+        for stats in chain:
+            if inv_ratio is None and stats.inv_ratio.den > 0.0:
+                inv_ratio = stats.inv_ratio.num / stats.inv_ratio.den
+            if encode is None and stats.encode.den > 0.0:
+                encode = stats.encode.num / stats.encode.den
+            if decode is None and stats.decode.den > 0.0:
+                decode = stats.decode.num / stats.decode.den
+        if inv_ratio is None or encode is None or decode is None:
+            prior = self.config.priors.get(arm, _PRIOR)
+            inv_ratio = 1.0 / prior.ratio if inv_ratio is None else inv_ratio
+            encode = 1e-9 / prior.encode_gbps if encode is None else encode
+            decode = 1e-9 / prior.decode_gbps if decode is None else decode
+        return inv_ratio, encode, decode
 
     def _evidence(self, arm: str, context: Context) -> float:
         stats = self._stats.get((arm, context.dtype, size_class(context.nbytes)))
@@ -199,10 +287,11 @@ class Controller:
 
     # ---------------------------------------------------------------- learning
 
-    def _keys(self, arm: str, context: Context, nbytes: int) -> list[_ArmStats]:
-        name = get_codec(arm).name
-        keys: list[_Key] = [(name, context.dtype, size_class(nbytes)), (name, context.dtype, None), (name, None, None)]
-        return [self._stats.setdefault(k, _ArmStats()) for k in keys]
+    def _keys(self, arm: str, context: Context, nbytes: int) -> tuple[_ArmStats, _ArmStats, _ArmStats]:
+        name = self._names.get(arm)
+        if name is None:
+            name = get_codec(arm).name
+        return self._chain(name, context.dtype, size_class(nbytes))
 
     def observe(
         self,
@@ -216,19 +305,22 @@ class Controller:
         if nbytes <= 0:
             return
         gamma = self.config.discount
+        encode_s = max(encode_s, 0.0)
         with self._lock:
             for stats in self._keys(arm, context, nbytes):
                 stats.inv_ratio.update(float(encoded_bytes), float(nbytes), gamma)
-                stats.encode.update(max(encode_s, 0.0), float(nbytes), gamma)
+                stats.encode.update(encode_s, float(nbytes), gamma)
                 if decode_s is not None:
                     stats.decode.update(max(decode_s, 0.0), float(nbytes), gamma)
+            self._tried.add((self._names.get(arm, arm), context.dtype))
 
     def observe_decode(self, arm: str, context: Context, nbytes: int, decode_s: float) -> None:
         if nbytes <= 0:
             return
+        decode_s = max(decode_s, 0.0)
         with self._lock:
             for stats in self._keys(arm, context, nbytes):
-                stats.decode.update(max(decode_s, 0.0), float(nbytes), self.config.discount)
+                stats.decode.update(decode_s, float(nbytes), self.config.discount)
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -247,6 +339,7 @@ class Controller:
                 "codec.bandwidth_bps": self._bandwidth.bps,
                 "codec.bandwidth_samples": float(self._bandwidth.samples),
                 "codec.explorations": float(self._explorations),
+                "codec.cores": float(self.cores),
             }
             for arm in self.arms:
                 out[f"codec.choices.{arm}"] = float(self._choices[arm])

@@ -43,7 +43,8 @@ class BandwidthEstimator:
 
     A sample moves the log estimate by ``alpha * min(1, 2n / (n + ref_bytes))``
     of the way to its own log throughput: full weight from ``ref_bytes`` up,
-    less for small, latency-bound transfers.
+    less for small, latency-bound transfers. The first sample moves it all
+    the way (``alpha`` = 1): ``initial_bps`` is a guess, not a measurement.
     """
 
     initial_bps: float
@@ -58,7 +59,8 @@ class BandwidthEstimator:
     def observe(self, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or seconds <= 0.0:
             return
-        weight = self.alpha * min(1.0, 2.0 * nbytes / (nbytes + self.ref_bytes))
+        alpha = self.alpha if self.samples else 1.0  # the first sample replaces the initial guess
+        weight = alpha * min(1.0, 2.0 * nbytes / (nbytes + self.ref_bytes))
         self._log_bps += weight * (math.log(nbytes / seconds) - self._log_bps)
         self.samples += 1
 

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 WINDOW_BYTES = 8 << 20  # bytes per bandwidth sample
-DRAINED = 0.25  # a drain this long (fraction of the window) shows a link-bound stream
+DRAINED = 0.1  # a drain this long (fraction of the window) shows a link-bound stream
 SATURATED = 0.9  # busy fraction of the host's cores past which a window was CPU-bound
 
 

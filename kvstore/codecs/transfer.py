@@ -60,10 +60,11 @@ from .controller import Context, Controller, ControllerConfig
 from .pipeline import MIN_BATCH_BYTES, Batch, EncodedBatch, encode_batch, plan_batches, run_ahead
 from .registry import codec_names, decode_into, get_codec
 from .sendclock import SendClock
-from .warmup import calibrate, cost_clock, warm_up
+from .warmup import calibrate, calibrated, cost_clock, warm_up
 
 AUTO = "auto"
 BANDWIDTH_ALPHA = 0.5  # one sample per Put stream: halve the log error each Put, so a changed link is followed in 3-4
+RAW_RUN_BYTES = 8 << 20  # a run of raw batches asks the controller again after this many bytes
 EPSILON, EXPLORE_WITHIN = 0.01, 2.0  # exploration costs at most 1% x (2 - 1) of a transfer: the model, not
 # exploration, follows the bandwidth; exploring 3% of batches within 3x cost up to 6% of every transfer
 
@@ -103,6 +104,7 @@ class TransferPlan:
     controller: Controller | None = None
     lossy_ok: bool = False
     accepted: frozenset[str] | None = None
+    stream_bytes: int = 0  # raw bytes of the whole transfer, set by ``prepare`` (the cost model's fill/drain)
 
     def __post_init__(self) -> None:
         if self.codec == AUTO and self.controller is None:
@@ -118,7 +120,7 @@ class TransferPlan:
         return self.controller.allowed(self.context(MIN_BATCH_BYTES))
 
     def context(self, nbytes: int) -> Context:
-        return Context(self.dtype, nbytes, pipelined=True, lossy_ok=self.lossy_ok, accepted=self.accepted)
+        return Context(self.dtype, nbytes, True, self.lossy_ok, self.accepted, self.stream_bytes)
 
     def choose(self, batch: Batch) -> str:
         if self.codec != AUTO:
@@ -222,47 +224,88 @@ def prepare(
     depth: int = 2,
     min_batch_bytes: int = MIN_BATCH_BYTES,
 ) -> Iterator[PreparedBatch]:
-    """Encoded, checksummed batches of ``blocks`` in order, prepared one batch ahead on a worker thread."""
-
-    def produce() -> Iterator[PreparedBatch]:
-        sizes = [nbytes_of(b) for b in blocks]
-        arms = plan.arms()
-        warm_up(arms, plan.dtype, max(sizes, default=0))
-        if plan.codec == AUTO and plan.controller is not None and blocks:
-            first = plan_batches(sizes, min_batch_bytes)[0]
-            calibrate(plan.controller, arms, plan.dtype, blocks[first.start : first.stop], plan.context(first.nbytes))
-        encoded = _encoded(blocks, sizes, plan, min_batch_bytes)
-        while True:
-            cpu = cost_clock()
-            enc = next(encoded, None)
-            if enc is None:
-                return
-            encode_cpu = cost_clock() - cpu
-            lossy = get_codec(enc.codec).lossy
-            sums: list[int] = []
-            for j, payload in enumerate(enc.payloads):
-                i = enc.start + j
-                known = crcs[i] if crcs is not None else None
-                if lossy:
-                    out = np.empty(enc.raw_lengths[j], dtype=np.uint8)
-                    decode_into(enc.codec, payload, plan.dtype, enc.raw_lengths[j], out)
-                    sums.append(crc32c(out))
-                else:
-                    sums.append(known if known is not None else crc32c(as_u8(blocks[i])))
-            check_cpu = cost_clock() - cpu - encode_cpu
-            prepared = PreparedBatch(enc, sums, plan.context(enc.raw_bytes),
-                                     encode_cpu + (check_cpu if lossy else 0.0))
-            plan.observe(prepared)
-            yield prepared
-
-    return run_ahead(produce(), depth, on_stall, spawn=_WORKERS.run)
+    """Encoded, checksummed batches of ``blocks`` in order: raw runs inline, coded ones one batch ahead on a
+    worker thread (see the module docstring)."""
+    sizes = [nbytes_of(b) for b in blocks]
+    plan.stream_bytes = sum(sizes)
+    return _stream(blocks, sizes, plan_batches(sizes, min_batch_bytes), plan, crcs, on_stall, depth)
 
 
-def _encoded(blocks: Sequence[BufferLike], sizes: list[int], plan: TransferPlan,
-             min_batch_bytes: int) -> Iterator[EncodedBatch]:
-    """``pipeline.iter_encoded`` inline (we are on the worker already), with ``none`` batches left uncopied."""
-    for batch in plan_batches(sizes, min_batch_bytes):
-        codec = plan.choose(batch)
+def _stream(blocks: Sequence[BufferLike], sizes: list[int], batches: list[Batch], plan: TransferPlan,
+            crcs: Sequence[int | None] | None, on_stall: Callable[[float], None] | None,
+            depth: int) -> Iterator[PreparedBatch]:
+    i = 0
+    while i < len(batches):
+        raw, first = _raw_next(plan, sizes, batches[i], blocks)
+        if not raw:
+            yield from run_ahead(_produce(blocks, sizes, batches[i:], first, plan, crcs), depth, on_stall,
+                                 spawn=_WORKERS.run)
+            return
+        j, run = i + 1, batches[i].nbytes
+        while j < len(batches) and run < RAW_RUN_BYTES:
+            run += batches[j].nbytes
+            j += 1
+        if plan.codec == AUTO and plan.controller is not None:
+            plan.controller.count("none", j - i - 1)  # batch i was chosen; the rest of the run follows it
+        for batch in batches[i:j]:
+            views = [as_u8(b) for b in blocks[batch.start : batch.stop]]
+            known = crcs[batch.start : batch.stop] if crcs is not None else [None] * len(views)
+            sums = [c if c is not None else crc32c(v) for c, v in zip(known, views)]
+            enc = EncodedBatch(batch.start, "none", 0, plan.dtype, [v.nbytes for v in views], views, 0.0)
+            yield PreparedBatch(enc, sums, plan.context(batch.nbytes), 0.0)
+        i = j
+
+
+def _raw_next(plan: TransferPlan, sizes: list[int], batch: Batch,
+              blocks: Sequence[BufferLike]) -> tuple[bool, str | None]:
+    """Whether the run of batches from ``batch`` goes raw, inline, and the codec already chosen for it."""
+    if plan.codec == "none":
+        return True, None
+    if plan.codec != AUTO or plan.controller is None or not calibrated(plan.controller, plan.arms(), plan.dtype):
+        return False, None  # coding, or a first transfer: the worker calibrates, then chooses
+    first = plan.choose(batch)
+    return first == "none", first
+
+
+def _produce(blocks: Sequence[BufferLike], sizes: list[int], batches: list[Batch], first: str | None,
+             plan: TransferPlan, crcs: Sequence[int | None] | None) -> Iterator[PreparedBatch]:
+    """The worker's side: calibrate and warm up (once), then encode and checksum ``batches`` in order."""
+    arms = plan.arms()
+    if plan.codec == AUTO and plan.controller is not None and batches:  # warms what it codes
+        head = batches[0]
+        calibrate(plan.controller, arms, plan.dtype, blocks[head.start : head.stop], plan.context(head.nbytes))
+    warm_up(arms, plan.dtype, max(sizes, default=0))
+    encoded = _encoded(blocks, batches, first, plan)
+    while True:
+        cpu = cost_clock()
+        enc = next(encoded, None)
+        if enc is None:
+            return
+        encode_cpu = cost_clock() - cpu
+        lossy = get_codec(enc.codec).lossy
+        sums: list[int] = []
+        for j, payload in enumerate(enc.payloads):
+            i = enc.start + j
+            known = crcs[i] if crcs is not None else None
+            if lossy:
+                out = np.empty(enc.raw_lengths[j], dtype=np.uint8)
+                decode_into(enc.codec, payload, plan.dtype, enc.raw_lengths[j], out)
+                sums.append(crc32c(out))
+            else:
+                sums.append(known if known is not None else crc32c(as_u8(blocks[i])))
+        check_cpu = cost_clock() - cpu - encode_cpu
+        prepared = PreparedBatch(enc, sums, plan.context(enc.raw_bytes),
+                                 encode_cpu + (check_cpu if lossy else 0.0))
+        plan.observe(prepared)
+        yield prepared
+
+
+def _encoded(blocks: Sequence[BufferLike], batches: list[Batch], first: str | None,
+             plan: TransferPlan) -> Iterator[EncodedBatch]:
+    """``pipeline.iter_encoded`` inline (we are on the worker already), with ``none`` batches left uncopied;
+    ``first``: the codec already chosen for the first batch."""
+    for k, batch in enumerate(batches):
+        codec = first if k == 0 and first is not None else plan.choose(batch)
         part = blocks[batch.start : batch.stop]
         if codec == "none":  # raw bytes go as they are: views of the caller's buffers, no copy
             views = [as_u8(b) for b in part]
