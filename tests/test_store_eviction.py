@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kvstore.checksum import crc32c
 from kvstore.store import BlockStore, CapacityError
 from kvstore.tiers.arena import ArenaTier
-from kvstore.tiers.base import BlockMeta
+from kvstore.tiers.base import HBM, BlockMeta
 
 SIZES = [16 << 10, 64 << 10, 100 << 10]
 
@@ -101,3 +101,17 @@ def test_capacity_error_when_all_leased():
         raise AssertionError("expected CapacityError")
     store.release(leases)
     put_chain(store, 2, 1, 64 << 10)
+
+
+def test_no_demotion_ahead_of_time_into_a_degraded_tier():
+    """With the tier below degraded, a memory tier past its watermark keeps its blocks: the background
+    demoter would only drop them (found by a timing-dependent ENOSPC test: fresh blocks vanished)."""
+    upper, lower = ArenaTier(1 << 20, page_size=1 << 20), ArenaTier(4 << 20, page_size=1 << 20)
+    upper.rank, upper.name = HBM, "hbm"  # two host arenas stand in for HBM above DRAM
+    store = BlockStore([upper, lower], high_watermark=0.5, low_watermark=0.25)
+    put_chain(store, 0, 12, 64 << 10)
+    lower.degraded = True
+    assert store.demote_once() == 0
+    assert store.lookup("ns", [key(0, d) for d in range(12)])[0] == 12
+    lower.degraded = False
+    assert store.demote_once() > 0 and lower.used_bytes > 0

@@ -153,6 +153,9 @@ class Cascade:
         """One pass of the background demoter: bring every tier under its low watermark."""
         moved = 0
         for tier in self.tiers[:-1]:  # the last tier drops only on demand, never ahead of time
+            lower = self._next_tier(tier)
+            if lower is None or self._degraded(lower):
+                continue  # nowhere to demote to: ahead of time this would only drop blocks
             over = tier.used_bytes - self.low * tier.capacity_bytes
             if tier.used_bytes > self.high * tier.capacity_bytes and over > 0:
                 moved += self._evict(tier, int(min(over, self.demote_batch_bytes)))
