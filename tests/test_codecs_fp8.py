@@ -140,3 +140,20 @@ def test_header_is_self_describing() -> None:
         decode("fp8", coarse, "float16", raw_len)
     with pytest.raises(CodecError):
         decode("fp8", coarse[:-1], "bfloat16", raw_len)
+
+
+@pytest.mark.parametrize("codec", ["fp8", "fp8+zstd", "zstd", "byteplane"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_encode_decoded_gives_what_the_receiver_decodes(codec: str, dtype: str) -> None:
+    # a lossy sender checksums the decoded bytes; fp8+zstd decodes its fp8 payload before compressing it
+    from kvstore.codecs.base import DEFAULT_OPTIONS
+    from kvstore.codecs.registry import decode, get_codec
+
+    rng = np.random.default_rng(11)
+    src = (rng.standard_normal(64 * 48 + 5) * 0.3).astype(np.float32)
+    raw = src.astype(dtype).view(np.uint8) if dtype != "bfloat16" else \
+        (src.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    raw = np.concatenate([raw, np.array([7], dtype=np.uint8)])  # an odd byte length
+    out = np.empty(raw.nbytes, dtype=np.uint8)
+    payload = get_codec(codec).encode_decoded(raw, dtype, DEFAULT_OPTIONS, out)
+    assert bytes(out) == decode(codec, payload, dtype, raw.nbytes)

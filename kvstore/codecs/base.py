@@ -98,6 +98,13 @@ class Codec(ABC):
         out[:n] = np.frombuffer(payload, dtype=np.uint8)
         return n
 
+    def encode_decoded(self, src: np.ndarray, dtype: str, opts: EncodeOptions, out: np.ndarray) -> bytes:
+        """The payload for ``src``, and in ``out[:src.nbytes]`` what a receiver will decode it to (a lossy
+        sender checksums that). Default: encode, then decode the payload."""
+        payload = self.encode(src, dtype, opts)
+        self.decode_into(memoryview(payload), dtype, src.nbytes, out)
+        return payload
+
     def __repr__(self) -> str:
         return f"<codec {self.name} id={self.id}{' lossy' if self.lossy else ''}>"
 

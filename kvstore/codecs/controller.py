@@ -331,6 +331,12 @@ class Controller:
         with self._lock:
             return self._bandwidth.bps
 
+    def measured_bandwidth_bps(self) -> float:
+        """The bandwidth estimate once a transfer has measured it; 0 while it is the initial guess (a CPU-bound
+        sample, which only raises the estimate, must not be dropped for falling below a guess)."""
+        with self._lock:
+            return self._bandwidth.bps if self._bandwidth.samples else 0.0
+
     # ---------------------------------------------------------------- reporting
 
     def snapshot(self) -> dict[str, float]:

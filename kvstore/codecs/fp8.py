@@ -185,6 +185,14 @@ class Fp8ZstdCodec(Codec):
     def encode_into(self, src: np.ndarray, dtype: str, opts: EncodeOptions, out: np.ndarray) -> int:
         return zstd.compress_into(self._inner(src, dtype, opts), out)
 
+    def encode_decoded(self, src: np.ndarray, dtype: str, opts: EncodeOptions, out: np.ndarray) -> bytes:
+        """zstd is lossless: decode the fp8 payload before compressing it, not the frame after (saves the
+        decompression, about a third of the decode)."""
+        inner = self._inner(src, dtype, opts)
+        payload = zstd.compress(inner)
+        self._fp8.decode_into(memoryview(inner), dtype, src.nbytes, out)
+        return payload
+
     def decode_into(self, encoded: memoryview, dtype: str, raw_len: int, out: np.ndarray) -> None:
         check_out(self.name, out, raw_len)
         try:

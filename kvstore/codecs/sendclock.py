@@ -110,7 +110,7 @@ class SendClock:
             busy = min(max(wall - self._stalled, wall * 0.01), wall)
             seconds = wall if link_bound else math.sqrt(wall * busy)
             cpu_bound = _busy_fraction(self._cpu, cpu) > SATURATED
-            if wall > 0.0 and not (cpu_bound and self._bytes / seconds < self.estimate()):
+            if wall > 0.0 and (link_bound or not (cpu_bound and self._bytes / seconds < self.estimate())):
                 self.observe(self._bytes, seconds)
         self._bytes, self._stalled, self._began, self._cpu = 0, 0.0, end, cpu
 

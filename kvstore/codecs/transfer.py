@@ -47,6 +47,7 @@ from __future__ import annotations
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -54,11 +55,11 @@ import numpy as np
 
 from kvstore.checksum import crc32c
 
-from .base import FLOAT_DTYPES
+from .base import DEFAULT_OPTIONS, FLOAT_DTYPES
 from .buffers import BufferLike, as_u8, nbytes_of
 from .controller import Context, Controller, ControllerConfig
 from .pipeline import MIN_BATCH_BYTES, Batch, EncodedBatch, encode_batch, plan_batches, run_ahead
-from .registry import codec_names, decode_into, get_codec
+from .registry import codec_names, get_codec
 from .sendclock import SendClock
 from .warmup import calibrate, calibrated, cost_clock, warm_up
 
@@ -142,7 +143,7 @@ class TransferPlan:
         if self.controller is None:
             return SendClock(lambda _n, _s: None)
         ctl = self.controller
-        return SendClock(ctl.observe_transfer, lambda: ctl.bandwidth_bps)
+        return SendClock(ctl.observe_transfer, ctl.measured_bandwidth_bps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,40 +279,43 @@ def _produce(blocks: Sequence[BufferLike], sizes: list[int], batches: list[Batch
     encoded = _encoded(blocks, batches, first, plan)
     while True:
         cpu = cost_clock()
-        enc = next(encoded, None)
-        if enc is None:
+        step = next(encoded, None)
+        if step is None:
             return
-        encode_cpu = cost_clock() - cpu
-        lossy = get_codec(enc.codec).lossy
-        sums: list[int] = []
-        for j, payload in enumerate(enc.payloads):
-            i = enc.start + j
-            known = crcs[i] if crcs is not None else None
-            if lossy:
-                out = np.empty(enc.raw_lengths[j], dtype=np.uint8)
-                decode_into(enc.codec, payload, plan.dtype, enc.raw_lengths[j], out)
-                sums.append(crc32c(out))
-            else:
-                sums.append(known if known is not None else crc32c(as_u8(blocks[i])))
-        check_cpu = cost_clock() - cpu - encode_cpu
-        prepared = PreparedBatch(enc, sums, plan.context(enc.raw_bytes),
-                                 encode_cpu + (check_cpu if lossy else 0.0))
+        enc, sums = step
+        encode_cpu = cost_clock() - cpu  # a lossy codec's: with the decode its CRC needs
+        if sums is None:
+            sums = []
+            for j in range(len(enc.payloads)):
+                known = crcs[enc.start + j] if crcs is not None else None
+                sums.append(known if known is not None else crc32c(as_u8(blocks[enc.start + j])))
+        prepared = PreparedBatch(enc, sums, plan.context(enc.raw_bytes), encode_cpu)
         plan.observe(prepared)
         yield prepared
 
 
 def _encoded(blocks: Sequence[BufferLike], batches: list[Batch], first: str | None,
-             plan: TransferPlan) -> Iterator[EncodedBatch]:
+             plan: TransferPlan) -> Iterator[tuple[EncodedBatch, list[int] | None]]:
     """``pipeline.iter_encoded`` inline (we are on the worker already), with ``none`` batches left uncopied;
-    ``first``: the codec already chosen for the first batch."""
+    ``first``: the codec already chosen for the first batch. With each batch, a lossy codec's CRC32Cs (of
+    what the receiver will decode); None: the raw bytes' CRCs are wanted."""
     for k, batch in enumerate(batches):
         codec = first if k == 0 and first is not None else plan.choose(batch)
         part = blocks[batch.start : batch.stop]
         if codec == "none":  # raw bytes go as they are: views of the caller's buffers, no copy
             views = [as_u8(b) for b in part]
-            yield EncodedBatch(batch.start, "none", 0, plan.dtype, [v.nbytes for v in views], views, 0.0)
+            yield EncodedBatch(batch.start, "none", 0, plan.dtype, [v.nbytes for v in views], views, 0.0), None
+        elif get_codec(codec).lossy:
+            impl, views = get_codec(codec), [as_u8(b) for b in part]
+            began, payloads, sums = time.perf_counter(), [], []
+            for v in views:
+                out = np.empty(v.nbytes, dtype=np.uint8)
+                payloads.append(impl.encode_decoded(v, plan.dtype, DEFAULT_OPTIONS, out))
+                sums.append(crc32c(out))
+            yield EncodedBatch(batch.start, impl.name, impl.id, plan.dtype, [v.nbytes for v in views], payloads,
+                               time.perf_counter() - began), sums
         else:
-            yield encode_batch(codec, part, plan.dtype, start=batch.start)
+            yield encode_batch(codec, part, plan.dtype, start=batch.start), None
 
 
 class _Workers:

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from .base import DEFAULT_OPTIONS
 from .buffers import BufferLike, as_u8
 from .controller import Context, Controller
 from .registry import decode_into, get_codec
@@ -99,7 +100,10 @@ def calibrate(controller: Controller, arms: Iterable[str], dtype: str, blocks: S
         codec = get_codec(arm)
         for timed in (done.get((arm, dtype), 0) >= largest, True):
             began = cost_clock()
-            payloads = [codec.encode(v, dtype) for v in views]
+            if codec.lossy:  # a lossy sender decodes for the CRC, as transfer.prepare does
+                payloads = [codec.encode_decoded(v, dtype, DEFAULT_OPTIONS, out) for v, out in zip(views, outs)]
+            else:
+                payloads = [codec.encode(v, dtype) for v in views]
             encoded = cost_clock()
             for payload, out in zip(payloads, outs):
                 decode_into(arm, payload, dtype, out.nbytes, out)
@@ -107,6 +111,6 @@ def calibrate(controller: Controller, arms: Iterable[str], dtype: str, blocks: S
                 done[(arm, dtype)] = max(done.get((arm, dtype), 0), largest)
                 continue
             decode_s = cost_clock() - encoded
-            encode_s = encoded - began + (decode_s if codec.lossy else 0.0)  # a lossy sender decodes for the CRC
+            encode_s = encoded - began
             controller.observe(arm, context, raw, sum(len(p) for p in payloads), encode_s, decode_s)
             break
