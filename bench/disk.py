@@ -17,8 +17,9 @@ compared):
     whole prefixes (one ``read`` per prefix, CRC-checked, into reused buffers),
     in written order (``tier_read_gbps``, the pattern of the raw sequential
     read) and in shuffled order (``tier_read_shuffled_gbps``, the pattern of a
-    cache; the file-per-block baseline reads in that order too). Sources are
-    page-aligned as DRAM-arena slots are;
+    cache; the file-per-block baseline reads in that order too). Sources and
+    read destinations are page-aligned as DRAM-arena slots are (the store
+    promotes a block read from NVMe into such a slot);
     ``tier_write_copied_gbps`` feeds the same bytes from unaligned memory;
     ``tier_write_fdatasync_gbps`` acknowledges after fdatasync instead;
 (c) file-per-block (how LMCache's and vLLM's disk backends store chunks): one
@@ -133,7 +134,8 @@ class Workload:
         self.metas = [BlockMeta("bench", rng.bytes(16), b"", 0, "bfloat16", block, block, crcs[i % 64])
                       for i in range(self.count)]
         self.order = rng.permutation(self.count // PREFIX)
-        self.dests = [np.zeros(block, np.uint8) for _ in range(PREFIX)]
+        slots = aligned_buffer(block * PREFIX)  # read into page-aligned slots, as a DRAM arena's are
+        self.dests = [slots[i * block:(i + 1) * block] for i in range(PREFIX)]
 
     def unaligned(self) -> list[np.ndarray]:
         shifted = np.frombuffer(bytearray(self.pool.nbytes + 8), np.uint8)[8:]

@@ -1,7 +1,7 @@
 """Fault-injection and counting seam: an IoBackend wrapper for tests and benchmarks.
 
 ``InstrumentedBackend(inner)`` forwards every verb to ``inner`` and counts
-calls and bytes (``preads``, ``pwrites`` (one per pwrite or pwritev call),
+calls and bytes (``preads`` (one per pread or preadv call), ``pwrites`` (one per pwrite or pwritev call),
 ``syncs``, ``creates``, ``bytes_read``, ``bytes_written``). Faults are armed
 explicitly:
 
@@ -9,7 +9,7 @@ explicitly:
   more bytes have been written, then raise ``OSError(err)`` (a write that
   would cross the limit writes nothing). ``create`` fails the same way while
   armed and exhausted, as a full filesystem would.
-- ``fail_reads(err=EIO)``: every pread raises.
+- ``fail_reads(err=EIO)``: every pread and preadv raises.
 - ``heal()``: disarm everything.
 """
 from __future__ import annotations
@@ -86,6 +86,15 @@ class InstrumentedBackend(IoBackend):
         if self._read_errno is not None:
             self._raise(self._read_errno, fh.path)
         n = self.inner.pread(fh, buf, offset)
+        with self._lock:
+            self.preads += 1
+            self.bytes_read += n
+        return n
+
+    def preadv(self, fh: FileHandle, bufs: Sequence[Any], offset: int) -> int:
+        if self._read_errno is not None:
+            self._raise(self._read_errno, fh.path)
+        n = self.inner.preadv(fh, bufs, offset)
         with self._lock:
             self.preads += 1
             self.bytes_read += n

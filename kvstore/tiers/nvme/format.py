@@ -125,6 +125,16 @@ def _dtype_str(raw: bytes) -> str:
     return raw.decode("ascii")
 
 
+def validate_meta(meta: BlockMeta) -> None:
+    """Raise ValueError when ``meta`` cannot be encoded in a header."""
+    if len(meta.hash) != 16:
+        raise ValueError(f"block hash must be 16 bytes, got {len(meta.hash)}")
+    if len(meta.parent) not in (0, 16):
+        raise ValueError(f"parent hash must be 16 bytes or empty, got {len(meta.parent)}")
+    _namespace_bytes(meta.namespace)
+    _dtype_bytes(meta.dtype)
+
+
 def encode_header(meta: BlockMeta, seq: int, stored_crc: int) -> bytes:
     """The header proper (without the zero fill of its page)."""
     if len(meta.hash) != 16:

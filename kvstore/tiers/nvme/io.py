@@ -70,11 +70,35 @@ class IoBackend(ABC):
             self.pwrite(fh, buf, offset)
             offset += _nbytes(buf)
 
+    def preadv(self, fh: FileHandle, bufs: Sequence[Any], offset: int) -> int:
+        """Read into the buffers back to back from ``offset`` (one syscall where the backend can);
+        returns the bytes read, less than their total only at end of file."""
+        done = 0
+        for buf in bufs:
+            want = _nbytes(buf)
+            n = self.pread(fh, buf, offset + done)
+            done += n
+            if n < want:
+                break
+        return done
+
     def sync(self, fh: FileHandle) -> None:
         os.fdatasync(fh.fd)
 
     def close(self, fh: FileHandle) -> None:
         os.close(fh.fd)
+
+
+def _rest(views: list[memoryview], skip: int) -> list[memoryview]:
+    """The buffers past the first ``skip`` bytes (after a short transfer)."""
+    out = []
+    for v in views:
+        if skip >= len(v):
+            skip -= len(v)
+            continue
+        out.append(v[skip:] if skip else v)
+        skip = 0
+    return out
 
 
 def _open_fd(path: str, flags: int, direct: bool) -> tuple[int, bool]:
@@ -157,6 +181,22 @@ class PosixBackend(IoBackend):
         while done < len(view):
             try:
                 n = os.preadv(fh.fd, [view[done:]], offset + done)
+            except OSError as e:
+                if not self._demoted(fh, e):
+                    raise
+                continue
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def preadv(self, fh: FileHandle, bufs: Sequence[Any], offset: int) -> int:
+        views = [memoryview(b).cast("B") for b in bufs]
+        total = sum(len(v) for v in views)
+        done = 0
+        while done < total:
+            try:
+                n = os.preadv(fh.fd, _rest(views, done) if done else views, offset + done)
             except OSError as e:
                 if not self._demoted(fh, e):
                     raise

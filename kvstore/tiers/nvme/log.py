@@ -35,7 +35,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kvstore.tiers.base import BlockMeta, TierFull
-from kvstore.tiers.nvme.format import OFFSET_BITS, PAGE, Header, align_up, encode_header, record_bytes, split_loc
+from kvstore.checksum import crc32c as _crc32c
+from kvstore.tiers.nvme.format import (
+    HEADER_BYTES, OFFSET_BITS, PAGE, Header, encode_header, record_bytes, split_loc, validate_meta,
+)
 from kvstore.tiers.nvme.io import IoBackend
 from kvstore.tiers.nvme.recovery import Recovered, recover_log
 from kvstore.tiers.nvme.segments import Segment, SegmentState, fsync_dir, lock_dir, segment_path, summary_path
@@ -44,16 +47,13 @@ from kvstore.tiers.nvme.writer import Chunk, WriteCombiner
 
 log = logging.getLogger("kvstore.nvme")
 
-_ZERO_PAGE = bytes(PAGE)
-
-
 @dataclass(slots=True)
 class Pending:
     """A record to append: a new block (meta + stored CRC) or a verbatim copy (header given)."""
 
     payload: np.ndarray  # the stored bytes, uint8
     meta: BlockMeta | None = None
-    stored_crc: int = 0
+    stored_crc: int | None = None  # None: computed while the record is written
     header: bytes | None = None  # a copy's header bytes, as on disk
     decoded: Header | None = None  # ... and decoded
 
@@ -99,10 +99,11 @@ class SegmentLog:
     # -- appends -------------------------------------------------------------------
     def append(self, items: Sequence[Pending], *, use_reserve: bool = False, force_sync: bool = False) -> list[int]:
         with self.write_lock:
-            sizes = [p.nbytes for p in items]
+            sizes = [HEADER_BYTES + -(-p.payload.nbytes // PAGE) * PAGE for p in items]  # record_bytes, inlined
             self._ensure_room(sizes, use_reserve)
             seq0 = self.next_seq
-            headers, decoded = self._headers(items, seq0)  # ValueError here: nothing touched yet
+            self._validate(items)  # ValueError here: nothing touched yet
+            decoded: list[Header] = [None] * len(items)  # type: ignore[list-item]  # filled as written
             runs: list[tuple[Segment, int, list[int]]] = []  # (segment, start offset, item indices)
             created: list[Segment] = []
             offsets: list[int] = []
@@ -118,7 +119,7 @@ class SegmentLog:
                     offsets.append(pos)
                     pos += sizes[i]
                 for run_seg, start, idxs in runs:
-                    self.combiner.write(run_seg.fh, start, self._chunks(items, headers, idxs))
+                    self.combiner.write(run_seg.fh, start, self._chunks(items, seq0, decoded, idxs))
                     if self.sync_writes or force_sync or not run_seg.fh.direct:
                         self._sync(run_seg)
                     else:
@@ -132,19 +133,16 @@ class SegmentLog:
             return self._commit(runs, created, sizes, decoded, offsets)
 
     @staticmethod
-    def _headers(items: Sequence[Pending], seq0: int) -> tuple[list[bytes], list[Header]]:
-        raw: list[bytes] = []
-        decoded: list[Header] = []
-        for i, p in enumerate(items):
-            if p.header is not None and p.decoded is not None:
-                raw.append(p.header)
-                decoded.append(p.decoded)
-                continue
-            assert p.meta is not None
-            h = encode_header(p.meta, seq0 + i, p.stored_crc)
-            raw.append(h)
-            decoded.append(Header(seq0 + i, p.meta, p.stored_crc, len(h)))
-        return raw, decoded
+    def _validate(items: Sequence[Pending]) -> None:
+        """Raise ValueError for a record that cannot be encoded, before anything is written."""
+        seen: set[tuple[str, str]] = set()
+        for p in items:
+            if p.header is None or p.decoded is None:
+                m = p.meta
+                assert m is not None
+                if len(m.hash) != 16 or len(m.parent) not in (0, 16) or (m.namespace, m.dtype) not in seen:
+                    validate_meta(m)
+                    seen.add((m.namespace, m.dtype))
 
     def _sync(self, seg: Segment) -> None:
         self.backend.sync(seg.fh)
@@ -159,15 +157,24 @@ class SegmentLog:
         self._dirty.clear()
         self._last_sync = time.monotonic()
 
-    def _chunks(self, items: Sequence[Pending], headers: list[bytes], idxs: list[int]) -> Iterator[Chunk]:
+    @staticmethod
+    def _chunks(items: Sequence[Pending], seq0: int, decoded: list[Header], idxs: list[int]) -> Iterator[Chunk]:
+        """Header, payload and padding of each record, encoded as the combiner consumes them.
+
+        A new block's payload CRC is computed here, just before its header is staged, so
+        checksumming overlaps the I/Os already in flight instead of preceding all of them.
+        """
         for i in idxs:
-            h = headers[i]
-            yield np.frombuffer(h + _ZERO_PAGE[len(h):], dtype=np.uint8)
-            payload = items[i].payload
-            yield payload
-            pad = align_up(payload.nbytes) - payload.nbytes
-            if pad:
-                yield pad
+            p = items[i]
+            payload = p.payload
+            if p.header is not None and p.decoded is not None:
+                h = p.header
+                decoded[i] = p.decoded
+            else:
+                crc = _crc32c(payload) if p.stored_crc is None else p.stored_crc
+                h = encode_header(p.meta, seq0 + i, crc)  # type: ignore[arg-type]
+                decoded[i] = Header(seq0 + i, p.meta, crc, len(h))  # type: ignore[arg-type]
+            yield h, payload
 
     def _ensure_room(self, sizes: list[int], use_reserve: bool) -> None:
         new = 0

@@ -25,8 +25,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvstore.checksum import crc32c as _crc32c
 from kvstore.tiers.nvme.format import (
-    HEADER_BYTES, Header, align_up, check_header, crc32c, decode_header, record_bytes,
+    HEADER_BYTES, PAGE, Header, align_up, check_header, crc32c, decode_header, record_bytes,
 )
 from kvstore.tiers.nvme.io import IoBackend, aligned_buffer
 from kvstore.tiers.nvme.segments import Segment
@@ -138,6 +139,112 @@ def read_piece(backend: IoBackend, piece: Piece, buf: np.ndarray, decode: bool =
         return [Checked(w, None, None, f"read failed: {e}") for w in piece.records]
     view = view[:got]
     return [check_record(view, w.offset - piece.offset, w, decode) for w in piece.records]
+
+
+IOV_MAX = 1024  # Linux's limit on buffers per preadv
+
+
+def host_view(dest: Any) -> np.ndarray | None:
+    """A writable flat uint8 view of a host-memory dest, or None (device tensor, read-only, strided)."""
+    if isinstance(dest, np.ndarray):
+        if not (dest.flags.c_contiguous and dest.flags.writeable):
+            return None
+        return dest.reshape(-1).view(np.uint8)
+    if hasattr(dest, "is_cuda"):  # torch tensors take the bounce path
+        return None
+    try:
+        out = np.frombuffer(dest, dtype=np.uint8)
+    except (TypeError, ValueError):
+        return None
+    return out if out.flags.writeable else None
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def read_piece_into(backend: IoBackend, piece: Piece, scratch: np.ndarray, dests: Sequence[Any],
+                    views: Sequence[np.ndarray | None]) -> list[tuple[int, str]]:
+    """Read one piece with one preadv straight into the callers' buffers; returns failed (target, reason).
+
+    The page-aligned part of each payload lands in its first target's buffer when that
+    buffer is host memory, page aligned and large enough (``views[t]``); header pages, payload
+    tails, read-through gaps and the payloads of other records land in ``scratch`` (at
+    least ``piece.nbytes``). Every record is then checked (header magic and CRC, the length
+    expected, the payload CRC32C over both parts) before its tail is copied in and other
+    targets are filled. A record that fails has the bytes read into its buffer zeroed, so no
+    caller buffer is left holding bytes that failed verification.
+    """
+    iov: list[np.ndarray] = []
+    plan: list[tuple[Wanted, int, int, np.ndarray | None, int]] = []  # (w, header pos, tail pos, view, n aligned)
+    sp = 0  # scratch position
+    run = 0  # start of the scratch span not yet in iov
+    pos = piece.offset
+    for w in piece.records:
+        sp += w.offset - pos  # a read-through gap
+        n = w.length if w.length is not None else 0
+        hdr = sp
+        sp += HEADER_BYTES
+        al = n // PAGE * PAGE
+        view = views[w.targets[0]] if w.targets and w.length is not None and al else None
+        if view is not None and (view.nbytes < n or _address(view) % PAGE or w.nbytes != record_bytes(n)):
+            view = None
+        if view is None:
+            plan.append((w, hdr, hdr + HEADER_BYTES, None, 0))
+            sp += w.nbytes - HEADER_BYTES
+        else:
+            if sp > run:
+                iov.append(scratch[run:sp])
+            iov.append(view[:al])
+            plan.append((w, hdr, sp, view, al))
+            run = sp  # the tail, its pad and what follows go on in scratch
+            sp += w.nbytes - HEADER_BYTES - al
+        pos = w.offset + w.nbytes
+    if sp > run:
+        iov.append(scratch[run:sp])
+    if len(iov) > IOV_MAX:  # too many pieces for one call: read it all into scratch instead
+        return read_piece_into(backend, piece, scratch, dests, [None] * len(views))
+    try:
+        got = backend.preadv(piece.seg.fh, iov, piece.offset)
+    except OSError as e:
+        failed = [(t, f"read failed: {e}") for w in piece.records for t in w.targets]
+        for w, _, _, view, al in plan:
+            if view is not None:
+                view[:al] = 0
+        return failed
+    end = piece.offset + got
+    failed = []
+    for w, hdr, tail, view, al in plan:
+        reason = ""
+        fields = check_header(scratch, hdr) if w.offset + HEADER_BYTES <= end else None
+        if fields is None:
+            reason = "no valid record header at this location"
+        else:
+            n, stored_crc = fields
+            if (w.length is not None and n != w.length) or record_bytes(n) != w.nbytes:
+                reason = f"record holds {n} bytes, caller expects {w.length}"
+            elif w.offset + w.nbytes > end:
+                reason = "record extends past the end of the segment file"
+            elif view is None:
+                payload = scratch[tail:tail + n]
+                if _crc32c(payload) != stored_crc:
+                    reason = "payload fails its CRC32C"
+                else:
+                    for t in w.targets:
+                        copy_into(dests[t], payload)
+            else:
+                rest = scratch[tail:tail + n - al]
+                if _crc32c(rest, _crc32c(view[:al])) != stored_crc:
+                    reason = "payload fails its CRC32C"
+                else:
+                    view[al:n] = rest
+                    for t in w.targets[1:]:
+                        copy_into(dests[t], view[:n])
+        if reason:
+            if view is not None:
+                view[:al] = 0
+            failed.extend((t, reason) for t in w.targets)
+    return failed
 
 
 class BufferPool:

@@ -36,15 +36,16 @@ import numpy as np
 
 from kvstore.tiers.base import NVME, BlockMeta, CorruptBlock, Tier, TierFault, TierFull, TierStats
 from kvstore.tiers.nvme.compaction import CompactionReport, RelocateHook, compact_log
-from kvstore.tiers.nvme.format import PAGE, crc32c, record_bytes, split_loc
+from kvstore.tiers.nvme.format import PAGE, record_bytes, split_loc
 from kvstore.tiers.nvme.io import IoBackend, select_backend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
-from kvstore.tiers.nvme.reader import BufferPool, Piece, Wanted, copy_into, plan_pieces, read_piece
+from kvstore.tiers.nvme.reader import BufferPool, Piece, Wanted, host_view, plan_pieces, read_piece_into
 from kvstore.tiers.nvme.segments import SegmentState
 
 log = logging.getLogger("kvstore.nvme")
 
 WRITE_POLICIES = ("fdatasync", "direct")
+_U8 = np.dtype(np.uint8)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class ReclaimInfo:
 
 def as_source(src: Any) -> np.ndarray:
     """A flat uint8 view of a payload (bytes-like, numpy array or torch tensor)."""
+    if type(src) is np.ndarray and src.dtype == _U8 and src.ndim == 1 and src.flags.c_contiguous:
+        return src  # the common case, checked cheaply
     if hasattr(src, "detach") and hasattr(src, "is_cuda"):  # torch tensor
         import torch
 
@@ -159,7 +162,7 @@ class NvmeTier(Tier):
             payload = as_source(src)
             if payload.nbytes != meta.stored_length:
                 raise ValueError(f"source holds {payload.nbytes} bytes, meta says stored_length={meta.stored_length}")
-            items.append(Pending(payload, meta, crc32c(payload)))
+            items.append(Pending(payload, meta))  # its CRC32C is computed as it is written
         try:
             locs = self._log.append(items)
         except TierFull:
@@ -215,10 +218,11 @@ class NvmeTier(Tier):
             pieces = [p for seg, wanted in groups.values()
                       for p in plan_pieces(seg, list(wanted.values()), self.max_read_bytes,
                                            self.coalesce_gap_bytes, self.read_threads)]
+            views = [host_view(d) for d in dests]  # payloads are read straight into these where aligned
             if len(pieces) == 1:
-                failures = [self._read_piece(pieces[0], dests)]
+                failures = [self._read_piece(pieces[0], dests, views)]
             else:
-                failures = list(self._pool.map(lambda p: self._read_piece(p, dests), pieces))
+                failures = list(self._pool.map(lambda p: self._read_piece(p, dests, views), pieces))
         finally:
             self._log.unpin(pinned)
         for fail in failures:
@@ -233,18 +237,10 @@ class NvmeTier(Tier):
             raise CorruptBlock(f"{len(bad)} of {len(locs)} nvme records failed verification "
                                f"(first: loc {first[0]:#x}: {first[1]})", list(bad))
 
-    def _read_piece(self, piece: Piece, dests: Sequence[Any]) -> list[tuple[int, str]]:
+    def _read_piece(self, piece: Piece, dests: Sequence[Any], views: Sequence[Any]) -> list[tuple[int, str]]:
         buf = self._buffers.get(piece.nbytes)
         try:
-            failed = []
-            for c in read_piece(self.backend, piece, buf):
-                if c.record is None:
-                    failed.extend((t, c.reason) for t in c.wanted.targets)
-                    continue
-                payload = c.payload
-                for t in c.wanted.targets:
-                    copy_into(dests[t], payload)
-            return failed
+            return read_piece_into(self.backend, piece, buf, dests, views)
         finally:
             self._buffers.put(buf)
 

@@ -27,11 +27,14 @@ import numpy as np
 from kvstore.tiers.nvme.format import PAGE
 from kvstore.tiers.nvme.io import FileHandle, IoBackend, aligned_buffer
 
-Chunk = Union[np.ndarray, int]  # bytes to write, or a count of zero bytes
+Chunk = Union[np.ndarray, bytes, int, tuple]  # bytes (an array or a bytes object), a count of zero bytes,
+# or a record: (header bytes, payload array), written as header page, payload, zero pad
 DIRECT_ALIGN = PAGE  # sources aligned like this are written in place (O_DIRECT needs the sector size: be safe)
-DIRECT_MIN = 128 << 10  # smaller payloads go faster copied (measured: 64 KiB copied 1.16-1.24 GB/s vs 0.93 in place)
+DIRECT_MIN = PAGE  # aligned payloads of at least a page go in place (iovec layout costs nothing measurable)
+FIRST_IO = 256 << 10  # the first I/O of a call: the device starts early; later ones grow 4x up to io_bytes
 MAX_IOVECS = 512
-MAX_IO_FACTOR = 4  # an I/O carrying in-place payloads may reach this many times io_bytes
+MAX_IO_FACTOR = 4  # an I/O carrying in-place payloads may reach this many times its size limit
+_ZEROS = memoryview(bytes(64 << 10))
 
 
 class WriteCombiner:
@@ -94,56 +97,102 @@ class _Run:
     def __init__(self, owner: WriteCombiner, fh: FileHandle, offset: int):
         self.o, self.fh = owner, fh
         self.cur = 0  # staging buffer index
+        self.buf = memoryview(owner._bufs[0])
         self.fill = 0  # bytes used in the staging buffer
-        self.iov: list[np.ndarray] = []
+        self.iov: list = []
         self.iov_bytes = 0
         self.file_pos = offset  # where the I/O being assembled starts
         self.total = 0
         self.stage_start = 0  # start of the staging span not yet in ``iov``
+        # The first I/O of a call is small, so the device starts while the rest is gathered;
+        # then I/Os grow 4x up to ``io_bytes`` (a call is acked only when all of it is written).
+        self.limit = max(PAGE, min(owner.io_bytes, FIRST_IO) // PAGE * PAGE)
+
+    def add_record(self, header: bytes, payload: np.ndarray) -> None:
+        """A record: its header page (``header`` then zeros), its payload, zeros to the next page."""
+        hl = len(header)
+        if self.limit - self.iov_bytes - (self.fill - self.stage_start) >= PAGE:  # fast path: the page fits
+            f = self.fill
+            self.buf[f:f + hl] = header
+            self.buf[f + hl:f + PAGE] = _ZEROS[:PAGE - hl]
+            self.fill = f + PAGE
+            self.o.bytes_copied += PAGE
+            self.total += PAGE
+        else:
+            self.add(header)
+            self.add(PAGE - hl)
+        n = payload.nbytes
+        if n:
+            self.add(payload)
+            if n % PAGE:
+                self.add(PAGE - n % PAGE)
 
     def add(self, chunk: Chunk) -> None:
-        if isinstance(chunk, int):
+        t = type(chunk)
+        if t is tuple:
+            self.add_record(*chunk)
+            return
+        if t is int:
             self.total += chunk
             self._stage(None, chunk)
             return
+        if t is bytes:
+            n = len(chunk)
+            self.total += n
+            if self.limit - self.iov_bytes - (self.fill - self.stage_start) >= n:  # fast path: fits
+                self.buf[self.fill:self.fill + n] = chunk
+                self.fill += n
+                self.o.bytes_copied += n
+            else:
+                self._stage(memoryview(chunk), n)
+            return
         n = chunk.nbytes
         self.total += n
-        inplace = n // PAGE * PAGE
         if n < DIRECT_MIN or _address(chunk) % DIRECT_ALIGN:
-            self._stage(chunk, n)
+            self._stage(memoryview(chunk).cast("B") if chunk.ndim == 1 and chunk.dtype == np.uint8 else
+                        memoryview(chunk.reshape(-1).view(np.uint8)), n)
             return
+        inplace = n // PAGE * PAGE
         self._close_stage()
-        if self.iov and self.iov_bytes + inplace > MAX_IO_FACTOR * self.o.io_bytes:
+        if self.iov and self.iov_bytes + inplace > MAX_IO_FACTOR * self.limit:
             self.flush()  # in-place bytes take no staging room: an I/O may grow past io_bytes with them
-        self.iov.append(chunk[:inplace])
+        self.iov.append(chunk[:inplace] if inplace < n else chunk)
         self.iov_bytes += inplace
         self.o.bytes_in_place += inplace
-        if self.iov_bytes >= self.o.io_bytes or len(self.iov) >= MAX_IOVECS:
+        if self.iov_bytes >= self.limit or len(self.iov) >= MAX_IOVECS:
             self.flush()
         if inplace < n:
-            self._stage(chunk[inplace:], n - inplace)
+            self._stage(memoryview(chunk[inplace:]), n - inplace)
 
     def _room(self) -> int:
-        return self.o.io_bytes - self.iov_bytes - (self.fill - self.stage_start)
+        return self.limit - self.iov_bytes - (self.fill - self.stage_start)
 
-    def _stage(self, src: np.ndarray | None, n: int) -> None:
+    def _stage(self, src: memoryview | None, n: int) -> None:
         done = 0
         while done < n:
-            if self._room() <= 0:
+            room = self._room()
+            if room <= 0:
                 self.flush()
-            take = min(n - done, self._room())
-            dst = self.o._bufs[self.cur][self.fill:self.fill + take]
+                room = self._room()
+            take = min(n - done, room)
             if src is None:
-                dst.fill(0)
+                zero = _ZEROS
+                pos = self.fill
+                left = take
+                while left:
+                    k = min(left, len(zero))
+                    self.buf[pos:pos + k] = zero[:k]
+                    pos += k
+                    left -= k
             else:
-                np.copyto(dst, src[done:done + take])
+                self.buf[self.fill:self.fill + take] = src[done:done + take]
                 self.o.bytes_copied += take
             self.fill += take
             done += take
 
     def _close_stage(self) -> None:
         if self.fill > self.stage_start:
-            self.iov.append(self.o._bufs[self.cur][self.stage_start:self.fill])
+            self.iov.append(self.buf[self.stage_start:self.fill])
             self.iov_bytes += self.fill - self.stage_start
             self.stage_start = self.fill
             if len(self.iov) >= MAX_IOVECS:
@@ -159,5 +208,7 @@ class _Run:
         self.file_pos += self.iov_bytes
         self.iov, self.iov_bytes = [], 0
         self.cur = (self.cur + 1) % len(self.o._bufs)
+        self.buf = memoryview(self.o._bufs[self.cur])
+        self.limit = min(self.limit * 4, self.o.io_bytes)
         self.o._wait(self.cur)
         self.fill = self.stage_start = 0
