@@ -135,6 +135,33 @@ def test_prepare_uses_known_crcs_and_feeds_the_controller():
     assert snap["codec.byteplane.bfloat16.256KiB-1MiB.observations"] >= 1
 
 
+def test_raw_runs_skip_the_worker_and_coded_batches_use_it(monkeypatch):
+    from dataclasses import replace
+
+    from kvstore.codecs import transfer
+
+    blocks = kv_like(12, seed=5)  # 4 batches of 3 blocks
+    ctl = Controller(replace(transfer_config(), epsilon=0.0))  # 10 Gbit/s until told otherwise: raw wins
+    list(prepare(blocks, TransferPlan("bfloat16", "auto", ctl)))  # the first transfer calibrates, on a worker
+    spawned: list = []
+    run = transfer._WORKERS.run
+    monkeypatch.setattr(transfer._WORKERS, "run", lambda fn: (spawned.append(fn), run(fn)))
+    known = [None, 5] + [None] * 10
+    batches = list(prepare(blocks, TransferPlan("bfloat16", "auto", ctl), crcs=known))
+    assert not spawned and [b.encoded.codec for b in batches] == ["none"] * 4
+    assert [c for b in batches for c in b.crcs] == [5 if k else crc32c(blk) for blk, k in zip(blocks, known)]
+    assert [b.encoded.start for b in batches] == [0, 3, 6, 9]
+    assert ctl.snapshot()["codec.choices.none"] == 8  # one choice per batch still counted
+    assert list(prepare(blocks, TransferPlan("bfloat16", "none"))) and not spawned  # a raw plan: no worker
+    for _ in range(3):  # a slow link: coding wins, on the worker
+        ctl.observe_transfer(8 << 20, (8 << 20) / 12.5e6)
+    batches = list(prepare(blocks, TransferPlan("bfloat16", "auto", ctl)))
+    assert len(spawned) == 1 and {b.encoded.codec for b in batches} == {"byteplane"}
+    for batch in batches:
+        for j, payload in enumerate(batch.encoded.payloads):
+            assert decode("byteplane", payload, "bfloat16", BLOCK) == blocks[batch.encoded.start + j].tobytes()
+
+
 def test_prepare_raises_encoder_errors_in_the_consumer_and_stops_early():
     blocks = kv_like(9, seed=3)
     calls = {"n": 0}

@@ -16,6 +16,10 @@ self-contained payload and back. Verbs and their promises:
   ``raw_len`` bytes. Never returns partially decoded data silently.
 - ``max_encoded_len(raw_len, dtype, opts) -> int``: an upper bound on the
   payload size.
+- ``encode_decoded(src, dtype, opts, out) -> bytes``: ``encode``'s payload,
+  and in ``out[:src.nbytes]`` exactly what ``decode_into`` makes of it (a
+  lossy sender checksums that). By default it decodes the payload; a codec
+  may know it cheaper (fp8+zstd: its fp8 stage, before compression).
 
 Every codec has a ``name`` (the string used in configs and the public API),
 an ``id`` matching ``kvstore.v1.Codec`` on the wire, and a ``lossy`` flag; the

@@ -20,7 +20,8 @@ next batch encoded on a worker thread while the current one is on the wire
   caller's buffers (payloads are bytes, or uint8 arrays for ``none``). Each block's CRC32C is of its raw bytes
   (DESIGN 2.2): taken from ``crcs`` when the caller knows it, else computed;
   under a lossy codec it is of the bytes the receiver will decode (the block
-  is decoded here to compute it, and that time is charged to the codec).
+  is decoded here to compute it, ``Codec.encode_decoded``, and that time is
+  charged to the codec).
   What a batch cost is the worker thread's CPU time (``time.thread_time``),
   the measure of the controller's priors (bench/codecs.py): wall time would
   add waits for the GIL and the cores, which on a busy host can make a
@@ -29,6 +30,13 @@ next batch encoded on a worker thread while the current one is on the wire
   ``auto``, calibrates the controller on the first batch (``warmup.py``).
   Workers are long-lived threads shared by every transfer, so the codecs'
   per-thread scratch buffers and contexts stay warm.
+  Raw runs skip the worker: when the plan is ``none``, or the controller
+  (calibrated already) picks ``none`` for a batch, that batch and the ones
+  after it, up to ``RAW_RUN_BYTES``, go raw, prepared inline as the
+  consumer asks (one choice per run; a worker hand-off and a choice per
+  batch cost a Put of 16 raw blocks 0.6 ms, 10% of its time on an unshaped
+  link). The controller is asked again after the run; when it picks a codec
+  the rest of the transfer goes to a worker as above.
   Closing the iterator early stops the worker; a worker error is raised in
   the consumer. ``on_stall(seconds)`` hears each time the consumer found no
   batch ready and waited for the encoder.
