@@ -36,6 +36,7 @@ import numpy as np
 
 from kvstore.tiers.base import NVME, BlockMeta, CorruptBlock, Tier, TierFault, TierFull, TierStats
 from kvstore.tiers.nvme.compaction import CompactionReport, RelocateHook, compact_log
+from kvstore.tiers.nvme.gds import is_device_dest, read_split
 from kvstore.tiers.nvme.format import PAGE, record_bytes, split_loc
 from kvstore.tiers.nvme.io import IoBackend, select_backend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
@@ -201,6 +202,8 @@ class NvmeTier(Tier):
     def read(self, locs: Sequence[int], lengths: Sequence[int], dests: Sequence[Any]) -> None:
         if not (len(locs) == len(lengths) == len(dests)):
             raise ValueError("locs, lengths and dests must have the same length")
+        if self.backend.name.startswith("kvikio") and any(is_device_dest(d) for d in dests):
+            return read_split(self, locs, lengths, dests)  # GPUDirect Storage into the CUDA dests (gds.py)
         resolved, pinned = self._log.pin(locs)
         bad: dict[int, str] = {}
         try:
