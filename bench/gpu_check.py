@@ -12,9 +12,10 @@ It runs, in order, and prints one table (every row also as JSON):
    store with HBM above DRAM demoting full HBM to DRAM, beside a bare
    `tensor.copy_` of the same bytes;
 3. NVMe: the NVMe tier with the kvikio backend (GPUDirect Storage, or kvikio's
-   compat mode, which the row names) moving blocks between HBM tensors and the
-   segment files, beside the plain path: device -> pinned host -> POSIX
-   O_DIRECT pwrite, and back;
+   compat mode, which the row names): reads land straight in HBM tensors
+   (gds.py); writes of HBM tensors are staged through host memory (the segment
+   writer combines records in host buffers); beside the plain path: device ->
+   pinned host -> POSIX O_DIRECT pwrite, and back;
 4. cuda_ipc lane: a `kvstore serve` process with an HBM tier; the client puts
    and gets 2 MiB bf16 blocks that live on the GPU (device to device through
    the lane's region), beside the same through the shm lane (pinned staging on
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-TEST_FILES = ["tests/test_devices.py", "tests/test_cuda_lane.py", "tests/test_nvme_kvikio.py",
+TEST_FILES = ["tests/test_devices.py", "tests/test_cuda_lane.py", "tests/test_nvme_kvikio.py", "tests/test_gds.py",
               "tests/test_lanes_roundtrip.py"]
 
 
