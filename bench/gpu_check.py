@@ -203,7 +203,7 @@ def cuda_ipc_lane(n: int, block: int, reps: int) -> list[dict]:
 
     total = n * block
     rows = []
-    args = ("--hbm", f"{max(8 * total, 1 << 30)}", "--dram", f"{max(4 * total, 1 << 30)}", "--max-block", "32MiB",
+    args = ("--hbm", "8GiB", "--dram", "2GiB", "--max-block", "32MiB",  # room for every round: no eviction
             "--cuda-lane-bytes", f"{max(total, 64 << 20)}", "--shm-lane-bytes", f"{max(total, 64 << 20)}")
     with store_process(*args, timeout=90) as (target, _):
         for size, count in ((block, n), (16 << 20, max(1, total // (16 << 20)))):
@@ -215,7 +215,15 @@ def cuda_ipc_lane(n: int, block: int, reps: int) -> list[dict]:
             for lane in ("auto", "shm"):  # auto: cuda_ipc for CUDA tensors; shm: pinned host staging per call
                 with Client(target, lane=lane) as kv:
                     keys = [f"{lane}-{size}-{i}".encode()[:16].ljust(16, b"\0") for i in range(count)]
-                    put = gbps(lambda: kv.put("gpu", keys, blocks, chained=False), size * count, reps)
+                    rounds = iter(range(1 << 30))
+
+                    def put_fresh() -> None:  # new hashes each time: a repeated Put would only dedup
+                        r = next(rounds).to_bytes(4, "little")
+                        results = kv.put("gpu", [r + k[4:] for k in keys], blocks, chained=False)
+                        assert all(x.status == "stored" for x in results), results[0]
+
+                    put = gbps(put_fresh, size * count, reps)
+                    kv.put("gpu", keys, blocks, chained=False)
                     get = gbps(lambda: kv.get("gpu", keys, out=outs), size * count, reps)
                     exact = all(torch.equal(a, b) for a, b in zip(outs, blocks))
                     used = kv._device_lanes.kind if lane == "auto" else f"{kv.lane_kind}+staging"
