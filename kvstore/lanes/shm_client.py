@@ -43,6 +43,7 @@ T = TypeVar("T")
 
 class ShmClientLane(Lane):
     kind = "shm"
+    commit_bytes = COMMIT_BYTES  # a commit is sent every this many bytes written
 
     def __init__(self, stub: lpb_grpc.KVStoreLanesStub, opened: lpb.OpenLaneResponse,
                  metadata: tuple[tuple[str, str], ...], timeout: float):
@@ -75,7 +76,7 @@ class ShmClientLane(Lane):
                                                            length=slot.length, crc32c=crc))
                     indices.append(i)
                     batch += slot.length
-                    if batch >= COMMIT_BYTES:  # the server copies these while we write the next ones
+                    if batch >= self.commit_bytes:  # the server copies these while we write the next ones
                         self._settle()
                         stream.send_commit(grant.grant_id, descriptors)
                         commits.append(indices)
