@@ -130,7 +130,23 @@ def hbm_dram(n: int, block: int, reps: int) -> list[dict]:
     moved = store.demote_once()
     demote = round(moved / (time.perf_counter() - t0) / 1e9, 2)
     store.check_invariants()
-    return [{"check": "hbm tier write (from pinned host)", "gbps": w, "baseline": "h2d copy_", "baseline_gbps": h2d},
+    crc_rows = []
+    from kvstore.crc_gpu import gpu_crc32c
+
+    gpu, blocks = gpu_crc32c(), [dev[i * block:(i + 1) * block] for i in range(n)]
+    if gpu is not None:
+        from kvstore.checksum import crc32c
+
+        def on_host() -> None:
+            pinned.copy_(dev, non_blocking=True)
+            torch.cuda.synchronize()
+            view = memoryview(pinned.numpy())
+            for i in range(n):
+                crc32c(view[i * block:(i + 1) * block])
+
+        crc_rows.append({"check": f"crc32c of {n} x {block >> 20} MiB on the GPU", "gbps": gbps(lambda: gpu.crcs(blocks),
+                         total, reps), "baseline": "d2h + CPU crc32c", "baseline_gbps": gbps(on_host, total, reps)})
+    return crc_rows + [{"check": "hbm tier write (from pinned host)", "gbps": w, "baseline": "h2d copy_", "baseline_gbps": h2d},
             {"check": "hbm tier read (to pinned host)", "gbps": r, "baseline": "d2h copy_", "baseline_gbps": d2h},
             {"check": f"store demotion hbm->dram ({moved >> 20} MiB)", "gbps": demote, "baseline": "d2h copy_",
              "baseline_gbps": d2h}]

@@ -144,3 +144,25 @@ def test_in_process_server_falls_back_to_staging(make_server):
         kv.get("same", [b"s" * 16], out=[out])
         assert torch.equal(out, block) and kv._device_lanes.kind == "grpc"
 
+
+
+@pytest.mark.parametrize("sizes", [[0], [1, 4095, 4096, 4097], [3 * 4096 + 5, 100_000, 8192]])
+def test_chunked_crc_math_equals_crc32c(sizes):
+    """The GPU kernel's algorithm (chunks, fold, all-ones fix-up) with chunk CRCs from the CPU library."""
+    from kvstore.crc_gpu import reference_crcs
+
+    buffers = [os.urandom(n) for n in sizes]
+    assert reference_crcs(buffers) == [crc32c(b) for b in buffers]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device on this machine (run bench/gpu_check.py on a GPU host)")
+def test_gpu_crc32c_equals_the_cpu():
+    from kvstore.crc_gpu import gpu_crc32c
+
+    gpu = gpu_crc32c()
+    if gpu is None:
+        pytest.skip("cupy (the gpu extra) is not installed")
+    data = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda") for n in (0, 1, 4097, 2 << 20, 77_777)]
+    data.append(torch.randint(0, 256, (5000,), dtype=torch.uint8, device="cuda")[3:])  # unaligned start
+    assert gpu.crcs(data) == [crc32c(d.cpu().numpy()) for d in data]
