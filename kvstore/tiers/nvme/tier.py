@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -222,10 +222,13 @@ class NvmeTier(Tier):
                       for p in plan_pieces(seg, list(wanted.values()), self.max_read_bytes,
                                            self.coalesce_gap_bytes, self.read_threads)]
             views = [host_view(d) for d in dests]  # payloads are read straight into these where aligned
-            if len(pieces) == 1:
-                failures = [self._read_piece(pieces[0], dests, views)]
-            else:
-                failures = list(self._pool.map(lambda p: self._read_piece(p, dests, views), pieces))
+            # the other pieces on the pool, the first one here (no hand-off for it)
+            futures = [self._pool.submit(self._read_piece, p, dests, views) for p in pieces[1:]]
+            try:
+                failures = [self._read_piece(pieces[0], dests, views)] if pieces else []
+            finally:
+                wait(futures)  # every read settles before the segments are unpinned
+            failures += [f.result() for f in futures]
         finally:
             self._log.unpin(pinned)
         for fail in failures:

@@ -33,7 +33,7 @@ DIRECT_ALIGN = PAGE  # sources aligned like this are written in place (O_DIRECT 
 DIRECT_MIN = PAGE  # aligned payloads of at least a page go in place (iovec layout costs nothing measurable)
 FIRST_IO = 256 << 10  # the first I/O of a call: the device starts early; later ones grow 4x up to io_bytes
 MAX_IOVECS = 512
-MAX_IO_FACTOR = 4  # an I/O carrying in-place payloads may reach this many times its size limit
+MAX_IO_FACTOR = 4  # an I/O carrying in-place payloads may reach this many times io_bytes
 _ZEROS = memoryview(bytes(64 << 10))
 
 
@@ -59,7 +59,7 @@ class WriteCombiner:
         try:
             for chunk in chunks:
                 run.add(chunk)
-            run.flush()
+            run.flush(final=True)
         except BaseException as e:  # noqa: BLE001 - re-raised below, after draining
             error = e
         for i in range(len(self._bufs)):
@@ -154,7 +154,7 @@ class _Run:
             return
         inplace = n // PAGE * PAGE
         self._close_stage()
-        if self.iov and self.iov_bytes + inplace > MAX_IO_FACTOR * self.limit:
+        if self.iov and self.iov_bytes + inplace > MAX_IO_FACTOR * self.o.io_bytes:
             self.flush()  # in-place bytes take no staging room: an I/O may grow past io_bytes with them
         self.iov.append(chunk[:inplace] if inplace < n else chunk)
         self.iov_bytes += inplace
@@ -198,12 +198,18 @@ class _Run:
             if len(self.iov) >= MAX_IOVECS:
                 self.flush()
 
-    def flush(self) -> None:
+    def flush(self, final: bool = False) -> None:
         self._close_stage()
         if not self.iov:
             return
         if self.iov_bytes % PAGE:
             raise ValueError("a write must end on a 4 KiB boundary (records are 4 KiB aligned)")
+        if final:  # the caller has nothing left to gather: write it here, no hand-off to a thread
+            self.o.ios_issued += 1
+            self.o.backend.pwritev(self.fh, self.iov, self.file_pos)
+            self.file_pos += self.iov_bytes
+            self.iov, self.iov_bytes = [], 0
+            return
         self.o._submit(self.cur, self.fh, self.iov, self.file_pos)
         self.file_pos += self.iov_bytes
         self.iov, self.iov_bytes = [], 0
