@@ -57,6 +57,37 @@ def test_any_chunk_mix_lands_byte_exact(tmp_path_factory: pytest.TempPathFactory
         backend.close(fh)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(piece, min_size=1, max_size=12), io_pages=st.integers(1, 40), seed=st.integers(0, 99),
+       header_len=st.integers(0, PAGE))
+def test_records_as_header_bytes_and_payload_land_byte_exact(tmp_path_factory: pytest.TempPathFactory,
+                                                             pieces: list[tuple[int, bool]], io_pages: int,
+                                                             seed: int, header_len: int) -> None:
+    """The log's form: (header bytes, payload) per record; the combiner adds the zero fill and pad."""
+    path = tmp_path_factory.mktemp("wc") / "f"
+    backend = InstrumentedBackend(PosixBackend())
+    fh = backend.create(str(path), 8 << 20)
+    wc = WriteCombiner(backend, io_bytes=io_pages * PAGE, buffers=3)
+    rng = np.random.default_rng(seed)
+    chunks: list = []
+    expect = bytearray()
+    for n, aligned in pieces:
+        header = rng.bytes(header_len)
+        payload = aligned_buffer(n) if aligned else np.frombuffer(b"\0" + rng.bytes(n), np.uint8)[1:]
+        if aligned:
+            payload[:] = np.frombuffer(rng.bytes(n), np.uint8)
+        chunks.append((header, payload))
+        expect += header + bytes(PAGE - header_len) + payload.tobytes() + bytes(align_up(n) - n)
+    try:
+        assert wc.write(fh, 0, chunks) == len(expect)
+        got = aligned_buffer(len(expect))
+        backend.pread(fh, got, 0)
+        assert got.tobytes() == bytes(expect)
+    finally:
+        wc.close()
+        backend.close(fh)
+
+
 def test_aligned_payloads_are_not_copied(tmp_path: Path) -> None:
     backend = InstrumentedBackend(PosixBackend())
     fh = backend.create(str(tmp_path / "f"), 8 << 20)

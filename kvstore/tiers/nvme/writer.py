@@ -146,11 +146,12 @@ class _Run:
             else:
                 self._stage(memoryview(chunk), n)
             return
+        if chunk.ndim != 1 or chunk.dtype != np.uint8:
+            chunk = chunk.reshape(-1).view(np.uint8)
         n = chunk.nbytes
         self.total += n
         if n < DIRECT_MIN or _address(chunk) % DIRECT_ALIGN:
-            self._stage(memoryview(chunk).cast("B") if chunk.ndim == 1 and chunk.dtype == np.uint8 else
-                        memoryview(chunk.reshape(-1).view(np.uint8)), n)
+            self._stage(memoryview(chunk), n)
             return
         inplace = n // PAGE * PAGE
         self._close_stage()
