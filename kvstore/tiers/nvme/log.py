@@ -284,9 +284,10 @@ class SegmentLog:
         out: list[tuple[int, Segment | None]] = []
         pinned: dict[int, Segment] = {}
         with self.lock:
+            forwards, segments = self.forwards, self.segments
             for loc in locs:
-                r = self._resolve(loc)
-                seg = self.segments.get(split_loc(r)[0])
+                r = self._resolve(loc) if forwards else loc
+                seg = segments.get(r >> OFFSET_BITS)
                 if seg is not None and seg.state is SegmentState.RETIRING:
                     seg = None
                 if seg is not None and seg.id not in pinned:

@@ -37,7 +37,7 @@ import numpy as np
 from kvstore.tiers.base import NVME, BlockMeta, CorruptBlock, Tier, TierFault, TierFull, TierStats
 from kvstore.tiers.nvme.compaction import CompactionReport, RelocateHook, compact_log
 from kvstore.tiers.nvme.gds import is_device_dest, read_split
-from kvstore.tiers.nvme.format import PAGE, record_bytes, split_loc
+from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK, PAGE, record_bytes
 from kvstore.tiers.nvme.io import IoBackend, select_backend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
 from kvstore.tiers.nvme.reader import BufferPool, Piece, Wanted, host_view, plan_pieces, read_piece_into
@@ -212,12 +212,16 @@ class NvmeTier(Tier):
                 if seg is None:
                     bad[locs[i]] = "no such location (never written, or compacted away)"
                     continue
-                off = split_loc(loc)[1]
-                wanted = groups.setdefault(seg.id, (seg, {}))[1]
+                off = loc & OFFSET_MASK
+                group = groups.get(seg.id)
+                if group is None:
+                    group = groups[seg.id] = (seg, {})
+                wanted = group[1]
                 w = wanted.get((off, length))
-                if w is None:
-                    w = wanted[(off, length)] = Wanted.block(off, length)
-                w.targets.append(i)
+                if w is None:  # record_bytes(length), inlined
+                    wanted[(off, length)] = Wanted(off, HEADER_BYTES + -(-length // PAGE) * PAGE, length, [i])
+                else:
+                    w.targets.append(i)
             pieces = [p for seg, wanted in groups.values()
                       for p in plan_pieces(seg, list(wanted.values()), self.max_read_bytes,
                                            self.coalesce_gap_bytes, self.read_threads)]
