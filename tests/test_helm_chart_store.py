@@ -1,0 +1,265 @@
+"""Offline tests of the store settings of the Helm chart in deploy/helm/kvstore.
+
+For each deployment shape of tests/data/helm_values/ (rendered once, see
+tests/helm_support.py) the store StatefulSet, its Services and its neighbours
+are checked for what that shape must produce: replicas, Redis wiring, TLS
+mounts and flags, NVMe volumes, probes, resources, and that the flags the
+chart gives ``kvstore serve`` parse with the store's own CLI. Settings no
+shape file covers are rendered from inline values. tests/test_helm_chart.py
+holds the rendering, lint and schema checks common to every shape.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helm_support import (
+    CASES,
+    NAMESPACE,
+    Rendered,
+    component_of,
+    container,
+    env_of,
+    flags_of,
+    fullname,
+    rendered_cases,
+    yaml,
+)
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, Rendered]:
+    return rendered_cases()
+
+
+# ------------------------------------------------------------------ each shape
+
+
+def test_default(rendered: dict[str, Rendered]) -> None:
+    r = rendered["default"]
+    sts = r.one("StatefulSet", "store")
+    assert sts["spec"]["replicas"] == 1
+    assert not r.all("PodDisruptionBudget"), "a PDB over one replica would block node drains"
+    assert not r.all("ServiceMonitor") and not r.all("Job")
+
+    store = container(sts, "store")
+    assert store["command"] == ["kvstore"] and store["args"][0] == "serve"
+    flags = flags_of(store)
+    assert flags["listen"] == "0.0.0.0:7070"
+    assert flags["dram"] == "4GiB"
+    assert flags["nvme-dir"] == "/var/lib/kvstore/nvme" and flags["nvme"] == "100GiB"
+    assert flags["metrics-port"] == "9090"
+    assert flags["drain-seconds"] == "45", "grace period 60 s - preStop 5 s - 10 s to exit"
+    assert "tls-cert" not in flags and "tenants" not in flags and "config" not in flags
+
+    # Memory sized from the DRAM tier: 4GiB + 1GiB overhead, request == limit.
+    resources = store["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "5Gi"
+    assert resources["requests"]["cpu"] == "2" and "cpu" not in resources["limits"]
+
+    # NVMe on a PVC per pod: nvme.size plus 10%.
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "nvme"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "110Gi"
+    assert "storageClassName" not in claim["spec"], "the default class is used when none is set"
+    assert {"name": "nvme", "mountPath": "/var/lib/kvstore/nvme"} in store["volumeMounts"]
+
+    # Probes use the store's gRPC health service.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert store[probe]["grpc"] == {"port": 7070}
+    assert store["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60
+
+    # Advertised address from the downward API.
+    env = env_of(store)
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["KVSTORE_ADVERTISE"]["value"] == "$(POD_IP):7070"
+
+    # In-chart Redis, wired into the store and the workers.
+    redis_url = f"redis://{fullname('redis')}.{NAMESPACE}.svc.cluster.local:6379/0"
+    assert env["KVSTORE_REDIS"]["value"] == redis_url
+    redis = r.one("StatefulSet", "redis")
+    assert container(redis)["image"].startswith("docker.io/library/redis:")
+    assert r.get("Service", fullname("redis")) is not None
+    for component, module, port in (("prefill", "prefill_node", 7080), ("decode", "decode_node", 7090)):
+        worker = container(r.one("Deployment", component))
+        assert worker["command"] == ["python", "-m", module]
+        assert flags_of(worker) == {"listen": f"0.0.0.0:{port}", "store": redis_url, "model": "smollm2"}
+        assert worker["readinessProbe"]["grpc"] == {"port": port}
+        svc = r.get("Service", fullname(component))
+        assert svc["spec"]["ports"][0]["port"] == port
+
+    # Headless Service for stable identities, ClusterIP Service for clients.
+    headless = r.get("Service", fullname("store-headless"))
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
+    client = r.get("Service", fullname("store"))
+    assert client["spec"]["type"] == "ClusterIP"
+    assert {p["name"] for p in client["spec"]["ports"]} == {"grpc", "metrics"}
+    assert r.notes is None or "kvstore-store" in r.notes
+
+
+def test_external_redis(rendered: dict[str, Rendered]) -> None:
+    r = rendered["external-redis"]
+    url = "redis://redis-master.shared-services.svc.cluster.local:6379/2"
+    assert [s["metadata"]["name"] for s in r.all("StatefulSet")] == [fullname("store")]
+    assert not any(component_of(s) == "redis" for s in r.all("Service"))
+    store = container(r.one("StatefulSet", "store"), "store")
+    assert env_of(store)["KVSTORE_REDIS"] == {"name": "KVSTORE_REDIS", "value": url}
+    for component in ("prefill", "decode"):
+        assert flags_of(container(r.one("Deployment", component)))["store"] == url
+    sts = r.one("StatefulSet", "store")
+    assert sts["spec"]["replicas"] == 2
+    assert r.one("PodDisruptionBudget", "store")["spec"]["maxUnavailable"] == 1
+    # NVMe tier on an emptyDir bounded by the tier's size plus 10%.
+    assert "volumeClaimTemplates" not in sts["spec"]
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["nvme"] == {"name": "nvme", "emptyDir": {"sizeLimit": "110Gi"}}
+    assert flags_of(store)["nvme-dir"] == "/var/lib/kvstore/nvme"
+
+
+def test_no_nvme(rendered: dict[str, Rendered]) -> None:
+    r = rendered["no-nvme"]
+    sts = r.one("StatefulSet", "store")
+    store = container(sts, "store")
+    assert "volumeClaimTemplates" not in sts["spec"]
+    assert "nvme-dir" not in flags_of(store) and "nvme" not in flags_of(store)
+    assert all(v["name"] != "nvme" for v in sts["spec"]["template"]["spec"]["volumes"])
+    assert all(m["name"] != "nvme" for m in store["volumeMounts"])
+    # 512MiB DRAM + 1GiB overhead.
+    assert store["resources"]["limits"]["memory"] == "1536Mi"
+    # Single node without Redis: no KVSTORE_REDIS, workers talk to the store Service.
+    assert "KVSTORE_REDIS" not in env_of(store)
+    assert not any(component_of(d) == "redis" for d in r.docs)
+    store_svc = f"{fullname('store')}:7070"
+    for component in ("prefill", "decode"):
+        assert flags_of(container(r.one("Deployment", component)))["store"] == store_svc
+
+
+def test_tls(rendered: dict[str, Rendered]) -> None:
+    r = rendered["tls"]
+    sts = r.one("StatefulSet", "store")
+    pod = sts["spec"]["template"]["spec"]
+    store = container(sts, "store")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "kvstore-server-tls"
+    assert {i["key"] for i in volumes["tls"]["secret"]["items"]} == {"tls.crt", "tls.key", "ca.crt"}
+    assert {"name": "tls", "mountPath": "/etc/kvstore/tls", "readOnly": True} in store["volumeMounts"]
+    flags = flags_of(store)
+    assert flags["tls-cert"] == "/etc/kvstore/tls/tls.crt"
+    assert flags["tls-key"] == "/etc/kvstore/tls/tls.key"
+    assert flags["tls-client-ca"] == "/etc/kvstore/tls/ca.crt"
+    # Tenants file from its own Secret.
+    assert volumes["tenants"]["secret"]["secretName"] == "kvstore-tenants"
+    assert flags["tenants"] == "/etc/kvstore/tenants/tenants.yaml"
+    # The kubelet's gRPC probe cannot speak TLS: probes fall back to TCP.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert "grpc" not in store[probe] and store[probe]["tcpSocket"] == {"port": "grpc"}
+    # Stable DNS identities, which a certificate can name.
+    assert env_of(store)["KVSTORE_ADVERTISE"]["value"] == (
+        f"$(POD_NAME).{fullname('store-headless')}.$(POD_NAMESPACE).svc.cluster.local:7070"
+    )
+
+
+def test_replicas3_loadtest_servicemonitor(rendered: dict[str, Rendered]) -> None:
+    r = rendered["replicas3"]
+    sts = r.one("StatefulSet", "store")
+    store = container(sts, "store")
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert sts["spec"]["replicas"] == 3
+    assert store["resources"]["requests"]["memory"] == "18Gi"
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["storageClassName"] == "local-nvme"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "850Gi"
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    anti = sts["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == "kubernetes.io/hostname"
+
+    pdb = r.one("PodDisruptionBudget", "store")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+    # The ServiceMonitor scrapes each store pod exactly once: of the Services it
+    # selects, only one has the port it names.
+    sm = r.one("ServiceMonitor", "store")
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    selected = [s for s in r.all("Service")
+                if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+    with_port = [s for s in selected if any(p["name"] == "metrics" for p in s["spec"]["ports"])]
+    assert [s["metadata"]["name"] for s in with_port] == [fullname("store")]
+    assert with_port[0]["spec"]["selector"].items() <= pod_labels.items()
+
+    # The load test drives the prefill and decode Services.
+    job = r.one("Job", "loadtest")
+    assert job["metadata"]["name"] == fullname("loadtest-1")
+    bench = container(job)
+    assert "python -m bench.ttft" in " ".join(bench["command"])
+    flags = flags_of(bench)
+    assert flags["prefill"] == f"{fullname('prefill')}:7080"
+    assert flags["decode"] == f"{fullname('decode')}:7090"
+    assert "quick" in flags and flags["out"] == "/results/ttft.json"
+    assert {"name": "results", "mountPath": "/results"} in bench["volumeMounts"]
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    (wait,) = job["spec"]["template"]["spec"]["initContainers"]
+    assert "kvstore health" in wait["command"][-1]
+    assert r.notes is None or "loadtest-1" in r.notes
+
+
+def test_hostpath_config(rendered: dict[str, Rendered]) -> None:
+    r = rendered["hostpath-config"]
+    sts = r.one("StatefulSet", "store")
+    pod = sts["spec"]["template"]["spec"]
+    store = container(sts, "store")
+    assert "volumeClaimTemplates" not in sts["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["nvme"]["hostPath"] == {"path": "/mnt/nvme0/kvstore", "type": "DirectoryOrCreate"}
+    assert flags_of(store)["nvme-dir"] == "/var/lib/kvstore/nvme"
+    # fsGroup does not reach hostPath volumes: an init container hands the
+    # directory over, with CHOWN as its only capability.
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["chown", "10001:10001", "/var/lib/kvstore/nvme"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert pod["nodeSelector"] == {"node.kubernetes.io/nvme": "true"}
+    # Config file from values, with a checksum that rolls the pods on change.
+    cm = r.one("ConfigMap", "store")
+    assert yaml.safe_load(cm["data"]["config.yaml"]) == {"write-policy": "write-through", "nvme-segment": "512MiB"}
+    assert flags_of(store)["config"] == "/etc/kvstore/config/config.yaml"
+    assert volumes["config"]["configMap"]["name"] == cm["metadata"]["name"]
+    assert re.fullmatch(r"[0-9a-f]{64}", sts["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+    # Redis URL from a Secret, passed to the workers through $(KVSTORE_REDIS).
+    secret_ref = {"secretKeyRef": {"name": "kvstore-redis-url", "key": "url"}}
+    assert env_of(store)["KVSTORE_REDIS"]["valueFrom"] == secret_ref
+    for component in ("prefill", "decode"):
+        worker = container(r.one("Deployment", component))
+        assert flags_of(worker)["store"] == "$(KVSTORE_REDIS)"
+        assert env_of(worker)["KVSTORE_REDIS"]["valueFrom"] == secret_ref
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_store_args_parse_with_the_cli(rendered: dict[str, Rendered], case: str, tmp_path: Path) -> None:
+    """The flags and KVSTORE_* variables the chart gives the store are ones
+    `kvstore serve` accepts, with values it can parse."""
+    cli = pytest.importorskip("kvstore.cli", reason="the kvstore package is not importable")
+    config = pytest.importorskip("kvstore.config", reason="the kvstore package is not importable")
+    sizes = pytest.importorskip("kvstore.sizes", reason="the kvstore package is not importable")
+    r = rendered[case]
+    sts = r.one("StatefulSet", "store")
+    store = container(sts, "store")
+    args = list(store["command"][1:] + store["args"])
+    cm = next(iter(r.all("ConfigMap")), None)
+    if cm is not None:  # the mounted config file, read from a local copy
+        local = tmp_path / "config.yaml"
+        local.write_text(cm["data"]["config.yaml"])
+        args = [f"--config={local}" if a.startswith("--config=") else a for a in args]
+    env = {name: e.get("value", "redis://from-a-secret:6379/0") for name, e in env_of(store).items()
+           if name.startswith("KVSTORE_")}
+    cfg = config.load(cli.build_parser().parse_args(args), env=env)
+    assert cfg.listen == "0.0.0.0:7070"
+    assert cfg.dram == sizes.parse_size(flags_of(store)["dram"])
+    assert cfg.redis == env.get("KVSTORE_REDIS")
+    assert (cfg.nvme_dir is not None) == ("nvme-dir" in flags_of(store))
