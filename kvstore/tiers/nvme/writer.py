@@ -31,7 +31,7 @@ Chunk = Union[np.ndarray, bytes, int, tuple]  # bytes (an array or a bytes objec
 # or a record: (header bytes, payload array), written as header page, payload, zero pad
 DIRECT_ALIGN = PAGE  # sources aligned like this are written in place (O_DIRECT needs the sector size: be safe)
 DIRECT_MIN = PAGE  # aligned payloads of at least a page go in place (iovec layout costs nothing measurable)
-FIRST_IO = 256 << 10  # the first I/O of a call: the device starts early; later ones grow 4x up to io_bytes
+FIRST_IO = 512 << 10  # the first I/O of a call: the device starts early; later ones grow 4x up to io_bytes
 MAX_IOVECS = 512
 MAX_IO_FACTOR = 4  # an I/O carrying in-place payloads may reach this many times io_bytes
 _ZEROS = memoryview(bytes(64 << 10))
