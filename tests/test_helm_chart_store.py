@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,10 @@ from tests.helm_support import (
     env_of,
     flags_of,
     fullname,
+    render_docs,
+    render_error,
     rendered_cases,
+    validation_problems,
     yaml,
 )
 
@@ -98,7 +102,7 @@ def test_default(rendered: dict[str, Rendered]) -> None:
     assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
     client = r.get("Service", fullname("store"))
     assert client["spec"]["type"] == "ClusterIP"
-    assert {p["name"] for p in client["spec"]["ports"]} == {"grpc", "metrics"}
+    assert {p["name"] for p in client["spec"]["ports"]} == {"grpc", "metrics", "tcp-lane"}
     assert r.notes is None or "kvstore-store" in r.notes
 
 
@@ -240,14 +244,11 @@ def test_hostpath_config(rendered: dict[str, Rendered]) -> None:
         assert env_of(worker)["KVSTORE_REDIS"]["valueFrom"] == secret_ref
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_store_args_parse_with_the_cli(rendered: dict[str, Rendered], case: str, tmp_path: Path) -> None:
-    """The flags and KVSTORE_* variables the chart gives the store are ones
-    `kvstore serve` accepts, with values it can parse."""
+def _serve_config(r: Rendered, tmp_path: Path) -> tuple[Any, dict[str, str], dict[str, Any]]:
+    """The store's ServeConfig as `kvstore serve` would load it from the rendered
+    command line and KVSTORE_* variables; also those variables and the container."""
     cli = pytest.importorskip("kvstore.cli", reason="the kvstore package is not importable")
     config = pytest.importorskip("kvstore.config", reason="the kvstore package is not importable")
-    sizes = pytest.importorskip("kvstore.sizes", reason="the kvstore package is not importable")
-    r = rendered[case]
     sts = r.one("StatefulSet", "store")
     store = container(sts, "store")
     args = list(store["command"][1:] + store["args"])
@@ -258,8 +259,76 @@ def test_store_args_parse_with_the_cli(rendered: dict[str, Rendered], case: str,
         args = [f"--config={local}" if a.startswith("--config=") else a for a in args]
     env = {name: e.get("value", "redis://from-a-secret:6379/0") for name, e in env_of(store).items()
            if name.startswith("KVSTORE_")}
-    cfg = config.load(cli.build_parser().parse_args(args), env=env)
+    return config.load(cli.build_parser().parse_args(args), env=env), env, store
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_store_args_parse_with_the_cli(rendered: dict[str, Rendered], case: str, tmp_path: Path) -> None:
+    """The flags and KVSTORE_* variables the chart gives the store are ones
+    `kvstore serve` accepts, with values it can parse."""
+    sizes = pytest.importorskip("kvstore.sizes", reason="the kvstore package is not importable")
+    cfg, env, store = _serve_config(rendered[case], tmp_path)
     assert cfg.listen == "0.0.0.0:7070"
     assert cfg.dram == sizes.parse_size(flags_of(store)["dram"])
     assert cfg.redis == env.get("KVSTORE_REDIS")
     assert (cfg.nvme_dir is not None) == ("nvme-dir" in flags_of(store))
+    assert cfg.tcp_lane_listen == flags_of(store).get("tcp-lane-listen", "")
+
+
+# --------------------------------------------------------------- store settings
+
+
+def _service_ports(r: Rendered) -> dict[str, dict[str, dict[str, Any]]]:
+    """Ports by name of the store's client and headless Services."""
+    return {
+        name: {p["name"]: p for p in r.get("Service", fullname(name))["spec"]["ports"]}
+        for name in ("store", "store-headless")
+    }
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tcp_lane(rendered: dict[str, Rendered], case: str) -> None:
+    """The bulk TCP lane listens on a fixed port that both store Services
+    expose; it is plaintext, so under TLS neither flag nor port is rendered
+    (the store itself turns the lane off when gRPC uses TLS)."""
+    r = rendered[case]
+    store = container(r.one("StatefulSet", "store"), "store")
+    ports = {p["name"]: p for p in store["ports"]}
+    services = _service_ports(r)
+    if "tls-cert" in flags_of(store):
+        assert "tcp-lane-listen" not in flags_of(store)
+        assert "tcp-lane" not in ports
+        assert all("tcp-lane" not in svc for svc in services.values())
+        return
+    assert flags_of(store)["tcp-lane-listen"] == "0.0.0.0:7072"
+    assert ports["tcp-lane"] == {"name": "tcp-lane", "containerPort": 7072, "protocol": "TCP"}
+    for name, svc in services.items():
+        assert svc["tcp-lane"] == {"name": "tcp-lane", "port": 7072, "targetPort": "tcp-lane", "protocol": "TCP"}, name
+    assert r.notes is None or "TCP lane" in r.notes
+    # A lane is known only to the pod that opened it: through the client
+    # Service a client's lane connection must reach its gRPC connection's pod.
+    assert r.get("Service", fullname("store"))["spec"]["sessionAffinity"] == "ClientIP"
+
+
+def test_tcp_lane_port_from_values() -> None:
+    r = render_docs({"store": {"ports": {"tcpLane": 17072}, "service": {"sessionAffinity": "None"}}})
+    assert "sessionAffinity" not in r.get("Service", fullname("store"))["spec"]
+    store = container(r.one("StatefulSet", "store"), "store")
+    assert flags_of(store)["tcp-lane-listen"] == "0.0.0.0:17072"
+    assert {"name": "tcp-lane", "containerPort": 17072, "protocol": "TCP"} in store["ports"]
+    for name, svc in _service_ports(r).items():
+        assert svc["tcp-lane"]["port"] == 17072 and svc["tcp-lane"]["targetPort"] == "tcp-lane", name
+    assert validation_problems(r.docs) == []
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"store": {"ports": {"tcpLane": 7070}}}, "must be different ports"),
+        ({"store": {"ports": {"tcpLane": 9090}}}, "must be different ports"),
+        ({"store": {"ports": {"tcpLane": 0}}}, "/store/ports/tcpLane"),
+    ],
+    ids=["tcp-lane-on-grpc", "tcp-lane-on-metrics", "tcp-lane-zero"],
+)
+def test_refused_store_values(values: dict[str, Any], message: str) -> None:
+    assert message in render_error(values)

@@ -150,6 +150,15 @@ what is left of terminationGracePeriodSeconds after the preStop sleep, less
 {{- end }}
 
 {{/*
+True ("true") when the store's bulk TCP lane is rendered (flag, container port,
+Service ports): whenever gRPC is plaintext. The lane carries no TLS, and the
+store turns it off when it serves gRPC over TLS.
+*/}}
+{{- define "kvstore.store.tcpLane" -}}
+{{- if not .Values.tls.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
 Size of the NVMe PersistentVolumeClaim: the explicit value, or store.nvme.size
 plus 10% (filesystem metadata and room for a compaction segment).
 */}}
@@ -226,6 +235,10 @@ once from the store StatefulSet so that a bad combination fails rendering.
 {{- end }}
 {{- if and (gt (int .Values.store.replicas) 1) (not (include "kvstore.redis.configured" .)) }}
 {{- fail "store.replicas > 1 needs cluster mode: enable redis (redis.enabled=true) or set redis.externalUrl" }}
+{{- end }}
+{{- $ports := .Values.store.ports }}
+{{- if or (eq (int $ports.grpc) (int $ports.metrics)) (eq (int $ports.grpc) (int $ports.tcpLane)) (eq (int $ports.metrics) (int $ports.tcpLane)) }}
+{{- fail (printf "store.ports: grpc (%d), metrics (%d) and tcpLane (%d) must be different ports" (int $ports.grpc) (int $ports.metrics) (int $ports.tcpLane)) }}
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
 {{- fail "tls.enabled=true needs tls.existingSecret: the name of a Secret holding the server certificate and key" }}
