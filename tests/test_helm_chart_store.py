@@ -273,6 +273,7 @@ def test_store_args_parse_with_the_cli(rendered: dict[str, Rendered], case: str,
     assert cfg.redis == env.get("KVSTORE_REDIS")
     assert (cfg.nvme_dir is not None) == ("nvme-dir" in flags_of(store))
     assert cfg.tcp_lane_listen == flags_of(store).get("tcp-lane-listen", "")
+    assert cfg.cluster_ttl == float(flags_of(store).get("cluster-ttl", "10"))
 
 
 # --------------------------------------------------------------- store settings
@@ -321,14 +322,37 @@ def test_tcp_lane_port_from_values() -> None:
     assert validation_problems(r.docs) == []
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_cluster_ttl(rendered: dict[str, Rendered], case: str) -> None:
+    """--cluster-ttl (store.clusterTtl, default 10 s) goes with cluster mode only."""
+    store = container(rendered[case].one("StatefulSet", "store"), "store")
+    if "KVSTORE_REDIS" in env_of(store):
+        assert flags_of(store)["cluster-ttl"] == "10"
+    else:
+        assert "cluster-ttl" not in flags_of(store)
+
+
+def test_cluster_ttl_from_values(tmp_path: Path) -> None:
+    r = render_docs({"store": {"clusterTtl": 2.5}})
+    store = container(r.one("StatefulSet", "store"), "store")
+    assert flags_of(store)["cluster-ttl"] == "2.5"
+    cfg, _, _ = _serve_config(r, tmp_path)
+    assert cfg.cluster_ttl == 2.5
+    # Without Redis the value has nothing to apply to and is not rendered.
+    r = render_docs({"store": {"clusterTtl": 30}, "redis": {"enabled": False}})
+    assert "cluster-ttl" not in flags_of(container(r.one("StatefulSet", "store"), "store"))
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
         ({"store": {"ports": {"tcpLane": 7070}}}, "must be different ports"),
         ({"store": {"ports": {"tcpLane": 9090}}}, "must be different ports"),
         ({"store": {"ports": {"tcpLane": 0}}}, "/store/ports/tcpLane"),
+        ({"store": {"clusterTtl": 0}}, "/store/clusterTtl"),
+        ({"store": {"clusterTtl": "10s"}}, "/store/clusterTtl"),
     ],
-    ids=["tcp-lane-on-grpc", "tcp-lane-on-metrics", "tcp-lane-zero"],
+    ids=["tcp-lane-on-grpc", "tcp-lane-on-metrics", "tcp-lane-zero", "cluster-ttl-zero", "cluster-ttl-string"],
 )
 def test_refused_store_values(values: dict[str, Any], message: str) -> None:
     assert message in render_error(values)
