@@ -343,6 +343,65 @@ def test_cluster_ttl_from_values(tmp_path: Path) -> None:
     assert "cluster-ttl" not in flags_of(container(r.one("StatefulSet", "store"), "store"))
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_no_gpu_by_default(rendered: dict[str, Rendered], case: str) -> None:
+    sts = rendered[case].one("StatefulSet", "store")
+    store = container(sts, "store")
+    assert "hbm" not in flags_of(store) and "hbm-fraction" not in flags_of(store)
+    assert "nvidia.com/gpu" not in store["resources"].get("limits", {})
+    assert "runtimeClassName" not in sts["spec"]["template"]["spec"]
+
+
+def test_gpu_store_with_hbm(tmp_path: Path) -> None:
+    """A GPU store node: --hbm, an nvidia.com/gpu limit beside the computed
+    memory and CPU, and the RuntimeClass of the NVIDIA runtime."""
+    sizes = pytest.importorskip("kvstore.sizes", reason="the kvstore package is not importable")
+    r = render_docs({"store": {"hbm": "8GiB", "gpu": {"count": 1}, "runtimeClassName": "nvidia"}})
+    assert validation_problems(r.docs) == []
+    sts = r.one("StatefulSet", "store")
+    store = container(sts, "store")
+    flags = flags_of(store)
+    assert flags["hbm"] == "8GiB" and "hbm-fraction" not in flags
+    resources = store["resources"]
+    assert resources["limits"] == {"memory": "5Gi", "nvidia.com/gpu": 1}
+    assert resources["requests"] == {"memory": "5Gi", "cpu": "2"}
+    assert sts["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+    cfg, _, _ = _serve_config(r, tmp_path)
+    assert cfg.hbm == sizes.parse_size("8GiB") and cfg.hbm_fraction == 0.0
+    assert r.notes is None or "HBM tier 8GiB" in r.notes
+
+
+def test_gpu_store_with_hbm_fraction(tmp_path: Path) -> None:
+    r = render_docs({"store": {"hbmFraction": 0.5, "gpu": {"count": 2}}})
+    assert validation_problems(r.docs) == []
+    sts = r.one("StatefulSet", "store")
+    store = container(sts, "store")
+    assert flags_of(store)["hbm-fraction"] == "0.5" and "hbm" not in flags_of(store)
+    assert store["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert "runtimeClassName" not in sts["spec"]["template"]["spec"]
+    cfg, _, _ = _serve_config(r, tmp_path)
+    assert cfg.hbm == 0 and cfg.hbm_fraction == 0.5
+    # hbm wins over hbmFraction, as in the store (--hbm-fraction applies when --hbm is 0).
+    r = render_docs({"store": {"hbm": "4GiB", "hbmFraction": 0.5, "gpu": {"count": 1}}})
+    flags = flags_of(container(r.one("StatefulSet", "store"), "store"))
+    assert flags["hbm"] == "4GiB" and "hbm-fraction" not in flags
+
+
+def test_gpu_without_hbm() -> None:
+    """A GPU without an HBM tier (for the cuda_ipc lane): the limit only."""
+    r = render_docs({"store": {"gpu": {"count": 1}}})
+    store = container(r.one("StatefulSet", "store"), "store")
+    assert store["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "hbm" not in flags_of(store) and "hbm-fraction" not in flags_of(store)
+
+
+def test_gpu_limit_from_resources() -> None:
+    """An nvidia.com/gpu limit set through store.resources also satisfies an HBM tier."""
+    r = render_docs({"store": {"hbm": "8GiB", "resources": {"limits": {"nvidia.com/gpu": 1}}}})
+    store = container(r.one("StatefulSet", "store"), "store")
+    assert store["resources"]["limits"]["nvidia.com/gpu"] == 1 and flags_of(store)["hbm"] == "8GiB"
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
@@ -351,8 +410,17 @@ def test_cluster_ttl_from_values(tmp_path: Path) -> None:
         ({"store": {"ports": {"tcpLane": 0}}}, "/store/ports/tcpLane"),
         ({"store": {"clusterTtl": 0}}, "/store/clusterTtl"),
         ({"store": {"clusterTtl": "10s"}}, "/store/clusterTtl"),
+        ({"store": {"hbm": "8GiB"}}, "set store.gpu.count"),
+        ({"store": {"hbmFraction": 0.5}}, "set store.gpu.count"),
+        ({"store": {"hbm": "8GiB", "gpu": {"count": 1}, "resources": {"limits": {"nvidia.com/gpu": 0}}}},
+         "set store.gpu.count"),
+        ({"store": {"hbm": "8GB", "gpu": {"count": 1}}}, "/store/hbm"),
+        ({"store": {"hbmFraction": 1, "gpu": {"count": 1}}}, "/store/hbmFraction"),
+        ({"store": {"gpu": {"count": -1}}}, "/store/gpu/count"),
     ],
-    ids=["tcp-lane-on-grpc", "tcp-lane-on-metrics", "tcp-lane-zero", "cluster-ttl-zero", "cluster-ttl-string"],
+    ids=["tcp-lane-on-grpc", "tcp-lane-on-metrics", "tcp-lane-zero", "cluster-ttl-zero", "cluster-ttl-string",
+         "hbm-without-gpu", "hbm-fraction-without-gpu", "hbm-gpu-limit-zero", "hbm-bad-size",
+         "hbm-fraction-one", "gpu-count-negative"],
 )
 def test_refused_store_values(values: dict[str, Any], message: str) -> None:
     assert message in render_error(values)

@@ -124,8 +124,8 @@ Call with (dict "value" "4GiB" "path" "store.dram").
 Store container resources: memory request and limit are DRAM tier plus
 store.memoryOverhead (the arena is preallocated, so usage is predictable and
 request = limit avoids eviction under memory pressure); CPU from store.cpu.
-store.resources is merged on top, so it can override any of it or add
-extended resources such as nvidia.com/gpu.
+store.gpu.count adds an nvidia.com/gpu limit. store.resources is merged on
+top, so it can override any of it or add other extended resources.
 */}}
 {{- define "kvstore.store.resources" -}}
 {{- $dram := include "kvstore.sizeToMiB" (dict "value" .Values.store.dram "path" "store.dram") | atoi }}
@@ -135,6 +135,7 @@ extended resources such as nvidia.com/gpu.
 {{- $limits := dict "memory" $memory }}
 {{- with .Values.store.cpu.request }}{{ $_ := set $requests "cpu" (toString .) }}{{ end }}
 {{- with .Values.store.cpu.limit }}{{ $_ := set $limits "cpu" (toString .) }}{{ end }}
+{{- if gt (int .Values.store.gpu.count) 0 }}{{ $_ := set $limits "nvidia.com/gpu" (int .Values.store.gpu.count) }}{{ end }}
 {{- $computed := dict "requests" $requests "limits" $limits }}
 {{- toYaml (mustMergeOverwrite $computed (deepCopy .Values.store.resources)) }}
 {{- end }}
@@ -239,6 +240,12 @@ once from the store StatefulSet so that a bad combination fails rendering.
 {{- $ports := .Values.store.ports }}
 {{- if or (eq (int $ports.grpc) (int $ports.metrics)) (eq (int $ports.grpc) (int $ports.tcpLane)) (eq (int $ports.metrics) (int $ports.tcpLane)) }}
 {{- fail (printf "store.ports: grpc (%d), metrics (%d) and tcpLane (%d) must be different ports" (int $ports.grpc) (int $ports.metrics) (int $ports.tcpLane)) }}
+{{- end }}
+{{- if or .Values.store.hbm (gt (float64 .Values.store.hbmFraction) 0.0) }}
+{{- $limits := (include "kvstore.store.resources" . | fromYaml).limits | default dict }}
+{{- if not (gt (int (index $limits "nvidia.com/gpu" | default 0)) 0) }}
+{{- fail "store.hbm and store.hbmFraction put a tier in GPU memory: set store.gpu.count to the GPUs per store pod (at least 1; requested as nvidia.com/gpu)" }}
+{{- end }}
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
 {{- fail "tls.enabled=true needs tls.existingSecret: the name of a Secret holding the server certificate and key" }}
