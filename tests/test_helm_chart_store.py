@@ -2,11 +2,13 @@
 
 For each deployment shape of tests/data/helm_values/ (rendered once, see
 tests/helm_support.py) the store StatefulSet, its Services and its neighbours
-are checked for what that shape must produce: replicas, Redis wiring, TLS
-mounts and flags, NVMe volumes, probes, resources, and that the flags the
-chart gives ``kvstore serve`` parse with the store's own CLI. Settings no
-shape file covers are rendered from inline values. tests/test_helm_chart.py
-holds the rendering, lint and schema checks common to every shape.
+are checked for what that shape must produce (replicas, Redis wiring, TLS
+mounts and flags, NVMe volumes, probes, resources, the bulk TCP lane's port,
+--cluster-ttl), and that the flags the chart gives ``kvstore serve`` parse
+with the store's own CLI. Settings no shape file covers (another TCP lane
+port, GPU store nodes with an HBM tier) are rendered from inline values, and
+their manifests validated. tests/test_helm_chart.py holds the rendering, lint
+and schema checks common to every shape.
 """
 
 from __future__ import annotations
