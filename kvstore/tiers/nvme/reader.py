@@ -30,6 +30,7 @@ from kvstore.tiers.nvme.format import (
     HEADER_BYTES, PAGE, Header, align_up, check_header, crc32c, decode_header, record_bytes,
 )
 from kvstore.tiers.nvme.io import IoBackend, aligned_buffer
+from kvstore.tiers.nvme.writer import _address  # where an array's bytes start (cheap for writable ones)
 from kvstore.tiers.nvme.segments import Segment
 
 MIN_PIECE = 256 << 10  # pieces are not cut smaller than this for parallelism
@@ -159,16 +160,12 @@ def host_view(dest: Any) -> np.ndarray | None:
     return out if out.flags.writeable else None
 
 
-def _address(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
-
-
 def read_piece_into(backend: IoBackend, piece: Piece, scratch: np.ndarray, dests: Sequence[Any],
-                    views: Sequence[np.ndarray | None]) -> list[tuple[int, str]]:
+                    direct: bool = True) -> list[tuple[int, str]]:
     """Read one piece with one preadv straight into the callers' buffers; returns failed (target, reason).
 
     The page-aligned part of each payload lands in its first target's buffer when that
-    buffer is host memory, page aligned and large enough (``views[t]``); header pages, payload
+    buffer is host memory, page aligned and large enough (``host_view``); header pages, payload
     tails, read-through gaps and the payloads of other records land in ``scratch`` (at
     least ``piece.nbytes``). Every record is then checked (header magic and CRC, the length
     expected, the payload CRC32C over both parts) before its tail is copied in and other
@@ -186,7 +183,7 @@ def read_piece_into(backend: IoBackend, piece: Piece, scratch: np.ndarray, dests
         hdr = sp
         sp += HEADER_BYTES
         al = n // PAGE * PAGE
-        view = views[w.targets[0]] if w.targets and w.length is not None and al else None
+        view = host_view(dests[w.targets[0]]) if direct and w.targets and w.length is not None and al else None
         if view is not None and (view.nbytes < n or _address(view) % PAGE or w.nbytes != record_bytes(n)):
             view = None
         if view is None:
@@ -203,7 +200,7 @@ def read_piece_into(backend: IoBackend, piece: Piece, scratch: np.ndarray, dests
     if sp > run:
         iov.append(scratch[run:sp])
     if len(iov) > IOV_MAX:  # too many pieces for one call: read it all into scratch instead
-        return read_piece_into(backend, piece, scratch, dests, [None] * len(views))
+        return read_piece_into(backend, piece, scratch, dests, direct=False)
     try:
         got = backend.preadv(piece.seg.fh, iov, piece.offset)
     except OSError as e:

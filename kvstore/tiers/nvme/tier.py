@@ -40,7 +40,7 @@ from kvstore.tiers.nvme.gds import is_device_dest, read_split
 from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK, PAGE, record_bytes
 from kvstore.tiers.nvme.io import IoBackend, select_backend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
-from kvstore.tiers.nvme.reader import BufferPool, Piece, Wanted, host_view, plan_pieces, read_piece_into
+from kvstore.tiers.nvme.reader import BufferPool, Piece, Wanted, plan_pieces, read_piece_into
 from kvstore.tiers.nvme.segments import SegmentState
 
 log = logging.getLogger("kvstore.nvme")
@@ -225,11 +225,10 @@ class NvmeTier(Tier):
             pieces = [p for seg, wanted in groups.values()
                       for p in plan_pieces(seg, list(wanted.values()), self.max_read_bytes,
                                            self.coalesce_gap_bytes, self.read_threads)]
-            views = [host_view(d) for d in dests]  # payloads are read straight into these where aligned
             # the other pieces on the pool, the first one here (no hand-off for it)
-            futures = [self._pool.submit(self._read_piece, p, dests, views) for p in pieces[1:]]
+            futures = [self._pool.submit(self._read_piece, p, dests) for p in pieces[1:]]
             try:
-                failures = [self._read_piece(pieces[0], dests, views)] if pieces else []
+                failures = [self._read_piece(pieces[0], dests)] if pieces else []
             finally:
                 wait(futures)  # every read settles before the segments are unpinned
             failures += [f.result() for f in futures]
@@ -247,10 +246,11 @@ class NvmeTier(Tier):
             raise CorruptBlock(f"{len(bad)} of {len(locs)} nvme records failed verification "
                                f"(first: loc {first[0]:#x}: {first[1]})", list(bad))
 
-    def _read_piece(self, piece: Piece, dests: Sequence[Any], views: Sequence[Any]) -> list[tuple[int, str]]:
+    def _read_piece(self, piece: Piece, dests: Sequence[Any]) -> list[tuple[int, str]]:
+        """One preadv; payloads land straight in page-aligned host dests (see read_piece_into)."""
         buf = self._buffers.get(piece.nbytes)
         try:
-            return read_piece_into(self.backend, piece, buf, dests, views)
+            return read_piece_into(self.backend, piece, buf, dests)
         finally:
             self._buffers.put(buf)
 
