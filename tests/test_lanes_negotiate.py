@@ -51,6 +51,19 @@ def test_unmappable_region_falls_back_to_tcp(lane_server, monkeypatch):
         assert len(lane_server.lanes.registry) == 1  # the shm lane it could not map was closed
 
 
+def test_refused_tcp_hello_falls_back_to_grpc(lane_server, monkeypatch):
+    """A tcp lane whose hello is refused (the connection reached another node) is dropped, not raised."""
+    def refuse(*_args, **_kw):
+        raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, "lane 'x' is not open")
+
+    monkeypatch.setattr(negotiate, "host_id", lambda: "another-boot-id/another-host")
+    monkeypatch.setattr("kvstore.lanes.tcp_client.TcpClientLane.__init__", refuse)
+    with Client(f"127.0.0.1:{lane_server.port}") as kv:
+        round_trip(kv)
+        assert kv.lane_kind == "grpc"
+        assert len(lane_server.lanes.registry) == 0  # the lane it could not use was closed on the server
+
+
 def test_grpc_lane_never_opens_a_lane(lane_server):
     with Client(f"127.0.0.1:{lane_server.port}", lane="grpc") as kv:
         round_trip(kv)

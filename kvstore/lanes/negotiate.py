@@ -153,6 +153,8 @@ class LanePool:
 
     # -- negotiation -----------------------------------------------------------------------
     def _negotiate(self) -> Lane | None:
+        from kvstore.client import KVStoreError  # the client imports this module
+
         wanted = ["shm", "tcp"] if self.mode == "auto" else [self.mode]
         if self.mode == "auto" and (self.tls or self.target.startswith("unix:")):
             wanted.remove("tcp")
@@ -175,7 +177,9 @@ class LanePool:
             kind = _NAMES.get(reply.kind, "tcp")
             try:
                 return self._connect(kind, reply)
-            except (RegionError, OSError, ImportError) as err:
+            except (RegionError, OSError, ImportError, LaneBroken, KVStoreError) as err:  # offered, unusable here
+                if isinstance(err, KVStoreError):  # the lane refused us (a tcp hello reaching another node)
+                    code = err.code
                 reasons.append(f"{kind}: {err}")
                 self._close_remote(reply)
                 wanted.remove(kind)
