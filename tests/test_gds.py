@@ -5,20 +5,11 @@ runs them there); here they are skipped with the reason.
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-from kvstore.tiers.nvme.io import cuda_device_present
-
-
-def _why_not() -> str:
-    if importlib.util.find_spec("kvikio") is None:
-        return "kvikio is not installed"
-    if not cuda_device_present():
-        return "no CUDA device"
-    return ""
+from tests.test_nvme_kvikio import _why_not  # kvikio installed and a CUDA device present
 
 
 pytestmark = [pytest.mark.cuda,

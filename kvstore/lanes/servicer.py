@@ -77,21 +77,13 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             if request.host_id != self.host_id:
                 reasons.append("shm needs the same host")
                 return None
-            try:
-                region = ShmRegion.create(self.shm_dir, self.shm_bytes)
-            except (RegionError, OSError) as err:
-                log.warning("cannot create a shm lane region: %s", err)
-                reasons.append(f"shm region: {err}")
+            shm_dir = self.shm_dir
+            lane = self._region_lane("shm", lambda: ShmRegion.create(shm_dir, self.shm_bytes), ShmServerLane,
+                                     reasons, access)
+            if lane is None:
                 return None
-            lane = ShmServerLane(region, self.ops, self.registry.lease)
-            lane.access = access
-            try:
-                self.registry.add(lane)
-            except LaneError:
-                lane.close()
-                raise
-            return lpb.OpenLaneResponse(kind=kind, lane_id=lane.lane_id, token=lane.token, shm_path=region.path,
-                                        shm_bytes=region.size, **common)
+            return lpb.OpenLaneResponse(kind=kind, lane_id=lane.lane_id, token=lane.token,
+                                        shm_path=lane.region.path, shm_bytes=lane.region.size, **common)
         if kind == lpb.LANE_CUDA_IPC:
             return self._open_cuda(request, reasons, access, common)
         if kind == lpb.LANE_TCP:
@@ -117,21 +109,31 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
         if request.pid == os.getpid() and self.cuda_device != "cpu":
             reasons.append("cuda_ipc cannot map a handle in the process that made it (client inside the server)")
             return None
-        try:
-            region = DeviceRegion.create(self.cuda_device, self.cuda_bytes, self.cuda_shm_dir)
-        except (RegionError, OSError) as err:
-            log.warning("cannot create a cuda_ipc lane region: %s", err)
-            reasons.append(f"cuda_ipc region: {err}")
+        device = self.cuda_device
+        lane = self._region_lane("cuda_ipc", lambda: DeviceRegion.create(device, self.cuda_bytes, self.cuda_shm_dir),
+                                 CudaIpcServerLane, reasons, access)
+        if lane is None:
             return None
-        lane = CudaIpcServerLane(region, self.ops, self.registry.lease)
+        return lpb.OpenLaneResponse(kind=lpb.LANE_CUDA_IPC, lane_id=lane.lane_id, token=lane.token,
+                                    shm_bytes=lane.region.size, cuda_region=lane.region.message, **common)
+
+    def _region_lane(self, name: str, make_region: Callable[[], Any], lane_class: type[ShmServerLane],
+                     reasons: list[str], access: LaneAccess) -> ShmServerLane | None:
+        """A region lane (shm or cuda_ipc) registered for ``access``; None (with the reason) if no region."""
+        try:
+            region = make_region()
+        except (RegionError, OSError) as err:
+            log.warning("cannot create a %s lane region: %s", name, err)
+            reasons.append(f"{name} region: {err}")
+            return None
+        lane = lane_class(region, self.ops, self.registry.lease)
         lane.access = access
         try:
             self.registry.add(lane)
         except LaneError:
             lane.close()
             raise
-        return lpb.OpenLaneResponse(kind=lpb.LANE_CUDA_IPC, lane_id=lane.lane_id, token=lane.token,
-                                    shm_bytes=region.size, cuda_region=region.message, **common)
+        return lane
 
     def CloseLane(self, request: lpb.CloseLaneRequest, context: grpc.ServicerContext) -> lpb.CloseLaneResponse:
         with self.ops.metrics.rpc("CloseLane", context):
