@@ -92,10 +92,11 @@ def test_aligned_payloads_are_not_copied(tmp_path: Path) -> None:
     backend = InstrumentedBackend(PosixBackend())
     fh = backend.create(str(tmp_path / "f"), 8 << 20)
     wc = WriteCombiner(backend, io_bytes=2 << 20)
-    chunks, expect = chunks_for([(256 << 10, True)] * 16, np.random.default_rng(0))
+    chunks, expect = chunks_for([(DIRECT_MIN, True)] * 4 + [(DIRECT_MIN // 2, True)], np.random.default_rng(0))
     wc.write(fh, 0, chunks)
-    assert wc.bytes_in_place == 16 * (256 << 10) and wc.bytes_copied == 16 * PAGE  # only the headers
-    # 4.2 MB in I/Os that start at 512 KiB and grow 4x up to io_bytes: 2, 8 and the last 6 records
+    assert wc.bytes_in_place == 4 * DIRECT_MIN  # the one under DIRECT_MIN is copied, like the headers
+    assert wc.bytes_copied == 5 * PAGE + DIRECT_MIN // 2
+    # I/Os start at 512 KiB and grow 4x up to io_bytes: record 1, records 2-3, the rest
     assert backend.pwrites == 3
     got = aligned_buffer(len(expect))
     backend.pread(fh, got, 0)

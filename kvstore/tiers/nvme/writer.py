@@ -30,7 +30,8 @@ from kvstore.tiers.nvme.io import FileHandle, IoBackend, aligned_buffer
 Chunk = Union[np.ndarray, bytes, int, tuple]  # bytes (an array or a bytes object), a count of zero bytes,
 # or a record: (header bytes, payload array), written as header page, payload, zero pad
 DIRECT_ALIGN = PAGE  # sources aligned like this are written in place (O_DIRECT needs the sector size: be safe)
-DIRECT_MIN = PAGE  # aligned payloads of at least a page go in place (iovec layout costs nothing measurable)
+DIRECT_MIN = 1 << 20  # smaller payloads go faster copied into the (hot, reused) staging buffers: measured
+# 512 KiB blocks 2.65-3.28 GB/s copied vs 2.31-2.44 in place, 64 KiB 1.79-2.22 vs 1.69-2.09, 2 MiB even
 FIRST_IO = 512 << 10  # the first I/O of a call: the device starts early; later ones grow 4x up to io_bytes
 MAX_IOVECS = 512
 MAX_IO_FACTOR = 4  # an I/O carrying in-place payloads may reach this many times io_bytes
@@ -159,9 +160,9 @@ class _Run:
             self.flush()  # in-place bytes take no staging room: an I/O may grow past io_bytes with them
         self.iov.append(chunk[:inplace] if inplace < n else chunk)
         self.iov_bytes += inplace
-        self.o.bytes_in_place += inplace
         if self.iov_bytes >= self.limit or len(self.iov) >= MAX_IOVECS:
             self.flush()
+        self.o.bytes_in_place += inplace
         if inplace < n:
             self._stage(memoryview(chunk[inplace:]), n - inplace)
 
