@@ -14,6 +14,12 @@ stored length the caller expects, and the CRC32C of the payload. It returns a
 Callers copy a payload out only after its check passed, so a caller buffer
 never receives bytes that failed verification.
 
+``read_piece_into(backend, piece, scratch, dests)`` is the tier's read: one
+preadv per piece, the page-aligned part of each payload straight into its
+caller's buffer when that is page-aligned host memory, the rest (header pages,
+tails, gaps) into scratch; the same checks, then the tail is copied in. A
+record that fails has whatever was read into its buffer zeroed.
+
 ``BufferPool`` bounds the bounce-buffer memory (``count`` buffers, each as
 large as the largest piece read so far).
 """

@@ -5,11 +5,14 @@
 all of it is written (the caller then fdatasyncs per its write policy), or
 raises the first OSError after every in-flight write has settled.
 
-How: bytes are gathered into I/Os of up to ``io_bytes`` each, issued as one
-``pwritev`` on a writer thread while the caller gathers the next one, so
-copying and disk I/O overlap (up to ``buffers - 1`` I/Os in flight). Small or
-unaligned pieces (headers, payload tails, padding) are copied into page-aligned
-staging buffers; a payload of ``DIRECT_MIN`` bytes or more that already sits
+How: bytes are gathered into I/Os, each issued as one ``pwritev`` on a writer
+thread while the caller gathers the next one, so copying, checksumming (the
+caller's chunk iterator may compute as it goes) and disk I/O overlap (up to
+``buffers - 1`` I/Os in flight). The first I/O of a call is ``FIRST_IO`` bytes
+so the device starts early, later ones grow 4x up to ``io_bytes``, and the
+last one is written by the calling thread itself. Headers, padding, payload
+tails and payloads that are smaller than ``DIRECT_MIN`` or unaligned are
+copied into page-aligned staging buffers; a payload of ``DIRECT_MIN`` bytes or more that already sits
 in page-aligned memory (a DRAM arena slot, say) is not copied at all: its
 aligned part goes into the iovec list as is, as O_DIRECT allows. Memory is bounded (``buffers x io_bytes`` of
 staging), whatever the size of the batch.
