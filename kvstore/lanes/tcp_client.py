@@ -2,10 +2,11 @@
 
 - ``put``: one PUT frame: the metadata with every header, then each payload
   followed by its CRC32C, gathered straight from the caller's buffers by
-  ``sendmsg`` (no copy in user space, no per-block round trip) in groups of
-  about ``GROUP_BYTES``, each group checksummed (C, about 16 GB/s) just before
-  it is sent, so the server stores one group while the client checksums the
-  next. Then one PUT_REPLY with a result per block, or a STATUS error.
+  ``sendmsg`` (no copy in user space, no per-block round trip). Each piece of
+  256 KiB is checksummed (C, hardware CRC32C) just before ``sendmsg`` hands it
+  to the kernel, so the kernel's copy reads it from cache, while the socket
+  buffer keeps the server busy (``framing.send_blocks_crc``). Then one
+  PUT_REPLY with a result per block, or a STATUS error.
 - ``get``: one GET frame; the GET_REPLY lists every header, then DATA frames
   carry the blocks, received with ``recv_into`` straight into ``out`` (or new
   buffers carved from one mapping per batch), the CRC32C computed piece by piece as bytes arrive.
@@ -20,7 +21,6 @@ from typing import Any, Sequence
 
 import grpc
 
-from kvstore.checksum import crc32c
 from kvstore.lanes import framing
 from kvstore.lanes.base import Lane, LaneBroken
 from kvstore.lanes.buffers import alloc_blocks
@@ -28,22 +28,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 
 
-GROUP_BYTES = 16 << 20
 CONNECT_SECONDS = 3.0  # an unreachable lane port (not exposed, filtered) must not stall the first call long
-
-
-def _groups_of(payloads: Sequence[memoryview]) -> list[tuple[int, int]]:
-    """[lo, hi) ranges of whole blocks of about GROUP_BYTES each."""
-    ranges: list[tuple[int, int]] = []
-    lo, size = 0, 0
-    for i, p in enumerate(payloads):
-        size += len(p)
-        if size >= GROUP_BYTES:
-            ranges.append((lo, i + 1))
-            lo, size = i + 1, 0
-    if lo < len(payloads):
-        ranges.append((lo, len(payloads)))
-    return ranges
 
 
 class TcpClientLane(Lane):
@@ -69,13 +54,8 @@ class TcpClientLane(Lane):
         meta = lpb.TcpPut(namespace=namespace, headers=headers).SerializeToString()
         data_len = sum(len(p) + framing.CRC.size for p in payloads)
         try:
-            framing.send_all(self.sock, [memoryview(framing.HEADER.pack(framing.MAGIC, framing.PUT, len(meta),
-                                                                        data_len)), memoryview(meta)])
-            for lo, hi in _groups_of(payloads):  # the server stores group k while we checksum group k+1
-                parts: list[memoryview] = []
-                for payload in payloads[lo:hi]:
-                    parts += [payload, memoryview(framing.CRC.pack(crc32c(payload)))]
-                framing.send_all(self.sock, parts)
+            head = framing.HEADER.pack(framing.MAGIC, framing.PUT, len(meta), data_len)
+            framing.send_blocks_crc(self.sock, [memoryview(head), memoryview(meta)], payloads)
             frame = self._expect(framing.PUT_REPLY)
         except OSError as err:
             raise LaneBroken(f"tcp lane connection failed during Put: {err}") from None
