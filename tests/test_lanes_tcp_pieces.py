@@ -1,0 +1,64 @@
+"""The tcp lane's piecewise send and receive: blocks that are not whole numbers of pieces, and SO_RCVLOWAT.
+
+A receiver raises SO_RCVLOWAT to the piece size while it takes in a block of
+several pieces; a block whose last piece is short must lower it again, or the
+receive would wait for bytes the peer never sends (the frame timeout here is
+short, so a stall fails the test instead of hanging it).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+
+from kvstore.client import Client
+from kvstore.lanes import framing
+
+P = framing.PIECE
+SIZES = [1, P - 1, P, P + 1, 2 * P, 2 * P + 3, 3 * P - 5, 8 * P + 4]
+
+
+@pytest.fixture
+def lane_server(make_server):
+    return make_server(dram=64 << 20, max_block=4 << 20)
+
+
+def test_odd_block_sizes_round_trip_on_tcp(lane_server):
+    blocks = [os.urandom(n) for n in SIZES]
+    keys = [os.urandom(16) for _ in SIZES]
+    with Client(f"127.0.0.1:{lane_server.port}", lane="tcp", timeout=5, retries=0) as kv:
+        results = kv.put("pieces", keys, blocks)
+        assert [r.status for r in results] == ["stored"] * len(SIZES)
+        got = kv.get("pieces", keys)
+        assert [bytes(g) for g in got] == blocks
+        out = [bytearray(n + 7) for n in SIZES]  # larger caller buffers: filled up to each block's length
+        kv.get("pieces", keys, out=out)
+        assert [bytes(o[: len(b)]) for o, b in zip(out, blocks)] == blocks
+        again = kv.put("pieces", keys[::-1], blocks[::-1])  # one batch mixing present blocks and new bytes
+        assert [r.status for r in again] == ["already_present"] * len(SIZES)
+
+
+def test_recv_into_crc_restores_the_low_water_mark():
+    if not framing.RCVLOWAT:
+        pytest.skip("no SO_RCVLOWAT on this platform")
+    from kvstore.checksum import crc32c
+
+    data = os.urandom(2 * P + 3)
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        sender = threading.Thread(target=_send_to, args=(srv.getsockname(), data), daemon=True)
+        sender.start()
+        conn, _ = srv.accept()
+        with conn:
+            framing.set_timeouts(conn, 5.0)
+            view = memoryview(bytearray(len(data)))
+            assert framing.recv_into_crc(conn, view) == crc32c(data)
+            assert bytes(view) == data
+            assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        sender.join(5)
+
+
+def _send_to(address, data: bytes) -> None:
+    with socket.create_connection(address) as s:
+        s.sendall(data)
