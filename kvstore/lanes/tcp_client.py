@@ -99,7 +99,8 @@ class TcpClientLane(Lane):
                     raise framing.FrameError("a DATA frame does not end on a block boundary")
                 h = headers[present[k]]
                 if verify and h.codec == pb.CODEC_NONE:
-                    if framing.recv_into_crc(self.sock, dests[k]) != h.crc32c and bad is None:
+                    if framing.recv_into_crc(self.sock, dests[k], after=left - len(dests[k])) != h.crc32c \
+                            and bad is None:
                         bad = present[k]
                 else:
                     framing.recv_into(self.sock, dests[k])

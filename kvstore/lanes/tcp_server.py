@@ -210,8 +210,10 @@ class TcpLaneServer:
         stored = 0
         res = None
         crc_bytes = memoryview(bytearray(framing.CRC.size))
+        left = frame.data_len  # payload bytes of the frame not read yet
         try:
             for i, meta in enumerate(metas):
+                left -= meta.stored_length + framing.CRC.size
                 n = meta.stored_length
                 if error is not None:
                     framing.drain(conn, n + framing.CRC.size)
@@ -222,7 +224,7 @@ class TcpLaneServer:
                     reply.results.append(res.result)
                     res = None
                     continue
-                computed = self._recv_block(conn, res.ticket.buffer, n)
+                computed = self._recv_block(conn, res.ticket.buffer, n, left + framing.CRC.size)
                 framing.recv_into(conn, crc_bytes)
                 try:
                     reply.results.append(ops.finish(res, framing.CRC.unpack(crc_bytes)[0], computed, committed,
@@ -243,12 +245,13 @@ class TcpLaneServer:
             framing.send_frame(conn, framing.PUT_REPLY, reply.SerializeToString())
 
     @staticmethod
-    def _recv_block(conn: socket.socket, buffer: Any, n: int) -> int:
+    def _recv_block(conn: socket.socket, buffer: Any, n: int, after: int) -> int:
+        """Receive a block of ``n`` bytes into its slot; ``after``: bytes of the frame that follow it."""
         dst = host_view(buffer)
         if dst is not None:
-            return framing.recv_into_crc(conn, dst[:n])
+            return framing.recv_into_crc(conn, dst[:n], after=after)
         staging = memoryview(bytearray(n))  # device slot (HBM tier): land on host, then upload
-        crc = framing.recv_into_crc(conn, staging)
+        crc = framing.recv_into_crc(conn, staging, after=after)
         copy_into(buffer, staging)
         return crc
 
