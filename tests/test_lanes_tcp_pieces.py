@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import pytest
 
@@ -59,6 +60,35 @@ def test_recv_into_crc_restores_the_low_water_mark():
         sender.join(5)
 
 
-def _send_to(address, data: bytes) -> None:
+def test_last_block_of_a_frame_does_not_wait_for_the_low_water_mark():
+    """A receive that took part of its piece sleeps until RCVLOWAT bytes are queued: never more than will come."""
+    if not framing.RCVLOWAT:
+        pytest.skip("no SO_RCVLOWAT on this platform")
+    from kvstore.checksum import crc32c
+
+    data = os.urandom(2 * P + 3)  # the frame's last block: nothing follows it
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        done = threading.Event()  # the sender stays connected: its FIN would wake the receiver anyway
+        sender = threading.Thread(target=_send_to, args=(srv.getsockname(), data, P + 100, done), daemon=True)
+        sender.start()
+        conn, _ = srv.accept()
+        with conn:
+            framing.set_timeouts(conn, 5.0)
+            view = memoryview(bytearray(len(data)))
+            start = time.monotonic()
+            assert framing.recv_into_crc(conn, view, after=0) == crc32c(data)
+            assert time.monotonic() - start < 2.0  # a stall lasts until the 5 s receive timeout
+            assert bytes(view) == data
+        done.set()
+        sender.join(5)
+
+
+def _send_to(address, data: bytes, first: int = 0, done: threading.Event | None = None) -> None:
     with socket.create_connection(address) as s:
-        s.sendall(data)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if first:  # the receiver takes part of its second piece, then waits for the rest
+            s.sendall(data[:first])
+            time.sleep(0.3)
+        s.sendall(data[first:])
+        if done is not None:
+            done.wait(10)
