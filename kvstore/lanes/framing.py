@@ -26,9 +26,14 @@ after an error in the middle of a PUT the server still reads (and drops) the
 rest of the payload, so the connection stays usable.
 
 Sending gathers the frame header, the metadata and the payload buffers into
-``sendmsg`` calls (no copy in user space); receiving uses ``recv_into`` with
-MSG_WAITALL straight into the destination buffer (an arena slot on the
-server, the caller's buffer on the client).
+``sendmsg`` calls (no copy in user space), a put's blocks in pieces of
+``PIECE`` bytes each checksummed just before it is sent; receiving uses
+``recv_into`` with MSG_WAITALL straight into the destination buffer (an arena
+slot on the server, the caller's buffer on the client), piece by piece, each
+piece checksummed while it is in cache, with SO_RCVLOWAT at the piece size
+while more than a piece of the frame is still to come (one wake-up per piece).
+A sender therefore sends a whole frame without waiting for the receiver: a
+receiver counts on the rest of the frame to arrive.
 """
 from __future__ import annotations
 
