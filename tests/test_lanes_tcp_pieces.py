@@ -1,9 +1,9 @@
 """The tcp lane's piecewise send and receive: blocks that are not whole numbers of pieces, and SO_RCVLOWAT.
 
-A receiver raises SO_RCVLOWAT to the piece size while it takes in a block of
-several pieces; a block whose last piece is short must lower it again, or the
-receive would wait for bytes the peer never sends (the frame timeout here is
-short, so a stall fails the test instead of hanging it).
+A receiver raises SO_RCVLOWAT to ``framing.LOWAT`` while at least that much
+of the frame is still to come after the piece it receives; it must lower it
+again before that, or a receive would wait for bytes the peer never sends (the
+frame timeout here is short, so a stall fails the test instead of hanging it).
 """
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ from kvstore.client import Client
 from kvstore.lanes import framing
 
 P = framing.PIECE
-SIZES = [1, P - 1, P, P + 1, 2 * P, 2 * P + 3, 3 * P - 5, 8 * P + 4]
+L = framing.LOWAT
+SIZES = [1, P - 1, P, P + 1, 2 * P, 2 * P + 3, 3 * P - 5, 8 * P + 4, L + P + 1, L]
 
 
 @pytest.fixture
 def lane_server(make_server):
-    return make_server(dram=64 << 20, max_block=4 << 20)
+    return make_server(dram=256 << 20, max_block=4 << 20)  # room for a slab page per block size
 
 
 def test_odd_block_sizes_round_trip_on_tcp(lane_server):
@@ -46,7 +47,7 @@ def test_recv_into_crc_restores_the_low_water_mark():
         pytest.skip("no SO_RCVLOWAT on this platform")
     from kvstore.checksum import crc32c
 
-    data = os.urandom(2 * P + 3)
+    data = os.urandom(L + 2 * P + 3)  # large enough for the low-water mark to be raised
     with socket.create_server(("127.0.0.1", 0)) as srv:
         sender = threading.Thread(target=_send_to, args=(srv.getsockname(), data), daemon=True)
         sender.start()
@@ -66,10 +67,10 @@ def test_last_block_of_a_frame_does_not_wait_for_the_low_water_mark():
         pytest.skip("no SO_RCVLOWAT on this platform")
     from kvstore.checksum import crc32c
 
-    data = os.urandom(2 * P + 3)  # the frame's last block: nothing follows it
+    data = os.urandom(L + 2 * P + 3)  # the frame's last block: nothing follows it
     with socket.create_server(("127.0.0.1", 0)) as srv:
         done = threading.Event()  # the sender stays connected: its FIN would wake the receiver anyway
-        sender = threading.Thread(target=_send_to, args=(srv.getsockname(), data, P + 100, done), daemon=True)
+        sender = threading.Thread(target=_send_to, args=(srv.getsockname(), data, len(data) - L // 2 + 100, done), daemon=True)
         sender.start()
         conn, _ = srv.accept()
         with conn:
@@ -86,7 +87,7 @@ def test_last_block_of_a_frame_does_not_wait_for_the_low_water_mark():
 def _send_to(address, data: bytes, first: int = 0, done: threading.Event | None = None) -> None:
     with socket.create_connection(address) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if first:  # the receiver takes part of its second piece, then waits for the rest
+        if first:  # the receiver takes part of a piece, then waits for the rest: less than LOWAT bytes
             s.sendall(data[:first])
             time.sleep(0.3)
         s.sendall(data[first:])

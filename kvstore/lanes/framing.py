@@ -53,6 +53,7 @@ SOCKET_BUFFER = 4 << 20
 DRAIN_PIECE = 1 << 20
 PIECE = 256 << 10  # CRC32C and socket I/O in pieces that stay in L2 between the two
 RCVLOWAT = getattr(socket, "SO_RCVLOWAT", 0) if sys.platform == "linux" else 0  # 0: not used
+LOWAT = 1 << 20  # SO_RCVLOWAT while a frame's payload is received: wake when this much has arrived
 
 
 class FrameError(ConnectionError):
@@ -175,36 +176,39 @@ def send_blocks_crc(sock: socket.socket, head: Sequence[memoryview], payloads: S
         send_all(sock, parts)
 
 
-def recv_into_crc(sock: socket.socket, view: memoryview, piece: int = PIECE, after: int = 0) -> int:
+def recv_into_crc(sock: socket.socket, view: memoryview, piece: int = PIECE, after: int = 0,
+                  lowat: int = LOWAT) -> int:
     """Fill ``view`` piece by piece, computing the CRC32C of each piece while it is in cache.
 
     ``after``: bytes of the same frame that follow ``view``, which the peer
-    sends without waiting for us. While at least a piece of the frame is still
-    to come after the piece being received, SO_RCVLOWAT is raised to the piece
-    size, so the kernel wakes this thread once per piece instead of once per
-    arriving segment (measured: tcp put of 2 MiB blocks 4.7-5.1 GB/s against
-    3.1 without it, Get +5-9%). It is back at 1 before the last piece of the
-    frame and when this returns: a receive that has taken part of its piece
-    sleeps until ``RCVLOWAT`` bytes are queued, so those bytes must be sure
-    to come.
+    sends without waiting for us. While at least ``lowat`` bytes of the frame
+    are still to come after the piece being received, SO_RCVLOWAT is raised to
+    ``lowat``, so the kernel wakes this thread once per ``lowat`` bytes instead
+    of once per arriving segment (measured, 64 blocks a batch, interleaved:
+    Get of 2 MiB blocks 6.0 GB/s with 1 MiB against 3.7 with 256 KiB and 3.5
+    without; put 4.7 / 4.4 / 2.7). It is back at 1 before fewer than that are
+    to come, and when this returns: a receive that has taken part of its piece
+    sleeps until ``lowat`` bytes are queued, so those bytes must be sure to
+    come.
     """
     from kvstore.checksum import crc32c
 
     crc, n = 0, len(view)
-    lowat = bool(RCVLOWAT) and n >= 2 * piece and n - piece + after >= piece
-    if lowat:
-        sock.setsockopt(socket.SOL_SOCKET, RCVLOWAT, piece)
+    # blocks of at least a piece only: for smaller ones the two setsockopt calls cost more than they save
+    use = bool(RCVLOWAT) and lowat > 1 and n >= piece and n - piece + after >= lowat
+    if use:
+        sock.setsockopt(socket.SOL_SOCKET, RCVLOWAT, lowat)
     try:
         for start in range(0, n, piece):
             end = min(start + piece, n)
-            if lowat and n - end + after < piece:  # less than a piece still to come after this one
+            if use and n - end + after < lowat:  # fewer than `lowat` bytes still to come after this piece
                 sock.setsockopt(socket.SOL_SOCKET, RCVLOWAT, 1)
-                lowat = False
+                use = False
             part = view[start:end]
             recv_into(sock, part)
             crc = crc32c(part, crc)
     finally:
-        if lowat:
+        if use:
             try:
                 sock.setsockopt(socket.SOL_SOCKET, RCVLOWAT, 1)
             except OSError:
