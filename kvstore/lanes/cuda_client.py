@@ -14,6 +14,7 @@ NVMe read before a block is served, and HBM has ECC).
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 import grpc
@@ -36,8 +37,6 @@ class CudaIpcClientLane(ShmClientLane):
 
     def __init__(self, stub: lpb_grpc.KVStoreLanesStub, opened: lpb.OpenLaneResponse,
                  metadata: tuple[tuple[str, str], ...], timeout: float):
-        import threading
-
         self.region = attach(opened.cuda_region, opened.shm_bytes)  # type: ignore[assignment]
         self.ref = lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)
         self._stub, self._metadata, self._timeout = stub, metadata, timeout

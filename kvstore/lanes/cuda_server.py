@@ -6,8 +6,9 @@ Grants, leases, tokens, validation and status codes are the shm lane's
 - put (commit): every block of the commit is copied region -> arena slot on
   the lane's CUDA stream (device to device into an HBM slot, device to pinned
   host into a DRAM slot), one synchronisation for the batch, then the CRC32C
-  of each landed block is computed (HBM slots through one pinned staging
-  copy) and recorded as the block's checksum. The client sends none: there is
+  of each landed block is computed (HBM slots on the GPU where cupy is
+  installed, else through one pinned staging copy: ``devices.CrcStaging``)
+  and recorded as the block's checksum. The client sends none: there is
   no transport between its copy and ours, and computing it on the client
   would cost a device -> host copy on the path this lane exists to avoid.
 - get: each leased block is copied arena slot -> region on the stream (device
@@ -25,8 +26,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
-from kvstore.lanes.cuda_region import DeviceRegion
 from kvstore.devices import Copier, CrcStaging
+from kvstore.lanes.cuda_region import DeviceRegion
 from kvstore.lanes.grants import Slot
 from kvstore.lanes.shm_server import ShmServerLane
 from kvstore.lanes.storeops import StoreOps
