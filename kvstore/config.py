@@ -58,6 +58,8 @@ class ServeConfig:
     workers: int = _opt(16, "gRPC handler threads (concurrent RPCs)", int)
     drain_seconds: float = _opt(15.0, "on SIGTERM, seconds to let in-flight streams finish", float)
     metrics_port: int = _opt(9090, "Prometheus /metrics port (0: off)", int)
+    metrics_token_file: str | None = _opt(None, "file holding a bearer token that /metrics then requires "
+                                                "(Authorization: Bearer <token>); unset: no token", metavar="FILE")
     log_level: str = _opt("info", "debug, info, warning or error")
     node_id: str = _opt("", "node id shown in Stats (default: the advertise or listen address)")
     config: str | None = _opt(None, "YAML config file (keys are these option names)", metavar="FILE")

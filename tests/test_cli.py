@@ -5,6 +5,7 @@ import json
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import grpc
@@ -76,6 +77,26 @@ def test_metrics_endpoint(spawn_server):
                  "kvstore_lookup_misses_total 1.0", "kvstore_bytes_in_total 1000.0", "kvstore_bytes_out_total 1000.0",
                  'kvstore_rpc_seconds_bucket{code="OK",le="0.005",method="Put"}', "kvstore_tier_evictions_total"):
         assert name in text, name
+
+
+def test_metrics_token_is_required_when_configured(make_server, tmp_path):
+    token_file = tmp_path / "metrics-token"
+    token_file.write_text("scrape-secret-0123456789\n")
+    port = free_port()
+    make_server(metrics_port=port, metrics_token_file=str(token_file))
+    url = f"http://127.0.0.1:{port}/metrics"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "scrape-secret-0123456789"}):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5)
+        assert err.value.code == 401 and err.value.headers["WWW-Authenticate"] == "Bearer"
+    ok = urllib.request.Request(url, headers={"Authorization": "Bearer scrape-secret-0123456789"})
+    assert 'kvstore_tier_used_bytes{tier="dram"}' in urllib.request.urlopen(ok, timeout=5).read().decode()
+
+
+def test_empty_metrics_token_file_is_refused(make_server, tmp_path):
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        make_server(metrics_port=free_port(), metrics_token_file=str(tmp_path / "empty"))
 
 
 def test_sigterm_drains_an_in_flight_stream(spawn_server):

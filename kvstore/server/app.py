@@ -15,6 +15,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -50,6 +51,16 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
         tiers.append(NvmeTier(cfg.nvme_dir, capacity_bytes=cfg.nvme, segment_bytes=cfg.nvme_segment,
                               write_policy=cfg.nvme_sync))
     return tiers
+
+
+def metrics_token(cfg: ServeConfig) -> str | None:
+    """The bearer token /metrics requires (from --metrics-token-file), or None."""
+    if not cfg.metrics_token_file:
+        return None
+    token = Path(cfg.metrics_token_file).read_text().strip()
+    if not token:
+        raise ValueError(f"--metrics-token-file {cfg.metrics_token_file} is empty")
+    return token
 
 
 def hbm_from_fraction(device: str, fraction: float) -> int:
@@ -116,6 +127,7 @@ class StoreServer:
         ]
 
     def start(self) -> "StoreServer":
+        token = metrics_token(self.cfg) if self.cfg.metrics_port else None  # a bad token file fails before binding
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="kvstore-rpc"),
                              options=self.grpc_options(), maximum_concurrent_rpcs=self.cfg.workers * 4,
                              interceptors=self.gate.interceptors())
@@ -136,7 +148,7 @@ class StoreServer:
             self.cluster = ClusterNode(self.cfg, self.store, self.metrics, self.port).start()
             self.node_id = self.service.node_id = self.cluster.node_id
         if self.cfg.metrics_port:
-            self._metrics_http = self.metrics.start_http(self.cfg.metrics_port)
+            self._metrics_http = self.metrics.start_http(self.cfg.metrics_port, token=token)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s (port %d); tiers: %s", self.cfg.listen, self.port,

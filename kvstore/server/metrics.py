@@ -7,6 +7,7 @@ pays nothing for it; only per-RPC latency and byte counters are updated inline.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -101,7 +102,36 @@ class Metrics:
         with self._lock:
             return dict(self._extra)
 
-    def start_http(self, port: int, addr: str = "0.0.0.0") -> Any:
-        from prometheus_client import start_http_server
+    def start_http(self, port: int, addr: str = "0.0.0.0", token: str | None = None) -> Any:
+        """Serve /metrics on a daemon thread; with ``token`` every scrape must send it as a bearer token.
 
-        return start_http_server(port, addr=addr, registry=self.registry)
+        Returns (server, thread) like prometheus_client's ``start_http_server``.
+        """
+        from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+        from prometheus_client import make_wsgi_app
+        from prometheus_client.exposition import ThreadingWSGIServer
+
+        class Quiet(WSGIRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+                pass
+
+        app = make_wsgi_app(self.registry)
+        httpd = make_server(addr, port, app if token is None else _bearer_only(app, token), ThreadingWSGIServer,
+                            handler_class=Quiet)
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True, name="metrics-http")
+        thread.start()
+        return httpd, thread
+
+
+def _bearer_only(app: Callable[..., Any], token: str) -> Callable[..., Any]:
+    """A WSGI app that answers 401 unless the request carries ``Authorization: Bearer <token>``."""
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if hmac.compare_digest(environ.get("HTTP_AUTHORIZATION", "").encode(), expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+        return [b"a bearer token is required for /metrics\n"]
+
+    return guarded
