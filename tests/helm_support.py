@@ -73,6 +73,16 @@ KUBE_VERSIONS = _kube_versions()
 # covering every field the chart can render; unknown fields are errors, as in
 # the strict core schemas.
 _RELABEL_LIST = {"type": "array", "items": {"type": "object"}}
+_SECRET_KEY_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["key"],
+    "properties": {
+        "name": {"type": "string"},
+        "key": {"type": "string", "pattern": r"^[-._a-zA-Z0-9]+$"},
+        "optional": {"type": "boolean"},
+    },
+}
 SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
@@ -127,6 +137,14 @@ SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
                             "interval": {"type": "string", "pattern": r"^(0|([0-9]+(ms|s|m|h))+)$"},
                             "scrapeTimeout": {"type": "string", "pattern": r"^(0|([0-9]+(ms|s|m|h))+)$"},
                             "honorLabels": {"type": "boolean"},
+                            "authorization": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "type": {"type": "string"},
+                                    "credentials": _SECRET_KEY_SELECTOR,
+                                },
+                            },
                             "relabelings": _RELABEL_LIST,
                             "metricRelabelings": _RELABEL_LIST,
                         },

@@ -4,11 +4,12 @@ For each deployment shape of tests/data/helm_values/ (rendered once, see
 tests/helm_support.py) the store StatefulSet, its Services and its neighbours
 are checked for what that shape must produce (replicas, Redis wiring, TLS
 mounts and flags, NVMe volumes, probes, resources, the bulk TCP lane's port,
---cluster-ttl), and that the flags the chart gives ``kvstore serve`` parse
-with the store's own CLI. Settings no shape file covers (another TCP lane
-port, GPU store nodes with an HBM tier) are rendered from inline values, and
-their manifests validated. tests/test_helm_chart.py holds the rendering, lint
-and schema checks common to every shape.
+--cluster-ttl, no metrics token), and that the flags the chart gives
+``kvstore serve`` parse with the store's own CLI. Settings no shape file
+covers (another TCP lane port, GPU store nodes with an HBM tier, a bearer
+token on /metrics) are rendered from inline values, and their manifests
+validated. tests/test_helm_chart.py holds the rendering, lint and schema
+checks common to every shape.
 """
 
 from __future__ import annotations
@@ -345,6 +346,85 @@ def test_cluster_ttl_from_values(tmp_path: Path) -> None:
     assert "cluster-ttl" not in flags_of(container(r.one("StatefulSet", "store"), "store"))
 
 
+_TOKEN_MOUNT = {"name": "metrics-token", "mountPath": "/etc/kvstore/metrics-token", "readOnly": True}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_metrics_token_by_default(rendered: dict[str, Rendered], case: str) -> None:
+    """Without metrics.tokenSecret.name /metrics stays open: no flag, volume,
+    mount or ServiceMonitor authorization."""
+    r = rendered[case]
+    sts = r.one("StatefulSet", "store")
+    store = container(sts, "store")
+    assert "metrics-token-file" not in flags_of(store)
+    assert all(v["name"] != "metrics-token" for v in sts["spec"]["template"]["spec"]["volumes"])
+    assert all(m["name"] != "metrics-token" for m in store["volumeMounts"])
+    for sm in r.all("ServiceMonitor"):
+        assert all("authorization" not in e for e in sm["spec"]["endpoints"])
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
+def test_metrics_token(tmp_path: Path, tls: bool) -> None:
+    """metrics.tokenSecret: the user's Secret mounted read-only, --metrics-token-file
+    pointing into it, and the ServiceMonitor sending the same Secret as a bearer token."""
+    values: dict[str, Any] = {
+        "metrics": {
+            "tokenSecret": {"name": "kvstore-metrics-token"},
+            "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        },
+    }
+    if tls:
+        values["tls"] = {"enabled": True, "existingSecret": "kvstore-server-tls"}
+    r = render_docs(values)
+    assert validation_problems(r.docs) == []
+    assert not r.all("Secret"), "the token Secret is the user's, not the chart's"
+    sts = r.one("StatefulSet", "store")
+    store = container(sts, "store")
+    assert flags_of(store)["metrics-token-file"] == "/etc/kvstore/metrics-token/token"
+    assert _TOKEN_MOUNT in store["volumeMounts"]
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["metrics-token"]["secret"] == {
+        "secretName": "kvstore-metrics-token",
+        "defaultMode": 0o440,
+        "items": [{"key": "token", "path": "token"}],
+    }
+    (endpoint,) = r.one("ServiceMonitor", "store")["spec"]["endpoints"]
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "kvstore-metrics-token", "key": "token"},
+    }
+    assert r.one("ServiceMonitor", "store")["metadata"]["namespace"] == NAMESPACE
+    # The probes must keep working when /metrics answers 401: none of them uses it.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert "httpGet" not in store[probe]
+        if tls:
+            assert store[probe]["tcpSocket"] == {"port": "grpc"}
+        else:
+            assert store[probe]["grpc"] == {"port": 7070}
+    cfg, _, _ = _serve_config(r, tmp_path)
+    assert cfg.metrics_token_file == "/etc/kvstore/metrics-token/token"
+    assert r.notes is None or "kvstore-metrics-token" in r.notes
+
+
+def test_metrics_token_key_and_path_from_values() -> None:
+    """Another key and mount path; without a ServiceMonitor only the store side is rendered."""
+    r = render_docs({"metrics": {"tokenSecret": {"name": "scrape", "key": "bearer.txt",
+                                                 "mountPath": "/var/run/metrics"}}})
+    assert validation_problems(r.docs) == []
+    assert not r.all("ServiceMonitor")
+    sts = r.one("StatefulSet", "store")
+    store = container(sts, "store")
+    assert flags_of(store)["metrics-token-file"] == "/var/run/metrics/bearer.txt"
+    assert {**_TOKEN_MOUNT, "mountPath": "/var/run/metrics"} in store["volumeMounts"]
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["metrics-token"]["secret"]["items"] == [{"key": "bearer.txt", "path": "bearer.txt"}]
+    # A ServiceMonitor named explicitly in the release namespace is fine.
+    r = render_docs({"metrics": {"tokenSecret": {"name": "scrape", "key": "bearer.txt"},
+                                 "serviceMonitor": {"enabled": True, "namespace": NAMESPACE}}})
+    (endpoint,) = r.one("ServiceMonitor", "store")["spec"]["endpoints"]
+    assert endpoint["authorization"]["credentials"] == {"name": "scrape", "key": "bearer.txt"}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_no_gpu_by_default(rendered: dict[str, Rendered], case: str) -> None:
     sts = rendered[case].one("StatefulSet", "store")
@@ -419,10 +499,16 @@ def test_gpu_limit_from_resources() -> None:
         ({"store": {"hbm": "8GB", "gpu": {"count": 1}}}, "/store/hbm"),
         ({"store": {"hbmFraction": 1, "gpu": {"count": 1}}}, "/store/hbmFraction"),
         ({"store": {"gpu": {"count": -1}}}, "/store/gpu/count"),
+        ({"metrics": {"tokenSecret": {"name": "Bad_Name"}}}, "/metrics/tokenSecret/name"),
+        ({"metrics": {"tokenSecret": {"name": "t", "key": "a/b"}}}, "/metrics/tokenSecret/key"),
+        ({"metrics": {"tokenSecret": {"name": "t", "mountPath": "relative"}}}, "/metrics/tokenSecret/mountPath"),
+        ({"metrics": {"tokenSecret": {"name": "t"}, "serviceMonitor": {"enabled": True, "namespace": "monitoring"}}},
+         "needs the ServiceMonitor in the release namespace"),
     ],
     ids=["tcp-lane-on-grpc", "tcp-lane-on-metrics", "tcp-lane-zero", "cluster-ttl-zero", "cluster-ttl-string",
          "hbm-without-gpu", "hbm-fraction-without-gpu", "hbm-gpu-limit-zero", "hbm-bad-size",
-         "hbm-fraction-one", "gpu-count-negative"],
+         "hbm-fraction-one", "gpu-count-negative", "metrics-token-bad-name", "metrics-token-bad-key",
+         "metrics-token-relative-path", "metrics-token-servicemonitor-elsewhere"],
 )
 def test_refused_store_values(values: dict[str, Any], message: str) -> None:
     assert message in render_error(values)

@@ -253,6 +253,10 @@ once from the store StatefulSet so that a bad combination fails rendering.
 {{- if and .Values.tenants.enabled (not .Values.tenants.existingSecret) }}
 {{- fail "tenants.enabled=true needs tenants.existingSecret: the name of a Secret holding the tenants YAML file" }}
 {{- end }}
+{{- $sm := .Values.metrics.serviceMonitor }}
+{{- if and .Values.metrics.tokenSecret.name $sm.enabled $sm.namespace (ne $sm.namespace .Release.Namespace) }}
+{{- fail (printf "metrics.tokenSecret.name needs the ServiceMonitor in the release namespace (%s), where the token Secret is: leave metrics.serviceMonitor.namespace empty" .Release.Namespace) }}
+{{- end }}
 {{- if and .Values.store.pdb.enabled .Values.store.pdb.minAvailable .Values.store.pdb.maxUnavailable }}
 {{- fail "set only one of store.pdb.minAvailable and store.pdb.maxUnavailable" }}
 {{- end }}
