@@ -176,19 +176,7 @@ class PosixBackend(IoBackend):
                 pos += len(v)
 
     def pread(self, fh: FileHandle, buf: Any, offset: int) -> int:
-        view = memoryview(buf).cast("B")
-        done = 0
-        while done < len(view):
-            try:
-                n = os.preadv(fh.fd, [view[done:]], offset + done)
-            except OSError as e:
-                if not self._demoted(fh, e):
-                    raise
-                continue
-            if n == 0:
-                break
-            done += n
-        return done
+        return self.preadv(fh, [buf], offset)
 
     def preadv(self, fh: FileHandle, bufs: Sequence[Any], offset: int) -> int:
         views = [memoryview(b).cast("B") for b in bufs]
