@@ -158,6 +158,14 @@ class LanePool:
         wanted = ["shm", "tcp"] if self.mode == "auto" else [self.mode]
         if self.mode == "auto" and (self.tls or self.target.startswith("unix:")):
             wanted.remove("tcp")
+        if "cuda_ipc" in wanted:
+            # Import torch before the server makes a region: a region not mapped within the lane lease is unlinked,
+            # and a cold torch import on a loaded host takes longer than a short lease.
+            try:
+                import torch  # noqa: F401
+            except ImportError:  # attach says so below, as a reason this lane cannot be used
+                pass
+
         reasons: list[str] = []
         code = grpc.StatusCode.FAILED_PRECONDITION
         while wanted:
