@@ -166,9 +166,12 @@ def test_server_stop_ends_lanes(make_server):
         assert getattr(err.value, "code", grpc.StatusCode.UNAVAILABLE) == grpc.StatusCode.UNAVAILABLE
 
 
-def test_get_results_lent_in_place_are_returned_when_dropped(make_server):
+def test_get_results_lent_in_place_are_returned_when_dropped(make_server, monkeypatch):
     import gc
 
+    from kvstore.lanes import shm_server
+
+    monkeypatch.setattr(shm_server, "FIRST_YIELD_BYTES", shm_server.YIELD_BYTES)  # one message per get here
     server = make_server(shm_lane_bytes=8 << 20)
     blocks = [bytes([i]) * (1 << 20) for i in range(3)]
     with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
@@ -224,6 +227,11 @@ def test_result_buffers_are_recycled_once_dropped():
     del too_big, again
     gc.collect()
     assert pool.pooled_bytes == 4 << 20  # over the limit: unmapped, not pooled
+    newer = pool.alloc_blocks([6 << 20])
+    del newer
+    gc.collect()
+    assert pool.pooled_bytes == 6 << 20  # the newest size pushes out the oldest
+    assert len(pool.alloc_blocks([6 << 20])[0]) == 6 << 20 and pool.pooled_bytes == 0
 
 
 def test_a_failed_lane_get_leaves_no_region_in_use(make_server):

@@ -54,12 +54,15 @@ class CudaIpcClientLane(ShmClientLane):
         self._copier.copy(self.region.view[slot.offset : slot.offset + slot.length], payload)
         return 0  # the server computes the CRC32C where the block lands
 
+    def _place(self, slot: lpb.SlotGrant, payload: Any) -> None:
+        self.write(slot, payload)
+
     def _settle(self) -> None:
         self._copier.settle()
 
     # -- get ---------------------------------------------------------------------------
     def _take_blocks(self, present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None,
-                     verify: bool, results: list[Any], loan: Any) -> None:
+                     verify: bool, results: list[Any], loan: Any, crcs_at_copy: bool) -> None:
         import torch
 
         landed: list[tuple[int, lpb.BlockDescriptor, Any]] = []

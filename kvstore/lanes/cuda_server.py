@@ -29,13 +29,14 @@ from typing import Any, Sequence
 from kvstore.devices import Copier, CrcStaging
 from kvstore.lanes.cuda_region import DeviceRegion
 from kvstore.lanes.grants import Slot
-from kvstore.lanes.shm_server import ShmServerLane
+from kvstore.lanes.shm_server import CopyOut, ShmServerLane
 from kvstore.lanes.storeops import StoreOps
 from kvstore.v1 import lanes_pb2 as lpb
 
 
 class CudaIpcServerLane(ShmServerLane):
     kind = "cuda_ipc"
+    crcs_at_copy = False  # a CRC of device memory would cost a pass on the GPU: the client checks host copies
 
     def __init__(self, region: DeviceRegion, ops: StoreOps, lease_seconds: float):
         super().__init__(region, ops, lease_seconds)  # type: ignore[arg-type]
@@ -66,8 +67,11 @@ class CudaIpcServerLane(ShmServerLane):
     def _claimed_crc(d: lpb.BlockDescriptor, computed: int) -> int:
         return computed
 
-    def _copy_to_region(self, dst: Any, src: Any) -> None:
-        self._copier.copy(dst, src)
+    def _copy_out(self, copies: Sequence[CopyOut]) -> None:
+        copier = self._copier  # issued from this thread, on its stream, and waited for once
+        for c in copies:
+            copier.copy(c.dst, c.src)
+        copier.settle()
 
     def _settle(self) -> None:
         self._copier.settle()

@@ -167,7 +167,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                     elif step == "commit":
                         c = msg.commit
                         yield lpb.LanePutResponse(committed=self._run(
-                            context, lambda: lane.commit(c.grant_id, c.blocks)))
+                            context, lambda: lane.commit(c.grant_id, c.blocks, c.crc_from_server)))
                     else:
                         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LanePut message without reserve or commit")
             finally:
@@ -176,7 +176,8 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
 
     def LaneGet(self, request: lpb.LaneGetRequest, context: grpc.ServicerContext) -> Iterator[lpb.LaneGetResponse]:
         with self.ops.metrics.rpc("LaneGet", context):
-            stream = self._run(context, lambda: self._shm(request.lane).get(request.request, request.release))
+            stream = self._run(context, lambda: self._shm(request.lane).get(request.request, request.release,
+                                                                          request.crc_at_copy))
             while True:
                 msg = self._run(context, lambda: next(stream, None))
                 if msg is None:

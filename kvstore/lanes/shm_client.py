@@ -2,20 +2,26 @@
 
 ``put`` is one LanePut stream, in rounds of at most one region: ``reserve``
 (the headers; the server answers with a region offset per block it wants, or
-the block's final result), then for each granted block ``write`` (one copy,
-payload -> region, with the CRC32C fused in) and, every ``COMMIT_BYTES``, a
-``commit`` sent without waiting, so the server copies into its arena while
-the client writes the next blocks; the results are collected at the end of
-the round. Closing the stream takes back anything reserved and not committed.
+the block's final result), then each granted block is copied payload ->
+region (one copy, no CRC: the commits say ``crc_from_server``, and the server
+computes each CRC32C on the bytes as they land in its arena) and, every
+``COMMIT_BYTES``, a ``commit`` is sent without waiting, so the server copies
+into its arena while the client writes the next blocks; the results are
+collected at the end of the round. Closing the stream takes back anything
+reserved and not committed. (``write`` still fuses a CRC into the copy, for
+commits that vouch for their CRCs.)
 
-``get`` streams LaneGet: each message describes blocks the server has copied
-into the region. With ``out`` buffers the client copies each block into its
-buffer (one copy, CRC32C fused in and checked) and releases the grant with its
-next request on the lane. Without them the blocks are lent in place
-(``shm_loans``: no copy on the client, only the CRC32C check) while at most
-half the region is on loan, and copied into fresh memory beyond that; a loan's
-grant is released once the caller drops its views. A region smaller than the
-batch means more rounds.
+``get`` streams LaneGet with ``crc_at_copy`` when verifying: the server
+computes each block's CRC32C in the same pass as its copy into the region
+and the client compares it with the header's, so the check reads no byte
+twice. With ``out`` buffers the client copies each block into its buffer and
+releases the grant with its next request on the lane. Without them the
+blocks are lent in place (``shm_loans``: no copy on the client) while at most
+half the region is on loan, and copied into fresh memory beyond that; a
+loan's grant is released once the caller drops its views. A region smaller
+than the batch means more rounds. Only this client and the server map the
+region (0600, unlinked once mapped), so a CRC taken on either side of it
+checks the same bytes.
 
 The lane is used by one call at a time (``negotiate.LanePool``).
 """
@@ -30,7 +36,7 @@ import grpc
 from kvstore.checksum import crc32c
 from kvstore.lanes.base import Lane, LaneBroken
 from kvstore.lanes.buffers import alloc_blocks
-from kvstore.lanes.memops import copy_crc
+from kvstore.lanes.memops import copy_crc, copy_into
 from kvstore.lanes.shm_loans import Lender, Loan
 from kvstore.lanes.shm_region import attach
 from kvstore.v1 import kvstore_pb2 as pb
@@ -71,19 +77,19 @@ class ShmClientLane(Lane):
                     if slot.result.status != pb.PUT_STATUS_UNSPECIFIED:
                         results[i] = _put_result(slot.result)
                         continue
-                    crc = self.write(slot, payloads[i])
+                    self._place(slot, payloads[i])
                     descriptors.append(lpb.BlockDescriptor(index=j, hash=headers[i].hash, offset=slot.offset,
-                                                           length=slot.length, crc32c=crc))
+                                                           length=slot.length))
                     indices.append(i)
                     batch += slot.length
                     if batch >= self.commit_bytes:  # the server copies these while we write the next ones
                         self._settle()
-                        stream.send_commit(grant.grant_id, descriptors)
+                        stream.send_commit(grant.grant_id, descriptors, crc_from_server=True)
                         commits.append(indices)
                         descriptors, indices, batch = [], [], 0
                 if descriptors:
                     self._settle()
-                    stream.send_commit(grant.grant_id, descriptors)
+                    stream.send_commit(grant.grant_id, descriptors, crc_from_server=True)
                     commits.append(indices)
                 for indices in commits:
                     for i, r in zip(indices, stream.committed()):
@@ -101,8 +107,12 @@ class ShmClientLane(Lane):
         """Wait for writes into the region still in flight (none here: shm copies are synchronous)."""
 
     def write(self, slot: lpb.SlotGrant, payload: memoryview) -> int:
-        """Copy one payload into its granted offset; its CRC32C."""
+        """Copy one payload into its granted offset; its CRC32C (for a commit that vouches for its CRCs)."""
         return copy_crc(self.region.view[slot.offset : slot.offset + slot.length], payload)
+
+    def _place(self, slot: lpb.SlotGrant, payload: Any) -> None:
+        """Copy one payload into its granted offset for a ``crc_from_server`` commit: no CRC here."""
+        copy_into(self.region.view[slot.offset : slot.offset + slot.length], payload)
 
     # -- get ------------------------------------------------------------------------------
     def get(self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None,
@@ -112,7 +122,8 @@ class ShmClientLane(Lane):
         while start < len(hashes):
             request = lpb.LaneGetRequest(
                 lane=self.ref, release=self._take_release(),
-                request=pb.GetRequest(namespace=namespace, hashes=hashes[start:], allow_missing=allow_missing))
+                request=pb.GetRequest(namespace=namespace, hashes=hashes[start:], allow_missing=allow_missing),
+                crc_at_copy=verify)
             handled = self._call(lambda: self._receive(request, start, out, verify, results))
             start += handled
         return results
@@ -125,7 +136,7 @@ class ShmClientLane(Lane):
             lend = out is None and bool(present) and self._lender.can_lend(sum(d.length for d in present))
             loan = self._lender.open(msg.grant_id) if lend else None
             try:
-                self._take_blocks(present, start, out, verify, results, loan)
+                self._take_blocks(present, start, out, verify, results, loan, msg.crcs_at_copy)
             finally:
                 if loan is not None:
                     loan.close()  # its grant is released once the caller drops the lent views
@@ -138,12 +149,19 @@ class ShmClientLane(Lane):
         return handled
 
     def _take_blocks(self, present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None,
-                     verify: bool, results: list[Any], loan: Loan | None) -> None:
-        """Lend (no copy) or copy out the blocks of one LaneGet message, checking each CRC32C."""
+                     verify: bool, results: list[Any], loan: Loan | None, crcs_at_copy: bool) -> None:
+        """Lend (no copy) or copy out the blocks of one LaneGet message, checking each CRC32C.
+
+        With ``crcs_at_copy`` the server computed each CRC32C as it copied the block into the region, which
+        only it and this client map: comparing that with the header's checks the block without reading it."""
         fresh = iter(alloc_blocks([d.length for d in present]) if out is None and loan is None else ())
         for d in present:
             i = start + d.index
             check = verify and d.header.codec == pb.CODEC_NONE
+            if check and crcs_at_copy:
+                if d.crc32c != d.header.crc32c:
+                    raise _corrupt(i, d)
+                check = False
             if loan is not None:
                 results[i] = view = loan.view(d.offset, d.length)  # the bytes stay where the server put them
                 if check and crc32c(view) != d.header.crc32c:
@@ -155,7 +173,7 @@ class ShmClientLane(Lane):
                 if copy_crc(dst, src) != d.header.crc32c:
                     raise _corrupt(i, d)
             else:
-                dst[:] = src
+                copy_into(dst, src)
             results[i] = out[i] if out is not None else dst
 
     @staticmethod
@@ -256,8 +274,10 @@ class PutStream:
         self._send(lpb.LanePutRequest(reserve=lpb.LaneReserve(namespace=namespace, headers=headers, release=release)))
         return self._next("grant")
 
-    def send_commit(self, grant_id: int, descriptors: Sequence[lpb.BlockDescriptor]) -> None:
-        self._send(lpb.LanePutRequest(commit=lpb.LaneCommit(grant_id=grant_id, blocks=descriptors)))
+    def send_commit(self, grant_id: int, descriptors: Sequence[lpb.BlockDescriptor],
+                    crc_from_server: bool = False) -> None:
+        self._send(lpb.LanePutRequest(commit=lpb.LaneCommit(grant_id=grant_id, blocks=descriptors,
+                                                            crc_from_server=crc_from_server)))
 
     def committed(self) -> Sequence[pb.BlockResult]:
         """Results of the oldest commit not yet collected."""

@@ -9,18 +9,23 @@ Verbs of ``ShmServerLane`` (called by ``servicer.LaneServicer``):
   held by this grant's own uncommitted slots): the client reserves the rest
   after committing these, as the gRPC Put would have evicted or demoted
   committed blocks to make room. The grant's lease starts when the reply is built.
-- ``commit(grant_id, descriptors) -> LaneCommitted``: descriptors must
-  match granted slots exactly (else PERMISSION_DENIED, nothing touched). Each
-  block is copied region -> arena slot with its CRC32C computed on the slot's
-  bytes (one copy, fused CRC), verified against the descriptor's CRC and
-  committed. A mismatch aborts that block and every still-pending block of the
-  grant (INVALID_ARGUMENT); blocks committed before it stay.
+- ``commit(grant_id, descriptors, crc_from_server) -> LaneCommitted``:
+  descriptors must match granted slots exactly (else PERMISSION_DENIED,
+  nothing touched). Each block is copied region -> arena slot with its CRC32C
+  computed on the slot's bytes (one copy, fused CRC) and committed; that CRC
+  is the block's own with ``crc_from_server`` (what our client sends), else
+  it is verified against the descriptor's. A mismatch aborts that block and
+  every still-pending block of the grant (INVALID_ARGUMENT); blocks committed
+  before it stay.
 - ``end_stream(grant_ids)``: the put stream that made these grants ended;
   slots still uncommitted are taken back at once (a killed client's too).
-- ``get(request, release) -> iterator of LaneGetResponse``: lease the blocks,
-  copy each into a range of the region (one copy), drop the lease as soon as
-  the copy is done, and stream descriptors about every ``YIELD_BYTES`` so the
-  client takes blocks while the server copies the next ones. Each message has
+- ``get(request, release, crc_at_copy) -> iterator of LaneGetResponse``:
+  lease the blocks, copy each into a range of the region (one copy; with
+  ``crc_at_copy`` the CRC32C of the copied bytes is computed in the same pass
+  and sent for the client to compare with the header's), drop the lease as
+  soon as the copy is done, and stream descriptors (the first after
+  ``FIRST_YIELD_BYTES``, then about every ``YIELD_BYTES``) so the client
+  takes blocks while the server copies the next ones. Each message has
   its own get grant, which the client releases when it is done with those
   blocks. Stops early when the region is full (``handled`` says how far).
 - ``expire(now)`` / ``close()``: abort the store tickets of expired or
@@ -29,10 +34,12 @@ Verbs of ``ShmServerLane`` (called by ``servicer.LaneServicer``):
 from __future__ import annotations
 
 import threading
-from typing import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 import grpc
 
+from kvstore.checksum import crc32c
 from kvstore.lanes.base import LaneError, ServerLane
 from kvstore.lanes.grants import Grant, GrantTable, Slot
 from kvstore.lanes.memops import copy_crc, copy_into, host_view
@@ -43,10 +50,21 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 
 YIELD_BYTES = 16 << 20
+FIRST_YIELD_BYTES = 2 << 20
+
+
+@dataclass(slots=True)
+class CopyOut:
+    """One block of a Get on its way into the region."""
+    dst: memoryview
+    src: Any                      # the arena slot (host memory or an HBM tensor) or decoded bytes
+    descriptor: lpb.BlockDescriptor
+    crc: bool                     # compute the CRC32C of the copied bytes into the descriptor
 
 
 class ShmServerLane(ServerLane):
     kind = "shm"
+    crcs_at_copy = True  # can compute a Get block's CRC32C while copying it into the region
 
     def __init__(self, region: ShmRegion, ops: StoreOps, lease_seconds: float):
         super().__init__()
@@ -91,7 +109,8 @@ class ShmServerLane(ServerLane):
                             f"{self.region.size}-byte region")
         return reply
 
-    def commit(self, grant_id: int, descriptors: Sequence[lpb.BlockDescriptor]) -> lpb.LaneCommitted:
+    def commit(self, grant_id: int, descriptors: Sequence[lpb.BlockDescriptor],
+               crc_from_server: bool = False) -> lpb.LaneCommitted:
         grant, slots = self.grants.claim(grant_id, descriptors)
         reply = lpb.LaneCommitted()
         committed: list[int] = []
@@ -99,8 +118,8 @@ class ShmServerLane(ServerLane):
         try:
             for d, slot, computed in zip(descriptors, slots, self._land(slots)):
                 res: Reservation = slot.item
-                reply.results.append(self.ops.finish(res, self._claimed_crc(d, computed), computed, committed,
-                                                     self.access))
+                claimed = computed if crc_from_server else self._claimed_crc(d, computed)
+                reply.results.append(self.ops.finish(res, claimed, computed, committed, self.access))
                 done += slot.length
         except BaseException:
             self.ops.abort([s.item for s in slots])
@@ -118,7 +137,7 @@ class ShmServerLane(ServerLane):
 
     def _land(self, slots: Sequence[Slot]) -> list[int]:
         """Copy each granted block region -> arena slot; the CRC32C of each as it landed."""
-        return [self._copy_in(slot, slot.item) for slot in slots]
+        return self.ops.copies.run(lambda slot: self._copy_in(slot, slot.item), slots, [s.length for s in slots])
 
     @staticmethod
     def _claimed_crc(d: lpb.BlockDescriptor, computed: int) -> int:
@@ -141,43 +160,50 @@ class ShmServerLane(ServerLane):
         return crc
 
     # -- get --------------------------------------------------------------------------
-    def get(self, request: pb.GetRequest, release: Sequence[int]) -> Iterator[lpb.LaneGetResponse]:
+    def get(self, request: pb.GetRequest, release: Sequence[int],
+            crc_at_copy: bool = False) -> Iterator[lpb.LaneGetResponse]:
         self.grants.release(release)
         accepted = accepted_codecs(request)
+        crc_at_copy = crc_at_copy and self.crcs_at_copy
         _, leases = self.ops.acquire(request, self.access)
         grant: Grant | None = self.grants.grant_get()
         released = 0
         handled = 0
         sent = 0
-        pending = lpb.LaneGetResponse(grant_id=grant.id)
+        pending = lpb.LaneGetResponse(grant_id=grant.id, crcs_at_copy=crc_at_copy)
         pending_bytes = 0
+        copies: list[CopyOut] = []
+        due = FIRST_YIELD_BYTES  # the first message goes early so the client starts checking while we copy
         try:
             full = False
             for window in self.ops.windows(leases):
                 self.ops.materialize(window)
                 for lease in window:
                     assert grant is not None
-                    n = self._copy_out(grant, handled, lease, accepted, pending)
+                    n = self._place_out(grant, handled, lease, accepted, pending, crc_at_copy, copies)
                     if n < 0:
                         full = True
                         break
                     handled += 1
                     sent += n
                     pending_bytes += n
-                    if pending_bytes >= YIELD_BYTES:
-                        self._settle()
+                    if pending_bytes >= due:
+                        due = YIELD_BYTES
+                        self._copy_out(copies)
+                        copies = []
                         self.ops.release(leases[released:handled])
                         released = handled
                         yield pending
                         grant = self.grants.grant_get()  # one grant per message: released separately
-                        pending, pending_bytes = lpb.LaneGetResponse(grant_id=grant.id), 0
+                        pending, pending_bytes = lpb.LaneGetResponse(grant_id=grant.id, crcs_at_copy=crc_at_copy), 0
                 if full:
                     break
             if handled == 0 and leases:  # the client's region is taken by blocks it still holds: another lane
                 raise LaneError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"block 0 does not fit what is free of the lane's {self.region.size}-byte region")
             pending.handled, pending.last = handled, True
-            self._settle()
+            self._copy_out(copies)
+            copies = []
             self.ops.release(leases[released:])
             released = len(leases)
             yield pending
@@ -186,14 +212,18 @@ class ShmServerLane(ServerLane):
             if grant is not None:  # its descriptors never reached the client: nobody would release it
                 self.grants.release([grant.id])
             if released < len(leases):
-                self._settle()  # no copy may still read a slot whose lease goes
+                self._settle()  # no copy may still read a slot whose lease goes (copies not run: never started)
             self.ops.release(leases[released:])
             self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
             self.ops.metrics.bytes_out(sent)
 
-    def _copy_out(self, grant: Grant, index: int, lease: Lease | None, accepted: set[int],
-                  reply: lpb.LaneGetResponse) -> int:
-        """Copy one leased block into the region and describe it; -1 when the region is full."""
+    def _place_out(self, grant: Grant, index: int, lease: Lease | None, accepted: set[int],
+                   reply: lpb.LaneGetResponse, crc_at_copy: bool, copies: list["CopyOut"]) -> int:
+        """Give one leased block a range of the region and describe it; -1 when the region is full.
+
+        The copy itself is queued in ``copies`` and run with the rest of the message's (``_copy_out``).
+        With ``crc_at_copy`` the descriptor gets the CRC32C of the bytes as they reached the region (computed
+        in the same pass as the copy) for the client to compare with the header's."""
         if lease is None:
             reply.blocks.append(lpb.BlockDescriptor(index=index, header=pb.BlockHeader(missing=True)))
             return 0
@@ -202,13 +232,28 @@ class ShmServerLane(ServerLane):
         offset = self.grants.add_get(grant, index, lease.hash, n)
         if offset is None:
             return -1
-        self._copy_to_region(self.region.view[offset : offset + n], buf)
         reply.blocks.append(lpb.BlockDescriptor(index=index, hash=lease.hash, offset=offset, length=n,
                                                 crc32c=header.crc32c, header=header))
+        copies.append(CopyOut(self.region.view[offset : offset + n], buf, reply.blocks[-1],
+                              crc_at_copy and header.codec == pb.CODEC_NONE))  # the header's CRC is of raw bytes
         return n
 
-    def _copy_to_region(self, dst: memoryview, src: object) -> None:
-        copy_into(dst, src)
+    def _copy_out(self, copies: Sequence["CopyOut"]) -> None:
+        """Run one message's copies into the region (spread over the copy threads) and wait for them."""
+        crcs = self.ops.copies.run(self._copy_one, copies, [len(c.dst) for c in copies])
+        for c, crc in zip(copies, crcs):
+            if crc is not None:
+                c.descriptor.crc32c = crc
+
+    def _copy_one(self, c: "CopyOut") -> int | None:
+        if not c.crc:
+            copy_into(c.dst, c.src)
+            return None
+        src = host_view(c.src)
+        if src is not None:
+            return copy_crc(c.dst, src)
+        copy_into(c.dst, c.src)  # an HBM slot: copy, then read the landed bytes
+        return crc32c(c.dst)
 
     # -- expiry -------------------------------------------------------------------------
     def expire(self, now: float) -> int:

@@ -17,6 +17,7 @@ Verbs (``StoreOps``, thread-safe like the BlockStore under it):
   block is charged to the tenant's quota.
 - ``abort(reservations)``: give back the slots of uncommitted reservations.
 - ``persist(entries)``: write-through to the durable tier before acknowledging.
+- ``copies``: the ``CopyPool`` the region lanes spread a batch's copies over.
 - ``acquire / materialize / release``: leases for reading, as the gRPC Get,
   with NOT_FOUND and DATA_LOSS mapped to ``LaneError``; ``servable(lease,
   accepted)`` decodes a block stored with a codec the reader does not accept.
@@ -30,6 +31,7 @@ import grpc
 
 from kvstore.lanes.access import LaneAccess
 from kvstore.lanes.base import LaneError
+from kvstore.lanes.copypool import CopyPool
 from kvstore.server import validate
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import verify_crc
@@ -51,8 +53,9 @@ class Reservation:
 
 
 class StoreOps:
-    def __init__(self, store: BlockStore, limits: Limits, metrics: Metrics):
+    def __init__(self, store: BlockStore, limits: Limits, metrics: Metrics, copies: CopyPool | None = None):
         self.store, self.limits, self.metrics = store, limits, metrics
+        self.copies = copies or CopyPool()  # the region lanes' bulk copies, a few threads wide
 
     # -- validation ---------------------------------------------------------------------
     @staticmethod

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvstore.v1 import kvstore_pb2 as kvstore_dot_v1_dot_kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/lanes.proto\x12\nkvstore.v1\x1a\x18kvstore/v1/kvstore.proto\"T\n\x0fOpenLaneRequest\x12#\n\x05kinds\x18\x01 \x03(\x0e\x32\x14.kvstore.v1.LaneKind\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\"\x87\x02\n\x10OpenLaneResponse\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kvstore.v1.LaneKind\x12\x0f\n\x07lane_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x10\n\x08shm_path\x18\x06 \x01(\t\x12\x11\n\tshm_bytes\x18\x07 \x01(\x04\x12\x10\n\x08tcp_host\x18\x08 \x01(\t\x12\x10\n\x08tcp_port\x18\t \x01(\r\x12\x0e\n\x06reason\x18\n \x01(\t\x12.\n\x0b\x63uda_region\x18\x0b \x01(\x0b\x32\x19.kvstore.v1.CudaIpcRegion\"\xf7\x01\n\rCudaIpcRegion\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\r\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x04 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x05 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\x11\n\thost_path\x18\n \x01(\t\")\n\x07LaneRef\x12\x0f\n\x07lane_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"\x91\x01\n\x0eLanePutRequest\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\x12*\n\x07reserve\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.LaneReserveH\x00\x12(\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x16.kvstore.v1.LaneCommitH\x00\x42\x06\n\x04step\"[\n\x0bLaneReserve\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12(\n\x07headers\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\x12\x0f\n\x07release\x18\x03 \x03(\x04\"T\n\tSlotGrant\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\'\n\x06result\x18\x03 \x01(\x0b\x32\x17.kvstore.v1.BlockResult\"W\n\tLaneGrant\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12$\n\x05slots\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.SlotGrant\x12\x12\n\nexpires_in\x18\x03 \x01(\x01\"\x87\x01\n\x0f\x42lockDescriptor\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04hash\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x05 \x01(\r\x12\'\n\x06header\x18\x06 \x01(\x0b\x32\x17.kvstore.v1.BlockHeader\"K\n\nLaneCommit\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12+\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1b.kvstore.v1.BlockDescriptor\"9\n\rLaneCommitted\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.BlockResult\"q\n\x0fLanePutResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.LaneGrantH\x00\x12.\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.kvstore.v1.LaneCommittedH\x00\x42\x06\n\x04step\"m\n\x0eLaneGetRequest\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\x12\'\n\x07request\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.GetRequest\x12\x0f\n\x07release\x18\x03 \x03(\x04\"o\n\x0fLaneGetResponse\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12+\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1b.kvstore.v1.BlockDescriptor\x12\x0f\n\x07handled\x18\x03 \x01(\r\x12\x0c\n\x04last\x18\x04 \x01(\x08\"5\n\x10\x43loseLaneRequest\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\"\x13\n\x11\x43loseLaneResponse\"-\n\x08TcpHello\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\"E\n\x06TcpPut\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12(\n\x07headers\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\"7\n\x0bTcpGetReply\x12(\n\x07headers\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\"+\n\nLaneStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t*O\n\x08LaneKind\x12\x14\n\x10LANE_UNSPECIFIED\x10\x00\x12\x0c\n\x08LANE_SHM\x10\x01\x12\x0c\n\x08LANE_TCP\x10\x02\x12\x11\n\rLANE_CUDA_IPC\x10\x03\x32\xad\x02\n\x0cKVStoreLanes\x12\x45\n\x08OpenLane\x12\x1b.kvstore.v1.OpenLaneRequest\x1a\x1c.kvstore.v1.OpenLaneResponse\x12\x46\n\x07LanePut\x12\x1a.kvstore.v1.LanePutRequest\x1a\x1b.kvstore.v1.LanePutResponse(\x01\x30\x01\x12\x44\n\x07LaneGet\x12\x1a.kvstore.v1.LaneGetRequest\x1a\x1b.kvstore.v1.LaneGetResponse0\x01\x12H\n\tCloseLane\x12\x1c.kvstore.v1.CloseLaneRequest\x1a\x1d.kvstore.v1.CloseLaneResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/lanes.proto\x12\nkvstore.v1\x1a\x18kvstore/v1/kvstore.proto\"T\n\x0fOpenLaneRequest\x12#\n\x05kinds\x18\x01 \x03(\x0e\x32\x14.kvstore.v1.LaneKind\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\"\x87\x02\n\x10OpenLaneResponse\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kvstore.v1.LaneKind\x12\x0f\n\x07lane_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x10\n\x08shm_path\x18\x06 \x01(\t\x12\x11\n\tshm_bytes\x18\x07 \x01(\x04\x12\x10\n\x08tcp_host\x18\x08 \x01(\t\x12\x10\n\x08tcp_port\x18\t \x01(\r\x12\x0e\n\x06reason\x18\n \x01(\t\x12.\n\x0b\x63uda_region\x18\x0b \x01(\x0b\x32\x19.kvstore.v1.CudaIpcRegion\"\xf7\x01\n\rCudaIpcRegion\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\r\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x04 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x05 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\x11\n\thost_path\x18\n \x01(\t\")\n\x07LaneRef\x12\x0f\n\x07lane_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"\x91\x01\n\x0eLanePutRequest\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\x12*\n\x07reserve\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.LaneReserveH\x00\x12(\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x16.kvstore.v1.LaneCommitH\x00\x42\x06\n\x04step\"p\n\x0bLaneReserve\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12(\n\x07headers\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\x12\x0f\n\x07release\x18\x03 \x03(\x04\x12\x13\n\x0b\x63rc_at_copy\x18\x04 \x01(\x08\"T\n\tSlotGrant\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\'\n\x06result\x18\x03 \x01(\x0b\x32\x17.kvstore.v1.BlockResult\"W\n\tLaneGrant\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12$\n\x05slots\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.SlotGrant\x12\x12\n\nexpires_in\x18\x03 \x01(\x01\"\x87\x01\n\x0f\x42lockDescriptor\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04hash\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x05 \x01(\r\x12\'\n\x06header\x18\x06 \x01(\x0b\x32\x17.kvstore.v1.BlockHeader\"d\n\nLaneCommit\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12+\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1b.kvstore.v1.BlockDescriptor\x12\x17\n\x0f\x63rc_from_server\x18\x03 \x01(\x08\"9\n\rLaneCommitted\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.BlockResult\"q\n\x0fLanePutResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.LaneGrantH\x00\x12.\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.kvstore.v1.LaneCommittedH\x00\x42\x06\n\x04step\"\x82\x01\n\x0eLaneGetRequest\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\x12\'\n\x07request\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.GetRequest\x12\x0f\n\x07release\x18\x03 \x03(\x04\x12\x13\n\x0b\x63rc_at_copy\x18\x04 \x01(\x08\"\x85\x01\n\x0fLaneGetResponse\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12+\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1b.kvstore.v1.BlockDescriptor\x12\x0f\n\x07handled\x18\x03 \x01(\r\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x14\n\x0c\x63rcs_at_copy\x18\x05 \x01(\x08\"5\n\x10\x43loseLaneRequest\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\"\x13\n\x11\x43loseLaneResponse\"-\n\x08TcpHello\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\"E\n\x06TcpPut\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12(\n\x07headers\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\"7\n\x0bTcpGetReply\x12(\n\x07headers\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\"+\n\nLaneStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t*O\n\x08LaneKind\x12\x14\n\x10LANE_UNSPECIFIED\x10\x00\x12\x0c\n\x08LANE_SHM\x10\x01\x12\x0c\n\x08LANE_TCP\x10\x02\x12\x11\n\rLANE_CUDA_IPC\x10\x03\x32\xad\x02\n\x0cKVStoreLanes\x12\x45\n\x08OpenLane\x12\x1b.kvstore.v1.OpenLaneRequest\x1a\x1c.kvstore.v1.OpenLaneResponse\x12\x46\n\x07LanePut\x12\x1a.kvstore.v1.LanePutRequest\x1a\x1b.kvstore.v1.LanePutResponse(\x01\x30\x01\x12\x44\n\x07LaneGet\x12\x1a.kvstore.v1.LaneGetRequest\x1a\x1b.kvstore.v1.LaneGetResponse0\x01\x12H\n\tCloseLane\x12\x1c.kvstore.v1.CloseLaneRequest\x1a\x1d.kvstore.v1.CloseLaneResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.lanes_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LANEKIND']._serialized_start=2034
-  _globals['_LANEKIND']._serialized_end=2113
+  _globals['_LANEKIND']._serialized_start=2125
+  _globals['_LANEKIND']._serialized_end=2204
   _globals['_OPENLANEREQUEST']._serialized_start=64
   _globals['_OPENLANEREQUEST']._serialized_end=148
   _globals['_OPENLANERESPONSE']._serialized_start=151
@@ -45,35 +45,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LANEPUTREQUEST']._serialized_start=710
   _globals['_LANEPUTREQUEST']._serialized_end=855
   _globals['_LANERESERVE']._serialized_start=857
-  _globals['_LANERESERVE']._serialized_end=948
-  _globals['_SLOTGRANT']._serialized_start=950
-  _globals['_SLOTGRANT']._serialized_end=1034
-  _globals['_LANEGRANT']._serialized_start=1036
-  _globals['_LANEGRANT']._serialized_end=1123
-  _globals['_BLOCKDESCRIPTOR']._serialized_start=1126
-  _globals['_BLOCKDESCRIPTOR']._serialized_end=1261
-  _globals['_LANECOMMIT']._serialized_start=1263
-  _globals['_LANECOMMIT']._serialized_end=1338
-  _globals['_LANECOMMITTED']._serialized_start=1340
-  _globals['_LANECOMMITTED']._serialized_end=1397
-  _globals['_LANEPUTRESPONSE']._serialized_start=1399
-  _globals['_LANEPUTRESPONSE']._serialized_end=1512
-  _globals['_LANEGETREQUEST']._serialized_start=1514
-  _globals['_LANEGETREQUEST']._serialized_end=1623
-  _globals['_LANEGETRESPONSE']._serialized_start=1625
-  _globals['_LANEGETRESPONSE']._serialized_end=1736
-  _globals['_CLOSELANEREQUEST']._serialized_start=1738
-  _globals['_CLOSELANEREQUEST']._serialized_end=1791
-  _globals['_CLOSELANERESPONSE']._serialized_start=1793
-  _globals['_CLOSELANERESPONSE']._serialized_end=1812
-  _globals['_TCPHELLO']._serialized_start=1814
-  _globals['_TCPHELLO']._serialized_end=1859
-  _globals['_TCPPUT']._serialized_start=1861
-  _globals['_TCPPUT']._serialized_end=1930
-  _globals['_TCPGETREPLY']._serialized_start=1932
-  _globals['_TCPGETREPLY']._serialized_end=1987
-  _globals['_LANESTATUS']._serialized_start=1989
-  _globals['_LANESTATUS']._serialized_end=2032
-  _globals['_KVSTORELANES']._serialized_start=2116
-  _globals['_KVSTORELANES']._serialized_end=2417
+  _globals['_LANERESERVE']._serialized_end=969
+  _globals['_SLOTGRANT']._serialized_start=971
+  _globals['_SLOTGRANT']._serialized_end=1055
+  _globals['_LANEGRANT']._serialized_start=1057
+  _globals['_LANEGRANT']._serialized_end=1144
+  _globals['_BLOCKDESCRIPTOR']._serialized_start=1147
+  _globals['_BLOCKDESCRIPTOR']._serialized_end=1282
+  _globals['_LANECOMMIT']._serialized_start=1284
+  _globals['_LANECOMMIT']._serialized_end=1384
+  _globals['_LANECOMMITTED']._serialized_start=1386
+  _globals['_LANECOMMITTED']._serialized_end=1443
+  _globals['_LANEPUTRESPONSE']._serialized_start=1445
+  _globals['_LANEPUTRESPONSE']._serialized_end=1558
+  _globals['_LANEGETREQUEST']._serialized_start=1561
+  _globals['_LANEGETREQUEST']._serialized_end=1691
+  _globals['_LANEGETRESPONSE']._serialized_start=1694
+  _globals['_LANEGETRESPONSE']._serialized_end=1827
+  _globals['_CLOSELANEREQUEST']._serialized_start=1829
+  _globals['_CLOSELANEREQUEST']._serialized_end=1882
+  _globals['_CLOSELANERESPONSE']._serialized_start=1884
+  _globals['_CLOSELANERESPONSE']._serialized_end=1903
+  _globals['_TCPHELLO']._serialized_start=1905
+  _globals['_TCPHELLO']._serialized_end=1950
+  _globals['_TCPPUT']._serialized_start=1952
+  _globals['_TCPPUT']._serialized_end=2021
+  _globals['_TCPGETREPLY']._serialized_start=2023
+  _globals['_TCPGETREPLY']._serialized_end=2078
+  _globals['_LANESTATUS']._serialized_start=2080
+  _globals['_LANESTATUS']._serialized_end=2123
+  _globals['_KVSTORELANES']._serialized_start=2207
+  _globals['_KVSTORELANES']._serialized_end=2508
 # @@protoc_insertion_point(module_scope)

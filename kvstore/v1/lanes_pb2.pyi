@@ -98,14 +98,16 @@ class LanePutRequest(_message.Message):
     def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., reserve: _Optional[_Union[LaneReserve, _Mapping]] = ..., commit: _Optional[_Union[LaneCommit, _Mapping]] = ...) -> None: ...
 
 class LaneReserve(_message.Message):
-    __slots__ = ("namespace", "headers", "release")
+    __slots__ = ("namespace", "headers", "release", "crc_at_copy")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HEADERS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    CRC_AT_COPY_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     headers: _containers.RepeatedCompositeFieldContainer[_kvstore_pb2.BlockHeader]
     release: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[str] = ..., headers: _Optional[_Iterable[_Union[_kvstore_pb2.BlockHeader, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+    crc_at_copy: bool
+    def __init__(self, namespace: _Optional[str] = ..., headers: _Optional[_Iterable[_Union[_kvstore_pb2.BlockHeader, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ...) -> None: ...
 
 class SlotGrant(_message.Message):
     __slots__ = ("offset", "length", "result")
@@ -144,12 +146,14 @@ class BlockDescriptor(_message.Message):
     def __init__(self, index: _Optional[int] = ..., hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., crc32c: _Optional[int] = ..., header: _Optional[_Union[_kvstore_pb2.BlockHeader, _Mapping]] = ...) -> None: ...
 
 class LaneCommit(_message.Message):
-    __slots__ = ("grant_id", "blocks")
+    __slots__ = ("grant_id", "blocks", "crc_from_server")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CRC_FROM_SERVER_FIELD_NUMBER: _ClassVar[int]
     grant_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockDescriptor]
-    def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ...) -> None: ...
+    crc_from_server: bool
+    def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., crc_from_server: _Optional[bool] = ...) -> None: ...
 
 class LaneCommitted(_message.Message):
     __slots__ = ("results",)
@@ -166,26 +170,30 @@ class LanePutResponse(_message.Message):
     def __init__(self, grant: _Optional[_Union[LaneGrant, _Mapping]] = ..., committed: _Optional[_Union[LaneCommitted, _Mapping]] = ...) -> None: ...
 
 class LaneGetRequest(_message.Message):
-    __slots__ = ("lane", "request", "release")
+    __slots__ = ("lane", "request", "release", "crc_at_copy")
     LANE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    CRC_AT_COPY_FIELD_NUMBER: _ClassVar[int]
     lane: LaneRef
     request: _kvstore_pb2.GetRequest
     release: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+    crc_at_copy: bool
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ...) -> None: ...
 
 class LaneGetResponse(_message.Message):
-    __slots__ = ("grant_id", "blocks", "handled", "last")
+    __slots__ = ("grant_id", "blocks", "handled", "last", "crcs_at_copy")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HANDLED_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    CRCS_AT_COPY_FIELD_NUMBER: _ClassVar[int]
     grant_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockDescriptor]
     handled: int
     last: bool
-    def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., handled: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
+    crcs_at_copy: bool
+    def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., handled: _Optional[int] = ..., last: _Optional[bool] = ..., crcs_at_copy: _Optional[bool] = ...) -> None: ...
 
 class CloseLaneRequest(_message.Message):
     __slots__ = ("lane",)

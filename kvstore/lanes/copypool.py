@@ -1,0 +1,58 @@
+"""Copies of one batch spread over a few threads: a single core copying with its CRC fused in moves about
+11-14 GB/s here, two move about 17 (the memory bus, not the core, is then the limit).
+
+``CopyPool(threads).run(fn, items, weights) -> [fn(item) ...]`` splits ``items`` into at most ``threads``
+contiguous runs of about equal weight (bytes), runs the first on the calling thread and the others on the
+pool, and returns the results in order. Batches under ``SPLIT_BYTES`` stay on the calling thread: handing
+work to another thread costs tens of microseconds. ``fn`` must let go of the GIL for its bulk (numpy copies,
+CRC32C and process_vm_readv/writev all do).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+SPLIT_BYTES = 4 << 20
+
+
+def default_threads() -> int:
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+class CopyPool:
+    def __init__(self, threads: int | None = None):
+        self.threads = threads or default_threads()
+        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvstore-copy") if self.threads > 1 else None
+
+    def run(self, fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int]) -> list[R]:
+        total = sum(weights)
+        if self._pool is None or len(items) < 2 or total < SPLIT_BYTES:
+            return [fn(item) for item in items]
+        runs = _split(weights, min(self.threads, len(items)))
+        futures = [self._pool.submit(lambda r=r: [fn(items[i]) for i in r]) for r in runs[1:]]
+        results = [fn(items[i]) for i in runs[0]]
+        for f in futures:
+            results.extend(f.result())
+        return results
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _split(weights: Sequence[int], parts: int) -> list[range]:
+    """Contiguous runs of indices, about ``sum(weights) / parts`` each; every run non-empty."""
+    parts = max(1, min(parts, len(weights)))
+    total, runs, start, acc = sum(weights), [], 0, 0
+    for i, w in enumerate(weights):
+        acc += w
+        left_items, left_runs = len(weights) - i - 1, parts - len(runs) - 1
+        if left_runs > 0 and (acc >= total * (len(runs) + 1) / parts or left_items == left_runs):
+            runs.append(range(start, i + 1))
+            start = i + 1
+    runs.append(range(start, len(weights)))
+    return runs
