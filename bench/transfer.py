@@ -16,6 +16,16 @@ whether each was met (``targets``, ``met``): shm at 2 MiB >= 0.5x memcpy; shm
 at 512 KiB and 2 MiB >= 2x Redis; tcp at 512 KiB and 2 MiB >= 0.8x the raw
 socket, >= Redis on put and >= 2x Redis on get.
 
+Payloads (``--payload``): ``pool`` (default) puts the blocks as slices of
+one buffer, as a prefill worker puts pages of its KV pool; ``separate`` puts
+one ``bytes`` object per block. The shm lane's direct puts (the store reads
+the client's memory with process_vm_readv) run at 10-11 GB/s from one
+allocation and 6-7 GB/s from many separate ones on this kernel, so the
+choice shows in its put rows; every row records it (``payload``). Each
+repetition drops the previous Get's results before the next Get, as a worker
+that loads them into its pool does; ``--hold-results`` keeps them (on the
+shm lane, results past half the region are then copied out, not lent).
+
 The raw socket baseline (``raw_socket_gbps``, the targets' baseline) repeats
 one cache-resident buffer on each side; beside it, ``raw_socket_distinct_gbps``
 and ``vs_raw_socket_distinct`` move the batch's bytes as a store does, from
@@ -30,6 +40,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from bench.baselines import memcpy_gbps, raw_socket_gbps, redis_gbps, redis_server
@@ -40,9 +51,14 @@ SIZES = [64 << 10, 512 << 10, 2 << 20]
 BATCH = 64
 
 
-def measure_lane(target: str, lane: str, size: int, reps: int) -> tuple[float, float]:
-    blocks = [os.urandom(size) for _ in range(BATCH)]
+def measure_lane(target: str, lane: str, size: int, reps: int, payload: str = "pool",
+                 hold_results: bool = False) -> tuple[float, float]:
     total = size * BATCH
+    if payload == "pool":
+        pool = np.frombuffer(os.urandom(total), dtype=np.uint8).copy()
+        blocks: list = [memoryview(pool[i * size : (i + 1) * size]) for i in range(BATCH)]
+    else:
+        blocks = [os.urandom(size) for _ in range(BATCH)]
     put_t, get_t = [], []
     with Client(target, timeout=120, lane=lane) as kv:
         for rep in range(reps + 1):  # first repetition warms up connections and pages
@@ -54,7 +70,9 @@ def measure_lane(target: str, lane: str, size: int, reps: int) -> tuple[float, f
             start = time.perf_counter()
             got = kv.get("bench", keys)
             get_s = time.perf_counter() - start
-            assert len(got) == BATCH and bytes(got[-1][:64]) == blocks[-1][:64]
+            assert len(got) == BATCH and bytes(got[-1][:64]) == bytes(blocks[-1][:64])
+            if not hold_results:
+                del got
             kv.delete("bench", keys)
             if rep:
                 put_t.append(put_s)
@@ -96,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (same code path)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/transfer.json"), help="JSON rows")
     parser.add_argument("--lanes", default="grpc,shm,tcp", help="comma-separated lanes to measure (grpc, shm, tcp)")
+    parser.add_argument("--payload", choices=["pool", "separate"], default="pool",
+                        help="blocks as slices of one buffer (a KV pool) or one bytes object each")
+    parser.add_argument("--hold-results", action="store_true",
+                        help="keep each Get's results until the next Get returns")
     args = parser.parse_args(argv)
     reps = 3 if args.quick else 7
     lanes = args.lanes.split(",")
@@ -115,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                     "rawd_put": raw_socket_gbps(total, "put", reps, distinct=True),
                     "rawd_get": raw_socket_gbps(total, "get", reps, distinct=True)}
             base = baseline_cache[size]
-            put, get = measure_lane(target, lane, size, reps)
+            put, get = measure_lane(target, lane, size, reps, args.payload, args.hold_results)
             for op, gbps in (("put", put), ("get", get)):
                 rows.append({"op": op, "lane": lane, "block_bytes": size, "batch": BATCH, "gbps": round(gbps, 3),
+                             "payload": args.payload, "hold_results": args.hold_results,
                              "raw_socket_gbps": round(base[f"raw_{op}"], 3), "redis_gbps": round(base[f"redis_{op}"], 3),
                              "memcpy_gbps": round(base["memcpy"], 3),
                              "vs_redis": round(gbps / base[f"redis_{op}"], 2),

@@ -90,6 +90,9 @@ class ServeConfig:
     shm_dir: str = _opt("/dev/shm", "directory (a tmpfs) of the shm lanes' regions", metavar="DIR")
     shm_lane_bytes: int = _opt(parse_size("256MiB"), "shared-memory region of each shm lane: a batch in flight "
                                                      "plus Get results lent to the client", parse_size, "SIZE")
+    shm_direct: bool = _opt(True, "let shm lane clients that allow it (same user; Yama prctl) have their Put blocks "
+                                  "read straight from their memory with process_vm_readv: one copy instead of two",
+                            _bool)
     cuda_lane_bytes: int = _opt(parse_size("256MiB"), "device memory region of each cuda_ipc lane", parse_size,
                                 "SIZE")
     cuda_lane_device: str = _opt("", "device of the cuda_ipc lanes' regions (default: --hbm-device); cpu runs the "

@@ -43,6 +43,7 @@ class CudaIpcClientLane(ShmClientLane):
         self._release: list[int] = []
         self._release_lock = threading.Lock()
         self._lender = Lender(self.region, self._give_back, budget=0)  # type: ignore[arg-type]  # never lends
+        self.direct = False  # device payloads: no process_vm_readv
         self._copier = Copier()
 
     @property

@@ -26,7 +26,10 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
+import grpc
+
 from kvstore.devices import Copier, CrcStaging
+from kvstore.lanes.base import LaneError
 from kvstore.lanes.cuda_region import DeviceRegion
 from kvstore.lanes.grants import Slot
 from kvstore.lanes.shm_server import CopyOut, ShmServerLane
@@ -51,7 +54,9 @@ class CudaIpcServerLane(ShmServerLane):
             copier = self._calls.copier = Copier()
         return copier
 
-    def _land(self, slots: Sequence[Slot]) -> list[int]:
+    def _land(self, slots: Sequence[Slot], descriptors: Sequence[lpb.BlockDescriptor]) -> list[int]:
+        if any(d.address for d in descriptors):
+            raise LaneError(grpc.StatusCode.PERMISSION_DENIED, "a cuda_ipc commit cannot name client memory")
         dests = []
         copier = self._copier
         for slot in slots:

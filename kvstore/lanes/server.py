@@ -1,9 +1,9 @@
 """Wiring of the lanes into a store node: ``LaneServer(store_server).register(grpc_server)``.
 
 Reads the lane options of ``ServeConfig`` (``lanes``, ``tcp_lane_listen``,
-``shm_dir``, ``shm_lane_bytes``, ``cuda_lane_bytes``, ``cuda_lane_device``,
+``shm_dir``, ``shm_lane_bytes``, ``shm_direct``, ``cuda_lane_bytes``, ``cuda_lane_device``,
 ``lane_lease``, ``lane_max``), builds the
-registry (with its reaper), the bulk TCP listener and the KVStoreLanes
+registry (with its reaper), the bulk TCP listener, the direct-put handshake socket and the KVStoreLanes
 servicer, and registers the servicer on the gRPC server. ``close(grace)``
 stops the listener after in-flight frames and closes every lane (aborting
 outstanding grants, unlinking regions).
@@ -16,7 +16,9 @@ from typing import Any
 
 import grpc
 
+from kvstore.lanes import cma
 from kvstore.lanes.base import host_id
+from kvstore.lanes.direct import DirectListener
 from kvstore.lanes.registry import LaneRegistry
 from kvstore.lanes.servicer import LaneServicer
 from kvstore.lanes.shm_region import sweep
@@ -59,17 +61,24 @@ class LaneServer:
             log.warning("shm lane off: %s is not a directory", cfg.shm_dir)
         if shm_dir is not None and (stale := sweep(shm_dir)):
             log.info("removed %d lane region files left by servers that were killed", stale)
+        self.direct: DirectListener | None = None
+        if shm_dir is not None and cfg.shm_direct and cma.available():
+            registry = self.registry
+            self.direct = DirectListener(shm_dir, lambda lane_id, token: registry.get(lane_id, token, "shm"))
         cuda_device = _cuda_lane_device(cfg) if "cuda_ipc" in kinds else None
         if cuda_device is not None and cfg.cuda_lane_bytes < cfg.max_block:
             raise ValueError(f"--cuda-lane-bytes ({cfg.cuda_lane_bytes}) must hold the largest block ({cfg.max_block})")
         self.servicer = LaneServicer(self.registry, self.ops, host_id=host_id(), shm_dir=shm_dir,
                                      shm_bytes=cfg.shm_lane_bytes, tcp=self.tcp, gate=getattr(node, "gate", None),
                                      cuda_device=cuda_device, cuda_bytes=cfg.cuda_lane_bytes,
-                                     cuda_shm_dir=cfg.shm_dir if os.path.isdir(cfg.shm_dir) else None)
+                                     cuda_shm_dir=cfg.shm_dir if os.path.isdir(cfg.shm_dir) else None,
+                                     direct_socket=self.direct.path if self.direct is not None else "")
 
     def register(self, server: grpc.Server) -> "LaneServer":
         lanes_pb2_grpc.add_KVStoreLanesServicer_to_server(self.servicer, server)
         self.registry.start()
+        if self.direct is not None:
+            self.direct.start()
         if self.tcp is not None:
             self.tcp.start()
             log.info("tcp lane listening on port %d", self.tcp.port)
@@ -78,6 +87,8 @@ class LaneServer:
     def close(self, grace: float = 5.0) -> None:
         if self.tcp is not None:
             self.tcp.close(grace)
+        if self.direct is not None:
+            self.direct.close()
         self.registry.stop()
 
 

@@ -45,8 +45,9 @@ T = TypeVar("T")
 class LaneServicer(lpb_grpc.KVStoreLanesServicer):
     def __init__(self, registry: LaneRegistry, ops: StoreOps, *, host_id: str, shm_dir: str | None,
                  shm_bytes: int, tcp: TcpLaneServer | None, gate: Any = None, cuda_device: str | None = None,
-                 cuda_bytes: int = 0, cuda_shm_dir: str | None = None):
+                 cuda_bytes: int = 0, cuda_shm_dir: str | None = None, direct_socket: str = ""):
         self.registry, self.ops, self.host_id, self.gate = registry, ops, host_id, gate
+        self.direct_socket = direct_socket  # "" when direct puts are off
         self.shm_dir, self.shm_bytes, self.tcp = shm_dir, shm_bytes, tcp
         self.cuda_device, self.cuda_bytes, self.cuda_shm_dir = cuda_device, cuda_bytes, cuda_shm_dir
 
@@ -83,7 +84,8 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             if lane is None:
                 return None
             return lpb.OpenLaneResponse(kind=kind, lane_id=lane.lane_id, token=lane.token,
-                                        shm_path=lane.region.path, shm_bytes=lane.region.size, **common)
+                                        shm_path=lane.region.path, shm_bytes=lane.region.size,
+                                        direct_socket=self.direct_socket, **common)
         if kind == lpb.LANE_CUDA_IPC:
             return self._open_cuda(request, reasons, access, common)
         if kind == lpb.LANE_TCP:
@@ -164,6 +166,9 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                         grant = self._run(context, lambda: lane.reserve(r.namespace, r.headers, r.release))
                         grants.append(grant.grant_id)
                         yield lpb.LanePutResponse(grant=grant)
+                        if r.addresses:  # a direct round: read and commit what was granted, now
+                            yield lpb.LanePutResponse(committed=self._run(
+                                context, lambda: lane.commit_direct(grant, r.headers, r.addresses)))
                     elif step == "commit":
                         c = msg.commit
                         yield lpb.LanePutResponse(committed=self._run(

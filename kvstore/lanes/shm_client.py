@@ -27,6 +27,7 @@ The lane is used by one call at a time (``negotiate.LanePool``).
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -36,6 +37,9 @@ import grpc
 from kvstore.checksum import crc32c
 from kvstore.lanes.base import Lane, LaneBroken
 from kvstore.lanes.buffers import alloc_blocks
+from kvstore.lanes.cma import address_of
+from kvstore.lanes.copypool import CopyPool
+from kvstore.lanes.direct import handshake
 from kvstore.lanes.memops import copy_crc, copy_into
 from kvstore.lanes.shm_loans import Lender, Loan
 from kvstore.lanes.shm_region import attach
@@ -43,6 +47,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
 
+log = logging.getLogger(__name__)
 COMMIT_BYTES = 16 << 20
 T = TypeVar("T")
 
@@ -59,6 +64,12 @@ class ShmClientLane(Lane):
         self._release: list[int] = []
         self._release_lock = threading.Lock()
         self._lender = Lender(self.region, self._give_back, budget=self.region.size // 2)
+        self.direct = False  # puts name client memory for the server to read (one copy)
+        if opened.direct_socket:
+            why_not = handshake(opened.direct_socket, opened.lane_id, opened.token)
+            self.direct = why_not is None
+            if why_not:
+                log.info("shm lane %s: puts copy through the region (%s)", opened.lane_id, why_not)
 
     # -- put ------------------------------------------------------------------------------
     def put(self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[memoryview]) -> list[Any]:
@@ -67,6 +78,9 @@ class ShmClientLane(Lane):
         try:
             start = 0
             while start < len(headers):
+                if self.direct:  # one round trip: the server reads the granted blocks from our memory
+                    start = self._direct_round(stream, namespace, headers, payloads, start, results)
+                    continue
                 grant = stream.reserve(namespace, headers[start:], self._take_release())
                 descriptors: list[lpb.BlockDescriptor] = []
                 commits: list[list[int]] = []
@@ -98,6 +112,19 @@ class ShmClientLane(Lane):
         finally:
             stream.close()
         return results
+
+    def _direct_round(self, stream: "PutStream", namespace: str, headers: Sequence[pb.BlockHeader],
+                      payloads: Sequence[Any], start: int, results: list[Any]) -> int:
+        """One reserve naming where each payload is; the server reads and commits what it grants."""
+        addresses = [address_of(p)[0] for p in payloads[start:]]
+        grant = stream.reserve(namespace, headers[start:], self._take_release(), addresses=addresses)
+        committed = iter(stream.committed())
+        for j, slot in enumerate(grant.slots):
+            if slot.result.status != pb.PUT_STATUS_UNSPECIFIED:
+                results[start + j] = _put_result(slot.result)
+            else:
+                results[start + j] = _put_result(next(committed))
+        return start + len(grant.slots)
 
     def open_put(self) -> "PutStream":
         """A LanePut stream on this lane (its phases are public for tests and tools)."""
@@ -155,6 +182,8 @@ class ShmClientLane(Lane):
         With ``crcs_at_copy`` the server computed each CRC32C as it copied the block into the region, which
         only it and this client map: comparing that with the header's checks the block without reading it."""
         fresh = iter(alloc_blocks([d.length for d in present]) if out is None and loan is None else ())
+        copies: list[tuple[memoryview, memoryview, bool]] = []  # (destination, region range, compute its CRC)
+        checked: list[tuple[int, lpb.BlockDescriptor]] = []
         for d in present:
             i = start + d.index
             check = verify and d.header.codec == pb.CODEC_NONE
@@ -168,13 +197,13 @@ class ShmClientLane(Lane):
                     raise _corrupt(i, d)
                 continue
             dst = self._out_view(out, i, d.length) if out is not None else next(fresh)
-            src = self.region.view[d.offset : d.offset + d.length]
-            if check:
-                if copy_crc(dst, src) != d.header.crc32c:
-                    raise _corrupt(i, d)
-            else:
-                copy_into(dst, src)
+            copies.append((dst, self.region.view[d.offset : d.offset + d.length], check))
+            checked.append((i, d))
             results[i] = out[i] if out is not None else dst
+        crcs = _copy_pool().run(_copy_out, copies, [len(c[0]) for c in copies])
+        for (i, d), (_, _, check), crc in zip(checked, copies, crcs):
+            if check and crc != d.header.crc32c:
+                raise _corrupt(i, d)
 
     @staticmethod
     def _out_view(out: Sequence[Any], i: int, n: int) -> memoryview:
@@ -209,6 +238,27 @@ class ShmClientLane(Lane):
             return fn()
         except grpc.RpcError as err:
             raise _from_rpc(err) from None
+
+
+_pool: CopyPool | None = None
+_pool_lock = threading.Lock()
+
+
+def _copy_pool() -> CopyPool:
+    """Copies out of the region, spread over a few threads (one pool per process)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = CopyPool()
+        return _pool
+
+
+def _copy_out(c: tuple[memoryview, memoryview, bool]) -> int | None:
+    dst, src, check = c
+    if check:
+        return copy_crc(dst, src)
+    copy_into(dst, src)
+    return None
 
 
 def _put_result(r: pb.BlockResult) -> Any:
@@ -270,8 +320,10 @@ class PutStream:
             raise LaneBroken(f"LanePut stream out of step: expected {step}")
         return getattr(reply, step)
 
-    def reserve(self, namespace: str, headers: Sequence[pb.BlockHeader], release: Sequence[int] = ()) -> lpb.LaneGrant:
-        self._send(lpb.LanePutRequest(reserve=lpb.LaneReserve(namespace=namespace, headers=headers, release=release)))
+    def reserve(self, namespace: str, headers: Sequence[pb.BlockHeader], release: Sequence[int] = (),
+                addresses: Sequence[int] = ()) -> lpb.LaneGrant:
+        self._send(lpb.LanePutRequest(reserve=lpb.LaneReserve(namespace=namespace, headers=headers, release=release,
+                                                              addresses=addresses)))
         return self._next("grant")
 
     def send_commit(self, grant_id: int, descriptors: Sequence[lpb.BlockDescriptor],

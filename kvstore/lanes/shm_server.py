@@ -41,6 +41,7 @@ import grpc
 
 from kvstore.checksum import crc32c
 from kvstore.lanes.base import LaneError, ServerLane
+from kvstore.lanes.direct import DirectPeer
 from kvstore.lanes.grants import Grant, GrantTable, Slot
 from kvstore.lanes.memops import copy_crc, copy_into, host_view
 from kvstore.lanes.shm_region import ShmRegion
@@ -72,6 +73,12 @@ class ShmServerLane(ServerLane):
         self.grants = GrantTable(region.size, lease_seconds)
         self._attached = threading.Event()
         self._created = self.last_used
+        self.direct: DirectPeer | None = None  # set by the direct handshake: puts may name client addresses
+
+    def bind_direct(self, peer: DirectPeer) -> None:
+        if self.direct is not None:
+            self.direct.close()
+        self.direct = peer
 
     def attached(self) -> None:
         """The client sent a request, so it has the region mapped: its name can go."""
@@ -116,7 +123,7 @@ class ShmServerLane(ServerLane):
         committed: list[int] = []
         done = 0
         try:
-            for d, slot, computed in zip(descriptors, slots, self._land(slots)):
+            for d, slot, computed in zip(descriptors, slots, self._land(slots, descriptors)):
                 res: Reservation = slot.item
                 claimed = computed if crc_from_server else self._claimed_crc(d, computed)
                 reply.results.append(self.ops.finish(res, claimed, computed, committed, self.access))
@@ -128,16 +135,37 @@ class ShmServerLane(ServerLane):
         finally:
             self.grants.settle(grant, slots)
             self.ops.metrics.add(f"lane_{self.kind}_put_bytes", done)
+            if self.direct is not None:
+                self.ops.metrics.add("lane_shm_direct_put_bytes", sum(s.length for d, s in zip(descriptors, slots)
+                                                                       if d.address))
             self.ops.metrics.bytes_in(done)
         self.ops.persist(committed)
         return reply
 
+    def commit_direct(self, grant: lpb.LaneGrant, headers: Sequence[pb.BlockHeader],
+                      addresses: Sequence[int]) -> lpb.LaneCommitted:
+        """Commit every block a direct reserve was granted, read from ``addresses`` (one per header)."""
+        if len(addresses) != len(headers):
+            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"a direct reserve names {len(addresses)} addresses for {len(headers)} blocks")
+        descriptors = [lpb.BlockDescriptor(index=j, hash=headers[j].hash, offset=slot.offset, length=slot.length,
+                                           address=addresses[j])
+                       for j, slot in enumerate(grant.slots) if slot.result.status == pb.PUT_STATUS_UNSPECIFIED]
+        if not descriptors:  # every block already present or refused: the grant holds nothing
+            return lpb.LaneCommitted()
+        return self.commit(grant.grant_id, descriptors, crc_from_server=True)
+
     def end_stream(self, grant_ids: Sequence[int]) -> None:
         self.ops.abort(self.grants.end(grant_ids))
 
-    def _land(self, slots: Sequence[Slot]) -> list[int]:
-        """Copy each granted block region -> arena slot; the CRC32C of each as it landed."""
-        return self.ops.copies.run(lambda slot: self._copy_in(slot, slot.item), slots, [s.length for s in slots])
+    def _land(self, slots: Sequence[Slot], descriptors: Sequence[lpb.BlockDescriptor]) -> list[int]:
+        """Copy each granted block into its arena slot (from the region, or from the client's memory at the
+        descriptor's address on a direct lane); the CRC32C of each as it landed."""
+        if any(d.address for d in descriptors) and self.direct is None:
+            raise LaneError(grpc.StatusCode.PERMISSION_DENIED,
+                            "a commit names client memory on a lane without a direct handshake")
+        return self.ops.copies.run(lambda pair: self._copy_in(pair[0], pair[0].item, pair[1].address),
+                                   list(zip(slots, descriptors)), [s.length for s in slots])
 
     @staticmethod
     def _claimed_crc(d: lpb.BlockDescriptor, computed: int) -> int:
@@ -147,16 +175,20 @@ class ShmServerLane(ServerLane):
     def _settle(self) -> None:
         """Wait for copies into the region still in flight (none here: shm copies are synchronous)."""
 
-    def _copy_in(self, slot: Slot, res: Reservation) -> int:
-        """Region -> arena slot; the CRC32C of the bytes as they landed in the slot."""
+    def _copy_in(self, slot: Slot, res: Reservation, address: int = 0) -> int:
+        """Region (or client memory at ``address``) -> arena slot; the CRC32C of the bytes as they landed."""
         assert res.ticket is not None
-        src = self.region.view[slot.offset : slot.offset + slot.length]
         dst = host_view(res.ticket.buffer)
-        if dst is not None:
-            return copy_crc(dst, src)
-        staging = memoryview(bytearray(slot.length))  # device slot (HBM tier): verify on host, then upload
-        crc = copy_crc(staging, src)
-        copy_into(res.ticket.buffer, staging)
+        staging = dst is None  # device slot (HBM tier): land and check on the host, then upload
+        if staging:
+            dst = memoryview(bytearray(slot.length))
+        if address:
+            assert self.direct is not None
+            crc = self.direct.read_into(dst, address)
+        else:
+            crc = copy_crc(dst, self.region.view[slot.offset : slot.offset + slot.length])
+        if staging:
+            copy_into(res.ticket.buffer, dst)
         return crc
 
     # -- get --------------------------------------------------------------------------
@@ -187,7 +219,7 @@ class ShmServerLane(ServerLane):
                     handled += 1
                     sent += n
                     pending_bytes += n
-                    if pending_bytes >= due:
+                    if pending_bytes >= due and handled < len(leases):  # never an empty last message
                         due = YIELD_BYTES
                         self._copy_out(copies)
                         copies = []
@@ -269,3 +301,5 @@ class ShmServerLane(ServerLane):
         self.closed.set()
         self.ops.abort(self.grants.close())
         self.region.close()
+        if self.direct is not None:
+            self.direct.close()

@@ -30,7 +30,7 @@ class OpenLaneRequest(_message.Message):
     def __init__(self, kinds: _Optional[_Iterable[_Union[LaneKind, str]]] = ..., host_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class OpenLaneResponse(_message.Message):
-    __slots__ = ("kind", "lane_id", "token", "host_id", "lease_seconds", "shm_path", "shm_bytes", "tcp_host", "tcp_port", "reason", "cuda_region")
+    __slots__ = ("kind", "lane_id", "token", "host_id", "lease_seconds", "shm_path", "shm_bytes", "tcp_host", "tcp_port", "reason", "cuda_region", "direct_socket")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LANE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class OpenLaneResponse(_message.Message):
     TCP_PORT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CUDA_REGION_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_SOCKET_FIELD_NUMBER: _ClassVar[int]
     kind: LaneKind
     lane_id: str
     token: bytes
@@ -53,7 +54,8 @@ class OpenLaneResponse(_message.Message):
     tcp_port: int
     reason: str
     cuda_region: CudaIpcRegion
-    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., lane_id: _Optional[str] = ..., token: _Optional[bytes] = ..., host_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., tcp_host: _Optional[str] = ..., tcp_port: _Optional[int] = ..., reason: _Optional[str] = ..., cuda_region: _Optional[_Union[CudaIpcRegion, _Mapping]] = ...) -> None: ...
+    direct_socket: str
+    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., lane_id: _Optional[str] = ..., token: _Optional[bytes] = ..., host_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., tcp_host: _Optional[str] = ..., tcp_port: _Optional[int] = ..., reason: _Optional[str] = ..., cuda_region: _Optional[_Union[CudaIpcRegion, _Mapping]] = ..., direct_socket: _Optional[str] = ...) -> None: ...
 
 class CudaIpcRegion(_message.Message):
     __slots__ = ("device_uuid", "device_index", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "host_path")
@@ -98,16 +100,16 @@ class LanePutRequest(_message.Message):
     def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., reserve: _Optional[_Union[LaneReserve, _Mapping]] = ..., commit: _Optional[_Union[LaneCommit, _Mapping]] = ...) -> None: ...
 
 class LaneReserve(_message.Message):
-    __slots__ = ("namespace", "headers", "release", "crc_at_copy")
+    __slots__ = ("namespace", "headers", "release", "addresses")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HEADERS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
-    CRC_AT_COPY_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     headers: _containers.RepeatedCompositeFieldContainer[_kvstore_pb2.BlockHeader]
     release: _containers.RepeatedScalarFieldContainer[int]
-    crc_at_copy: bool
-    def __init__(self, namespace: _Optional[str] = ..., headers: _Optional[_Iterable[_Union[_kvstore_pb2.BlockHeader, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ...) -> None: ...
+    addresses: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., headers: _Optional[_Iterable[_Union[_kvstore_pb2.BlockHeader, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ..., addresses: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SlotGrant(_message.Message):
     __slots__ = ("offset", "length", "result")
@@ -130,20 +132,22 @@ class LaneGrant(_message.Message):
     def __init__(self, grant_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ..., expires_in: _Optional[float] = ...) -> None: ...
 
 class BlockDescriptor(_message.Message):
-    __slots__ = ("index", "hash", "offset", "length", "crc32c", "header")
+    __slots__ = ("index", "hash", "offset", "length", "crc32c", "header", "address")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     index: int
     hash: bytes
     offset: int
     length: int
     crc32c: int
     header: _kvstore_pb2.BlockHeader
-    def __init__(self, index: _Optional[int] = ..., hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., crc32c: _Optional[int] = ..., header: _Optional[_Union[_kvstore_pb2.BlockHeader, _Mapping]] = ...) -> None: ...
+    address: int
+    def __init__(self, index: _Optional[int] = ..., hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., crc32c: _Optional[int] = ..., header: _Optional[_Union[_kvstore_pb2.BlockHeader, _Mapping]] = ..., address: _Optional[int] = ...) -> None: ...
 
 class LaneCommit(_message.Message):
     __slots__ = ("grant_id", "blocks", "crc_from_server")

@@ -1,0 +1,114 @@
+"""Cross-memory attach: the store copies a block straight out of a same-host client's memory (one copy).
+
+Linux's ``process_vm_readv`` copies from another process's address space
+into ours in the kernel, at about memcpy speed (16-18 GB/s here against 19
+for memcpy). The kernel allows it only where ptrace would be allowed: same
+user, and under Yama's ``ptrace_scope`` 1 only if the client named us with
+``prctl(PR_SET_PTRACER, store_pid)``. What this module gives:
+
+- ``read_into(pid, dst, address) -> crc``: copy ``len(dst)`` bytes at
+  ``address`` in process ``pid`` into the writable host buffer ``dst``, in
+  pieces, each CRC32C'd right after it lands (still in cache). Raises
+  ``DirectReadError`` (with the errno) on a short or failed read.
+- ``allow_reader(pid) -> bool`` (client): let process ``pid`` read our memory;
+  a process names one such reader at a time, so a second store is refused
+  (that lane then copies through its region as before).
+- ``peer_pid(sock)``: the pid the kernel vouches for on a connected unix
+  socket (SO_PEERCRED): the one fact a client cannot forge.
+- ``available()``: Linux with the syscall present.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import struct
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvstore.checksum import crc32c
+
+PIECE = 512 << 10
+PR_SET_PTRACER = 0x59616D61
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+class DirectReadError(OSError):
+    pass
+
+
+_libc: Any = None
+_allowed: int | None = None
+_allowed_lock = threading.Lock()
+
+
+def _lib() -> Any:
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        fn = lib.process_vm_readv
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                       ctypes.c_ulong]
+        fn.restype = ctypes.c_ssize_t
+        lib.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+        lib.prctl.restype = ctypes.c_int
+        _libc = lib
+    return _libc
+
+
+def available() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return hasattr(_lib(), "process_vm_readv")
+    except OSError:
+        return False
+
+
+def address_of(buf: Any) -> tuple[int, int]:
+    """(address, length) of a contiguous host buffer (bytes, memoryview, numpy array, CPU tensor)."""
+    if hasattr(buf, "data_ptr"):  # torch tensor
+        return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+    array = np.frombuffer(buf, dtype=np.uint8)
+    return int(array.ctypes.data), int(array.nbytes)
+
+
+def read_into(pid: int, dst: memoryview, address: int) -> int:
+    """Copy ``len(dst)`` bytes from ``address`` in process ``pid`` into ``dst``; the CRC32C of what landed."""
+    lib = _lib()
+    local = np.frombuffer(dst, dtype=np.uint8)
+    base, n, crc = int(local.ctypes.data), len(local), 0
+    for start in range(0, n, PIECE):
+        size = min(PIECE, n - start)
+        liov, riov = _IoVec(base + start, size), _IoVec(address + start, size)
+        got = lib.process_vm_readv(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
+        if got != size:
+            err = ctypes.get_errno() if got < 0 else 0
+            raise DirectReadError(err, f"read {max(got, 0)} of {size} bytes at {address + start:#x} in process {pid}"
+                                       f"{': ' + os.strerror(err) if err else ''}")
+        crc = crc32c(local[start : start + size], crc)
+    return crc
+
+
+def allow_reader(pid: int) -> bool:
+    """Let ``pid`` read this process's memory (Yama); False if another store was allowed first."""
+    global _allowed
+    with _allowed_lock:
+        if _allowed not in (None, pid):
+            return False
+        if _lib().prctl(PR_SET_PTRACER, pid, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
+            return False  # EINVAL: no Yama here, and same-user reads need no permission
+        _allowed = pid
+        return True
+
+
+def peer_pid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _uid, _gid = struct.unpack("3i", creds)
+    return pid

@@ -1,0 +1,176 @@
+"""Direct puts on the shm lane: a client proves its pid, then the store reads its blocks out of its memory.
+
+A shm lane put copies twice (client -> region, region -> arena slot); with
+``cma.read_into`` the store copies once (client memory -> arena slot). That
+is safe only if the store reads the memory of the process that holds the
+lane, so the pid comes from the kernel, not from a message:
+
+1. The server listens on one unix socket per node, ``kvstore-direct-*.sock``
+   (mode 0600, in the shm directory), named in the lane's OpenLaneResponse.
+2. The client connects, learns the server's pid (SO_PEERCRED), lets it read
+   its memory (``cma.allow_reader``), and sends its lane id, token, and the
+   address and bytes of a random 16-byte nonce in its memory.
+3. The server takes the client's pid from SO_PEERCRED, checks the lane
+   token, reads the nonce at that address in that pid and compares: the
+   reads work and the memory is the sender's. It pins the process with a
+   pidfd (so a recycled pid is never read) and binds it to the lane.
+
+From then on a commit's descriptors may carry ``address`` (where each block
+is in the client's memory) instead of having written the region; the server
+reads each block into its arena slot with the CRC32C fused in. A client can
+only make the server read its own memory, and a bad address fails that block
+with INVALID_ARGUMENT. Anything that fails in the handshake leaves the lane
+as it was: copies through the region.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvstore.lanes import cma
+from kvstore.lanes.base import LaneError
+
+log = logging.getLogger(__name__)
+
+HELLO = struct.Struct("!HHQ16s")  # lane id length, token length, nonce address, nonce
+OK, REFUSED = b"\x00", b"\x01"
+TIMEOUT = 2.0
+
+
+@dataclass
+class DirectPeer:
+    """The client process a lane may read from, pinned by a pidfd."""
+    pid: int
+    pidfd: int
+    _closed: bool = field(default=False, repr=False)
+
+    def alive(self) -> bool:
+        try:
+            signal.pidfd_send_signal(self.pidfd, 0)
+            return True
+        except OSError:
+            return False
+
+    def read_into(self, dst: memoryview, address: int) -> int:
+        """Copy a block of the client's memory into ``dst``; its CRC32C (LaneError if it cannot be read)."""
+        if not self.alive():
+            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"direct put: client process {self.pid} is gone")
+        try:
+            return cma.read_into(self.pid, dst, address)
+        except cma.DirectReadError as err:
+            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT, f"direct put: {err}") from None
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self.pidfd)
+
+
+class DirectListener:
+    """The node's handshake socket; ``lookup(lane_id, token)`` returns the shm lane (or raises LaneError)."""
+
+    def __init__(self, directory: str, lookup: Any):
+        self.path = os.path.join(directory, f"kvstore-direct-{os.getpid()}-{secrets.token_hex(8)}.sock")
+        self._lookup = lookup
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self._sock.bind(self.path)
+        finally:
+            os.umask(old)
+        self._sock.listen(64)
+        self._thread = threading.Thread(target=self._serve, name="kvstore-direct", daemon=True)
+        self._closed = threading.Event()
+
+    def start(self) -> "DirectListener":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.settimeout(TIMEOUT)
+                    conn.sendall(self._handshake(conn))
+                except (OSError, ValueError) as err:
+                    log.info("direct handshake failed: %s", err)
+
+    def _handshake(self, conn: socket.socket) -> bytes:
+        pid = cma.peer_pid(conn)
+        head = _recv_exactly(conn, HELLO.size)
+        id_len, token_len, address, nonce = HELLO.unpack(head)
+        lane_id = _recv_exactly(conn, id_len).decode()
+        token = _recv_exactly(conn, token_len)
+        try:
+            lane = self._lookup(lane_id, token)
+        except LaneError as err:
+            return REFUSED + err.message.encode()
+        landed = bytearray(len(nonce))
+        try:
+            cma.read_into(pid, memoryview(landed), address)
+        except cma.DirectReadError as err:
+            return REFUSED + f"cannot read the client's memory: {err}".encode()
+        if bytes(landed) != nonce:
+            return REFUSED + b"the nonce is not in the connecting process"
+        lane.bind_direct(DirectPeer(pid, os.pidfd_open(pid)))
+        return OK
+
+
+def handshake(path: str, lane_id: str, token: bytes) -> str | None:
+    """Client side: None once the server may read this process's memory for the lane, else why not."""
+    if not path or not cma.available():
+        return "no direct puts offered"
+    nonce = bytearray(secrets.token_bytes(16))
+    address, _ = cma.address_of(nonce)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(TIMEOUT)
+            sock.connect(path)
+            server_pid = cma.peer_pid(sock)
+            if server_pid <= 0:  # another pid namespace that this one cannot see
+                return "the store's process is not visible from here"
+            if not cma.allow_reader(server_pid):
+                return "this process lets another store read its memory"
+            lane = lane_id.encode()
+            sock.sendall(HELLO.pack(len(lane), len(token), address, bytes(nonce)) + lane + token)
+            reply = sock.recv(4096)
+    except OSError as err:
+        return f"direct handshake: {err}"
+    if reply[:1] != OK:
+        return reply[1:].decode(errors="replace") or "refused"
+    return None
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise ValueError("the client hung up mid-handshake")
+        buf += chunk
+    return bytes(buf)

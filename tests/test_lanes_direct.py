@@ -1,0 +1,172 @@
+"""Direct puts on the shm lane: the store reads blocks out of the client's memory (process_vm_readv).
+
+The pid comes from the kernel (SO_PEERCRED) and is checked by reading a nonce
+in the client's memory; a client can only make the store read its own memory.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.client import Client
+from kvstore.lanes import cma, direct
+from kvstore.lanes.base import LaneBroken
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import lanes_pb2 as lpb
+from tests.conftest import ROOT
+from tests.test_lanes_support import RawLanes, header, keys
+
+pytestmark = pytest.mark.skipif(not cma.available(), reason="process_vm_readv is Linux-only")
+
+
+def test_put_reads_the_clients_memory_once(make_server):
+    server = make_server()
+    pool = np.frombuffer(os.urandom(8 << 20), dtype=np.uint8).copy()  # blocks as slices of one KV pool
+    blocks = [memoryview(pool[i << 20 : (i + 1) << 20]) for i in range(8)]
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        assert all(r.status == "stored" for r in kv.put("ns", keys(8), blocks))
+        assert [bytes(b) for b in kv.get("ns", keys(8))] == [bytes(b) for b in blocks]
+    counters = server.metrics.counters()
+    assert counters["lane_shm_direct_put_bytes"] == 8 << 20
+
+
+CHILD = textwrap.dedent("""
+    import os, sys
+    from kvstore.client import Client
+    with Client(sys.argv[1], lane="shm") as kv:
+        blocks = [bytes([i]) * (3 << 19) + os.urandom(1000) for i in range(6)]
+        keys = [bytes([7, i]) * 8 for i in range(6)]
+        assert all(r.status == "stored" for r in kv.put("ns", keys, blocks))
+        sys.stdout.buffer.write(b"".join(blocks))
+""")
+
+
+def test_put_from_another_process(make_server):
+    """The real case: the store reads a client process's memory, which names it with PR_SET_PTRACER."""
+    server = make_server()
+    out = subprocess.run([sys.executable, "-c", CHILD, f"127.0.0.1:{server.port}"], cwd=ROOT, capture_output=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr.decode()
+    size = (3 << 19) + 1000
+    blocks = [out.stdout[i * size : (i + 1) * size] for i in range(6)]
+    with Client(f"127.0.0.1:{server.port}", lane="grpc") as kv:
+        assert [bytes(b) for b in kv.get("ns", [bytes([7, i]) * 8 for i in range(6)])] == blocks
+    assert server.metrics.counters()["lane_shm_direct_put_bytes"] == 6 * size
+
+
+def test_an_address_outside_the_clients_memory_fails_that_commit(make_server):
+    server = make_server()
+    raw = RawLanes(server)
+    shm = raw.shm()
+    assert shm.direct
+    data = os.urandom(1 << 20)
+    stream = shm.open_put()
+    grant = stream.reserve("ns", [header(k, data) for k in keys(2)])
+    good = lpb.BlockDescriptor(index=0, hash=keys(2)[0], offset=grant.slots[0].offset, length=len(data),
+                               address=cma.address_of(data)[0])
+    bad = lpb.BlockDescriptor(index=1, hash=keys(2)[1], offset=grant.slots[1].offset, length=len(data),
+                              address=8)  # page zero: never mapped
+    stream.send_commit(grant.grant_id, [good, bad], crc_from_server=True)
+    with pytest.raises(Exception) as err:
+        stream.committed()
+    assert getattr(err.value, "code", None) == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert "direct put" in str(err.value)
+    stream.close()
+    assert server.store.lookup("ns", keys(2)[1:])[0] == 0  # the unreadable block is not there
+    server.store.check_invariants()
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:  # the node is fine afterwards
+        assert kv.put("ns", keys(2)[1:], [data])[0].status == "stored"
+    raw.close()
+
+
+def test_a_lane_without_the_handshake_cannot_name_client_memory(make_server, monkeypatch):
+    monkeypatch.setattr(direct, "handshake", lambda *a: "skipped by the test")
+    monkeypatch.setattr("kvstore.lanes.shm_client.handshake", lambda *a: "skipped by the test")
+    server = make_server()
+    raw = RawLanes(server)
+    shm = raw.shm()
+    assert not shm.direct
+    data = os.urandom(4096)
+    stream = shm.open_put()
+    grant = stream.reserve("ns", [header(keys(1)[0], data)])
+    stream.send_commit(grant.grant_id, [lpb.BlockDescriptor(index=0, hash=keys(1)[0], offset=grant.slots[0].offset,
+                                                            length=len(data), address=cma.address_of(data)[0])],
+                       crc_from_server=True)
+    with pytest.raises((LaneBroken, Exception)) as err:
+        stream.committed()
+    assert getattr(err.value, "code", None) == grpc.StatusCode.PERMISSION_DENIED or "PERMISSION_DENIED" in str(err.value)
+    stream.close()
+    assert server.store.stats()["blocks"] == 0
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:  # region copies still work on such a lane
+        assert kv.put("ns", keys(1), [data])[0].status == "stored"
+        assert bytes(kv.get("ns", keys(1))[0]) == data
+    raw.close()
+
+
+def test_handshake_refuses_a_wrong_token_and_a_nonce_not_in_the_caller(make_server):
+    server = make_server()
+    opened = RawLanes(server).open(lpb.LANE_SHM)
+    assert opened.direct_socket and oct(os.stat(opened.direct_socket).st_mode & 0o777) == "0o600"
+    assert "wrong token" in (direct.handshake(opened.direct_socket, opened.lane_id, b"x" * len(opened.token)) or "")
+    # a hello naming memory that does not hold the nonce (as if it claimed another process's memory)
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(opened.direct_socket)
+        lane = opened.lane_id.encode()
+        elsewhere = bytearray(16)
+        sock.sendall(direct.HELLO.pack(len(lane), len(opened.token), cma.address_of(elsewhere)[0], b"n" * 16)
+                     + lane + opened.token)
+        reply = sock.recv(4096)
+    assert reply[:1] == direct.REFUSED and b"nonce" in reply
+    (lane_obj,) = server.lanes.registry._lanes.values()
+    assert lane_obj.direct is None
+    assert direct.handshake(opened.direct_socket, opened.lane_id, opened.token) is None
+    assert lane_obj.direct is not None and lane_obj.direct.pid == os.getpid()
+
+
+def test_direct_puts_can_be_turned_off(make_server):
+    server = make_server(shm_direct=False)
+    opened = RawLanes(server).open(lpb.LANE_SHM)
+    assert opened.direct_socket == ""
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        assert kv.put("ns", keys(2), [b"a" * 5000, b"b" * 7000])[0].status == "stored"
+        assert bytes(kv.get("ns", keys(2))[1]) == b"b" * 7000
+    assert server.metrics.counters().get("lane_shm_direct_put_bytes", 0) == 0
+
+
+def test_a_direct_reserve_reads_at_once_and_checks_its_addresses(make_server):
+    server = make_server()
+    raw = RawLanes(server)
+    shm = raw.shm()
+    data = [os.urandom(300_000) for _ in range(2)]
+    ks = keys(2, seed=5)
+    stream = shm.open_put()
+    with pytest.raises(Exception) as err:  # one address for two blocks
+        stream.reserve("ns", [header(k, d) for k, d in zip(ks, data)], addresses=[cma.address_of(data[0])[0]])
+        stream.committed()
+    assert "addresses" in str(err.value)
+    stream.close()
+    stream = shm.open_put()
+    grant = stream.reserve("ns", [header(k, d) for k, d in zip(ks, data)],
+                           addresses=[cma.address_of(data[0])[0], 8])
+    assert len(grant.slots) == 2
+    with pytest.raises(Exception) as err:
+        stream.committed()
+    assert getattr(err.value, "code", None) == grpc.StatusCode.INVALID_ARGUMENT and "direct put" in str(err.value)
+    stream.close()
+    assert server.store.stats()["blocks"] == 0  # the whole commit failed: nothing half-stored
+    stream = shm.open_put()
+    stream.reserve("ns", [header(k, d) for k, d in zip(ks, data)], addresses=[cma.address_of(d)[0] for d in data])
+    assert [r.status for r in stream.committed()] == [pb.PUT_STORED, pb.PUT_STORED]
+    stream.close()
+    with Client(f"127.0.0.1:{server.port}", lane="grpc") as kv:
+        assert [bytes(b) for b in kv.get("ns", ks)] == data
+    server.store.check_invariants()
+    raw.close()
