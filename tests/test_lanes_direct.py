@@ -170,3 +170,64 @@ def test_a_direct_reserve_reads_at_once_and_checks_its_addresses(make_server):
         assert [bytes(b) for b in kv.get("ns", ks)] == data
     server.store.check_invariants()
     raw.close()
+
+
+GET_CHILD = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from kvstore.client import Client
+    with Client(sys.argv[1], lane="shm") as kv:
+        keys = [bytes([7, i]) * 8 for i in range(6)]
+        pool = np.zeros((6, (3 << 19) + 1000), dtype=np.uint8)  # a KV pool: the blocks land in its rows
+        kv.get("ns", keys, out=list(pool))
+        sys.stdout.buffer.write(pool.tobytes())
+""")
+
+
+def test_get_into_another_processes_buffers(make_server):
+    server = make_server()
+    size = (3 << 19) + 1000
+    blocks = [os.urandom(size) for _ in range(6)]
+    with Client(f"127.0.0.1:{server.port}", lane="grpc") as kv:
+        kv.put("ns", [bytes([7, i]) * 8 for i in range(6)], blocks)
+    out = subprocess.run([sys.executable, "-c", GET_CHILD, f"127.0.0.1:{server.port}"], cwd=ROOT,
+                         capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stdout == b"".join(blocks)
+    assert server.metrics.counters()["lane_shm_direct_get_bytes"] == 6 * size
+
+
+def test_direct_get_checks_destinations(make_server):
+    server = make_server()
+    data = os.urandom(100_000)
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        kv.put("ns", keys(1), [data])
+        small = bytearray(1000)
+        with pytest.raises(Exception) as err:
+            kv.get("ns", keys(1), out=[small])
+        assert getattr(err.value, "code", None) == grpc.StatusCode.INVALID_ARGUMENT
+        assert small == bytearray(1000)  # nothing written past or into a buffer that is too small
+        dest = bytearray(100_000)
+        assert kv.get("ns", keys(1), out=[dest])[0] is dest and dest == data
+    raw = RawLanes(server)
+    shm = raw.shm()
+    request = lpb.LaneGetRequest(lane=shm.ref, request=pb.GetRequest(namespace="ns", hashes=keys(1)),
+                                 out_addresses=[8], out_lengths=[100_000])  # page zero
+    with pytest.raises(grpc.RpcError) as rpc_err:
+        list(raw.stub.LaneGet(request, timeout=10))
+    assert rpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "direct get" in rpc_err.value.details()
+    raw.close()
+
+
+def test_a_get_without_the_handshake_cannot_name_client_memory(make_server, monkeypatch):
+    monkeypatch.setattr("kvstore.lanes.shm_client.handshake", lambda *a: "skipped by the test")
+    server = make_server()
+    raw = RawLanes(server)
+    shm = raw.shm()
+    dest = bytearray(4096)
+    request = lpb.LaneGetRequest(lane=shm.ref, request=pb.GetRequest(namespace="ns", hashes=keys(1)),
+                                 out_addresses=[cma.address_of(dest)[0]], out_lengths=[4096])
+    with pytest.raises(grpc.RpcError) as err:
+        list(raw.stub.LaneGet(request, timeout=10))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    raw.close()

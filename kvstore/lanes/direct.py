@@ -15,9 +15,11 @@ lane, so the pid comes from the kernel, not from a message:
    reads work and the memory is the sender's. It pins the process with a
    pidfd (so a recycled pid is never read) and binds it to the lane.
 
-From then on a commit's descriptors may carry ``address`` (where each block
-is in the client's memory) instead of having written the region; the server
-reads each block into its arena slot with the CRC32C fused in. A client can
+From then on a reserve may carry ``addresses`` (where each block is in the
+client's memory) instead of the client writing the region; the server reads
+each block into its arena slot with the CRC32C fused in. A Get into the
+client's own buffers may carry ``out_addresses``: the server writes each
+block there (process_vm_writev) and sends the CRC32C of what it wrote. A client can
 only make the server read its own memory, and a bad address fails that block
 with INVALID_ARGUMENT. Anything that fails in the handshake leaves the lane
 as it was: copies through the region.
@@ -68,6 +70,15 @@ class DirectPeer:
             return cma.read_into(self.pid, dst, address)
         except cma.DirectReadError as err:
             raise LaneError(grpc.StatusCode.INVALID_ARGUMENT, f"direct put: {err}") from None
+
+    def write_from(self, address: int, src: memoryview, crc: bool = True) -> int:
+        """Copy ``src`` to ``address`` in the client's memory; the CRC32C of ``src`` (0 without ``crc``)."""
+        if not self.alive():
+            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"direct get: client process {self.pid} is gone")
+        try:
+            return cma.write_from(self.pid, address, src, crc)
+        except cma.DirectReadError as err:
+            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT, f"direct get: {err}") from None
 
     def close(self) -> None:
         if not self._closed:

@@ -37,7 +37,11 @@ def host_view(buf: Any) -> memoryview | None:
     if hasattr(buf, "copy_"):  # torch tensor
         if buf.device.type != "cpu":
             return None
-        return memoryview(buf.numpy()).cast("B")
+        if not buf.is_contiguous():
+            raise ValueError("a tensor buffer must be contiguous")  # a reshape would copy: writes would be lost
+        import torch
+
+        return memoryview(buf.reshape(-1).view(torch.uint8).numpy())  # bf16 has no numpy dtype: bytes do
     view = memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 

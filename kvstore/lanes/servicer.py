@@ -181,8 +181,11 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
 
     def LaneGet(self, request: lpb.LaneGetRequest, context: grpc.ServicerContext) -> Iterator[lpb.LaneGetResponse]:
         with self.ops.metrics.rpc("LaneGet", context):
+            outs = list(zip(request.out_addresses, request.out_lengths))
+            if len(request.out_addresses) != len(request.out_lengths):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "out_addresses and out_lengths differ in length")
             stream = self._run(context, lambda: self._shm(request.lane).get(request.request, request.release,
-                                                                          request.crc_at_copy))
+                                                                          request.crc_at_copy, outs))
             while True:
                 msg = self._run(context, lambda: next(stream, None))
                 if msg is None:

@@ -40,7 +40,7 @@ from kvstore.lanes.buffers import alloc_blocks
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import handshake
-from kvstore.lanes.memops import copy_crc, copy_into
+from kvstore.lanes.memops import copy_crc, copy_into, host_view
 from kvstore.lanes.shm_loans import Lender, Loan
 from kvstore.lanes.shm_region import attach
 from kvstore.v1 import kvstore_pb2 as pb
@@ -145,12 +145,16 @@ class ShmClientLane(Lane):
     def get(self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None,
             allow_missing: bool, verify: bool) -> list[Any]:
         results: list[Any] = [None] * len(hashes)
+        outs = self._direct_outs(out) if self.direct and out is not None else None
         start = 0
         while start < len(hashes):
             request = lpb.LaneGetRequest(
                 lane=self.ref, release=self._take_release(),
                 request=pb.GetRequest(namespace=namespace, hashes=hashes[start:], allow_missing=allow_missing),
                 crc_at_copy=verify)
+            if outs is not None:  # the server writes each block into our buffer itself
+                request.out_addresses.extend(a for a, _ in outs[start:])
+                request.out_lengths.extend(n for _, n in outs[start:])
             handled = self._call(lambda: self._receive(request, start, out, verify, results))
             start += handled
         return results
@@ -163,7 +167,10 @@ class ShmClientLane(Lane):
             lend = out is None and bool(present) and self._lender.can_lend(sum(d.length for d in present))
             loan = self._lender.open(msg.grant_id) if lend else None
             try:
-                self._take_blocks(present, start, out, verify, results, loan, msg.crcs_at_copy)
+                if msg.written_direct:
+                    self._take_written(present, start, out, verify, results)
+                else:
+                    self._take_blocks(present, start, out, verify, results, loan, msg.crcs_at_copy)
             finally:
                 if loan is not None:
                     loan.close()  # its grant is released once the caller drops the lent views
@@ -174,6 +181,29 @@ class ShmClientLane(Lane):
         if handled <= 0:
             raise _error(grpc.StatusCode.DATA_LOSS, "lane Get stream ended without its last message")
         return handled
+
+    @staticmethod
+    def _take_written(present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None, verify: bool,
+                      results: list[Any]) -> None:
+        """Blocks the server wrote into our buffers: check each CRC32C it took of what it wrote."""
+        assert out is not None
+        for d in present:
+            i = start + d.index
+            if verify and d.header.codec == pb.CODEC_NONE and d.crc32c != d.header.crc32c:
+                raise _corrupt(i, d)
+            results[i] = out[i]
+
+    @staticmethod
+    def _direct_outs(out: Sequence[Any]) -> list[tuple[int, int]] | None:
+        """(address, bytes) of each output buffer, or None when one is not plain host memory."""
+        from kvstore.client import as_bytes_view
+
+        outs = []
+        for buf in out:
+            if host_view(buf) is None:
+                return None
+            outs.append(address_of(as_bytes_view(buf)[0]))
+        return outs
 
     def _take_blocks(self, present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None,
                      verify: bool, results: list[Any], loan: Loan | None, crcs_at_copy: bool) -> None:

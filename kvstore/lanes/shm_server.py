@@ -57,10 +57,11 @@ FIRST_YIELD_BYTES = 2 << 20
 @dataclass(slots=True)
 class CopyOut:
     """One block of a Get on its way into the region."""
-    dst: memoryview
+    dst: memoryview | None        # the region range (None: written to the client's memory at address)
     src: Any                      # the arena slot (host memory or an HBM tensor) or decoded bytes
     descriptor: lpb.BlockDescriptor
     crc: bool                     # compute the CRC32C of the copied bytes into the descriptor
+    address: int = 0              # direct Get: where the block goes in the client's memory
 
 
 class ShmServerLane(ServerLane):
@@ -192,17 +193,25 @@ class ShmServerLane(ServerLane):
         return crc
 
     # -- get --------------------------------------------------------------------------
-    def get(self, request: pb.GetRequest, release: Sequence[int],
-            crc_at_copy: bool = False) -> Iterator[lpb.LaneGetResponse]:
+    def get(self, request: pb.GetRequest, release: Sequence[int], crc_at_copy: bool = False,
+            outs: Sequence[tuple[int, int]] = ()) -> Iterator[lpb.LaneGetResponse]:
         self.grants.release(release)
         accepted = accepted_codecs(request)
         crc_at_copy = crc_at_copy and self.crcs_at_copy
+        if outs:
+            if self.direct is None:
+                raise LaneError(grpc.StatusCode.PERMISSION_DENIED,
+                                "a Get names client memory on a lane without a direct handshake")
+            if len(outs) != len(request.hashes):
+                raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"a direct Get names {len(outs)} destinations for {len(request.hashes)} hashes")
         _, leases = self.ops.acquire(request, self.access)
         grant: Grant | None = self.grants.grant_get()
         released = 0
         handled = 0
         sent = 0
-        pending = lpb.LaneGetResponse(grant_id=grant.id, crcs_at_copy=crc_at_copy)
+        written_direct = bool(outs)
+        pending = lpb.LaneGetResponse(grant_id=grant.id, crcs_at_copy=crc_at_copy, written_direct=written_direct)
         pending_bytes = 0
         copies: list[CopyOut] = []
         due = FIRST_YIELD_BYTES  # the first message goes early so the client starts checking while we copy
@@ -212,7 +221,7 @@ class ShmServerLane(ServerLane):
                 self.ops.materialize(window)
                 for lease in window:
                     assert grant is not None
-                    n = self._place_out(grant, handled, lease, accepted, pending, crc_at_copy, copies)
+                    n = self._place_out(grant, handled, lease, accepted, pending, crc_at_copy, copies, outs)
                     if n < 0:
                         full = True
                         break
@@ -227,7 +236,9 @@ class ShmServerLane(ServerLane):
                         released = handled
                         yield pending
                         grant = self.grants.grant_get()  # one grant per message: released separately
-                        pending, pending_bytes = lpb.LaneGetResponse(grant_id=grant.id, crcs_at_copy=crc_at_copy), 0
+                        pending = lpb.LaneGetResponse(grant_id=grant.id, crcs_at_copy=crc_at_copy,
+                                                      written_direct=written_direct)
+                        pending_bytes = 0
                 if full:
                     break
             if handled == 0 and leases:  # the client's region is taken by blocks it still holds: another lane
@@ -247,10 +258,13 @@ class ShmServerLane(ServerLane):
                 self._settle()  # no copy may still read a slot whose lease goes (copies not run: never started)
             self.ops.release(leases[released:])
             self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
+            if outs:
+                self.ops.metrics.add("lane_shm_direct_get_bytes", sent)
             self.ops.metrics.bytes_out(sent)
 
     def _place_out(self, grant: Grant, index: int, lease: Lease | None, accepted: set[int],
-                   reply: lpb.LaneGetResponse, crc_at_copy: bool, copies: list["CopyOut"]) -> int:
+                   reply: lpb.LaneGetResponse, crc_at_copy: bool, copies: list["CopyOut"],
+                   outs: Sequence[tuple[int, int]] = ()) -> int:
         """Give one leased block a range of the region and describe it; -1 when the region is full.
 
         The copy itself is queued in ``copies`` and run with the rest of the message's (``_copy_out``).
@@ -261,6 +275,16 @@ class ShmServerLane(ServerLane):
             return 0
         header, buf = self.ops.servable(lease, accepted)
         n = header.stored_length
+        if outs:  # straight into the client's buffer: no region range
+            address, capacity = outs[index]
+            if n > capacity:
+                raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"output buffer {index} holds {capacity} bytes; block is {n}")
+            reply.blocks.append(lpb.BlockDescriptor(index=index, hash=lease.hash, length=n, crc32c=header.crc32c,
+                                                    header=header))
+            copies.append(CopyOut(None, buf, reply.blocks[-1], crc_at_copy and header.codec == pb.CODEC_NONE,
+                                  address))
+            return n
         offset = self.grants.add_get(grant, index, lease.hash, n)
         if offset is None:
             return -1
@@ -272,12 +296,21 @@ class ShmServerLane(ServerLane):
 
     def _copy_out(self, copies: Sequence["CopyOut"]) -> None:
         """Run one message's copies into the region (spread over the copy threads) and wait for them."""
-        crcs = self.ops.copies.run(self._copy_one, copies, [len(c.dst) for c in copies])
+        crcs = self.ops.copies.run(self._copy_one, copies, [c.descriptor.length for c in copies])
         for c, crc in zip(copies, crcs):
             if crc is not None:
                 c.descriptor.crc32c = crc
 
     def _copy_one(self, c: "CopyOut") -> int | None:
+        if c.address:
+            assert self.direct is not None
+            src = host_view(c.src)
+            if src is None:  # an HBM slot: through the host
+                src = memoryview(bytearray(c.descriptor.length))
+                copy_into(src, c.src)
+            crc = self.direct.write_from(c.address, src[: c.descriptor.length], c.crc)
+            return crc if c.crc else None
+        assert c.dst is not None
         if not c.crc:
             copy_into(c.dst, c.src)
             return None

@@ -174,30 +174,36 @@ class LanePutResponse(_message.Message):
     def __init__(self, grant: _Optional[_Union[LaneGrant, _Mapping]] = ..., committed: _Optional[_Union[LaneCommitted, _Mapping]] = ...) -> None: ...
 
 class LaneGetRequest(_message.Message):
-    __slots__ = ("lane", "request", "release", "crc_at_copy")
+    __slots__ = ("lane", "request", "release", "crc_at_copy", "out_addresses", "out_lengths")
     LANE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     CRC_AT_COPY_FIELD_NUMBER: _ClassVar[int]
+    OUT_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    OUT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     lane: LaneRef
     request: _kvstore_pb2.GetRequest
     release: _containers.RepeatedScalarFieldContainer[int]
     crc_at_copy: bool
-    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ...) -> None: ...
+    out_addresses: _containers.RepeatedScalarFieldContainer[int]
+    out_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ..., out_addresses: _Optional[_Iterable[int]] = ..., out_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LaneGetResponse(_message.Message):
-    __slots__ = ("grant_id", "blocks", "handled", "last", "crcs_at_copy")
+    __slots__ = ("grant_id", "blocks", "handled", "last", "crcs_at_copy", "written_direct")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HANDLED_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     CRCS_AT_COPY_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_DIRECT_FIELD_NUMBER: _ClassVar[int]
     grant_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockDescriptor]
     handled: int
     last: bool
     crcs_at_copy: bool
-    def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., handled: _Optional[int] = ..., last: _Optional[bool] = ..., crcs_at_copy: _Optional[bool] = ...) -> None: ...
+    written_direct: bool
+    def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., handled: _Optional[int] = ..., last: _Optional[bool] = ..., crcs_at_copy: _Optional[bool] = ..., written_direct: _Optional[bool] = ...) -> None: ...
 
 class CloseLaneRequest(_message.Message):
     __slots__ = ("lane",)
