@@ -11,17 +11,23 @@ compared):
     queue depth 1 (fio with psync; a fresh fallocated file each time, the write
     done when its O_DIRECT writes complete, as the tier's default ack; a Python
     pwrite/pread loop where fio is missing);
-(b) the NVMe tier: blocks of 64 KiB, 512 KiB and 2 MiB written as 32-block
-    prefixes (one ``write`` per prefix, acknowledged under the default
-    ``direct`` policy: data on the device through O_DIRECT), then read back as
+(b) the NVMe tier: blocks of 64 KiB, 512 KiB and 2 MiB written as the
+    store's write-back demotion writes them (``tier_write_gbps``: one
+    ``write`` per ``DEMOTE_BATCH_BYTES`` of blocks, 64 MiB, the BlockStore's
+    ``demote_batch_bytes``; the demoter moves that much per pass once DRAM is
+    over its high watermark) and as a write-through Put of one 32-block
+    prefix writes them (``tier_write_prefix_gbps``: one ``write`` per
+    prefix), each acknowledged under the default ``direct`` policy (data on
+    the device through O_DIRECT), then read back as
     whole prefixes (one ``read`` per prefix, CRC-checked, into reused buffers),
     in written order (``tier_read_gbps``, the pattern of the raw sequential
     read) and in shuffled order (``tier_read_shuffled_gbps``, the pattern of a
     cache; the file-per-block baseline reads in that order too). Sources and
     read destinations are page-aligned as DRAM-arena slots are (the store
     promotes a block read from NVMe into such a slot);
-    ``tier_write_copied_gbps`` feeds the same bytes from unaligned memory;
-    ``tier_write_fdatasync_gbps`` acknowledges after fdatasync instead;
+    ``tier_write_copied_gbps`` feeds the same bytes from unaligned memory
+    (demotion batches); ``tier_write_fdatasync_gbps`` acknowledges 32-block
+    prefixes after fdatasync instead;
 (c) file-per-block (how LMCache's and vLLM's disk backends store chunks): one
     file per block with the same durability as the tier: written with O_DIRECT
     (``file_per_block_write_gbps``), or with an fdatasync per file and an fsync
@@ -58,6 +64,7 @@ from kvstore.tiers.nvme.io import aligned_buffer
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PREFIX = 32
+DEMOTE_BATCH_BYTES = 64 * MiB  # kvstore.store.blockstore.BlockStore(demote_batch_bytes=...) default
 BLOCK_SIZES = (64 * KiB, 512 * KiB, 2 * MiB)
 REPS = 3
 
@@ -153,16 +160,17 @@ class Workload:
 
 # -- (b) the tier ------------------------------------------------------------------------------
 def tier_once(root: Path, w: Workload, *, read: bool = True, policy: str = "direct",
-              payloads: list[np.ndarray] | None = None) -> dict[str, float]:
-    """Write every prefix; then read every prefix in written order, then in shuffled order."""
+              payloads: list[np.ndarray] | None = None, per_call: int = PREFIX) -> dict[str, float]:
+    """Write every block, ``per_call`` blocks per ``write``; then read every prefix in written order, then in
+    shuffled order."""
     d = root / "tier"
     shutil.rmtree(d, ignore_errors=True)
     tier = NvmeTier(d, w.nbytes * 2 + GiB, segment_bytes=256 * MiB, write_policy=policy)
     src = payloads if payloads is not None else w.payloads
     locs: list[int] = []
     t0 = time.perf_counter()
-    for i in w.prefixes():
-        locs += tier.write(w.metas[i:i + PREFIX], src[i:i + PREFIX])
+    for i in range(0, w.count, per_call):
+        locs += tier.write(w.metas[i:i + per_call], src[i:i + per_call])
     out = {"w": w.nbytes / (time.perf_counter() - t0) / 1e9}
     if read:
         lengths = [w.block] * PREFIX
@@ -260,7 +268,7 @@ def recovery(root: Path, nblocks: int, reps: int = REPS) -> list[dict]:
 COLUMNS = ["block_bytes", "tier_write_gbps", "tier_read_gbps", "raw_write_gbps", "raw_read_gbps",
            "file_per_block_write_gbps", "file_per_block_read_gbps", "tier_vs_raw_write", "tier_vs_raw_read",
            "tier_vs_fpb_write", "tier_vs_fpb_read"]
-COLUMNS_MORE = ["block_bytes", "tier_read_shuffled_gbps", "tier_write_fdatasync_gbps",
+COLUMNS_MORE = ["block_bytes", "tier_write_prefix_gbps", "tier_vs_raw_write_prefix", "tier_read_shuffled_gbps", "tier_write_fdatasync_gbps",
                 "file_per_block_write_fdatasync_gbps", "tier_vs_fpb_write_fdatasync", "tier_write_copied_gbps"]
 
 
@@ -279,10 +287,12 @@ def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int) -> list[di
         add("raw_w", rw)
         add("raw_r", rr)
         for b in BLOCK_SIZES:
-            for k, v in tier_once(root, work[b]).items():
+            for k, v in tier_once(root, work[b], per_call=max(PREFIX, DEMOTE_BATCH_BYTES // b)).items():
                 add(f"{b}_t{k}", v)
+            add(f"{b}_tw_prefix", tier_once(root, work[b], read=False)["w"])
             add(f"{b}_tw_sync", tier_once(root, work[b], read=False, policy="fdatasync")["w"])
-            add(f"{b}_tw_copy", tier_once(root, work[b], read=False, payloads=work[b].unaligned())["w"])
+            add(f"{b}_tw_copy", tier_once(root, work[b], read=False, payloads=work[b].unaligned(),
+                                          per_call=max(PREFIX, DEMOTE_BATCH_BYTES // b))["w"])
             fw, fr = file_per_block_once(root, fpb_work[b])
             add(f"{b}_fw", fw)
             add(f"{b}_fr", fr)
@@ -298,6 +308,8 @@ def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int) -> list[di
             "file_per_block_write_gbps": fw, "file_per_block_read_gbps": fr,
             "tier_vs_raw_write": tw / med["raw_w"], "tier_vs_raw_read": tr / med["raw_r"],
             "tier_vs_fpb_write": tw / fw, "tier_vs_fpb_read": med[f"{b}_tr_shuffled"] / fr,
+            "tier_write_prefix_gbps": med[f"{b}_tw_prefix"],
+            "tier_vs_raw_write_prefix": med[f"{b}_tw_prefix"] / med["raw_w"],
             "tier_write_fdatasync_gbps": med[f"{b}_tw_sync"],
             "file_per_block_write_fdatasync_gbps": med[f"{b}_fw_sync"],
             "tier_vs_fpb_write_fdatasync": med[f"{b}_tw_sync"] / med[f"{b}_fw_sync"],
