@@ -10,7 +10,10 @@ real ``BlockStore`` on byte-accounting tiers) against plain block LRU and
 Belady's offline optimum of the same number of blocks. A block is a hit only
 while every earlier block of its request hit (bench/replay_sim.py).
 
-Also measured, same trace and capacity: the store with its base policy
+Also measured, same trace and capacity: ``popularity-oracle``, a cache that
+knows how often each block will be used in the whole trace and evicts the
+least popular (offline; the best any frequency-ranking policy could do), the
+store with its base policy
 (``leaf-lru``: the leaf rule alone) and with an admission filter (``admit2``:
 a block is stored only from its second sighting on, as NVIDIA's KV block
 manager does); and a two-tier store, DRAM = capacity and NVMe =
@@ -37,7 +40,7 @@ from tqdm import tqdm
 
 from bench.common import Row, format_table, parse_args, write_json
 from bench.replay_sim import (LLAMA3_8B_BF16, ReplayResult, StoreSetup, Trace, belady_hit_rate, block_keys,
-                              load_trace, lru_hit_rate, replay_store)
+                              load_trace, lru_hit_rate, popularity_oracle_hit_rate, replay_store)
 from kvstore.store.policies import DEFAULT_POLICY
 from kvstore.tiers.base import DRAM, NVME
 
@@ -143,9 +146,13 @@ def build_tables(trace: Trace, capacities: Sequence[float], results: list[tuple[
         leaf, admit = by[("variant", "leaf-lru", frac)], by[("variant", "admit2", frac)]
         variants += [{**common, "policy": label, "hit_rate": r.hit_rate, "gap_closed": gap_closed(r.hit_rate, lru, belady)}
                      for label, r in (("leaf-lru", leaf), ("admit2", admit))]
+        oracle = popularity_oracle_hit_rate(trace.requests, blocks)
+        variants.append({**common, "policy": "popularity-oracle", "hit_rate": oracle,
+                         "gap_closed": gap_closed(oracle, lru, belady)})
         summary.append({"cap": frac, "blocks": blocks, "GiB": blocks * block_bytes / GIB, "lru": lru,
                         "kvstore": store.hit_rate, "belady": belady, "to_belady": belady - store.hit_rate,
-                        "gap_closed": gap, "leaf-lru": leaf.hit_rate, "admit2": admit.hit_rate})
+                        "gap_closed": gap, "leaf-lru": leaf.hit_rate, "admit2": admit.hit_rate,
+                        "pop-oracle": oracle})
         for name in (DEFAULT_POLICY, "lru"):
             r = by[("tiers", name, frac)]
             tiers.append({"capacity_frac": frac, "policy": name, "dram_blocks": r.setup.dram_blocks,

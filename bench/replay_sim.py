@@ -7,6 +7,8 @@ block of the request in order (present ones are touched, missing ones put),
 so they see the same accesses and differ only in what they evict.
 
 - ``lru_hit_rate``: plain block-level LRU of ``capacity`` blocks (no leaf rule).
+- ``popularity_oracle_hit_rate``: evicts the block with the fewest uses in the
+  whole trace (an oracle of popularity, not of timing).
 - ``belady_hit_rate``: Belady's offline optimum for block caching: on a miss
   with a full cache, evict the cached block whose next use is farthest away
   (never used again = infinitely far). Every missed block is inserted (no
@@ -102,6 +104,32 @@ def lru_hit_rate(requests: Sequence[Sequence[int]], capacity: int) -> float:
                 cache[block] = None
                 if len(cache) > capacity:
                     cache.popitem(last=False)
+    return hits / max(total, 1)
+
+
+def popularity_oracle_hit_rate(requests: Sequence[Sequence[int]], capacity: int) -> float:
+    """Prefix hit rate of a cache that knows each block's total number of uses in the whole trace (future
+    included) and evicts the least used one (ties: least recently used). It is what a perfect frequency
+    estimate could do: the bound of any policy that ranks blocks by popularity rather than by *when* they
+    come back, which only Belady knows."""
+    uses = Counter(block for request in requests for block in request)
+    cached: dict[int, tuple[int, int]] = {}
+    heap: list[tuple[int, int, int]] = []  # (uses, last access, block); stale rows skipped
+    hits = total = 0
+    for request in requests:
+        prefix = True
+        for block in request:
+            total += 1
+            if block in cached:
+                hits += prefix
+            else:
+                prefix = False
+                while len(cached) >= capacity:
+                    n, at, victim = heapq.heappop(heap)
+                    if cached.get(victim) == (n, at):
+                        del cached[victim]
+            cached[block] = (uses[block], total)
+            heapq.heappush(heap, (uses[block], total, block))
     return hits / max(total, 1)
 
 

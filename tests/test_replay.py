@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from bench import replay
 from bench.replay_sim import (StoreSetup, Trace, belady_hit_rate, block_keys, load_trace, lru_hit_rate,
-                              replay_store)
+                              popularity_oracle_hit_rate, replay_store)
 from kvstore.tiers.base import DRAM, NVME
 
 BLOCK = 1 << 20
@@ -80,6 +80,20 @@ def test_belady_on_a_hand_made_trace():
 def test_belady_is_optimal_on_single_block_requests(sequence, capacity):
     expected = optimal_hits(sequence, capacity) / len(sequence)
     assert abs(belady_hit_rate(singles(*sequence), capacity) - expected) < 1e-12
+
+
+def test_popularity_oracle_keeps_the_most_used_blocks():
+    # 1 is used 4 times, 2 and 3 twice each: with room for 2 blocks the oracle never lets 1 go, LRU does
+    trace = singles(1, 2, 3, 1, 2, 3, 1, 1)
+    assert popularity_oracle_hit_rate(trace, 2) == 3 / 8 > lru_hit_rate(trace, 2)
+    assert popularity_oracle_hit_rate([[1, 2], [9, 2]], 10) == 0.0  # the prefix rule holds here too
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=14), st.integers(1, 4))
+def test_popularity_oracle_stays_below_belady(sequence, capacity):
+    trace = singles(*sequence)
+    assert popularity_oracle_hit_rate(trace, capacity) <= belady_hit_rate(trace, capacity) + 1e-12
 
 
 def test_a_block_after_a_miss_is_not_a_hit():
@@ -153,5 +167,6 @@ def test_cli_writes_rows_json_and_plot(tmp_path: Path):
     assert {(r["capacity_frac"], r["policy"]) for r in doc["rows"]} == \
         {(c, p) for c in (0.1, 0.5) for p in ("kvstore", "lru", "belady")}
     assert all(0 <= r["hit_rate"] <= 1 for r in doc["rows"])
-    assert {v["policy"] for v in doc["variants"]} == {"leaf-lru", "admit2"} and len(doc["tiers"]) == 4
+    assert {v["policy"] for v in doc["variants"]} == {"leaf-lru", "admit2", "popularity-oracle"}
+    assert len(doc["tiers"]) == 4
     assert png.stat().st_size > 10_000
