@@ -247,3 +247,32 @@ def test_node_started_before_redis_serves_and_registers_later(make_server, local
         wait_until(lambda: kv.lookup("ns", hashes) == 4, what="blocks stored before Redis came up are indexed")
         assert [bytes(x) for x in kv.get("ns", hashes)] == data
     assert server.metrics.counters()["redis_up"] == 1
+
+
+def test_cluster_client_passes_codecs_to_the_node(make_server, local_redis):
+    torch = pytest.importorskip("torch")
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    servers = [make_server(redis=local_redis.url, cluster_ttl=TTL, lossy_namespaces="lossy-*") for _ in range(2)]
+    wait_until(lambda: len(members(local_redis.url)) == 2, what="2 members")
+    gen = torch.Generator().manual_seed(7)
+    blocks = [(torch.randn(256, 64, generator=gen) * 3).to(torch.bfloat16) for _ in range(4)]
+    hashes = [os.urandom(16) for _ in blocks]
+    with Client(local_redis.url, refresh=0.1, lane="grpc") as kv:
+        assert all(r.status == "stored" for r in kv.put("ns", hashes, blocks, codec="zstd"))
+        (holder,) = holder_of(servers, "ns", hashes)
+        leases = holder.store.acquire("ns", hashes)
+        try:
+            assert {lease.codec for lease in leases} == {pb.CODEC_ZSTD}
+        finally:
+            holder.store.release(leases)
+        out = [torch.empty_like(b) for b in blocks]
+        kv.get("ns", hashes, out=out)
+        assert all(torch.equal(o, b) for o, b in zip(out, blocks))
+        with pytest.raises(KVStoreError) as err:  # the node's lossy policy still rules
+            kv.put("ns", [os.urandom(16)], blocks[:1], codec="fp8", lossy_ok=True)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        lossy = [os.urandom(16) for _ in blocks]
+        assert all(r.status == "stored" for r in kv.put("lossy-a", lossy, blocks, codec="fp8", lossy_ok=True))
+        got = kv.get("lossy-a", lossy, lossy_ok=True)
+        assert all(len(bytes(g)) == b.numel() * 2 for g, b in zip(got, blocks))  # decoded back to bf16 bytes

@@ -151,7 +151,9 @@ class ClusterClient:
 
     # -- put -----------------------------------------------------------------------------------
     def put(self, namespace: str, hashes: Sequence[bytes], payloads: Sequence[Any], *, parent: bytes | None = None,
-            dtype: str | None = None, chained: bool = True, root: bytes | None = None) -> list[PutResult]:
+            dtype: str | None = None, chained: bool = True, root: bytes | None = None, codec: str | None = None,
+            lossy_ok: bool = False) -> list[PutResult]:
+        """As ``Client.put`` on the node that should hold the prefix (``codec``/``lossy_ok`` as there)."""
         if len(hashes) != len(payloads):
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
         if not hashes:
@@ -160,7 +162,7 @@ class ClusterClient:
         for member in self._placement(namespace, hashes, parent, root):
             try:
                 results = self.directory.client(member).put(namespace, hashes, payloads, parent=parent, dtype=dtype,
-                                                            chained=chained)
+                                                            chained=chained, codec=codec, lossy_ok=lossy_ok)
                 self._remember(namespace, hashes[-1], member.id)
                 return results
             except KVStoreError as err:
@@ -201,7 +203,9 @@ class ClusterClient:
 
     # -- get -------------------------------------------------------------------------------------
     def get(self, namespace: str, hashes: Sequence[bytes], *, out: Sequence[Any] | None = None,
-            allow_missing: bool = False, verify: bool = True) -> list[Any]:
+            allow_missing: bool = False, verify: bool = True, codec: str | None = None,
+            lossy_ok: bool = False) -> list[Any]:
+        """As ``Client.get``, each block from a node holding it (``codec``/``lossy_ok`` as there)."""
         if out is not None and len(out) != len(hashes):
             raise ValueError(f"{len(hashes)} hashes but {len(out)} output buffers")
         if not hashes:
@@ -229,7 +233,8 @@ class ClusterClient:
                 idxs = groups[node]
                 bufs = [out[i] for i in idxs] if out is not None else None
                 return self.directory.client(by_id[node]).get(namespace, [hashes[i] for i in idxs], out=bufs,
-                                                              allow_missing=True, verify=verify)
+                                                              allow_missing=True, verify=verify, codec=codec,
+                                                              lossy_ok=lossy_ok)
 
             replies = self._each(list(groups), fetch, member_of=by_id.__getitem__)
             for node, idxs in groups.items():
