@@ -228,3 +228,43 @@ def test_ssl_contexts_for_lanes(pki):
                 raise ConnectionError("closed by the server")
     thread.join(5)
     listener.close()
+
+
+def test_client_certificates_name_tenants(make_server, tmp_path):
+    from tests.certs import issue, make_ca
+
+    ca = make_ca("kvstore tenants CA")
+    (tmp_path / "ca.crt").write_bytes(ca.cert_pem)
+    server_cert, server_key = issue(ca, "kvstore server", server=True).write(tmp_path, "server")
+    worker_cert, worker_key = issue(ca, "team-a-worker", server=False).write(tmp_path, "worker")
+    other_cert, other_key = issue(ca, "someone else", server=False).write(tmp_path, "other")
+    token_b = "team-b token, long enough"
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(f"""
+tenants:
+  - name: team-a
+    cert_names: [team-a-worker]
+    namespaces: [ns]
+  - name: team-b
+    token: "{token_b}"
+    namespaces: [other]
+""")
+    ca_path = tmp_path / "ca.crt"
+    with pytest.raises(ValueError, match="tls-client-ca"):  # certificates name nobody without mutual TLS
+        make_server(tls_cert=str(server_cert), tls_key=str(server_key), tenants=str(tenants))
+    server = make_server(tls_cert=str(server_cert), tls_key=str(server_key), tls_client_ca=str(ca_path),
+                         tenants=str(tenants))
+    assert call(server.port, ca_path, worker_cert, worker_key) == grpc.StatusCode.OK
+    assert call(server.port, ca_path, other_cert, other_key) == grpc.StatusCode.UNAUTHENTICATED
+    # a token names the caller whatever its certificate: team-b may not read "ns"
+    assert call(server.port, ca_path, other_cert, other_key, token=token_b) == grpc.StatusCode.PERMISSION_DENIED
+    assert call(server.port, ca_path, worker_cert, worker_key, token=token_b) == grpc.StatusCode.PERMISSION_DENIED
+    assert call(server.port, ca_path, worker_cert, worker_key, token="x" * 20) == grpc.StatusCode.UNAUTHENTICATED
+    with Client(f"127.0.0.1:{server.port}", tls_ca=str(ca_path), tls_cert=str(worker_cert),
+                tls_key=str(worker_key)) as kv:
+        kv.put("ns", [b"c" * 16], [b"by certificate" * 10])
+        assert bytes(kv.get("ns", [b"c" * 16])[0]) == b"by certificate" * 10
+        with pytest.raises(Exception) as err:
+            kv.lookup("other", [b"c" * 16])
+        assert getattr(err.value, "code", None) == grpc.StatusCode.PERMISSION_DENIED
+    assert server.metrics.counters()["unauthenticated"] >= 2

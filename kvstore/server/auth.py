@@ -7,6 +7,9 @@
 1. **Authentication** (with ``--tenants``): the ``authorization: Bearer
    <token>`` metadata must name a tenant (``TenantRegistry.authenticate``,
    constant time), else UNAUTHENTICATED before the request is even parsed.
+   Under mutual TLS a call without a token may instead be named by its
+   verified client certificate (a tenant's ``cert_names`` holds its CN or a
+   SAN); that is decided inside the call, where the TLS peer is visible.
    Without ``--tenants`` every caller is the ``OPEN`` principal (all
    namespaces, whole-node Stats). Tokens are never logged or echoed.
 2. **Malformed requests**: bytes that do not parse as the method's request
@@ -62,6 +65,9 @@ class Principal:
 
 
 OPEN = Principal("(open)")
+# The interceptor's answer for a call with no token where tenants may be named by client certificate: not a
+# principal (it grants nothing); the call itself looks at its TLS peer and aborts unless a tenant matches.
+BY_CERTIFICATE: Any = object()
 _PRINCIPAL: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("kvstore_principal", default=None)
 
 
@@ -99,11 +105,14 @@ class Gatekeeper:
     watchdog: DeadlineWatchdog | None = None
     long_lived: set[str] = field(default_factory=set)   # methods exempt from the deadline (e.g. lane sessions)
     count: Callable[[str], None] = lambda name: None    # e.g. Metrics.add
+    client_certificates: bool = False                     # mTLS: every caller shows a certificate the CA signed
 
     @classmethod
     def from_config(cls, cfg: ServeConfig, store: BlockStore | None = None, metrics: Any = None) -> "Gatekeeper":
         gate = cls(registry=TenantRegistry.load(cfg.tenants) if cfg.tenants else None, tenants_path=cfg.tenants,
-                   default_quota=cfg.tenant_quota, default_streams=cfg.tenant_streams)
+                   default_quota=cfg.tenant_quota, default_streams=cfg.tenant_streams,
+                   client_certificates=bool(cfg.tls_client_ca))
+        gate._check_certificates(gate.registry)
         if metrics is not None:
             gate.count = metrics.add
         if cfg.max_rpc_seconds > 0:
@@ -139,25 +148,47 @@ class Gatekeeper:
         if not self.tenants_path:
             return False
         try:
-            self.registry = TenantRegistry.load(self.tenants_path)
+            self.registry = self._check_certificates(TenantRegistry.load(self.tenants_path))
         except (OSError, ValueError) as err:
             log.error("tenants file not reloaded, keeping the previous tenants: %s", err)
             return False
         log.info("tenants reloaded: %d tenants", len(self.registry.tenants))
         return True
 
+    def _check_certificates(self, registry: TenantRegistry | None) -> TenantRegistry | None:
+        if registry is not None and registry.by_certificate and not self.client_certificates:
+            raise ValueError(f"{registry.source}: tenants named by client certificate (cert_names) need mutual TLS "
+                             f"(--tls-client-ca); without it no caller shows a certificate")
+        return registry
+
     # -- authentication (interceptor) --------------------------------------------------
     def authenticate(self, metadata: Any) -> tuple[Principal | None, str]:
+        """The caller by its bearer token; ``BY_CERTIFICATE`` when it sent none and tenants may be named by
+        their client certificate (the interceptor cannot see the TLS peer: ``authenticate_peer`` decides
+        inside the call)."""
         registry = self.registry
         if registry is None:
             return OPEN, ""
         token = bearer_token(metadata)
+        if token is None and registry.by_certificate and self.client_certificates:
+            return BY_CERTIFICATE, ""
         if token is None:
             return None, "this node needs a tenant token: send metadata 'authorization: Bearer <token>'"
         tenant = registry.authenticate(token)
         if tenant is None:
             return None, "the bearer token is not valid for this node"
         return Principal(tenant.name, tenant), ""
+
+    def authenticate_peer(self, context: grpc.ServicerContext) -> Principal | None:
+        """The tenant named by the verified client certificate of this call (its CN or a SAN), if exactly one."""
+        registry = self.registry
+        if registry is None:
+            return None
+        auth = context.auth_context() or {}
+        names = [v.decode(errors="replace") for key in ("x509_common_name", "x509_subject_alternative_name")
+                 for v in auth.get(key, [])]
+        tenant = registry.authenticate_certificate(names)
+        return Principal(tenant.name, tenant) if tenant is not None else None
 
     def enter(self, principal: Principal, method: str, streaming: bool, context: grpc.ServicerContext) -> None:
         """Take a stream slot and start the deadline clock; both are given back when the call ends."""
@@ -244,7 +275,7 @@ class GuardInterceptor(grpc.ServerInterceptor):
         if principal is None:
             self.gate.count("unauthenticated")
             return _refusing(handler, error)
-        return _guarded(handler, details.method, principal, self.gate)
+        return _guarded(handler, details.method, principal, self.gate)  # BY_CERTIFICATE: resolved in the call
 
 
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
@@ -278,8 +309,15 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, principal: Principal,
             yield request
 
     def run(request: Any, context: grpc.ServicerContext) -> Any:
-        _PRINCIPAL.set(principal)
-        gate.enter(principal, method, streaming, context)
+        caller = principal
+        if caller is BY_CERTIFICATE:
+            caller = gate.authenticate_peer(context)
+            if caller is None:
+                gate.count("unauthenticated")
+                context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                              "no bearer token, and this client certificate names no tenant of this node")
+        _PRINCIPAL.set(caller)
+        gate.enter(caller, method, streaming, context)
         if handler.request_streaming:
             request = checked(request, context)
         elif isinstance(request, Malformed):

@@ -8,6 +8,7 @@ or a mapping with the list under ``tenants`` and node-wide settings beside it::
     tenants:
       - name: team-a
         token: "a long random secret"        # or token_sha256: <hex of SHA-256 of the token>
+        cert_names: [team-a-worker]          # optional (mTLS): client certificate CN/SAN values of this tenant
         namespaces: [team-a, "team-a/*"]     # exact names; a trailing * grants every name with that prefix
         quota: 512MiB                        # optional: bytes this tenant's namespaces may hold
         max_streams: 4                       # optional: concurrent Put/Get streams
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 
 SHARED = "(shared)"
 MIN_TOKEN_CHARS = 16
-_TENANT_KEYS = {"name", "token", "token_sha256", "namespaces", "admin", "quota", "max_streams"}
+_TENANT_KEYS = {"name", "token", "token_sha256", "cert_names", "namespaces", "admin", "quota", "max_streams"}
 _FILE_KEYS = {"tenants", "shared_namespaces", "shared_quota"}
 
 
@@ -97,6 +98,7 @@ class Tenant:
     quota_bytes: int | None = None   # None: the node default (--tenant-quota)
     max_streams: int | None = None   # None: the node default (--tenant-streams)
     shared: Grants = Grants()        # the file's shared namespaces, open to every tenant
+    cert_names: frozenset[str] = frozenset()  # client certificate CN/SAN values that identify this tenant (mTLS)
 
     def allows(self, namespace: str) -> bool:
         return self.grants.allows(namespace) or self.shared.allows(namespace)
@@ -125,6 +127,18 @@ class TenantRegistry:
             if hmac.compare_digest(presented, tenant.digest):
                 found = tenant
         return found
+
+    @property
+    def by_certificate(self) -> bool:
+        """Whether some tenant is identified by its client certificate."""
+        return any(t.cert_names for t in self.tenants)
+
+    def authenticate_certificate(self, names: Iterable[str]) -> Tenant | None:
+        """The one tenant that lists any of a verified client certificate's names (CN and SANs); None when no
+        tenant does or when they point at different tenants."""
+        presented = set(names)
+        found = {t.name: t for t in self.tenants if t.cert_names & presented}
+        return next(iter(found.values())) if len(found) == 1 else None
 
     # -- quota buckets ---------------------------------------------------------------
     def bucket_of(self, namespace: str) -> str:
@@ -186,9 +200,16 @@ def _tenant(entry: Any, index: int, shared: Grants, source: str) -> Tenant:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: needs a non-empty 'name'")
     where = f"{source}: tenant {name!r}"
-    if ("token" in entry) == ("token_sha256" in entry):
-        raise ValueError(f"{where}: give exactly one of 'token' and 'token_sha256'")
-    if "token" in entry:
+    cert_names = entry.get("cert_names", [])
+    if not isinstance(cert_names, list) or not all(isinstance(n, str) and n for n in cert_names):
+        raise ValueError(f"{where}: 'cert_names' must be a list of non-empty strings (certificate CN or SAN values)")
+    if "token" in entry and "token_sha256" in entry:
+        raise ValueError(f"{where}: give at most one of 'token' and 'token_sha256'")
+    if "token" not in entry and "token_sha256" not in entry:
+        if not cert_names:
+            raise ValueError(f"{where}: give 'token', 'token_sha256' or 'cert_names'")
+        digest = b""  # certificate only: no token matches (compare_digest of unequal lengths is False)
+    elif "token" in entry:
         token = entry["token"]
         if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
             raise ValueError(f"{where}: token must be a string of at least {MIN_TOKEN_CHARS} characters")
@@ -207,7 +228,8 @@ def _tenant(entry: Any, index: int, shared: Grants, source: str) -> Tenant:
     if max_streams is not None and (not isinstance(max_streams, int) or max_streams < 0):
         raise ValueError(f"{where}: max_streams must be a non-negative integer")
     return Tenant(name=name, digest=digest, grants=Grants.parse(namespaces, where), admin=bool(entry.get("admin")),
-                  quota_bytes=_size(entry.get("quota"), f"{where}: quota"), max_streams=max_streams, shared=shared)
+                  quota_bytes=_size(entry.get("quota"), f"{where}: quota"), max_streams=max_streams, shared=shared,
+                  cert_names=frozenset(cert_names))
 
 
 def _size(value: Any, where: str) -> int | None:
@@ -222,12 +244,18 @@ def _size(value: Any, where: str) -> int | None:
 def _check_unique(tenants: tuple[Tenant, ...], source: str) -> None:
     names: set[str] = set()
     digests: set[bytes] = set()
+    certs: dict[str, str] = {}
     holders: dict[str, list[str]] = {}
     for tenant in tenants:
         if tenant.name in names:
             raise ValueError(f"{source}: tenant name {tenant.name!r} appears twice")
-        if tenant.digest in digests:
+        if tenant.digest and tenant.digest in digests:
             raise ValueError(f"{source}: tenant {tenant.name!r} has the same token as another tenant")
+        for cert in tenant.cert_names:
+            if cert in certs:
+                raise ValueError(f"{source}: certificate name {cert!r} is listed by tenants {certs[cert]!r} and "
+                                 f"{tenant.name!r}")
+            certs[cert] = tenant.name
         names.add(tenant.name)
         digests.add(tenant.digest)
         for ns in tenant.grants.exact:
