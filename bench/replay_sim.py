@@ -113,24 +113,7 @@ def popularity_oracle_hit_rate(requests: Sequence[Sequence[int]], capacity: int)
     estimate could do: the bound of any policy that ranks blocks by popularity rather than by *when* they
     come back, which only Belady knows."""
     uses = Counter(block for request in requests for block in request)
-    cached: dict[int, tuple[int, int]] = {}
-    heap: list[tuple[int, int, int]] = []  # (uses, last access, block); stale rows skipped
-    hits = total = 0
-    for request in requests:
-        prefix = True
-        for block in request:
-            total += 1
-            if block in cached:
-                hits += prefix
-            else:
-                prefix = False
-                while len(cached) >= capacity:
-                    n, at, victim = heapq.heappop(heap)
-                    if cached.get(victim) == (n, at):
-                        del cached[victim]
-            cached[block] = (uses[block], total)
-            heapq.heappush(heap, (uses[block], total, block))
-    return hits / max(total, 1)
+    return _ranked_hit_rate(requests, capacity, lambda block, i: (uses[block], i))
 
 
 def belady_hit_rate(requests: Sequence[Sequence[int]], capacity: int) -> float:
@@ -142,8 +125,15 @@ def belady_hit_rate(requests: Sequence[Sequence[int]], capacity: int) -> float:
     for i in range(len(sequence) - 1, -1, -1):
         next_use[i] = seen.get(sequence[i], never)
         seen[sequence[i]] = i
-    cached: dict[int, int] = {}          # block -> its next use
-    heap: list[tuple[int, int]] = []     # (-next use, block); stale rows skipped
+    return _ranked_hit_rate(requests, capacity, lambda block, i: (-next_use[i],))
+
+
+def _ranked_hit_rate(requests: Sequence[Sequence[int]], capacity: int,
+                     rank: Callable[[int, int], tuple[int, ...]]) -> float:
+    """Prefix hit rate of a cache that, when full, evicts the block of lowest ``rank(block, i)`` (taken at its
+    last access, the ``i``-th of the trace; ties: lowest block id)."""
+    cached: dict[int, tuple[int, ...]] = {}       # block -> its rank
+    heap: list[tuple[tuple[int, ...], int]] = []  # (rank, block); stale rows skipped
     hits = i = 0
     for request in requests:
         prefix = True
@@ -153,13 +143,13 @@ def belady_hit_rate(requests: Sequence[Sequence[int]], capacity: int) -> float:
             else:
                 prefix = False
                 while len(cached) >= capacity:
-                    neg, victim = heapq.heappop(heap)
-                    if cached.get(victim) == -neg:
+                    key, victim = heapq.heappop(heap)
+                    if cached.get(victim) == key:
                         del cached[victim]
-            cached[block] = next_use[i]
-            heapq.heappush(heap, (-next_use[i], block))
+            cached[block] = key = rank(block, i)
+            heapq.heappush(heap, (key, block))
             i += 1
-    return hits / max(len(sequence), 1)
+    return hits / max(i, 1)
 
 
 # -- the store ------------------------------------------------------------------------

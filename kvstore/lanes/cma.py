@@ -83,34 +83,27 @@ def address_of(buf: Any) -> tuple[int, int]:
 
 def read_into(pid: int, dst: memoryview, address: int) -> int:
     """Copy ``len(dst)`` bytes from ``address`` in process ``pid`` into ``dst``; the CRC32C of what landed."""
-    lib = _lib()
-    local = np.frombuffer(dst, dtype=np.uint8)
-    base, n, crc = int(local.ctypes.data), len(local), 0
-    for start in range(0, n, PIECE):
-        size = min(PIECE, n - start)
-        liov, riov = _IoVec(base + start, size), _IoVec(address + start, size)
-        got = lib.process_vm_readv(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
-        if got != size:
-            err = ctypes.get_errno() if got < 0 else 0
-            raise DirectReadError(err, f"read {max(got, 0)} of {size} bytes at {address + start:#x} in process {pid}"
-                                       f"{': ' + os.strerror(err) if err else ''}")
-        crc = crc32c(local[start : start + size], crc)
-    return crc
+    return _transfer(_lib().process_vm_readv, "read", pid, dst, address, crc=True)
 
 
 def write_from(pid: int, address: int, src: memoryview, crc: bool = True) -> int:
     """Copy ``src`` to ``address`` in process ``pid``; the CRC32C of ``src`` (each piece read while in cache),
     or 0 without ``crc``."""
-    lib = _lib()
-    local = np.frombuffer(src, dtype=np.uint8)
+    return _transfer(_lib().process_vm_writev, "wrote", pid, src, address, crc)
+
+
+def _transfer(syscall: Any, verb: str, pid: int, local_buf: memoryview, address: int, crc: bool) -> int:
+    """Move ``local_buf`` to or from ``address`` in ``pid`` in ``PIECE``-byte calls, each piece CRC32C'd (when
+    asked) right after it moved, while it is in cache."""
+    local = np.frombuffer(local_buf, dtype=np.uint8)
     base, n, value = int(local.ctypes.data), len(local), 0
     for start in range(0, n, PIECE):
         size = min(PIECE, n - start)
         liov, riov = _IoVec(base + start, size), _IoVec(address + start, size)
-        got = lib.process_vm_writev(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
+        got = syscall(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
         if got != size:
             err = ctypes.get_errno() if got < 0 else 0
-            raise DirectReadError(err, f"wrote {max(got, 0)} of {size} bytes at {address + start:#x} in process "
+            raise DirectReadError(err, f"{verb} {max(got, 0)} of {size} bytes at {address + start:#x} in process "
                                        f"{pid}{': ' + os.strerror(err) if err else ''}")
         if crc:
             value = crc32c(local[start : start + size], value)
