@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import grpc
 import numpy as np
@@ -231,3 +232,48 @@ def test_a_get_without_the_handshake_cannot_name_client_memory(make_server, monk
         list(raw.stub.LaneGet(request, timeout=10))
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     raw.close()
+
+
+KILLED_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    from kvstore.client import Client
+    from kvstore.checksum import crc32c
+    from kvstore.lanes.cma import address_of
+    from kvstore.v1 import kvstore_pb2 as pb
+    from kvstore.v1 import lanes_pb2 as lpb
+
+    with Client(sys.argv[1], lane="shm") as kv:
+        blocks = [bytes([i + 1]) * (2 << 20) for i in range(16)]
+        headers = [pb.BlockHeader(hash=bytes([8, i]) * 8, raw_length=len(b), stored_length=len(b),
+                                  crc32c=crc32c(b), dtype="uint8") for i, b in enumerate(blocks)]
+        def die_mid_put(lane):
+            assert lane.direct
+            stream = lane.open_put()
+            stream._send(lpb.LanePutRequest(reserve=lpb.LaneReserve(
+                namespace="ns", headers=headers, addresses=[address_of(b)[0] for b in blocks])))
+            if sys.argv[2] == "after-grant":
+                stream._next("grant")  # the store reads our memory right after sending the grant
+            os.kill(os.getpid(), signal.SIGKILL)
+        kv._lanes.run(die_mid_put)
+""")
+
+
+@pytest.mark.parametrize("when", ["before-reserve", "after-grant"])
+def test_client_killed_during_a_direct_put_leaves_only_whole_blocks(make_server, when):
+    server = make_server(dram=256 << 20, lane_lease=1.0)
+    child = subprocess.run([sys.executable, "-c", KILLED_CHILD, f"127.0.0.1:{server.port}", when], cwd=ROOT,
+                           capture_output=True, timeout=60)
+    assert child.returncode == -9, child.stderr.decode()
+    hashes = [bytes([8, i]) * 8 for i in range(16)]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the reserve is taken back or committed whole
+        stored = server.store.stats()["blocks"]
+        if server.store.top.used_bytes == stored * (2 << 20):
+            break
+        time.sleep(0.05)
+    assert server.store.top.used_bytes == stored * (2 << 20)  # no slot left reserved
+    server.store.check_invariants()
+    with Client(f"127.0.0.1:{server.port}", lane="grpc") as kv:
+        got = kv.get("ns", hashes, allow_missing=True)
+    for i, block in enumerate(got):  # whatever was stored is the child's bytes, never a torn block
+        assert block is None or bytes(block) == bytes([i + 1]) * (2 << 20)
