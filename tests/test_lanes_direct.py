@@ -277,3 +277,17 @@ def test_client_killed_during_a_direct_put_leaves_only_whole_blocks(make_server,
         got = kv.get("ns", hashes, allow_missing=True)
     for i, block in enumerate(got):  # whatever was stored is the child's bytes, never a torn block
         assert block is None or bytes(block) == bytes([i + 1]) * (2 << 20)
+
+
+def test_sweep_removes_what_killed_servers_left(tmp_path):
+    from kvstore.lanes.shm_region import sweep
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = [tmp_path / f"kvstore-lane-{dead.pid}-abc", tmp_path / f"kvstore-direct-{dead.pid}-def.sock"]
+    mine = [tmp_path / f"kvstore-lane-{os.getpid()}-abc", tmp_path / f"kvstore-direct-{os.getpid()}-def.sock",
+            tmp_path / "unrelated"]
+    for p in left + mine:
+        p.write_bytes(b"")
+    assert sweep(str(tmp_path)) == 2
+    assert not any(p.exists() for p in left) and all(p.exists() for p in mine)

@@ -99,16 +99,17 @@ def attach(path: str, size: int) -> ShmRegion:
     return ShmRegion(path, size, mapping, array, memoryview(array))
 
 
-def sweep(directory: str) -> int:
-    """Remove region files of this uid left by servers that are gone; returns how many."""
+def sweep(directory: str, prefixes: tuple[str, ...] = (PREFIX, "kvstore-direct-")) -> int:
+    """Remove region files (and direct-put sockets) of this uid left by servers that are gone; how many."""
     removed = 0
     try:
         names = os.listdir(directory)
     except OSError:
         return 0
     for name in names:
-        pid_text = name[len(PREFIX):].partition("-")[0]
-        if not name.startswith(PREFIX) or not pid_text.isdigit():
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        pid_text = name[len(prefix):].partition("-")[0] if prefix else ""
+        if not pid_text.isdigit():
             continue
         path = os.path.join(directory, name)
         try:
