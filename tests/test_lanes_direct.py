@@ -291,3 +291,21 @@ def test_sweep_removes_what_killed_servers_left(tmp_path):
         p.write_bytes(b"")
     assert sweep(str(tmp_path)) == 2
     assert not any(p.exists() for p in left) and all(p.exists() for p in mine)
+
+
+def test_lost_permission_moves_the_client_to_region_copies(make_server, monkeypatch):
+    import errno
+
+    server = make_server()
+    data = [os.urandom(1 << 20) for _ in range(3)]
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        assert kv.put("ns", keys(1), data[:1])[0].status == "stored"  # a direct lane is open now
+        direct_bytes = server.metrics.counters()["lane_shm_direct_put_bytes"]
+
+        def refused(*args):
+            raise cma.DirectReadError(errno.EPERM, "Operation not permitted (as if the client named another store)")
+
+        monkeypatch.setattr(cma, "read_into", refused)  # the lane's reads and any new handshake's nonce read
+        assert [r.status for r in kv.put("ns", keys(3)[1:], data[1:])] == ["stored", "stored"]
+        assert [bytes(b) for b in kv.get("ns", keys(3))] == data
+    assert server.metrics.counters()["lane_shm_direct_put_bytes"] == direct_bytes  # the rest went by region

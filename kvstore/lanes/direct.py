@@ -26,6 +26,7 @@ as it was: copies through the region.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -69,7 +70,7 @@ class DirectPeer:
         try:
             return cma.read_into(self.pid, dst, address)
         except cma.DirectReadError as err:
-            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT, f"direct put: {err}") from None
+            raise _refused("direct put", err) from None
 
     def write_from(self, address: int, src: memoryview, crc: bool = True) -> int:
         """Copy ``src`` to ``address`` in the client's memory; the CRC32C of ``src`` (0 without ``crc``)."""
@@ -78,12 +79,20 @@ class DirectPeer:
         try:
             return cma.write_from(self.pid, address, src, crc)
         except cma.DirectReadError as err:
-            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT, f"direct get: {err}") from None
+            raise _refused("direct get", err) from None
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             os.close(self.pidfd)
+
+
+def _refused(what: str, err: OSError) -> LaneError:
+    """A bad address is the caller's error; lost permission or a gone process breaks the lane (the client then
+    opens another, whose handshake decides again whether it may be direct)."""
+    if err.errno in (errno.EPERM, errno.ESRCH):
+        return LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {err}; open a new lane")
+    return LaneError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {err}")
 
 
 class DirectListener:

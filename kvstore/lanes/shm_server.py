@@ -122,13 +122,14 @@ class ShmServerLane(ServerLane):
         grant, slots = self.grants.claim(grant_id, descriptors)
         reply = lpb.LaneCommitted()
         committed: list[int] = []
-        done = 0
+        done = direct = 0
         try:
             for d, slot, computed in zip(descriptors, slots, self._land(slots, descriptors)):
                 res: Reservation = slot.item
                 claimed = computed if crc_from_server else self._claimed_crc(d, computed)
                 reply.results.append(self.ops.finish(res, claimed, computed, committed, self.access))
                 done += slot.length
+                direct += slot.length if d.address else 0
         except BaseException:
             self.ops.abort([s.item for s in slots])
             self.ops.abort(self.grants.fail(grant))
@@ -136,9 +137,8 @@ class ShmServerLane(ServerLane):
         finally:
             self.grants.settle(grant, slots)
             self.ops.metrics.add(f"lane_{self.kind}_put_bytes", done)
-            if self.direct is not None:
-                self.ops.metrics.add("lane_shm_direct_put_bytes", sum(s.length for d, s in zip(descriptors, slots)
-                                                                       if d.address))
+            if direct:
+                self.ops.metrics.add("lane_shm_direct_put_bytes", direct)
             self.ops.metrics.bytes_in(done)
         self.ops.persist(committed)
         return reply
