@@ -65,21 +65,19 @@ class DirectPeer:
 
     def read_into(self, dst: memoryview, address: int) -> int:
         """Copy a block of the client's memory into ``dst``; its CRC32C (LaneError if it cannot be read)."""
-        if not self.alive():
-            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"direct put: client process {self.pid} is gone")
-        try:
-            return cma.read_into(self.pid, dst, address)
-        except cma.DirectReadError as err:
-            raise _refused("direct put", err) from None
+        return self._move("direct put", cma.read_into, dst, address)
 
     def write_from(self, address: int, src: memoryview, crc: bool = True) -> int:
         """Copy ``src`` to ``address`` in the client's memory; the CRC32C of ``src`` (0 without ``crc``)."""
+        return self._move("direct get", lambda pid, buf, at: cma.write_from(pid, at, buf, crc), src, address)
+
+    def _move(self, what: str, fn: Any, buf: memoryview, address: int) -> int:
         if not self.alive():
-            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"direct get: client process {self.pid} is gone")
+            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: client process {self.pid} is gone")
         try:
-            return cma.write_from(self.pid, address, src, crc)
+            return fn(self.pid, buf, address)
         except cma.DirectReadError as err:
-            raise _refused("direct get", err) from None
+            raise _refused(what, err) from None
 
     def close(self) -> None:
         if not self._closed:
@@ -102,7 +100,8 @@ class DirectListener:
         self.path = os.path.join(directory, f"kvstore-direct-{os.getpid()}-{secrets.token_hex(8)}.sock")
         self._lookup = lookup
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
+        old = os.umask(0o177)  # the socket is born 0600 (a chmod after bind would leave a window); this runs at
+        # node start, and a file another thread makes meanwhile could only come out more private, never less
         try:
             self._sock.bind(self.path)
         finally:
