@@ -12,7 +12,10 @@ while every earlier block of its request hit (bench/replay_sim.py).
 
 Also measured, same trace and capacity: ``popularity-oracle``, a cache that
 knows how often each block will be used in the whole trace and evicts the
-least popular (offline; the best any frequency-ranking policy could do), the
+least popular (offline; the best any frequency-ranking policy could do),
+``lifetime-oracle``, which also knows when each block is first and last used
+and ranks by its rate of use while alive (offline; all but the timing of each
+return), the
 store with its base policy
 (``leaf-lru``: the leaf rule alone) and with an admission filter (``admit2``:
 a block is stored only from its second sighting on, as NVIDIA's KV block
@@ -40,7 +43,8 @@ from tqdm import tqdm
 
 from bench.common import Row, format_table, parse_args, write_json
 from bench.replay_sim import (LLAMA3_8B_BF16, ReplayResult, StoreSetup, Trace, belady_hit_rate, block_keys,
-                              load_trace, lru_hit_rate, popularity_oracle_hit_rate, replay_store)
+                              lifetime_oracle_hit_rate, load_trace, lru_hit_rate, popularity_oracle_hit_rate,
+                              replay_store)
 from kvstore.store.policies import DEFAULT_POLICY
 from kvstore.tiers.base import DRAM, NVME
 
@@ -147,12 +151,13 @@ def build_tables(trace: Trace, capacities: Sequence[float], results: list[tuple[
         variants += [{**common, "policy": label, "hit_rate": r.hit_rate, "gap_closed": gap_closed(r.hit_rate, lru, belady)}
                      for label, r in (("leaf-lru", leaf), ("admit2", admit))]
         oracle = popularity_oracle_hit_rate(trace.requests, blocks)
-        variants.append({**common, "policy": "popularity-oracle", "hit_rate": oracle,
-                         "gap_closed": gap_closed(oracle, lru, belady)})
+        lifetime = lifetime_oracle_hit_rate(trace.requests, blocks)
+        variants += [{**common, "policy": label, "hit_rate": rate, "gap_closed": gap_closed(rate, lru, belady)}
+                     for label, rate in (("popularity-oracle", oracle), ("lifetime-oracle", lifetime))]
         summary.append({"cap": frac, "blocks": blocks, "GiB": blocks * block_bytes / GIB, "lru": lru,
                         "kvstore": store.hit_rate, "belady": belady, "to_belady": belady - store.hit_rate,
                         "gap_closed": gap, "leaf-lru": leaf.hit_rate, "admit2": admit.hit_rate,
-                        "pop-oracle": oracle})
+                        "pop-oracle": oracle, "life-oracle": lifetime})
         for name in (DEFAULT_POLICY, "lru"):
             r = by[("tiers", name, frac)]
             tiers.append({"capacity_frac": frac, "policy": name, "dram_blocks": r.setup.dram_blocks,
@@ -173,9 +178,10 @@ def plot(path: Path, summary: list[Row], tiers: list[Row], title: str) -> None:
 
     caps = [s["cap"] for s in summary]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, style in (("belady", "k-"), ("kvstore", "C0-o"), ("lru", "C3-s"), ("leaf-lru", "C2:"), ("admit2", "C1:")):
+    for key, style in (("belady", "k-"), ("life-oracle", "k--"), ("pop-oracle", "k:"), ("kvstore", "C0-o"),
+                       ("lru", "C3-s"), ("leaf-lru", "C2:"), ("admit2", "C1:")):
         label = f"kvstore ({DEFAULT_POLICY})" if key == "kvstore" else key
-        left.plot(caps, [s[key] for s in summary], style, label=label, lw=1.2 if ":" in style else 2)
+        left.plot(caps, [s[key] for s in summary], style, label=label, lw=2 if style[-1] in "-os" else 1.2)
     left.set(xscale="log", xlabel="capacity (fraction of distinct blocks)", ylabel="prefix hit rate",
              title="one tier: policy vs LRU and Belady")
     left.set_xticks(caps, [f"{c:g}" for c in caps])

@@ -9,6 +9,9 @@ so they see the same accesses and differ only in what they evict.
 - ``lru_hit_rate``: plain block-level LRU of ``capacity`` blocks (no leaf rule).
 - ``popularity_oracle_hit_rate``: evicts the block with the fewest uses in the
   whole trace (an oracle of popularity, not of timing).
+- ``lifetime_oracle_hit_rate``: knows each block's first use, last use and
+  number of uses: evicts blocks that are done first, then the lowest rate of
+  use over the block's lifetime (everything but the timing of each return).
 - ``belady_hit_rate``: Belady's offline optimum for block caching: on a miss
   with a full cache, evict the cached block whose next use is farthest away
   (never used again = infinitely far). Every missed block is inserted (no
@@ -116,6 +119,27 @@ def popularity_oracle_hit_rate(requests: Sequence[Sequence[int]], capacity: int)
     return _ranked_hit_rate(requests, capacity, lambda block, i: (uses[block], i))
 
 
+def lifetime_oracle_hit_rate(requests: Sequence[Sequence[int]], capacity: int) -> float:
+    """Prefix hit rate of a cache that knows, for every block, when it is first and last used and how often:
+    it evicts blocks that will not be used again first, then the one with the lowest rate of use over its
+    lifetime (uses / (last - first)). That is more than any online estimate of popularity and liveness can
+    know; what it lacks, and Belady has, is *when* each individual return comes."""
+    uses: Counter = Counter()
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, block in enumerate(b for request in requests for b in request):
+        uses[block] += 1
+        first.setdefault(block, i)
+        last[block] = i
+
+    def rank(block: int, i: int) -> tuple[float, ...]:
+        if i == last[block]:
+            return (0.0, i)
+        return (1.0, uses[block] / (last[block] - first[block] + 1), i)
+
+    return _ranked_hit_rate(requests, capacity, rank)
+
+
 def belady_hit_rate(requests: Sequence[Sequence[int]], capacity: int) -> float:
     """Prefix hit rate of Belady's offline policy (evict the block used farthest in the future)."""
     sequence = [block for request in requests for block in request]
@@ -129,11 +153,11 @@ def belady_hit_rate(requests: Sequence[Sequence[int]], capacity: int) -> float:
 
 
 def _ranked_hit_rate(requests: Sequence[Sequence[int]], capacity: int,
-                     rank: Callable[[int, int], tuple[int, ...]]) -> float:
+                     rank: Callable[[int, int], tuple[float, ...]]) -> float:
     """Prefix hit rate of a cache that, when full, evicts the block of lowest ``rank(block, i)`` (taken at its
     last access, the ``i``-th of the trace; ties: lowest block id)."""
-    cached: dict[int, tuple[int, ...]] = {}       # block -> its rank
-    heap: list[tuple[tuple[int, ...], int]] = []  # (rank, block); stale rows skipped
+    cached: dict[int, tuple[float, ...]] = {}       # block -> its rank
+    heap: list[tuple[tuple[float, ...], int]] = []  # (rank, block); stale rows skipped
     hits = i = 0
     for request in requests:
         prefix = True

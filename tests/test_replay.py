@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench import replay
-from bench.replay_sim import (StoreSetup, Trace, belady_hit_rate, block_keys, load_trace, lru_hit_rate,
-                              popularity_oracle_hit_rate, replay_store)
+from bench.replay_sim import (StoreSetup, Trace, belady_hit_rate, block_keys, lifetime_oracle_hit_rate, load_trace,
+                              lru_hit_rate, popularity_oracle_hit_rate, replay_store)
 from kvstore.tiers.base import DRAM, NVME
 
 BLOCK = 1 << 20
@@ -96,6 +96,15 @@ def test_popularity_oracle_stays_below_belady(sequence, capacity):
     assert popularity_oracle_hit_rate(trace, capacity) <= belady_hit_rate(trace, capacity) + 1e-12
 
 
+def test_lifetime_oracle_drops_blocks_that_are_done():
+    # 1 is used four times early and never again; 2 and 3 alternate to the end. The popularity oracle keeps 1
+    # (most uses) and thrashes on 2/3 in the one slot left; the lifetime oracle lets 1 go after its last use.
+    trace = singles(1, 1, 1, 1, 2, 3, 2, 3, 2, 3)
+    assert popularity_oracle_hit_rate(trace, 2) == 3 / 10
+    assert lifetime_oracle_hit_rate(trace, 2) == 7 / 10
+    assert lifetime_oracle_hit_rate([[1, 2], [9, 2]], 10) == 0.0  # the prefix rule holds here too
+
+
 def test_a_block_after_a_miss_is_not_a_hit():
     # block 2 is cached, but block 9 before it misses: the prefix ends there
     assert lru_hit_rate([[1, 2], [9, 2]], 10) == 0.0
@@ -167,6 +176,6 @@ def test_cli_writes_rows_json_and_plot(tmp_path: Path):
     assert {(r["capacity_frac"], r["policy"]) for r in doc["rows"]} == \
         {(c, p) for c in (0.1, 0.5) for p in ("kvstore", "lru", "belady")}
     assert all(0 <= r["hit_rate"] <= 1 for r in doc["rows"])
-    assert {v["policy"] for v in doc["variants"]} == {"leaf-lru", "admit2", "popularity-oracle"}
+    assert {v["policy"] for v in doc["variants"]} == {"leaf-lru", "admit2", "popularity-oracle", "lifetime-oracle"}
     assert len(doc["tiers"]) == 4
     assert png.stat().st_size > 10_000
