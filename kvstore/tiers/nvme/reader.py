@@ -14,8 +14,9 @@ stored length the caller expects, and the CRC32C of the payload. It returns a
 Callers copy a payload out only after its check passed, so a caller buffer
 never receives bytes that failed verification.
 
-``read_piece_into(backend, piece, scratch, dests)`` is the tier's read: one
-preadv per piece, the page-aligned part of each payload straight into its
+``read_piece_into(backend, piece, scratch, dests)`` is the tier's read
+(``plan_into``, the preadv, ``finish_into``: split so that the tier can check one
+piece while the next one's I/O is in flight): one preadv per piece, the page-aligned part of each payload straight into its
 caller's buffer when that is page-aligned host memory, the rest (header pages,
 tails, gaps) into scratch; the same checks, then the tail is copied in. A
 record that fails has whatever was read into its buffer zeroed.
@@ -26,6 +27,8 @@ large as the largest piece read so far).
 from __future__ import annotations
 
 import queue
+from collections import deque
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -166,20 +169,22 @@ def host_view(dest: Any) -> np.ndarray | None:
     return out if out.flags.writeable else None
 
 
-def read_piece_into(backend: IoBackend, piece: Piece, scratch: np.ndarray, dests: Sequence[Any],
-                    direct: bool = True) -> list[tuple[int, str]]:
-    """Read one piece with one preadv straight into the callers' buffers; returns failed (target, reason).
+@dataclass(slots=True)
+class PlannedRead:
+    """One piece ready for its preadv: the buffers in file order, and per record where its parts land."""
 
-    The page-aligned part of each payload lands in its first target's buffer when that
-    buffer is host memory, page aligned and large enough (``host_view``); header pages, payload
-    tails, read-through gaps and the payloads of other records land in ``scratch`` (at
-    least ``piece.nbytes``). Every record is then checked (header magic and CRC, the length
-    expected, the payload CRC32C over both parts) before its tail is copied in and other
-    targets are filled. A record that fails has the bytes read into its buffer zeroed, so no
-    caller buffer is left holding bytes that failed verification.
-    """
+    piece: Piece
+    scratch: np.ndarray
+    iov: list[np.ndarray]
+    plan: list[tuple[Wanted, int, int, np.ndarray | None, int]]  # (w, header pos, tail pos, view, n aligned)
+
+
+def plan_into(piece: Piece, scratch: np.ndarray, dests: Sequence[Any], direct: bool = True) -> PlannedRead:
+    """Lay out one piece's preadv: the page-aligned part of each payload straight into its first target's
+    buffer when that is host memory, page aligned and large enough (``host_view``); header pages, payload
+    tails, read-through gaps and the payloads of other records into ``scratch`` (at least ``piece.nbytes``)."""
     iov: list[np.ndarray] = []
-    plan: list[tuple[Wanted, int, int, np.ndarray | None, int]] = []  # (w, header pos, tail pos, view, n aligned)
+    plan: list[tuple[Wanted, int, int, np.ndarray | None, int]] = []
     sp = 0  # scratch position
     run = 0  # start of the scratch span not yet in iov
     pos = piece.offset
@@ -206,18 +211,24 @@ def read_piece_into(backend: IoBackend, piece: Piece, scratch: np.ndarray, dests
     if sp > run:
         iov.append(scratch[run:sp])
     if len(iov) > IOV_MAX:  # too many pieces for one call: read it all into scratch instead
-        return read_piece_into(backend, piece, scratch, dests, direct=False)
-    try:
-        got = backend.preadv(piece.seg.fh, iov, piece.offset)
-    except OSError as e:
-        failed = [(t, f"read failed: {e}") for w in piece.records for t in w.targets]
-        for w, _, _, view, al in plan:
+        return plan_into(piece, scratch, dests, direct=False)
+    return PlannedRead(piece, scratch, iov, plan)
+
+
+def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) -> list[tuple[int, str]]:
+    """Check every record of a piece after its preadv returned ``got`` bytes (or failed): header magic and
+    CRC, the length expected, the payload CRC32C over both parts; then copy tails in and fill other targets.
+    A record that fails has the bytes read into its buffer zeroed, so no caller buffer is left holding bytes
+    that failed verification. Returns the failed (target, reason)."""
+    piece, scratch = planned.piece, planned.scratch
+    if isinstance(got, OSError):
+        for _, _, _, view, al in planned.plan:
             if view is not None:
                 view[:al] = 0
-        return failed
+        return [(t, f"read failed: {got}") for w in piece.records for t in w.targets]
     end = piece.offset + got
     failed = []
-    for w, hdr, tail, view, al in plan:
+    for w, hdr, tail, view, al in planned.plan:
         reason = ""
         fields = check_header(scratch, hdr) if w.offset + HEADER_BYTES <= end else None
         if fields is None:
@@ -236,17 +247,89 @@ def read_piece_into(backend: IoBackend, piece: Piece, scratch: np.ndarray, dests
                     for t in w.targets:
                         copy_into(dests[t], payload)
             else:
-                rest = scratch[tail:tail + n - al]
-                if _crc32c(rest, _crc32c(view[:al])) != stored_crc:
+                crc = _crc32c(view[:al])
+                if n > al:
+                    rest = scratch[tail:tail + n - al]
+                    crc = _crc32c(rest, crc)
+                if crc != stored_crc:
                     reason = "payload fails its CRC32C"
                 else:
-                    view[al:n] = rest
+                    if n > al:
+                        view[al:n] = rest
                     for t in w.targets[1:]:
                         copy_into(dests[t], view[:n])
         if reason:
             if view is not None:
                 view[:al] = 0
             failed.extend((t, reason) for t in w.targets)
+    return failed
+
+
+def read_piece_into(backend: IoBackend, piece: Piece, scratch: np.ndarray, dests: Sequence[Any],
+                    direct: bool = True) -> list[tuple[int, str]]:
+    """Read one piece with one preadv straight into the callers' buffers and check it (``plan_into``,
+    ``finish_into``); returns the failed (target, reason)."""
+    planned = plan_into(piece, scratch, dests, direct)
+    try:
+        got: int | OSError = backend.preadv(piece.seg.fh, planned.iov, piece.offset)
+    except OSError as e:
+        got = e
+    return finish_into(planned, got, dests)
+
+
+def read_pipelined(backend: IoBackend, pool: Executor, buffers: "BufferPool", pieces: Sequence[Piece],
+                   dests: Sequence[Any], window: int) -> list[tuple[int, str]]:
+    """Read many pieces with up to ``window`` preadvs in flight on ``pool`` while this thread checks the
+    pieces that have landed, in order: the CRC and header checks of one piece overlap the I/O of the next.
+
+    The first bounce buffer is taken waiting; more only when one is free at once (a caller never waits for
+    a buffer while it holds one, so concurrent readers cannot deadlock on the pool); without one, the
+    oldest piece in flight is finished and its buffer reused. Every preadv has returned before this does.
+    """
+    failed: list[tuple[int, str]] = []
+    inflight: deque[tuple[PlannedRead, Future[int]]] = deque()
+    spare: list[np.ndarray] = []
+    held: list[np.ndarray] = []
+
+    def finish_oldest() -> None:
+        planned, future = inflight.popleft()
+        try:
+            got: int | OSError = future.result()
+        except OSError as e:
+            got = e
+        failed.extend(finish_into(planned, got, dests))
+        spare.append(planned.scratch)
+
+    try:
+        for piece in pieces:
+            buf = None
+            while buf is None:
+                if spare:
+                    buf = spare.pop()
+                    if len(buf) < piece.nbytes:  # a record larger than the pool's buffers
+                        held.remove(buf)
+                        buf = aligned_buffer(align_up(piece.nbytes))
+                        held.append(buf)
+                    break
+                buf = buffers.try_get(piece.nbytes) if held else buffers.get(piece.nbytes)
+                if buf is not None:
+                    held.append(buf)
+                elif inflight:
+                    finish_oldest()
+                else:  # holds buffers, none spare, nothing in flight: cannot happen; wait rather than spin
+                    buf = buffers.get(piece.nbytes)
+                    held.append(buf)
+            planned = plan_into(piece, buf, dests)
+            inflight.append((planned, pool.submit(backend.preadv, piece.seg.fh, planned.iov, piece.offset)))
+            if len(inflight) >= window:
+                finish_oldest()
+        while inflight:
+            finish_oldest()
+    finally:
+        if inflight:  # an exception above: let every read land before its buffers go back
+            wait([f for _, f in inflight])
+        for buf in held:
+            buffers.put(buf)
     return failed
 
 
@@ -265,6 +348,14 @@ class BufferPool:
 
     def get(self, nbytes: int) -> np.ndarray:
         buf = self._free.get()
+        return buf if len(buf) >= nbytes else aligned_buffer(align_up(nbytes))
+
+    def try_get(self, nbytes: int) -> np.ndarray | None:
+        """A buffer if one is free now, else None (for a caller that already holds one: never wait holding)."""
+        try:
+            buf = self._free.get_nowait()
+        except queue.Empty:
+            return None
         return buf if len(buf) >= nbytes else aligned_buffer(align_up(nbytes))
 
     def put(self, buf: np.ndarray) -> None:

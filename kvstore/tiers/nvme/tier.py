@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -40,7 +40,7 @@ from kvstore.tiers.nvme.gds import is_device_dest, read_split
 from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK, PAGE, record_bytes
 from kvstore.tiers.nvme.io import IoBackend, select_backend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
-from kvstore.tiers.nvme.reader import BufferPool, Piece, Wanted, plan_pieces, read_piece_into
+from kvstore.tiers.nvme.reader import BufferPool, Piece, Wanted, plan_pieces, read_piece_into, read_pipelined
 from kvstore.tiers.nvme.segments import SegmentState
 
 log = logging.getLogger("kvstore.nvme")
@@ -225,18 +225,14 @@ class NvmeTier(Tier):
             pieces = [p for seg, wanted in groups.values()
                       for p in plan_pieces(seg, list(wanted.values()), self.max_read_bytes,
                                            self.coalesce_gap_bytes, self.read_threads)]
-            # the other pieces on the pool, the first one here (no hand-off for it)
-            futures = [self._pool.submit(self._read_piece, p, dests) for p in pieces[1:]]
-            try:
-                failures = [self._read_piece(pieces[0], dests)] if pieces else []
-            finally:
-                wait(futures)  # every read settles before the segments are unpinned
-            failures += [f.result() for f in futures]
+            if len(pieces) == 1:  # one I/O: no hand-off
+                failures = self._read_piece(pieces[0], dests)
+            else:
+                failures = read_pipelined(self.backend, self._pool, self._buffers, pieces, dests, self.read_threads)
         finally:
             self._log.unpin(pinned)
-        for fail in failures:
-            for i, reason in fail:
-                bad[locs[i]] = reason
+        for i, reason in failures:
+            bad[locs[i]] = reason
         self._counts["reads"] += 1
         self._counts["blocks_read"] += len(locs)
         self._counts["read_ios"] += len(pieces)

@@ -1,0 +1,103 @@
+"""Multi-piece reads: pieces checked in order while later ones are in flight, on real O_DIRECT files."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.tiers.base import CorruptBlock
+from kvstore.tiers.nvme import NvmeTier, PosixBackend
+from kvstore.tiers.nvme.faults import InstrumentedBackend
+from kvstore.tiers.nvme.format import PAGE, split_loc
+from kvstore.tiers.nvme.io import aligned_buffer
+from tests.test_nvme_tier import flip_byte, segment_files, write_blocks
+
+KiB, MiB = 1 << 10, 1 << 20
+BLOCK = 64 * KiB
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(99)
+
+
+def wiped_dests(n: int) -> list[np.ndarray]:
+    dests = [aligned_buffer(BLOCK) for _ in range(n)]
+    for d in dests:
+        d[:] = 0xAA
+    return dests
+
+
+def test_a_bad_record_in_a_later_piece_fails_alone(tmp_path: Path, rng: np.random.Generator) -> None:
+    backend = InstrumentedBackend(PosixBackend())
+    tier = NvmeTier(tmp_path, 64 * MiB, segment_bytes=16 * MiB, backend=backend)
+    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+    locs = list(blocks)
+    bad = locs[27]  # in the fourth of four pieces
+    flip_byte(segment_files(tmp_path)[0], split_loc(bad)[1] + PAGE + 4321)
+    dests = wiped_dests(32)
+    backend.reset_counts()
+    with pytest.raises(CorruptBlock) as err:
+        tier.read(locs, [BLOCK] * 32, dests)
+    assert backend.preads == 4
+    assert err.value.locs == [bad]
+    for loc, d in zip(locs, dests):
+        assert d.tobytes() == (bytes(BLOCK) if loc == bad else blocks[loc])
+    tier.close()
+
+
+def test_a_failed_read_wipes_every_piece(tmp_path: Path, rng: np.random.Generator) -> None:
+    backend = InstrumentedBackend(PosixBackend())
+    tier = NvmeTier(tmp_path, 64 * MiB, segment_bytes=16 * MiB, backend=backend)
+    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+    dests = wiped_dests(32)
+    backend.fail_reads()
+    with pytest.raises(CorruptBlock, match="read failed") as err:
+        tier.read(list(blocks), [BLOCK] * 32, dests)
+    assert sorted(err.value.locs) == sorted(blocks)
+    assert all(not d.any() for d in dests)  # the bytes a failed piece may have landed are gone
+    backend.heal()
+    tier.read(list(blocks), [BLOCK] * 32, dests)
+    assert [d.tobytes() for d in dests] == list(blocks.values())
+    tier.close()
+
+
+@pytest.fixture
+def eager_thread_switches():
+    """Switch the GIL every 10 us, so readers interleave between taking their buffers."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_many_readers_share_a_small_buffer_pool_without_deadlock(tmp_path: Path, rng: np.random.Generator,
+                                                                  eager_thread_switches: None) -> None:
+    # read_threads=2: pieces two at a time and three bounce buffers for eight readers that each want two
+    tier = NvmeTier(tmp_path, 256 * MiB, segment_bytes=32 * MiB, read_threads=2)
+    prefixes = [write_blocks(tier, [BLOCK] * 32, rng) for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def reader(k: int) -> None:
+        try:
+            dests = [aligned_buffer(BLOCK) for _ in range(32)]
+            for i in range(40):
+                blocks = prefixes[(k + i) % len(prefixes)]
+                tier.read(list(blocks), [BLOCK] * 32, dests)
+                assert [d.tobytes() for d in dests] == list(blocks.values())
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "readers stuck: the buffer pool deadlocked"
+    assert not errors, errors[0]
+    tier.close()
