@@ -35,8 +35,12 @@ compared):
     fdatasync policy); read back after dropping the page cache, one
     open/read/close per block, CRC-checked like the tier.
 
+Also, as a ceiling for shuffled prefix reads: the raw file of (a) read in
+extents of one prefix's size on disk (``raw_random_prefix_read_gbps``, 32 x
+(4 KiB header + block), shuffled offsets, O_DIRECT, queue depth 1).
+
 Throughput counts payload bytes only (the tier also writes a 4 KiB header per
-record). It also times recovery of a tier of 100,000 blocks (4 KiB payloads,
+record), except the raw figures, which count every byte read. It also times recovery of a tier of 100,000 blocks (4 KiB payloads,
 8 KiB records): after a clean close (segment summaries), after a crash (no
 checkpoint; the last segment scanned record by record) and with every summary
 lost (a full scan, every header and payload CRC checked).
@@ -59,7 +63,7 @@ import numpy as np
 from bench.common import format_table, parse_args, write_json
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.nvme.format import crc32c
+from kvstore.tiers.nvme.format import crc32c, record_bytes
 from kvstore.tiers.nvme.io import aligned_buffer
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -83,42 +87,57 @@ def drop_page_cache(paths: list[Path]) -> None:
 
 
 # -- (a) raw disk ----------------------------------------------------------------------
-def raw_fio(path: Path, size: int) -> tuple[float, float]:
+def prefix_extent(block: int) -> int:
+    """Bytes on disk of one 32-block prefix in the tier (header page + padded payload per record)."""
+    return PREFIX * record_bytes(block)
+
+
+def raw_fio(path: Path, size: int, extents: tuple[int, ...] = ()) -> tuple[float, float, dict[int, float]]:
     """One sequential write (a fresh fallocated file; done when the O_DIRECT writes complete, as the
-    tier's default acknowledgement) and one sequential read, 1 MiB O_DIRECT I/O, queue depth 1."""
-    common = ["fio", "--name=raw", f"--filename={path}", "--bs=1M", "--direct=1", "--ioengine=psync",
+    tier's default acknowledgement) and one sequential read, 1 MiB O_DIRECT I/O, queue depth 1; then, per
+    extent size, the same file read in extents of that size at shuffled offsets (queue depth 1): the disk's
+    own speed at the tier's shuffled prefix reads."""
+    common = ["fio", "--name=raw", f"--filename={path}", "--direct=1", "--ioengine=psync",
               f"--size={size}", "--output-format=json"]
 
-    def run(rw: str, extra: list[str]) -> float:
-        out = subprocess.run(common + [f"--rw={rw}"] + extra, capture_output=True, text=True, check=True)
+    def run(rw: str, bs: int) -> float:
+        out = subprocess.run(common + [f"--rw={rw}", f"--bs={bs}"], capture_output=True, text=True, check=True)
         job = json.loads(out.stdout)["jobs"][0]
         return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
 
     path.unlink(missing_ok=True)
-    w = run("write", [])
-    r = run("read", [])
+    w = run("write", MiB)
+    r = run("read", MiB)
+    rand = {e: run("randread", e) for e in extents}
     path.unlink(missing_ok=True)
-    return w, r
+    return w, r, rand
 
 
-def raw_python(path: Path, size: int) -> tuple[float, float]:
+def raw_python(path: Path, size: int, extents: tuple[int, ...] = ()) -> tuple[float, float, dict[int, float]]:
     """The same as raw_fio, as a Python pwrite/pread loop (where fio is not installed)."""
-    buf = aligned_buffer(MiB)
-    buf[:] = np.random.default_rng(0).integers(0, 256, MiB, dtype=np.uint8)
+    buf = aligned_buffer(max((MiB, *extents)))
+    buf[:] = np.random.default_rng(0).integers(0, 256, buf.nbytes, dtype=np.uint8)
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
     os.posix_fallocate(fd, 0, size)
     t0 = time.perf_counter()
     for off in range(0, size, MiB):
-        os.pwrite(fd, buf, off)
+        os.pwrite(fd, buf[:MiB], off)
     w = size / (time.perf_counter() - t0) / 1e9
     t0 = time.perf_counter()
     for off in range(0, size, MiB):
-        os.preadv(fd, [buf], off)
+        os.preadv(fd, [buf[:MiB]], off)
     r = size / (time.perf_counter() - t0) / 1e9
+    rand: dict[int, float] = {}
+    for e in extents:
+        offsets = np.random.default_rng(e).permutation(size // e) * e
+        t0 = time.perf_counter()
+        for off in offsets:
+            os.preadv(fd, [buf[:e]], int(off))
+        rand[e] = len(offsets) * e / (time.perf_counter() - t0) / 1e9
     os.close(fd)
     path.unlink(missing_ok=True)
-    return w, r
+    return w, r, rand
 
 
 # -- workloads -----------------------------------------------------------------------------
@@ -270,6 +289,9 @@ COLUMNS = ["block_bytes", "tier_write_gbps", "tier_read_gbps", "raw_write_gbps",
            "tier_vs_fpb_write", "tier_vs_fpb_read"]
 COLUMNS_MORE = ["block_bytes", "tier_write_prefix_gbps", "tier_vs_raw_write_prefix", "tier_read_shuffled_gbps", "tier_write_fdatasync_gbps",
                 "file_per_block_write_fdatasync_gbps", "tier_vs_fpb_write_fdatasync", "tier_write_copied_gbps"]
+COLUMNS_PREFIX_READ = ["block_bytes", "raw_random_prefix_read_gbps", "tier_read_shuffled_gbps",
+                       "tier_vs_raw_random_prefix_read", "file_per_block_read_gbps",
+                       "fpb_read_x3_vs_raw_random_prefix_read"]
 
 
 def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int) -> list[dict]:
@@ -283,9 +305,11 @@ def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int) -> list[di
         runs.setdefault(key, []).append(value)
 
     for _ in range(REPS):
-        rw, rr = raw(root / "raw.bin", raw_total)
+        rw, rr, rand = raw(root / "raw.bin", raw_total, tuple(prefix_extent(b) for b in BLOCK_SIZES))
         add("raw_w", rw)
         add("raw_r", rr)
+        for b in BLOCK_SIZES:
+            add(f"{b}_raw_prefix_r", rand[prefix_extent(b)])
         for b in BLOCK_SIZES:
             for k, v in tier_once(root, work[b], per_call=max(PREFIX, DEMOTE_BATCH_BYTES // b)).items():
                 add(f"{b}_t{k}", v)
@@ -314,6 +338,9 @@ def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int) -> list[di
             "file_per_block_write_fdatasync_gbps": med[f"{b}_fw_sync"],
             "tier_vs_fpb_write_fdatasync": med[f"{b}_tw_sync"] / med[f"{b}_fw_sync"],
             "tier_write_copied_gbps": med[f"{b}_tw_copy"],
+            "raw_random_prefix_read_gbps": med[f"{b}_raw_prefix_r"],
+            "tier_vs_raw_random_prefix_read": med[f"{b}_tr_shuffled"] / med[f"{b}_raw_prefix_r"],
+            "fpb_read_x3_vs_raw_random_prefix_read": 3 * fr / med[f"{b}_raw_prefix_r"],
             "raw_tool": "fio" if raw is raw_fio else "python", "runs": {k: v for k, v in runs.items()
                                                                          if k.startswith((f"{b}_", "raw"))},
         })
@@ -344,6 +371,9 @@ def main(argv: list[str] | None = None) -> None:
     print("\nTier reading prefixes in shuffled order (file-per-block reads in that order too); acknowledged after "
           "fdatasync (power-loss durable); fed from unaligned memory (copied once):")
     print(format_table(bw, COLUMNS_MORE))
+    print("\nShuffled prefix reads against the disk reading the same extents (one prefix's records) at shuffled "
+          "offsets, queue depth 1 (fpb_read_x3_vs_...: > 1 means 3x file-per-block is beyond the disk):")
+    print(format_table(bw, COLUMNS_PREFIX_READ))
     print(f"\nRecovery of 100,000 blocks (4 KiB payloads, 8 KiB records), "
           f"{'one run (--quick)' if args.quick else f'median of {REPS}'}:")
     print(format_table([r for r in rows if "recovery" in r], ["recovery", "recovery_blocks", "recovery_seconds"]))

@@ -1,0 +1,37 @@
+"""bench.disk's baselines on a small file: the raw loop (fio's stand-in) and the file-per-block store."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import disk
+
+MiB = 1 << 20
+
+
+def test_prefix_extent_is_what_the_tier_lays_down():
+    # a record is a 4 KiB header page plus the payload padded to 4 KiB; a prefix is 32 records
+    assert disk.prefix_extent(64 << 10) == 32 * (4096 + 65536)
+    assert disk.prefix_extent(5000) == 32 * (4096 + 8192)
+
+
+def test_raw_python_measures_sequential_and_random_extent_reads(tmp_path: Path):
+    extent = disk.prefix_extent(64 << 10)
+    try:
+        w, r, rand = disk.raw_python(tmp_path / "raw.bin", 8 * extent, (extent,))
+    except OSError as e:  # a filesystem without O_DIRECT (tmpfs)
+        pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
+    assert w > 0 and r > 0 and set(rand) == {extent} and rand[extent] > 0
+    assert not (tmp_path / "raw.bin").exists()
+
+
+def test_tier_and_file_per_block_read_back_what_they_wrote(tmp_path: Path):
+    w = disk.Workload(64 << 10, 4 * MiB)
+    try:
+        tier = disk.tier_once(tmp_path, w)
+        fw, fr = disk.file_per_block_once(tmp_path, w)
+    except OSError as e:
+        pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
+    assert set(tier) == {"w", "r", "r_shuffled"} and min(tier.values()) > 0
+    assert fw > 0 and fr > 0
