@@ -7,19 +7,20 @@ a few balanced *pieces* of at most ``max_bytes``, at least ``parallel`` of them
 when the run is large enough: a 32-block prefix written together is a few
 reads, issued at once.
 
-``read_piece(backend, piece, buf)`` issues one pread for the piece into an
-aligned bounce buffer and checks each record in it: header magic and CRC, the
-stored length the caller expects, and the CRC32C of the payload. It returns a
-``Checked`` per record: the payload view on success, the reason otherwise.
-Callers copy a payload out only after its check passed, so a caller buffer
-never receives bytes that failed verification.
+``read_piece(backend, piece, buf)`` (compaction's read) issues one pread for
+the piece into an aligned bounce buffer and checks each record in it: header
+magic and CRC, the stored length the caller expects, and the CRC32C of the
+payload. It returns a ``Checked`` per record: the payload view on success, the
+reason otherwise. Callers copy a payload out only after its check passed, so a
+caller buffer never receives bytes that failed verification.
 
-``read_piece_into(backend, piece, scratch, dests)`` is the tier's read
-(``plan_into``, the preadv, ``finish_into``: split so that the tier can check one
-piece while the next one's I/O is in flight): one preadv per piece, the page-aligned part of each payload straight into its
-caller's buffer when that is page-aligned host memory, the rest (header pages,
-tails, gaps) into scratch; the same checks, then the tail is copied in. A
-record that fails has whatever was read into its buffer zeroed.
+The tier's read, per piece: ``plan_into`` lays out one preadv with the
+page-aligned part of each payload straight in its caller's buffer when that is
+page-aligned host memory and the rest (header pages, tails, gaps) in scratch;
+``finish_into`` runs the same checks once the bytes landed, then copies the
+tails in; a record that fails has whatever was read into its buffer zeroed.
+``read_pipelined`` runs the pieces of one Get: a few preadvs in flight, each
+piece checked on the caller's thread as it lands.
 
 ``BufferPool`` bounds the bounce-buffer memory (``count`` buffers, each as
 large as the largest piece read so far).
@@ -265,31 +266,44 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
     return failed
 
 
-def read_piece_into(backend: IoBackend, piece: Piece, scratch: np.ndarray, dests: Sequence[Any],
-                    direct: bool = True) -> list[tuple[int, str]]:
-    """Read one piece with one preadv straight into the callers' buffers and check it (``plan_into``,
-    ``finish_into``); returns the failed (target, reason)."""
-    planned = plan_into(piece, scratch, dests, direct)
-    try:
-        got: int | OSError = backend.preadv(piece.seg.fh, planned.iov, piece.offset)
-    except OSError as e:
-        got = e
-    return finish_into(planned, got, dests)
-
-
 def read_pipelined(backend: IoBackend, pool: Executor, buffers: "BufferPool", pieces: Sequence[Piece],
                    dests: Sequence[Any], window: int) -> list[tuple[int, str]]:
-    """Read many pieces with up to ``window`` preadvs in flight on ``pool`` while this thread checks the
-    pieces that have landed, in order: the CRC and header checks of one piece overlap the I/O of the next.
+    """Read pieces with up to ``window`` preadvs in flight, checking the landed ones in order on this thread.
 
-    The first bounce buffer is taken waiting; more only when one is free at once (a caller never waits for
-    a buffer while it holds one, so concurrent readers cannot deadlock on the pool); without one, the
+    The first piece is read here (no hand-off) while up to ``window - 1`` others run on ``pool``; after
+    that this thread keeps ``window`` on the pool and checks each piece as it lands, so the CRC and header
+    checks of one piece overlap the I/O of the next. A single piece is one preadv on this thread.
+
+    Buffers: the first is taken waiting; more only when one is free at once (a caller never waits for a
+    buffer while it holds one, so concurrent readers cannot deadlock on the pool); without one, the
     oldest piece in flight is finished and its buffer reused. Every preadv has returned before this does.
     """
     failed: list[tuple[int, str]] = []
     inflight: deque[tuple[PlannedRead, Future[int]]] = deque()
     spare: list[np.ndarray] = []
     held: list[np.ndarray] = []
+
+    def take(nbytes: int, wait_ok: bool) -> np.ndarray | None:
+        """A bounce buffer of at least ``nbytes``: a spare one, a free one, or (``wait_ok``) a new wait."""
+        while True:
+            if spare:
+                buf = spare.pop()
+                if len(buf) < nbytes:  # a record larger than the pool's buffers: replace it, as get() does
+                    held.remove(buf)
+                    buf = aligned_buffer(align_up(nbytes))
+                    held.append(buf)
+                return buf
+            buf = buffers.try_get(nbytes) if held else buffers.get(nbytes)
+            if buf is not None:
+                held.append(buf)
+                return buf
+            if not (wait_ok and inflight):
+                return None
+            finish_oldest()
+
+    def launch(piece: Piece, buf: np.ndarray) -> None:
+        planned = plan_into(piece, buf, dests)
+        inflight.append((planned, pool.submit(backend.preadv, piece.seg.fh, planned.iov, piece.offset)))
 
     def finish_oldest() -> None:
         planned, future = inflight.popleft()
@@ -300,27 +314,28 @@ def read_pipelined(backend: IoBackend, pool: Executor, buffers: "BufferPool", pi
         failed.extend(finish_into(planned, got, dests))
         spare.append(planned.scratch)
 
+    if not pieces:
+        return failed
     try:
-        for piece in pieces:
-            buf = None
-            while buf is None:
-                if spare:
-                    buf = spare.pop()
-                    if len(buf) < piece.nbytes:  # a record larger than the pool's buffers
-                        held.remove(buf)
-                        buf = aligned_buffer(align_up(piece.nbytes))
-                        held.append(buf)
-                    break
-                buf = buffers.try_get(piece.nbytes) if held else buffers.get(piece.nbytes)
-                if buf is not None:
-                    held.append(buf)
-                elif inflight:
-                    finish_oldest()
-                else:  # holds buffers, none spare, nothing in flight: cannot happen; wait rather than spin
-                    buf = buffers.get(piece.nbytes)
-                    held.append(buf)
-            planned = plan_into(piece, buf, dests)
-            inflight.append((planned, pool.submit(backend.preadv, piece.seg.fh, planned.iov, piece.offset)))
+        own = take(pieces[0].nbytes, wait_ok=False)
+        assert own is not None  # holding none, the first take waits for one
+        rest = deque(pieces[1:])
+        while rest and len(inflight) < window - 1:
+            buf = take(rest[0].nbytes, wait_ok=False)
+            if buf is None:
+                break
+            launch(rest.popleft(), buf)
+        planned = plan_into(pieces[0], own, dests)
+        try:
+            got: int | OSError = backend.preadv(pieces[0].seg.fh, planned.iov, pieces[0].offset)
+        except OSError as e:
+            got = e
+        failed.extend(finish_into(planned, got, dests))
+        spare.append(own)
+        for piece in rest:
+            buf = take(piece.nbytes, wait_ok=True)
+            assert buf is not None  # every buffer held is spare or in flight, so finishing one frees one
+            launch(piece, buf)
             if len(inflight) >= window:
                 finish_oldest()
         while inflight:

@@ -40,7 +40,7 @@ from kvstore.tiers.nvme.gds import is_device_dest, read_split
 from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK, PAGE, record_bytes
 from kvstore.tiers.nvme.io import IoBackend, select_backend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
-from kvstore.tiers.nvme.reader import BufferPool, Piece, Wanted, plan_pieces, read_piece_into, read_pipelined
+from kvstore.tiers.nvme.reader import BufferPool, Wanted, plan_pieces, read_pipelined
 from kvstore.tiers.nvme.segments import SegmentState
 
 log = logging.getLogger("kvstore.nvme")
@@ -225,10 +225,7 @@ class NvmeTier(Tier):
             pieces = [p for seg, wanted in groups.values()
                       for p in plan_pieces(seg, list(wanted.values()), self.max_read_bytes,
                                            self.coalesce_gap_bytes, self.read_threads)]
-            if len(pieces) == 1:  # one I/O: no hand-off
-                failures = self._read_piece(pieces[0], dests)
-            else:
-                failures = read_pipelined(self.backend, self._pool, self._buffers, pieces, dests, self.read_threads)
+            failures = read_pipelined(self.backend, self._pool, self._buffers, pieces, dests, self.read_threads)
         finally:
             self._log.unpin(pinned)
         for i, reason in failures:
@@ -241,14 +238,6 @@ class NvmeTier(Tier):
             first = next(iter(bad.items()))
             raise CorruptBlock(f"{len(bad)} of {len(locs)} nvme records failed verification "
                                f"(first: loc {first[0]:#x}: {first[1]})", list(bad))
-
-    def _read_piece(self, piece: Piece, dests: Sequence[Any]) -> list[tuple[int, str]]:
-        """One preadv; payloads land straight in page-aligned host dests (see read_piece_into)."""
-        buf = self._buffers.get(piece.nbytes)
-        try:
-            return read_piece_into(self.backend, piece, buf, dests)
-        finally:
-            self._buffers.put(buf)
 
     # -- free, compaction ---------------------------------------------------------------
     def free(self, locs: Sequence[int]) -> None:
