@@ -101,3 +101,23 @@ def test_many_readers_share_a_small_buffer_pool_without_deadlock(tmp_path: Path,
     assert not any(t.is_alive() for t in threads), "readers stuck: the buffer pool deadlocked"
     assert not errors, errors[0]
     tier.close()
+
+
+def test_one_read_thread_reads_every_piece_on_the_callers_thread(tmp_path: Path, rng: np.random.Generator) -> None:
+    backend = InstrumentedBackend(PosixBackend())
+    tier = NvmeTier(tmp_path, 64 * MiB, segment_bytes=16 * MiB, backend=backend, read_threads=1,
+                    max_read_bytes=512 * KiB)
+    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+    seen: set[str] = set()
+    real = backend.preadv
+
+    def preadv(*args, **kwargs):  # noqa: ANN002, ANN003 (a spy on the backend)
+        seen.add(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    backend.preadv = preadv  # type: ignore[method-assign]
+    dests = wiped_dests(32)
+    tier.read(list(blocks), [BLOCK] * 32, dests)
+    assert [d.tobytes() for d in dests] == list(blocks.values())
+    assert seen == {threading.current_thread().name}  # five pieces, no hand-off
+    tier.close()

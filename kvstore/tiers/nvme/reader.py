@@ -305,6 +305,14 @@ def read_pipelined(backend: IoBackend, pool: Executor, buffers: "BufferPool", pi
         planned = plan_into(piece, buf, dests)
         inflight.append((planned, pool.submit(backend.preadv, piece.seg.fh, planned.iov, piece.offset)))
 
+    def read_here(piece: Piece, buf: np.ndarray) -> None:
+        planned = plan_into(piece, buf, dests)
+        try:
+            got: int | OSError = backend.preadv(piece.seg.fh, planned.iov, piece.offset)
+        except OSError as e:
+            got = e
+        failed.extend(finish_into(planned, got, dests))
+
     def finish_oldest() -> None:
         planned, future = inflight.popleft()
         try:
@@ -325,12 +333,11 @@ def read_pipelined(backend: IoBackend, pool: Executor, buffers: "BufferPool", pi
             if buf is None:
                 break
             launch(rest.popleft(), buf)
-        planned = plan_into(pieces[0], own, dests)
-        try:
-            got: int | OSError = backend.preadv(pieces[0].seg.fh, planned.iov, pieces[0].offset)
-        except OSError as e:
-            got = e
-        failed.extend(finish_into(planned, got, dests))
+        read_here(pieces[0], own)
+        if window <= 1:  # no parallel reads asked for: the rest on this thread too, without hand-offs
+            for piece in rest:
+                read_here(piece, own if len(own) >= piece.nbytes else aligned_buffer(align_up(piece.nbytes)))
+            rest.clear()
         spare.append(own)
         for piece in rest:
             buf = take(piece.nbytes, wait_ok=True)
