@@ -118,6 +118,18 @@ def test_codec_none_with_unequal_lengths(stub, server):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stored_length == raw_length" in err.details()
 
 
+@pytest.mark.parametrize("codec", [pb.CODEC_BYTEPLANE, pb.CODEC_FP8, pb.CODEC_FP8_ZSTD])
+def test_a_float_codec_on_bytes_is_refused(make_server, codec):
+    # found by the fuzzer: byteplane on a uint8 block reached the decoder and came back UNKNOWN
+    server = make_server(lossy_namespaces="*")
+    data = b"\x02" * 2558
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        err = put(pb_grpc.KVStoreStub(channel), [pb.PutRequest(namespace="ns", header=header(data, codec=codec),
+                                                               data=data)])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "codes float KV" in err.details()
+    assert_nothing_stored(server)
+
+
 def test_empty_block(stub):
     err = put(stub, [pb.PutRequest(namespace="ns", header=header(b""))])
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty block" in err.details()

@@ -80,6 +80,7 @@ class Codec(ABC):
     name: ClassVar[str]
     id: ClassVar[int]
     lossy: ClassVar[bool] = False
+    float_only: ClassVar[bool] = False  # codes elements of a float dtype (FLOAT_DTYPES), not plain bytes
 
     @abstractmethod
     def encode(self, src: np.ndarray, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> bytes:

@@ -50,6 +50,7 @@ class BytePlaneCodec(Codec):
     """Byte planes, each zstd-1 or raw; bfloat16, float16 and float32."""
 
     name = "byteplane"
+    float_only = True
     id = 2
 
     def encode(self, src: np.ndarray, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> bytes:

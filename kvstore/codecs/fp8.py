@@ -84,6 +84,7 @@ class Fp8Codec(Codec):
     """E4M3 with one bfloat16 scale per ``head_dim`` vector; see the module docstring."""
 
     name = "fp8"
+    float_only = True
     id = 3
     lossy = True
 
@@ -168,6 +169,7 @@ class Fp8ZstdCodec(Codec):
     """``fp8``, then one zstd-1 frame over its payload."""
 
     name = "fp8+zstd"
+    float_only = True
     id = 4
     lossy = True
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.codecs import codec_name
+from kvstore.codecs import codec_name, get_codec
+from kvstore.codecs.base import FLOAT_DTYPES
 from kvstore.codecs.policy import LossyPolicy, is_lossy
 from kvstore.hashing import HASH_BYTES
 from kvstore.store.index import DTYPES
@@ -77,6 +78,9 @@ def header(ns: str, hdr, index: int, limits: Limits) -> BlockMeta:
     dtype = hdr.dtype or "uint8"
     if dtype not in DTYPES:
         raise InvalidRequest(f"{where}: unknown dtype {dtype!r}")
+    if get_codec(hdr.codec).float_only and dtype not in FLOAT_DTYPES:
+        raise InvalidRequest(f"{where}: codec {codec_name(hdr.codec)} codes float KV; dtype {dtype!r} is not one of "
+                             f"{', '.join(FLOAT_DTYPES)} (send it uncoded, zstd or lz4)")
     return BlockMeta(namespace=ns, hash=bytes(hdr.hash), parent=bytes(hdr.parent), codec=hdr.codec,
                      dtype=dtype, raw_length=hdr.raw_length, stored_length=hdr.stored_length,
                      crc32c=hdr.crc32c)
