@@ -87,8 +87,8 @@ def test_an_address_outside_the_clients_memory_fails_that_commit(make_server):
 
 
 def test_a_lane_without_the_handshake_cannot_name_client_memory(make_server, monkeypatch):
-    monkeypatch.setattr(direct, "handshake", lambda *a: "skipped by the test")
-    monkeypatch.setattr("kvstore.lanes.shm_client.handshake", lambda *a: "skipped by the test")
+    monkeypatch.setattr(direct, "handshake", lambda *a: ("skipped by the test", None))
+    monkeypatch.setattr("kvstore.lanes.shm_client.handshake", lambda *a: ("skipped by the test", None))
     server = make_server()
     raw = RawLanes(server)
     shm = raw.shm()
@@ -114,7 +114,8 @@ def test_handshake_refuses_a_wrong_token_and_a_nonce_not_in_the_caller(make_serv
     server = make_server()
     opened = RawLanes(server).open(lpb.LANE_SHM)
     assert opened.direct_socket and oct(os.stat(opened.direct_socket).st_mode & 0o777) == "0o600"
-    assert "wrong token" in (direct.handshake(opened.direct_socket, opened.lane_id, b"x" * len(opened.token)) or "")
+    why, refused = direct.handshake(opened.direct_socket, opened.lane_id, b"x" * len(opened.token))
+    assert "wrong token" in (why or "") and refused is None
     # a hello naming memory that does not hold the nonce (as if it claimed another process's memory)
     import socket
 
@@ -128,8 +129,10 @@ def test_handshake_refuses_a_wrong_token_and_a_nonce_not_in_the_caller(make_serv
     assert reply[:1] == direct.REFUSED and b"nonce" in reply
     (lane_obj,) = server.lanes.registry._lanes.values()
     assert lane_obj.direct is None
-    assert direct.handshake(opened.direct_socket, opened.lane_id, opened.token) is None
+    why, channel = direct.handshake(opened.direct_socket, opened.lane_id, opened.token)
+    assert why is None and channel is not None
     assert lane_obj.direct is not None and lane_obj.direct.pid == os.getpid()
+    channel.close()
 
 
 def test_direct_puts_can_be_turned_off(make_server):
@@ -221,7 +224,7 @@ def test_direct_get_checks_destinations(make_server):
 
 
 def test_a_get_without_the_handshake_cannot_name_client_memory(make_server, monkeypatch):
-    monkeypatch.setattr("kvstore.lanes.shm_client.handshake", lambda *a: "skipped by the test")
+    monkeypatch.setattr("kvstore.lanes.shm_client.handshake", lambda *a: ("skipped by the test", None))
     server = make_server()
     raw = RawLanes(server)
     shm = raw.shm()

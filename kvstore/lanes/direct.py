@@ -15,9 +15,11 @@ lane, so the pid comes from the kernel, not from a message:
    reads work and the memory is the sender's. It pins the process with a
    pidfd (so a recycled pid is never read) and binds it to the lane.
 
-From then on a reserve may carry ``addresses`` (where each block is in the
-client's memory) instead of the client writing the region; the server reads
-each block into its arena slot with the CRC32C fused in. A Get into the
+The socket then stays open as the lane's channel: its Gets and Puts travel
+over it as frames instead of gRPC calls (``shm_channel``). From then on a
+reserve may carry ``addresses`` (where each block is in the client's
+memory) instead of the client writing the region; the server reads each
+block into its arena slot with the CRC32C fused in. A Get into the
 client's own buffers may carry ``out_addresses``: the server writes each
 block there (process_vm_writev) and sends the CRC32C of what it wrote. A client can
 only make the server read its own memory, and a bad address fails that block
@@ -94,11 +96,17 @@ def _refused(what: str, err: OSError) -> LaneError:
 
 
 class DirectListener:
-    """The node's handshake socket; ``lookup(lane_id, token)`` returns the shm lane (or raises LaneError)."""
+    """The node's handshake socket; ``lookup(lane_id, token)`` returns the shm lane (or raises LaneError).
 
-    def __init__(self, directory: str, lookup: Any):
+    ``on_bound(conn, lane_id, token)``, when given, takes over each connection whose handshake bound its lane
+    (it runs on the listener's thread, so it must hand the connection to a thread of its own); without it
+    the connection is closed once the handshake is answered.
+    """
+
+    def __init__(self, directory: str, lookup: Any, on_bound: Any = None):
         self.path = os.path.join(directory, f"kvstore-direct-{os.getpid()}-{secrets.token_hex(8)}.sock")
         self._lookup = lookup
+        self._on_bound = on_bound
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket is born 0600 (a chmod after bind would leave a window); this runs at
         # node start, and a file another thread makes meanwhile could only come out more private, never less
@@ -132,14 +140,23 @@ class DirectListener:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            with conn:
-                try:
-                    conn.settimeout(TIMEOUT)
-                    conn.sendall(self._handshake(conn))
-                except (OSError, ValueError) as err:
-                    log.info("direct handshake failed: %s", err)
+            bound = None
+            try:
+                conn.settimeout(TIMEOUT)
+                reply, bound = self._handshake(conn)
+                conn.sendall(reply)
+            except (OSError, ValueError) as err:
+                log.info("direct handshake failed: %s", err)
+                bound = None
+            if bound is None or self._on_bound is None:
+                conn.close()
+                continue
+            lane, lane_id, token = bound
+            lane.bind_channel(conn)  # it closes with the lane
+            self._on_bound(conn, lane_id, token)
 
-    def _handshake(self, conn: socket.socket) -> bytes:
+    def _handshake(self, conn: socket.socket) -> tuple[bytes, tuple[Any, str, bytes] | None]:
+        """The reply, and (lane, lane id, token) once the lane is bound to the connecting process."""
         pid = cma.peer_pid(conn)
         head = _recv_exactly(conn, HELLO.size)
         id_len, token_len, address, nonce = HELLO.unpack(head)
@@ -148,41 +165,45 @@ class DirectListener:
         try:
             lane = self._lookup(lane_id, token)
         except LaneError as err:
-            return REFUSED + err.message.encode()
+            return REFUSED + err.message.encode(), None
         landed = bytearray(len(nonce))
         try:
             cma.read_into(pid, memoryview(landed), address)
         except cma.DirectReadError as err:
-            return REFUSED + f"cannot read the client's memory: {err}".encode()
+            return REFUSED + f"cannot read the client's memory: {err}".encode(), None
         if bytes(landed) != nonce:
-            return REFUSED + b"the nonce is not in the connecting process"
+            return REFUSED + b"the nonce is not in the connecting process", None
         lane.bind_direct(DirectPeer(pid, os.pidfd_open(pid)))
-        return OK
+        return OK, (lane, lane_id, token)
 
 
-def handshake(path: str, lane_id: str, token: bytes) -> str | None:
-    """Client side: None once the server may read this process's memory for the lane, else why not."""
+def handshake(path: str, lane_id: str, token: bytes) -> tuple[str | None, socket.socket | None]:
+    """Client side: (None, the connected socket) once the server may read this process's memory for the lane
+    (the socket then carries the lane's Gets and Puts: ``shm_channel``), else (why not, None)."""
     if not path or not cma.available():
-        return "no direct puts offered"
+        return "no direct puts offered", None
     nonce = bytearray(secrets.token_bytes(16))
     address, _ = cma.address_of(nonce)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(TIMEOUT)
-            sock.connect(path)
-            server_pid = cma.peer_pid(sock)
-            if server_pid <= 0:  # another pid namespace that this one cannot see
-                return "the store's process is not visible from here"
-            if not cma.allow_reader(server_pid):
-                return "this process lets another store read its memory"
+        sock.settimeout(TIMEOUT)
+        sock.connect(path)
+        server_pid = cma.peer_pid(sock)
+        if server_pid <= 0:  # another pid namespace that this one cannot see
+            why = "the store's process is not visible from here"
+        elif not cma.allow_reader(server_pid):
+            why = "this process lets another store read its memory"
+        else:
             lane = lane_id.encode()
             sock.sendall(HELLO.pack(len(lane), len(token), address, bytes(nonce)) + lane + token)
             reply = sock.recv(4096)
+            why = None if reply[:1] == OK else (reply[1:].decode(errors="replace") or "refused")
     except OSError as err:
-        return f"direct handshake: {err}"
-    if reply[:1] != OK:
-        return reply[1:].decode(errors="replace") or "refused"
-    return None
+        why = f"direct handshake: {err}"
+    if why is not None:
+        sock.close()
+        return why, None
+    return None, sock
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:

@@ -16,8 +16,8 @@ from typing import Any
 
 import grpc
 
-from kvstore.lanes import cma
-from kvstore.lanes.base import host_id
+from kvstore.lanes import cma, shm_channel
+from kvstore.lanes.base import ServerLane, host_id
 from kvstore.lanes.direct import DirectListener
 from kvstore.lanes.registry import LaneRegistry
 from kvstore.lanes.servicer import LaneServicer
@@ -64,7 +64,11 @@ class LaneServer:
         self.direct: DirectListener | None = None
         if shm_dir is not None and cfg.shm_direct and cma.available():
             registry = self.registry
-            self.direct = DirectListener(shm_dir, lambda lane_id, token: registry.get(lane_id, token, "shm"))
+
+            def lookup(lane_id: str, token: bytes) -> ServerLane:
+                return registry.get(lane_id, token, "shm")
+
+            self.direct = DirectListener(shm_dir, lookup, on_bound=shm_channel.start(lookup))
         cuda_device = _cuda_lane_device(cfg) if "cuda_ipc" in kinds else None
         if cuda_device is not None and cfg.cuda_lane_bytes < cfg.max_block:
             raise ValueError(f"--cuda-lane-bytes ({cfg.cuda_lane_bytes}) must hold the largest block ({cfg.max_block})")

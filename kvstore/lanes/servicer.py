@@ -32,7 +32,7 @@ from kvstore.lanes.cuda_region import DeviceRegion
 from kvstore.lanes.cuda_server import CudaIpcServerLane
 from kvstore.lanes.registry import LaneRegistry
 from kvstore.lanes.shm_region import RegionError, ShmRegion
-from kvstore.lanes.shm_server import ShmServerLane
+from kvstore.lanes.shm_server import ShmServerLane, put_conversation
 from kvstore.lanes.storeops import StoreOps
 from kvstore.lanes.tcp_server import TcpLaneServer, TcpServerLane
 from kvstore.v1 import lanes_pb2 as lpb
@@ -154,30 +154,10 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
     def LanePut(self, request_iterator: Iterator[lpb.LanePutRequest],
                 context: grpc.ServicerContext) -> Iterator[lpb.LanePutResponse]:
         with self.ops.metrics.rpc("LanePut", context):
-            lane: ShmServerLane | None = None
-            grants: list[int] = []
             try:
-                for msg in request_iterator:
-                    if lane is None:
-                        lane = self._run(context, lambda: self._shm(msg.lane))
-                    step = msg.WhichOneof("step")
-                    if step == "reserve":
-                        r = msg.reserve
-                        grant = self._run(context, lambda: lane.reserve(r.namespace, r.headers, r.release))
-                        grants.append(grant.grant_id)
-                        yield lpb.LanePutResponse(grant=grant)
-                        if r.addresses:  # a direct round: read and commit what was granted, now
-                            yield lpb.LanePutResponse(committed=self._run(
-                                context, lambda: lane.commit_direct(grant, r.headers, r.addresses)))
-                    elif step == "commit":
-                        c = msg.commit
-                        yield lpb.LanePutResponse(committed=self._run(
-                            context, lambda: lane.commit(c.grant_id, c.blocks, c.crc_from_server)))
-                    else:
-                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LanePut message without reserve or commit")
-            finally:
-                if lane is not None:
-                    lane.end_stream(grants)
+                yield from put_conversation(self._shm, request_iterator)
+            except LaneError as err:
+                context.abort(err.code, err.message)
 
     def LaneGet(self, request: lpb.LaneGetRequest, context: grpc.ServicerContext) -> Iterator[lpb.LaneGetResponse]:
         with self.ops.metrics.rpc("LaneGet", context):

@@ -11,7 +11,8 @@ collected at the end of the round. Closing the stream takes back anything
 reserved and not committed. (``write`` still fuses a CRC into the copy, for
 commits that vouch for their CRCs.)
 
-``get`` streams LaneGet with ``crc_at_copy`` when verifying: the server
+``get`` sends LaneGet (over the lane's channel, ``shm_channel``, when the
+direct handshake opened one; else as a gRPC call) with ``crc_at_copy`` when verifying: the server
 computes each block's CRC32C in the same pass as its copy into the region
 and the client compares it with the header's, so the check reads no byte
 twice. With ``out`` buffers the client copies each block into its buffer and
@@ -40,6 +41,7 @@ from kvstore.lanes.buffers import alloc_blocks
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import handshake
+from kvstore.lanes.shm_channel import ShmChannel
 from kvstore.lanes.memops import copy_crc, copy_into, host_view
 from kvstore.lanes.shm_loans import Lender, Loan
 from kvstore.lanes.shm_region import attach
@@ -55,6 +57,7 @@ T = TypeVar("T")
 class ShmClientLane(Lane):
     kind = "shm"
     commit_bytes = COMMIT_BYTES  # a commit is sent every this many bytes written
+    _channel: ShmChannel | None = None  # Gets as frames on the direct handshake's socket, not gRPC calls
 
     def __init__(self, stub: lpb_grpc.KVStoreLanesStub, opened: lpb.OpenLaneResponse,
                  metadata: tuple[tuple[str, str], ...], timeout: float):
@@ -66,8 +69,10 @@ class ShmClientLane(Lane):
         self._lender = Lender(self.region, self._give_back, budget=self.region.size // 2)
         self.direct = False  # puts name client memory for the server to read (one copy)
         if opened.direct_socket:
-            why_not = handshake(opened.direct_socket, opened.lane_id, opened.token)
+            why_not, sock = handshake(opened.direct_socket, opened.lane_id, opened.token)
             self.direct = why_not is None
+            if sock is not None:
+                self._channel = ShmChannel(sock, timeout, _error)
             if why_not:
                 log.info("shm lane %s: puts copy through the region (%s)", opened.lane_id, why_not)
 
@@ -127,7 +132,10 @@ class ShmClientLane(Lane):
         return start + len(grant.slots)
 
     def open_put(self) -> "PutStream":
-        """A LanePut stream on this lane (its phases are public for tests and tools)."""
+        """A LanePut conversation on this lane (its phases are public for tests and tools): over the lane's
+        channel while it is open, else a gRPC stream."""
+        if self._channel is not None and self._channel.claim():
+            return ChannelPut(self, self._channel)
         return PutStream(self)
 
     def _settle(self) -> None:
@@ -162,7 +170,7 @@ class ShmClientLane(Lane):
     def _receive(self, request: lpb.LaneGetRequest, start: int, out: Sequence[Any] | None, verify: bool,
                  results: list[Any]) -> int:
         handled = -1
-        for msg in self._stub.LaneGet(request, timeout=self._timeout, metadata=self._metadata):
+        for msg in self._replies(request):
             present = [d for d in msg.blocks if not d.header.missing]
             lend = out is None and bool(present) and self._lender.can_lend(sum(d.length for d in present))
             loan = self._lender.open(msg.grant_id) if lend else None
@@ -181,6 +189,13 @@ class ShmClientLane(Lane):
         if handled <= 0:
             raise _error(grpc.StatusCode.DATA_LOSS, "lane Get stream ended without its last message")
         return handled
+
+    def _replies(self, request: lpb.LaneGetRequest) -> Iterator[lpb.LaneGetResponse]:
+        """The Get's replies: over the lane's channel while it is open, else one LaneGet call."""
+        if self._channel is not None and self._channel.claim():  # claimed only once iterated: a generator
+            yield from self._channel.get(request)
+        else:
+            yield from self._stub.LaneGet(request, timeout=self._timeout, metadata=self._metadata)
 
     @staticmethod
     def _take_written(present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None, verify: bool,
@@ -246,6 +261,8 @@ class ShmClientLane(Lane):
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
         try:
             self._stub.CloseLane(lpb.CloseLaneRequest(lane=self.ref), timeout=5, metadata=self._metadata)
         except grpc.RpcError:
@@ -372,3 +389,39 @@ class PutStream:
                 pass
         except grpc.RpcError:
             pass  # the error, if any, was raised to the caller already
+
+
+class ChannelPut(PutStream):
+    """The same conversation over the lane's channel (``shm_channel``): each message is sent as it is made."""
+
+    def __init__(self, lane: ShmClientLane, channel: ShmChannel):  # no super().__init__: it opens a gRPC stream
+        self._lane, self._first = lane, True
+        self._channel: ShmChannel | None = channel  # claimed until close()
+
+    def _send(self, msg: lpb.LanePutRequest) -> None:
+        if self._first:
+            msg.lane.CopyFrom(self._lane.ref)
+            self._first = False
+        self._live().send_put(msg)
+
+    def _next(self, step: str) -> Any:
+        reply = self._live().next_put_reply()
+        if reply.WhichOneof("step") != step:
+            self._live().close()
+            raise LaneBroken(f"LanePut conversation out of step: expected {step}")
+        return getattr(reply, step)
+
+    def close(self) -> None:
+        if self._channel is None:
+            return
+        channel, self._channel = self._channel, None
+        try:
+            if not self._first:  # nothing was sent: there is no conversation to end
+                channel.end_put()
+        finally:
+            channel.unclaim()
+
+    def _live(self) -> ShmChannel:
+        if self._channel is None:
+            raise LaneBroken("this put conversation was closed")
+        return self._channel

@@ -33,9 +33,10 @@ Verbs of ``ShmServerLane`` (called by ``servicer.LaneServicer``):
 """
 from __future__ import annotations
 
+import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 
@@ -75,11 +76,20 @@ class ShmServerLane(ServerLane):
         self._attached = threading.Event()
         self._created = self.last_used
         self.direct: DirectPeer | None = None  # set by the direct handshake: puts may name client addresses
+        self._channel: socket.socket | None = None
 
     def bind_direct(self, peer: DirectPeer) -> None:
         if self.direct is not None:
             self.direct.close()
         self.direct = peer
+
+    def bind_channel(self, conn: socket.socket) -> None:
+        """The handshake's socket now carries this lane's Gets and Puts (``shm_channel``); it closes with the lane."""
+        old, self._channel = self._channel, conn
+        if old is not None:
+            _shutdown(old)
+        if self.closed.is_set():
+            _shutdown(conn)
 
     def attached(self) -> None:
         """The client sent a request, so it has the region mapped: its name can go."""
@@ -336,3 +346,41 @@ class ShmServerLane(ServerLane):
         self.region.close()
         if self.direct is not None:
             self.direct.close()
+        if self._channel is not None:
+            _shutdown(self._channel)  # its thread sees the end and exits
+
+
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def put_conversation(lane_for: Callable[[lpb.LaneRef], ShmServerLane],
+                     requests: Iterator[lpb.LanePutRequest]) -> Iterator[lpb.LanePutResponse]:
+    """The replies of one LanePut conversation (over gRPC or a lane's channel): a grant per reserve (then,
+    for a direct reserve, its results at once), results per commit. The lane comes from the first message;
+    whatever was reserved and not committed is taken back when the conversation ends, however it ends."""
+    lane: ShmServerLane | None = None
+    grants: list[int] = []
+    try:
+        for msg in requests:
+            if lane is None:
+                lane = lane_for(msg.lane)
+            step = msg.WhichOneof("step")
+            if step == "reserve":
+                r = msg.reserve
+                grant = lane.reserve(r.namespace, r.headers, r.release)
+                grants.append(grant.grant_id)
+                yield lpb.LanePutResponse(grant=grant)
+                if r.addresses:  # a direct round: read and commit what was granted, now
+                    yield lpb.LanePutResponse(committed=lane.commit_direct(grant, r.headers, r.addresses))
+            elif step == "commit":
+                c = msg.commit
+                yield lpb.LanePutResponse(committed=lane.commit(c.grant_id, c.blocks, c.crc_from_server))
+            else:
+                raise LaneError(grpc.StatusCode.INVALID_ARGUMENT, "LanePut message without reserve or commit")
+    finally:
+        if lane is not None:
+            lane.end_stream(grants)
