@@ -53,6 +53,7 @@ def start(lookup: Callable[[str, bytes], Any]) -> Callable[[socket.socket, str, 
 
 def serve(conn: socket.socket, lane_id: str, token: bytes, lookup: Callable[[str, bytes], Any]) -> None:
     """Answer the channel's Gets and Puts until the client or the lane closes it (one thread per channel)."""
+    bound = _Bound(lane_id, token, lookup)
     with conn:
         while True:
             conn.settimeout(None)  # idle between requests for as long as the lane lives
@@ -63,7 +64,6 @@ def serve(conn: socket.socket, lane_id: str, token: bytes, lookup: Callable[[str
             if frame is None:
                 return
             conn.settimeout(REPLY_SECONDS)
-            bound = _Bound(lane_id, token, lookup)
             try:
                 if frame.kind == framing.PUT and not frame.data_len:
                     if not _converse(conn, frame, bound):
