@@ -91,7 +91,8 @@ class ServeConfig:
     shm_lane_bytes: int = _opt(parse_size("256MiB"), "shared-memory region of each shm lane: a batch in flight "
                                                      "plus Get results lent to the client", parse_size, "SIZE")
     shm_direct: bool = _opt(True, "let shm lane clients that allow it (same user; Yama prctl) have their Put blocks "
-                                  "read straight from their memory with process_vm_readv: one copy instead of two",
+                                  "read straight from their memory with process_vm_readv (one copy instead of two) "
+                                  "and their Gets and Puts carried on the handshake's socket, not gRPC calls",
                             _bool)
     cuda_lane_bytes: int = _opt(parse_size("256MiB"), "device memory region of each cuda_ipc lane", parse_size,
                                 "SIZE")
