@@ -4,12 +4,16 @@
     kvstore health --target 127.0.0.1:7070      # exit 0 only when SERVING
     kvstore stats --target 127.0.0.1:7070 [--json]
     kvstore demo                                 # embedded store + put/get throughput
+
+A serving node dumps every thread's stack to stderr on SIGUSR1 (a hung drain, a stuck stream).
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
+import signal
 import sys
 
 from kvstore import config
@@ -18,10 +22,16 @@ from kvstore import config
 def _serve(args: argparse.Namespace) -> int:
     cfg = config.load(args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     from kvstore.server.app import StoreServer
 
     StoreServer(cfg).serve_forever()
+    # Everything is flushed and closed: an exit held up by a stray thread dumps the stacks and exits 1.
+    faulthandler.dump_traceback_later(EXIT_SECONDS, exit=True)
     return 0
+
+
+EXIT_SECONDS = 10.0
 
 
 def _health(args: argparse.Namespace) -> int:

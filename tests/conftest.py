@@ -103,7 +103,13 @@ class ServerProcess:
 
     def terminate(self, timeout: float = 30.0) -> int:
         self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)  # `kvstore serve` dumps its threads' stacks: show where it hangs
+            time.sleep(2)
+            raise AssertionError(f"server still running {timeout}s after SIGTERM; its output and stacks:\n"
+                                 f"{''.join(self._lines)[-20000:]}") from None
 
     def output(self) -> str:
         """What the server printed so far (all of it once the process has exited)."""

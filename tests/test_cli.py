@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -63,6 +65,18 @@ def test_serve_env_health_stats_metrics_and_sigterm(spawn_server):
     assert "dram" in table and "64MiB" in table
     assert proc.terminate() == 0
     assert run_cli("health", "--target", proc.target, "--timeout", "1").returncode != 0
+
+
+
+def test_sigusr1_dumps_every_threads_stack_and_keeps_serving(spawn_server):
+    proc = spawn_server("--dram", "16MiB")
+    os.kill(proc.proc.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while "Thread 0x" not in proc.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "Thread 0x" in proc.output() and "serve_forever" in proc.output()
+    assert run_cli("health", "--target", proc.target).returncode == 0
+    assert proc.terminate() == 0
 
 
 def test_metrics_endpoint(spawn_server):

@@ -197,7 +197,8 @@ def test_sigterm_under_load_loses_nothing_acknowledged(spawn_server, tmp_path):
     for t in threads:
         t.start()
     wait_for(lambda: len(acked) >= 600, timeout=60)  # about 38 MiB: more than DRAM holds
-    assert proc.terminate(timeout=60) == 0
+    code = proc.terminate(timeout=60)
+    assert code == 0, f"exit {code}: {proc.output()[-20000:]}"
     stop.set()
     for t in threads:
         t.join(30)

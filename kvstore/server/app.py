@@ -11,6 +11,7 @@ tenants, stream limits, deadlines); SIGHUP re-reads the TLS and tenants files.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import threading
@@ -96,6 +97,8 @@ def build_store(cfg: ServeConfig, tiers: list[Tier] | None = None) -> BlockStore
             tier.on_relocate = lambda moves, rank=tier.rank: store.relocate(rank, moves)
     return store
 
+
+SLOW_STOP_SECONDS = 30.0  # past the drain, a stop this much slower dumps the threads' stacks
 
 class StoreServer:
     def __init__(self, cfg: ServeConfig, store: BlockStore | None = None):
@@ -201,4 +204,8 @@ class StoreServer:
         signal.signal(signal.SIGHUP, lambda _signum, _frame: self.reload())
         self.start()
         done.wait()
+        # A stop that outlasts the drain by far prints every thread's stack (a report only: a large flush
+        # of write-back blocks to NVMe may take long, and cutting it short would lose acknowledged blocks).
+        faulthandler.dump_traceback_later(self.cfg.drain_seconds + SLOW_STOP_SECONDS)
         self.stop()
+        faulthandler.cancel_dump_traceback_later()
