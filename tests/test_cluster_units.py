@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import Counter
 from typing import Callable, Iterator
@@ -174,10 +175,42 @@ def test_publisher_overflow_and_outage_end_in_a_full_resync(local_redis):
         local_redis.start()
         wait_until(lambda: pub.index_id > 0 and pub.index_id != first and pub.pending == 0, timeout=10,
                    what="resync after Redis came back")
-        assert _indexed(local_redis.url, "ns", keys) == [2] * 100
+        assert _indexed(local_redis.url, "ns", keys) == [2] * 100  # pending is not 0 until it is advertised
     finally:
         pub.stop()
         member.stop()
+        store.close(flush=False)
+
+
+
+def test_pending_stays_up_until_a_resync_is_advertised(local_redis):
+    """A resync's snapshot is in Redis before the membership advertises its index id: until then readers
+    cannot see it, so ``pending`` (and the cluster_index_pending gauge) must not read 0."""
+    store = build_store(ServeConfig(dram=64 << 20, metrics_port=0))
+    member = Membership(RedisConnector(local_redis.url), NodeInfo(id="n", addr="x:1", incarnation="i"), ttl=5)
+    pub = IndexPublisher(store, RedisConnector(local_redis.url), member, ttl=5,
+                         options=PublisherOptions(flush_interval=0.005))
+    in_update, release = threading.Event(), threading.Event()
+    advertise = member.update
+
+    def slow_update(**fields):
+        in_update.set()
+        release.wait(10)
+        advertise(**fields)
+
+    member.update = slow_update
+    for _ in range(10):
+        _put(store, "ns", os.urandom(16), b"x" * 4096)
+    pub.start()
+    try:
+        assert in_update.wait(10)
+        assert pub.index_id > 0 and pub.pending > 0
+        release.set()
+        wait_until(lambda: pub.pending == 0, what="resync advertised")
+        assert [m.index for m in read_members(redis.Redis.from_url(local_redis.url), KeyLayout())] == [pub.index_id]
+    finally:
+        release.set()
+        pub.stop()
         store.close(flush=False)
 
 

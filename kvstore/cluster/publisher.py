@@ -68,6 +68,7 @@ class IndexPublisher:
         self._events: collections.deque[tuple[str, bytes]] = collections.deque()
         self._dirty: dict[tuple[str, bytes], None] = {}
         self._resync_needed = True
+        self._resyncing = False  # a resync is under way: pending until its snapshot is advertised
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -88,7 +89,7 @@ class IndexPublisher:
 
     @property
     def pending(self) -> int:
-        return len(self._events) + len(self._dirty) + (1 if self._resync_needed else 0)
+        return len(self._events) + len(self._dirty) + (1 if self._resync_needed or self._resyncing else 0)
 
     def stop(self, unlink: bool = True) -> None:
         self._stop.set()
@@ -200,6 +201,13 @@ class IndexPublisher:
         self._next_refresh = now + self.ttl / 3
 
     def _resync(self, client: RedisClient) -> None:
+        self._resyncing = True  # before the flag below clears, so `pending` never reads 0 mid-resync
+        try:
+            self._resync_snapshot(client)
+        finally:
+            self._resyncing = False
+
+    def _resync_snapshot(self, client: RedisClient) -> None:
         self._resync_needed = False
         try:
             self._events.clear()   # everything reported so far is covered by the snapshot below
