@@ -18,6 +18,8 @@ import sys
 
 from kvstore import config
 
+EXIT_SECONDS = 10.0  # after a graceful stop, the process must be gone within this
+
 
 def _serve(args: argparse.Namespace) -> int:
     cfg = config.load(args)
@@ -30,8 +32,6 @@ def _serve(args: argparse.Namespace) -> int:
     faulthandler.dump_traceback_later(EXIT_SECONDS, exit=True)
     return 0
 
-
-EXIT_SECONDS = 10.0
 
 
 def _health(args: argparse.Namespace) -> int:

@@ -109,7 +109,7 @@ class ServerProcess:
             self.proc.send_signal(signal.SIGUSR1)  # `kvstore serve` dumps its threads' stacks: show where it hangs
             time.sleep(2)
             raise AssertionError(f"server still running {timeout}s after SIGTERM; its output and stacks:\n"
-                                 f"{''.join(self._lines)[-20000:]}") from None
+                                 f"{self.output()[-20000:]}") from None
 
     def output(self) -> str:
         """What the server printed so far (all of it once the process has exited)."""

@@ -202,12 +202,6 @@ class IndexPublisher:
 
     def _resync(self, client: RedisClient) -> None:
         self._resyncing = True  # before the flag below clears, so `pending` never reads 0 mid-resync
-        try:
-            self._resync_snapshot(client)
-        finally:
-            self._resyncing = False
-
-    def _resync_snapshot(self, client: RedisClient) -> None:
         self._resync_needed = False
         try:
             self._events.clear()   # everything reported so far is covered by the snapshot below
@@ -226,6 +220,8 @@ class IndexPublisher:
         except BaseException:
             self._resync_needed = True
             raise
+        finally:
+            self._resyncing = False  # advertised (or failed, and needed again)
         self._last_refresh_ok = time.monotonic()
         self._next_refresh = self._last_refresh_ok + self.ttl / 3
         if self.metrics is not None:

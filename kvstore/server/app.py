@@ -100,6 +100,7 @@ def build_store(cfg: ServeConfig, tiers: list[Tier] | None = None) -> BlockStore
 
 SLOW_STOP_SECONDS = 30.0  # past the drain, a stop this much slower dumps the threads' stacks
 
+
 class StoreServer:
     def __init__(self, cfg: ServeConfig, store: BlockStore | None = None):
         self.cfg = cfg
