@@ -39,6 +39,13 @@ Also, as a ceiling for shuffled prefix reads: the raw file of (a) read in
 extents of one prefix's size on disk (``raw_random_prefix_read_gbps``, 32 x
 (4 KiB header + block), shuffled offsets, O_DIRECT, queue depth 1).
 
+(d) Because the disk's speed drifts within seconds, the three reads are also
+taken in turn, prefix by prefix, each prefix read once (``*_interleaved``):
+the tier's shuffled prefix reads, file-per-block's (page cache dropped) and a
+raw O_DIRECT read of another prefix's extent in the tier's own segment files;
+``tier_vs_fpb_read_interleaved`` and ``tier_vs_raw_prefix_read_interleaved``
+are the medians of the per-repetition ratios.
+
 Throughput counts payload bytes only (the tier also writes a 4 KiB header per
 record), except the raw figures, which count every byte read. It also times recovery of a tier of 100,000 blocks (4 KiB payloads,
 8 KiB records): after a clean close (segment summaries), after a crash (no
@@ -63,8 +70,9 @@ import numpy as np
 from bench.common import format_table, parse_args, write_json
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.nvme.format import crc32c, record_bytes
+from kvstore.tiers.nvme.format import crc32c, record_bytes, split_loc
 from kvstore.tiers.nvme.io import aligned_buffer
+from kvstore.tiers.nvme.segments import segment_path
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PREFIX = 32
@@ -205,11 +213,11 @@ def tier_once(root: Path, w: Workload, *, read: bool = True, policy: str = "dire
 
 
 # -- (c) file per block -------------------------------------------------------------------------
-def file_per_block_once(root: Path, w: Workload, *, sync: bool = False, read: bool = True) -> tuple[float, float]:
-    """One file per block. ``sync=False``: each file written with O_DIRECT (data on the device when
-    the write returns, like the tier's default policy); ``sync=True``: plus fdatasync of each file
-    and an fsync of the directory per 32-block prefix (like the tier's fdatasync policy)."""
-    d = root / "files"
+def write_files(d: Path, w: Workload, *, sync: bool = False) -> tuple[list[Path], float]:
+    """One file per block, as LMCache's and vLLM's disk backends keep chunks; returns the paths and the
+    seconds it took. ``sync=False``: each file written with O_DIRECT (data on the device when the write
+    returns, like the tier's default policy); ``sync=True``: plus fdatasync of each file and an fsync of
+    the directory per 32-block prefix (like the tier's fdatasync policy)."""
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     paths = [d / f"{m.hash.hex()}.bin" for m in w.metas]
@@ -224,22 +232,83 @@ def file_per_block_once(root: Path, w: Workload, *, sync: bool = False, read: bo
             os.close(fd)
         if sync:
             os.fsync(dfd)
-    wt = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
     os.close(dfd)
+    return paths, seconds
+
+
+def read_files(paths: list[Path], w: Workload, prefix: int) -> None:
+    """Read one prefix's files (one open/read/close per block) into the workload's slots, CRC-checked."""
+    for j in range(prefix * PREFIX, (prefix + 1) * PREFIX):
+        dest = w.dests[j - prefix * PREFIX]
+        with open(paths[j], "rb", buffering=0) as f:
+            n = f.readinto(dest)
+        if n != w.block or crc32c(dest) != w.metas[j].crc32c:
+            raise RuntimeError(f"file-per-block read back wrong bytes for {paths[j]}")
+
+
+def file_per_block_once(root: Path, w: Workload, *, sync: bool = False, read: bool = True) -> tuple[float, float]:
+    """Write every block to its own file, then (``read``) read them back in shuffled prefix order after
+    dropping the page cache."""
+    d = root / "files"
+    paths, wt = write_files(d, w, sync=sync)
     rate_r = float("nan")
     if read:
         drop_page_cache(paths)
         t0 = time.perf_counter()
         for p in w.order:
-            for j in range(p * PREFIX, (p + 1) * PREFIX):
-                dest = w.dests[j - p * PREFIX]
-                with open(paths[j], "rb", buffering=0) as f:
-                    n = f.readinto(dest)
-                if n != w.block or crc32c(dest) != w.metas[j].crc32c:
-                    raise RuntimeError(f"file-per-block read back wrong bytes for {paths[j]}")
+            read_files(paths, w, int(p))
         rate_r = w.nbytes / (time.perf_counter() - t0) / 1e9
     shutil.rmtree(d, ignore_errors=True)
     return w.nbytes / wt / 1e9, rate_r
+
+
+# -- (d) the three reads in turn, prefix by prefix -----------------------------------------------
+def interleaved_reads(root: Path, w: Workload, fw: Workload) -> dict[str, float]:
+    """The tier's shuffled prefix reads, file-per-block's and the raw disk's, taken in turn prefix by
+    prefix so that all three see the disk in the same state (its speed drifts within seconds, so figures
+    taken a few seconds apart disagree). Raw: one prefix's extent of the tier's own segment files, another
+    prefix than the tier's, one O_DIRECT preadv at queue depth 1. Each prefix is read once."""
+    d = root / "tier"
+    shutil.rmtree(d, ignore_errors=True)
+    tier = NvmeTier(d, w.nbytes * 2 + GiB, segment_bytes=256 * MiB)
+    locs: list[int] = []
+    for i in range(0, w.count, PREFIX):
+        locs += tier.write(w.metas[i:i + PREFIX], w.payloads[i:i + PREFIX])
+    paths, _ = write_files(root / "files", fw)
+    drop_page_cache(paths)
+    extent = prefix_extent(w.block)
+    scratch = aligned_buffer(extent)
+    fds: dict[int, int] = {}
+
+    def raw(prefix: int) -> None:
+        seg, off = split_loc(locs[prefix * PREFIX])
+        if seg not in fds:
+            fds[seg] = os.open(segment_path(d, seg), os.O_RDONLY | os.O_DIRECT)
+        os.preadv(fds[seg], [scratch], off)
+
+    lengths = [w.block] * PREFIX
+    rounds = min(len(w.order), len(fw.order))
+    seconds = {"tier": 0.0, "fpb": 0.0, "raw": 0.0}
+    try:
+        for i in range(rounds):
+            p, q = int(w.order[i]), int(w.order[-1 - i])
+            steps = (("tier", lambda: tier.read(locs[p * PREFIX:(p + 1) * PREFIX], lengths, w.dests)),
+                     ("fpb", lambda: read_files(paths, fw, int(fw.order[i]))),
+                     ("raw", lambda: raw(q)))
+            for name, step in steps[i % 3:] + steps[:i % 3]:  # each goes first in turn
+                t0 = time.perf_counter()
+                step()
+                seconds[name] += time.perf_counter() - t0
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        tier.close()
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(root / "files", ignore_errors=True)
+    payload = rounds * PREFIX * w.block
+    return {"tier": payload / seconds["tier"] / 1e9, "fpb": payload / seconds["fpb"] / 1e9,
+            "raw": rounds * extent / seconds["raw"] / 1e9}
 
 
 # -- recovery ----------------------------------------------------------------------------------------
@@ -289,6 +358,9 @@ COLUMNS = ["block_bytes", "tier_write_gbps", "tier_read_gbps", "raw_write_gbps",
            "tier_vs_fpb_write", "tier_vs_fpb_read"]
 COLUMNS_MORE = ["block_bytes", "tier_write_prefix_gbps", "tier_vs_raw_write_prefix", "tier_read_shuffled_gbps", "tier_write_fdatasync_gbps",
                 "file_per_block_write_fdatasync_gbps", "tier_vs_fpb_write_fdatasync", "tier_write_copied_gbps"]
+COLUMNS_INTERLEAVED = ["block_bytes", "interleaved_prefixes", "tier_read_interleaved_gbps",
+                       "file_per_block_read_interleaved_gbps", "raw_prefix_read_interleaved_gbps",
+                       "tier_vs_fpb_read_interleaved", "tier_vs_raw_prefix_read_interleaved"]
 COLUMNS_PREFIX_READ = ["block_bytes", "raw_random_prefix_read_gbps", "tier_read_shuffled_gbps",
                        "tier_vs_raw_random_prefix_read", "file_per_block_read_gbps",
                        "fpb_read_x3_vs_raw_random_prefix_read"]
@@ -321,6 +393,11 @@ def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int) -> list[di
             add(f"{b}_fw", fw)
             add(f"{b}_fr", fr)
             add(f"{b}_fw_sync", file_per_block_once(root, fpb_work[b], sync=True, read=False)[0])
+            inter = interleaved_reads(root, work[b], fpb_work[b])
+            for k, v in inter.items():
+                add(f"{b}_ir_{k}", v)
+            add(f"{b}_ir_tier_vs_fpb", inter["tier"] / inter["fpb"])  # ratios within a repetition
+            add(f"{b}_ir_tier_vs_raw", inter["tier"] / inter["raw"])
     med = {k: statistics.median(v) for k, v in runs.items()}
     rows = []
     for b in BLOCK_SIZES:
@@ -341,6 +418,12 @@ def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int) -> list[di
             "raw_random_prefix_read_gbps": med[f"{b}_raw_prefix_r"],
             "tier_vs_raw_random_prefix_read": med[f"{b}_tr_shuffled"] / med[f"{b}_raw_prefix_r"],
             "fpb_read_x3_vs_raw_random_prefix_read": 3 * fr / med[f"{b}_raw_prefix_r"],
+            "tier_read_interleaved_gbps": med[f"{b}_ir_tier"],
+            "file_per_block_read_interleaved_gbps": med[f"{b}_ir_fpb"],
+            "raw_prefix_read_interleaved_gbps": med[f"{b}_ir_raw"],
+            "tier_vs_fpb_read_interleaved": med[f"{b}_ir_tier_vs_fpb"],
+            "tier_vs_raw_prefix_read_interleaved": med[f"{b}_ir_tier_vs_raw"],
+            "interleaved_prefixes": min(work[b].count, fpb_work[b].count) // PREFIX,
             "raw_tool": "fio" if raw is raw_fio else "python", "runs": {k: v for k, v in runs.items()
                                                                          if k.startswith((f"{b}_", "raw"))},
         })
@@ -374,6 +457,9 @@ def main(argv: list[str] | None = None) -> None:
     print("\nShuffled prefix reads against the disk reading the same extents (one prefix's records) at shuffled "
           "offsets, queue depth 1 (fpb_read_x3_vs_...: > 1 means 3x file-per-block is beyond the disk):")
     print(format_table(bw, COLUMNS_PREFIX_READ))
+    print("\nThe same three reads taken in turn, prefix by prefix (tier, file-per-block, raw extent of the tier's "
+          "segment files), so all see the disk in the same state:")
+    print(format_table(bw, COLUMNS_INTERLEAVED))
     print(f"\nRecovery of 100,000 blocks (4 KiB payloads, 8 KiB records), "
           f"{'one run (--quick)' if args.quick else f'median of {REPS}'}:")
     print(format_table([r for r in rows if "recovery" in r], ["recovery", "recovery_blocks", "recovery_seconds"]))

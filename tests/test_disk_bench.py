@@ -35,3 +35,14 @@ def test_tier_and_file_per_block_read_back_what_they_wrote(tmp_path: Path):
         pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
     assert set(tier) == {"w", "r", "r_shuffled"} and min(tier.values()) > 0
     assert fw > 0 and fr > 0
+
+
+def test_interleaved_reads_measure_all_three_and_clean_up(tmp_path: Path):
+    w = disk.Workload(64 << 10, 4 * MiB)
+    fw = disk.Workload(64 << 10, 2 * MiB, seed=1)
+    try:
+        rates = disk.interleaved_reads(tmp_path, w, fw)
+    except OSError as e:
+        pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
+    assert set(rates) == {"tier", "fpb", "raw"} and min(rates.values()) > 0
+    assert not any(tmp_path.iterdir())

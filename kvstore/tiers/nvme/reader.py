@@ -19,8 +19,9 @@ page-aligned part of each payload straight in its caller's buffer when that is
 page-aligned host memory and the rest (header pages, tails, gaps) in scratch;
 ``finish_into`` runs the same checks once the bytes landed, then copies the
 tails in; a record that fails has whatever was read into its buffer zeroed.
-``read_pipelined`` runs the pieces of one Get: a few preadvs in flight, each
-piece checked on the caller's thread as it lands.
+``read_pipelined`` runs the pieces of one Get: a few in flight, each read and
+checked by one thread (the caller's or a pool worker's), so checks overlap
+other pieces' I/O and the CRCs run on every core.
 
 ``BufferPool`` bounds the bounce-buffer memory (``count`` buffers, each as
 large as the largest piece read so far).
@@ -268,89 +269,56 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
 
 def read_pipelined(backend: IoBackend, pool: Executor, buffers: "BufferPool", pieces: Sequence[Piece],
                    dests: Sequence[Any], window: int) -> list[tuple[int, str]]:
-    """Read pieces with up to ``window`` preadvs in flight, checking the landed ones in order on this thread.
+    """Read and check ``pieces`` with up to ``window`` of them in flight; returns the failed (target, reason).
 
-    The first piece is read here (no hand-off) while up to ``window - 1`` others run on ``pool``; after
-    that this thread keeps ``window`` on the pool and checks each piece as it lands, so the CRC and header
-    checks of one piece overlap the I/O of the next. A single piece is one preadv on this thread.
+    Each piece is planned, read and checked by one thread from start to end: this thread and up to
+    ``window - 1`` pool workers take pieces from one queue until it is empty. So one piece's checks
+    overlap the other pieces' I/O, and the CRC32Cs (which release the GIL) run on both cores, where
+    checking every piece on this thread after it landed left the CRCs in series with the reads. A single
+    piece, or ``window`` 1, is read on this thread with no hand-off; this thread also takes the pieces a
+    busy pool has not started.
 
-    Buffers: the first is taken waiting; more only when one is free at once (a caller never waits for a
-    buffer while it holds one, so concurrent readers cannot deadlock on the pool); without one, the
-    oldest piece in flight is finished and its buffer reused. Every preadv has returned before this does.
+    Buffers: this thread waits for its first buffer (holding none, it cannot hold up another reader); a
+    worker starts only with a buffer that is free at once, so concurrent readers cannot deadlock on the
+    pool. Every preadv has returned before this does.
     """
-    failed: list[tuple[int, str]] = []
-    inflight: deque[tuple[PlannedRead, Future[int]]] = deque()
-    spare: list[np.ndarray] = []
-    held: list[np.ndarray] = []
-
-    def take(nbytes: int, wait_ok: bool) -> np.ndarray | None:
-        """A bounce buffer of at least ``nbytes``: a spare one, a free one, or (``wait_ok``) a new wait."""
-        while True:
-            if spare:
-                buf = spare.pop()
-                if len(buf) < nbytes:  # a record larger than the pool's buffers: replace it, as get() does
-                    held.remove(buf)
-                    buf = aligned_buffer(align_up(nbytes))
-                    held.append(buf)
-                return buf
-            buf = buffers.try_get(nbytes) if held else buffers.get(nbytes)
-            if buf is not None:
-                held.append(buf)
-                return buf
-            if not (wait_ok and inflight):
-                return None
-            finish_oldest()
-
-    def launch(piece: Piece, buf: np.ndarray) -> None:
-        planned = plan_into(piece, buf, dests)
-        inflight.append((planned, pool.submit(backend.preadv, piece.seg.fh, planned.iov, piece.offset)))
-
-    def read_here(piece: Piece, buf: np.ndarray) -> None:
-        planned = plan_into(piece, buf, dests)
-        try:
-            got: int | OSError = backend.preadv(piece.seg.fh, planned.iov, piece.offset)
-        except OSError as e:
-            got = e
-        failed.extend(finish_into(planned, got, dests))
-
-    def finish_oldest() -> None:
-        planned, future = inflight.popleft()
-        try:
-            got: int | OSError = future.result()
-        except OSError as e:
-            got = e
-        failed.extend(finish_into(planned, got, dests))
-        spare.append(planned.scratch)
-
     if not pieces:
-        return failed
+        return []
+    todo = deque(pieces)
+
+    def work(buf: np.ndarray) -> tuple[list[tuple[int, str]], np.ndarray]:
+        failed: list[tuple[int, str]] = []
+        while True:
+            try:
+                piece = todo.popleft()
+            except IndexError:
+                return failed, buf
+            if len(buf) < piece.nbytes:  # a piece larger than the pool's buffers: a larger one, kept
+                buf = aligned_buffer(align_up(piece.nbytes))
+            planned = plan_into(piece, buf, dests)
+            try:
+                got: int | OSError = backend.preadv(piece.seg.fh, planned.iov, piece.offset)
+            except OSError as e:
+                got = e
+            failed.extend(finish_into(planned, got, dests))
+
+    own = buffers.get(pieces[0].nbytes)
+    jobs: list[tuple[np.ndarray, Future[tuple[list[tuple[int, str]], np.ndarray]]]] = []
     try:
-        own = take(pieces[0].nbytes, wait_ok=False)
-        assert own is not None  # holding none, the first take waits for one
-        rest = deque(pieces[1:])
-        while rest and len(inflight) < window - 1:
-            buf = take(rest[0].nbytes, wait_ok=False)
+        for _ in range(min(window, len(pieces)) - 1):
+            buf = buffers.try_get(pieces[0].nbytes)
             if buf is None:
                 break
-            launch(rest.popleft(), buf)
-        read_here(pieces[0], own)
-        if window <= 1:  # no parallel reads asked for: the rest on this thread too, without hand-offs
-            for piece in rest:
-                read_here(piece, own if len(own) >= piece.nbytes else aligned_buffer(align_up(piece.nbytes)))
-            rest.clear()
-        spare.append(own)
-        for piece in rest:
-            buf = take(piece.nbytes, wait_ok=True)
-            assert buf is not None  # every buffer held is spare or in flight, so finishing one frees one
-            launch(piece, buf)
-            if len(inflight) >= window:
-                finish_oldest()
-        while inflight:
-            finish_oldest()
+            jobs.append((buf, pool.submit(work, buf)))
+        failed, own = work(own)
+        for i, (buf, job) in enumerate(jobs):
+            more, final = job.result()
+            failed.extend(more)
+            jobs[i] = (final, job)
     finally:
-        if inflight:  # an exception above: let every read land before its buffers go back
-            wait([f for _, f in inflight])
-        for buf in held:
+        wait([job for _, job in jobs])  # no buffer goes back while a read may still land in it
+        buffers.put(own)
+        for buf, _ in jobs:
             buffers.put(buf)
     return failed
 
