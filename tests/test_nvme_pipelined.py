@@ -134,3 +134,23 @@ def test_pieces_larger_than_the_bounce_buffers_are_read_whole(tmp_path: Path, rn
         assert [d.tobytes() for d in dests] == list(blocks.values())
     assert tier._buffers._free.qsize() == 3 + 1  # every buffer went back (some now larger)
     tier.close()
+
+
+def test_a_read_does_not_wait_for_a_busy_pool(tmp_path: Path, rng: np.random.Generator) -> None:
+    # every pool thread busy (other readers' work): the caller reads all four pieces itself and returns
+    tier = NvmeTier(tmp_path, 64 * MiB, segment_bytes=16 * MiB, read_threads=4)
+    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+    release = threading.Event()
+    busy = [tier._pool.submit(release.wait, 30) for _ in range(4)]
+    try:
+        dests = wiped_dests(32)
+        started = time.monotonic()
+        tier.read(list(blocks), [BLOCK] * 32, dests)
+        assert time.monotonic() - started < 5
+        assert [d.tobytes() for d in dests] == list(blocks.values())
+        assert tier._buffers._free.qsize() == 4 + 1  # the cancelled jobs' buffers went back
+    finally:
+        release.set()
+        for f in busy:
+            f.result()
+    tier.close()

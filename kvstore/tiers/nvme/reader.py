@@ -276,7 +276,7 @@ def read_pipelined(backend: IoBackend, pool: Executor, buffers: "BufferPool", pi
     overlap the other pieces' I/O, and the CRC32Cs (which release the GIL) run on both cores, where
     checking every piece on this thread after it landed left the CRCs in series with the reads. A single
     piece, or ``window`` 1, is read on this thread with no hand-off; this thread also takes the pieces a
-    busy pool has not started.
+    busy pool has not started, and a job still queued when they are all done is cancelled, not waited for.
 
     Buffers: this thread waits for its first buffer (holding none, it cannot hold up another reader); a
     worker starts only with a buffer that is free at once, so concurrent readers cannot deadlock on the
@@ -312,11 +312,15 @@ def read_pipelined(backend: IoBackend, pool: Executor, buffers: "BufferPool", pi
             jobs.append((buf, pool.submit(work, buf)))
         failed, own = work(own)
         for i, (buf, job) in enumerate(jobs):
+            if job.cancel():  # still queued behind other readers' work: every piece is done already
+                continue
             more, final = job.result()
             failed.extend(more)
             jobs[i] = (final, job)
     finally:
-        wait([job for _, job in jobs])  # no buffer goes back while a read may still land in it
+        for _, job in jobs:  # after an error: a job still queued never starts
+            job.cancel()
+        wait([job for _, job in jobs if not job.cancelled()])  # no buffer goes back while a read may land in it
         buffers.put(own)
         for buf, _ in jobs:
             buffers.put(buf)
