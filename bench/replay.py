@@ -21,7 +21,9 @@ store with its base policy
 a block is stored only from its second sighting on, as NVIDIA's KV block
 manager does); and a two-tier store, DRAM = capacity and NVMe =
 ``--nvme-multiple`` x capacity below it, with the hit rate per tier (each hit
-counted in the highest tier holding the block) and the bytes moved.
+counted in the highest tier holding the block) and the bytes moved, also
+with the store's NVMe admission filter (``freq+nvme-admit2``: a DRAM victim
+is demoted only once used twice, else dropped; ``--nvme-admit-uses 2``).
 
 JSON (``--out``): ``rows`` hold ``{"capacity_frac", "policy" ("kvstore",
 "lru", "belady"), "hit_rate", ...}`` (DESIGN 2.4); ``variants``, ``tiers``
@@ -55,6 +57,7 @@ FULL_CAPACITIES = (0.02, 0.05, 0.1, 0.2, 0.5)
 QUICK_CAPACITIES = (0.05, 0.1)
 QUICK_REQUESTS = 2000
 GIB = 1 << 30
+NVME_ADMIT2 = f"{DEFAULT_POLICY}+nvme-admit2"  # the two-tier store demoting only blocks used twice
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ def plan(trace: Trace, capacities: Sequence[float], nvme_multiple: float) -> lis
         ]
         nvme = max(1, int(blocks * nvme_multiple))
         jobs += [Job("tiers", name, frac, StoreSetup(name, blocks, nvme)) for name in (DEFAULT_POLICY, "lru")]
+        jobs.append(Job("tiers", NVME_ADMIT2, frac, StoreSetup(DEFAULT_POLICY, blocks, nvme, nvme_admit_uses=2)))
     return jobs
 
 
@@ -158,7 +162,7 @@ def build_tables(trace: Trace, capacities: Sequence[float], results: list[tuple[
                         "kvstore": store.hit_rate, "belady": belady, "to_belady": belady - store.hit_rate,
                         "gap_closed": gap, "leaf-lru": leaf.hit_rate, "admit2": admit.hit_rate,
                         "pop-oracle": oracle, "life-oracle": lifetime})
-        for name in (DEFAULT_POLICY, "lru"):
+        for name in (DEFAULT_POLICY, "lru", NVME_ADMIT2):
             r = by[("tiers", name, frac)]
             tiers.append({"capacity_frac": frac, "policy": name, "dram_blocks": r.setup.dram_blocks,
                           "nvme_blocks": r.setup.nvme_blocks, "dram_hit": r.tier_hit_rate(DRAM),

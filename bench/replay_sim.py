@@ -185,6 +185,7 @@ class StoreSetup:
     dram_blocks: int
     nvme_blocks: int = 0
     admit_after: int = 1        # Put a block only from its n-th sighting on (1: always)
+    nvme_admit_uses: int = 1    # demote a DRAM victim to NVMe only once used this often (1: always)
     block_bytes: int = LLAMA3_8B_BF16.block_bytes()
 
 
@@ -216,7 +217,7 @@ def build_store(setup: StoreSetup) -> BlockStore:
     tiers = [AccountingMemoryTier(setup.dram_blocks * setup.block_bytes, rank=DRAM)]
     if setup.nvme_blocks:
         tiers.append(AccountingDiskTier(setup.nvme_blocks * setup.block_bytes, rank=NVME))
-    return BlockStore(tiers, policy_factory=policy_factory(setup.policy))
+    return BlockStore(tiers, policy_factory=policy_factory(setup.policy), nvme_admit_uses=setup.nvme_admit_uses)
 
 
 def block_keys(trace: Trace) -> dict[int, bytes]:

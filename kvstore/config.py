@@ -51,6 +51,10 @@ class ServeConfig:
     eviction_policy: str = _opt("freq", "eviction order inside a tier, always leaves first: freq (LRU that "
                                         "protects blocks seen twice) or lru")
     promote_on_hit: bool = _opt(True, "copy blocks read from NVMe back into DRAM when there is room", _bool)
+    nvme_admit_uses: int = _opt(1, "demote a block evicted from DRAM to NVMe only once it was used (stored or read) "
+                                   "this many times, else drop it (1: demote every block; 2 writes NVMe about 4x "
+                                   "less on the bench trace at a lower hit rate: docs/nvme.md); needs "
+                                   "--eviction-policy freq", int)
     max_block: int = _opt(parse_size("8MiB"), "largest accepted block (stored bytes)", parse_size, "SIZE")
     max_message: int = _opt(parse_size("4MiB"), "gRPC max message size (data chunks are at most 1MiB)", parse_size, "SIZE")
     max_stream: int = _opt(parse_size("16GiB"), "max payload bytes in one Put stream", parse_size, "SIZE")
@@ -187,6 +191,10 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
         raise ValueError(f"option --eviction-policy: one of {', '.join(POLICY_NAMES)}")
     if cfg.write_policy not in ("write-back", "write-through"):
         raise ValueError("option --write-policy: write-back or write-through")
+    if cfg.nvme_admit_uses < 1:
+        raise ValueError("option --nvme-admit-uses: 1 or more (1: demote every block)")
+    if cfg.nvme_admit_uses > 1 and cfg.eviction_policy != "freq":
+        raise ValueError("option --nvme-admit-uses above 1 needs --eviction-policy freq (it counts uses)")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     if cfg.get_codec != "auto":

@@ -145,3 +145,75 @@ def test_enospc_degrades_and_dram_keeps_serving(tmp_path):
             assert all(bytes(g) == payload(k, 256 << 10) for g, k in zip(kv.get("ns", fresh), fresh))
     finally:
         server.stop(0)
+
+
+# -- NVMe admission ------------------------------------------------------------------------------------------
+def put_blocks(store, keys, size):
+    from kvstore.checksum import crc32c
+    from kvstore.tiers.base import BlockMeta
+
+    for k in keys:
+        data = payload(k, size)
+        ticket = store.begin_put("ns", BlockMeta("ns", k, b"", 0, "uint8", size, size, crc32c(data)))
+        if ticket is not None:
+            ticket.buffer[:] = data
+            store.commit_put(ticket)
+
+
+def test_nvme_admission_demotes_reused_blocks_and_drops_the_rest(tmp_path):
+    from kvstore.store import BlockStore
+    from kvstore.store.policies import policy_factory
+
+    size = 256 << 10
+    store = BlockStore([ArenaTier(8 << 20, page_size=1 << 20),
+                        NvmeTier(tmp_path / "n", 64 << 20, segment_bytes=8 << 20)],
+                       policy_factory=policy_factory("freq"), nvme_admit_uses=2)
+    reused = block_hashes(list(range(16 * 8)), 16, "ns", "reused")
+    once = block_hashes(list(range(16 * 8)), 16, "ns", "once")
+    put_blocks(store, reused + once, size)
+    store.release(store.acquire("ns", reused))  # a second use of each reused block
+    store._evict(store.top, store.top.used_bytes)  # everything leaves DRAM
+    n, ranks = store.lookup("ns", reused)
+    assert n == 8 and set(ranks) == {store.tiers[1].rank}  # demoted: all on NVMe
+    assert all(store.lookup("ns", [k])[0] == 0 for k in once)  # used once: dropped, not written to disk
+    dram = next(t for t in store.stats()["tiers"] if t["name"] == "dram")
+    assert dram["not_admitted"] == 8 and dram["demotions"] == 8
+    leases = store.acquire("ns", reused)
+    try:
+        store.materialize(leases)
+        assert all(bytes(lease.buffer[:size]) == payload(k, size) for lease, k in zip(leases, reused))
+    finally:
+        store.release(leases)
+    store.check_invariants()
+    store.close()
+
+
+def test_nvme_admission_never_drops_at_a_graceful_stop(tmp_path):
+    # write-back: a stop flushes every memory-only block to NVMe, used once or not
+    from kvstore.store import BlockStore
+    from kvstore.store.policies import policy_factory
+
+    def open_store():
+        return BlockStore([ArenaTier(8 << 20, page_size=1 << 20), NvmeTier(tmp_path / "n", 64 << 20, segment_bytes=8 << 20)],
+                          policy_factory=policy_factory("freq"), nvme_admit_uses=3)
+
+    keys = block_hashes(list(range(16 * 6)), 16, "ns", "once")
+    store = open_store()
+    put_blocks(store, keys, 100_000)
+    store.close(flush=True)
+    again = open_store()
+    assert again.lookup("ns", keys)[0] == 6
+    again.close()
+
+
+def test_nvme_admission_needs_a_policy_that_counts_uses(tmp_path):
+    from kvstore import config
+    from kvstore.store import BlockStore
+
+    with pytest.raises(ValueError, match="counts uses"):
+        BlockStore([ArenaTier(1 << 20, page_size=1 << 20)], nvme_admit_uses=2)  # the default policy factory: lru
+    with pytest.raises(ValueError, match="--eviction-policy freq"):
+        config.load(env={"KVSTORE_NVME_ADMIT_USES": "2", "KVSTORE_EVICTION_POLICY": "lru"})
+    with pytest.raises(ValueError, match="1 or more"):
+        config.load(env={"KVSTORE_NVME_ADMIT_USES": "0"})
+    assert config.load(env={"KVSTORE_NVME_ADMIT_USES": "2"}).nvme_admit_uses == 2

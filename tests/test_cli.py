@@ -89,7 +89,8 @@ def test_metrics_endpoint(spawn_server):
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     for name in ('kvstore_tier_used_bytes{tier="dram"}', 'kvstore_tier_hits_total{tier="dram"} 1.0',
                  "kvstore_lookup_misses_total 1.0", "kvstore_bytes_in_total 1000.0", "kvstore_bytes_out_total 1000.0",
-                 'kvstore_rpc_seconds_bucket{code="OK",le="0.005",method="Put"}', "kvstore_tier_evictions_total"):
+                 'kvstore_rpc_seconds_bucket{code="OK",le="0.005",method="Put"}', "kvstore_tier_evictions_total",
+                 "kvstore_tier_not_admitted_total"):
         assert name in text, name
 
 

@@ -177,5 +177,9 @@ def test_cli_writes_rows_json_and_plot(tmp_path: Path):
         {(c, p) for c in (0.1, 0.5) for p in ("kvstore", "lru", "belady")}
     assert all(0 <= r["hit_rate"] <= 1 for r in doc["rows"])
     assert {v["policy"] for v in doc["variants"]} == {"leaf-lru", "admit2", "popularity-oracle", "lifetime-oracle"}
-    assert len(doc["tiers"]) == 4
+    assert {(t["capacity_frac"], t["policy"]) for t in doc["tiers"]} == \
+        {(c, p) for c in (0.1, 0.5) for p in ("freq", "lru", "freq+nvme-admit2")}
+    admit = {t["capacity_frac"]: t for t in doc["tiers"] if t["policy"] == "freq+nvme-admit2"}
+    plain = {t["capacity_frac"]: t for t in doc["tiers"] if t["policy"] == "freq"}
+    assert all(admit[c]["demoted_GiB"] <= plain[c]["demoted_GiB"] for c in (0.1, 0.5))
     assert png.stat().st_size > 10_000

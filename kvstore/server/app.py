@@ -91,7 +91,7 @@ def build_store(cfg: ServeConfig, tiers: list[Tier] | None = None) -> BlockStore
 
     store = BlockStore(tiers or build_tiers(cfg), promote_on_hit=cfg.promote_on_hit,
                        policy_factory=policy_factory(cfg.eviction_policy),
-                       write_through=cfg.write_policy == "write-through")
+                       write_through=cfg.write_policy == "write-through", nvme_admit_uses=cfg.nvme_admit_uses)
     for tier in store.tiers:
         if hasattr(tier, "on_relocate"):
             tier.on_relocate = lambda moves, rank=tier.rank: store.relocate(rank, moves)

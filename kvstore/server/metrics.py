@@ -35,6 +35,8 @@ class _StoreCollector:
             "evictions": CounterMetricFamily("kvstore_tier_evictions", "Copies evicted from a tier", labels=["tier"]),
             "demotions": CounterMetricFamily("kvstore_tier_demotions", "Copies demoted to the next tier", labels=["tier"]),
             "promotions": CounterMetricFamily("kvstore_tier_promotions", "Copies promoted into a tier", labels=["tier"]),
+            "not_admitted": CounterMetricFamily("kvstore_tier_not_admitted", "Evicted copies dropped instead of "
+                                                "demoted: used too few times for the tier below", labels=["tier"]),
         }
         for tier in s["tiers"]:
             for key, family in {**gauges, **counters}.items():

@@ -99,6 +99,7 @@ class TierCounters:
     evictions: int = 0
     demotions: int = 0
     promotions: int = 0
+    not_admitted: int = 0  # victims dropped instead of demoted: used too few times for the tier below
 
 
 @dataclass
@@ -124,6 +125,7 @@ class BlockStore(Cascade):
         demote_batch_bytes: int = 64 << 20,
         promote_on_hit: bool = True,
         write_through: bool = False,
+        nvme_admit_uses: int = 1,
     ):
         if not tiers or not isinstance(tiers[0], MemoryTier):
             raise ValueError("the top tier must be a memory tier (HBM or DRAM)")
@@ -137,6 +139,11 @@ class BlockStore(Cascade):
         self.demote_batch_bytes = demote_batch_bytes
         self.promote_on_hit = promote_on_hit
         self.write_through = write_through and len(self.tiers) > 1
+        if nvme_admit_uses < 1:
+            raise ValueError("nvme_admit_uses must be >= 1 (1: every evicted block is demoted)")
+        if nvme_admit_uses > 1 and not all(p.counts_uses for p in self.policies.values()):
+            raise ValueError(f"nvme_admit_uses={nvme_admit_uses} needs an eviction policy that counts uses (freq)")
+        self.nvme_admit_uses = nvme_admit_uses
         self.counters = StoreCounters(tiers={t.rank: TierCounters() for t in self.tiers})
         self._lock = threading.RLock()
         self._demoted = threading.Condition(self._lock)  # signalled when an in-flight demotion batch lands
@@ -411,7 +418,8 @@ class BlockStore(Cascade):
                 tiers.append({
                     "name": s.name, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes,
                     "blocks": len(self.policies[tier.rank]), "hits": c.hits, "evictions": c.evictions,
-                    "demotions": c.demotions, "promotions": c.promotions, "backend": s.backend,
+                    "demotions": c.demotions, "promotions": c.promotions, "not_admitted": c.not_admitted,
+                    "backend": s.backend,
                     "degraded": s.degraded, "fault": s.fault, **s.extra,
                 })
             c = self.counters

@@ -5,9 +5,10 @@
 
 - ``_make_room(tier, n)``: allocate in a memory tier, evicting synchronously;
 - ``_evict(tier, want)``: the lowest-priority *leaves* of a tier leave it:
-  dropped when a lower copy exists or no lower tier takes them, otherwise
-  leased, written down in one batch (I/O outside the lock unless the caller
-  holds it) and then freed;
+  dropped when a lower copy exists, no lower tier takes them, or the tier
+  below is NVMe and they were used fewer than ``nvme_admit_uses`` times
+  (admission, off by default); otherwise leased, written down in one batch
+  (I/O outside the lock unless the caller holds it) and then freed;
 - ``demote_once()`` / ``start()``: the background demoter keeps every tier but
   the last under its high watermark, down to the low one;
 - ``flush()``: copy every memory-only block to the durable tier (graceful stop);
@@ -76,6 +77,9 @@ class Cascade:
                 has_lower = any(t.loc[e, x.rank] != NO_LOC for x in self.tiers if x.rank > tier.rank)
                 if has_lower or lower is None or self._degraded(lower):
                     self._evict_copy(e, tier)
+                elif not self._admitted(e, tier, lower):
+                    self._evict_copy(e, tier)
+                    self.counters.tiers[tier.rank].not_admitted += 1
                 else:
                     policy.insert(e, is_leaf=True)  # stays readable until its copy below exists
                     t.leases[e] += 1
@@ -97,6 +101,14 @@ class Cascade:
                 self._inflight -= len(demote)
                 self._demoted.notify_all()
         return freed
+
+    def _admitted(self, e: int, tier: Tier, lower: Tier) -> bool:
+        """Whether a victim leaving ``tier`` is worth a copy in ``lower``: always between memory tiers; into
+        NVMe only once used ``nvme_admit_uses`` times (a block stored once and never read again is dropped
+        instead of costing a disk write, as NVIDIA's KV block manager offloads only reused blocks)."""
+        if self.nvme_admit_uses <= 1 or isinstance(lower, MemoryTier):
+            return True
+        return (self.policies[tier.rank].uses(e) or 0) >= self.nvme_admit_uses
 
     def _evict_copy(self, e: int, tier: Tier) -> None:
         assert self.table.nchild[e, tier.rank] == 0, "only leaves are evicted"

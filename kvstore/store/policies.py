@@ -128,6 +128,7 @@ class FrequencyLeafLRU(LeafLRU):
     """Leaf-first LRU where blocks seen ``reuse_threshold`` times are protected for ``protect`` turnovers."""
 
     name = "freq"
+    counts_uses = True
 
     def __init__(self, *, protect: float = 4.0, reuse_threshold: int = 2, sketch: FrequencySketch | None = None):
         super().__init__()
@@ -165,6 +166,9 @@ class FrequencyLeafLRU(LeafLRU):
         if e in self._prio and self._top_copy(e):
             self.sketch.add(self._fingerprint(e))
         super().touch(e)
+
+    def uses(self, e: int) -> int:
+        return self.sketch.estimate(self._fingerprint(e))
 
     def nbytes(self) -> int:
         return super().nbytes() + (self.sketch.nbytes() if self.sketch.reported_by(self) else 0)

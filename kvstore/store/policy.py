@@ -29,6 +29,7 @@ COLD_PENALTY = 1e15
 
 class LeafLRU:
     name = "lru"
+    counts_uses = False  # whether ``uses`` answers (an admission filter needs it)
 
     def __init__(self) -> None:
         self._clock = 0
@@ -51,6 +52,10 @@ class LeafLRU:
         if is_leaf:
             self._leaf.add(e)
             self._push(e)
+
+    def uses(self, e: int) -> int | None:
+        """How many times block ``e`` was used (stored or read), when ``counts_uses``; else None."""
+        return None
 
     def touch(self, e: int) -> None:
         if e in self._prio:
