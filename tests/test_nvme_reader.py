@@ -1,6 +1,7 @@
 """Read planning: coalesced runs cut into balanced pieces within the size limit."""
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -44,3 +45,32 @@ def test_every_record_in_exactly_one_piece_within_limits(lengths: list[int], gap
         assert p.offset == p.records[0].offset
         assert p.nbytes == p.records[-1].offset + p.records[-1].nbytes - p.offset
         assert p.nbytes <= max_bytes or len(p.records) == 1
+
+
+def test_posix_preadv_finishes_short_transfers_and_stops_at_eof(tmp_path, monkeypatch):
+    import os
+
+    from kvstore.tiers.nvme import io as nvme_io
+
+    backend = nvme_io.PosixBackend(direct=False)
+    fh = backend.create(str(tmp_path / "f"), 64 << 10)
+    data = np.random.default_rng(0).integers(0, 256, 64 << 10, dtype=np.uint8)
+    backend.pwrite(fh, data, 0)
+    real_pread = os.pread
+
+    def short_preadv(fd, bufs, offset):  # the kernel may return less: at most 5,000 bytes a call here
+        views = [memoryview(b).cast("B") for b in bufs]
+        got = real_pread(fd, min(5000, sum(len(v) for v in views)), offset)
+        pos = 0
+        for v in views:
+            n = min(len(v), len(got) - pos)
+            v[:n] = got[pos:pos + n]
+            pos += n
+        return len(got)
+
+    monkeypatch.setattr(nvme_io.os, "preadv", short_preadv)
+    bufs = [np.zeros(4096, np.uint8) for _ in range(20)]  # 80 KiB asked, 64 KiB in the file
+    assert backend.preadv(fh, bufs, 0) == 64 << 10
+    assert np.concatenate(bufs)[:64 << 10].tobytes() == data.tobytes()
+    assert not np.concatenate(bufs)[64 << 10:].any()
+    backend.close(fh)

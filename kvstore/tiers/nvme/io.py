@@ -179,12 +179,12 @@ class PosixBackend(IoBackend):
         return self.preadv(fh, [buf], offset)
 
     def preadv(self, fh: FileHandle, bufs: Sequence[Any], offset: int) -> int:
-        views = [memoryview(b).cast("B") for b in bufs]
-        total = sum(len(v) for v in views)
+        total = sum(map(_nbytes, bufs))
         done = 0
         while done < total:
-            try:
-                n = os.preadv(fh.fd, _rest(views, done) if done else views, offset + done)
+            try:  # the buffers as given first (no per-buffer views on the common, whole read)
+                n = os.preadv(fh.fd, _rest([memoryview(b).cast("B") for b in bufs], done) if done else bufs,
+                              offset + done)
             except OSError as e:
                 if not self._demoted(fh, e):
                     raise

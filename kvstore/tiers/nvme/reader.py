@@ -154,14 +154,16 @@ def read_piece(backend: IoBackend, piece: Piece, buf: np.ndarray, decode: bool =
 
 
 IOV_MAX = 1024  # Linux's limit on buffers per preadv
+_UINT8 = np.dtype(np.uint8)
 
 
 def host_view(dest: Any) -> np.ndarray | None:
     """A writable flat uint8 view of a host-memory dest, or None (device tensor, read-only, strided)."""
     if isinstance(dest, np.ndarray):
-        if not (dest.flags.c_contiguous and dest.flags.writeable):
+        flags = dest.flags
+        if not (flags.c_contiguous and flags.writeable):
             return None
-        return dest.reshape(-1).view(np.uint8)
+        return dest if dest.dtype is _UINT8 and dest.ndim == 1 else dest.reshape(-1).view(np.uint8)
     if hasattr(dest, "is_cuda"):  # torch tensors take the bounce path
         return None
     try:
@@ -205,7 +207,7 @@ def plan_into(piece: Piece, scratch: np.ndarray, dests: Sequence[Any], direct: b
         else:
             if sp > run:
                 iov.append(scratch[run:sp])
-            iov.append(view[:al])
+            iov.append(view if view.nbytes == al else view[:al])
             plan.append((w, hdr, sp, view, al))
             run = sp  # the tail, its pad and what follows go on in scratch
             sp += w.nbytes - HEADER_BYTES - al
@@ -249,7 +251,7 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
                     for t in w.targets:
                         copy_into(dests[t], payload)
             else:
-                crc = _crc32c(view[:al])
+                crc = _crc32c(view if view.nbytes == al else view[:al])
                 if n > al:
                     rest = scratch[tail:tail + n - al]
                     crc = _crc32c(rest, crc)
