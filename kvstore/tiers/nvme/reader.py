@@ -275,8 +275,7 @@ def read_pipelined(backend: IoBackend, pool: Executor, buffers: "BufferPool", pi
 
     Each piece is planned, read and checked by one thread from start to end: this thread and up to
     ``window - 1`` pool workers take pieces from one queue until it is empty. So one piece's checks
-    overlap the other pieces' I/O, and the CRC32Cs (which release the GIL) run on both cores, where
-    checking every piece on this thread after it landed left the CRCs in series with the reads. A single
+    overlap the other pieces' I/O, and the CRC32Cs (which release the GIL) run on every core. A single
     piece, or ``window`` 1, is read on this thread with no hand-off; this thread also takes the pieces a
     busy pool has not started, and a job still queued when they are all done is cancelled, not waited for.
 
