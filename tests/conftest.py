@@ -20,6 +20,16 @@ from kvstore.server.app import StoreServer
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _each_test_may_pick_its_store() -> Iterator[None]:
+    """A client process lets one store read its memory (cma.allow_reader); a test that talked to a store process
+    would otherwise leave the next test's store refused (direct mode off), so results depended on test order."""
+    yield
+    from kvstore.lanes import cma
+
+    cma.forget_reader()
+
+
 @pytest.fixture
 def make_server() -> Iterator[Callable[..., StoreServer]]:
     """Start in-process servers on 127.0.0.1:<free port>; all are stopped at teardown."""

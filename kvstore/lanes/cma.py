@@ -122,6 +122,16 @@ def allow_reader(pid: int) -> bool:
         return True
 
 
+def forget_reader() -> None:
+    """Withdraw the permission ``allow_reader`` gave, so another store may be allowed (a test process that
+    moves on to a new store; a store still reading this process's memory then fails its reads)."""
+    global _allowed
+    with _allowed_lock:
+        if _allowed is not None:
+            _lib().prctl(PR_SET_PTRACER, 0, 0, 0, 0)
+            _allowed = None
+
+
 def peer_pid(sock: socket.socket) -> int:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, _uid, _gid = struct.unpack("3i", creds)
