@@ -21,6 +21,16 @@ DTYPES = ["", "bfloat16", "float16", "float32", "float8_e4m3fn", "uint8", "int8"
 _DTYPE_ID = {name: i for i, name in enumerate(DTYPES)}
 
 
+_M64 = (1 << 64) - 1
+_FP_MIX = 0x9E3779B97F4A7C15
+
+
+def block_fingerprint(key: bytes, ns: int) -> int:
+    """A 64-bit digest of (namespace, 16-byte block hash): what the eviction policies count uses by."""
+    k = int.from_bytes(key, "little")
+    return ((k ^ (k >> 64)) + ns * _FP_MIX) & _M64
+
+
 def dtype_id(name: str) -> int:
     try:
         return _DTYPE_ID[name]
@@ -54,6 +64,7 @@ class EntryTable:
         self.live = np.zeros(n, dtype=np.bool_)
         self.rooted = np.zeros(n, dtype=np.bool_)  # reachable by prefix match when it was stored
         self.hashes = np.zeros((n, 16), dtype=np.uint8)
+        self.fp = np.zeros(n, dtype=np.uint64)  # block_fingerprint(hash, ns)
 
     def _grow(self) -> None:
         old = {k: v for k, v in vars(self).items() if isinstance(v, np.ndarray)}
@@ -93,6 +104,7 @@ class EntryTable:
         self.live[e] = True
         self.ns[e] = ns
         self.hashes[e] = np.frombuffer(key, dtype=np.uint8)
+        self.fp[e] = block_fingerprint(key, ns)
         self.stored_len[e], self.raw_len[e], self.crc[e] = meta.stored_length, meta.raw_length, meta.crc32c
         self.codec[e], self.dtype[e] = meta.codec, dtype
         self.loc[e] = NO_LOC

@@ -80,34 +80,39 @@ class FrequencySketch:
         return min(row[i] for row, i in zip(self._rows, self._slots(fp)))
 
     def add(self, fp: int) -> int:
-        """Count one access of ``fp``; returns the new estimate."""
+        """Count one access of ``fp``; returns the new estimate (after any aging this addition set off)."""
         slots = self._slots(fp)
-        low = min(row[i] for row, i in zip(self._rows, slots))
+        counts = [row[i] for row, i in zip(self._rows, slots)]
+        low = min(counts)
         if low < 255:
-            for row, i in zip(self._rows, slots):
-                if row[i] == low:
+            for row, i, c in zip(self._rows, slots, counts):
+                if c == low:
                     row[i] = low + 1
         self._added += 1
-        if self._added & 1023 == 0:
-            self._maintain()
+        if self._added & 1023 == 0 and self._maintain():
+            return self.estimate(fp)
         return min(low + 1, 255)
 
     def population(self) -> int:
         return max(sum(len(p) for p in self._owners), 1024)
 
-    def _maintain(self) -> None:
+    def _maintain(self) -> bool:
+        """Widen (restarting the counts) or halve every counter when due; True when it did either."""
         population = self.population()
         if (1 << self.width_bits) < 8 * population and self.width_bits < self.max_width_bits:
             while (1 << self.width_bits) < 8 * population and self.width_bits < self.max_width_bits:
                 self.width_bits += 1
             self._rows = [bytearray(1 << self.width_bits) for _ in _MULTIPLIERS]
             self._added = 0
-        elif self._added >= self.halve_after * population:
+            return True
+        if self._added >= self.halve_after * population:
             for row in self._rows:
                 counters = np.frombuffer(row, dtype=np.uint8)
                 counters >>= 1
             self._added = 0
             self.halvings += 1
+            return True
+        return False
 
     def nbytes(self) -> int:
         return sum(len(row) for row in self._rows)
@@ -138,16 +143,24 @@ class FrequencyLeafLRU(LeafLRU):
         self.reuse_threshold = reuse_threshold
         self.sketch = sketch if sketch is not None else FrequencySketch()
         self.sketch.attach(self)
+        self._upper: tuple[int, ...] = ()  # ranks above this tier's
+        self._others: tuple[int, ...] = ()  # every other rank
 
     def bind(self, table: Any, rank: int) -> None:
         super().bind(table, rank)
         self.sketch = shared_sketch(table)
         self.sketch.attach(self)
+        ranks = range(1, table.loc.shape[1])
+        self._upper = tuple(r for r in ranks if r < rank)
+        self._others = tuple(r for r in ranks if r != rank)
 
     # -- the hook ----------------------------------------------------------------
-    def priority(self, e: int) -> float:
+    def priority(self, e: int, count: int | None = None) -> float:
+        """The LRU clock, pushed ahead when the block's use count (``count``, or the sketch's) is high."""
         clock = super().priority(e)
-        if self.sketch.estimate(self._fingerprint(e)) >= self.reuse_threshold:
+        if count is None:
+            count = self.sketch.estimate(self._fingerprint(e))
+        if count >= self.reuse_threshold:
             clock += self.protect * max(len(self._prio), 64)
         return clock
 
@@ -158,14 +171,20 @@ class FrequencyLeafLRU(LeafLRU):
                 self._leaf.add(e)
                 self._push(e)
             return
+        fp = self._fingerprint(e)
         if self._sole_copy(e):  # a new block (or one recovered), not a copy moving between tiers
-            self.sketch.add(self._fingerprint(e))
+            self.sketch.add(fp)
         super().insert(e, is_leaf, cold)
 
     def touch(self, e: int) -> None:
-        if e in self._prio and self._top_copy(e):
-            self.sketch.add(self._fingerprint(e))
-        super().touch(e)
+        # the base's touch with the count computed once: counted here only when no tier above holds it
+        if e not in self._prio:
+            return
+        fp = self._fingerprint(e)
+        count = self.sketch.add(fp) if self._top_copy(e) else self.sketch.estimate(fp)
+        self._prio[e] = self.priority(e, count)
+        if e in self._leaf:
+            self._push(e)
 
     def uses(self, e: int) -> int:
         return self.sketch.estimate(self._fingerprint(e))
@@ -175,19 +194,13 @@ class FrequencyLeafLRU(LeafLRU):
 
     # -- context from the index -------------------------------------------------------
     def _fingerprint(self, e: int) -> int:
-        if self.table is None:
-            return e
-        key = int.from_bytes(self.table.hashes[e].tobytes(), "little")
-        return ((key ^ (key >> 64)) + int(self.table.ns[e]) * _MULTIPLIERS[0]) & _M64
-
-    def _other_ranks(self) -> range:
-        return range(1, self.table.loc.shape[1]) if self.table is not None else range(0)
+        return e if self.table is None else int(self.table.fp[e])
 
     def _sole_copy(self, e: int) -> bool:
-        return all(self.table.loc[e, r] == _NO_LOC for r in self._other_ranks() if r != self.rank)
+        return all(self.table.loc[e, r] == _NO_LOC for r in self._others)
 
     def _top_copy(self, e: int) -> bool:
-        return all(self.table.loc[e, r] == _NO_LOC for r in self._other_ranks() if r < self.rank)
+        return all(self.table.loc[e, r] == _NO_LOC for r in self._upper)
 
 
 @dataclass(frozen=True)
