@@ -77,6 +77,8 @@ def address_of(buf: Any) -> tuple[int, int]:
     """(address, length) of a contiguous host buffer (bytes, memoryview, numpy array, CPU tensor)."""
     if hasattr(buf, "data_ptr"):  # torch tensor
         return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+    if type(buf) is memoryview and buf.nbytes and not buf.readonly and buf.c_contiguous:  # ~4x cheaper than numpy
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf)), buf.nbytes
     array = np.frombuffer(buf, dtype=np.uint8)
     return int(array.ctypes.data), int(array.nbytes)
 

@@ -211,13 +211,12 @@ class ShmClientLane(Lane):
     @staticmethod
     def _direct_outs(out: Sequence[Any]) -> list[tuple[int, int]] | None:
         """(address, bytes) of each output buffer, or None when one is not plain host memory."""
-        from kvstore.client import as_bytes_view
-
         outs = []
         for buf in out:
-            if host_view(buf) is None:
+            view = host_view(buf)
+            if view is None:
                 return None
-            outs.append(address_of(as_bytes_view(buf)[0]))
+            outs.append(address_of(view))
         return outs
 
     def _take_blocks(self, present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None,
