@@ -46,3 +46,17 @@ def test_interleaved_reads_measure_all_three_and_clean_up(tmp_path: Path):
         pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
     assert set(rates) == {"tier", "fpb", "raw"} and min(rates.values()) > 0
     assert not any(tmp_path.iterdir())
+
+
+def test_nvme_get_bench_measures_gets_through_a_store_process(tmp_path: Path):
+    from tqdm import tqdm
+
+    from bench import nvme_get
+
+    try:
+        row = nvme_get.measure(64 << 10, 3, "auto", tmp_path, tqdm(disable=True))
+    except OSError as e:  # a filesystem without O_DIRECT (tmpfs)
+        pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
+    assert row["block_bytes"] == 64 << 10 and row["prefixes"] == 3
+    assert min(row["get_nvme_p50_ms"], row["get_dram_p50_ms"], row["raw_extent_p50_ms"]) > 0
+    assert row["nvme_hits"] + row["dram_hits"] == 3 * 32  # every block came from one tier or the other
