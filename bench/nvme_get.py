@@ -32,8 +32,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
-
 import numpy as np
 from tqdm import tqdm
 
@@ -60,23 +58,25 @@ def write_prefixes(kv: Client, block: int, count: int, rng: np.random.Generator)
     return prefixes
 
 
-def raw_extents(path: Path, block: int, count: int, rng: np.random.Generator) -> Callable[[int], None]:
-    """A file of ``count`` prefix-sized extents written with O_DIRECT now, beside the store's segments, and a
-    reader of its i-th extent (shuffled, each once: a repeated read could come from the host's cache; a
+class RawExtents:
+    """A file of ``count`` prefix-sized extents written with O_DIRECT now, beside the store's segments; ``read(i)``
+    reads the i-th of them in a shuffled order, each once (a repeated read could come from the host's cache; a
     separate file, so that a Get and a raw read never read the same bytes)."""
-    extent = PREFIX * record_bytes(block)
-    buf = aligned_buffer(extent)
-    buf[:] = rng.integers(0, 256, extent, dtype=np.uint8)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    for j in range(count):
-        os.pwrite(fd, buf, j * extent)
-    order = rng.permutation(count)
 
-    def read(i: int) -> None:
-        os.preadv(fd, [buf], int(order[i % count]) * extent)
+    def __init__(self, path: Path, block: int, count: int, rng: np.random.Generator):
+        self.extent = PREFIX * record_bytes(block)
+        self.buf = aligned_buffer(self.extent)
+        self.buf[:] = rng.integers(0, 256, self.extent, dtype=np.uint8)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        for j in range(count):
+            os.pwrite(self.fd, self.buf, j * self.extent)
+        self.order = rng.permutation(count)
 
-    read.close = lambda: os.close(fd)  # type: ignore[attr-defined]
-    return read
+    def read(self, i: int) -> None:
+        os.preadv(self.fd, [self.buf], int(self.order[i % len(self.order)]) * self.extent)
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def measure(block: int, count: int, lane: str, root: Path, bar: tqdm) -> dict:
@@ -90,7 +90,7 @@ def measure(block: int, count: int, lane: str, root: Path, bar: tqdm) -> dict:
             Client(cold_target, timeout=120, lane=lane) as cold, Client(warm_target, timeout=120, lane=lane) as warm:
         prefixes = write_prefixes(cold, block, count, rng)
         warm_prefixes = write_prefixes(warm, block, count, np.random.default_rng(block))
-        raw = raw_extents(root / f"raw-{block}.bin", block, count, rng)
+        raw = RawExtents(root / f"raw-{block}.bin", block, count, rng)
         out = [aligned_buffer(block) for _ in range(PREFIX)]
         times: dict[str, list[float]] = {"nvme": [], "dram": [], "raw": []}
         order = [int(i) for i in rng.permutation(count)]
@@ -98,14 +98,14 @@ def measure(block: int, count: int, lane: str, root: Path, bar: tqdm) -> dict:
             for i, p in enumerate(order):
                 steps = (("nvme", lambda: cold.get("bench", prefixes[p], out=out)),
                          ("dram", lambda: warm.get("bench", warm_prefixes[p], out=out)),
-                         ("raw", lambda: raw(i)))
+                         ("raw", lambda: raw.read(i)))
                 for name, step in steps[i % 3:] + steps[:i % 3]:
                     t0 = time.perf_counter()
                     step()
                     times[name].append(time.perf_counter() - t0)
                 bar.update(1)
         finally:
-            raw.close()  # type: ignore[attr-defined]
+            raw.close()
         tiers = {t["name"]: t for t in cold.stats()["tiers"]}
     p50 = {k: statistics.median(v) for k, v in times.items()}
     payload = PREFIX * block
