@@ -31,6 +31,7 @@ before run I (the parent shapes the link meanwhile), ``progress I BYTES``
 after every Put, and ``result {json}`` after each run; it deletes each run's
 blocks afterwards so the store never fills.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,20 +93,34 @@ def worker(spec: dict[str, Any], target: str) -> None:
             began = time.perf_counter()
             for lo in range(0, count, PUT_BLOCKS):
                 hi = min(lo + PUT_BLOCKS, count)
-                results = client.put(ns, keys[lo:hi], [blocks[i % len(blocks)] for i in range(lo, hi)],
-                                     parent=keys[lo - 1] if lo else None, lossy_ok=lossy_ok)
+                results = client.put(
+                    ns,
+                    keys[lo:hi],
+                    [blocks[i % len(blocks)] for i in range(lo, hi)],
+                    parent=keys[lo - 1] if lo else None,
+                    lossy_ok=lossy_ok,
+                )
                 bad = [r for r in results if r.status != "stored"]
                 if bad:
                     raise RuntimeError(f"{run}: {bad[0]}")
                 _say(f"progress {index} {hi * block_bytes}")
             seconds = time.perf_counter() - began
             sent = client.stats()["bytes_in"] - before
-            row = {**run, "seconds": seconds, "raw_bytes": count * block_bytes, "sent_bytes": sent,
-                   "raw_gbit_s": count * block_bytes * 8 / seconds / 1e9, "load1": os.getloadavg()[0]}
+            row = {
+                **run,
+                "seconds": seconds,
+                "raw_bytes": count * block_bytes,
+                "sent_bytes": sent,
+                "raw_gbit_s": count * block_bytes * 8 / seconds / 1e9,
+                "load1": os.getloadavg()[0],
+            }
             if codec == "auto":
                 snap = client.codec_stats()
-                row["choices"] = {k.removeprefix("codec.choices."): int(v) for k, v in snap.items()
-                                  if k.startswith("codec.choices.") and v}
+                row["choices"] = {
+                    k.removeprefix("codec.choices."): int(v)
+                    for k, v in snap.items()
+                    if k.startswith("codec.choices.") and v
+                }
                 row["final_bandwidth_gbit_s"] = snap["codec.bandwidth_bps"] * 8 / 1e9
                 row["explorations"] = int(snap.get("codec.explorations", 0))
             for lo in range(0, count, 4096):
@@ -147,9 +162,26 @@ def best_of(rows: list[Row]) -> list[Row]:
 
 
 def start_server(link: Link, dram: int) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "kvstore", "serve", "--listen", f"{link.server_ip}:{PORT}",
-            "--insecure-plaintext", "1", "--lanes", "", "--metrics-port", "0", "--dram", str(dram),
-            "--lossy-namespaces", "lossy-*", "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvstore",
+        "serve",
+        "--listen",
+        f"{link.server_ip}:{PORT}",
+        "--insecure-plaintext",
+        "1",
+        "--lanes",
+        "",
+        "--metrics-port",
+        "0",
+        "--dram",
+        str(dram),
+        "--lossy-namespaces",
+        "lossy-*",
+        "--log-level",
+        "warning",
+    ]
     server = subprocess.Popen(link.run_in(link.server_ns, argv), cwd=ROOT)
     deadline = time.monotonic() + 60
     health = [sys.executable, "-m", "kvstore", "health", "--target", f"{link.server_ip}:{PORT}", "--timeout", "1"]
@@ -165,8 +197,9 @@ def drive(link: Link, runs: list[dict[str, str]], volume: int, tokens: int) -> l
     """Run the worker in the client namespace, shaping the link before and during each run."""
     spec = json.dumps({"runs": runs, "volume": volume, "tokens": tokens})
     argv = [sys.executable, "-m", "bench.bandit", "--worker", spec, "--target", f"{link.server_ip}:{PORT}"]
-    proc = subprocess.Popen(link.run_in(link.client_ns, argv), cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, bufsize=1)
+    proc = subprocess.Popen(
+        link.run_in(link.client_ns, argv), cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+    )
     assert proc.stdin is not None and proc.stdout is not None
     rows: list[Row] = []
     phase = 0
@@ -187,8 +220,11 @@ def drive(link: Link, runs: list[dict[str, str]], volume: int, tokens: int) -> l
             elif word == "result":
                 row = json.loads(rest)
                 rows.append(row)
-                print(f"  {row['regime']:>9} {row['policy']:>8} {row['codec']:>9} {row['seconds']:8.2f} s"
-                      f"  {row['raw_gbit_s']:6.3f} Gbit/s raw  load {row['load1']:.1f}", flush=True)
+                print(
+                    f"  {row['regime']:>9} {row['policy']:>8} {row['codec']:>9} {row['seconds']:8.2f} s"
+                    f"  {row['raw_gbit_s']:6.3f} Gbit/s raw  load {row['load1']:.1f}",
+                    flush=True,
+                )
     finally:
         if proc.poll() is None:
             proc.stdin.close()
@@ -215,10 +251,20 @@ def summarize(rows: list[Row]) -> list[Row]:
             out += fixed
             for row in bandits:
                 ratio = row["seconds"] / best["seconds"]
-                met = (ratio < 1.0 and all(row["seconds"] < r["seconds"] for r in fixed)) if regime == "changing" \
+                met = (
+                    (ratio < 1.0 and all(row["seconds"] < r["seconds"] for r in fixed))
+                    if regime == "changing"
                     else ratio <= 1.10
-                out.append({**row, "best_fixed_codec": best["codec"], "best_fixed_seconds": best["seconds"],
-                            "ratio_to_best": ratio, "target_met": met})
+                )
+                out.append(
+                    {
+                        **row,
+                        "best_fixed_codec": best["codec"],
+                        "best_fixed_seconds": best["seconds"],
+                        "ratio_to_best": ratio,
+                        "target_met": met,
+                    }
+                )
     return out
 
 
@@ -236,8 +282,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = set(regimes) - {*RATES, "changing"}
     if unknown:
         raise SystemExit(f"unknown regimes {sorted(unknown)}; known: {', '.join([*RATES, 'changing'])}")
-    print(f"moving {format_size(volume)} of real SmolLM2 bf16 KV per run, gRPC lane, client -> store Put "
-          f"across a veth pair between two network namespaces", flush=True)
+    print(
+        f"moving {format_size(volume)} of real SmolLM2 bf16 KV per run, gRPC lane, client -> store Put "
+        f"across a veth pair between two network namespaces",
+        flush=True,
+    )
     with veth_link("bandit") as link:
         server = start_server(link, dram=volume + (512 << 20))
         try:
@@ -252,9 +301,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         row["volume_bytes"] = volume
         row["lane"] = "grpc"
         row["direction"] = "put"
-    report(rows, args, title="\nseconds to Put the volume; bandit rows: ratio to the best fixed codec",
-           columns=["regime", "policy", "codec", "seconds", "raw_gbit_s", "sent_bytes", "measured_in",
-                    "best_fixed_codec", "ratio_to_best", "target_met"], bench="bandit")
+    report(
+        rows,
+        args,
+        title="\nseconds to Put the volume; bandit rows: ratio to the best fixed codec",
+        columns=[
+            "regime",
+            "policy",
+            "codec",
+            "seconds",
+            "raw_gbit_s",
+            "sent_bytes",
+            "measured_in",
+            "best_fixed_codec",
+            "ratio_to_best",
+            "target_met",
+        ],
+        bench="bandit",
+    )
     bandits = [r for r in rows if r["codec"] == "bandit"]
     print(f"\ntargets met: {sum(r['target_met'] for r in bandits)} of {len(bandits)} bandit runs")
 

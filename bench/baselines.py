@@ -3,6 +3,7 @@
 Each returns GB/s (1e9 bytes per second) for moving `blocks` (a list of
 equal-size byte strings) the way the store would: as one batch.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -12,8 +13,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -77,8 +78,9 @@ def raw_socket_gbps(total_bytes: int, direction: str, reps: int = 3, distinct: b
     """
     ctx = mp.get_context("spawn")
     port_q: mp.Queue = ctx.Queue()
-    peer = ctx.Process(target=_sink if direction == "put" else _source, args=(port_q, total_bytes, reps, distinct),
-                       daemon=True)
+    peer = ctx.Process(
+        target=_sink if direction == "put" else _source, args=(port_q, total_bytes, reps, distinct), daemon=True
+    )
     peer.start()
     port = port_q.get(timeout=30)
     times = []
@@ -115,8 +117,24 @@ def redis_server() -> Iterator[int]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     workdir = tempfile.mkdtemp(prefix="kvstore-redis-")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", workdir, "--protected-mode", "yes"], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+            "--protected-mode",
+            "yes",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -18,6 +18,7 @@
 3. Redis memory per indexed block: INFO used_memory before and after, divided by
    the blocks indexed; and MEMORY USAGE of one index hash / its fields.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -89,8 +90,12 @@ def throughput(url: str, nodes: int, args: Any, reps: int) -> dict[str, Any]:
             time.sleep(0.05)
         for _ in range(reps):
             barrier, out = ctx.Barrier(args.clients), ctx.Queue()
-            procs = [ctx.Process(target=_client_worker, args=(url, args.lane, args.chains, args.chain, args.block,
-                                                              barrier, out)) for _ in range(args.clients)]
+            procs = [
+                ctx.Process(
+                    target=_client_worker, args=(url, args.lane, args.chains, args.chain, args.block, barrier, out)
+                )
+                for _ in range(args.clients)
+            ]
             for p in procs:
                 p.start()
             spans = [out.get(timeout=600) for _ in procs]
@@ -101,8 +106,12 @@ def throughput(url: str, nodes: int, args: Any, reps: int) -> dict[str, Any]:
             gets.append(total / (max(s[3] for s in spans) - min(s[2] for s in spans)) / 1e9)
         lookup_us = _lookup_p50_us(url, args.chain * 4, 50 if args.quick else 300)
         r.close()
-    return {"nodes": nodes, "put_gbps": round(statistics.median(puts), 3),
-            "get_gbps": round(statistics.median(gets), 3), "lookup_p50_us": round(lookup_us, 1)}
+    return {
+        "nodes": nodes,
+        "put_gbps": round(statistics.median(puts), 3),
+        "get_gbps": round(statistics.median(gets), 3),
+        "lookup_p50_us": round(lookup_us, 1),
+    }
 
 
 def _put_direct(store: Any, ns: str, key: bytes, data: bytes) -> None:
@@ -142,8 +151,14 @@ def publishing(url: str, blocks: int) -> list[dict[str, Any]]:
         while pub.pending or pub.published < blocks:
             time.sleep(0.002)
         indexed_s = time.perf_counter() - start
-        rows.append({"path": "incremental", "blocks": blocks, "store_puts_per_s": round(blocks / put_s),
-                     "publish_blocks_per_s": round(blocks / indexed_s)})
+        rows.append(
+            {
+                "path": "incremental",
+                "blocks": blocks,
+                "store_puts_per_s": round(blocks / put_s),
+                "publish_blocks_per_s": round(blocks / indexed_s),
+            }
+        )
         mem = (r.info("memory")["used_memory"] - before) / blocks
         sample = KeyLayout().index("bench", 0, pub.index_id)
         per_field = r.memory_usage(sample, samples=0) / r.hlen(sample)
@@ -152,10 +167,18 @@ def publishing(url: str, blocks: int) -> list[dict[str, Any]]:
         pub.request_resync()
         while pub.index_id == old or pub.pending:
             time.sleep(0.002)
-        rows.append({"path": "resync", "blocks": blocks,
-                     "publish_blocks_per_s": round(blocks / (time.perf_counter() - start))})
-        rows.append({"path": "redis_memory", "blocks": blocks, "used_memory_bytes_per_block": round(mem, 1),
-                     "memory_usage_bytes_per_field": round(per_field, 1), "encoding": encoding})
+        rows.append(
+            {"path": "resync", "blocks": blocks, "publish_blocks_per_s": round(blocks / (time.perf_counter() - start))}
+        )
+        rows.append(
+            {
+                "path": "redis_memory",
+                "blocks": blocks,
+                "used_memory_bytes_per_block": round(mem, 1),
+                "memory_usage_bytes_per_field": round(per_field, 1),
+                "encoding": encoding,
+            }
+        )
     finally:
         pub.stop()
         member.stop()
@@ -171,8 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--chain", type=int, default=8, help="blocks per chain, one put each (default 8)")
         p.add_argument("--chains", type=int, default=None, help="chains per client (default 8 quick, 32 full)")
         p.add_argument("--dram", default="2GiB", help="DRAM tier of each node (pageable: only what is written is used)")
-        p.add_argument("--lane", default="grpc", help="client data lane: grpc (default; what remote clients use) or "
-                                                      "auto (shared memory to nodes on this host)")
+        p.add_argument(
+            "--lane",
+            default="grpc",
+            help="client data lane: grpc (default; what remote clients use) or "
+            "auto (shared memory to nodes on this host)",
+        )
         p.add_argument("--index-blocks", type=int, default=None, help="blocks for the publish/memory part")
 
     args = parse_args("cluster mode throughput and index costs", argv, configure)
@@ -185,20 +212,33 @@ def main(argv: list[str] | None = None) -> int:
         for row in scaling:
             row["put_efficiency"] = round(row["put_gbps"] / (row["nodes"] * base["put_gbps"]), 2)
             row["get_efficiency"] = round(row["get_gbps"] / (row["nodes"] * base["get_gbps"]), 2)
-            row.update({"clients": args.clients, "block_bytes": args.block, "chain": args.chain, "lane": args.lane,
-                        "cpus": os.cpu_count(), "loadavg_1m_before": round(load_before, 2),
-                        "loadavg_1m_after": round(os.getloadavg()[0], 2)})
+            row.update(
+                {
+                    "clients": args.clients,
+                    "block_bytes": args.block,
+                    "chain": args.chain,
+                    "lane": args.lane,
+                    "cpus": os.cpu_count(),
+                    "loadavg_1m_before": round(load_before, 2),
+                    "loadavg_1m_after": round(os.getloadavg()[0], 2),
+                }
+            )
         index_rows = publishing(local.url, args.index_blocks or (50_000 if args.quick else 200_000))
-    print(f"aggregate throughput ({args.clients} client processes, {args.chains} chains x {args.chain} blocks of "
-          f"{args.block >> 10} KiB each per client and rep, lane {args.lane}, {os.cpu_count()} CPUs shared by "
-          f"everything; 1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)")
-    print(format_table(scaling, ["nodes", "put_gbps", "get_gbps", "put_efficiency", "get_efficiency",
-                                 "lookup_p50_us"]))
+    print(
+        f"aggregate throughput ({args.clients} client processes, {args.chains} chains x {args.chain} blocks of "
+        f"{args.block >> 10} KiB each per client and rep, lane {args.lane}, {os.cpu_count()} CPUs shared by "
+        f"everything; 1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)"
+    )
+    print(format_table(scaling, ["nodes", "put_gbps", "get_gbps", "put_efficiency", "get_efficiency", "lookup_p50_us"]))
     print("\nglobal index")
     print(format_table(index_rows))
     if args.out:
-        write_json(args.out, [{"part": "scaling", **r} for r in scaling] + [{"part": "index", **r} for r in index_rows],
-                   args, bench="cluster")
+        write_json(
+            args.out,
+            [{"part": "scaling", **r} for r in scaling] + [{"part": "index", **r} for r in index_rows],
+            args,
+            bench="cluster",
+        )
         print(f"wrote {args.out}")
     return 0
 

@@ -28,6 +28,7 @@ coding overlaps the wire. Both in raw bytes per second of the whole transfer,
 best of half the repetitions; wall-clock, so only meaningful on a quiet machine
 (the JSON records the load average).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -205,16 +206,37 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
             blocks = as_blocks(kv)
             link_reps = range(max(1, reps // 2))  # best of: wall clock, other jobs share the cores
             for codec in codecs:
-                rows.append({
-                    "codec": codec, "dtype": dtype, "variant": f"link {args.link_gbit:g} Gbit/s (sim)",
-                    "sequential_gbps": max(over_link(codec, blocks, dtype, args.link_gbit, False) for _ in link_reps),
-                    "pipelined_gbps": max(over_link(codec, blocks, dtype, args.link_gbit, True) for _ in link_reps),
-                    "loadavg_1m": os.getloadavg()[0],  # wall-clock rows: above ~1.5 the cores were shared
-                    "block_kib": block_kib, "blocks": len(blocks), "source": source,
-                })
-    columns = ["codec", "dtype", "variant", "ratio", "encode_gbps", "decode_gbps", "rel_error",
-               "max_err_per_vecmax", "attn_cosine", "attn_cosine_k_only", "attn_cosine_v_only",
-               "sequential_gbps", "pipelined_gbps", "source"]
+                rows.append(
+                    {
+                        "codec": codec,
+                        "dtype": dtype,
+                        "variant": f"link {args.link_gbit:g} Gbit/s (sim)",
+                        "sequential_gbps": max(
+                            over_link(codec, blocks, dtype, args.link_gbit, False) for _ in link_reps
+                        ),
+                        "pipelined_gbps": max(over_link(codec, blocks, dtype, args.link_gbit, True) for _ in link_reps),
+                        "loadavg_1m": os.getloadavg()[0],  # wall-clock rows: above ~1.5 the cores were shared
+                        "block_kib": block_kib,
+                        "blocks": len(blocks),
+                        "source": source,
+                    }
+                )
+    columns = [
+        "codec",
+        "dtype",
+        "variant",
+        "ratio",
+        "encode_gbps",
+        "decode_gbps",
+        "rel_error",
+        "max_err_per_vecmax",
+        "attn_cosine",
+        "attn_cosine_k_only",
+        "attn_cosine_v_only",
+        "sequential_gbps",
+        "pipelined_gbps",
+        "source",
+    ]
     title = f"codecs on {source} KV: {tokens} tokens, single core, best of {reps}"
     report(rows, args, title=title, columns=columns, bench="codecs")
     return rows

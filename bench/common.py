@@ -15,6 +15,7 @@ minute) and ``--out FILE.json`` are always there. The JSON file holds
 figure can be traced back to the run that made it (``host.loadavg_at_end``
 shows whether other work shared the cores).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -54,6 +54,7 @@ lost (a full scan, every header and payload CRC checked).
 
 Targets: tier >= 0.8x raw for every block size; >= 3x file-per-block at 64 KiB.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,8 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -105,8 +106,15 @@ def raw_fio(path: Path, size: int, extents: tuple[int, ...] = ()) -> tuple[float
     tier's default acknowledgement) and one sequential read, 1 MiB O_DIRECT I/O, queue depth 1; then, per
     extent size, the same file read in extents of that size at shuffled offsets (queue depth 1): the disk's
     own speed at the tier's shuffled prefix reads."""
-    common = ["fio", "--name=raw", f"--filename={path}", "--direct=1", "--ioengine=psync",
-              f"--size={size}", "--output-format=json"]
+    common = [
+        "fio",
+        "--name=raw",
+        f"--filename={path}",
+        "--direct=1",
+        "--ioengine=psync",
+        f"--size={size}",
+        "--output-format=json",
+    ]
 
     def run(rw: str, bs: int) -> float:
         out = subprocess.run(common + [f"--rw={rw}", f"--bs={bs}"], capture_output=True, text=True, check=True)
@@ -163,19 +171,20 @@ class Workload:
         rng = np.random.default_rng(seed)
         self.pool = aligned_buffer(block * 64)
         self.pool[:] = rng.integers(0, 256, block * 64, dtype=np.uint8)
-        self.payloads = [self.pool[(i % 64) * block:(i % 64 + 1) * block] for i in range(self.count)]
+        self.payloads = [self.pool[(i % 64) * block : (i % 64 + 1) * block] for i in range(self.count)]
         crcs = [crc32c(p) for p in self.payloads[:64]]
-        self.metas = [BlockMeta("bench", rng.bytes(16), b"", 0, "bfloat16", block, block, crcs[i % 64])
-                      for i in range(self.count)]
+        self.metas = [
+            BlockMeta("bench", rng.bytes(16), b"", 0, "bfloat16", block, block, crcs[i % 64]) for i in range(self.count)
+        ]
         self.order = rng.permutation(self.count // PREFIX)
         slots = aligned_buffer(block * PREFIX)  # read into page-aligned slots, as a DRAM arena's are
-        self.dests = [slots[i * block:(i + 1) * block] for i in range(PREFIX)]
+        self.dests = [slots[i * block : (i + 1) * block] for i in range(PREFIX)]
 
     def unaligned(self) -> list[np.ndarray]:
         shifted = np.frombuffer(bytearray(self.pool.nbytes + 8), np.uint8)[8:]
         shifted[:] = self.pool
         b = self.block
-        return [shifted[(i % 64) * b:(i % 64 + 1) * b] for i in range(self.count)]
+        return [shifted[(i % 64) * b : (i % 64 + 1) * b] for i in range(self.count)]
 
     @property
     def nbytes(self) -> int:
@@ -186,8 +195,15 @@ class Workload:
 
 
 # -- (b) the tier ------------------------------------------------------------------------------
-def tier_once(root: Path, w: Workload, *, read: bool = True, policy: str = "direct",
-              payloads: list[np.ndarray] | None = None, per_call: int = PREFIX) -> dict[str, float]:
+def tier_once(
+    root: Path,
+    w: Workload,
+    *,
+    read: bool = True,
+    policy: str = "direct",
+    payloads: list[np.ndarray] | None = None,
+    per_call: int = PREFIX,
+) -> dict[str, float]:
     """Write every block, ``per_call`` blocks per ``write``; then read every prefix in written order, then in
     shuffled order."""
     d = root / "tier"
@@ -197,14 +213,14 @@ def tier_once(root: Path, w: Workload, *, read: bool = True, policy: str = "dire
     locs: list[int] = []
     t0 = time.perf_counter()
     for i in range(0, w.count, per_call):
-        locs += tier.write(w.metas[i:i + per_call], src[i:i + per_call])
+        locs += tier.write(w.metas[i : i + per_call], src[i : i + per_call])
     out = {"w": w.nbytes / (time.perf_counter() - t0) / 1e9}
     if read:
         lengths = [w.block] * PREFIX
         for key, order in (("r", range(w.count // PREFIX)), ("r_shuffled", w.order)):
             t0 = time.perf_counter()
             for p in order:
-                tier.read(locs[p * PREFIX:(p + 1) * PREFIX], lengths, w.dests)
+                tier.read(locs[p * PREFIX : (p + 1) * PREFIX], lengths, w.dests)
             out[key] = w.nbytes / (time.perf_counter() - t0) / 1e9
         assert w.dests[5].tobytes() == w.payloads[int(w.order[-1]) * PREFIX + 5].tobytes()
     tier.close()
@@ -274,7 +290,7 @@ def interleaved_reads(root: Path, w: Workload, fw: Workload) -> dict[str, float]
     tier = NvmeTier(d, w.nbytes * 2 + GiB, segment_bytes=256 * MiB)
     locs: list[int] = []
     for i in range(0, w.count, PREFIX):
-        locs += tier.write(w.metas[i:i + PREFIX], w.payloads[i:i + PREFIX])
+        locs += tier.write(w.metas[i : i + PREFIX], w.payloads[i : i + PREFIX])
     paths, _ = write_files(root / "files", fw)
     drop_page_cache(paths)
     extent = prefix_extent(w.block)
@@ -293,10 +309,12 @@ def interleaved_reads(root: Path, w: Workload, fw: Workload) -> dict[str, float]
     try:
         for i in range(rounds):
             p, q = int(w.order[i]), int(w.order[-1 - i])
-            steps = (("tier", lambda: tier.read(locs[p * PREFIX:(p + 1) * PREFIX], lengths, w.dests)),
-                     ("fpb", lambda: read_files(paths, fw, int(fw.order[i]))),
-                     ("raw", lambda: raw(q)))
-            for name, step in steps[i % 3:] + steps[:i % 3]:  # each goes first in turn
+            steps = (
+                ("tier", lambda: tier.read(locs[p * PREFIX : (p + 1) * PREFIX], lengths, w.dests)),
+                ("fpb", lambda: read_files(paths, fw, int(fw.order[i]))),
+                ("raw", lambda: raw(q)),
+            )
+            for name, step in steps[i % 3 :] + steps[: i % 3]:  # each goes first in turn
                 t0 = time.perf_counter()
                 step()
                 seconds[name] += time.perf_counter() - t0
@@ -307,8 +325,11 @@ def interleaved_reads(root: Path, w: Workload, fw: Workload) -> dict[str, float]
         shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(root / "files", ignore_errors=True)
     payload = rounds * PREFIX * w.block
-    return {"tier": payload / seconds["tier"] / 1e9, "fpb": payload / seconds["fpb"] / 1e9,
-            "raw": rounds * extent / seconds["raw"] / 1e9}
+    return {
+        "tier": payload / seconds["tier"] / 1e9,
+        "fpb": payload / seconds["fpb"] / 1e9,
+        "raw": rounds * extent / seconds["raw"] / 1e9,
+    }
 
 
 # -- recovery ----------------------------------------------------------------------------------------
@@ -322,8 +343,10 @@ def recovery(root: Path, nblocks: int, reps: int = REPS) -> list[dict]:
     tier = NvmeTier(d, 4 * GiB, segment_bytes=256 * MiB)
     for i in range(0, nblocks, 512):
         n = min(512, nblocks - i)
-        tier.write([BlockMeta("bench", rng.bytes(16), b"", 0, "bfloat16", size, size, meta_crc)
-                    for _ in range(n)], [payload] * n)
+        tier.write(
+            [BlockMeta("bench", rng.bytes(16), b"", 0, "bfloat16", size, size, meta_crc) for _ in range(n)],
+            [payload] * n,
+        )
     tier.close()
 
     def reopen(prepare: Callable[[], None]) -> tuple[float, int]:
@@ -344,26 +367,64 @@ def recovery(root: Path, nblocks: int, reps: int = REPS) -> list[dict]:
             p.unlink()
 
     rows = []
-    for case, prep in (("clean close (summaries)", lambda: None), ("crash (active segment scanned)", crash),
-                       ("all summaries lost (full scan)", lose_summaries)):
+    for case, prep in (
+        ("clean close (summaries)", lambda: None),
+        ("crash (active segment scanned)", crash),
+        ("all summaries lost (full scan)", lose_summaries),
+    ):
         runs = [reopen(prep) for _ in range(reps)]
-        rows.append({"recovery": case, "blocks": runs[0][1], "seconds": statistics.median(r[0] for r in runs),
-                     "payload_bytes": size})
+        rows.append(
+            {
+                "recovery": case,
+                "blocks": runs[0][1],
+                "seconds": statistics.median(r[0] for r in runs),
+                "payload_bytes": size,
+            }
+        )
     shutil.rmtree(d, ignore_errors=True)
     return rows
 
 
-COLUMNS = ["block_bytes", "tier_write_gbps", "tier_read_gbps", "raw_write_gbps", "raw_read_gbps",
-           "file_per_block_write_gbps", "file_per_block_read_gbps", "tier_vs_raw_write", "tier_vs_raw_read",
-           "tier_vs_fpb_write", "tier_vs_fpb_read"]
-COLUMNS_MORE = ["block_bytes", "tier_write_prefix_gbps", "tier_vs_raw_write_prefix", "tier_read_shuffled_gbps", "tier_write_fdatasync_gbps",
-                "file_per_block_write_fdatasync_gbps", "tier_vs_fpb_write_fdatasync", "tier_write_copied_gbps"]
-COLUMNS_INTERLEAVED = ["block_bytes", "interleaved_prefixes", "tier_read_interleaved_gbps",
-                       "file_per_block_read_interleaved_gbps", "raw_prefix_read_interleaved_gbps",
-                       "tier_vs_fpb_read_interleaved", "tier_vs_raw_prefix_read_interleaved"]
-COLUMNS_PREFIX_READ = ["block_bytes", "raw_random_prefix_read_gbps", "tier_read_shuffled_gbps",
-                       "tier_vs_raw_random_prefix_read", "file_per_block_read_gbps",
-                       "fpb_read_x3_vs_raw_random_prefix_read"]
+COLUMNS = [
+    "block_bytes",
+    "tier_write_gbps",
+    "tier_read_gbps",
+    "raw_write_gbps",
+    "raw_read_gbps",
+    "file_per_block_write_gbps",
+    "file_per_block_read_gbps",
+    "tier_vs_raw_write",
+    "tier_vs_raw_read",
+    "tier_vs_fpb_write",
+    "tier_vs_fpb_read",
+]
+COLUMNS_MORE = [
+    "block_bytes",
+    "tier_write_prefix_gbps",
+    "tier_vs_raw_write_prefix",
+    "tier_read_shuffled_gbps",
+    "tier_write_fdatasync_gbps",
+    "file_per_block_write_fdatasync_gbps",
+    "tier_vs_fpb_write_fdatasync",
+    "tier_write_copied_gbps",
+]
+COLUMNS_INTERLEAVED = [
+    "block_bytes",
+    "interleaved_prefixes",
+    "tier_read_interleaved_gbps",
+    "file_per_block_read_interleaved_gbps",
+    "raw_prefix_read_interleaved_gbps",
+    "tier_vs_fpb_read_interleaved",
+    "tier_vs_raw_prefix_read_interleaved",
+]
+COLUMNS_PREFIX_READ = [
+    "block_bytes",
+    "raw_random_prefix_read_gbps",
+    "tier_read_shuffled_gbps",
+    "tier_vs_raw_random_prefix_read",
+    "file_per_block_read_gbps",
+    "fpb_read_x3_vs_raw_random_prefix_read",
+]
 
 
 def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int) -> list[dict]:
@@ -387,8 +448,16 @@ def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int) -> list[di
                 add(f"{b}_t{k}", v)
             add(f"{b}_tw_prefix", tier_once(root, work[b], read=False)["w"])
             add(f"{b}_tw_sync", tier_once(root, work[b], read=False, policy="fdatasync")["w"])
-            add(f"{b}_tw_copy", tier_once(root, work[b], read=False, payloads=work[b].unaligned(),
-                                          per_call=max(PREFIX, DEMOTE_BATCH_BYTES // b))["w"])
+            add(
+                f"{b}_tw_copy",
+                tier_once(
+                    root,
+                    work[b],
+                    read=False,
+                    payloads=work[b].unaligned(),
+                    per_call=max(PREFIX, DEMOTE_BATCH_BYTES // b),
+                )["w"],
+            )
             fw, fr = file_per_block_once(root, fpb_work[b])
             add(f"{b}_fw", fw)
             add(f"{b}_fr", fr)
@@ -402,38 +471,53 @@ def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int) -> list[di
     rows = []
     for b in BLOCK_SIZES:
         tw, tr, fw, fr = med[f"{b}_tw"], med[f"{b}_tr"], med[f"{b}_fw"], med[f"{b}_fr"]
-        rows.append({
-            "block_bytes": b, "tier_write_gbps": tw, "tier_read_gbps": tr,
-            "tier_read_shuffled_gbps": med[f"{b}_tr_shuffled"],
-            "raw_write_gbps": med["raw_w"], "raw_read_gbps": med["raw_r"],
-            "file_per_block_write_gbps": fw, "file_per_block_read_gbps": fr,
-            "tier_vs_raw_write": tw / med["raw_w"], "tier_vs_raw_read": tr / med["raw_r"],
-            "tier_vs_fpb_write": tw / fw, "tier_vs_fpb_read": med[f"{b}_tr_shuffled"] / fr,
-            "tier_write_prefix_gbps": med[f"{b}_tw_prefix"],
-            "tier_vs_raw_write_prefix": med[f"{b}_tw_prefix"] / med["raw_w"],
-            "tier_write_fdatasync_gbps": med[f"{b}_tw_sync"],
-            "file_per_block_write_fdatasync_gbps": med[f"{b}_fw_sync"],
-            "tier_vs_fpb_write_fdatasync": med[f"{b}_tw_sync"] / med[f"{b}_fw_sync"],
-            "tier_write_copied_gbps": med[f"{b}_tw_copy"],
-            "raw_random_prefix_read_gbps": med[f"{b}_raw_prefix_r"],
-            "tier_vs_raw_random_prefix_read": med[f"{b}_tr_shuffled"] / med[f"{b}_raw_prefix_r"],
-            "fpb_read_x3_vs_raw_random_prefix_read": 3 * fr / med[f"{b}_raw_prefix_r"],
-            "tier_read_interleaved_gbps": med[f"{b}_ir_tier"],
-            "file_per_block_read_interleaved_gbps": med[f"{b}_ir_fpb"],
-            "raw_prefix_read_interleaved_gbps": med[f"{b}_ir_raw"],
-            "tier_vs_fpb_read_interleaved": med[f"{b}_ir_tier_vs_fpb"],
-            "tier_vs_raw_prefix_read_interleaved": med[f"{b}_ir_tier_vs_raw"],
-            "interleaved_prefixes": min(work[b].count, fpb_work[b].count) // PREFIX,
-            "raw_tool": "fio" if raw is raw_fio else "python", "runs": {k: v for k, v in runs.items()
-                                                                         if k.startswith((f"{b}_", "raw"))},
-        })
+        rows.append(
+            {
+                "block_bytes": b,
+                "tier_write_gbps": tw,
+                "tier_read_gbps": tr,
+                "tier_read_shuffled_gbps": med[f"{b}_tr_shuffled"],
+                "raw_write_gbps": med["raw_w"],
+                "raw_read_gbps": med["raw_r"],
+                "file_per_block_write_gbps": fw,
+                "file_per_block_read_gbps": fr,
+                "tier_vs_raw_write": tw / med["raw_w"],
+                "tier_vs_raw_read": tr / med["raw_r"],
+                "tier_vs_fpb_write": tw / fw,
+                "tier_vs_fpb_read": med[f"{b}_tr_shuffled"] / fr,
+                "tier_write_prefix_gbps": med[f"{b}_tw_prefix"],
+                "tier_vs_raw_write_prefix": med[f"{b}_tw_prefix"] / med["raw_w"],
+                "tier_write_fdatasync_gbps": med[f"{b}_tw_sync"],
+                "file_per_block_write_fdatasync_gbps": med[f"{b}_fw_sync"],
+                "tier_vs_fpb_write_fdatasync": med[f"{b}_tw_sync"] / med[f"{b}_fw_sync"],
+                "tier_write_copied_gbps": med[f"{b}_tw_copy"],
+                "raw_random_prefix_read_gbps": med[f"{b}_raw_prefix_r"],
+                "tier_vs_raw_random_prefix_read": med[f"{b}_tr_shuffled"] / med[f"{b}_raw_prefix_r"],
+                "fpb_read_x3_vs_raw_random_prefix_read": 3 * fr / med[f"{b}_raw_prefix_r"],
+                "tier_read_interleaved_gbps": med[f"{b}_ir_tier"],
+                "file_per_block_read_interleaved_gbps": med[f"{b}_ir_fpb"],
+                "raw_prefix_read_interleaved_gbps": med[f"{b}_ir_raw"],
+                "tier_vs_fpb_read_interleaved": med[f"{b}_ir_tier_vs_fpb"],
+                "tier_vs_raw_prefix_read_interleaved": med[f"{b}_ir_tier_vs_raw"],
+                "interleaved_prefixes": min(work[b].count, fpb_work[b].count) // PREFIX,
+                "raw_tool": "fio" if raw is raw_fio else "python",
+                "runs": {k: v for k, v in runs.items() if k.startswith((f"{b}_", "raw"))},
+            }
+        )
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args("NVMe tier vs raw disk vs file-per-block", argv, configure=lambda p: p.add_argument(
-        "--dir", type=Path, default=Path("/var/tmp/kvstore-bench-disk"),
-        help="scratch directory on the disk under test (not tmpfs); removed afterwards"))
+    args = parse_args(
+        "NVMe tier vs raw disk vs file-per-block",
+        argv,
+        configure=lambda p: p.add_argument(
+            "--dir",
+            type=Path,
+            default=Path("/var/tmp/kvstore-bench-disk"),
+            help="scratch directory on the disk under test (not tmpfs); removed afterwards",
+        ),
+    )
     if args.out is None:
         args.out = Path("bench/results/disk.json")
     root: Path = args.dir
@@ -443,25 +527,41 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rows = bandwidth(root, total, fpb_total, raw_total=128 * MiB if args.quick else 2 * GiB)
         for r in recovery(root, 100_000, reps=1 if args.quick else REPS):
-            rows.append({"block_bytes": r["payload_bytes"], "recovery": r["recovery"],
-                         "recovery_blocks": r["blocks"], "recovery_seconds": r["seconds"]})
+            rows.append(
+                {
+                    "block_bytes": r["payload_bytes"],
+                    "recovery": r["recovery"],
+                    "recovery_blocks": r["blocks"],
+                    "recovery_seconds": r["seconds"],
+                }
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     bw = [r for r in rows if "tier_write_gbps" in r]
-    print(f"NVMe tier vs raw disk ({bw[0]['raw_tool']}, 1 MiB O_DIRECT, qd 1) vs file-per-block; "
-          f"GB/s of payload, median of {REPS}, interleaved")
+    print(
+        f"NVMe tier vs raw disk ({bw[0]['raw_tool']}, 1 MiB O_DIRECT, qd 1) vs file-per-block; "
+        f"GB/s of payload, median of {REPS}, interleaved"
+    )
     print(format_table(bw, COLUMNS))
-    print("\nTier reading prefixes in shuffled order (file-per-block reads in that order too); acknowledged after "
-          "fdatasync (power-loss durable); fed from unaligned memory (copied once):")
+    print(
+        "\nTier reading prefixes in shuffled order (file-per-block reads in that order too); acknowledged after "
+        "fdatasync (power-loss durable); fed from unaligned memory (copied once):"
+    )
     print(format_table(bw, COLUMNS_MORE))
-    print("\nShuffled prefix reads against the disk reading the same extents (one prefix's records) at shuffled "
-          "offsets, queue depth 1 (fpb_read_x3_vs_...: > 1 means 3x file-per-block is beyond the disk):")
+    print(
+        "\nShuffled prefix reads against the disk reading the same extents (one prefix's records) at shuffled "
+        "offsets, queue depth 1 (fpb_read_x3_vs_...: > 1 means 3x file-per-block is beyond the disk):"
+    )
     print(format_table(bw, COLUMNS_PREFIX_READ))
-    print("\nThe same three reads taken in turn, prefix by prefix (tier, file-per-block, raw extent of the tier's "
-          "segment files), so all see the disk in the same state:")
+    print(
+        "\nThe same three reads taken in turn, prefix by prefix (tier, file-per-block, raw extent of the tier's "
+        "segment files), so all see the disk in the same state:"
+    )
     print(format_table(bw, COLUMNS_INTERLEAVED))
-    print(f"\nRecovery of 100,000 blocks (4 KiB payloads, 8 KiB records), "
-          f"{'one run (--quick)' if args.quick else f'median of {REPS}'}:")
+    print(
+        f"\nRecovery of 100,000 blocks (4 KiB payloads, 8 KiB records), "
+        f"{'one run (--quick)' if args.quick else f'median of {REPS}'}:"
+    )
     print(format_table([r for r in rows if "recovery" in r], ["recovery", "recovery_blocks", "recovery_seconds"]))
     write_json(args.out, rows, args, bench="disk")
     print(f"wrote {len(rows)} rows to {args.out}")

@@ -24,6 +24,7 @@ It runs, in order, and prints one table (every row also as JSON):
 `--dry-run` prints this plan and what this machine has (torch, CUDA, kvikio)
 without touching a device.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,12 +35,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-TEST_FILES = ["tests/test_devices.py", "tests/test_cuda_lane.py", "tests/test_nvme_kvikio.py", "tests/test_gds.py",
-              "tests/test_lanes_roundtrip.py"]
+TEST_FILES = [
+    "tests/test_devices.py",
+    "tests/test_cuda_lane.py",
+    "tests/test_nvme_kvikio.py",
+    "tests/test_gds.py",
+    "tests/test_lanes_roundtrip.py",
+]
 
 
 def environment() -> dict[str, Any]:
@@ -47,8 +54,11 @@ def environment() -> dict[str, Any]:
     try:
         import torch
 
-        info.update(torch=torch.__version__, cuda=torch.cuda.is_available(),
-                    device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+        info.update(
+            torch=torch.__version__,
+            cuda=torch.cuda.is_available(),
+            device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        )
     except ImportError:
         info.update(torch=None, cuda=False)
     try:
@@ -77,15 +87,26 @@ def gbps(fn: Callable[[], Any], nbytes: int, reps: int) -> float:
 
 def run_tests(log: Path) -> list[dict]:
     t0 = time.perf_counter()
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TEST_FILES],
-                           cwd=ROOT, capture_output=True, text=True, timeout=240)
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TEST_FILES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(tests.stdout + tests.stderr)
     lines = tests.stdout.strip().splitlines()
     failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
-    return [{"check": "pytest " + " ".join(TEST_FILES), "passed": tests.returncode == 0,
-             "summary": lines[-1] if lines else tests.stderr[-500:], "failures": failed[:10],
-             "seconds": round(time.perf_counter() - t0, 1)}]
+    return [
+        {
+            "check": "pytest " + " ".join(TEST_FILES),
+            "passed": tests.returncode == 0,
+            "summary": lines[-1] if lines else tests.stderr[-500:],
+            "failures": failed[:10],
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+    ]
 
 
 def _metas(n: int, block: int, tag: str) -> list:
@@ -133,7 +154,7 @@ def hbm_dram(n: int, block: int, reps: int) -> list[dict]:
     crc_rows = []
     from kvstore.crc_gpu import gpu_crc32c
 
-    gpu, blocks = gpu_crc32c(), [dev[i * block:(i + 1) * block] for i in range(n)]
+    gpu, blocks = gpu_crc32c(), [dev[i * block : (i + 1) * block] for i in range(n)]
     if gpu is not None:
         from kvstore.checksum import crc32c
 
@@ -142,14 +163,26 @@ def hbm_dram(n: int, block: int, reps: int) -> list[dict]:
             torch.cuda.synchronize()
             view = memoryview(pinned.numpy())
             for i in range(n):
-                crc32c(view[i * block:(i + 1) * block])
+                crc32c(view[i * block : (i + 1) * block])
 
-        crc_rows.append({"check": f"crc32c of {n} x {block >> 20} MiB on the GPU", "gbps": gbps(lambda: gpu.crcs(blocks),
-                         total, reps), "baseline": "d2h + CPU crc32c", "baseline_gbps": gbps(on_host, total, reps)})
-    return crc_rows + [{"check": "hbm tier write (from pinned host)", "gbps": w, "baseline": "h2d copy_", "baseline_gbps": h2d},
-            {"check": "hbm tier read (to pinned host)", "gbps": r, "baseline": "d2h copy_", "baseline_gbps": d2h},
-            {"check": f"store demotion hbm->dram ({moved >> 20} MiB)", "gbps": demote, "baseline": "d2h copy_",
-             "baseline_gbps": d2h}]
+        crc_rows.append(
+            {
+                "check": f"crc32c of {n} x {block >> 20} MiB on the GPU",
+                "gbps": gbps(lambda: gpu.crcs(blocks), total, reps),
+                "baseline": "d2h + CPU crc32c",
+                "baseline_gbps": gbps(on_host, total, reps),
+            }
+        )
+    return crc_rows + [
+        {"check": "hbm tier write (from pinned host)", "gbps": w, "baseline": "h2d copy_", "baseline_gbps": h2d},
+        {"check": "hbm tier read (to pinned host)", "gbps": r, "baseline": "d2h copy_", "baseline_gbps": d2h},
+        {
+            "check": f"store demotion hbm->dram ({moved >> 20} MiB)",
+            "gbps": demote,
+            "baseline": "d2h copy_",
+            "baseline_gbps": d2h,
+        },
+    ]
 
 
 def nvme(n: int, block: int, reps: int) -> list[dict]:
@@ -170,7 +203,7 @@ def nvme(n: int, block: int, reps: int) -> list[dict]:
         with tempfile.TemporaryDirectory(dir=os.environ.get("KVSTORE_GPU_CHECK_DIR", "/var/tmp")) as d:
             tier = NvmeTier(d, total * (reps + 3) * 2, segment_bytes=256 << 20, backend=backend)
             staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-            host = [staging[i * block:(i + 1) * block] for i in range(n)]
+            host = [staging[i * block : (i + 1) * block] for i in range(n)]
             metas = _metas(n, block, "gds")
             locs: list[int] = []
 
@@ -195,8 +228,10 @@ def nvme(n: int, block: int, reps: int) -> list[dict]:
 
             w, r = gbps(write, total, reps), gbps(read, total, reps)
             exact = all(torch.equal(a, b) for a, b in zip(outs, dev))
-            rows += [{"check": f"nvme write {name}", "gbps": w, "backend": tier.stats().backend, "exact": exact},
-                     {"check": f"nvme read {name}", "gbps": r, "backend": tier.stats().backend, "exact": exact}]
+            rows += [
+                {"check": f"nvme write {name}", "gbps": w, "backend": tier.stats().backend, "exact": exact},
+                {"check": f"nvme read {name}", "gbps": r, "backend": tier.stats().backend, "exact": exact},
+            ]
             tier.close()
     return rows
 
@@ -208,7 +243,10 @@ def _latency(fn: Callable[[], Any], n: int = 50) -> dict[str, float]:
         fn()
         times.append(time.perf_counter() - t0)
     times.sort()
-    return {"p50_ms": round(statistics.median(times) * 1e3, 3), "p99_ms": round(times[int(len(times) * 0.99) - 1] * 1e3, 3)}
+    return {
+        "p50_ms": round(statistics.median(times) * 1e3, 3),
+        "p99_ms": round(times[int(len(times) * 0.99) - 1] * 1e3, 3),
+    }
 
 
 def cuda_ipc_lane(n: int, block: int, reps: int) -> list[dict]:
@@ -219,8 +257,18 @@ def cuda_ipc_lane(n: int, block: int, reps: int) -> list[dict]:
 
     total = n * block
     rows = []
-    args = ("--hbm", "8GiB", "--dram", "2GiB", "--max-block", "32MiB",  # room for every round: no eviction
-            "--cuda-lane-bytes", f"{max(total, 64 << 20)}", "--shm-lane-bytes", f"{max(total, 64 << 20)}")
+    args = (
+        "--hbm",
+        "8GiB",
+        "--dram",
+        "2GiB",
+        "--max-block",
+        "32MiB",  # room for every round: no eviction
+        "--cuda-lane-bytes",
+        f"{max(total, 64 << 20)}",
+        "--shm-lane-bytes",
+        f"{max(total, 64 << 20)}",
+    )
     with store_process(*args, timeout=90) as (target, _):
         for size, count in ((block, n), (16 << 20, max(1, total // (16 << 20)))):
             blocks = [torch.randn(size // 2, device="cuda").to(torch.bfloat16) for _ in range(count)]
@@ -244,15 +292,35 @@ def cuda_ipc_lane(n: int, block: int, reps: int) -> list[dict]:
                     exact = all(torch.equal(a, b) for a, b in zip(outs, blocks))
                     used = kv._device_lanes.kind if lane == "auto" else f"{kv.lane_kind}+staging"
                     what = f"{size >> 20} MiB x{count}"
-                    rows += [{"check": f"lane {used} put {what}", "gbps": put, "exact": exact,
-                              "baseline": "d2d copy_", "baseline_gbps": d2d},
-                             {"check": f"lane {used} get {what}", "gbps": get, "exact": exact,
-                              "baseline": "d2d copy_", "baseline_gbps": d2d}]
+                    rows += [
+                        {
+                            "check": f"lane {used} put {what}",
+                            "gbps": put,
+                            "exact": exact,
+                            "baseline": "d2d copy_",
+                            "baseline_gbps": d2d,
+                        },
+                        {
+                            "check": f"lane {used} get {what}",
+                            "gbps": get,
+                            "exact": exact,
+                            "baseline": "d2d copy_",
+                            "baseline_gbps": d2d,
+                        },
+                    ]
                     if size == block:
-                        rows.append({"check": f"lane {used} single {size >> 20} MiB get latency",
-                                     **_latency(lambda: kv.get("gpu", keys[:1], out=outs[:1]))})
-                        rows.append({"check": "grpc Lookup of one hash (the RPC floor)",
-                                     **_latency(lambda: kv.lookup("gpu", keys[:1]))})
+                        rows.append(
+                            {
+                                "check": f"lane {used} single {size >> 20} MiB get latency",
+                                **_latency(lambda: kv.get("gpu", keys[:1], out=outs[:1])),
+                            }
+                        )
+                        rows.append(
+                            {
+                                "check": "grpc Lookup of one hash (the RPC floor)",
+                                **_latency(lambda: kv.lookup("gpu", keys[:1])),
+                            }
+                        )
     return rows
 
 
@@ -275,9 +343,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     n, block, reps = (16, 2 << 20, 3) if args.quick else (64, 2 << 20, 5)
     rows: list[dict] = [{"check": "environment", **env}]
-    steps: list[tuple[str, Callable[[], list[dict]]]] = [] if args.skip_tests else [("tests", lambda: run_tests(args.out.with_suffix(".pytest.txt")))]
-    steps += [("hbm_dram", lambda: hbm_dram(n, block, reps)), ("nvme", lambda: nvme(n, block, reps)),
-              ("cuda_ipc", lambda: cuda_ipc_lane(n, block, reps))]
+    steps: list[tuple[str, Callable[[], list[dict]]]] = (
+        [] if args.skip_tests else [("tests", lambda: run_tests(args.out.with_suffix(".pytest.txt")))]
+    )
+    steps += [
+        ("hbm_dram", lambda: hbm_dram(n, block, reps)),
+        ("nvme", lambda: nvme(n, block, reps)),
+        ("cuda_ipc", lambda: cuda_ipc_lane(n, block, reps)),
+    ]
     for name, fn in steps:
         t0 = time.perf_counter()
         try:
@@ -285,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # noqa: BLE001 - one failing check must not hide the others
             import traceback
 
-            got = [{"check": name, "error": f"{type(err).__name__}: {err}",
-                    "trace": traceback.format_exc()[-1500:]}]
+            got = [{"check": name, "error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-1500:]}]
         for r in got:
             print(json.dumps(r), flush=True)
         print(f"# {name}: {time.perf_counter() - t0:.1f} s", flush=True)

@@ -26,6 +26,7 @@ Verbs and promises:
 Needs root (CAP_NET_ADMIN) and the ``ip`` and ``tc`` tools; ``available()``
 says whether this host can make one.
 """
+
 from __future__ import annotations
 
 import os
@@ -79,8 +80,10 @@ class Link:
         _run("ip", "netns", "add", self.server_ns)
         _run("ip", "netns", "add", self.client_ns)
         _run("ip", "link", "add", self.server_dev, "type", "veth", "peer", "name", self.client_dev)
-        for dev, ns, ip in ((self.server_dev, self.server_ns, self.server_ip),
-                            (self.client_dev, self.client_ns, self.client_ip)):
+        for dev, ns, ip in (
+            (self.server_dev, self.server_ns, self.server_ip),
+            (self.client_dev, self.client_ns, self.client_ip),
+        ):
             _run("ip", "link", "set", dev, "netns", ns)
             _run("ip", "-n", ns, "addr", "add", f"{ip}/{PREFIX}", "dev", dev)
             _run("ip", "-n", ns, "link", "set", dev, "up")

@@ -24,6 +24,7 @@ Rows: ``get_nvme_p50_ms``, ``get_dram_p50_ms``, ``raw_extent_p50_ms``,
 payload. Only this machine's disk is measured; a real NVMe drive changes the
 ``raw`` column, not what the store adds on top of it.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,6 +33,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
 import numpy as np
 from tqdm import tqdm
 
@@ -84,10 +86,23 @@ def measure(block: int, count: int, lane: str, root: Path, bar: tqdm) -> dict:
     nvme_dir = root / f"nvme-{block}"
     dram_needed = count * PREFIX * block * 5 // 4 + 64 * MiB
     cold_dram = max(32 * MiB, 3 * PREFIX * block)  # room to promote a Get's blocks; most prefixes only on NVMe
-    with store_process("--dram", f"{cold_dram >> 20}MiB", "--nvme-dir", str(nvme_dir), "--nvme", "8GiB", "--write-policy",
-                       "write-through", "--shm-direct", "true") as (cold_target, _), \
-            store_process("--dram", f"{dram_needed >> 20}MiB", "--shm-direct", "true") as (warm_target, _), \
-            Client(cold_target, timeout=120, lane=lane) as cold, Client(warm_target, timeout=120, lane=lane) as warm:
+    with (
+        store_process(
+            "--dram",
+            f"{cold_dram >> 20}MiB",
+            "--nvme-dir",
+            str(nvme_dir),
+            "--nvme",
+            "8GiB",
+            "--write-policy",
+            "write-through",
+            "--shm-direct",
+            "true",
+        ) as (cold_target, _),
+        store_process("--dram", f"{dram_needed >> 20}MiB", "--shm-direct", "true") as (warm_target, _),
+        Client(cold_target, timeout=120, lane=lane) as cold,
+        Client(warm_target, timeout=120, lane=lane) as warm,
+    ):
         prefixes = write_prefixes(cold, block, count, rng)
         warm_prefixes = write_prefixes(warm, block, count, np.random.default_rng(block))
         raw = RawExtents(root / f"raw-{block}.bin", block, count, rng)
@@ -96,10 +111,12 @@ def measure(block: int, count: int, lane: str, root: Path, bar: tqdm) -> dict:
         order = [int(i) for i in rng.permutation(count)]
         try:
             for i, p in enumerate(order):
-                steps = (("nvme", lambda: cold.get("bench", prefixes[p], out=out)),
-                         ("dram", lambda: warm.get("bench", warm_prefixes[p], out=out)),
-                         ("raw", lambda: raw.read(i)))
-                for name, step in steps[i % 3:] + steps[:i % 3]:
+                steps = (
+                    ("nvme", lambda: cold.get("bench", prefixes[p], out=out)),
+                    ("dram", lambda: warm.get("bench", warm_prefixes[p], out=out)),
+                    ("raw", lambda: raw.read(i)),
+                )
+                for name, step in steps[i % 3 :] + steps[: i % 3]:
                     t0 = time.perf_counter()
                     step()
                     times[name].append(time.perf_counter() - t0)
@@ -109,19 +126,31 @@ def measure(block: int, count: int, lane: str, root: Path, bar: tqdm) -> dict:
         tiers = {t["name"]: t for t in cold.stats()["tiers"]}
     p50 = {k: statistics.median(v) for k, v in times.items()}
     payload = PREFIX * block
-    return {"block_bytes": block, "lane": lane, "prefixes": count,
-            "get_nvme_p50_ms": p50["nvme"] * 1e3, "get_dram_p50_ms": p50["dram"] * 1e3,
-            "raw_extent_p50_ms": p50["raw"] * 1e3, "nvme_vs_raw": p50["raw"] / p50["nvme"],
-            "get_nvme_gbps": payload / p50["nvme"] / 1e9, "get_dram_gbps": payload / p50["dram"] / 1e9,
-            "raw_extent_gbps": PREFIX * record_bytes(block) / p50["raw"] / 1e9,
-            "nvme_hits": tiers["nvme"]["hits"], "dram_hits": tiers["dram"]["hits"]}
+    return {
+        "block_bytes": block,
+        "lane": lane,
+        "prefixes": count,
+        "get_nvme_p50_ms": p50["nvme"] * 1e3,
+        "get_dram_p50_ms": p50["dram"] * 1e3,
+        "raw_extent_p50_ms": p50["raw"] * 1e3,
+        "nvme_vs_raw": p50["raw"] / p50["nvme"],
+        "get_nvme_gbps": payload / p50["nvme"] / 1e9,
+        "get_dram_gbps": payload / p50["dram"] / 1e9,
+        "raw_extent_gbps": PREFIX * record_bytes(block) / p50["raw"] / 1e9,
+        "nvme_hits": tiers["nvme"]["hits"],
+        "dram_hits": tiers["dram"]["hits"],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     def configure(p):
         p.add_argument("--lane", default="auto", choices=("auto", "shm", "tcp", "grpc"), help="the client's data lane")
-        p.add_argument("--dir", type=Path, default=Path("/var/tmp"),
-                       help="where the stores keep their NVMe tiers (a disk, not tmpfs); removed afterwards")
+        p.add_argument(
+            "--dir",
+            type=Path,
+            default=Path("/var/tmp"),
+            help="where the stores keep their NVMe tiers (a disk, not tmpfs); removed afterwards",
+        )
 
     args = parse_args("Gets of prefixes cached on NVMe through a kvstore serve process", argv, configure)
     sizes = {64 << 10: 48, 512 << 10: 12, 2 << 20: 6} if args.quick else {64 << 10: 256, 512 << 10: 48, 2 << 20: 16}
@@ -132,11 +161,28 @@ def main(argv: list[str] | None = None) -> None:
             rows = [measure(block, count, args.lane, root, bar) for block, count in sizes.items()]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print("Prefix Gets (32 blocks) through a kvstore serve process, p50, taken in turn with a raw read of the same "
-          f"size from the store's segment files; lane {args.lane}:")
-    print(format_table(rows, ["block_bytes", "prefixes", "get_nvme_p50_ms", "get_dram_p50_ms", "raw_extent_p50_ms",
-                              "nvme_vs_raw", "get_nvme_gbps", "get_dram_gbps", "raw_extent_gbps",
-                              "nvme_hits", "dram_hits"]))
+    print(
+        "Prefix Gets (32 blocks) through a kvstore serve process, p50, taken in turn with a raw read of the same "
+        f"size from the store's segment files; lane {args.lane}:"
+    )
+    print(
+        format_table(
+            rows,
+            [
+                "block_bytes",
+                "prefixes",
+                "get_nvme_p50_ms",
+                "get_dram_p50_ms",
+                "raw_extent_p50_ms",
+                "nvme_vs_raw",
+                "get_nvme_gbps",
+                "get_dram_gbps",
+                "raw_extent_gbps",
+                "nvme_hits",
+                "dram_hits",
+            ],
+        )
+    )
     if args.out:
         write_json(args.out, rows, args, bench="nvme_get")
         print(f"wrote {len(rows)} rows to {args.out}")

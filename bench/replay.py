@@ -29,6 +29,7 @@ JSON (``--out``): ``rows`` hold ``{"capacity_frac", "policy" ("kvstore",
 "lru", "belady"), "hit_rate", ...}`` (DESIGN 2.4); ``variants``, ``tiers``
 and ``trace`` hold the rest.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,23 +37,37 @@ import json
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
 from bench.common import Row, format_table, parse_args, write_json
-from bench.replay_sim import (LLAMA3_8B_BF16, ReplayResult, StoreSetup, Trace, belady_hit_rate, block_keys,
-                              lifetime_oracle_hit_rate, load_trace, lru_hit_rate, popularity_oracle_hit_rate,
-                              replay_store)
+from bench.replay_sim import (
+    LLAMA3_8B_BF16,
+    ReplayResult,
+    StoreSetup,
+    Trace,
+    belady_hit_rate,
+    block_keys,
+    lifetime_oracle_hit_rate,
+    load_trace,
+    lru_hit_rate,
+    popularity_oracle_hit_rate,
+    replay_store,
+)
 from kvstore.store.policies import DEFAULT_POLICY
 from kvstore.tiers.base import DRAM, NVME
 
 _ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = next((p for p in (_ROOT / "shared", _ROOT.parent / "shared") if p.is_dir()),
-                     _ROOT.parent / "shared") / "traces" / "synthetic_trace.jsonl"
+DEFAULT_TRACE = (
+    next((p for p in (_ROOT / "shared", _ROOT.parent / "shared") if p.is_dir()), _ROOT.parent / "shared")
+    / "traces"
+    / "synthetic_trace.jsonl"
+)
 FULL_CAPACITIES = (0.02, 0.05, 0.1, 0.2, 0.5)
 QUICK_CAPACITIES = (0.05, 0.1)
 QUICK_REQUESTS = 2000
@@ -64,7 +79,7 @@ NVME_ADMIT2 = f"{DEFAULT_POLICY}+nvme-admit2"  # the two-tier store demoting onl
 class Job:
     """One store replay: which table it feeds, its label and its setup."""
 
-    kind: str            # "headline", "variant" or "tiers"
+    kind: str  # "headline", "variant" or "tiers"
     label: str
     capacity_frac: float
     setup: StoreSetup
@@ -114,8 +129,10 @@ def run_jobs(trace: Trace, jobs: list[Job], workers: int) -> list[tuple[Job, Rep
     progress = ctx.Value("q", 0)
     total = len(jobs) * len(trace.requests)
     results: list[tuple[Job, ReplayResult]] = []
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(progress, trace)) as pool, \
-            tqdm(total=total, unit="req", desc=f"replaying {len(jobs)} store runs", smoothing=0.1) as bar:
+    with (
+        ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(progress, trace)) as pool,
+        tqdm(total=total, unit="req", desc=f"replaying {len(jobs)} store runs", smoothing=0.1) as bar,
+    ):
         pending = {pool.submit(_run_job, job) for job in jobs}
         while pending:
             done, pending = wait(pending, timeout=0.5)
@@ -130,8 +147,9 @@ def gap_closed(kvstore: float, lru: float, belady: float) -> float:
     return (kvstore - lru) / (belady - lru) if belady > lru else float("nan")
 
 
-def build_tables(trace: Trace, capacities: Sequence[float], results: list[tuple[Job, ReplayResult]],
-                 block_bytes: int) -> tuple[list[Row], list[Row], list[Row], list[Row]]:
+def build_tables(
+    trace: Trace, capacities: Sequence[float], results: list[tuple[Job, ReplayResult]], block_bytes: int
+) -> tuple[list[Row], list[Row], list[Row], list[Row]]:
     by = {(j.kind, j.label, j.capacity_frac): r for j, r in results}
     rows: list[Row] = []
     summary: list[Row] = []
@@ -145,30 +163,63 @@ def build_tables(trace: Trace, capacities: Sequence[float], results: list[tuple[
         common = {"capacity_frac": frac, "capacity_blocks": blocks, "capacity_bytes": blocks * block_bytes}
         gap = gap_closed(store.hit_rate, lru, belady)
         rows += [
-            {**common, "policy": "kvstore", "hit_rate": store.hit_rate, "eviction_policy": DEFAULT_POLICY,
-             "gap_to_belady": belady - store.hit_rate, "gap_closed": gap, "seconds": round(store.seconds, 2),
-             "index_bytes": store.index_bytes},
+            {
+                **common,
+                "policy": "kvstore",
+                "hit_rate": store.hit_rate,
+                "eviction_policy": DEFAULT_POLICY,
+                "gap_to_belady": belady - store.hit_rate,
+                "gap_closed": gap,
+                "seconds": round(store.seconds, 2),
+                "index_bytes": store.index_bytes,
+            },
             {**common, "policy": "lru", "hit_rate": lru},
             {**common, "policy": "belady", "hit_rate": belady},
         ]
         leaf, admit = by[("variant", "leaf-lru", frac)], by[("variant", "admit2", frac)]
-        variants += [{**common, "policy": label, "hit_rate": r.hit_rate, "gap_closed": gap_closed(r.hit_rate, lru, belady)}
-                     for label, r in (("leaf-lru", leaf), ("admit2", admit))]
+        variants += [
+            {**common, "policy": label, "hit_rate": r.hit_rate, "gap_closed": gap_closed(r.hit_rate, lru, belady)}
+            for label, r in (("leaf-lru", leaf), ("admit2", admit))
+        ]
         oracle = popularity_oracle_hit_rate(trace.requests, blocks)
         lifetime = lifetime_oracle_hit_rate(trace.requests, blocks)
-        variants += [{**common, "policy": label, "hit_rate": rate, "gap_closed": gap_closed(rate, lru, belady)}
-                     for label, rate in (("popularity-oracle", oracle), ("lifetime-oracle", lifetime))]
-        summary.append({"cap": frac, "blocks": blocks, "GiB": blocks * block_bytes / GIB, "lru": lru,
-                        "kvstore": store.hit_rate, "belady": belady, "to_belady": belady - store.hit_rate,
-                        "gap_closed": gap, "leaf-lru": leaf.hit_rate, "admit2": admit.hit_rate,
-                        "pop-oracle": oracle, "life-oracle": lifetime})
+        variants += [
+            {**common, "policy": label, "hit_rate": rate, "gap_closed": gap_closed(rate, lru, belady)}
+            for label, rate in (("popularity-oracle", oracle), ("lifetime-oracle", lifetime))
+        ]
+        summary.append(
+            {
+                "cap": frac,
+                "blocks": blocks,
+                "GiB": blocks * block_bytes / GIB,
+                "lru": lru,
+                "kvstore": store.hit_rate,
+                "belady": belady,
+                "to_belady": belady - store.hit_rate,
+                "gap_closed": gap,
+                "leaf-lru": leaf.hit_rate,
+                "admit2": admit.hit_rate,
+                "pop-oracle": oracle,
+                "life-oracle": lifetime,
+            }
+        )
         for name in (DEFAULT_POLICY, "lru", NVME_ADMIT2):
             r = by[("tiers", name, frac)]
-            tiers.append({"capacity_frac": frac, "policy": name, "dram_blocks": r.setup.dram_blocks,
-                          "nvme_blocks": r.setup.nvme_blocks, "dram_hit": r.tier_hit_rate(DRAM),
-                          "nvme_hit": r.tier_hit_rate(NVME), "hit_rate": r.hit_rate,
-                          "put_GiB": r.bytes_put / GIB, "demoted_GiB": r.bytes_demoted / GIB,
-                          "promoted_GiB": r.bytes_promoted / GIB, "nvme_read_GiB": r.hits_by_rank[NVME] * block_bytes / GIB})
+            tiers.append(
+                {
+                    "capacity_frac": frac,
+                    "policy": name,
+                    "dram_blocks": r.setup.dram_blocks,
+                    "nvme_blocks": r.setup.nvme_blocks,
+                    "dram_hit": r.tier_hit_rate(DRAM),
+                    "nvme_hit": r.tier_hit_rate(NVME),
+                    "hit_rate": r.hit_rate,
+                    "put_GiB": r.bytes_put / GIB,
+                    "demoted_GiB": r.bytes_demoted / GIB,
+                    "promoted_GiB": r.bytes_promoted / GIB,
+                    "nvme_read_GiB": r.hits_by_rank[NVME] * block_bytes / GIB,
+                }
+            )
     return rows, summary, variants, tiers
 
 
@@ -182,12 +233,23 @@ def plot(path: Path, summary: list[Row], tiers: list[Row], title: str) -> None:
 
     caps = [s["cap"] for s in summary]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, style in (("belady", "k-"), ("life-oracle", "k--"), ("pop-oracle", "k:"), ("kvstore", "C0-o"),
-                       ("lru", "C3-s"), ("leaf-lru", "C2:"), ("admit2", "C1:")):
+    for key, style in (
+        ("belady", "k-"),
+        ("life-oracle", "k--"),
+        ("pop-oracle", "k:"),
+        ("kvstore", "C0-o"),
+        ("lru", "C3-s"),
+        ("leaf-lru", "C2:"),
+        ("admit2", "C1:"),
+    ):
         label = f"kvstore ({DEFAULT_POLICY})" if key == "kvstore" else key
         left.plot(caps, [s[key] for s in summary], style, label=label, lw=2 if style[-1] in "-os" else 1.2)
-    left.set(xscale="log", xlabel="capacity (fraction of distinct blocks)", ylabel="prefix hit rate",
-             title="one tier: policy vs LRU and Belady")
+    left.set(
+        xscale="log",
+        xlabel="capacity (fraction of distinct blocks)",
+        ylabel="prefix hit rate",
+        title="one tier: policy vs LRU and Belady",
+    )
     left.set_xticks(caps, [f"{c:g}" for c in caps])
     left.xaxis.set_minor_formatter(NullFormatter())
     left.grid(alpha=0.3)
@@ -197,8 +259,11 @@ def plot(path: Path, summary: list[Row], tiers: list[Row], title: str) -> None:
     right.bar(x, [t["dram_hit"] for t in mine], label="DRAM hits")
     right.bar(x, [t["nvme_hit"] for t in mine], bottom=[t["dram_hit"] for t in mine], label="NVMe hits")
     right.set_xticks(list(x), [f"{t['capacity_frac']:g}" for t in mine])
-    right.set(xlabel="DRAM capacity (fraction; NVMe below it)", ylabel="prefix hit rate",
-              title=f"two tiers ({DEFAULT_POLICY}): hits per tier")
+    right.set(
+        xlabel="DRAM capacity (fraction; NVMe below it)",
+        ylabel="prefix hit rate",
+        title=f"two tiers ({DEFAULT_POLICY}): hits per tier",
+    )
     right.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -209,11 +274,19 @@ def plot(path: Path, summary: list[Row], tiers: list[Row], title: str) -> None:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake FAST'25 JSONL trace")
-    parser.add_argument("--capacities", type=lambda s: tuple(float(x) for x in s.split(",")), default=None,
-                        help="capacities as fractions of the trace's distinct blocks "
-                             f"(default {','.join(map(str, FULL_CAPACITIES))}; --quick: {','.join(map(str, QUICK_CAPACITIES))})")
-    parser.add_argument("--requests", type=int, default=None,
-                        help=f"replay only the first N requests (default all; --quick: {QUICK_REQUESTS})")
+    parser.add_argument(
+        "--capacities",
+        type=lambda s: tuple(float(x) for x in s.split(",")),
+        default=None,
+        help="capacities as fractions of the trace's distinct blocks "
+        f"(default {','.join(map(str, FULL_CAPACITIES))}; --quick: {','.join(map(str, QUICK_CAPACITIES))})",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"replay only the first N requests (default all; --quick: {QUICK_REQUESTS})",
+    )
     parser.add_argument("--nvme-multiple", type=float, default=4.0, help="NVMe tier size as a multiple of DRAM")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="write the figure here")
@@ -231,11 +304,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     results = run_jobs(trace, jobs, max(1, min(args.jobs, len(jobs))))
     rows, summary, variants, tiers = build_tables(trace, capacities, results, block_bytes)
-    head = (f"{args.trace.name}: {len(trace.requests)} requests, {trace.total_blocks} blocks, "
-            f"{trace.distinct_blocks} distinct; {LLAMA3_8B_BF16.name}: {block_bytes >> 20} MiB per block")
+    head = (
+        f"{args.trace.name}: {len(trace.requests)} requests, {trace.total_blocks} blocks, "
+        f"{trace.distinct_blocks} distinct; {LLAMA3_8B_BF16.name}: {block_bytes >> 20} MiB per block"
+    )
     print(head)
-    print(f"\nPrefix hit rate, one tier of capacity = cap x distinct blocks "
-          f"(kvstore = BlockStore with policy '{DEFAULT_POLICY}'):")
+    print(
+        f"\nPrefix hit rate, one tier of capacity = cap x distinct blocks "
+        f"(kvstore = BlockStore with policy '{DEFAULT_POLICY}'):"
+    )
     print(format_table(summary))
     print(f"\nTwo tiers: DRAM = cap x distinct blocks, NVMe = {args.nvme_multiple:g} x DRAM below it:")
     print(format_table(tiers))
@@ -243,12 +320,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.out:
         write_json(args.out, rows, args, bench="replay")
         doc = json.loads(args.out.read_text())
-        doc.update(trace={"path": str(args.trace), "requests": len(trace.requests),
-                          "total_blocks": trace.total_blocks, "distinct_blocks": trace.distinct_blocks,
-                          "block_bytes": block_bytes, "model": LLAMA3_8B_BF16.name},
-                   capacity="capacity_frac x distinct blocks of the trace, one tier (rows, variants); "
-                            "tiers: DRAM of that size plus NVMe of nvme_multiple x it",
-                   nvme_multiple=args.nvme_multiple, variants=variants, tiers=tiers)
+        doc.update(
+            trace={
+                "path": str(args.trace),
+                "requests": len(trace.requests),
+                "total_blocks": trace.total_blocks,
+                "distinct_blocks": trace.distinct_blocks,
+                "block_bytes": block_bytes,
+                "model": LLAMA3_8B_BF16.name,
+            },
+            capacity="capacity_frac x distinct blocks of the trace, one tier (rows, variants); "
+            "tiers: DRAM of that size plus NVMe of nvme_multiple x it",
+            nvme_multiple=args.nvme_multiple,
+            variants=variants,
+            tiers=tiers,
+        )
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {len(rows)} rows to {args.out}")
     if args.plot:

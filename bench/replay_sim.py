@@ -20,6 +20,7 @@ so they see the same accesses and differ only in what they evict.
   eviction, demotion, promotion) on byte-accounting tiers, one Lookup,
   Get (acquire, materialize, release) and chained Puts per request.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,9 +28,9 @@ import heapq
 import json
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from kvstore.store.blockstore import BlockStore, Lease
 from kvstore.store.policies import policy_factory
@@ -152,11 +153,12 @@ def belady_hit_rate(requests: Sequence[Sequence[int]], capacity: int) -> float:
     return _ranked_hit_rate(requests, capacity, lambda block, i: (-next_use[i],))
 
 
-def _ranked_hit_rate(requests: Sequence[Sequence[int]], capacity: int,
-                     rank: Callable[[int, int], tuple[float, ...]]) -> float:
+def _ranked_hit_rate(
+    requests: Sequence[Sequence[int]], capacity: int, rank: Callable[[int, int], tuple[float, ...]]
+) -> float:
     """Prefix hit rate of a cache that, when full, evicts the block of lowest ``rank(block, i)`` (taken at its
     last access, the ``i``-th of the trace; ties: lowest block id)."""
-    cached: dict[int, tuple[float, ...]] = {}       # block -> its rank
+    cached: dict[int, tuple[float, ...]] = {}  # block -> its rank
     heap: list[tuple[tuple[float, ...], int]] = []  # (rank, block); stale rows skipped
     hits = i = 0
     for request in requests:
@@ -184,8 +186,8 @@ class StoreSetup:
     policy: str
     dram_blocks: int
     nvme_blocks: int = 0
-    admit_after: int = 1        # Put a block only from its n-th sighting on (1: always)
-    nvme_admit_uses: int = 1    # demote a DRAM victim to NVMe only once used this often (1: always)
+    admit_after: int = 1  # Put a block only from its n-th sighting on (1: always)
+    nvme_admit_uses: int = 1  # demote a DRAM victim to NVMe only once used this often (1: always)
     block_bytes: int = LLAMA3_8B_BF16.block_bytes()
 
 
@@ -235,11 +237,12 @@ def _promotable(store: BlockStore, leases: list[Lease | None], size: int) -> lis
     """
     room = (store.top.capacity_bytes - store.top.used_bytes) // size
     cold = [lease for lease in leases if lease is not None and lease.buffer is None]
-    return cold[:max(room, 0)]
+    return cold[: max(room, 0)]
 
 
-def replay_store(trace: Trace, setup: StoreSetup, keys: dict[int, bytes] | None = None,
-                 progress: Callable[[int], None] | None = None) -> ReplayResult:
+def replay_store(
+    trace: Trace, setup: StoreSetup, keys: dict[int, bytes] | None = None, progress: Callable[[int], None] | None = None
+) -> ReplayResult:
     """Drive a fresh store with the trace: per request Lookup, Get the hit prefix, Put the rest."""
     keys = keys if keys is not None else block_keys(trace)
     store = build_store(setup)

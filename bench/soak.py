@@ -16,14 +16,15 @@ each one still in the store must be byte-exact (``corrupt`` = 0), and every one
 that is gone must be covered by the store's eviction count (``lost`` = 0). RSS
 must stay flat after warm-up (growth < 5%). The process exits 1 if any check fails.
 """
+
 from __future__ import annotations
 
 import json
 import random
 import secrets
+import sys
 import tempfile
 import threading
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,8 +132,11 @@ def run_worker(w: Worker, target: str, args: Any, rec: Recorder, stop: threading
                     got = kv.get(w.namespace, keys, allow_missing=True)
                     rec.done(op, time.perf_counter() - start, sum(len(g) for g in got if g is not None))
                     hits = [(k, g) for k, g in zip(keys, got) if g is not None]
-                    rec.note(get_hits=len(hits), get_misses=len(keys) - len(hits),
-                             corrupt=sum(bytes(g) != payload(k, block) for k, g in hits))
+                    rec.note(
+                        get_hits=len(hits),
+                        get_misses=len(keys) - len(hits),
+                        corrupt=sum(bytes(g) != payload(k, block) for k, g in hits),
+                    )
                 else:
                     kv.lookup(w.namespace, rng.sample(recent, min(8, len(recent))))
                     rec.done(op, time.perf_counter() - start)
@@ -165,13 +169,19 @@ def percentile(values: list[float], q: float) -> float:
 def window_row(t: float, window: Window, seconds: float, rss: int, stats: dict[str, Any]) -> dict[str, Any]:
     lat = [x for op in OPS for x in window.latencies[op]]
     return {
-        "t_s": round(t, 1), "ops_per_s": round(len(lat) / seconds, 1),
+        "t_s": round(t, 1),
+        "ops_per_s": round(len(lat) / seconds, 1),
         "MB_per_s": round(window.bytes_moved / seconds / 1e6, 2),
-        "p50_ms": round(percentile(lat, 50), 2), "p99_ms": round(percentile(lat, 99), 2),
+        "p50_ms": round(percentile(lat, 50), 2),
+        "p99_ms": round(percentile(lat, 99), 2),
         "put_p99_ms": round(percentile(window.latencies["put"], 99), 2),
         "get_p99_ms": round(percentile(window.latencies["get"], 99), 2),
-        "errors": window.errors, "get_hits": window.get_hits, "get_misses": window.get_misses,
-        "corrupt": window.corrupt, "rss_MiB": round(rss / 2**20, 1), "blocks": stats.get("blocks", 0),
+        "errors": window.errors,
+        "get_hits": window.get_hits,
+        "get_misses": window.get_misses,
+        "corrupt": window.corrupt,
+        "rss_MiB": round(rss / 2**20, 1),
+        "blocks": stats.get("blocks", 0),
         "evictions": sum(int(t["evictions"]) for t in stats.get("tiers", [])),
     }
 
@@ -184,8 +194,9 @@ def plot(rows: list[dict[str, Any]], path: Path, warmup_s: float) -> None:
 
     t = [r["t_s"] for r in rows]
     fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
-    for ax, key, label in zip(axes, ("ops_per_s", "p99_ms", "rss_MiB"),
-                              ("throughput (ops/s)", "p99 latency (ms)", "server RSS (MiB)")):
+    for ax, key, label in zip(
+        axes, ("ops_per_s", "p99_ms", "rss_MiB"), ("throughput (ops/s)", "p99 latency (ms)", "server RSS (MiB)")
+    ):
         ax.plot(t, [r[key] for r in rows], marker=".")
         ax.axvline(warmup_s, color="grey", linestyle=":", label="end of warm-up")
         ax.set_ylabel(label)
@@ -207,8 +218,12 @@ def configure(p: Any) -> None:
     p.add_argument("--batch", type=int, default=4, help="blocks per put/get (default 4)")
     p.add_argument("--block-kib", type=int, default=64, help="block size in KiB (default 64)")
     p.add_argument("--dram", default="96MiB", help="server DRAM tier (default 96MiB: eviction runs throughout)")
-    p.add_argument("--lane", default="auto", choices=["auto", "grpc", "shm", "tcp"],
-                   help="data lane of the clients (default auto: shm on the same host)")
+    p.add_argument(
+        "--lane",
+        default="auto",
+        choices=["auto", "grpc", "shm", "tcp"],
+        help="data lane of the clients (default auto: shm on the same host)",
+    )
     p.add_argument("--window", type=float, default=10.0, help="seconds per reported row (default 10; --quick 3)")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="plot throughput, p99 and RSS")
 
@@ -220,17 +235,27 @@ def main(argv: list[str] | None = None) -> int:
     duration = args.minutes * 60
     warmup_s = max(10.0, 0.2 * duration)
     with tempfile.TemporaryDirectory(prefix="kvstore-soak-") as tmp:
-        tenants = [{"name": f"t{i}", "token": secrets.token_hex(16), "namespaces": [f"soak-{i}/*"]}
-                   for i in range(args.tenants)]
+        tenants = [
+            {"name": f"t{i}", "token": secrets.token_hex(16), "namespaces": [f"soak-{i}/*"]}
+            for i in range(args.tenants)
+        ]
         admin = {"name": "soak-admin", "token": secrets.token_hex(16), "namespaces": [], "admin": True}
         (Path(tmp) / "tenants.yaml").write_text(yaml.safe_dump([*tenants, admin]))
-        workers = [Worker(i, tenants[i % args.tenants]["token"], f"soak-{i % args.tenants}/c{i}")
-                   for i in range(args.clients)]
-        with store_process("--dram", str(parse_size(args.dram)), "--tenants", str(Path(tmp) / "tenants.yaml"),
-                           "--workers", str(max(16, 2 * args.clients))) as (target, proc):
+        workers = [
+            Worker(i, tenants[i % args.tenants]["token"], f"soak-{i % args.tenants}/c{i}") for i in range(args.clients)
+        ]
+        with store_process(
+            "--dram",
+            str(parse_size(args.dram)),
+            "--tenants",
+            str(Path(tmp) / "tenants.yaml"),
+            "--workers",
+            str(max(16, 2 * args.clients)),
+        ) as (target, proc):
             rec, stop = Recorder(), threading.Event()
-            threads = [threading.Thread(target=run_worker, args=(w, target, args, rec, stop), daemon=True)
-                       for w in workers]
+            threads = [
+                threading.Thread(target=run_worker, args=(w, target, args, rec, stop), daemon=True) for w in workers
+            ]
             rows: list[dict[str, Any]] = []
             with Client(target, token=admin["token"], timeout=30) as probe:
                 started = last = time.monotonic()
@@ -241,8 +266,11 @@ def main(argv: list[str] | None = None) -> int:
                     now = time.monotonic()
                     rows.append(window_row(now - started, rec.cut(), now - last, rss_bytes(proc.pid), probe.stats()))
                     r = rows[-1]
-                    print(f"t={r['t_s']:7.1f}s  {r['ops_per_s']:6.1f} ops/s  p99 {r['p99_ms']:7.2f} ms  "
-                          f"errors {r['errors']}  rss {r['rss_MiB']:.1f} MiB  evictions {r['evictions']}", flush=True)
+                    print(
+                        f"t={r['t_s']:7.1f}s  {r['ops_per_s']:6.1f} ops/s  p99 {r['p99_ms']:7.2f} ms  "
+                        f"errors {r['errors']}  rss {r['rss_MiB']:.1f} MiB  evictions {r['evictions']}",
+                        flush=True,
+                    )
                     last = now
                 stop.set()
                 for th in threads:
@@ -256,40 +284,51 @@ def main(argv: list[str] | None = None) -> int:
     return report_soak(args, rows, rec, check, warmup_s, duration)
 
 
-def summarize(rows: list[dict[str, Any]], rec: Recorder, check: dict[str, Any], warmup_s: float,
-              duration: float) -> dict[str, Any]:
+def summarize(
+    rows: list[dict[str, Any]], rec: Recorder, check: dict[str, Any], warmup_s: float, duration: float
+) -> dict[str, Any]:
     steady = [r for r in rows if r["t_s"] >= warmup_s] or rows[-1:]
     t0 = rec.all_latencies[0][0] if rec.all_latencies else 0.0
     after = [(op, s) for t, op, s in rec.all_latencies if t - t0 >= warmup_s]
     lat = [s for _, s in after]
     rss_warm, rss_end = steady[0]["rss_MiB"], steady[-1]["rss_MiB"]
     return {
-        "duration_s": round(duration, 1), "warmup_s": round(warmup_s, 1), "ops": len(rec.all_latencies),
+        "duration_s": round(duration, 1),
+        "warmup_s": round(warmup_s, 1),
+        "ops": len(rec.all_latencies),
         "ops_per_s": round(sum(r["ops_per_s"] for r in steady) / len(steady), 1),
         "MB_per_s": round(sum(r["MB_per_s"] for r in steady) / len(steady), 2),
-        "p50_ms": round(percentile(lat, 50), 2), "p99_ms": round(percentile(lat, 99), 2),
+        "p50_ms": round(percentile(lat, 50), 2),
+        "p99_ms": round(percentile(lat, 99), 2),
         **{f"{op}_p99_ms": round(percentile([s for o, s in after if o == op], 99), 2) for op in OPS},
-        "errors": sum(r["errors"] for r in rows), "corrupt_during_run": sum(r["corrupt"] for r in rows),
-        "rss_after_warmup_MiB": rss_warm, "rss_end_MiB": rss_end,
+        "errors": sum(r["errors"] for r in rows),
+        "corrupt_during_run": sum(r["corrupt"] for r in rows),
+        "rss_after_warmup_MiB": rss_warm,
+        "rss_end_MiB": rss_end,
         "rss_max_after_warmup_MiB": max(r["rss_MiB"] for r in steady),
         "rss_growth_pct": round(100 * (rss_end - rss_warm) / rss_warm, 2),
         **{f"final_{k}": v for k, v in check.items()},
     }
 
 
-def report_soak(args: Any, rows: list[dict[str, Any]], rec: Recorder, check: dict[str, Any], warmup_s: float,
-                duration: float) -> int:
+def report_soak(
+    args: Any, rows: list[dict[str, Any]], rec: Recorder, check: dict[str, Any], warmup_s: float, duration: float
+) -> int:
     summary = summarize(rows, rec, check, warmup_s, duration)
     print()
     print(format_table([{"figure": k, "value": v} for k, v in summary.items()]))
     for sample in rec.error_samples:
         print("error sample:", sample)
-    failures = [name for name, bad in (
-        ("corrupt blocks", summary["corrupt_during_run"] or summary["final_corrupt"]),
-        ("lost blocks", summary["final_lost"]),
-        ("RSS growth >= 5% after warm-up", summary["rss_growth_pct"] >= 5.0),
-        ("no operations", not summary["ops"]),
-    ) if bad]
+    failures = [
+        name
+        for name, bad in (
+            ("corrupt blocks", summary["corrupt_during_run"] or summary["final_corrupt"]),
+            ("lost blocks", summary["final_lost"]),
+            ("RSS growth >= 5% after warm-up", summary["rss_growth_pct"] >= 5.0),
+            ("no operations", not summary["ops"]),
+        )
+        if bad
+    ]
     summary["passed"] = not failures
     if args.out:
         write_json(args.out, rows, args, bench="soak")

@@ -31,6 +31,7 @@ one cache-resident buffer on each side; beside it, ``raw_socket_distinct_gbps``
 and ``vs_raw_socket_distinct`` move the batch's bytes as a store does, from
 distinct memory into distinct memory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,15 +45,16 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.baselines import memcpy_gbps, raw_socket_gbps, redis_gbps, redis_server
-from kvstore.server.process import store_process
 from kvstore.client import Client
+from kvstore.server.process import store_process
 
 SIZES = [64 << 10, 512 << 10, 2 << 20]
 BATCH = 64
 
 
-def measure_lane(target: str, lane: str, size: int, reps: int, payload: str = "pool",
-                 hold_results: bool = False) -> tuple[float, float]:
+def measure_lane(
+    target: str, lane: str, size: int, reps: int, payload: str = "pool", hold_results: bool = False
+) -> tuple[float, float]:
     total = size * BATCH
     if payload == "pool":
         pool = np.frombuffer(os.urandom(total), dtype=np.uint8).copy()
@@ -114,10 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (same code path)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/transfer.json"), help="JSON rows")
     parser.add_argument("--lanes", default="grpc,shm,tcp", help="comma-separated lanes to measure (grpc, shm, tcp)")
-    parser.add_argument("--payload", choices=["pool", "separate"], default="pool",
-                        help="blocks as slices of one buffer (a KV pool) or one bytes object each")
-    parser.add_argument("--hold-results", action="store_true",
-                        help="keep each Get's results until the next Get returns")
+    parser.add_argument(
+        "--payload",
+        choices=["pool", "separate"],
+        default="pool",
+        help="blocks as slices of one buffer (a KV pool) or one bytes object each",
+    )
+    parser.add_argument(
+        "--hold-results", action="store_true", help="keep each Get's results until the next Get returns"
+    )
     args = parser.parse_args(argv)
     reps = 3 if args.quick else 7
     lanes = args.lanes.split(",")
@@ -132,34 +139,54 @@ def main(argv: list[str] | None = None) -> int:
                 keys = [os.urandom(16) for _ in range(BATCH)]
                 r_put, r_get = redis_gbps(redis_port, keys, blocks, reps)
                 baseline_cache[size] = {
-                    "memcpy": memcpy_gbps(total), "raw_put": raw_socket_gbps(total, "put", reps),
-                    "raw_get": raw_socket_gbps(total, "get", reps), "redis_put": r_put, "redis_get": r_get,
+                    "memcpy": memcpy_gbps(total),
+                    "raw_put": raw_socket_gbps(total, "put", reps),
+                    "raw_get": raw_socket_gbps(total, "get", reps),
+                    "redis_put": r_put,
+                    "redis_get": r_get,
                     "rawd_put": raw_socket_gbps(total, "put", reps, distinct=True),
-                    "rawd_get": raw_socket_gbps(total, "get", reps, distinct=True)}
+                    "rawd_get": raw_socket_gbps(total, "get", reps, distinct=True),
+                }
             base = baseline_cache[size]
             put, get = measure_lane(target, lane, size, reps, args.payload, args.hold_results)
             for op, gbps in (("put", put), ("get", get)):
-                rows.append({"op": op, "lane": lane, "block_bytes": size, "batch": BATCH, "gbps": round(gbps, 3),
-                             "payload": args.payload, "hold_results": args.hold_results,
-                             "raw_socket_gbps": round(base[f"raw_{op}"], 3), "redis_gbps": round(base[f"redis_{op}"], 3),
-                             "memcpy_gbps": round(base["memcpy"], 3),
-                             "vs_redis": round(gbps / base[f"redis_{op}"], 2),
-                             "vs_raw_socket": round(gbps / base[f"raw_{op}"], 2),
-                             "raw_socket_distinct_gbps": round(base[f"rawd_{op}"], 3),
-                             "vs_raw_socket_distinct": round(gbps / base[f"rawd_{op}"], 2),
-                             "vs_memcpy": round(gbps / base["memcpy"], 3),
-                             **target_of(lane, op, size, gbps, base)})
+                rows.append(
+                    {
+                        "op": op,
+                        "lane": lane,
+                        "block_bytes": size,
+                        "batch": BATCH,
+                        "gbps": round(gbps, 3),
+                        "payload": args.payload,
+                        "hold_results": args.hold_results,
+                        "raw_socket_gbps": round(base[f"raw_{op}"], 3),
+                        "redis_gbps": round(base[f"redis_{op}"], 3),
+                        "memcpy_gbps": round(base["memcpy"], 3),
+                        "vs_redis": round(gbps / base[f"redis_{op}"], 2),
+                        "vs_raw_socket": round(gbps / base[f"raw_{op}"], 2),
+                        "raw_socket_distinct_gbps": round(base[f"rawd_{op}"], 3),
+                        "vs_raw_socket_distinct": round(gbps / base[f"rawd_{op}"], 2),
+                        "vs_memcpy": round(gbps / base["memcpy"], 3),
+                        **target_of(lane, op, size, gbps, base),
+                    }
+                )
         latency = {lane: get_latency(target, lane, 20 if args.quick else 100) for lane in lanes}
-    print(f"\n{'op':4} {'lane':5} {'block':>8} {'GB/s':>7} {'raw sock':>8} {'redis':>7} {'memcpy':>7} {'/redis':>7}"
-          f" {'/raw':>6} {'/rawd':>6} {'/memcpy':>7}  target")
+    print(
+        f"\n{'op':4} {'lane':5} {'block':>8} {'GB/s':>7} {'raw sock':>8} {'redis':>7} {'memcpy':>7} {'/redis':>7}"
+        f" {'/raw':>6} {'/rawd':>6} {'/memcpy':>7}  target"
+    )
     for r in rows:
         met = ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in r.get("targets", {}).items())
-        print(f"{r['op']:4} {r['lane']:5} {r['block_bytes'] >> 10:>6}Ki {r['gbps']:>7.3f} "
-              f"{r['raw_socket_gbps']:>8.3f} {r['redis_gbps']:>7.3f} {r['memcpy_gbps']:>7.2f} {r['vs_redis']:>7.2f} "
-              f"{r['vs_raw_socket']:>6.2f} {r['vs_raw_socket_distinct']:>6.2f} {r['vs_memcpy']:>7.3f}  {met}")
+        print(
+            f"{r['op']:4} {r['lane']:5} {r['block_bytes'] >> 10:>6}Ki {r['gbps']:>7.3f} "
+            f"{r['raw_socket_gbps']:>8.3f} {r['redis_gbps']:>7.3f} {r['memcpy_gbps']:>7.2f} {r['vs_redis']:>7.2f} "
+            f"{r['vs_raw_socket']:>6.2f} {r['vs_raw_socket_distinct']:>6.2f} {r['vs_memcpy']:>7.3f}  {met}"
+        )
     for lane, (p50, p99) in latency.items():
         print(f"single 2 MiB Get on {lane}: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
-        rows.append({"op": "get_latency_2mib", "lane": lane, "p50_ms": round(p50 * 1e3, 3), "p99_ms": round(p99 * 1e3, 3)})
+        rows.append(
+            {"op": "get_latency_2mib", "lane": lane, "p50_ms": round(p50 * 1e3, 3), "p99_ms": round(p99 * 1e3, 3)}
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {args.out}")

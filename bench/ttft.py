@@ -22,6 +22,7 @@ Reported: TTFT p50/p99 per mode, time per output token, the TTFT split
 moving the KV bytes at memcpy speed), transfer GB/s, hit rate and the store's
 tiers. JSON rows carry ``mode``, ``ttft_p50_s``, ``ttft_p99_s``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -123,21 +124,26 @@ def summarize(results: list[Result], memcpy_gbps: float, block_tokens: int = 16)
         moved = sum(r.transfer_bytes for r in rs)
         transfer = sum(r.transfer_s for r in rs)
         blocks = sum(r.prompt_tokens // block_tokens for r in rs)
-        rows.append({
-            "mode": mode, "requests": len(rs), "prompt_tokens_mean": statistics.mean(r.prompt_tokens for r in rs),
-            "ttft_p50_s": round(pct(ttft, 0.5), 4), "ttft_p99_s": round(pct(ttft, 0.99), 4),
-            "tpot_s": round(statistics.mean(r.tpot_s for r in rs), 4),
-            "prefill_s": round(statistics.mean(r.prefill_s for r in rs), 4),
-            "lookup_s": round(statistics.mean(r.lookup_s for r in rs), 4),
-            "transfer_s": round(statistics.mean(r.transfer_s for r in rs), 4),
-            "load_s": round(statistics.mean(r.load_s for r in rs), 4),
-            "compute_s": round(statistics.mean(r.compute_s for r in rs), 4),
-            "floor_s": round(statistics.mean(r.compute_s + r.transfer_bytes / (memcpy_gbps * 1e9) for r in rs), 4),
-            "transfer_gbps": round(moved / transfer / 1e9, 3) if transfer else 0.0,
-            "hit_rate": round(sum(r.cached_blocks for r in rs) / blocks, 3) if blocks else 0.0,
-            "prefill_hit_rate": round(sum(r.prefill_cached_blocks for r in rs) / blocks, 3) if blocks else 0.0,
-            "recomputed": sum(r.recomputed for r in rs),
-        })
+        rows.append(
+            {
+                "mode": mode,
+                "requests": len(rs),
+                "prompt_tokens_mean": statistics.mean(r.prompt_tokens for r in rs),
+                "ttft_p50_s": round(pct(ttft, 0.5), 4),
+                "ttft_p99_s": round(pct(ttft, 0.99), 4),
+                "tpot_s": round(statistics.mean(r.tpot_s for r in rs), 4),
+                "prefill_s": round(statistics.mean(r.prefill_s for r in rs), 4),
+                "lookup_s": round(statistics.mean(r.lookup_s for r in rs), 4),
+                "transfer_s": round(statistics.mean(r.transfer_s for r in rs), 4),
+                "load_s": round(statistics.mean(r.load_s for r in rs), 4),
+                "compute_s": round(statistics.mean(r.compute_s for r in rs), 4),
+                "floor_s": round(statistics.mean(r.compute_s + r.transfer_bytes / (memcpy_gbps * 1e9) for r in rs), 4),
+                "transfer_gbps": round(moved / transfer / 1e9, 3) if transfer else 0.0,
+                "hit_rate": round(sum(r.cached_blocks for r in rs) / blocks, 3) if blocks else 0.0,
+                "prefill_hit_rate": round(sum(r.prefill_cached_blocks for r in rs) / blocks, 3) if blocks else 0.0,
+                "recomputed": sum(r.recomputed for r in rs),
+            }
+        )
     return rows
 
 
@@ -208,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             from kvstore.model import load_model
 
             vocab = load_model(args.model)[0].config.vocab
-            results = run_trace(router, trace_prompts(args.trace, n, args.max_blocks, vocab), args.new_tokens, args.rate)
+            results = run_trace(
+                router, trace_prompts(args.trace, n, args.max_blocks, vocab), args.new_tokens, args.rate
+            )
         stats = None
         if store:
             from kvstore.client import Client
@@ -217,14 +225,18 @@ def main(argv: list[str] | None = None) -> int:
                 stats = kv.stats()
     rows = summarize(results, memcpy_gbps(256 << 20))
     base = next((r for r in rows if r["mode"] == "recompute"), None)
-    print(f"\n{'mode':14} {'n':>3} {'tokens':>7} {'TTFT p50':>9} {'p99':>8} {'speedup':>8} {'lookup':>7} "
-          f"{'transfer':>8} {'compute':>8} {'floor':>7} {'GB/s':>6} {'hit':>5}")
+    print(
+        f"\n{'mode':14} {'n':>3} {'tokens':>7} {'TTFT p50':>9} {'p99':>8} {'speedup':>8} {'lookup':>7} "
+        f"{'transfer':>8} {'compute':>8} {'floor':>7} {'GB/s':>6} {'hit':>5}"
+    )
     for r in rows:
         speed = base["ttft_p50_s"] / r["ttft_p50_s"] if base and r["ttft_p50_s"] else 0.0
         r["speedup_vs_recompute_p50"] = round(speed, 2)
-        print(f"{r['mode']:14} {r['requests']:>3} {r['prompt_tokens_mean']:>7.0f} {r['ttft_p50_s']:>9.3f} "
-              f"{r['ttft_p99_s']:>8.3f} {speed:>7.1f}x {r['lookup_s']:>7.3f} {r['transfer_s']:>8.3f} "
-              f"{r['compute_s']:>8.3f} {r['floor_s']:>7.3f} {r['transfer_gbps']:>6.2f} {r['hit_rate']:>5.2f}")
+        print(
+            f"{r['mode']:14} {r['requests']:>3} {r['prompt_tokens_mean']:>7.0f} {r['ttft_p50_s']:>9.3f} "
+            f"{r['ttft_p99_s']:>8.3f} {speed:>7.1f}x {r['lookup_s']:>7.3f} {r['transfer_s']:>8.3f} "
+            f"{r['compute_s']:>8.3f} {r['floor_s']:>7.3f} {r['transfer_gbps']:>6.2f} {r['hit_rate']:>5.2f}"
+        )
     if stats:
         for t in stats["tiers"]:
             print(f"store tier {t['name']}: {t['blocks']} blocks, {t['used_bytes'] / 2**20:.0f} MiB, {t['hits']} hits")
@@ -232,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r.update(workload=args.workload, model=args.model)
         if stats:
-            r["store_tiers"] = {t["name"]: {"blocks": t["blocks"], "used_bytes": t["used_bytes"], "hits": t["hits"]}
-                                for t in stats["tiers"]}
+            r["store_tiers"] = {
+                t["name"]: {"blocks": t["blocks"], "used_bytes": t["used_bytes"], "hits": t["hits"]}
+                for t in stats["tiers"]
+            }
     if sample:
         print(f"sample generation: {sample!r}")
         rows[-1]["sample_text"] = sample

@@ -1,4 +1,5 @@
 """`python -m decode_node --listen 0.0.0.0:7090 --store HOST:PORT --model smollm2`."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,12 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
         link.close()
 
-    serve(args.listen, lambda s: wpb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine), s),
-          "kvstore.v1.DecodeService", on_stop=stop)
+    serve(
+        args.listen,
+        lambda s: wpb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine), s),
+        "kvstore.v1.DecodeService",
+        on_stop=stop,
+    )
     return 0
 
 

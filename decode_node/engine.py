@@ -8,6 +8,7 @@ sequence leaves the batch at a stop token or ``max_new_tokens`` and its blocks
 are freed. If the store fails (unreachable, missing block, bad checksum) the
 request recomputes its prefix instead: it never decodes from wrong KV.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -15,8 +16,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -48,7 +49,7 @@ class Request:
     max_new_tokens: int
     use_store: bool
     arrived: float = field(default_factory=time.perf_counter)
-    events: "queue.Queue[tuple[int | None, FirstToken | None, str]]" = field(default_factory=queue.Queue)
+    events: queue.Queue[tuple[int | None, FirstToken | None, str]] = field(default_factory=queue.Queue)
 
     def stream(self) -> Iterator[tuple[int, FirstToken | None]]:
         """Generated token ids, the first with its FirstToken facts; raises RuntimeError on failure."""
@@ -70,13 +71,20 @@ class _Active:
 
 
 class DecodeEngine:
-    def __init__(self, model: LlamaModel, tokenizer: ByteBPETokenizer | None, link: StoreLink, *,
-                 pool_blocks: int = 2048, max_batch: int = 16):
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: ByteBPETokenizer | None,
+        link: StoreLink,
+        *,
+        pool_blocks: int = 2048,
+        max_batch: int = 16,
+    ):
         self.model, self.tokenizer, self.link = model, tokenizer, link
         self.pool = PagedKVPool(model.config, pool_blocks)
         self.stop_ids = set(tokenizer.stop_ids) if tokenizer is not None else set()
         self.max_batch = max_batch
-        self._waiting: "queue.Queue[Request | None]" = queue.Queue()
+        self._waiting: queue.Queue[Request | None] = queue.Queue()
         self._ids = itertools.count()
         self._active: list[_Active] = []
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
@@ -115,18 +123,25 @@ class DecodeEngine:
             fetched = None
             if req.use_store:
                 hashes = self.link.prompt_hashes(req.tokens, req.namespace)
-                fetched = self.link.fetch_prefix(self.pool, seq, req.namespace, hashes,
-                                                 max_blocks=(len(req.tokens) - 1) // bs)
+                fetched = self.link.fetch_prefix(
+                    self.pool, seq, req.namespace, hashes, max_blocks=(len(req.tokens) - 1) // bs
+                )
             cached = fetched.blocks if fetched else 0
             c0 = time.perf_counter()
             logits = self.model.prefill(self.pool, seq, req.tokens[cached * bs :], logits="last")
             token = int(torch.argmax(logits[-1]))
             now = time.perf_counter()
             first = FirstToken(
-                prompt_tokens=len(req.tokens), cached_blocks=cached, transfer_bytes=fetched.bytes if fetched else 0,
-                recomputed=bool(fetched and fetched.failed), lookup_s=fetched.lookup_s if fetched else 0.0,
-                transfer_s=fetched.transfer_s if fetched else 0.0, load_s=fetched.load_s if fetched else 0.0,
-                compute_s=now - c0, total_s=now - t0)
+                prompt_tokens=len(req.tokens),
+                cached_blocks=cached,
+                transfer_bytes=fetched.bytes if fetched else 0,
+                recomputed=bool(fetched and fetched.failed),
+                lookup_s=fetched.lookup_s if fetched else 0.0,
+                transfer_s=fetched.transfer_s if fetched else 0.0,
+                load_s=fetched.load_s if fetched else 0.0,
+                compute_s=now - c0,
+                total_s=now - t0,
+            )
         except Exception as err:  # noqa: BLE001 - the engine thread must survive any one request
             log.exception("request failed at admission")
             self.pool.free_sequence(seq)

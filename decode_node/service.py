@@ -1,7 +1,8 @@
 """DecodeService.Generate: stream tokens from the continuous-batching engine."""
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 
@@ -24,8 +25,9 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if not tokens or not 0 < request.max_new_tokens <= self.limit:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"need a non-empty prompt and 1 <= max_new_tokens <= {self.limit}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"need a non-empty prompt and 1 <= max_new_tokens <= {self.limit}"
+            )
         req = self.engine.submit(Request(tokens, ns, request.max_new_tokens, request.use_store))
         tok = self.engine.tokenizer
         try:
@@ -37,9 +39,15 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
                     reply.cached_blocks = first.cached_blocks
                     reply.transfer_bytes = first.transfer_bytes
                     reply.recomputed = first.recomputed
-                    reply.timings.CopyFrom(wpb.Timings(lookup_s=first.lookup_s, transfer_s=first.transfer_s,
-                                                       load_s=first.load_s, compute_s=first.compute_s,
-                                                       total_s=first.total_s))
+                    reply.timings.CopyFrom(
+                        wpb.Timings(
+                            lookup_s=first.lookup_s,
+                            transfer_s=first.transfer_s,
+                            load_s=first.load_s,
+                            compute_s=first.compute_s,
+                            total_s=first.total_s,
+                        )
+                    )
                 yield reply
         except RuntimeError as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))

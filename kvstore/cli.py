@@ -7,6 +7,7 @@
 
 A serving node dumps every thread's stack to stderr on SIGUSR1 (a hung drain, a stuck stream).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,16 +34,21 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        with grpc.insecure_channel(args.target) if not args.tls_ca else grpc.secure_channel(
-                args.target, grpc.ssl_channel_credentials(open(args.tls_ca, "rb").read())) as channel:
+        with (
+            grpc.insecure_channel(args.target)
+            if not args.tls_ca
+            else grpc.secure_channel(
+                args.target, grpc.ssl_channel_credentials(open(args.tls_ca, "rb").read())
+            ) as channel
+        ):
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
     except grpc.RpcError as err:
         print(f"{args.target}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
@@ -65,13 +71,17 @@ def _stats(args: argparse.Namespace) -> int:
         return 0
     from kvstore.sizes import format_size
 
-    print(f"node {stats.get('node_id', '')}: {stats.get('blocks', 0)} blocks, "
-          f"lookups {stats.get('lookups', 0)} (hits {stats.get('lookup_hits', 0)}, misses {stats.get('lookup_misses', 0)})")
+    print(
+        f"node {stats.get('node_id', '')}: {stats.get('blocks', 0)} blocks, "
+        f"lookups {stats.get('lookups', 0)} (hits {stats.get('lookup_hits', 0)}, misses {stats.get('lookup_misses', 0)})"
+    )
     print(f"{'tier':6} {'used':>10} {'capacity':>10} {'blocks':>8} {'hits':>8} {'evictions':>9}  backend")
     for t in stats.get("tiers", []):
-        print(f"{t['name']:6} {format_size(int(t['used_bytes'])):>10} {format_size(int(t['capacity_bytes'])):>10} "
-              f"{int(t['blocks']):>8} {int(t['hits']):>8} {int(t['evictions']):>9}  {t['backend']}"
-              + ("  DEGRADED: " + t["fault"] if t.get("degraded") else ""))
+        print(
+            f"{t['name']:6} {format_size(int(t['used_bytes'])):>10} {format_size(int(t['capacity_bytes'])):>10} "
+            f"{int(t['blocks']):>8} {int(t['hits']):>8} {int(t['evictions']):>9}  {t['backend']}"
+            + ("  DEGRADED: " + t["fault"] if t.get("degraded") else "")
+        )
     return 0
 
 
@@ -82,17 +92,24 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstore", description="Tiered KV-cache block store for disaggregated LLM serving.")
+    parser = argparse.ArgumentParser(
+        prog="kvstore", description="Tiered KV-cache block store for disaggregated LLM serving."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run a store node",
-                           description="Run a store node. Every option can also be given as env var KVSTORE_<OPTION> "
-                                       "or as a key in the --config YAML file; flags win over env over file.")
+    serve = sub.add_parser(
+        "serve",
+        help="run a store node",
+        description="Run a store node. Every option can also be given as env var KVSTORE_<OPTION> "
+        "or as a key in the --config YAML file; flags win over env over file.",
+    )
     config.add_arguments(serve)
     serve.set_defaults(func=_serve)
 
-    for name, func, text in (("health", _health, "exit 0 only when the node reports SERVING"),
-                             ("stats", _stats, "print a node's tiers and counters")):
+    for name, func, text in (
+        ("health", _health, "exit 0 only when the node reports SERVING"),
+        ("stats", _stats, "print a node's tiers and counters"),
+    ):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("--target", default="127.0.0.1:7070", help="store address HOST:PORT (default: %(default)s)")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds (default: %(default)s)")

@@ -53,20 +53,21 @@ on the gRPC stream (the lanes carry raw bytes); ``"auto"`` sends raw bytes
 when the client's lane is shared memory. ``codec_stats()`` shows the
 client's controller (choices, bandwidth, ratio and speed estimates).
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from kvstore.checksum import crc32c
 from kvstore.codecs.transfer import DecodeTally, TransferPlan
 from kvstore.codecs.transfer_client import ClientCoding
 from kvstore.devices import is_device_tensor, stage_out
-import numpy as np
-
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -85,7 +86,7 @@ class KVStoreError(Exception):
 @dataclass(frozen=True, slots=True)
 class PutResult:
     hash: bytes
-    status: str          # "stored", "already_present" or "rejected"
+    status: str  # "stored", "already_present" or "rejected"
     code: grpc.StatusCode = grpc.StatusCode.OK
     reason: str = ""
 
@@ -114,14 +115,25 @@ def as_bytes_view(payload: Any) -> tuple[memoryview, str]:
     return (view if view.format == "B" and view.ndim == 1 else view.cast("B")), "uint8"
 
 
-_TORCH_TO_WIRE = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "uint8": "uint8", "int8": "int8",
-                  "float8_e4m3fn": "float8_e4m3fn"}
+_TORCH_TO_WIRE = {
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "float32": "float32",
+    "uint8": "uint8",
+    "int8": "int8",
+    "float8_e4m3fn": "float8_e4m3fn",
+}
 
 
 class Client:
     def __new__(cls, target: str, *args: Any, **kwargs: Any) -> Any:
         """``Client("redis://HOST:PORT")`` (or rediss://, redis+cluster://) is a cluster client."""
-        if cls is Client and target.split("://", 1)[0].lower() in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+        if cls is Client and target.split("://", 1)[0].lower() in (
+            "redis",
+            "rediss",
+            "redis+cluster",
+            "rediss+cluster",
+        ):
             from kvstore.cluster.client import ClusterClient
 
             return ClusterClient(target, *args, **kwargs)
@@ -143,8 +155,9 @@ class Client:
         codec: str = "none",
     ):
         if target.startswith("redis://") or target.startswith("rediss://"):
-            raise KVStoreError(grpc.StatusCode.UNIMPLEMENTED,
-                               "cluster targets (redis://) are served by kvstore.cluster.ClusterClient")
+            raise KVStoreError(
+                grpc.StatusCode.UNIMPLEMENTED, "cluster targets (redis://) are served by kvstore.cluster.ClusterClient"
+            )
         self.target, self.timeout, self.retries, self.chunk_bytes = target, timeout, retries, chunk_bytes
         options = [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)]
         if tls_ca or tls_cert:
@@ -157,11 +170,22 @@ class Client:
         self._stub = pb_grpc.KVStoreStub(self._channel)
         from kvstore.lanes.negotiate import LanePool
 
-        self._lanes = LanePool(self._channel, target, lane, metadata=self._metadata, timeout=timeout,
-                               tls=bool(tls_ca or tls_cert))
-        self._device_lanes = self._lanes if lane == "cuda_ipc" else LanePool(
-            self._channel, target, "cuda_ipc" if lane == "auto" else "grpc", metadata=self._metadata,
-            timeout=timeout, tls=bool(tls_ca or tls_cert), optional=True)
+        self._lanes = LanePool(
+            self._channel, target, lane, metadata=self._metadata, timeout=timeout, tls=bool(tls_ca or tls_cert)
+        )
+        self._device_lanes = (
+            self._lanes
+            if lane == "cuda_ipc"
+            else LanePool(
+                self._channel,
+                target,
+                "cuda_ipc" if lane == "auto" else "grpc",
+                metadata=self._metadata,
+                timeout=timeout,
+                tls=bool(tls_ca or tls_cert),
+                optional=True,
+            )
+        )
         self._coding = ClientCoding(codec)
         self._lossy_allowed: dict[str, bool] = {}
 
@@ -176,7 +200,7 @@ class Client:
         self._device_lanes.close()
         self._channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -187,13 +211,27 @@ class Client:
         return self.lookup_tiers(namespace, hashes)[0]
 
     def lookup_tiers(self, namespace: str, hashes: Sequence[bytes]) -> tuple[int, list[str]]:
-        reply = self._call(lambda: self._stub.Lookup(
-            pb.LookupRequest(namespace=namespace, hashes=list(hashes)), timeout=self.timeout, metadata=self._metadata))
+        reply = self._call(
+            lambda: self._stub.Lookup(
+                pb.LookupRequest(namespace=namespace, hashes=list(hashes)),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
+        )
         return reply.prefix_length, [TIER_NAMES.get(t, "?") for t in reply.tiers]
 
-    def put(self, namespace: str, hashes: Sequence[bytes], payloads: Sequence[Any], *,
-            parent: bytes | None = None, dtype: str | None = None, chained: bool = True,
-            codec: str | None = None, lossy_ok: bool = False) -> list[PutResult]:
+    def put(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        payloads: Sequence[Any],
+        *,
+        parent: bytes | None = None,
+        dtype: str | None = None,
+        chained: bool = True,
+        codec: str | None = None,
+        lossy_ok: bool = False,
+    ) -> list[PutResult]:
         if len(hashes) != len(payloads):
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
         if not hashes:
@@ -224,8 +262,15 @@ class Client:
         reply = self._call(lambda: self._stub.Put(requests(), timeout=self.timeout, metadata=self._metadata))
         return _put_results(reply)
 
-    def _put_device(self, namespace: str, hashes: Sequence[bytes], payloads: Sequence[Any], parent: bytes | None,
-                    dtype: str | None, chained: bool) -> list[PutResult] | None:
+    def _put_device(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        payloads: Sequence[Any],
+        parent: bytes | None,
+        dtype: str | None,
+        chained: bool,
+    ) -> list[PutResult] | None:
         """A Put of CUDA tensors device to device over the cuda_ipc lane; None when there is none."""
         from kvstore.devices import flat_bytes
 
@@ -248,15 +293,17 @@ class Client:
             return None
         return self._coding.put_plan(codec, kinds.pop(), lossy_ok, lambda: self.lossy_allowed(namespace))
 
-    def _put_coded(self, namespace: str, hashes: list[bytes], parents: list[bytes], blocks: list[memoryview],
-                   plan: TransferPlan) -> list[PutResult]:
+    def _put_coded(
+        self, namespace: str, hashes: list[bytes], parents: list[bytes], blocks: list[memoryview], plan: TransferPlan
+    ) -> list[PutResult]:
         errors: list[BaseException] = []
 
         def attempt() -> pb.PutResponse:
             errors.clear()
             clock = plan.send_clock()
-            requests = self._coding.put_requests(namespace, hashes, parents, blocks, plan, clock, self.chunk_bytes,
-                                                 errors)
+            requests = self._coding.put_requests(
+                namespace, hashes, parents, blocks, plan, clock, self.chunk_bytes, errors
+            )
             reply = self._stub.Put(requests, timeout=self.timeout, metadata=self._metadata)
             clock.finish(drained=True)
             return reply
@@ -279,28 +326,51 @@ class Client:
         """This client's codec controller: choices, bandwidth, ratio and speed estimates (controller.snapshot)."""
         return self._coding.controller.snapshot()
 
-    def get(self, namespace: str, hashes: Sequence[bytes], *, out: Sequence[Any] | None = None,
-            allow_missing: bool = False, verify: bool = True, codec: str | None = None,
-            lossy_ok: bool = False) -> list[Any]:
+    def get(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        *,
+        out: Sequence[Any] | None = None,
+        allow_missing: bool = False,
+        verify: bool = True,
+        codec: str | None = None,
+        lossy_ok: bool = False,
+    ) -> list[Any]:
         if out is not None and len(out) != len(hashes):
             raise ValueError(f"{len(hashes)} hashes but {len(out)} output buffers")
         if not hashes:
             return []
-        if out is not None and any(is_device_tensor(x) for x in out) and (codec or self._coding.codec) in (
-                "none", "auto"):
-            on_device = self._device_lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing,
-                                                                     verify))
+        if (
+            out is not None
+            and any(is_device_tensor(x) for x in out)
+            and (codec or self._coding.codec) in ("none", "auto")
+        ):
+            on_device = self._device_lanes.run(
+                lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify)
+            )
             if on_device is not None:
                 return on_device
         device_out, out = out, None
         out, finish = stage_out(device_out)  # CUDA destinations are filled through pinned host buffers
-        accepted = [] if self.lane_kind == "shm" and (codec or self._coding.codec) == "auto" else \
-            self._coding.accepted(codec, lossy_ok)
+        accepted = (
+            []
+            if self.lane_kind == "shm" and (codec or self._coding.codec) == "auto"
+            else self._coding.accepted(codec, lossy_ok)
+        )
         if accepted:  # coded blocks may come: the gRPC stream, decoded here
-            request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing,
-                                    accepted_codecs=accepted, decode_report=self._coding.take_report())
-            result = self._call(lambda: self._coding.receive(
-                self._stub.Get(request, timeout=self.timeout, metadata=self._metadata), len(hashes), out, verify))
+            request = pb.GetRequest(
+                namespace=namespace,
+                hashes=list(hashes),
+                allow_missing=allow_missing,
+                accepted_codecs=accepted,
+                decode_report=self._coding.take_report(),
+            )
+            result = self._call(
+                lambda: self._coding.receive(
+                    self._stub.Get(request, timeout=self.timeout, metadata=self._metadata), len(hashes), out, verify
+                )
+            )
         else:
             result = self._lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
         if result is None:
@@ -346,25 +416,36 @@ class Client:
                 if verify:
                     view = single if single is not None else dest[: header.stored_length]  # type: ignore[index]
                     if header.codec == pb.CODEC_NONE and crc32c(view) != header.crc32c:
-                        raise KVStoreError(grpc.StatusCode.DATA_LOSS,
-                                           f"block {len(results)} ({header.hash.hex()}) failed its CRC32C check")
+                        raise KVStoreError(
+                            grpc.StatusCode.DATA_LOSS,
+                            f"block {len(results)} ({header.hash.hex()}) failed its CRC32C check",
+                        )
                 results.append(block)
                 header = None
         if len(results) != len(request.hashes):
-            raise KVStoreError(grpc.StatusCode.DATA_LOSS,
-                               f"stream ended after {len(results)} of {len(request.hashes)} blocks")
+            raise KVStoreError(
+                grpc.StatusCode.DATA_LOSS, f"stream ended after {len(results)} of {len(request.hashes)} blocks"
+            )
         return results
 
     def delete(self, namespace: str, hashes: Sequence[bytes]) -> int:
-        return self._call(lambda: self._stub.Delete(
-            pb.DeleteRequest(namespace=namespace, hashes=list(hashes)), timeout=self.timeout,
-            metadata=self._metadata)).deleted
+        return self._call(
+            lambda: self._stub.Delete(
+                pb.DeleteRequest(namespace=namespace, hashes=list(hashes)),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
+        ).deleted
 
     def stats(self, namespace: str = "") -> dict[str, Any]:
-        reply = self._call(lambda: self._stub.Stats(pb.StatsRequest(namespace=namespace), timeout=self.timeout,
-                                                     metadata=self._metadata))
-        out: dict[str, Any] = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields
-                               if f.name not in ("tiers", "counters")}
+        reply = self._call(
+            lambda: self._stub.Stats(
+                pb.StatsRequest(namespace=namespace), timeout=self.timeout, metadata=self._metadata
+            )
+        )
+        out: dict[str, Any] = {
+            f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name not in ("tiers", "counters")
+        }
         out["counters"] = dict(reply.counters)
         out["tiers"] = [{f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields} for t in reply.tiers]
         return out
@@ -385,22 +466,34 @@ class Client:
         raise AssertionError("unreachable")
 
 
-def _headers(hashes: Sequence[bytes], sizes: Sequence[tuple[int, str]], parent: bytes | None, dtype: str | None,
-             chained: bool) -> list[pb.BlockHeader]:
+def _headers(
+    hashes: Sequence[bytes], sizes: Sequence[tuple[int, str]], parent: bytes | None, dtype: str | None, chained: bool
+) -> list[pb.BlockHeader]:
     """Raw (codec none) headers of a Put: lengths, dtypes and the parent chain."""
     headers: list[pb.BlockHeader] = []
     prev = parent or b""
     for i, (key, (n, kind)) in enumerate(zip(hashes, sizes)):
-        headers.append(pb.BlockHeader(hash=key, parent=prev if chained else (parent or b"") if i == 0 else b"",
-                                      codec=pb.CODEC_NONE, raw_length=n, stored_length=n,
-                                      dtype=_TORCH_TO_WIRE.get(dtype or kind, dtype or kind)))
+        headers.append(
+            pb.BlockHeader(
+                hash=key,
+                parent=prev if chained else (parent or b"") if i == 0 else b"",
+                codec=pb.CODEC_NONE,
+                raw_length=n,
+                stored_length=n,
+                dtype=_TORCH_TO_WIRE.get(dtype or kind, dtype or kind),
+            )
+        )
         prev = key
     return headers
 
 
 def _put_results(reply: pb.PutResponse) -> list[PutResult]:
-    return [PutResult(r.hash, _STATUS.get(r.status, "rejected"),
-                      grpc.StatusCode.OK if not r.code else _code(r.code), r.reason) for r in reply.results]
+    return [
+        PutResult(
+            r.hash, _STATUS.get(r.status, "rejected"), grpc.StatusCode.OK if not r.code else _code(r.code), r.reason
+        )
+        for r in reply.results
+    ]
 
 
 def _code(value: int) -> grpc.StatusCode:

@@ -5,13 +5,15 @@ YAML config file (``--config``; keys are the flag names with dashes or
 underscores) > default. ``kvstore serve --help`` prints every option with its
 default; docs/config.example.yaml lists them all.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -39,79 +41,141 @@ class ServeConfig:
     dram: int = _opt(parse_size("1GiB"), "DRAM tier capacity (e.g. 512MiB, 2GiB)", parse_size, "SIZE")
     hbm: int = _opt(0, "HBM tier capacity on the CUDA device (0: no HBM tier)", parse_size, "SIZE")
     hbm_device: str = _opt("cuda:0", "CUDA device of the HBM tier")
-    hbm_fraction: float = _opt(0.0, "HBM tier capacity as a fraction of the device's free memory at start "
-                                    "(e.g. 0.5; used when --hbm is 0)", float)
+    hbm_fraction: float = _opt(
+        0.0,
+        "HBM tier capacity as a fraction of the device's free memory at start (e.g. 0.5; used when --hbm is 0)",
+        float,
+    )
     nvme_dir: str | None = _opt(None, "directory of the NVMe segment log (unset: no NVMe tier)", metavar="DIR")
     nvme: int = _opt(parse_size("16GiB"), "NVMe tier capacity on disk", parse_size, "SIZE")
     nvme_segment: int = _opt(parse_size("256MiB"), "NVMe segment file size", parse_size, "SIZE")
-    write_policy: str = _opt("write-back", "write-back (a Put is acked once in memory; NVMe copies are made on "
-                                           "demotion) or write-through (acked once also on NVMe)")
-    nvme_sync: str = _opt("direct", "NVMe ack durability: direct (on the device through O_DIRECT: survives a "
-                                    "process crash; segments fdatasync'ed within 1 s) or fdatasync (survives power loss)")
-    eviction_policy: str = _opt("freq", "eviction order inside a tier, always leaves first: freq (LRU that "
-                                        "protects blocks seen twice) or lru")
+    write_policy: str = _opt(
+        "write-back",
+        "write-back (a Put is acked once in memory; NVMe copies are made on "
+        "demotion) or write-through (acked once also on NVMe)",
+    )
+    nvme_sync: str = _opt(
+        "direct",
+        "NVMe ack durability: direct (on the device through O_DIRECT: survives a "
+        "process crash; segments fdatasync'ed within 1 s) or fdatasync (survives power loss)",
+    )
+    eviction_policy: str = _opt(
+        "freq", "eviction order inside a tier, always leaves first: freq (LRU that protects blocks seen twice) or lru"
+    )
     promote_on_hit: bool = _opt(True, "copy blocks read from NVMe back into DRAM when there is room", _bool)
-    nvme_admit_uses: int = _opt(1, "demote a block evicted from DRAM to NVMe only once it was used (stored or read) "
-                                   "this many times, else drop it (1: demote every block; 2 writes NVMe about 4x "
-                                   "less on the bench trace at a lower hit rate: docs/nvme.md); needs "
-                                   "--eviction-policy freq", int)
+    nvme_admit_uses: int = _opt(
+        1,
+        "demote a block evicted from DRAM to NVMe only once it was used (stored or read) "
+        "this many times, else drop it (1: demote every block; 2 writes NVMe about 4x "
+        "less on the bench trace at a lower hit rate: docs/nvme.md); needs "
+        "--eviction-policy freq",
+        int,
+    )
     max_block: int = _opt(parse_size("8MiB"), "largest accepted block (stored bytes)", parse_size, "SIZE")
-    max_message: int = _opt(parse_size("4MiB"), "gRPC max message size (data chunks are at most 1MiB)", parse_size, "SIZE")
+    max_message: int = _opt(
+        parse_size("4MiB"), "gRPC max message size (data chunks are at most 1MiB)", parse_size, "SIZE"
+    )
     max_stream: int = _opt(parse_size("16GiB"), "max payload bytes in one Put stream", parse_size, "SIZE")
     max_hashes: int = _opt(65536, "max hashes in one Lookup/Get/Delete", int)
     workers: int = _opt(16, "gRPC handler threads (concurrent RPCs)", int)
     drain_seconds: float = _opt(15.0, "on SIGTERM, seconds to let in-flight streams finish", float)
     metrics_port: int = _opt(9090, "Prometheus /metrics port (0: off)", int)
-    metrics_token_file: str | None = _opt(None, "file holding a bearer token that /metrics then requires "
-                                                "(Authorization: Bearer <token>); unset: no token", metavar="FILE")
+    metrics_token_file: str | None = _opt(
+        None,
+        "file holding a bearer token that /metrics then requires (Authorization: Bearer <token>); unset: no token",
+        metavar="FILE",
+    )
     log_level: str = _opt("info", "debug, info, warning or error")
     node_id: str = _opt("", "node id shown in Stats (default: the advertise or listen address)")
     config: str | None = _opt(None, "YAML config file (keys are these option names)", metavar="FILE")
     # Cluster and security (DESIGN 2.4)
     redis: str | None = _opt(None, "Redis URL for cluster mode (membership and global index)", metavar="URL")
-    advertise: str | None = _opt(None, "address other hosts reach this node at (default: --listen)", metavar="HOST:PORT")
-    cluster_ttl: float = _opt(10.0, "cluster mode: seconds a node stays listed in Redis without a heartbeat (it "
-                                    "heartbeats every third of it); its index entries expire with it", float)
+    advertise: str | None = _opt(
+        None, "address other hosts reach this node at (default: --listen)", metavar="HOST:PORT"
+    )
+    cluster_ttl: float = _opt(
+        10.0,
+        "cluster mode: seconds a node stays listed in Redis without a heartbeat (it "
+        "heartbeats every third of it); its index entries expire with it",
+        float,
+    )
     tls_cert: str | None = _opt(None, "server TLS certificate (PEM)", metavar="FILE")
     tls_key: str | None = _opt(None, "server TLS private key (PEM)", metavar="FILE")
     tls_client_ca: str | None = _opt(None, "CA bundle for client certificates (enables mutual TLS)", metavar="FILE")
-    insecure_plaintext: bool = _opt(False, "allow plaintext gRPC on a non-loopback --listen address (trusted networks "
-                                           "only); without it such a node needs --tls-cert/--tls-key to start", _bool)
-    tenant_quota: int = _opt(0, "default byte quota per tenant: bytes stored in its namespaces, all tiers (0: none; "
-                                "a tenant's quota in the tenants file wins)", parse_size, "SIZE")
-    tenant_streams: int = _opt(8, "default max concurrent Put/Get streams per tenant (0: no limit; max_streams in "
-                                  "the tenants file wins)", int)
-    max_rpc_seconds: float = _opt(300.0, "server-side limit on any RPC's duration; past it the call ends with "
-                                         "DEADLINE_EXCEEDED (0: none)", float)
-    tenants: str | None = _opt(None, "tenants YAML: [{name, token, namespaces: [...]}]; every RPC then needs a token",
-                               metavar="FILE")
+    insecure_plaintext: bool = _opt(
+        False,
+        "allow plaintext gRPC on a non-loopback --listen address (trusted networks "
+        "only); without it such a node needs --tls-cert/--tls-key to start",
+        _bool,
+    )
+    tenant_quota: int = _opt(
+        0,
+        "default byte quota per tenant: bytes stored in its namespaces, all tiers (0: none; "
+        "a tenant's quota in the tenants file wins)",
+        parse_size,
+        "SIZE",
+    )
+    tenant_streams: int = _opt(
+        8, "default max concurrent Put/Get streams per tenant (0: no limit; max_streams in the tenants file wins)", int
+    )
+    max_rpc_seconds: float = _opt(
+        300.0, "server-side limit on any RPC's duration; past it the call ends with DEADLINE_EXCEEDED (0: none)", float
+    )
+    tenants: str | None = _opt(
+        None, "tenants YAML: [{name, token, namespaces: [...]}]; every RPC then needs a token", metavar="FILE"
+    )
     # Fast data lanes (kvstore/lanes)
-    lanes: str = _opt("shm,tcp,cuda_ipc", "data lanes offered beside gRPC: comma list of shm (same-host shared "
-                                          "memory), tcp (bulk socket, off under TLS: it is plaintext) and cuda_ipc "
-                                          "(same-GPU device memory; offered only where CUDA works); empty: gRPC only")
-    tcp_lane_listen: str = _opt("", "HOST:PORT of the bulk TCP lane (default: the --listen host, a free port)",
-                                metavar="HOST:PORT")
+    lanes: str = _opt(
+        "shm,tcp,cuda_ipc",
+        "data lanes offered beside gRPC: comma list of shm (same-host shared "
+        "memory), tcp (bulk socket, off under TLS: it is plaintext) and cuda_ipc "
+        "(same-GPU device memory; offered only where CUDA works); empty: gRPC only",
+    )
+    tcp_lane_listen: str = _opt(
+        "", "HOST:PORT of the bulk TCP lane (default: the --listen host, a free port)", metavar="HOST:PORT"
+    )
     shm_dir: str = _opt("/dev/shm", "directory (a tmpfs) of the shm lanes' regions", metavar="DIR")
-    shm_lane_bytes: int = _opt(parse_size("256MiB"), "shared-memory region of each shm lane: a batch in flight "
-                                                     "plus Get results lent to the client", parse_size, "SIZE")
-    shm_direct: bool = _opt(True, "let shm lane clients that allow it (same user; Yama prctl) have their Put blocks "
-                                  "read straight from their memory with process_vm_readv (one copy instead of two) "
-                                  "and their Gets and Puts carried on the handshake's socket, not gRPC calls",
-                            _bool)
-    cuda_lane_bytes: int = _opt(parse_size("256MiB"), "device memory region of each cuda_ipc lane", parse_size,
-                                "SIZE")
-    cuda_lane_device: str = _opt("", "device of the cuda_ipc lanes' regions (default: --hbm-device); cpu runs the "
-                                     "same lane over host shared memory, for tests without a GPU")
-    lane_lease: float = _opt(30.0, "seconds a lane's uncommitted slot grant lives (a crashed client's slots come "
-                                   "back after it); a lane idle for 10 leases is closed", float)
+    shm_lane_bytes: int = _opt(
+        parse_size("256MiB"),
+        "shared-memory region of each shm lane: a batch in flight plus Get results lent to the client",
+        parse_size,
+        "SIZE",
+    )
+    shm_direct: bool = _opt(
+        True,
+        "let shm lane clients that allow it (same user; Yama prctl) have their Put blocks "
+        "read straight from their memory with process_vm_readv (one copy instead of two) "
+        "and their Gets and Puts carried on the handshake's socket, not gRPC calls",
+        _bool,
+    )
+    cuda_lane_bytes: int = _opt(parse_size("256MiB"), "device memory region of each cuda_ipc lane", parse_size, "SIZE")
+    cuda_lane_device: str = _opt(
+        "",
+        "device of the cuda_ipc lanes' regions (default: --hbm-device); cpu runs the "
+        "same lane over host shared memory, for tests without a GPU",
+    )
+    lane_lease: float = _opt(
+        30.0,
+        "seconds a lane's uncommitted slot grant lives (a crashed client's slots come "
+        "back after it); a lane idle for 10 leases is closed",
+        float,
+    )
     lane_max: int = _opt(32, "most lanes open at once (each shm lane holds --shm-lane-bytes of memory)", int)
     # Compression (kvstore/codecs; DESIGN 5)
-    lossy_namespaces: str = _opt("", "comma list of namespace patterns (shell globs, e.g. draft-*) whose KV may be "
-                                     "lossy (fp8, fp8+zstd); a lossy Put elsewhere is refused with INVALID_ARGUMENT. "
-                                     "Empty: lossless everywhere", metavar="PATTERNS")
-    get_codec: str = _opt("auto", "codec of Get transfers among those the reader accepts: auto (the bandit picks per "
-                                  "transfer from measured CPU cost, ratio and bandwidth) or a codec name (used when "
-                                  "the reader accepts it, else none)", metavar="CODEC")
+    lossy_namespaces: str = _opt(
+        "",
+        "comma list of namespace patterns (shell globs, e.g. draft-*) whose KV may be "
+        "lossy (fp8, fp8+zstd); a lossy Put elsewhere is refused with INVALID_ARGUMENT. "
+        "Empty: lossless everywhere",
+        metavar="PATTERNS",
+    )
+    get_codec: str = _opt(
+        "auto",
+        "codec of Get transfers among those the reader accepts: auto (the bandit picks per "
+        "transfer from measured CPU cost, ratio and bandwidth) or a codec name (used when "
+        "the reader accepts it, else none)",
+        metavar="CODEC",
+    )
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -128,8 +192,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kind = f.metadata["parse"]
         default = f.default
         shown = default if kind is not parse_size else _fmt(default)
-        parser.add_argument(_flag(f.name), dest=f.name, default=None, metavar=f.metadata["metavar"] or f.name.upper(),
-                            help=f"{f.metadata['help']} [env KVSTORE_{f.name.upper()}; default: {shown}]")
+        parser.add_argument(
+            _flag(f.name),
+            dest=f.name,
+            default=None,
+            metavar=f.metadata["metavar"] or f.name.upper(),
+            help=f"{f.metadata['help']} [env KVSTORE_{f.name.upper()}; default: {shown}]",
+        )
 
 
 def _fmt(n: int) -> str:
@@ -142,9 +211,12 @@ def example_yaml() -> str:
     """docs/config.example.yaml: every option with its help and default (tests keep the file equal to this)."""
     from kvstore.sizes import format_size
 
-    lines = ["# kvstore serve configuration: every option with its default.",
-             "# Keys are the flag names (dashes or underscores). Precedence: flag > env KVSTORE_<OPTION> > "
-             "this file > default.", ""]
+    lines = [
+        "# kvstore serve configuration: every option with its default.",
+        "# Keys are the flag names (dashes or underscores). Precedence: flag > env KVSTORE_<OPTION> > "
+        "this file > default.",
+        "",
+    ]
     for f in fields(ServeConfig):
         if f.name == "config":
             continue

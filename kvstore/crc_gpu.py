@@ -22,10 +22,12 @@ How (two small CUDA kernels through cupy, the ``gpu`` extra):
 library (tests here check the math without a GPU); ``GpuCrc32c.crcs`` runs
 all three on the device (tests on a GPU host compare it with the CPU).
 """
+
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Any, Sequence
+from collections.abc import Sequence
+from functools import cache, lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +37,7 @@ POLY = 0x82F63B78  # Castagnoli, reflected
 CHUNK = 4096
 
 
-@lru_cache(maxsize=None)
+@cache
 def slicing_tables() -> np.ndarray:
     """(4, 256) uint32: the byte table and its slicing-by-4 extensions."""
     t = np.zeros((4, 256), dtype=np.uint32)
@@ -59,7 +61,7 @@ def _advance(x: int, nbytes: int) -> int:
     return x
 
 
-@lru_cache(maxsize=None)
+@cache
 def shift_tables(nbytes: int = CHUNK) -> np.ndarray:
     """(4, 256) uint32: advancing a register over ``nbytes`` zero bytes, byte by byte of the register."""
     basis = [_advance(1 << bit, nbytes) for bit in range(32)]
@@ -85,7 +87,7 @@ def plan(lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     n = np.asarray(lengths, dtype=np.int64)
     count = np.maximum(1, -(-n // CHUNK))
     first = np.concatenate(([0], np.cumsum(count)[:-1])).astype(np.int64)
-    head = n - (count - 1) * CHUNK                                  # 1..CHUNK (0 for an empty block)
+    head = n - (count - 1) * CHUNK  # 1..CHUNK (0 for an empty block)
     idx = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(first, count)
     head_rep = np.repeat(head, count)
     offsets = np.where(idx == 0, 0, head_rep + (idx - 1) * CHUNK)
@@ -101,8 +103,9 @@ def combine(chunk_raw: np.ndarray, first: np.ndarray, count: np.ndarray, lengths
         s = int(first[b])
         crc = int(chunk_raw[s])
         for i in range(s + 1, s + int(count[b])):
-            crc = int(sh[0, crc & 0xFF] ^ sh[1, crc >> 8 & 0xFF] ^ sh[2, crc >> 16 & 0xFF] ^ sh[3, crc >> 24]) \
-                ^ int(chunk_raw[i])
+            crc = int(sh[0, crc & 0xFF] ^ sh[1, crc >> 8 & 0xFF] ^ sh[2, crc >> 16 & 0xFF] ^ sh[3, crc >> 24]) ^ int(
+                chunk_raw[i]
+            )
         out.append(crc ^ zeros_crc(int(n)))
     return out
 
@@ -112,8 +115,10 @@ def reference_crcs(buffers: Sequence[Any]) -> list[int]:
     views = [memoryview(b).cast("B") for b in buffers]
     offsets, lens, first, count = plan([len(v) for v in views])
     owner = np.repeat(np.arange(len(views)), count)
-    raw = np.array([crc32c(views[o][off:off + ln]) ^ zeros_crc(int(ln))
-                    for o, off, ln in zip(owner, offsets, lens)], dtype=np.uint64)
+    raw = np.array(
+        [crc32c(views[o][off : off + ln]) ^ zeros_crc(int(ln)) for o, off, ln in zip(owner, offsets, lens)],
+        dtype=np.uint64,
+    )
     return combine(raw, first, count, [len(v) for v in views])
 
 
@@ -177,18 +182,24 @@ class GpuCrc32c:
         with cp.cuda.Device(device.index):
             tables = self._tables.get(device.index)
             if tables is None:
-                tables = self._tables[device.index] = (cp.asarray(slicing_tables().reshape(-1)),
-                                                       cp.asarray(shift_tables().reshape(-1)))
+                tables = self._tables[device.index] = (
+                    cp.asarray(slicing_tables().reshape(-1)),
+                    cp.asarray(shift_tables().reshape(-1)),
+                )
             stream = cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
             with stream:
                 d_ptrs, d_lens = cp.asarray(ptrs), cp.asarray(lens)
                 d_first, d_count, d_fix = cp.asarray(first), cp.asarray(count), cp.asarray(fix)
                 chunks = cp.empty(len(ptrs), dtype=cp.uint32)
                 out = cp.empty(len(tensors), dtype=cp.uint32)
-                self._chunk(((len(ptrs) + 255) // 256,), (256,),
-                            (d_ptrs, d_lens, chunks, tables[0], np.int32(len(ptrs))))
-                self._fold(((len(tensors) + 127) // 128,), (128,),
-                           (chunks, d_first, d_count, tables[1], d_fix, out, np.int32(len(tensors))))
+                self._chunk(
+                    ((len(ptrs) + 255) // 256,), (256,), (d_ptrs, d_lens, chunks, tables[0], np.int32(len(ptrs)))
+                )
+                self._fold(
+                    ((len(tensors) + 127) // 128,),
+                    (128,),
+                    (chunks, d_first, d_count, tables[1], d_fix, out, np.int32(len(tensors))),
+                )
                 result = out.get(stream=stream)
             stream.synchronize()
         return [int(x) for x in result]

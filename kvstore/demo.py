@@ -11,6 +11,7 @@ bandwidth and hit rate, whether the tokens match, and the generated text.
 K and V, 16 tokens, 3 KV heads, head dim 64, bf16: 360 KiB a block) through a
 store and prints put/get throughput.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,18 +24,21 @@ from kvstore.hashing import block_hashes, model_fingerprint
 
 
 def store_demo(blocks: int, rounds: int) -> int:
-    from kvstore.server.process import store_process
     from kvstore.client import Client
+    from kvstore.server.process import store_process
 
-    fp = model_fingerprint(model="SmolLM2-135M-Instruct", layers=30, kv_heads=3, head_dim=64, dtype="bfloat16",
-                           block_size=16)
+    fp = model_fingerprint(
+        model="SmolLM2-135M-Instruct", layers=30, kv_heads=3, head_dim=64, dtype="bfloat16", block_size=16
+    )
     block_bytes = 30 * 2 * 16 * 3 * 64 * 2
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 49152, size=16 * blocks)
     keys = block_hashes(tokens, 16, "demo", fp)
     payloads = [rng.integers(0, 256, size=block_bytes, dtype=np.uint8) for _ in keys]
-    print(f"starting kvstore serve (DRAM 1GiB) and moving {blocks} blocks of {block_bytes >> 10} KiB "
-          f"({blocks * block_bytes / 1e6:.0f} MB) x {rounds} rounds")
+    print(
+        f"starting kvstore serve (DRAM 1GiB) and moving {blocks} blocks of {block_bytes >> 10} KiB "
+        f"({blocks * block_bytes / 1e6:.0f} MB) x {rounds} rounds"
+    )
     with store_process("--dram", "1GiB") as (target, _), Client(target) as kv:
         for r in range(rounds):
             kv.delete("demo", keys)
@@ -47,24 +51,32 @@ def store_demo(blocks: int, rounds: int) -> int:
             t3 = time.perf_counter()
             exact = all(np.array_equal(np.frombuffer(g, np.uint8), p) for g, p in zip(got, payloads))
             total = blocks * block_bytes
-            print(f"round {r + 1}: put {total / (t1 - t0) / 1e9:.2f} GB/s ({sum(x.status == 'stored' for x in results)} "
-                  f"stored), lookup {cached}/{blocks + 1} blocks cached in {(t2 - t1) * 1e3:.1f} ms, "
-                  f"get {total / (t3 - t2) / 1e9:.2f} GB/s, byte-exact: {exact}")
+            print(
+                f"round {r + 1}: put {total / (t1 - t0) / 1e9:.2f} GB/s ({sum(x.status == 'stored' for x in results)} "
+                f"stored), lookup {cached}/{blocks + 1} blocks cached in {(t2 - t1) * 1e3:.1f} ms, "
+                f"get {total / (t3 - t2) / 1e9:.2f} GB/s, byte-exact: {exact}"
+            )
             if not exact:
                 return 1
         stats = kv.stats()
     tier = stats["tiers"][0]
-    print(f"store: {stats['blocks']} blocks, DRAM {tier['used_bytes'] / 2**20:.0f} of {tier['capacity_bytes'] / 2**20:.0f} MiB")
+    print(
+        f"store: {stats['blocks']} blocks, DRAM {tier['used_bytes'] / 2**20:.0f} of {tier['capacity_bytes'] / 2**20:.0f} MiB"
+    )
     return 0
 
 
-SYSTEM = ("You are a concise assistant for a team that runs a large language model service. "
-          "The service splits inference into prefill workers, which read the whole prompt, and decode "
-          "workers, which write the answer one token at a time. Between them sits a key-value cache store "
-          "that keeps the attention keys and values of every prompt prefix it has seen, in GPU memory, host "
-          "memory and on NVMe drives, so that a later request sharing the prefix does not recompute it. ")
-TURNS = ("In one sentence: why does a shared system prompt make the cache store useful?",
-         "And what happens when the store is full?")
+SYSTEM = (
+    "You are a concise assistant for a team that runs a large language model service. "
+    "The service splits inference into prefill workers, which read the whole prompt, and decode "
+    "workers, which write the answer one token at a time. Between them sits a key-value cache store "
+    "that keeps the attention keys and values of every prompt prefix it has seen, in GPU memory, host "
+    "memory and on NVMe drives, so that a later request sharing the prefix does not recompute it. "
+)
+TURNS = (
+    "In one sentence: why does a shared system prompt make the cache store useful?",
+    "And what happens when the store is full?",
+)
 
 
 def chatml(turns: list[tuple[str, str]]) -> str:
@@ -88,12 +100,16 @@ def chat_demo(model: str, new_tokens: int, system_repeat: int) -> int:
             same = base.tokens == dis.tokens == hit.tokens
             print(f"\nturn {i}: {question}\n  prompt {base.prompt_tokens} tokens")
             print(f"  TTFT recompute (decode worker computes everything): {base.ttft_s * 1e3:8.1f} ms")
-            print(f"  TTFT prefill -> store -> decode:                     {dis.ttft_s * 1e3:8.1f} ms "
-                  f"(prefill {dis.prefill_s * 1e3:.0f} ms, {dis.cached_blocks} blocks fetched)")
-            print(f"  TTFT with the prefix in the store:                   {hit.ttft_s * 1e3:8.1f} ms "
-                  f"({base.ttft_s / hit.ttft_s:.1f}x faster; {hit.transfer_bytes / 1e6:.1f} MB at "
-                  f"{hit.transfer_bytes / max(hit.transfer_s, 1e-9) / 1e9:.2f} GB/s, hit rate "
-                  f"{hit.cached_blocks * 16 / max(hit.prompt_tokens, 1):.2f})")
+            print(
+                f"  TTFT prefill -> store -> decode:                     {dis.ttft_s * 1e3:8.1f} ms "
+                f"(prefill {dis.prefill_s * 1e3:.0f} ms, {dis.cached_blocks} blocks fetched)"
+            )
+            print(
+                f"  TTFT with the prefix in the store:                   {hit.ttft_s * 1e3:8.1f} ms "
+                f"({base.ttft_s / hit.ttft_s:.1f}x faster; {hit.transfer_bytes / 1e6:.1f} MB at "
+                f"{hit.transfer_bytes / max(hit.transfer_s, 1e-9) / 1e9:.2f} GB/s, hit rate "
+                f"{hit.cached_blocks * 16 / max(hit.prompt_tokens, 1):.2f})"
+            )
             print(f"  same tokens as recomputing: {same}")
             answer = hit.text.replace("<|im_end|>", "").strip()
             print(f"  assistant: {answer}")
@@ -104,20 +120,29 @@ def chat_demo(model: str, new_tokens: int, system_repeat: int) -> int:
         with Client(store) as kv:
             stats = kv.stats()
         for t in stats["tiers"]:
-            print(f"store {t['name']}: {t['blocks']} blocks, {t['used_bytes'] / 2**20:.1f} MiB, {t['hits']} block hits; "
-                  f"lookups hit {stats['lookup_hits']} / missed {stats['lookup_misses']} blocks")
+            print(
+                f"store {t['name']}: {t['blocks']} blocks, {t['used_bytes'] / 2**20:.1f} MiB, {t['hits']} block hits; "
+                f"lookups hit {stats['lookup_hits']} / missed {stats['lookup_misses']} blocks"
+            )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvstore demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvstore demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--store-only", action="store_true", help="only move KV blocks through a store (no model)")
     parser.add_argument("--model", default="smollm2", help="worker model (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=40, help="tokens generated per turn (default: %(default)s)")
-    parser.add_argument("--system-repeat", type=int, default=6,
-                        help="repetitions of the system prompt, to make it long (default: %(default)s)")
-    parser.add_argument("--blocks", type=int, default=256, help="--store-only: blocks in the prefix (default: %(default)s)")
+    parser.add_argument(
+        "--system-repeat",
+        type=int,
+        default=6,
+        help="repetitions of the system prompt, to make it long (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--blocks", type=int, default=256, help="--store-only: blocks in the prefix (default: %(default)s)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="--store-only: repetitions (default: %(default)s)")
     args = parser.parse_args([a for a in (argv or []) if a != "--"])
     if args.store_only:

@@ -21,10 +21,12 @@
 
 torch is imported only when a tensor is seen.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvstore.checksum import crc32c
 from kvstore.lanes.memops import copy_into, host_view

@@ -3,6 +3,7 @@
 `--out DIR` writes them elsewhere (the staleness test compares a fresh run with
 the committed files).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -8,10 +8,11 @@ cryptographic hash on purpose: with a fast non-cryptographic one a tenant can
 craft collisions and poison another tenant's cache. Test vectors for other
 clients: tests/data/hash_vectors.json.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from hashlib import blake2b
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -68,8 +69,14 @@ def model_fingerprint(
 ) -> str:
     """Canonical string of everything that changes the bytes of a block."""
     parts: Iterable[tuple[str, object]] = (
-        ("model", model), ("rev", revision), ("layers", layers), ("kv_heads", kv_heads),
-        ("head_dim", head_dim), ("dtype", dtype), ("block", block_size), ("layout", layout),
+        ("model", model),
+        ("rev", revision),
+        ("layers", layers),
+        ("kv_heads", kv_heads),
+        ("head_dim", head_dim),
+        ("dtype", dtype),
+        ("block", block_size),
+        ("layout", layout),
         ("adapter", adapter),
     )
     return ";".join(f"{k}={v}" for k, v in parts)

@@ -12,15 +12,16 @@ it from arrival to the first generated token (TTFT):
 ``local_stack(model)`` starts a store, a prefill worker and a decode worker as
 subprocesses on loopback ports (the embedded default) and yields their addresses.
 """
+
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -67,8 +68,11 @@ class Router:
     def run(self, mode: str, prompt: Sequence[int] | str, namespace: str, max_new_tokens: int) -> Result:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
-        msg = wpb.Prompt(text=prompt, chat=False) if isinstance(prompt, str) else \
-            wpb.Prompt(tokens=wpb.TokenIds(ids=list(prompt)))
+        msg = (
+            wpb.Prompt(text=prompt, chat=False)
+            if isinstance(prompt, str)
+            else wpb.Prompt(tokens=wpb.TokenIds(ids=list(prompt)))
+        )
         start = time.perf_counter()
         prefill_s, prefill_cached = 0.0, 0
         if mode == "disaggregated":
@@ -76,9 +80,12 @@ class Router:
                 raise ValueError("disaggregated mode needs a prefill worker")
             reply = self.prefill.Prefill(wpb.PrefillRequest(prompt=msg, namespace=namespace), timeout=self.timeout)
             prefill_s, prefill_cached = time.perf_counter() - start, reply.cached_blocks
-        stream = self.decode.Generate(wpb.GenerateRequest(prompt=msg, namespace=namespace,
-                                                          max_new_tokens=max_new_tokens,
-                                                          use_store=mode != "recompute"), timeout=self.timeout)
+        stream = self.decode.Generate(
+            wpb.GenerateRequest(
+                prompt=msg, namespace=namespace, max_new_tokens=max_new_tokens, use_store=mode != "recompute"
+            ),
+            timeout=self.timeout,
+        )
         tokens: list[int] = []
         text: list[str] = []
         first: wpb.GenerateReply | None = None
@@ -91,12 +98,24 @@ class Router:
         total = time.perf_counter() - start
         assert first is not None
         t = first.timings
-        return Result(mode=mode, prompt_tokens=first.prompt_tokens, cached_blocks=first.cached_blocks, ttft_s=ttft,
-                      total_s=total, tokens=tokens, text="".join(text),
-                      tpot_s=(total - ttft) / max(1, len(tokens) - 1), transfer_bytes=first.transfer_bytes,
-                      recomputed=first.recomputed, prefill_s=prefill_s,
-                      prefill_cached_blocks=prefill_cached, lookup_s=t.lookup_s,
-                      transfer_s=t.transfer_s, load_s=t.load_s, compute_s=t.compute_s)
+        return Result(
+            mode=mode,
+            prompt_tokens=first.prompt_tokens,
+            cached_blocks=first.cached_blocks,
+            ttft_s=ttft,
+            total_s=total,
+            tokens=tokens,
+            text="".join(text),
+            tpot_s=(total - ttft) / max(1, len(tokens) - 1),
+            transfer_bytes=first.transfer_bytes,
+            recomputed=first.recomputed,
+            prefill_s=prefill_s,
+            prefill_cached_blocks=prefill_cached,
+            lookup_s=t.lookup_s,
+            transfer_s=t.transfer_s,
+            load_s=t.load_s,
+            compute_s=t.compute_s,
+        )
 
     def close(self) -> None:
         for ch in self._channels:
@@ -111,7 +130,10 @@ def _wait_healthy(target: str, proc: subprocess.Popen, timeout: float) -> None:
             if proc.poll() is not None:
                 raise RuntimeError(f"{' '.join(proc.args)} exited with {proc.returncode}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -123,8 +145,24 @@ def _wait_healthy(target: str, proc: subprocess.Popen, timeout: float) -> None:
 @contextmanager
 def worker_process(module: str, store: str, model: str, *extra: str, timeout: float = 300.0) -> Iterator[str]:
     target = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", module, "--listen", target, "--store", store, "--model", model,
-                             "--log-level", "warning", *extra], cwd=ROOT, env=dict(os.environ))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            module,
+            "--listen",
+            target,
+            "--store",
+            store,
+            "--model",
+            model,
+            "--log-level",
+            "warning",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=dict(os.environ),
+    )
     try:
         _wait_healthy(target, proc, timeout)
         yield target
@@ -137,8 +175,9 @@ def worker_process(module: str, store: str, model: str, *extra: str, timeout: fl
 
 
 @contextmanager
-def local_stack(model: str = "smollm2", dram: str = "2GiB", pool_blocks: int = 2048,
-                store_args: Sequence[str] = ()) -> Iterator[tuple[str, str, str]]:
+def local_stack(
+    model: str = "smollm2", dram: str = "2GiB", pool_blocks: int = 2048, store_args: Sequence[str] = ()
+) -> Iterator[tuple[str, str, str]]:
     """(store, prefill, decode) addresses of a store and two workers on loopback ports."""
     with ExitStack() as stack:
         store, _ = stack.enter_context(store_process("--dram", dram, *store_args))

@@ -1,4 +1,5 @@
 """`python -m prefill_node --listen 0.0.0.0:7080 --store HOST:PORT --model smollm2`."""
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load(args.model)
     link = StoreLink(model, args.store, token=args.token)
     servicer = PrefillServicer(model, tokenizer, link, pool_blocks=args.pool_blocks, chunk_tokens=args.chunk_tokens)
-    serve(args.listen, lambda s: wpb_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-          "kvstore.v1.PrefillService", on_stop=link.close)
+    serve(
+        args.listen,
+        lambda s: wpb_grpc.add_PrefillServiceServicer_to_server(servicer, s),
+        "kvstore.v1.PrefillService",
+        on_stop=link.close,
+    )
     return 0
 
 

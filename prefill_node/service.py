@@ -6,6 +6,7 @@ uploader (``BlockUploader``) while the model computes the next chunk. The reply
 comes after every Put has been acknowledged, so a decode worker that sees the
 reply finds the blocks in the store.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -26,8 +27,15 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServicer(wpb_grpc.PrefillServiceServicer):
-    def __init__(self, model: LlamaModel, tokenizer: ByteBPETokenizer | None, link: StoreLink, *,
-                 pool_blocks: int = 2048, chunk_tokens: int = 512):
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: ByteBPETokenizer | None,
+        link: StoreLink,
+        *,
+        pool_blocks: int = 2048,
+        chunk_tokens: int = 512,
+    ):
         self.model, self.tokenizer, self.link = model, tokenizer, link
         self.block_size = model.config.block_size
         self.chunk = max(self.block_size, chunk_tokens // self.block_size * self.block_size)
@@ -67,16 +75,28 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
                 compute_s += time.perf_counter() - c0
                 full = min(len(hashes), (start + self.chunk) // bs)
                 if full > stored_upto:
-                    uploader.submit(hashes[stored_upto:full], self.pool.sequence_payloads(seq, stored_upto, full),
-                                    hashes[stored_upto - 1] if stored_upto else None)
+                    uploader.submit(
+                        hashes[stored_upto:full],
+                        self.pool.sequence_payloads(seq, stored_upto, full),
+                        hashes[stored_upto - 1] if stored_upto else None,
+                    )
                     stored_upto = full
             wait_s = uploader.finish()
         finally:
             self.pool.free_sequence(seq)
         total = time.perf_counter() - t0
         return wpb.PrefillReply(
-            hashes=hashes, prompt_tokens=len(tokens), cached_blocks=fetched.blocks,
-            computed_tokens=len(tokens) - fetched.blocks * bs, stored_blocks=uploader.stored,
+            hashes=hashes,
+            prompt_tokens=len(tokens),
+            cached_blocks=fetched.blocks,
+            computed_tokens=len(tokens) - fetched.blocks * bs,
+            stored_blocks=uploader.stored,
             transfer_bytes=fetched.bytes + uploader.bytes,
-            timings=wpb.Timings(lookup_s=fetched.lookup_s, transfer_s=fetched.transfer_s + wait_s,
-                                load_s=fetched.load_s, compute_s=compute_s, total_s=total))
+            timings=wpb.Timings(
+                lookup_s=fetched.lookup_s,
+                transfer_s=fetched.transfer_s + wait_s,
+                load_s=fetched.load_s,
+                compute_s=compute_s,
+                total_s=total,
+            ),
+        )

@@ -1,4 +1,5 @@
 """Shared fixtures: real store servers on loopback ports (in-process or as a subprocess)."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -38,8 +39,16 @@ def make_server() -> Iterator[Callable[..., StoreServer]]:
     def start(**overrides) -> StoreServer:
         # cuda_ipc lanes of in-process servers run on their cpu stand-in: CUDA cannot open an IPC handle in
         # the process that made it (tests/test_cuda_lane.py runs the real one against a server process).
-        cfg = ServeConfig(**{"listen": "127.0.0.1:0", "dram": 256 << 20, "metrics_port": 0,
-                             "drain_seconds": 1.0, "cuda_lane_device": "cpu", **overrides})
+        cfg = ServeConfig(
+            **{
+                "listen": "127.0.0.1:0",
+                "dram": 256 << 20,
+                "metrics_port": 0,
+                "drain_seconds": 1.0,
+                "cuda_lane_device": "cpu",
+                **overrides,
+            }
+        )
         server = StoreServer(cfg).start()
         servers.append(server)
         return server
@@ -75,7 +84,12 @@ class ServerProcess:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore", "serve", "--listen", self.target, "--metrics-port", "0", *args],
-            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
         # Drain the server's output on a thread: an unread pipe fills up and then blocks every
         # server thread that logs, which looks exactly like a server hang.
         self._lines: list[str] = []
@@ -94,8 +108,14 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 self._reader.join(5)
                 raise RuntimeError(f"server exited {self.proc.returncode}: {self.output()}")
-            ok = subprocess.run([sys.executable, "-m", "kvstore", "health", "--target", self.target, "--timeout", "1"],
-                                capture_output=True, cwd=ROOT).returncode == 0
+            ok = (
+                subprocess.run(
+                    [sys.executable, "-m", "kvstore", "health", "--target", self.target, "--timeout", "1"],
+                    capture_output=True,
+                    cwd=ROOT,
+                ).returncode
+                == 0
+            )
             if ok:
                 return
             time.sleep(0.2)
@@ -118,8 +138,9 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.send_signal(signal.SIGUSR1)  # `kvstore serve` dumps its threads' stacks: show where it hangs
             time.sleep(2)
-            raise AssertionError(f"server still running {timeout}s after SIGTERM; its output and stacks:\n"
-                                 f"{self.output()[-20000:]}") from None
+            raise AssertionError(
+                f"server still running {timeout}s after SIGTERM; its output and stacks:\n{self.output()[-20000:]}"
+            ) from None
 
     def output(self) -> str:
         """What the server printed so far (all of it once the process has exited)."""

@@ -218,8 +218,18 @@ def lint(case: str, kube_version: str) -> list[str]:
             e for e in report["errors"] if e
         ]
     proc = subprocess.run(
-        [HELM_BIN, "lint", str(CHART), "--strict", "--namespace", NAMESPACE,
-         "--kube-version", f"v{kube_version}.0", "-f", str(values_file)],
+        [
+            HELM_BIN,
+            "lint",
+            str(CHART),
+            "--strict",
+            "--namespace",
+            NAMESPACE,
+            "--kube-version",
+            f"v{kube_version}.0",
+            "-f",
+            str(values_file),
+        ],
         capture_output=True,
         text=True,
     )
@@ -292,9 +302,9 @@ def write_output(case: str, manifests: dict[str, str]) -> None:
     parts = [
         f"# Source: {path}\n{text.strip()}\n"
         for path, text in sorted(manifests.items())
-        if path.endswith(".yaml") and text.strip() and not all(
-            not line.strip() or line.lstrip().startswith("#") for line in text.splitlines()
-        )
+        if path.endswith(".yaml")
+        and text.strip()
+        and not all(not line.strip() or line.lstrip().startswith("#") for line in text.splitlines())
     ]
     (OUTPUT_DIR / f"{case}.yaml").write_text("---\n".join(parts))
 
@@ -302,11 +312,7 @@ def write_output(case: str, manifests: dict[str, str]) -> None:
 def manifests_to_docs(manifests: dict[str, str]) -> list[dict[str, Any]]:
     """The Kubernetes objects of rendered templates (NOTES.txt and empty documents left out)."""
     return [
-        doc
-        for path, text in manifests.items()
-        if path.endswith(".yaml")
-        for doc in yaml.safe_load_all(text)
-        if doc
+        doc for path, text in manifests.items() if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc
     ]
 
 
@@ -317,7 +323,7 @@ def render_docs(values: dict[str, Any], case: str = "inline") -> Rendered:
     return Rendered(case, manifests_to_docs(manifests), notes)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rendered_cases() -> dict[str, Rendered]:
     """Every values file of tests/data/helm_values/, rendered once per session."""
     result = {}

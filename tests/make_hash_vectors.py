@@ -3,6 +3,7 @@
 The cases are fixed here; the digests come from kvstore.hashing and are then
 checked by tests/test_hashing.py against an independent reading of DESIGN 2.1.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,12 +41,21 @@ CASES = [
 def main() -> None:
     rows = []
     for name, ns, fp, bs, tokens in CASES:
-        rows.append({
-            "name": name, "namespace": ns, "model_fingerprint": fp, "block_size": bs, "tokens": tokens,
-            "root": chain_root(ns, fp).hex(), "hashes": [h.hex() for h in block_hashes(tokens, bs, ns, fp)],
-        })
+        rows.append(
+            {
+                "name": name,
+                "namespace": ns,
+                "model_fingerprint": fp,
+                "block_size": bs,
+                "tokens": tokens,
+                "root": chain_root(ns, fp).hex(),
+                "hashes": [h.hex() for h in block_hashes(tokens, bs, ns, fp)],
+            }
+        )
     out = Path(__file__).parent / "data" / "hash_vectors.json"
-    out.write_text(json.dumps({"spec": "DESIGN.md 2.1 (kvstore/v1)", "cases": rows}, indent=1, ensure_ascii=False) + "\n")
+    out.write_text(
+        json.dumps({"spec": "DESIGN.md 2.1 (kvstore/v1)", "cases": rows}, indent=1, ensure_ascii=False) + "\n"
+    )
     print(f"wrote {len(rows)} cases to {out}")
 
 

@@ -1,4 +1,5 @@
 """Every malformed request gets a clear gRPC status, never a hang, a crash or a stored block."""
+
 from __future__ import annotations
 
 import grpc
@@ -72,8 +73,13 @@ def test_more_data_than_header_says(stub, server):
 
 def test_next_header_before_block_complete(stub, server):
     data = b"z" * 100
-    err = put(stub, [pb.PutRequest(namespace="ns", header=header(data), data=data[:40]),
-                     pb.PutRequest(header=header(data, hash=bytes(16)), data=data)])
+    err = put(
+        stub,
+        [
+            pb.PutRequest(namespace="ns", header=header(data), data=data[:40]),
+            pb.PutRequest(header=header(data, hash=bytes(16)), data=data),
+        ],
+    )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "after 40 of 100 bytes" in err.details()
     assert_nothing_stored(server)
 
@@ -108,8 +114,13 @@ def test_stream_ends_mid_block(stub, server):
 
 def test_earlier_complete_blocks_survive_a_bad_stream(stub, server):
     good = b"g" * 100
-    put(stub, [pb.PutRequest(namespace="ns", header=header(good), data=good),
-               pb.PutRequest(header=header(good, hash=bytes(16)), data=good[:10])])
+    put(
+        stub,
+        [
+            pb.PutRequest(namespace="ns", header=header(good), data=good),
+            pb.PutRequest(header=header(good, hash=bytes(16)), data=good[:10]),
+        ],
+    )
     assert server.store.lookup("ns", [KEY]) == (1, [2])
 
 
@@ -124,8 +135,9 @@ def test_a_float_codec_on_bytes_is_refused(make_server, codec):
     server = make_server(lossy_namespaces="*")
     data = b"\x02" * 2558
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        err = put(pb_grpc.KVStoreStub(channel), [pb.PutRequest(namespace="ns", header=header(data, codec=codec),
-                                                               data=data)])
+        err = put(
+            pb_grpc.KVStoreStub(channel), [pb.PutRequest(namespace="ns", header=header(data, codec=codec), data=data)]
+        )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "codes float KV" in err.details()
     assert_nothing_stored(server)
 

@@ -1,4 +1,5 @@
 """bench.bandit's bookkeeping and bench.netns's shaped link (the link test needs root, ip and tc)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -33,11 +34,16 @@ def row(regime: str, policy: str, codec: str, seconds: float) -> dict:
 
 
 def test_summary_compares_the_bandit_with_the_best_fixed_codec():
-    rows = [row("1gbit", "lossless", "none", 2.0), row("1gbit", "lossless", "byteplane", 1.0),
-            row("1gbit", "lossless", "bandit", 1.08), row("1gbit", "lossy", "fp8", 0.8),
-            row("1gbit", "lossy", "bandit", 0.95),
-            row("changing", "lossless", "none", 3.0), row("changing", "lossless", "byteplane", 2.0),
-            row("changing", "lossless", "bandit", 2.05)]
+    rows = [
+        row("1gbit", "lossless", "none", 2.0),
+        row("1gbit", "lossless", "byteplane", 1.0),
+        row("1gbit", "lossless", "bandit", 1.08),
+        row("1gbit", "lossy", "fp8", 0.8),
+        row("1gbit", "lossy", "bandit", 0.95),
+        row("changing", "lossless", "none", 3.0),
+        row("changing", "lossless", "byteplane", 2.0),
+        row("changing", "lossless", "bandit", 2.05),
+    ]
     out = summarize(rows)
     bandits = {(r["regime"], r["policy"]): r for r in out if r["codec"] == "bandit"}
     assert bandits[("1gbit", "lossless")]["ratio_to_best"] == pytest.approx(1.08)
@@ -55,10 +61,14 @@ def test_tbf_parameters():
     assert fast[2] == "10000mbit" and int(fast[4]) == int(10e9 / 8 * netns.BURST_SECONDS)
 
 
-SINK = "import socket,sys;s=socket.create_server((sys.argv[1],9999));c,_=s.accept();n=0\n" \
-       "while (d:=c.recv(1<<20)): n+=len(d)\nprint(n)"
-SOURCE = "import socket,sys,time;s=socket.create_connection((sys.argv[1],9999));b=bytes(1<<20);t=time.time()\n" \
-         "for _ in range(12): s.sendall(b)\ns.shutdown(1);s.recv(1);print(12*8*(1<<20)/(time.time()-t)/1e9)"
+SINK = (
+    "import socket,sys;s=socket.create_server((sys.argv[1],9999));c,_=s.accept();n=0\n"
+    "while (d:=c.recv(1<<20)): n+=len(d)\nprint(n)"
+)
+SOURCE = (
+    "import socket,sys,time;s=socket.create_connection((sys.argv[1],9999));b=bytes(1<<20);t=time.time()\n"
+    "for _ in range(12): s.sendall(b)\ns.shutdown(1);s.recv(1);print(12*8*(1<<20)/(time.time()-t)/1e9)"
+)
 
 
 @pytest.mark.skipif(not netns.available(), reason="needs root, ip and tc")
@@ -66,11 +76,18 @@ def test_shaped_link_between_namespaces_is_made_used_and_removed():
     with netns.veth_link("t") as link:
         link.shape(0.5)
         assert "rate 500Mbit" in link.qdisc()
-        sink = subprocess.Popen(link.run_in(link.server_ns, [sys.executable, "-c", SINK, link.server_ip]),
-                                stdout=subprocess.PIPE, text=True)
+        sink = subprocess.Popen(
+            link.run_in(link.server_ns, [sys.executable, "-c", SINK, link.server_ip]), stdout=subprocess.PIPE, text=True
+        )
         time.sleep(0.3)
-        gbit = float(subprocess.run(link.run_in(link.client_ns, [sys.executable, "-c", SOURCE, link.server_ip]),
-                                    capture_output=True, text=True, check=True).stdout)
+        gbit = float(
+            subprocess.run(
+                link.run_in(link.client_ns, [sys.executable, "-c", SOURCE, link.server_ip]),
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
         assert int(sink.communicate(timeout=10)[0]) == 12 << 20
         assert 0.2 < gbit < 0.6  # tbf holds the link near 0.5 Gbit/s
         link.shape(None)

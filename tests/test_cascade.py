@@ -1,4 +1,5 @@
 """The tier cascade through a real server: DRAM -> NVMe demotion, promotion, recovery, faults."""
+
 from __future__ import annotations
 
 import random
@@ -30,7 +31,9 @@ def test_round_trip_through_nvme(make_server, tmp_path):
     data = [payload(k, 256 << 10) for k in keys]
     with Client(f"127.0.0.1:{server.port}") as kv:
         for i in range(0, 96, 16):
-            assert all(r.ok for r in kv.put("ns", keys[i : i + 16], data[i : i + 16], parent=keys[i - 1] if i else None))
+            assert all(
+                r.ok for r in kv.put("ns", keys[i : i + 16], data[i : i + 16], parent=keys[i - 1] if i else None)
+            )
         n, tiers = kv.lookup_tiers("ns", keys)
         assert n == 96 and "nvme" in tiers and "dram" in tiers
         got = kv.get("ns", keys)
@@ -43,8 +46,18 @@ def test_round_trip_through_nvme(make_server, tmp_path):
 
 def test_acknowledged_blocks_survive_kill9(spawn_server, tmp_path):
     """Write-through: a Put is acked once its blocks are on NVMe; kill -9 mid-burst loses none of them."""
-    args = ("--dram", "16MiB", "--nvme-dir", str(tmp_path / "d"), "--nvme", "512MiB", "--nvme-segment", "32MiB",
-            "--write-policy", "write-through")
+    args = (
+        "--dram",
+        "16MiB",
+        "--nvme-dir",
+        str(tmp_path / "d"),
+        "--nvme",
+        "512MiB",
+        "--nvme-segment",
+        "32MiB",
+        "--write-policy",
+        "write-through",
+    )
     proc = spawn_server(*args)
     acked: list[tuple[bytes, bytes]] = []
     stop = threading.Event()
@@ -120,8 +133,10 @@ def test_corrupt_record_is_reported_not_served(make_server, tmp_path):
 
 def test_enospc_degrades_and_dram_keeps_serving(tmp_path):
     backend = InstrumentedBackend(PosixBackend())
-    tiers = [ArenaTier(8 << 20, page_size=8 << 20),
-             NvmeTier(tmp_path / "full", 64 << 20, segment_bytes=8 << 20, backend=backend, probe_interval_s=60)]
+    tiers = [
+        ArenaTier(8 << 20, page_size=8 << 20),
+        NvmeTier(tmp_path / "full", 64 << 20, segment_bytes=8 << 20, backend=backend, probe_interval_s=60),
+    ]
     cfg = ServeConfig(listen="127.0.0.1:0", metrics_port=0, dram=8 << 20)
     server = StoreServer(cfg, store=build_store(cfg, tiers)).start()
     try:
@@ -165,9 +180,11 @@ def test_nvme_admission_demotes_reused_blocks_and_drops_the_rest(tmp_path):
     from kvstore.store.policies import policy_factory
 
     size = 256 << 10
-    store = BlockStore([ArenaTier(8 << 20, page_size=1 << 20),
-                        NvmeTier(tmp_path / "n", 64 << 20, segment_bytes=8 << 20)],
-                       policy_factory=policy_factory("freq"), nvme_admit_uses=2)
+    store = BlockStore(
+        [ArenaTier(8 << 20, page_size=1 << 20), NvmeTier(tmp_path / "n", 64 << 20, segment_bytes=8 << 20)],
+        policy_factory=policy_factory("freq"),
+        nvme_admit_uses=2,
+    )
     reused = block_hashes(list(range(16 * 8)), 16, "ns", "reused")
     once = block_hashes(list(range(16 * 8)), 16, "ns", "once")
     put_blocks(store, reused + once, size)
@@ -194,8 +211,11 @@ def test_nvme_admission_never_drops_at_a_graceful_stop(tmp_path):
     from kvstore.store.policies import policy_factory
 
     def open_store():
-        return BlockStore([ArenaTier(8 << 20, page_size=1 << 20), NvmeTier(tmp_path / "n", 64 << 20, segment_bytes=8 << 20)],
-                          policy_factory=policy_factory("freq"), nvme_admit_uses=3)
+        return BlockStore(
+            [ArenaTier(8 << 20, page_size=1 << 20), NvmeTier(tmp_path / "n", 64 << 20, segment_bytes=8 << 20)],
+            policy_factory=policy_factory("freq"),
+            nvme_admit_uses=3,
+        )
 
     keys = block_hashes(list(range(16 * 6)), 16, "ns", "once")
     store = open_store()

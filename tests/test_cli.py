@@ -1,4 +1,5 @@
 """`kvstore serve` as a process: flags, env vars, YAML config, health, stats, SIGTERM drain, metrics."""
+
 from __future__ import annotations
 
 import json
@@ -21,14 +22,29 @@ from tests.conftest import ROOT, free_port
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
 
 
 def test_help_lists_every_option_with_default():
     out = run_cli("serve", "--help").stdout
-    for flag in ("--listen", "--dram", "--nvme-dir", "--nvme", "--metrics-port", "--config", "--redis",
-                 "--advertise", "--tls-cert", "--tls-key", "--tls-client-ca", "--tenants", "--max-message",
-                 "--log-level"):
+    for flag in (
+        "--listen",
+        "--dram",
+        "--nvme-dir",
+        "--nvme",
+        "--metrics-port",
+        "--config",
+        "--redis",
+        "--advertise",
+        "--tls-cert",
+        "--tls-key",
+        "--tls-client-ca",
+        "--tenants",
+        "--max-message",
+        "--log-level",
+    ):
         assert flag in out
     assert "default: 1GiB" in out and "KVSTORE_DRAM" in out
 
@@ -67,7 +83,6 @@ def test_serve_env_health_stats_metrics_and_sigterm(spawn_server):
     assert run_cli("health", "--target", proc.target, "--timeout", "1").returncode != 0
 
 
-
 def test_sigusr1_dumps_every_threads_stack_and_keeps_serving(spawn_server):
     proc = spawn_server("--dram", "16MiB")
     os.kill(proc.proc.pid, signal.SIGUSR1)
@@ -87,10 +102,16 @@ def test_metrics_endpoint(spawn_server):
         kv.get("ns", [b"k" * 16])
         kv.lookup("ns", [b"k" * 16, b"j" * 16])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for name in ('kvstore_tier_used_bytes{tier="dram"}', 'kvstore_tier_hits_total{tier="dram"} 1.0',
-                 "kvstore_lookup_misses_total 1.0", "kvstore_bytes_in_total 1000.0", "kvstore_bytes_out_total 1000.0",
-                 'kvstore_rpc_seconds_bucket{code="OK",le="0.005",method="Put"}', "kvstore_tier_evictions_total",
-                 "kvstore_tier_not_admitted_total"):
+    for name in (
+        'kvstore_tier_used_bytes{tier="dram"}',
+        'kvstore_tier_hits_total{tier="dram"} 1.0',
+        "kvstore_lookup_misses_total 1.0",
+        "kvstore_bytes_in_total 1000.0",
+        "kvstore_bytes_out_total 1000.0",
+        'kvstore_rpc_seconds_bucket{code="OK",le="0.005",method="Put"}',
+        "kvstore_tier_evictions_total",
+        "kvstore_tier_not_admitted_total",
+    ):
         assert name in text, name
 
 
@@ -134,6 +155,7 @@ def test_sigterm_drains_an_in_flight_stream(spawn_server):
 @pytest.mark.parametrize("size", ["512MiB", "2GiB", "1.5G", "4096"])
 def test_sizes(size):
     from kvstore.sizes import parse_size
+
     assert parse_size(size) > 0
 
 

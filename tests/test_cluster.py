@@ -1,10 +1,12 @@
 """Cluster mode end to end on one real redis-server: three store nodes, two clients, failures."""
+
 from __future__ import annotations
 
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -175,9 +177,15 @@ def test_redis_stopped_and_restarted_mid_run_fails_no_request(make_server, local
         wait_until(lambda: len(members(local_redis.url)) == 3, timeout=8, what="re-registration")
         # each node finished a resync since Redis came back (with traffic running, the three publishers'
         # queues are rarely all empty at the same instant, so that is no signal)
-        wait_until(lambda: all(s.metrics.counters().get("redis_up") == 1
-                               and s.metrics.counters().get("cluster_index_resyncs", 0) > before
-                               for s, before in zip(servers, resyncs)), timeout=10, what="resync")
+        wait_until(
+            lambda: all(
+                s.metrics.counters().get("redis_up") == 1
+                and s.metrics.counters().get("cluster_index_resyncs", 0) > before
+                for s, before in zip(servers, resyncs)
+            ),
+            timeout=10,
+            what="resync",
+        )
         settled_at = time.monotonic()
         n = len(done)
         wait_until(lambda: len(done) >= n + 10 or failures, what="traffic after Redis came back")
@@ -194,9 +202,24 @@ def test_redis_stopped_and_restarted_mid_run_fails_no_request(make_server, local
 
 def test_killed_node_expires_and_its_restart_republishes_from_nvme(spawn_server, local_redis, tmp_path):
     def args(i: int) -> tuple[str, ...]:
-        return ("--redis", local_redis.url, "--cluster-ttl", str(TTL), "--node-id", f"node-{i}", "--dram", "32MiB",
-                "--nvme-dir", str(tmp_path / f"nvme{i}"), "--nvme", "128MiB", "--nvme-segment", "16MiB",
-                "--write-policy", "write-through")
+        return (
+            "--redis",
+            local_redis.url,
+            "--cluster-ttl",
+            str(TTL),
+            "--node-id",
+            f"node-{i}",
+            "--dram",
+            "32MiB",
+            "--nvme-dir",
+            str(tmp_path / f"nvme{i}"),
+            "--nvme",
+            "128MiB",
+            "--nvme-segment",
+            "16MiB",
+            "--write-policy",
+            "write-through",
+        )
 
     procs = [spawn_server(*args(i)) for i in range(3)]
     wait_until(lambda: len(members(local_redis.url)) == 3, what="3 members")
@@ -226,14 +249,20 @@ def test_killed_node_expires_and_its_restart_republishes_from_nvme(spawn_server,
                 assert [bytes(x) for x in got] == data
         assert all(b.lookup("ns", chains[i][0]) == 0 for i in lost)
         wait_until(lambda: victim_id not in members(local_redis.url), timeout=TTL + 2, what="membership expiry")
-        wait_until(lambda: not any(k.endswith(b":" + dead_index) for k in r.scan_iter(b"kv:{ns:*")),
-                   timeout=TTL + 2, what="the dead node's index keys to expire")
+        wait_until(
+            lambda: not any(k.endswith(b":" + dead_index) for k in r.scan_iter(b"kv:{ns:*")),
+            timeout=TTL + 2,
+            what="the dead node's index keys to expire",
+        )
         r.close()
         with Client(local_redis.url, refresh=0.1) as fresh:  # a client that never saw it fail
             assert all(fresh.lookup("ns", chains[i][0]) == 0 for i in lost)
         procs.append(spawn_server(*args(int(victim_id.split("-")[1]))))  # same NVMe directory, new port
-        wait_until(lambda: all(b.lookup("ns", chains[i][0]) == 4 for i in lost), timeout=10,
-                   what="recovered blocks re-registered")
+        wait_until(
+            lambda: all(b.lookup("ns", chains[i][0]) == 4 for i in lost),
+            timeout=10,
+            what="recovered blocks re-registered",
+        )
         for hashes, data in chains:
             assert [bytes(x) for x in b.get("ns", hashes)] == data
 

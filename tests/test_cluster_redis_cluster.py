@@ -1,9 +1,11 @@
 """Cluster mode on a real 3-master Redis Cluster (redis-cli --cluster create on loopback ports)."""
+
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from redis.cluster import RedisCluster
@@ -62,10 +64,13 @@ def index_keys_per_master(cluster: LocalRedisCluster) -> list[list[bytes]]:
 
 
 def test_prefixes_across_nodes_and_a_killed_node(make_server, spawn_server, redis_cluster):
-    servers = [make_server(redis=redis_cluster.url, cluster_ttl=TTL, dram=64 << 20),        # INFO cluster
-               make_server(redis=redis_cluster.seeds_url, cluster_ttl=TTL, dram=64 << 20)]  # redis+cluster://
-    proc = spawn_server("--redis", redis_cluster.url, "--cluster-ttl", str(TTL), "--node-id", "doomed",
-                        "--dram", "64MiB")
+    servers = [
+        make_server(redis=redis_cluster.url, cluster_ttl=TTL, dram=64 << 20),  # INFO cluster
+        make_server(redis=redis_cluster.seeds_url, cluster_ttl=TTL, dram=64 << 20),
+    ]  # redis+cluster://
+    proc = spawn_server(
+        "--redis", redis_cluster.url, "--cluster-ttl", str(TTL), "--node-id", "doomed", "--dram", "64MiB"
+    )
     wait_until(lambda: len(members(redis_cluster.url)) == 3, what="3 members")
     chains: list[tuple[list[bytes], list[bytes]]] = []
     with Client(redis_cluster.url, refresh=0.1) as a, Client(redis_cluster.seeds_url, refresh=0.1) as b:
@@ -87,8 +92,13 @@ def test_prefixes_across_nodes_and_a_killed_node(make_server, spawn_server, redi
             expected = [None] * 5 if hashes in on_doomed else data
             assert [None if x is None else bytes(x) for x in got] == expected
         wait_until(lambda: "doomed" not in members(redis_cluster.url), timeout=TTL + 2, what="membership expiry")
-        wait_until(lambda: not any(k.endswith(b":" + dead_index) for keys in index_keys_per_master(redis_cluster)
-                                   for k in keys), timeout=TTL + 2, what="the dead node's index keys to expire")
+        wait_until(
+            lambda: (
+                not any(k.endswith(b":" + dead_index) for keys in index_keys_per_master(redis_cluster) for k in keys)
+            ),
+            timeout=TTL + 2,
+            what="the dead node's index keys to expire",
+        )
         for hashes in on_doomed:
             assert a.lookup("ns", hashes) == 0
     for s in servers:
@@ -117,8 +127,16 @@ def test_a_redis_master_down_and_back(make_server, redis_cluster):
         assert kv.stats()["redis_up"] is False
         master.start()  # rejoins with its nodes.conf, empty
         wait_until(lambda: len(members(redis_cluster.url)) == 2, timeout=15, what="re-registration")
-        wait_until(lambda: all(s.metrics.counters().get("redis_up") == 1 and s.cluster.publisher.pending == 0
-                               for s in servers), timeout=10, what="resync")
-        wait_until(lambda: all(kv.lookup("ns", h) == 3 for h, _ in chains + [(more, more_data)]), timeout=5,
-                   what="index complete again")
+        wait_until(
+            lambda: all(
+                s.metrics.counters().get("redis_up") == 1 and s.cluster.publisher.pending == 0 for s in servers
+            ),
+            timeout=10,
+            what="resync",
+        )
+        wait_until(
+            lambda: all(kv.lookup("ns", h) == 3 for h, _ in chains + [(more, more_data)]),
+            timeout=5,
+            what="index complete again",
+        )
         assert kv.stats()["redis_up"] is True

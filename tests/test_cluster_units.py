@@ -1,11 +1,12 @@
 """Cluster mode parts on their own: rendezvous placement, key layout, URLs, membership TTL, the publisher."""
+
 from __future__ import annotations
 
 import os
 import threading
 import time
 from collections import Counter
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -94,8 +95,9 @@ def test_urls_and_client_dispatch():
 def test_membership_ttl_deregistration_and_lost_registration(local_redis):
     conn = RedisConnector(local_redis.url)
     lost: list[bool] = []
-    a = Membership(conn, NodeInfo(id="a", addr="127.0.0.1:1", incarnation="i1"), ttl=0.6,
-                   on_lost=lambda: lost.append(True))
+    a = Membership(
+        conn, NodeInfo(id="a", addr="127.0.0.1:1", incarnation="i1"), ttl=0.6, on_lost=lambda: lost.append(True)
+    )
     b = Membership(conn, NodeInfo(id="b", addr="127.0.0.1:2", incarnation="i2"), ttl=30)
     a.beat()
     b.beat()
@@ -131,11 +133,13 @@ def _indexed(url: str, ns: str, keys: list[bytes]) -> list[int]:
 
 
 def test_publisher_mirrors_puts_demotions_and_deletes(local_redis, tmp_path):
-    store = build_store(ServeConfig(dram=8 << 20, nvme_dir=str(tmp_path / "nvme"), nvme=64 << 20,
-                                    nvme_segment=8 << 20, metrics_port=0))
+    store = build_store(
+        ServeConfig(dram=8 << 20, nvme_dir=str(tmp_path / "nvme"), nvme=64 << 20, nvme_segment=8 << 20, metrics_port=0)
+    )
     member = Membership(RedisConnector(local_redis.url), NodeInfo(id="n", addr="x:1", incarnation="i"), ttl=5)
-    pub = IndexPublisher(store, RedisConnector(local_redis.url), member, ttl=5,
-                         options=PublisherOptions(flush_interval=0.005))
+    pub = IndexPublisher(
+        store, RedisConnector(local_redis.url), member, ttl=5, options=PublisherOptions(flush_interval=0.005)
+    )
     member.start()
     pub.start()
     try:
@@ -160,8 +164,13 @@ def test_publisher_mirrors_puts_demotions_and_deletes(local_redis, tmp_path):
 def test_publisher_overflow_and_outage_end_in_a_full_resync(local_redis):
     store = build_store(ServeConfig(dram=64 << 20, metrics_port=0))
     member = Membership(RedisConnector(local_redis.url), NodeInfo(id="n", addr="x:1", incarnation="i"), ttl=5)
-    pub = IndexPublisher(store, RedisConnector(local_redis.url), member, ttl=5,
-                         options=PublisherOptions(flush_interval=0.005, max_pending=16))
+    pub = IndexPublisher(
+        store,
+        RedisConnector(local_redis.url),
+        member,
+        ttl=5,
+        options=PublisherOptions(flush_interval=0.005, max_pending=16),
+    )
     member.start()
     pub.start()
     try:
@@ -173,8 +182,11 @@ def test_publisher_overflow_and_outage_end_in_a_full_resync(local_redis):
             _put(store, "ns", key, b"x" * 4096)
         wait_until(lambda: pub._resync_needed, what="overflow noticed")
         local_redis.start()
-        wait_until(lambda: pub.index_id > 0 and pub.index_id != first and pub.pending == 0, timeout=10,
-                   what="resync after Redis came back")
+        wait_until(
+            lambda: pub.index_id > 0 and pub.index_id != first and pub.pending == 0,
+            timeout=10,
+            what="resync after Redis came back",
+        )
         assert _indexed(local_redis.url, "ns", keys) == [2] * 100  # pending is not 0 until it is advertised
     finally:
         pub.stop()
@@ -182,14 +194,14 @@ def test_publisher_overflow_and_outage_end_in_a_full_resync(local_redis):
         store.close(flush=False)
 
 
-
 def test_pending_stays_up_until_a_resync_is_advertised(local_redis):
     """A resync's snapshot is in Redis before the membership advertises its index id: until then readers
     cannot see it, so ``pending`` (and the cluster_index_pending gauge) must not read 0."""
     store = build_store(ServeConfig(dram=64 << 20, metrics_port=0))
     member = Membership(RedisConnector(local_redis.url), NodeInfo(id="n", addr="x:1", incarnation="i"), ttl=5)
-    pub = IndexPublisher(store, RedisConnector(local_redis.url), member, ttl=5,
-                         options=PublisherOptions(flush_interval=0.005))
+    pub = IndexPublisher(
+        store, RedisConnector(local_redis.url), member, ttl=5, options=PublisherOptions(flush_interval=0.005)
+    )
     in_update, release = threading.Event(), threading.Event()
     advertise = member.update
 
@@ -219,8 +231,9 @@ def test_redis_memory_per_indexed_block_is_small(local_redis):
     r = redis.Redis.from_url(local_redis.url)
     before = r.info("memory")["used_memory"]
     member = Membership(RedisConnector(local_redis.url), NodeInfo(id="n", addr="x:1", incarnation="i"), ttl=5)
-    pub = IndexPublisher(store, RedisConnector(local_redis.url), member, ttl=5,
-                         options=PublisherOptions(flush_interval=0.005))
+    pub = IndexPublisher(
+        store, RedisConnector(local_redis.url), member, ttl=5, options=PublisherOptions(flush_interval=0.005)
+    )
     n = 20000
     for _ in range(n):
         _put(store, "ns", os.urandom(16), b"x" * 4096)

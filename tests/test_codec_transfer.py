@@ -1,4 +1,5 @@
 """Coded transfers through a real server: byte-exact lossless round trips, the lossy policy, codec stats."""
+
 from __future__ import annotations
 
 import os
@@ -156,8 +157,14 @@ def test_reader_reports_decode_time_with_its_next_get(node, monkeypatch):
 def test_put_reply_reports_what_verifying_cost(node):
     data = raw(kv_blocks(1, seed=8)[0])
     enc = encode("zstd", data, "bfloat16")
-    header = pb.BlockHeader(hash=os.urandom(16), codec=codec_id("zstd"), raw_length=len(data), stored_length=len(enc),
-                            crc32c=crc32c(data), dtype="bfloat16")
+    header = pb.BlockHeader(
+        hash=os.urandom(16),
+        codec=codec_id("zstd"),
+        raw_length=len(data),
+        stored_length=len(enc),
+        crc32c=crc32c(data),
+        dtype="bfloat16",
+    )
     with grpc.insecure_channel(target(node)) as channel:
         reply = pb_grpc.KVStoreStub(channel).Put(iter([pb.PutRequest(namespace="ns", header=header, data=enc)]))
     assert reply.results[0].status == pb.PUT_STORED

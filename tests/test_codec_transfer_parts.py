@@ -1,4 +1,5 @@
 """The pieces of coded transfers: the wire clock, the prepare pipeline, decode reports, policy, counters."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,7 @@ import numpy as np
 import pytest
 
 from kvstore.checksum import crc32c
-from kvstore.codecs import decode, encode
-from kvstore.codecs import sendclock
+from kvstore.codecs import decode, encode, sendclock
 from kvstore.codecs.controller import Controller, ControllerConfig
 from kvstore.codecs.policy import LossyPolicy, is_lossy
 from kvstore.codecs.sendclock import SendClock
@@ -229,10 +229,15 @@ def test_validation_refuses_lossy_headers_outside_lossy_namespaces():
 
 
 def test_metric_names_fit_prometheus():
-    names = metric_items("codec_get_", {"codec.fp8+zstd.bfloat16.256KiB-1MiB.ratio": 2.0,
-                                        "codec.choices.none": 3.0, "codec.bandwidth_bps": 1e9})
-    assert set(names) == {"codec_get_fp8_zstd_bfloat16_256KiB_1MiB_ratio", "codec_get_choices_none",
-                          "codec_get_bandwidth_bps"}
+    names = metric_items(
+        "codec_get_",
+        {"codec.fp8+zstd.bfloat16.256KiB-1MiB.ratio": 2.0, "codec.choices.none": 3.0, "codec.bandwidth_bps": 1e9},
+    )
+    assert set(names) == {
+        "codec_get_fp8_zstd_bfloat16_256KiB_1MiB_ratio",
+        "codec_get_choices_none",
+        "codec_get_bandwidth_bps",
+    }
     assert all(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", n) for n in names)
 
 

@@ -1,4 +1,5 @@
 """Lossless codecs round-trip byte for byte; the registry matches the wire enum."""
+
 from __future__ import annotations
 
 import subprocess
@@ -6,7 +7,8 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore.codecs import (
     CodecError,
@@ -150,8 +152,7 @@ def test_corrupt_or_mismatched_payload_raises(codec: str) -> None:
 
 def test_package_import_does_not_import_torch() -> None:
     code = (
-        "import sys, kvstore.codecs, kvstore.codecs.pipeline, kvstore.codecs.controller; "
-        "print('torch' in sys.modules)"
+        "import sys, kvstore.codecs, kvstore.codecs.pipeline, kvstore.codecs.controller; print('torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

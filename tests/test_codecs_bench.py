@@ -1,4 +1,5 @@
 """bench.codecs runs end to end (synthetic KV, tiny) and writes the rows it promises."""
+
 from __future__ import annotations
 
 import json

@@ -1,12 +1,13 @@
 """fp8 / fp8+zstd: E4M3 rounding matches torch, and decoded values stay within the documented bound."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvstore.codecs import CodecError, decode, encode
-from kvstore.codecs import e4m3
+from kvstore.codecs import CodecError, decode, e4m3, encode
 
 torch = pytest.importorskip("torch")
 
@@ -151,8 +152,11 @@ def test_encode_decoded_gives_what_the_receiver_decodes(codec: str, dtype: str) 
 
     rng = np.random.default_rng(11)
     src = (rng.standard_normal(64 * 48 + 5) * 0.3).astype(np.float32)
-    raw = src.astype(dtype).view(np.uint8) if dtype != "bfloat16" else \
-        (src.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    raw = (
+        src.astype(dtype).view(np.uint8)
+        if dtype != "bfloat16"
+        else (src.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    )
     raw = np.concatenate([raw, np.array([7], dtype=np.uint8)])  # an odd byte length
     out = np.empty(raw.nbytes, dtype=np.uint8)
     payload = get_codec(codec).encode_decoded(raw, dtype, DEFAULT_OPTIONS, out)

@@ -1,4 +1,5 @@
 """Batching, the encoder pipeline and the decode pipeline."""
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """The codec controller against a simulated link: it converges, follows the bandwidth, respects policy."""
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,14 @@ TRUTH = {
 }
 
 
-def true_cost(arm: str, ctx: Context, bandwidth: float, truth: dict[str, SimArm] = TRUTH,
-              transport: float = TRANSPORT_S_PER_BYTE, cores: int = 2) -> float:
+def true_cost(
+    arm: str,
+    ctx: Context,
+    bandwidth: float,
+    truth: dict[str, SimArm] = TRUTH,
+    transport: float = TRANSPORT_S_PER_BYTE,
+    cores: int = 2,
+) -> float:
     """A simulated pipeline: sender (encode + transport CPU), link, receiver (transport CPU + decode)."""
     a = truth[arm]
     enc, dec = ctx.nbytes / (a.encode_gbps * 1e9), ctx.nbytes / (a.decode_gbps * 1e9)
@@ -145,8 +152,14 @@ def fed(truth: dict[str, SimArm], bandwidth: float, **config) -> Controller:
     ctl = Controller(ControllerConfig(arms=tuple(truth), initial_bandwidth_bps=bandwidth, cores=2, **config))
     for arm, a in truth.items():
         ctx = Context("bfloat16", KV_BLOCK)
-        ctl.observe(arm, ctx, KV_BLOCK, int(KV_BLOCK / a.ratio), KV_BLOCK / (a.encode_gbps * 1e9),
-                    KV_BLOCK / (a.decode_gbps * 1e9))
+        ctl.observe(
+            arm,
+            ctx,
+            KV_BLOCK,
+            int(KV_BLOCK / a.ratio),
+            KV_BLOCK / (a.encode_gbps * 1e9),
+            KV_BLOCK / (a.decode_gbps * 1e9),
+        )
     return ctl
 
 
@@ -160,8 +173,11 @@ def test_prediction_is_the_pipeline_formula() -> None:
     ctx = Context("bfloat16", KV_BLOCK, pipelined=True, lossy_ok=True, stream_bytes=KV_BLOCK)
     a, t = MEASURED["zstd"], TRANSPORT_S_PER_BYTE
     wire_bytes = KV_BLOCK / a.ratio
-    whole = (KV_BLOCK / (a.encode_gbps * 1e9) + wire_bytes * t) + wire_bytes / GBIT \
+    whole = (
+        (KV_BLOCK / (a.encode_gbps * 1e9) + wire_bytes * t)
+        + wire_bytes / GBIT
         + (KV_BLOCK / (a.decode_gbps * 1e9) + wire_bytes * t)
+    )
     assert ctl.predict(ctx)["zstd"] == pytest.approx(whole, rel=1e-4)
 
 
@@ -174,7 +190,10 @@ def test_coding_hides_behind_a_1gbit_link_on_both_ends() -> None:
     ctx = Context("bfloat16", KV_BLOCK, pipelined=True, lossy_ok=True, stream_bytes=16 * KV_BLOCK)
     costs = ctl.predict(ctx)
     assert min(costs, key=costs.get) == "fp8+zstd"
-    enc, dec = (KV_BLOCK / (MEASURED["fp8+zstd"].encode_gbps * 1e9), KV_BLOCK / (MEASURED["fp8+zstd"].decode_gbps * 1e9))
+    enc, dec = (
+        KV_BLOCK / (MEASURED["fp8+zstd"].encode_gbps * 1e9),
+        KV_BLOCK / (MEASURED["fp8+zstd"].decode_gbps * 1e9),
+    )
     wire = KV_BLOCK / MEASURED["fp8+zstd"].ratio / GBIT
     assert enc + dec > wire and max(enc, dec) < wire
     assert costs["fp8"] > 1.05 * costs["fp8+zstd"]
@@ -212,11 +231,18 @@ def test_one_core_makes_the_cpu_the_bottleneck() -> None:
     two = fed(MEASURED, 1 * GBIT).predict(ctx)
     one = Controller(ControllerConfig(arms=tuple(MEASURED), initial_bandwidth_bps=1 * GBIT, cores=1))
     for arm, a in MEASURED.items():
-        one.observe(arm, ctx, KV_BLOCK, int(KV_BLOCK / a.ratio), KV_BLOCK / (a.encode_gbps * 1e9),
-                    KV_BLOCK / (a.decode_gbps * 1e9))
+        one.observe(
+            arm,
+            ctx,
+            KV_BLOCK,
+            int(KV_BLOCK / a.ratio),
+            KV_BLOCK / (a.encode_gbps * 1e9),
+            KV_BLOCK / (a.decode_gbps * 1e9),
+        )
     costs = one.predict(ctx)
     assert costs["fp8+zstd"] > two["fp8+zstd"] and costs["fp8+zstd"] == pytest.approx(
-        true_cost("fp8+zstd", ctx, 1 * GBIT, MEASURED, cores=1))
+        true_cost("fp8+zstd", ctx, 1 * GBIT, MEASURED, cores=1)
+    )
 
 
 def test_observed_arms_are_not_tried_again() -> None:

@@ -4,6 +4,7 @@ The in-process lane suites (test_lanes_*.py) run cuda_ipc on its cpu stand-in;
 here the real lane runs against a `kvstore serve` process (CUDA cannot open an
 IPC handle in the process that made it), with an HBM tier above DRAM.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,17 +13,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvstore.checksum import crc32c  # noqa: E402
 from kvstore.client import Client  # noqa: E402
 from kvstore.devices import Copier, CrcStaging  # noqa: E402
-from kvstore.checksum import crc32c  # noqa: E402
 from kvstore.lanes.base import host_id  # noqa: E402
 from kvstore.server.app import hbm_from_fraction  # noqa: E402
 from kvstore.server.process import store_process  # noqa: E402
 from kvstore.v1 import lanes_pb2 as lpb  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
-needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(
-    not HAS_CUDA, reason="no CUDA device on this machine (run bench/gpu_check.py on a GPU host)")]
+needs_cuda = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device on this machine (run bench/gpu_check.py on a GPU host)"),
+]
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 
@@ -59,8 +62,7 @@ def test_cuda_ipc_is_not_offered_to_the_servers_own_process(make_server):
     server = make_server(cuda_lane_device="cpu")
     server.lanes.servicer.cuda_device = "cuda:0"  # as on a GPU host; refused before any device is touched
     reasons: list[str] = []
-    reply = server.lanes.servicer._open_cuda(lpb.OpenLaneRequest(host_id=host_id(), pid=os.getpid()), reasons,
-                                             None, {})
+    reply = server.lanes.servicer._open_cuda(lpb.OpenLaneRequest(host_id=host_id(), pid=os.getpid()), reasons, None, {})
     assert reply is None and "process that made it" in reasons[0]
 
 
@@ -143,7 +145,6 @@ def test_in_process_server_falls_back_to_staging(make_server):
         out = torch.empty_like(block)
         kv.get("same", [b"s" * 16], out=[out])
         assert torch.equal(out, block) and kv._device_lanes.kind == "grpc"
-
 
 
 @pytest.mark.parametrize("sizes", [[0], [1, 4095, 4096, 4097], [3 * 4096 + 5, 100_000, 8192]])

@@ -1,4 +1,5 @@
 """Tier and client paths parametrized over device: `cpu` runs everywhere, `cuda` where a GPU exists."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,18 @@ from kvstore.tiers.arena import ArenaTier  # noqa: E402
 from kvstore.tiers.base import DRAM, HBM, BlockMeta  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not HAS_CUDA, reason="no CUDA device on this machine (run bench/gpu_check.py on a GPU host)")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(
+                not HAS_CUDA, reason="no CUDA device on this machine (run bench/gpu_check.py on a GPU host)"
+            ),
+        ],
+    ),
+]
 
 
 def tier_for(device: str, capacity: int) -> ArenaTier:

@@ -1,4 +1,5 @@
 """bench.disk's baselines on a small file: the raw loop (fio's stand-in) and the file-per-block store."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -8,6 +8,7 @@ Covered elsewhere, not repeated here: ENOSPC on the NVMe tier through a server
 master down (tests/test_cluster.py::test_redis_stopped_and_restarted_mid_run_fails_no_request,
 tests/test_cluster_redis_cluster.py::test_a_redis_master_down_and_back).
 """
+
 from __future__ import annotations
 
 import errno
@@ -52,8 +53,10 @@ def test_eio_on_nvme_reads(tmp_path):
     """A read that fails with EIO is never served: DATA_LOSS naming the block, the copy is dropped (the
     cache recomputes it), DRAM blocks keep serving, no lease or slot leaks, and the disk works once healed."""
     backend = InstrumentedBackend(PosixBackend())
-    tiers = [ArenaTier(8 << 20, page_size=8 << 20),
-             NvmeTier(tmp_path / "nvme", 128 << 20, segment_bytes=8 << 20, backend=backend, probe_interval_s=60)]
+    tiers = [
+        ArenaTier(8 << 20, page_size=8 << 20),
+        NvmeTier(tmp_path / "nvme", 128 << 20, segment_bytes=8 << 20, backend=backend, probe_interval_s=60),
+    ]
     cfg = ServeConfig(listen="127.0.0.1:0", metrics_port=0, dram=8 << 20, promote_on_hit=False)
     server = StoreServer(cfg, store=build_store(cfg, tiers)).start()
     try:
@@ -61,8 +64,12 @@ def test_eio_on_nvme_reads(tmp_path):
         data = {k: payload(k, 256 << 10) for k in keys}
         with Client(f"127.0.0.1:{server.port}", retries=0, lane="grpc") as kv:
             for i in range(0, 64, 8):
-                assert all(r.ok for r in kv.put("ns", keys[i:i + 8], [data[k] for k in keys[i:i + 8]],
-                                                parent=keys[i - 1] if i else None))
+                assert all(
+                    r.ok
+                    for r in kv.put(
+                        "ns", keys[i : i + 8], [data[k] for k in keys[i : i + 8]], parent=keys[i - 1] if i else None
+                    )
+                )
             # let the demoter move the oldest blocks to NVMe; store.flush() is avoided here because, run
             # beside the demoter, it can add a second NVMe copy of a block (BlockStore._copy_down does not
             # re-check), which breaks check_invariants for reasons unrelated to read errors
@@ -123,8 +130,9 @@ def test_client_killed_mid_stream_leaks_nothing(make_server, tmp_path, mode):
         kv.put("ns", keys, [bytes([i]) * (1 << 20) for i in range(16)])
         used = server.store.top.used_bytes
         wait_for(lambda: server.gate.slots.open("t") == 0)  # the put's slot is given back as its call ends
-        child = subprocess.Popen([sys.executable, "-c", VANISHING_CLIENT, target, TOKEN, mode], cwd=ROOT,
-                                 stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", VANISHING_CLIENT, target, TOKEN, mode], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
         assert child.stdout.readline().strip() == "sent"
         wait_for(lambda: server.gate.slots.open("t") == 1)
         if mode == "put":
@@ -133,8 +141,13 @@ def test_client_killed_mid_stream_leaks_nothing(make_server, tmp_path, mode):
             wait_for(lambda: int(server.store.table.leases.sum()) > 0)  # the Get holds leases
         child.send_signal(signal.SIGKILL)
         child.wait()
-        wait_for(lambda: server.gate.slots.open("t") == 0 and int(server.store.table.leases.sum()) == 0
-                 and server.store.top.used_bytes == used)
+        wait_for(
+            lambda: (
+                server.gate.slots.open("t") == 0
+                and int(server.store.table.leases.sum()) == 0
+                and server.store.top.used_bytes == used
+            )
+        )
         assert kv.lookup("ns", [b"\xee" * 16]) == 0  # the half-sent block never became visible
         assert kv.get("ns", keys[:2]) == [bytes([0]) * (1 << 20), bytes([1]) * (1 << 20)]  # slot usable again
         assert kv.delete("ns", keys) == 16
@@ -149,7 +162,7 @@ def test_slow_reader_does_not_make_the_server_buffer(spawn_server):
     keys = [i.to_bytes(16, "little") for i in range(128)]
     with Client(proc.target, timeout=120, lane="grpc") as kv:
         for i in range(0, 128, 16):
-            kv.put("ns", keys[i:i + 16], [bytes([j % 256]) * (2 << 20) for j in range(i, i + 16)])
+            kv.put("ns", keys[i : i + 16], [bytes([j % 256]) * (2 << 20) for j in range(i, i + 16)])
         assert len(kv.get("ns", keys[:16])) == 16  # warm the Get path once
     base = proc.rss_bytes()
     channel = grpc.insecure_channel(proc.target)
@@ -164,8 +177,10 @@ def test_slow_reader_does_not_make_the_server_buffer(spawn_server):
         peak = max(peak, proc.rss_bytes())
     rest = sum(len(m.data) for m in stream)
     channel.close()
-    print(f"\nslow reader: RSS {base / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB while 256 MiB were "
-          f"requested and {received / 2**20:.0f} MiB read")
+    print(
+        f"\nslow reader: RSS {base / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB while 256 MiB were "
+        f"requested and {received / 2**20:.0f} MiB read"
+    )
     assert received + rest == 256 << 20
     assert peak - base < 48 << 20
 
@@ -174,8 +189,22 @@ def test_slow_reader_does_not_make_the_server_buffer(spawn_server):
 def test_sigterm_under_load_loses_nothing_acknowledged(spawn_server, tmp_path):
     """Write-back with NVMe: a SIGTERM mid-load drains, flushes memory blocks to disk and exits 0; the
     restarted node serves every block that was acknowledged, byte for byte."""
-    args = ("--dram", "24MiB", "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "512MiB", "--nvme-segment", "32MiB",
-            "--write-policy", "write-back", "--drain-seconds", "20", "--lanes", "")
+    args = (
+        "--dram",
+        "24MiB",
+        "--nvme-dir",
+        str(tmp_path / "nvme"),
+        "--nvme",
+        "512MiB",
+        "--nvme-segment",
+        "32MiB",
+        "--write-policy",
+        "write-back",
+        "--drain-seconds",
+        "20",
+        "--lanes",
+        "",
+    )
     proc = spawn_server(*args)
     acked: list[bytes] = []
     lock = threading.Lock()
@@ -205,6 +234,6 @@ def test_sigterm_under_load_loses_nothing_acknowledged(spawn_server, tmp_path):
     restarted = spawn_server(*args)
     with Client(restarted.target, timeout=60, lane="grpc") as kv:
         for i in range(0, len(acked), 64):
-            batch = acked[i:i + 64]
+            batch = acked[i : i + 64]
             assert [bytes(b) for b in kv.get("ns", batch)] == [payload(k, 64 << 10) for k in batch]
     print(f"\nSIGTERM under load: {len(acked)} acknowledged blocks, all served after restart")

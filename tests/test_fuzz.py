@@ -15,6 +15,7 @@ within a bound of its RSS after warm-up. ``KVSTORE_FUZZ_INPUTS`` sets the
 inputs per RPC (default 10,000, the CI size); the counts land in
 tests/output/fuzz_counts.json and in the test output.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,9 +25,10 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -40,7 +42,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from tests.conftest import ServerProcess
 
 INPUTS = int(os.environ.get("KVSTORE_FUZZ_INPUTS", "10000"))
-CASES = 20          # cases hypothesis draws per example; each expands into VARIANTS inputs
+CASES = 20  # cases hypothesis draws per example; each expands into VARIANTS inputs
 VARIANTS = 5
 CONCURRENCY = 32
 CALL_TIMEOUT = 10.0
@@ -57,14 +59,18 @@ COUNTS: dict[str, Counter] = {}
 # Hypothesis draws the structure of each case (fields, faults, mutations, a seed); a case expands into
 # VARIANTS inputs (as drawn, mutated as drawn, randomly mutated from the seed, garbage), which keeps the
 # per-input cost of generation far below the cost of the RPC.
-namespaces = st.one_of(st.sampled_from([NS, NS, "other", ""]), st.text(max_size=12),
-                       st.text(min_size=250, max_size=270))
-hashes = st.lists(st.one_of(st.sampled_from(KNOWN), st.binary(min_size=16, max_size=16), st.sampled_from(KNOWN),
-                            st.binary(max_size=40)), max_size=40)  # the server allows 32; hashes are 16 bytes
+namespaces = st.one_of(
+    st.sampled_from([NS, NS, "other", ""]), st.text(max_size=12), st.text(min_size=250, max_size=270)
+)
+hashes = st.lists(
+    st.one_of(
+        st.sampled_from(KNOWN), st.binary(min_size=16, max_size=16), st.sampled_from(KNOWN), st.binary(max_size=40)
+    ),
+    max_size=40,
+)  # the server allows 32; hashes are 16 bytes
 credentials = st.sampled_from([TOKEN] * 36 + [None, "wrong-token-for-fuzzing-000", "Basic abc", ""])
-mutations = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1 << 16), st.integers(0, 255)), min_size=1,
-                     max_size=4)
-enum_values = st.one_of(st.integers(0, 6), st.integers(-2**31, 2**31 - 1))
+mutations = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1 << 16), st.integers(0, 255)), min_size=1, max_size=4)
+enum_values = st.one_of(st.integers(0, 6), st.integers(-(2**31), 2**31 - 1))
 seeds = st.integers(0, 2**32 - 1)
 
 
@@ -91,8 +97,13 @@ def random_ops(rng: random.Random) -> list[tuple[int, int, int]]:
 def unary_variants(case: tuple[Any, list[tuple[int, int, int]], int]) -> list[bytes]:
     message, ops, seed = case
     rng, encoded = random.Random(seed), message.SerializeToString()
-    return [encoded, mutate(encoded, ops), mutate(encoded, random_ops(rng)), mutate(encoded, random_ops(rng)),
-            rng.randbytes(rng.randrange(120))]
+    return [
+        encoded,
+        mutate(encoded, ops),
+        mutate(encoded, random_ops(rng)),
+        mutate(encoded, random_ops(rng)),
+        rng.randbytes(rng.randrange(120)),
+    ]
 
 
 def unary_cases(messages: st.SearchStrategy[Any]) -> st.SearchStrategy[list[bytes]]:
@@ -101,10 +112,18 @@ def unary_cases(messages: st.SearchStrategy[Any]) -> st.SearchStrategy[list[byte
 
 unary_inputs = {
     "Lookup": unary_cases(st.builds(pb.LookupRequest, namespace=namespaces, hashes=hashes)),
-    "Get": unary_cases(st.builds(pb.GetRequest, namespace=namespaces, hashes=hashes,
-                                 accepted_codecs=st.lists(enum_values, max_size=4), allow_missing=st.booleans())),
-    "Delete": unary_cases(st.builds(pb.DeleteRequest, namespace=namespaces,
-                                    hashes=st.lists(st.binary(max_size=24), max_size=40))),
+    "Get": unary_cases(
+        st.builds(
+            pb.GetRequest,
+            namespace=namespaces,
+            hashes=hashes,
+            accepted_codecs=st.lists(enum_values, max_size=4),
+            allow_missing=st.booleans(),
+        )
+    ),
+    "Delete": unary_cases(
+        st.builds(pb.DeleteRequest, namespace=namespaces, hashes=st.lists(st.binary(max_size=24), max_size=40))
+    ),
     "Stats": unary_cases(st.builds(pb.StatsRequest, namespace=namespaces)),
 }
 
@@ -115,11 +134,15 @@ def blocks(draw: st.DrawFn, first: bool) -> list[pb.PutRequest]:
     n, seed = draw(st.integers(0, 3000)), draw(seeds)
     data = random.Random(seed).randbytes(n)
     fault = draw(st.sampled_from(["none"] * 4 + ["crc", "stored", "raw", "codec", "dtype", "hash", "short", "long"]))
-    header = pb.BlockHeader(hash=draw(st.sampled_from(KNOWN[:4]) | st.binary(min_size=16, max_size=16)),
-                            parent=draw(st.sampled_from([b"", KNOWN[0]]) | st.binary(max_size=20)),
-                            codec=draw(enum_values) if fault == "codec" else 0, raw_length=n, stored_length=n,
-                            crc32c=crc32c(data) ^ (fault == "crc"),
-                            dtype=draw(st.sampled_from(["uint8", "bfloat16", "", "nope"])))
+    header = pb.BlockHeader(
+        hash=draw(st.sampled_from(KNOWN[:4]) | st.binary(min_size=16, max_size=16)),
+        parent=draw(st.sampled_from([b"", KNOWN[0]]) | st.binary(max_size=20)),
+        codec=draw(enum_values) if fault == "codec" else 0,
+        raw_length=n,
+        stored_length=n,
+        crc32c=crc32c(data) ^ (fault == "crc"),
+        dtype=draw(st.sampled_from(["uint8", "bfloat16", "", "nope"])),
+    )
     if fault in ("stored", "raw"):
         setattr(header, f"{fault}_length", draw(st.integers(0, 2**64 - 1)))
     if fault == "dtype":
@@ -144,8 +167,12 @@ def stream_variants(case: tuple[list[pb.PutRequest], list[tuple[int, int, int]],
         mutated[i] = mutate(raw[i], ops or random_ops(rng))
         del dropped[i]
         repeated.insert(i, raw[i])
-    inserted.insert(where, rng.randbytes(rng.randrange(60)) if rng.random() < 0.5 else
-                    pb.PutRequest(data=rng.randbytes(rng.randrange(64))).SerializeToString())
+    inserted.insert(
+        where,
+        rng.randbytes(rng.randrange(60))
+        if rng.random() < 0.5
+        else pb.PutRequest(data=rng.randbytes(rng.randrange(64))).SerializeToString(),
+    )
     return [raw, mutated, inserted, dropped, repeated]
 
 
@@ -192,6 +219,7 @@ class Campaign:
                     return C.OK, ""
                 except grpc.RpcError as err:
                     return err.code(), err.details() or ""
+
             return list(self.pool.map(stream, cases))
 
         def call(payload: Any, token: str | None) -> Callable[[], Awaitable[None]]:
@@ -203,6 +231,7 @@ class Campaign:
                         pass
                 else:
                     await self.channel.unary_unary(path)(payload, timeout=CALL_TIMEOUT, metadata=md)
+
             return go
 
         async def batch() -> list[tuple[grpc.StatusCode, str]]:
@@ -227,15 +256,36 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
     tenants = tmp_path_factory.mktemp("fuzz") / "tenants.yaml"
-    tenants.write_text(yaml.safe_dump([{"name": "fuzz", "token": TOKEN, "namespaces": ["*"], "admin": True,
-                                      "max_streams": 0}]))
-    proc = ServerProcess("--dram", "64MiB", "--max-hashes", "32", "--max-block", "64KiB", "--max-message", "256KiB",
-                         "--max-stream", "1MiB", "--max-rpc-seconds", "8", "--workers", "16",
-                         "--tenants", str(tenants), "--log-level", "error", "--lanes", "")
+    tenants.write_text(
+        yaml.safe_dump([{"name": "fuzz", "token": TOKEN, "namespaces": ["*"], "admin": True, "max_streams": 0}])
+    )
+    proc = ServerProcess(
+        "--dram",
+        "64MiB",
+        "--max-hashes",
+        "32",
+        "--max-block",
+        "64KiB",
+        "--max-message",
+        "256KiB",
+        "--max-stream",
+        "1MiB",
+        "--max-rpc-seconds",
+        "8",
+        "--workers",
+        "16",
+        "--tenants",
+        str(tenants),
+        "--log-level",
+        "error",
+        "--lanes",
+        "",
+    )
     with Client(proc.target, token=TOKEN) as kv:  # touch every arena page, then keep the known blocks
         for i in range(0, 1100, 15):  # 15 x 64 KiB per stream: under --max-stream
-            kv.put("fill", [j.to_bytes(16, "little") for j in range(i, i + 15)], [b"f" * (64 << 10)] * 15,
-                   chained=False)
+            kv.put(
+                "fill", [j.to_bytes(16, "little") for j in range(i, i + 15)], [b"f" * (64 << 10)] * 15, chained=False
+            )
         kv.put(NS, KNOWN, [k * 64 for k in KNOWN], chained=False)
     c = Campaign(proc)
     for method in EXPECTED:  # warm-up: a few hundred of each, then the RSS baseline
@@ -253,8 +303,13 @@ def fuzz(campaign: Campaign, method: str, cases: st.SearchStrategy[Any]) -> None
     counts: Counter = COUNTS.setdefault(method, Counter())
     bad: list[str] = []
 
-    @settings(max_examples=math.ceil(INPUTS / (CASES * VARIANTS)), deadline=None, database=None,
-              phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=math.ceil(INPUTS / (CASES * VARIANTS)),
+        deadline=None,
+        database=None,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(st.lists(st.tuples(cases, credentials), min_size=CASES, max_size=CASES))
     def batch(drawn: list[tuple[list[Any], str | None]]) -> None:
         inputs = [(variant, token) for variants, token in drawn for variant in variants]
@@ -292,6 +347,8 @@ def test_node_still_serving_with_bounded_memory(campaign):
     for tier in stats["tiers"]:
         assert tier["used_bytes"] <= tier["capacity_bytes"]
     growth = campaign.proc.rss_bytes() - campaign.rss_warm
-    print(f"\nRSS after warm-up {campaign.rss_warm / 2**20:.1f} MiB, growth {growth / 2**20:.1f} MiB; "
-          f"inputs: {({m: sum(c.values()) for m, c in COUNTS.items()})}")
+    print(
+        f"\nRSS after warm-up {campaign.rss_warm / 2**20:.1f} MiB, growth {growth / 2**20:.1f} MiB; "
+        f"inputs: { ({m: sum(c.values()) for m, c in COUNTS.items()}) }"
+    )
     assert growth < RSS_BOUND

@@ -25,6 +25,7 @@ it sends carries a code from the expected set, no hash of a block whose frame wa
 ``KVSTORE_FUZZ_LANE_INPUTS`` sets the inputs per RPC (default 10,000) and ``KVSTORE_FUZZ_FRAMES`` the framing
 cases (default 1,000); hypothesis runs derandomized, so runs are deterministic.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -64,13 +65,13 @@ TOKEN = "fuzzing-lanes-token-000000000"
 NS = "fzl"
 KNOWN = [bytes([0x80 | i]) * 16 for i in range(8)]
 C = grpc.StatusCode
-BASE = {C.OK, C.INVALID_ARGUMENT, C.UNAUTHENTICATED, C.PERMISSION_DENIED, C.FAILED_PRECONDITION,
-        C.RESOURCE_EXHAUSTED}
+BASE = {C.OK, C.INVALID_ARGUMENT, C.UNAUTHENTICATED, C.PERMISSION_DENIED, C.FAILED_PRECONDITION, C.RESOURCE_EXHAUSTED}
 EXPECTED = {"OpenLane": BASE, "CloseLane": BASE, "LanePut": BASE, "LaneGet": BASE | {C.NOT_FOUND}}
 FRAME_CODES = {c.value[0] for c in BASE | {C.NOT_FOUND}} - {0}
 COUNTS: dict[str, Counter] = {}
-SETTINGS = dict(deadline=None, database=None, derandomize=True, phases=[Phase.generate],
-                suppress_health_check=list(HealthCheck))
+SETTINGS = dict(
+    deadline=None, database=None, derandomize=True, phases=[Phase.generate], suppress_health_check=list(HealthCheck)
+)
 
 
 # -- the live server ------------------------------------------------------------------------------------
@@ -91,8 +92,10 @@ class Node:
 
     def open(self, kind: int, host_id: str = "") -> lpb.OpenLaneResponse:
         raw = self.sync_channel.unary_unary("/kvstore.v1.KVStoreLanes/OpenLane")(
-            lpb.OpenLaneRequest(kinds=[kind], host_id=host_id).SerializeToString(), timeout=CALL_TIMEOUT,
-            metadata=_metadata(TOKEN))
+            lpb.OpenLaneRequest(kinds=[kind], host_id=host_id).SerializeToString(),
+            timeout=CALL_TIMEOUT,
+            metadata=_metadata(TOKEN),
+        )
         return lpb.OpenLaneResponse.FromString(raw)
 
     def close_lane(self, opened: lpb.OpenLaneResponse) -> None:
@@ -100,8 +103,10 @@ class Node:
             return
         try:
             self.sync_channel.unary_unary("/kvstore.v1.KVStoreLanes/CloseLane")(
-                lpb.CloseLaneRequest(lane=lpb.LaneRef(lane_id=opened.lane_id, token=opened.token))
-                .SerializeToString(), timeout=CALL_TIMEOUT, metadata=_metadata(TOKEN))
+                lpb.CloseLaneRequest(lane=lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)).SerializeToString(),
+                timeout=CALL_TIMEOUT,
+                metadata=_metadata(TOKEN),
+            )
         except grpc.RpcError as err:  # already closed by a fuzzed CloseLane, or reaped
             assert err.code() in (C.FAILED_PRECONDITION, C.PERMISSION_DENIED), err
 
@@ -116,6 +121,7 @@ class Node:
                     return C.OK, "", out
                 except grpc.RpcError as err:
                     return err.code(), err.details() or "", []
+
             return list(self.pool.map(stream, cases))
 
         async def one(payload: bytes, token: str | None) -> tuple[C, str, list[bytes]]:
@@ -123,8 +129,9 @@ class Node:
                 try:
                     md = _metadata(token)
                     if method == "LaneGet":
-                        out = [m async for m in self.channel.unary_stream(path)(payload, timeout=CALL_TIMEOUT,
-                                                                                 metadata=md)]
+                        out = [
+                            m async for m in self.channel.unary_stream(path)(payload, timeout=CALL_TIMEOUT, metadata=md)
+                        ]
                     else:
                         out = [await self.channel.unary_unary(path)(payload, timeout=CALL_TIMEOUT, metadata=md)]
                     return C.OK, "", out
@@ -133,6 +140,7 @@ class Node:
 
         async def batch() -> list[tuple[C, str, list[bytes]]]:
             return await asyncio.gather(*(one(p, t) for p, t in cases))
+
         return self.loop.run_until_complete(batch())
 
     def close(self) -> None:
@@ -143,19 +151,50 @@ class Node:
 
 
 def healthy(target: str) -> bool:
-    return subprocess.run([sys.executable, "-m", "kvstore", "health", "--target", target, "--timeout", "5"],
-                          capture_output=True, cwd=ROOT).returncode == 0
+    return (
+        subprocess.run(
+            [sys.executable, "-m", "kvstore", "health", "--target", target, "--timeout", "5"],
+            capture_output=True,
+            cwd=ROOT,
+        ).returncode
+        == 0
+    )
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     tenants = tmp_path_factory.mktemp("fuzzlanes") / "tenants.yaml"
-    tenants.write_text(yaml.safe_dump([{"name": "fuzz", "token": TOKEN, "namespaces": ["*"], "admin": True,
-                                      "max_streams": 0}]))
-    proc = ServerProcess("--dram", "64MiB", "--max-hashes", "32", "--max-block", "64KiB", "--max-message", "256KiB",
-                         "--max-stream", "1MiB", "--max-rpc-seconds", "8", "--workers", "16",
-                         "--tenants", str(tenants), "--log-level", "error", "--lanes", "shm,tcp",
-                         "--shm-lane-bytes", "1MiB", "--lane-max", "512", "--lane-lease", "5")
+    tenants.write_text(
+        yaml.safe_dump([{"name": "fuzz", "token": TOKEN, "namespaces": ["*"], "admin": True, "max_streams": 0}])
+    )
+    proc = ServerProcess(
+        "--dram",
+        "64MiB",
+        "--max-hashes",
+        "32",
+        "--max-block",
+        "64KiB",
+        "--max-message",
+        "256KiB",
+        "--max-stream",
+        "1MiB",
+        "--max-rpc-seconds",
+        "8",
+        "--workers",
+        "16",
+        "--tenants",
+        str(tenants),
+        "--log-level",
+        "error",
+        "--lanes",
+        "shm,tcp",
+        "--shm-lane-bytes",
+        "1MiB",
+        "--lane-max",
+        "512",
+        "--lane-lease",
+        "5",
+    )
     with Client(proc.target, token=TOKEN) as kv:
         kv.put(NS, KNOWN, [k * 64 for k in KNOWN], chained=False)
     n = Node(proc)
@@ -172,23 +211,40 @@ def node(tmp_path_factory):
 # twice from the seed, garbage). Lane refs are placeholders ("LIVE"/"WRONG") that are bound per batch to the
 # lane opened for it, so the fuzzer reaches the verbs behind the lane check.
 REFS = st.sampled_from(["LIVE"] * 5 + ["WRONG", "NONE", "RANDOM", "TCP"])
-namespaces = st.one_of(st.sampled_from([NS, NS, "other", ""]), st.text(max_size=12), st.text(min_size=250,
-                                                                                            max_size=260))
+namespaces = st.one_of(
+    st.sampled_from([NS, NS, "other", ""]), st.text(max_size=12), st.text(min_size=250, max_size=260)
+)
 u64 = st.one_of(st.integers(0, 1 << 21), st.integers(0, 2**64 - 1))
-headers = st.builds(pb.BlockHeader, hash=st.one_of(st.sampled_from(KNOWN), st.binary(min_size=16, max_size=16),
-                                                   st.binary(max_size=20)),
-                    parent=st.sampled_from([b"", KNOWN[0]]) | st.binary(max_size=20),
-                    codec=st.sampled_from([0, 0, 0]) | enum_values, raw_length=st.integers(0, 1 << 17) | u64,
-                    stored_length=st.integers(0, 1 << 17) | u64, crc32c=st.integers(0, 2**32 - 1),
-                    dtype=st.sampled_from(["uint8", "bfloat16", "", "nope"]))
-descriptors = st.builds(lpb.BlockDescriptor, index=st.integers(0, 40), hash=st.sampled_from(KNOWN) | st.binary(
-    max_size=20), offset=u64, length=u64, crc32c=st.integers(0, 2**32 - 1))
-get_requests = st.builds(pb.GetRequest, namespace=namespaces, hashes=st.lists(
-    st.sampled_from(KNOWN) | st.binary(max_size=20), max_size=40), accepted_codecs=st.lists(enum_values, max_size=3),
-    allow_missing=st.booleans())
-open_requests = st.builds(lpb.OpenLaneRequest, kinds=st.lists(st.sampled_from([0, 1, 2, 2]) | enum_values,
-                                                              max_size=4),
-                          host_id=st.sampled_from(["HOST", "HOST", "", "other-host"]) | st.text(max_size=20))
+headers = st.builds(
+    pb.BlockHeader,
+    hash=st.one_of(st.sampled_from(KNOWN), st.binary(min_size=16, max_size=16), st.binary(max_size=20)),
+    parent=st.sampled_from([b"", KNOWN[0]]) | st.binary(max_size=20),
+    codec=st.sampled_from([0, 0, 0]) | enum_values,
+    raw_length=st.integers(0, 1 << 17) | u64,
+    stored_length=st.integers(0, 1 << 17) | u64,
+    crc32c=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from(["uint8", "bfloat16", "", "nope"]),
+)
+descriptors = st.builds(
+    lpb.BlockDescriptor,
+    index=st.integers(0, 40),
+    hash=st.sampled_from(KNOWN) | st.binary(max_size=20),
+    offset=u64,
+    length=u64,
+    crc32c=st.integers(0, 2**32 - 1),
+)
+get_requests = st.builds(
+    pb.GetRequest,
+    namespace=namespaces,
+    hashes=st.lists(st.sampled_from(KNOWN) | st.binary(max_size=20), max_size=40),
+    accepted_codecs=st.lists(enum_values, max_size=3),
+    allow_missing=st.booleans(),
+)
+open_requests = st.builds(
+    lpb.OpenLaneRequest,
+    kinds=st.lists(st.sampled_from([0, 1, 2, 2]) | enum_values, max_size=4),
+    host_id=st.sampled_from(["HOST", "HOST", "", "other-host"]) | st.text(max_size=20),
+)
 
 
 class Binder:
@@ -210,8 +266,13 @@ class Binder:
 
 
 def variants(encoded: bytes, ops: list[tuple[int, int, int]], rng: random.Random) -> list[bytes]:
-    return [encoded, mutate(encoded, ops), mutate(encoded, random_ops(rng)), mutate(encoded, random_ops(rng)),
-            rng.randbytes(rng.randrange(120))]
+    return [
+        encoded,
+        mutate(encoded, ops),
+        mutate(encoded, random_ops(rng)),
+        mutate(encoded, random_ops(rng)),
+        rng.randbytes(rng.randrange(120)),
+    ]
 
 
 def build(method: str, case: Any, b: Binder) -> list[Any]:
@@ -231,8 +292,9 @@ def build(method: str, case: Any, b: Binder) -> list[Any]:
     if method == "LaneGet":
         which, req, release, ops, seed = case
         rng = random.Random(seed)
-        return variants(lpb.LaneGetRequest(lane=b.ref(which, rng), request=req, release=release)
-                        .SerializeToString(), ops, rng)
+        return variants(
+            lpb.LaneGetRequest(lane=b.ref(which, rng), request=req, release=release).SerializeToString(), ops, rng
+        )
     which, steps, ops, seed = case  # LanePut: a stream
     rng = random.Random(seed)
     msgs = []
@@ -252,11 +314,19 @@ def build(method: str, case: Any, b: Binder) -> list[Any]:
     return [msgs, mutated, inserted, dropped, [rng.randbytes(rng.randrange(80)) for _ in range(rng.randint(0, 3))]]
 
 
-steps = st.lists(st.one_of(
-    st.builds(lpb.LaneReserve, namespace=namespaces, headers=st.lists(headers, max_size=6),
-              release=st.lists(st.integers(0, 8) | u64, max_size=3)),
-    st.builds(lpb.LaneCommit, grant_id=st.integers(0, 8) | u64, blocks=st.lists(descriptors, max_size=6)),
-    st.none()), max_size=6)
+steps = st.lists(
+    st.one_of(
+        st.builds(
+            lpb.LaneReserve,
+            namespace=namespaces,
+            headers=st.lists(headers, max_size=6),
+            release=st.lists(st.integers(0, 8) | u64, max_size=3),
+        ),
+        st.builds(lpb.LaneCommit, grant_id=st.integers(0, 8) | u64, blocks=st.lists(descriptors, max_size=6)),
+        st.none(),
+    ),
+    max_size=6,
+)
 CASE_STRATEGIES = {
     "OpenLane": st.tuples(open_requests, mutations, seeds),
     "CloseLane": st.tuples(REFS, mutations, seeds),
@@ -305,10 +375,22 @@ def test_fuzz_lane_rpcs(node, method):
 
 
 # -- TCP lane framing -------------------------------------------------------------------------------------
-def frame(kind: int, meta: bytes = b"", payload: bytes = b"", *, meta_len: int | None = None,
-          data_len: int | None = None, magic: bytes = framing.MAGIC) -> bytes:
-    return framing.HEADER.pack(magic, kind, len(meta) if meta_len is None else meta_len,
-                               len(payload) if data_len is None else data_len) + meta + payload
+def frame(
+    kind: int,
+    meta: bytes = b"",
+    payload: bytes = b"",
+    *,
+    meta_len: int | None = None,
+    data_len: int | None = None,
+    magic: bytes = framing.MAGIC,
+) -> bytes:
+    return (
+        framing.HEADER.pack(
+            magic, kind, len(meta) if meta_len is None else meta_len, len(payload) if data_len is None else data_len
+        )
+        + meta
+        + payload
+    )
 
 
 def put_frame(rng: random.Random, fault: str) -> tuple[bytes, list[bytes]]:
@@ -316,8 +398,9 @@ def put_frame(rng: random.Random, fault: str) -> tuple[bytes, list[bytes]]:
     n_blocks = rng.randint(1, 4)
     hashes = [rng.randbytes(16) for _ in range(n_blocks)]
     blocks = [rng.randbytes(rng.randrange(1, 2048)) for _ in range(n_blocks)]
-    hdrs = [pb.BlockHeader(hash=h, raw_length=len(d), stored_length=len(d), dtype="uint8")
-            for h, d in zip(hashes, blocks)]
+    hdrs = [
+        pb.BlockHeader(hash=h, raw_length=len(d), stored_length=len(d), dtype="uint8") for h, d in zip(hashes, blocks)
+    ]
     bad = rng.randrange(n_blocks)
     crcs = [crc32c(d) for d in blocks]
     meta = lpb.TcpPut(namespace=NS, headers=hdrs).SerializeToString()
@@ -348,30 +431,64 @@ def frame_case(seed: int, fault: str, ops: list[tuple[int, int, int]]) -> tuple[
     if fault == "magic":
         return None, frame(framing.PUT, b"", magic=rng.randbytes(4)), []
     if fault == "kind":
-        return None, frame(rng.choice([0, framing.HELLO, framing.PUT_REPLY, framing.GET_REPLY, framing.DATA,
-                                       framing.STATUS, 8, 255]), rng.randbytes(rng.randrange(20))), []
+        return (
+            None,
+            frame(
+                rng.choice(
+                    [0, framing.HELLO, framing.PUT_REPLY, framing.GET_REPLY, framing.DATA, framing.STATUS, 8, 255]
+                ),
+                rng.randbytes(rng.randrange(20)),
+            ),
+            [],
+        )
     if fault == "huge":  # huge declared metadata or payload lengths, little or nothing behind them
         kind = rng.choice([framing.PUT, framing.GET, framing.HELLO])
-        return None, frame(kind, rng.randbytes(rng.randrange(16)), meta_len=rng.choice(
-            [framing.MAX_META, framing.MAX_META + 1, 2**32 - 1, rng.randrange(1 << 16)]),
-            data_len=rng.choice([0, 2**63, 2**64 - 1, 1 << 30])), []
+        return (
+            None,
+            frame(
+                kind,
+                rng.randbytes(rng.randrange(16)),
+                meta_len=rng.choice([framing.MAX_META, framing.MAX_META + 1, 2**32 - 1, rng.randrange(1 << 16)]),
+                data_len=rng.choice([0, 2**63, 2**64 - 1, 1 << 30]),
+            ),
+            [],
+        )
     if fault == "getmeta":  # GET with mutated GetRequest metadata or a payload it must not have
-        req = pb.GetRequest(namespace=rng.choice([NS, "other", ""]), hashes=[rng.choice(KNOWN), rng.randbytes(16)],
-                            allow_missing=rng.random() < 0.5).SerializeToString()
+        req = pb.GetRequest(
+            namespace=rng.choice([NS, "other", ""]),
+            hashes=[rng.choice(KNOWN), rng.randbytes(16)],
+            allow_missing=rng.random() < 0.5,
+        ).SerializeToString()
         return None, frame(framing.GET, mutate(req, ops), b"p" * rng.randrange(2)), []
     if fault == "mutated_put":  # a valid PUT, mutated anywhere: may or may not be valid afterwards
         data, _ = put_frame(rng, "crc")
         return None, mutate(data, ops), []
     # forged hellos
     good = lpb.TcpHello(lane=lpb.LaneRef(lane_id="LIVE", token=b"LIVE")).SerializeToString()
-    hello = {"hello_token": None, "hello_mutated": mutate(good, ops), "hello_garbage": rng.randbytes(rng.randrange(64))
-             }[fault]
+    hello = {
+        "hello_token": None,
+        "hello_mutated": mutate(good, ops),
+        "hello_garbage": rng.randbytes(rng.randrange(64)),
+    }[fault]
     tail = frame(framing.PUT, lpb.TcpPut(namespace=NS).SerializeToString())
     return (hello if hello is not None else b"WRONGTOKEN"), tail, []
 
 
-FAULTS = ["crc", "length", "truncate", "garbage", "header", "magic", "kind", "huge", "getmeta", "mutated_put",
-          "hello_token", "hello_mutated", "hello_garbage"]
+FAULTS = [
+    "crc",
+    "length",
+    "truncate",
+    "garbage",
+    "header",
+    "magic",
+    "kind",
+    "huge",
+    "getmeta",
+    "mutated_put",
+    "hello_token",
+    "hello_mutated",
+    "hello_garbage",
+]
 
 
 def read_until_eof(sock: socket.socket) -> tuple[bool, list[int], str]:
@@ -385,7 +502,7 @@ def read_until_eof(sock: socket.socket) -> tuple[bool, list[int], str]:
             if not chunk:
                 break
             buf += chunk
-    except socket.timeout:
+    except TimeoutError:
         return False, [], "no EOF within the timeout"
     except ConnectionResetError:
         pass
@@ -394,7 +511,7 @@ def read_until_eof(sock: socket.socket) -> tuple[bool, list[int], str]:
         magic, kind, meta_len, data_len = framing.HEADER.unpack_from(buf, i)
         if magic != framing.MAGIC:
             return True, codes, f"bad frame from the server at {i}"
-        meta = bytes(buf[i + framing.HEADER.size: i + framing.HEADER.size + meta_len])
+        meta = bytes(buf[i + framing.HEADER.size : i + framing.HEADER.size + meta_len])
         if kind == framing.STATUS:
             codes.append(lpb.LaneStatus.FromString(meta).code)
         i += framing.HEADER.size + meta_len + data_len
@@ -408,7 +525,9 @@ def run_frame_case(node: Node, case: tuple[int, str, list[tuple[int, int, int]]]
     assert opened.kind == lpb.LANE_TCP, opened.reason
     ref = lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)
     if hello_override == b"WRONGTOKEN":
-        hello = lpb.TcpHello(lane=lpb.LaneRef(lane_id=opened.lane_id, token=bytes(len(opened.token)))).SerializeToString()
+        hello = lpb.TcpHello(
+            lane=lpb.LaneRef(lane_id=opened.lane_id, token=bytes(len(opened.token)))
+        ).SerializeToString()
     elif hello_override is not None:
         hello = hello_override.replace(b"LIVE", opened.lane_id.encode()[:4])
     else:
@@ -443,23 +562,25 @@ def test_fuzz_tcp_lane_framing(node):
     bad: list[str] = []
 
     @settings(max_examples=math.ceil(FRAMES / FRAME_CASES), **SETTINGS)
-    @given(st.lists(st.tuples(seeds, st.sampled_from(FAULTS), mutations), min_size=FRAME_CASES,
-                    max_size=FRAME_CASES))
+    @given(st.lists(st.tuples(seeds, st.sampled_from(FAULTS), mutations), min_size=FRAME_CASES, max_size=FRAME_CASES))
     def batch(cases: list[tuple[int, str, list[tuple[int, int, int]]]]) -> None:
         for case in cases:
             never.update(frame_case(*case)[2])
         for fault, codes, err in node.pool.map(lambda c: run_frame_case(node, c), cases):
             FRAME_COUNTS[fault] += 1
-            FRAME_CODES_SEEN.update(C(next(s for s in C if s.value[0] == c)).name for c in codes
-                                    if any(s.value[0] == c for s in C))
+            FRAME_CODES_SEEN.update(
+                C(next(s for s in C if s.value[0] == c)).name for c in codes if any(s.value[0] == c for s in C)
+            )
             if err:
                 bad.append(f"{fault}: {err}")
 
     started = time.monotonic()
     batch()
     total = sum(FRAME_COUNTS.values())
-    print(f"\nTCP framing: {total} cases in {time.monotonic() - started:.1f} s: {dict(FRAME_COUNTS)}; "
-          f"STATUS codes: {dict(FRAME_CODES_SEEN)}")
+    print(
+        f"\nTCP framing: {total} cases in {time.monotonic() - started:.1f} s: {dict(FRAME_COUNTS)}; "
+        f"STATUS codes: {dict(FRAME_CODES_SEEN)}"
+    )
     assert not bad, f"{len(bad)} bad cases: " + "\n".join(bad[:10])
     assert total >= FRAMES
     assert node.proc.proc.poll() is None, "the server died"
@@ -477,4 +598,4 @@ def test_node_still_healthy(node):
     with Client(node.proc.target, token=TOKEN) as kv:
         assert kv.get(NS, KNOWN, allow_missing=True)
         kv.stats()
-    print(f"\ninputs: {({m: sum(c.values()) for m, c in COUNTS.items()})}, framing: {sum(FRAME_COUNTS.values())}")
+    print(f"\ninputs: { ({m: sum(c.values()) for m, c in COUNTS.items()}) }, framing: {sum(FRAME_COUNTS.values())}")

@@ -3,6 +3,7 @@
 kvikio needs a CUDA driver, so these run only on a GPU host (bench/gpu_check.py
 runs them there); here they are skipped with the reason.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,9 +12,10 @@ import pytest
 
 from tests.test_nvme_kvikio import _why_not  # kvikio installed and a CUDA device present
 
-
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(bool(_why_not()), reason=f"GDS reads need kvikio and a CUDA device: {_why_not()}")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(bool(_why_not()), reason=f"GDS reads need kvikio and a CUDA device: {_why_not()}"),
+]
 
 
 def _tier(path: Path):
@@ -30,8 +32,10 @@ def _blocks(n: int):
 
     g = torch.Generator().manual_seed(5)
     data = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g) for size in (5000, 1 << 20, 4096, 77)][:n]
-    metas = [BlockMeta("ns", bytes([i]) * 16, b"", 0, "uint8", d.numel(), d.numel(), crc32c(d.numpy()))
-             for i, d in enumerate(data)]
+    metas = [
+        BlockMeta("ns", bytes([i]) * 16, b"", 0, "uint8", d.numel(), d.numel(), crc32c(d.numpy()))
+        for i, d in enumerate(data)
+    ]
     return data, metas
 
 

@@ -1,4 +1,5 @@
 """Block identity (DESIGN 2.1) against the shipped test vectors and an independent reading of the spec."""
+
 from __future__ import annotations
 
 import hashlib

@@ -25,6 +25,7 @@ extra lists them)::
 ``helm_python``). Without it a ``helm`` binary on PATH is used instead; with
 neither the tests are skipped, saying so.
 """
+
 from __future__ import annotations
 
 import re
@@ -87,8 +88,13 @@ def test_labels_and_names(rendered: dict[str, Rendered], case: str) -> None:
         assert meta["name"].startswith(f"{RELEASE}-kvstore"), f"{what}: not named after the release"
         assert len(meta["name"]) <= 63, what
         labels = meta.get("labels", {})
-        for key in ("helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io/instance",
-                    "app.kubernetes.io/managed-by", "app.kubernetes.io/version"):
+        for key in (
+            "helm.sh/chart",
+            "app.kubernetes.io/name",
+            "app.kubernetes.io/instance",
+            "app.kubernetes.io/managed-by",
+            "app.kubernetes.io/version",
+        ):
             assert key in labels, f"{what}: missing label {key}"
         assert labels["app.kubernetes.io/instance"] == RELEASE
         assert meta.get("namespace") == NAMESPACE, f"{what}: namespace not set to the release's"
@@ -146,12 +152,12 @@ def test_services_reach_pods(rendered: dict[str, Rendered], case: str) -> None:
         what = f"Service/{svc['metadata']['name']}"
         selector = svc["spec"]["selector"]
         targets = [
-            wl for wl in r.workloads()
-            if selector.items() <= wl["spec"]["template"]["metadata"]["labels"].items()
+            wl for wl in r.workloads() if selector.items() <= wl["spec"]["template"]["metadata"]["labels"].items()
         ]
         assert len(targets) == 1, f"{what}: selects {len(targets)} workloads"
-        port_names = {p["name"] for c in targets[0]["spec"]["template"]["spec"]["containers"]
-                      for p in c.get("ports", [])}
+        port_names = {
+            p["name"] for c in targets[0]["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])
+        }
         for port in svc["spec"]["ports"]:
             assert port["targetPort"] in port_names, f"{what}: targetPort {port['targetPort']} not on the pods"
 
@@ -171,8 +177,16 @@ def test_services_reach_pods(rendered: dict[str, Rendered], case: str) -> None:
         ({"store": {"drams": "4GiB"}}, "drams"),
         ({"loadtest": {"enabled": True}, "decode": {"enabled": False}}, "needs prefill.enabled=true"),
     ],
-    ids=["replicas-without-redis", "redis-twice", "tls-without-secret", "tenants-without-secret",
-         "bad-size", "bad-volume-type", "unknown-key", "loadtest-without-decode"],
+    ids=[
+        "replicas-without-redis",
+        "redis-twice",
+        "tls-without-secret",
+        "tenants-without-secret",
+        "bad-size",
+        "bad-volume-type",
+        "unknown-key",
+        "loadtest-without-decode",
+    ],
 )
 def test_refused_values(values: dict[str, Any], message: str) -> None:
     assert message in render_error(values)
@@ -204,8 +218,13 @@ def test_readme_examples(tmp_path: Path) -> None:
             (values,) = docs
             values_file = tmp_path / f"readme-{line}.yaml"
             values_file.write_text(yaml.safe_dump(values))
-            manifests = [d for path, text in render(values, values_file).items() if path.endswith(".yaml")
-                         for d in yaml.safe_load_all(text) if d]
+            manifests = [
+                d
+                for path, text in render(values, values_file).items()
+                if path.endswith(".yaml")
+                for d in yaml.safe_load_all(text)
+                if d
+            ]
         for doc in manifests:
             if (doc["apiVersion"], doc["kind"]) in CRD_SCHEMAS:
                 continue

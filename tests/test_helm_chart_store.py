@@ -195,8 +195,9 @@ def test_replicas3_loadtest_servicemonitor(rendered: dict[str, Rendered]) -> Non
     assert sm["metadata"]["labels"]["release"] == "prometheus"
     (endpoint,) = sm["spec"]["endpoints"]
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
-    selected = [s for s in r.all("Service")
-                if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+    selected = [
+        s for s in r.all("Service") if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+    ]
     with_port = [s for s in selected if any(p["name"] == "metrics" for p in s["spec"]["ports"])]
     assert [s["metadata"]["name"] for s in with_port] == [fullname("store")]
     assert with_port[0]["spec"]["selector"].items() <= pod_labels.items()
@@ -260,8 +261,11 @@ def _serve_config(r: Rendered, tmp_path: Path) -> tuple[Any, dict[str, str], dic
         local = tmp_path / "config.yaml"
         local.write_text(cm["data"]["config.yaml"])
         args = [f"--config={local}" if a.startswith("--config=") else a for a in args]
-    env = {name: e.get("value", "redis://from-a-secret:6379/0") for name, e in env_of(store).items()
-           if name.startswith("KVSTORE_")}
+    env = {
+        name: e.get("value", "redis://from-a-secret:6379/0")
+        for name, e in env_of(store).items()
+        if name.startswith("KVSTORE_")
+    }
     return config.load(cli.build_parser().parse_args(args), env=env), env, store
 
 
@@ -408,8 +412,9 @@ def test_metrics_token(tmp_path: Path, tls: bool) -> None:
 
 def test_metrics_token_key_and_path_from_values() -> None:
     """Another key and mount path; without a ServiceMonitor only the store side is rendered."""
-    r = render_docs({"metrics": {"tokenSecret": {"name": "scrape", "key": "bearer.txt",
-                                                 "mountPath": "/var/run/metrics"}}})
+    r = render_docs(
+        {"metrics": {"tokenSecret": {"name": "scrape", "key": "bearer.txt", "mountPath": "/var/run/metrics"}}}
+    )
     assert validation_problems(r.docs) == []
     assert not r.all("ServiceMonitor")
     sts = r.one("StatefulSet", "store")
@@ -419,8 +424,14 @@ def test_metrics_token_key_and_path_from_values() -> None:
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
     assert volumes["metrics-token"]["secret"]["items"] == [{"key": "bearer.txt", "path": "bearer.txt"}]
     # A ServiceMonitor named explicitly in the release namespace is fine.
-    r = render_docs({"metrics": {"tokenSecret": {"name": "scrape", "key": "bearer.txt"},
-                                 "serviceMonitor": {"enabled": True, "namespace": NAMESPACE}}})
+    r = render_docs(
+        {
+            "metrics": {
+                "tokenSecret": {"name": "scrape", "key": "bearer.txt"},
+                "serviceMonitor": {"enabled": True, "namespace": NAMESPACE},
+            }
+        }
+    )
     (endpoint,) = r.one("ServiceMonitor", "store")["spec"]["endpoints"]
     assert endpoint["authorization"]["credentials"] == {"name": "scrape", "key": "bearer.txt"}
 
@@ -494,21 +505,38 @@ def test_gpu_limit_from_resources() -> None:
         ({"store": {"clusterTtl": "10s"}}, "/store/clusterTtl"),
         ({"store": {"hbm": "8GiB"}}, "set store.gpu.count"),
         ({"store": {"hbmFraction": 0.5}}, "set store.gpu.count"),
-        ({"store": {"hbm": "8GiB", "gpu": {"count": 1}, "resources": {"limits": {"nvidia.com/gpu": 0}}}},
-         "set store.gpu.count"),
+        (
+            {"store": {"hbm": "8GiB", "gpu": {"count": 1}, "resources": {"limits": {"nvidia.com/gpu": 0}}}},
+            "set store.gpu.count",
+        ),
         ({"store": {"hbm": "8GB", "gpu": {"count": 1}}}, "/store/hbm"),
         ({"store": {"hbmFraction": 1, "gpu": {"count": 1}}}, "/store/hbmFraction"),
         ({"store": {"gpu": {"count": -1}}}, "/store/gpu/count"),
         ({"metrics": {"tokenSecret": {"name": "Bad_Name"}}}, "/metrics/tokenSecret/name"),
         ({"metrics": {"tokenSecret": {"name": "t", "key": "a/b"}}}, "/metrics/tokenSecret/key"),
         ({"metrics": {"tokenSecret": {"name": "t", "mountPath": "relative"}}}, "/metrics/tokenSecret/mountPath"),
-        ({"metrics": {"tokenSecret": {"name": "t"}, "serviceMonitor": {"enabled": True, "namespace": "monitoring"}}},
-         "needs the ServiceMonitor in the release namespace"),
+        (
+            {"metrics": {"tokenSecret": {"name": "t"}, "serviceMonitor": {"enabled": True, "namespace": "monitoring"}}},
+            "needs the ServiceMonitor in the release namespace",
+        ),
     ],
-    ids=["tcp-lane-on-grpc", "tcp-lane-on-metrics", "tcp-lane-zero", "cluster-ttl-zero", "cluster-ttl-string",
-         "hbm-without-gpu", "hbm-fraction-without-gpu", "hbm-gpu-limit-zero", "hbm-bad-size",
-         "hbm-fraction-one", "gpu-count-negative", "metrics-token-bad-name", "metrics-token-bad-key",
-         "metrics-token-relative-path", "metrics-token-servicemonitor-elsewhere"],
+    ids=[
+        "tcp-lane-on-grpc",
+        "tcp-lane-on-metrics",
+        "tcp-lane-zero",
+        "cluster-ttl-zero",
+        "cluster-ttl-string",
+        "hbm-without-gpu",
+        "hbm-fraction-without-gpu",
+        "hbm-gpu-limit-zero",
+        "hbm-bad-size",
+        "hbm-fraction-one",
+        "gpu-count-negative",
+        "metrics-token-bad-name",
+        "metrics-token-bad-key",
+        "metrics-token-relative-path",
+        "metrics-token-servicemonitor-elsewhere",
+    ],
 )
 def test_refused_store_values(values: dict[str, Any], message: str) -> None:
     assert message in render_error(values)

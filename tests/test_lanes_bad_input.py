@@ -1,4 +1,5 @@
 """Malformed requests on the shm, tcp and cuda_ipc lanes get the same status codes as on gRPC, and store nothing."""
+
 from __future__ import annotations
 
 import grpc
@@ -96,13 +97,22 @@ def test_checksum_mismatch_stores_nothing(lane_server, lane):
         shm = raw.shm()
         stream = shm.open_put()
         grant = stream.reserve("ns", [header(bytes(16), good), header(KEY, data)])
-        ok = [lpb.BlockDescriptor(index=0, hash=bytes(16), offset=grant.slots[0].offset, length=100,
-                                  crc32c=shm.write(grant.slots[0], memoryview(good)))]
+        ok = [
+            lpb.BlockDescriptor(
+                index=0,
+                hash=bytes(16),
+                offset=grant.slots[0].offset,
+                length=100,
+                crc32c=shm.write(grant.slots[0], memoryview(good)),
+            )
+        ]
         stream.send_commit(grant.grant_id, ok)
         assert stream.committed()[0].status == pb.PUT_STORED
         crc = shm.write(grant.slots[1], memoryview(data))
-        stream.send_commit(grant.grant_id, [lpb.BlockDescriptor(index=1, hash=KEY, offset=grant.slots[1].offset,
-                                                                length=5000, crc32c=crc ^ 1)])
+        stream.send_commit(
+            grant.grant_id,
+            [lpb.BlockDescriptor(index=1, hash=KEY, offset=grant.slots[1].offset, length=5000, crc32c=crc ^ 1)],
+        )
         with pytest.raises(KVStoreError) as err:
             stream.committed()
         stream.close()
@@ -177,8 +187,10 @@ def test_encoded_block_that_does_not_decode(lane_server, lane):
             stream = shm.open_put()
             grant = stream.reserve("ns", [bad])
             crc = shm.write(grant.slots[0], memoryview(data))
-            stream.send_commit(grant.grant_id, [lpb.BlockDescriptor(index=0, hash=KEY, offset=grant.slots[0].offset,
-                                                                    length=4096, crc32c=crc)])
+            stream.send_commit(
+                grant.grant_id,
+                [lpb.BlockDescriptor(index=0, hash=KEY, offset=grant.slots[0].offset, length=4096, crc32c=crc)],
+            )
             stream.committed()
         else:
             raw.tcp().put("ns", [bad], [memoryview(data)])

@@ -1,4 +1,5 @@
 """The shm lane's channel: Gets and puts as frames on the direct handshake's socket instead of gRPC calls."""
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 The pid comes from the kernel (SO_PEERCRED) and is checked by reading a nonce
 in the client's memory; a client can only make the store read its own memory.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,9 @@ CHILD = textwrap.dedent("""
 def test_put_from_another_process(make_server):
     """The real case: the store reads a client process's memory, which names it with PR_SET_PTRACER."""
     server = make_server()
-    out = subprocess.run([sys.executable, "-c", CHILD, f"127.0.0.1:{server.port}"], cwd=ROOT, capture_output=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, f"127.0.0.1:{server.port}"], cwd=ROOT, capture_output=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr.decode()
     size = (3 << 19) + 1000
     blocks = [out.stdout[i * size : (i + 1) * size] for i in range(6)]
@@ -69,10 +71,12 @@ def test_an_address_outside_the_clients_memory_fails_that_commit(make_server):
     data = os.urandom(1 << 20)
     stream = shm.open_put()
     grant = stream.reserve("ns", [header(k, data) for k in keys(2)])
-    good = lpb.BlockDescriptor(index=0, hash=keys(2)[0], offset=grant.slots[0].offset, length=len(data),
-                               address=cma.address_of(data)[0])
-    bad = lpb.BlockDescriptor(index=1, hash=keys(2)[1], offset=grant.slots[1].offset, length=len(data),
-                              address=8)  # page zero: never mapped
+    good = lpb.BlockDescriptor(
+        index=0, hash=keys(2)[0], offset=grant.slots[0].offset, length=len(data), address=cma.address_of(data)[0]
+    )
+    bad = lpb.BlockDescriptor(
+        index=1, hash=keys(2)[1], offset=grant.slots[1].offset, length=len(data), address=8
+    )  # page zero: never mapped
     stream.send_commit(grant.grant_id, [good, bad], crc_from_server=True)
     with pytest.raises(Exception) as err:
         stream.committed()
@@ -96,12 +100,24 @@ def test_a_lane_without_the_handshake_cannot_name_client_memory(make_server, mon
     data = os.urandom(4096)
     stream = shm.open_put()
     grant = stream.reserve("ns", [header(keys(1)[0], data)])
-    stream.send_commit(grant.grant_id, [lpb.BlockDescriptor(index=0, hash=keys(1)[0], offset=grant.slots[0].offset,
-                                                            length=len(data), address=cma.address_of(data)[0])],
-                       crc_from_server=True)
+    stream.send_commit(
+        grant.grant_id,
+        [
+            lpb.BlockDescriptor(
+                index=0,
+                hash=keys(1)[0],
+                offset=grant.slots[0].offset,
+                length=len(data),
+                address=cma.address_of(data)[0],
+            )
+        ],
+        crc_from_server=True,
+    )
     with pytest.raises((LaneBroken, Exception)) as err:
         stream.committed()
-    assert getattr(err.value, "code", None) == grpc.StatusCode.PERMISSION_DENIED or "PERMISSION_DENIED" in str(err.value)
+    assert getattr(err.value, "code", None) == grpc.StatusCode.PERMISSION_DENIED or "PERMISSION_DENIED" in str(
+        err.value
+    )
     stream.close()
     assert server.store.stats()["blocks"] == 0
     with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:  # region copies still work on such a lane
@@ -123,8 +139,11 @@ def test_handshake_refuses_a_wrong_token_and_a_nonce_not_in_the_caller(make_serv
         sock.connect(opened.direct_socket)
         lane = opened.lane_id.encode()
         elsewhere = bytearray(16)
-        sock.sendall(direct.HELLO.pack(len(lane), len(opened.token), cma.address_of(elsewhere)[0], b"n" * 16)
-                     + lane + opened.token)
+        sock.sendall(
+            direct.HELLO.pack(len(lane), len(opened.token), cma.address_of(elsewhere)[0], b"n" * 16)
+            + lane
+            + opened.token
+        )
         reply = sock.recv(4096)
     assert reply[:1] == direct.REFUSED and b"nonce" in reply
     (lane_obj,) = server.lanes.registry._lanes.values()
@@ -158,8 +177,7 @@ def test_a_direct_reserve_reads_at_once_and_checks_its_addresses(make_server):
     assert "addresses" in str(err.value)
     stream.close()
     stream = shm.open_put()
-    grant = stream.reserve("ns", [header(k, d) for k, d in zip(ks, data)],
-                           addresses=[cma.address_of(data[0])[0], 8])
+    grant = stream.reserve("ns", [header(k, d) for k, d in zip(ks, data)], addresses=[cma.address_of(data[0])[0], 8])
     assert len(grant.slots) == 2
     with pytest.raises(Exception) as err:
         stream.committed()
@@ -194,8 +212,9 @@ def test_get_into_another_processes_buffers(make_server):
     blocks = [os.urandom(size) for _ in range(6)]
     with Client(f"127.0.0.1:{server.port}", lane="grpc") as kv:
         kv.put("ns", [bytes([7, i]) * 8 for i in range(6)], blocks)
-    out = subprocess.run([sys.executable, "-c", GET_CHILD, f"127.0.0.1:{server.port}"], cwd=ROOT,
-                         capture_output=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", GET_CHILD, f"127.0.0.1:{server.port}"], cwd=ROOT, capture_output=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr.decode()
     assert out.stdout == b"".join(blocks)
     assert server.metrics.counters()["lane_shm_direct_get_bytes"] == 6 * size
@@ -215,8 +234,9 @@ def test_direct_get_checks_destinations(make_server):
         assert kv.get("ns", keys(1), out=[dest])[0] is dest and dest == data
     raw = RawLanes(server)
     shm = raw.shm()
-    request = lpb.LaneGetRequest(lane=shm.ref, request=pb.GetRequest(namespace="ns", hashes=keys(1)),
-                                 out_addresses=[8], out_lengths=[100_000])  # page zero
+    request = lpb.LaneGetRequest(
+        lane=shm.ref, request=pb.GetRequest(namespace="ns", hashes=keys(1)), out_addresses=[8], out_lengths=[100_000]
+    )  # page zero
     with pytest.raises(grpc.RpcError) as rpc_err:
         list(raw.stub.LaneGet(request, timeout=10))
     assert rpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "direct get" in rpc_err.value.details()
@@ -229,8 +249,12 @@ def test_a_get_without_the_handshake_cannot_name_client_memory(make_server, monk
     raw = RawLanes(server)
     shm = raw.shm()
     dest = bytearray(4096)
-    request = lpb.LaneGetRequest(lane=shm.ref, request=pb.GetRequest(namespace="ns", hashes=keys(1)),
-                                 out_addresses=[cma.address_of(dest)[0]], out_lengths=[4096])
+    request = lpb.LaneGetRequest(
+        lane=shm.ref,
+        request=pb.GetRequest(namespace="ns", hashes=keys(1)),
+        out_addresses=[cma.address_of(dest)[0]],
+        out_lengths=[4096],
+    )
     with pytest.raises(grpc.RpcError) as err:
         list(raw.stub.LaneGet(request, timeout=10))
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -264,8 +288,12 @@ KILLED_CHILD = textwrap.dedent("""
 @pytest.mark.parametrize("when", ["before-reserve", "after-grant"])
 def test_client_killed_during_a_direct_put_leaves_only_whole_blocks(make_server, when):
     server = make_server(dram=256 << 20, lane_lease=1.0)
-    child = subprocess.run([sys.executable, "-c", KILLED_CHILD, f"127.0.0.1:{server.port}", when], cwd=ROOT,
-                           capture_output=True, timeout=60)
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_CHILD, f"127.0.0.1:{server.port}", when],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
     assert child.returncode == -9, child.stderr.decode()
     hashes = [bytes([8, i]) * 8 for i in range(16)]
     deadline = time.monotonic() + 10
@@ -288,8 +316,11 @@ def test_sweep_removes_what_killed_servers_left(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     left = [tmp_path / f"kvstore-lane-{dead.pid}-abc", tmp_path / f"kvstore-direct-{dead.pid}-def.sock"]
-    mine = [tmp_path / f"kvstore-lane-{os.getpid()}-abc", tmp_path / f"kvstore-direct-{os.getpid()}-def.sock",
-            tmp_path / "unrelated"]
+    mine = [
+        tmp_path / f"kvstore-lane-{os.getpid()}-abc",
+        tmp_path / f"kvstore-direct-{os.getpid()}-def.sock",
+        tmp_path / "unrelated",
+    ]
     for p in left + mine:
         p.write_bytes(b"")
     assert sweep(str(tmp_path)) == 2

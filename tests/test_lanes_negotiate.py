@@ -1,4 +1,5 @@
 """Lane selection: same host -> shm, else tcp, else gRPC; explicit choices; what the node reports."""
+
 from __future__ import annotations
 
 import grpc
@@ -53,6 +54,7 @@ def test_unmappable_region_falls_back_to_tcp(lane_server, monkeypatch):
 
 def test_refused_tcp_hello_falls_back_to_grpc(lane_server, monkeypatch):
     """A tcp lane whose hello is refused (the connection reached another node) is dropped, not raised."""
+
     def refuse(*_args, **_kw):
         raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, "lane 'x' is not open")
 
@@ -105,6 +107,8 @@ def test_tls_node_offers_no_plaintext_tcp_lane(make_server, tmp_path):
     with Client(f"127.0.0.1:{server.port}", tls_ca=str(pki.ca), lane="auto") as kv:
         round_trip(kv)
         assert kv.lane_kind == "shm"
-    with Client(f"127.0.0.1:{server.port}", tls_ca=str(pki.ca), lane="tcp") as kv, \
-            pytest.raises(KVStoreError, match="tcp lane disabled"):
+    with (
+        Client(f"127.0.0.1:{server.port}", tls_ca=str(pki.ca), lane="tcp") as kv,
+        pytest.raises(KVStoreError, match="tcp lane disabled"),
+    ):
         kv.get("ns", keys(1))

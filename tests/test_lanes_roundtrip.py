@@ -3,6 +3,7 @@
 cuda_ipc runs here on its cpu stand-in (``--cuda-lane-device cpu``: the same lane
 code over a host region); tests/test_cuda_lane.py runs it on a GPU where one exists.
 """
+
 from __future__ import annotations
 
 import random
@@ -106,6 +107,7 @@ def test_eight_threads_share_one_client(lane_server, lane):
     """Concurrent calls on one Client hold separate lanes (or wait for one)."""
     errors: list[BaseException] = []
     with Client(f"127.0.0.1:{lane_server.port}", lane=lane, timeout=30) as kv:
+
         def worker(seed: int) -> None:
             try:
                 rng = random.Random(seed)

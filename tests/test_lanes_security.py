@@ -1,4 +1,5 @@
 """Ownership on the lanes: forged descriptors, wrong tokens, region files, tenants."""
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,10 @@ def granted(raw: RawLanes, n: int = 2, size: int = 10000):
     data = [bytes([i + 1]) * size for i in range(n)]
     grant = stream.reserve("ns", [header(k, d) for k, d in zip(ks, data)])
     crcs = [shm.write(slot, memoryview(d)) for slot, d in zip(grant.slots, data)]
-    good = [lpb.BlockDescriptor(index=i, hash=ks[i], offset=s.offset, length=s.length, crc32c=crcs[i])
-            for i, s in enumerate(grant.slots)]
+    good = [
+        lpb.BlockDescriptor(index=i, hash=ks[i], offset=s.offset, length=s.length, crc32c=crcs[i])
+        for i, s in enumerate(grant.slots)
+    ]
     return shm, stream, grant, good
 
 
@@ -124,7 +127,7 @@ def test_unknown_lane_is_failed_precondition(raw):
 def test_region_file_is_private_and_unlinked_once_mapped(raw, lane_server):
     opened = raw.open(lpb.LANE_SHM)
     name = os.path.basename(opened.shm_path)
-    pid, _, secret = name[len(PREFIX):].partition("-")
+    pid, _, secret = name[len(PREFIX) :].partition("-")
     assert name.startswith(PREFIX) and pid == str(os.getpid()) and len(secret) == 32
     st = os.stat(opened.shm_path)
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid() and st.st_size == opened.shm_bytes
@@ -165,9 +168,16 @@ TOKEN_B = "token-of-tenant-b-9876543210"
 @pytest.mark.parametrize("lane", ["shm", "tcp", "cuda_ipc"])
 def test_a_tenants_lane_reaches_only_its_namespaces(make_server, tmp_path, lane):
     path = tmp_path / "tenants.yaml"
-    path.write_text(yaml.safe_dump({"tenants": [
-        {"name": "a", "token": TOKEN_A, "namespaces": ["ns-a"]},
-        {"name": "b", "token": TOKEN_B, "namespaces": ["ns-b"]}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "tenants": [
+                    {"name": "a", "token": TOKEN_A, "namespaces": ["ns-a"]},
+                    {"name": "b", "token": TOKEN_B, "namespaces": ["ns-b"]},
+                ]
+            }
+        )
+    )
     server = make_server(tenants=str(path), shm_lane_bytes=8 << 20)
     target = f"127.0.0.1:{server.port}"
     with Client(target, token=TOKEN_B, lane=lane) as b:
@@ -175,8 +185,11 @@ def test_a_tenants_lane_reaches_only_its_namespaces(make_server, tmp_path, lane)
     with Client(target, token=TOKEN_A, lane=lane, retries=0) as a:
         assert a.put("ns-a", keys(1), [b"mine"])[0].status == "stored"
         assert a.lane_kind == lane
-        for call in (lambda: a.get("ns-b", keys(1)), lambda: a.put("ns-b", keys(2), [b"x", b"y"]),
-                     lambda: a.get("ns-b", keys(1, seed=9), allow_missing=True)):
+        for call in (
+            lambda: a.get("ns-b", keys(1)),
+            lambda: a.put("ns-b", keys(2), [b"x", b"y"]),
+            lambda: a.get("ns-b", keys(1, seed=9), allow_missing=True),
+        ):
             with pytest.raises(KVStoreError) as err:
                 call()
             assert err.value.code == grpc.StatusCode.PERMISSION_DENIED

@@ -1,7 +1,8 @@
 """Helpers for the lane tests (no tests here): raw lanes opened over gRPC, without the Client's pool."""
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 
@@ -24,8 +25,9 @@ class RawLanes:
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
 
     def open(self, kind: int) -> lpb.OpenLaneResponse:
-        reply = self.stub.OpenLane(lpb.OpenLaneRequest(kinds=[kind], host_id=host_id()), timeout=10,
-                                   metadata=self.metadata)
+        reply = self.stub.OpenLane(
+            lpb.OpenLaneRequest(kinds=[kind], host_id=host_id()), timeout=10, metadata=self.metadata
+        )
         assert reply.kind == kind, reply.reason
         return reply
 

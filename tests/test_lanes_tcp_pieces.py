@@ -5,6 +5,7 @@ of the frame is still to come after the piece it receives; it must lower it
 again before that, or a receive would wait for bytes the peer never sends (the
 frame timeout here is short, so a stall fails the test instead of hanging it).
 """
+
 from __future__ import annotations
 
 import os
@@ -70,7 +71,9 @@ def test_last_block_of_a_frame_does_not_wait_for_the_low_water_mark():
     data = os.urandom(L + 2 * P + 3)  # the frame's last block: nothing follows it
     with socket.create_server(("127.0.0.1", 0)) as srv:
         done = threading.Event()  # the sender stays connected: its FIN would wake the receiver anyway
-        sender = threading.Thread(target=_send_to, args=(srv.getsockname(), data, len(data) - L // 2 + 100, done), daemon=True)
+        sender = threading.Thread(
+            target=_send_to, args=(srv.getsockname(), data, len(data) - L // 2 + 100, done), daemon=True
+        )
         sender.start()
         conn, _ = srv.accept()
         with conn:

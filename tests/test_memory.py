@@ -1,4 +1,5 @@
 """Bounded memory: a 2 GiB DRAM tier full of 64 KiB blocks keeps the server under 2.3 GiB RSS."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,10 @@ def test_rss_with_full_2gib_tier(spawn_server):
     rss = proc.rss_bytes()
     dram = stats["tiers"][0]
     per_block = stats["counters"]["index_bytes"] / stats["blocks"]
-    print(f"\nRSS {rss / 2**30:.3f} GiB with {stats['blocks']} blocks, DRAM used {dram['used_bytes'] / 2**30:.3f} GiB; "
-          f"index {per_block:.0f} bytes/block")
+    print(
+        f"\nRSS {rss / 2**30:.3f} GiB with {stats['blocks']} blocks, DRAM used {dram['used_bytes'] / 2**30:.3f} GiB; "
+        f"index {per_block:.0f} bytes/block"
+    )
     assert dram["used_bytes"] <= dram["capacity_bytes"] == 2 << 30
     assert stats["blocks"] >= n_blocks - 64
     assert rss <= 2.3 * 2**30

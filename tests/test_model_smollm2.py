@@ -3,6 +3,7 @@
 The reference model is built by transformers' own GGUF loader (its own
 dequantization and Q/K un-permutation), so a mistake in ours shows up here.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -128,7 +129,7 @@ def test_greedy_generation_matches_transformers(ours: tuple[LlamaModel, ByteBPET
     for i, ids in prompts.items():
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=tok.eos_id)
-        assert got[i] == out[0, len(ids):].tolist(), tok.decode(got[i])
+        assert got[i] == out[0, len(ids) :].tolist(), tok.decode(got[i])
 
 
 def test_answers_in_english(ours: tuple[LlamaModel, ByteBPETokenizer]) -> None:

@@ -1,4 +1,5 @@
 """Tiny random Llama: every path through the paged pool computes the same logits."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -189,8 +190,13 @@ def test_random_init_is_seeded_and_fingerprinted() -> None:
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
     assert ModelConfig.tiny(seed=0).fingerprint() != ModelConfig.tiny(seed=1).fingerprint()
     assert CFG.fingerprint() == model_fingerprint(
-        model="random-tiny", revision="seed0", layers=2, kv_heads=2, head_dim=16,
-        dtype="float32", block_size=16,
+        model="random-tiny",
+        revision="seed0",
+        layers=2,
+        kv_heads=2,
+        head_dim=16,
+        dtype="float32",
+        block_size=16,
     )
 
 

@@ -1,4 +1,5 @@
 """Byte-level BPE tokenizer from SmolLM2's GGUF metadata: round trips, known ids, chat template, HF parity."""
+
 from __future__ import annotations
 
 import pytest
@@ -118,10 +119,12 @@ def test_ids_match_transformers(tok: ByteBPETokenizer) -> None:
 
     path = find_smollm2_gguf()
     hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-    ])
+    hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
     chat = tok.apply_chat_template([{"role": "user", "content": "Tell me about Paris in 2 lines."}])
     for text in [*TEXTS, chat, "x" * 300 + " 1234567890" * 5, "ctrl \x04\x06 plane-4 \U00040000 end"]:
         assert tok.encode(text) == hf.encode(text, add_special_tokens=False), text

@@ -1,4 +1,5 @@
 """Faults: ENOSPC and EIO degrade the NVMe tier cleanly (injected, and on real full filesystems)."""
+
 from __future__ import annotations
 
 import errno
@@ -6,8 +7,8 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -35,8 +36,9 @@ def read_back(tier: NvmeTier, locs: list[int], data: list[bytes]) -> None:
 def test_write_fault_discards_the_batch_degrades_and_heals(tmp_path: Path, err: int) -> None:
     rng = np.random.default_rng(err)
     backend = InstrumentedBackend(PosixBackend())
-    tier = NvmeTier(tmp_path, 64 * MiB, segment_bytes=4 * MiB, write_io_bytes=256 * KiB,
-                    backend=backend, probe_interval_s=0.3)
+    tier = NvmeTier(
+        tmp_path, 64 * MiB, segment_bytes=4 * MiB, write_io_bytes=256 * KiB, backend=backend, probe_interval_s=0.3
+    )
     m1, d1 = blocks(rng, 10, 100_000)
     locs1 = tier.write(m1, d1)
     used = tier.used_bytes
@@ -78,7 +80,9 @@ def test_read_errors_are_reported_as_unreadable_blocks(tmp_path: Path) -> None:
     tier.close()
 
 
-def test_o_direct_refused_falls_back_to_buffered_with_fdatasync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_o_direct_refused_falls_back_to_buffered_with_fdatasync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_open = os.open
 
     def no_direct(path, flags, mode=0o777, **kw):  # a filesystem that refuses O_DIRECT
@@ -151,7 +155,7 @@ def test_real_enospc_on_a_tiny_filesystem(tiny_fs: Path) -> None:
     m, d = blocks(rng, 2, 200_000)
     more = tier.write(m, d)  # the probe succeeds once there is room again
     assert not tier.stats().degraded
-    read_back(tier, list(locs[len(locs) // 2 + 4:]) + more, list(data[len(locs) // 2 + 4:]) + d)
+    read_back(tier, list(locs[len(locs) // 2 + 4 :]) + more, list(data[len(locs) // 2 + 4 :]) + d)
     tier.close()
 
 

@@ -1,4 +1,5 @@
 """The NVMe record format, CRC helper, locations and the per-segment record table."""
+
 from __future__ import annotations
 
 import google_crc32c
@@ -7,7 +8,15 @@ import pytest
 
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.nvme.format import (
-    HEADER_BYTES, PAGE, check_header, crc32c, decode_header, encode_header, make_loc, record_bytes, split_loc,
+    HEADER_BYTES,
+    PAGE,
+    check_header,
+    crc32c,
+    decode_header,
+    encode_header,
+    make_loc,
+    record_bytes,
+    split_loc,
 )
 from kvstore.tiers.nvme.segments import RecordTable
 
@@ -69,8 +78,13 @@ def test_locations_round_trip() -> None:
 def test_crc32c_matches_the_reference_for_every_buffer_kind() -> None:
     data = np.random.default_rng(1).integers(0, 256, 100_003, dtype=np.uint8)
     want = google_crc32c.value(data.tobytes())
-    for buf in (data.tobytes(), bytearray(data.tobytes()), memoryview(data.tobytes()), data,
-                data.view(np.uint8).reshape(-1)):
+    for buf in (
+        data.tobytes(),
+        bytearray(data.tobytes()),
+        memoryview(data.tobytes()),
+        data,
+        data.view(np.uint8).reshape(-1),
+    ):
         assert crc32c(buf) == want
     assert crc32c(data[50_000:], crc32c(data[:50_000])) == want
 

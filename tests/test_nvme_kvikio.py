@@ -1,4 +1,5 @@
 """The kvikio (GPUDirect Storage) backend: a round trip through CuFile into host and device buffers."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,5 @@
 """Multi-piece reads: several pieces in flight, each read and checked by one thread, on real O_DIRECT files."""
+
 from __future__ import annotations
 
 import sys
@@ -75,8 +76,9 @@ def eager_thread_switches():
     sys.setswitchinterval(before)
 
 
-def test_many_readers_share_a_small_buffer_pool_without_deadlock(tmp_path: Path, rng: np.random.Generator,
-                                                                  eager_thread_switches: None) -> None:
+def test_many_readers_share_a_small_buffer_pool_without_deadlock(
+    tmp_path: Path, rng: np.random.Generator, eager_thread_switches: None
+) -> None:
     # read_threads=2: pieces two at a time and three bounce buffers for eight readers that each want two
     tier = NvmeTier(tmp_path, 256 * MiB, segment_bytes=32 * MiB, read_threads=2)
     prefixes = [write_blocks(tier, [BLOCK] * 32, rng) for _ in range(4)]
@@ -105,8 +107,9 @@ def test_many_readers_share_a_small_buffer_pool_without_deadlock(tmp_path: Path,
 
 def test_one_read_thread_reads_every_piece_on_the_callers_thread(tmp_path: Path, rng: np.random.Generator) -> None:
     backend = InstrumentedBackend(PosixBackend())
-    tier = NvmeTier(tmp_path, 64 * MiB, segment_bytes=16 * MiB, backend=backend, read_threads=1,
-                    max_read_bytes=512 * KiB)
+    tier = NvmeTier(
+        tmp_path, 64 * MiB, segment_bytes=16 * MiB, backend=backend, read_threads=1, max_read_bytes=512 * KiB
+    )
     blocks = write_blocks(tier, [BLOCK] * 32, rng)
     seen: set[str] = set()
     real = backend.preadv

@@ -1,4 +1,5 @@
 """Read planning: coalesced runs cut into balanced pieces within the size limit."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,11 +33,15 @@ def test_gaps_split_runs_unless_small() -> None:
     assert len(plan_pieces(None, ws, 8 * MiB, 256 * KiB)) == 1  # type: ignore[arg-type]
 
 
-@given(lengths=st.lists(st.integers(0, 3 * MiB), min_size=1, max_size=40),
-       gaps=st.lists(st.integers(0, 64), min_size=40, max_size=40),
-       max_bytes=st.sampled_from([256 * KiB, 2 * MiB, 8 * MiB]), parallel=st.integers(1, 8))
-def test_every_record_in_exactly_one_piece_within_limits(lengths: list[int], gaps: list[int], max_bytes: int,
-                                                         parallel: int) -> None:
+@given(
+    lengths=st.lists(st.integers(0, 3 * MiB), min_size=1, max_size=40),
+    gaps=st.lists(st.integers(0, 64), min_size=40, max_size=40),
+    max_bytes=st.sampled_from([256 * KiB, 2 * MiB, 8 * MiB]),
+    parallel=st.integers(1, 8),
+)
+def test_every_record_in_exactly_one_piece_within_limits(
+    lengths: list[int], gaps: list[int], max_bytes: int, parallel: int
+) -> None:
     ws = layout(lengths, gaps)
     pieces = plan_pieces(None, list(reversed(ws)), max_bytes, 64 * KiB, parallel)  # type: ignore[arg-type]
     seen = [w for p in pieces for w in p.records]
@@ -64,13 +69,13 @@ def test_posix_preadv_finishes_short_transfers_and_stops_at_eof(tmp_path, monkey
         pos = 0
         for v in views:
             n = min(len(v), len(got) - pos)
-            v[:n] = got[pos:pos + n]
+            v[:n] = got[pos : pos + n]
             pos += n
         return len(got)
 
     monkeypatch.setattr(nvme_io.os, "preadv", short_preadv)
     bufs = [np.zeros(4096, np.uint8) for _ in range(20)]  # 80 KiB asked, 64 KiB in the file
     assert backend.preadv(fh, bufs, 0) == 64 << 10
-    assert np.concatenate(bufs)[:64 << 10].tobytes() == data.tobytes()
-    assert not np.concatenate(bufs)[64 << 10:].any()
+    assert np.concatenate(bufs)[: 64 << 10].tobytes() == data.tobytes()
+    assert not np.concatenate(bufs)[64 << 10 :].any()
     backend.close(fh)

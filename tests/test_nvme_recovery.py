@@ -1,4 +1,5 @@
 """Recovery of the NVMe tier: torn tails, garbage, lost summaries, checkpoints, and a real kill -9."""
+
 from __future__ import annotations
 
 import json
@@ -66,7 +67,7 @@ def test_clean_reopen_recovers_everything_from_summaries(tmp_path: Path) -> None
     tier = open_tier(tmp_path)
     blocks = make_blocks(rng, [int(n) for n in rng.integers(0, 300_000, 60)])
     for i in range(0, 60, 10):
-        write(tier, blocks[i:i + 10])
+        write(tier, blocks[i : i + 10])
     tier.close()
     again = open_tier(tmp_path)
     found = recovered(again)
@@ -128,7 +129,7 @@ def test_a_damaged_summary_falls_back_to_a_scan(tmp_path: Path) -> None:
     tier = open_tier(tmp_path, segment_bytes=1 * MiB)
     blocks = make_blocks(rng, [100_000] * 25)
     for i in range(0, 25, 5):
-        write(tier, blocks[i:i + 5])
+        write(tier, blocks[i : i + 5])
     tier.close()
     summaries = sorted(tmp_path.glob("seg-*.sum"))
     assert len(summaries) == len(list(tmp_path.glob("seg-*.log"))) >= 3
@@ -225,8 +226,13 @@ while True:
 
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_kill_9_mid_burst_loses_no_acknowledged_block(tmp_path: Path, seed: int) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(seed)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path), str(seed)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     acked: dict[bytes, int] = {}
     deadline = time.monotonic() + 30
     assert proc.stdout is not None
@@ -260,7 +266,7 @@ def test_recovery_of_many_small_blocks_is_fast(tmp_path: Path) -> None:
     tier = NvmeTier(tmp_path, 1 << 30, segment_bytes=32 * MiB, write_policy="direct")
     n, size = 10_000, 4 * KiB
     data = rng.bytes(size)
-    for i in range(0, n, 500):
+    for _ in range(0, n, 500):
         metas = [BlockMeta("ns", rng.bytes(16), b"", 0, "bfloat16", size, size, 0) for _ in range(500)]
         tier.write(metas, [data] * 500)
     tier.close()

@@ -1,4 +1,5 @@
 """NvmeTier on real files with real O_DIRECT: round trips, coalescing, CRC checks, compaction, capacity."""
+
 from __future__ import annotations
 
 import os
@@ -80,11 +81,20 @@ def test_round_trip_mixed_sizes_across_segments(tmp_path: Path, rng: np.random.G
 
 
 @pytest.mark.parametrize("policy", ["direct", "fdatasync"])
-def test_a_prefix_written_together_is_read_with_one_pread(tmp_path: Path, rng: np.random.Generator,
-                                                          policy: str) -> None:
+def test_a_prefix_written_together_is_read_with_one_pread(
+    tmp_path: Path, rng: np.random.Generator, policy: str
+) -> None:
     backend = InstrumentedBackend(PosixBackend())
-    tier = NvmeTier(tmp_path, 256 * MiB, segment_bytes=64 * MiB, backend=backend, write_policy=policy,
-                    write_io_bytes=4 * MiB, max_read_bytes=8 * MiB, read_threads=1)
+    tier = NvmeTier(
+        tmp_path,
+        256 * MiB,
+        segment_bytes=64 * MiB,
+        backend=backend,
+        write_policy=policy,
+        write_io_bytes=4 * MiB,
+        max_read_bytes=8 * MiB,
+        read_threads=1,
+    )
     blocks = write_blocks(tier, [64 * KiB] * 32, rng)
     assert backend.pwrites == 2  # 2.2 MB in aligned writes of 557 KB (the device starts early) and the rest
     assert backend.syncs == (1 if policy == "fdatasync" else 0)
@@ -122,12 +132,12 @@ def test_corruption_is_detected_and_never_served(tmp_path: Path, rng: np.random.
     bad_payload, bad_header = locs[2], locs[5]
     flip_byte(seg_file, split_loc(bad_payload)[1] + PAGE + 12_345)
     flip_byte(seg_file, split_loc(bad_header)[1] + 20)
-    dests = [bytearray(b"\xAA" * 20_000) for _ in locs]
+    dests = [bytearray(b"\xaa" * 20_000) for _ in locs]
     with pytest.raises(CorruptBlock) as err:
         tier.read(locs, [20_000] * 8, dests)
     assert sorted(err.value.locs) == sorted([bad_payload, bad_header])
     for loc, d in zip(locs, dests):
-        assert bytes(d) == (b"\xAA" * 20_000 if loc in (bad_payload, bad_header) else blocks[loc])
+        assert bytes(d) == (b"\xaa" * 20_000 if loc in (bad_payload, bad_header) else blocks[loc])
     with pytest.raises(CorruptBlock, match="expects"):  # a wrong length is not served either
         tier.read([locs[0]], [19_999], [bytearray(19_999)])
     with pytest.raises(CorruptBlock, match="no such location"):
@@ -157,6 +167,7 @@ def test_reads_land_in_aligned_unaligned_and_repeated_dests(tmp_path: Path, rng:
         if kind == 3:
             return np.frombuffer(bytearray(n + 8), np.uint8)[8:]  # misaligned numpy
         return aligned_buffer(n + 2 * PAGE)  # larger than the block
+
     dests = [dest(i, n) for i, n in enumerate(lengths)]
     backend.reset_counts()
     tier.read(locs, lengths, dests)
@@ -181,8 +192,8 @@ def test_a_corrupt_record_read_in_place_leaves_zeros_not_its_bytes(tmp_path: Pat
     assert sorted(err.value.locs) == sorted([locs[1], locs[4]])
     for loc, d in zip(locs, dests):
         if loc in (locs[1], locs[4]):
-            assert bytes(d[:64 * KiB]) == bytes(64 * KiB)  # what was read in place is wiped
-            assert bytes(d[64 * KiB:]) == b"\xAA" * 100  # the tail is never copied in
+            assert bytes(d[: 64 * KiB]) == bytes(64 * KiB)  # what was read in place is wiped
+            assert bytes(d[64 * KiB :]) == b"\xaa" * 100  # the tail is never copied in
         else:
             assert d.tobytes() == blocks[loc]
     tier.close()
@@ -332,10 +343,23 @@ def test_tier_full_allocates_nothing(tmp_path: Path, rng: np.random.Generator) -
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(10, 60), max_block=st.sampled_from([5000, 60_000, 250_000]),
-       free_p=st.floats(0.05, 0.9), compact_p=st.floats(0.0, 0.5), threshold=st.floats(0.2, 1.0))
-def test_capacity_is_never_exceeded(tmp_path_factory: pytest.TempPathFactory, seed: int, steps: int,
-                                    max_block: int, free_p: float, compact_p: float, threshold: float) -> None:
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    steps=st.integers(10, 60),
+    max_block=st.sampled_from([5000, 60_000, 250_000]),
+    free_p=st.floats(0.05, 0.9),
+    compact_p=st.floats(0.0, 0.5),
+    threshold=st.floats(0.2, 1.0),
+)
+def test_capacity_is_never_exceeded(
+    tmp_path_factory: pytest.TempPathFactory,
+    seed: int,
+    steps: int,
+    max_block: int,
+    free_p: float,
+    compact_p: float,
+    threshold: float,
+) -> None:
     """Random write / free / compact sequences: the files on disk never exceed the capacity."""
     d = tmp_path_factory.mktemp("cap")
     owner = Owner()

@@ -1,4 +1,5 @@
 """The write-combining buffer: whatever the mix of chunks, the file gets exactly their concatenation."""
+
 from __future__ import annotations
 
 import os
@@ -36,10 +37,15 @@ def chunks_for(pieces: list[tuple[int, bool]], rng: np.random.Generator) -> tupl
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(pieces=st.lists(piece, min_size=1, max_size=12), io_pages=st.integers(1, 40), seed=st.integers(0, 99),
-       start_page=st.integers(0, 3))
-def test_any_chunk_mix_lands_byte_exact(tmp_path_factory: pytest.TempPathFactory, pieces: list[tuple[int, bool]],
-                                        io_pages: int, seed: int, start_page: int) -> None:
+@given(
+    pieces=st.lists(piece, min_size=1, max_size=12),
+    io_pages=st.integers(1, 40),
+    seed=st.integers(0, 99),
+    start_page=st.integers(0, 3),
+)
+def test_any_chunk_mix_lands_byte_exact(
+    tmp_path_factory: pytest.TempPathFactory, pieces: list[tuple[int, bool]], io_pages: int, seed: int, start_page: int
+) -> None:
     path = tmp_path_factory.mktemp("wc") / "f"
     backend = InstrumentedBackend(PosixBackend())
     fh = backend.create(str(path), 8 << 20)
@@ -49,7 +55,7 @@ def test_any_chunk_mix_lands_byte_exact(tmp_path_factory: pytest.TempPathFactory
         assert wc.write(fh, start_page * PAGE, chunks) == len(expect)
         got = aligned_buffer(align_up(len(expect)))
         backend.pread(fh, got, start_page * PAGE)
-        assert got[:len(expect)].tobytes() == expect
+        assert got[: len(expect)].tobytes() == expect
         if any(a and n >= DIRECT_MIN for n, a in pieces):
             assert wc.bytes_in_place > 0
     finally:
@@ -58,11 +64,15 @@ def test_any_chunk_mix_lands_byte_exact(tmp_path_factory: pytest.TempPathFactory
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(pieces=st.lists(piece, min_size=1, max_size=12), io_pages=st.integers(1, 40), seed=st.integers(0, 99),
-       header_len=st.integers(0, PAGE))
-def test_records_as_header_bytes_and_payload_land_byte_exact(tmp_path_factory: pytest.TempPathFactory,
-                                                             pieces: list[tuple[int, bool]], io_pages: int,
-                                                             seed: int, header_len: int) -> None:
+@given(
+    pieces=st.lists(piece, min_size=1, max_size=12),
+    io_pages=st.integers(1, 40),
+    seed=st.integers(0, 99),
+    header_len=st.integers(0, PAGE),
+)
+def test_records_as_header_bytes_and_payload_land_byte_exact(
+    tmp_path_factory: pytest.TempPathFactory, pieces: list[tuple[int, bool]], io_pages: int, seed: int, header_len: int
+) -> None:
     """The log's form: (header bytes, payload) per record; the combiner adds the zero fill and pad."""
     path = tmp_path_factory.mktemp("wc") / "f"
     backend = InstrumentedBackend(PosixBackend())

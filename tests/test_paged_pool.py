@@ -1,4 +1,5 @@
 """Paged KV pool: allocator and block-table properties (hypothesis), tensor layout and payload I/O."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -71,8 +72,8 @@ class BlockTableMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.mgr = BlockManager(NUM_BLOCKS, BS)
-        self.tokens: dict[int, list[int]] = {}    # what each sequence has written
-        self.pending: dict[int, list[int]] = {}   # the rest of its prompt (hashes known)
+        self.tokens: dict[int, list[int]] = {}  # what each sequence has written
+        self.pending: dict[int, list[int]] = {}  # the rest of its prompt (hashes known)
         self.storage: dict[int, list[int | None]] = {}
         self.next_id = 0
 
@@ -154,12 +155,12 @@ class BlockTableMachine(RuleBasedStateMachine):
             ids = self.mgr.extend_full(sid, k)
         except OutOfBlocks:
             return
-        payload = self.pending[sid][:k * BS]
+        payload = self.pending[sid][: k * BS]
         for i, b in enumerate(ids):  # "load" the fetched payloads
             for off in range(BS):
                 self._write(b, off, payload[i * BS + off])
         self.tokens[sid] += payload
-        self.pending[sid] = self.pending[sid][k * BS:]
+        self.pending[sid] = self.pending[sid][k * BS :]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -248,7 +249,7 @@ def test_block_payload_is_page_first(dtype: str) -> None:
     assert view.dtype == torch.uint8 and view.is_contiguous() and view.numel() == pool.block_nbytes
     offset = ((((1 * 2 + 1) * BS + 2) * c.kv_heads + 1) * c.head_dim + 5) * es
     expected = torch.tensor([7.0], dtype=pool.dtype).view(torch.uint8)
-    assert torch.equal(view[offset:offset + es], expected)
+    assert torch.equal(view[offset : offset + es], expected)
     view.zero_()  # a view, not a copy
     assert pool.kv[3].abs().sum() == 0
 
@@ -274,9 +275,12 @@ def test_load_block_round_trips_payloads(kind: str) -> None:
     src.kv[2].copy_(torch.randn(src.kv.shape[1:], generator=torch.Generator().manual_seed(0)))
     raw = src.block_bytes_view(2)
     payload = {
-        "bytes": lambda: bytes(raw.numpy()), "bytearray": lambda: bytearray(raw.numpy()),
-        "memoryview": lambda: memoryview(raw.numpy()), "numpy": lambda: raw.numpy().copy(),
-        "tensor": lambda: raw.clone(), "typed-tensor": lambda: src.kv[2].clone(),
+        "bytes": lambda: bytes(raw.numpy()),
+        "bytearray": lambda: bytearray(raw.numpy()),
+        "memoryview": lambda: memoryview(raw.numpy()),
+        "numpy": lambda: raw.numpy().copy(),
+        "tensor": lambda: raw.clone(),
+        "typed-tensor": lambda: src.kv[2].clone(),
     }[kind]()
     dst.load_block(5, payload)
     assert torch.equal(dst.kv[5], src.kv[2])

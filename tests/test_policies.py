@@ -1,4 +1,5 @@
 """Eviction policies (kvstore.store.policies): pure logic, the sketch, and inside a BlockStore."""
+
 from __future__ import annotations
 
 import hashlib
@@ -8,8 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.store import BlockStore
-from kvstore.store.policies import (DEFAULT_POLICY, POLICY_NAMES, FrequencyLeafLRU, FrequencySketch, make_policy,
-                                    policy_factory)
+from kvstore.store.policies import (
+    DEFAULT_POLICY,
+    POLICY_NAMES,
+    FrequencyLeafLRU,
+    FrequencySketch,
+    make_policy,
+    policy_factory,
+)
 from kvstore.store.policy import LeafLRU
 from kvstore.tiers.accounting import AccountingDiskTier, AccountingMemoryTier
 from kvstore.tiers.base import DRAM, NVME, BlockMeta
@@ -78,9 +85,9 @@ def test_sketch_grows_with_its_population():
 def test_a_reused_block_outlives_newer_blocks_seen_once():
     policy = FrequencyLeafLRU(protect=4.0)
     policy.insert(0)
-    policy.touch(0)            # seen twice: protected
+    policy.touch(0)  # seen twice: protected
     for e in range(1, 6):
-        policy.insert(e)       # newer, seen once
+        policy.insert(e)  # newer, seen once
     assert [policy.pop_victim(lambda e: True) for _ in range(5)] == [1, 2, 3, 4, 5]
     plain = LeafLRU()
     plain.insert(0)
@@ -94,11 +101,11 @@ def test_protection_runs_out():
     policy = FrequencyLeafLRU(protect=1.0)
     policy.insert(0)
     policy.touch(0)
-    for e in range(1, 400):    # many turnovers of a tier of about 64 blocks
+    for e in range(1, 400):  # many turnovers of a tier of about 64 blocks
         policy.insert(e)
         if e > 64:
             policy.remove(policy.pop_victim(lambda e: True))
-    assert 0 not in policy     # an old reuse does not pin a block forever
+    assert 0 not in policy  # an old reuse does not pin a block forever
 
 
 def test_parent_waits_for_its_children():
@@ -114,8 +121,9 @@ def test_parent_waits_for_its_children():
     assert policy.pop_victim(lambda e: True) == 0
 
 
-ops = st.lists(st.tuples(st.sampled_from(["insert", "touch", "evict", "lease"]), st.integers(0, 30)),
-               min_size=1, max_size=120)
+ops = st.lists(
+    st.tuples(st.sampled_from(["insert", "touch", "evict", "lease"]), st.integers(0, 30)), min_size=1, max_size=120
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -175,21 +183,22 @@ def test_store_with_freq_keeps_leaves_first(requests):
 
 
 def test_an_access_is_counted_once_across_tiers():
-    store = BlockStore([AccountingMemoryTier(2 * BLOCK), AccountingDiskTier(8 * BLOCK)],
-                       policy_factory=policy_factory("freq"))
+    store = BlockStore(
+        [AccountingMemoryTier(2 * BLOCK), AccountingDiskTier(8 * BLOCK)], policy_factory=policy_factory("freq")
+    )
     dram, nvme = store.policies[DRAM], store.policies[NVME]
     assert dram.sketch is nvme.sketch  # one sketch per store
     put(store, 0, None)
-    for i in range(1, 4):              # pushes block 0 down to NVMe (a copy, not an access)
+    for i in range(1, 4):  # pushes block 0 down to NVMe (a copy, not an access)
         put(store, i, None)
     e = store.table.find(store.table.namespace_id("ns"), key(0))
     fp = dram._fingerprint(e)
     assert store.table.loc[e, NVME] >= 0 and dram.sketch.estimate(fp) == 1
-    while store.demote_once():         # what the background demoter does: room to promote
+    while store.demote_once():  # what the background demoter does: room to promote
         pass
-    get(store, [0])                    # NVMe hit, promoted to DRAM: one access
+    get(store, [0])  # NVMe hit, promoted to DRAM: one access
     assert dram.sketch.estimate(fp) == 2
     assert store.table.loc[e, DRAM] >= 0 and store.table.loc[e, NVME] >= 0
-    get(store, [0])                    # copies in both tiers: still one access
+    get(store, [0])  # copies in both tiers: still one access
     assert dram.sketch.estimate(fp) == 3
     store.check_invariants()

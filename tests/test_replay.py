@@ -1,18 +1,27 @@
 """bench.replay's core: the hit rule, the reference caches, the store driver and the CLI, on tiny traces."""
+
 from __future__ import annotations
 
 import itertools
 import json
 import random
-from collections import OrderedDict
 from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench import replay
-from bench.replay_sim import (StoreSetup, Trace, belady_hit_rate, block_keys, lifetime_oracle_hit_rate, load_trace,
-                              lru_hit_rate, popularity_oracle_hit_rate, replay_store)
+from bench.replay_sim import (
+    StoreSetup,
+    Trace,
+    belady_hit_rate,
+    block_keys,
+    lifetime_oracle_hit_rate,
+    load_trace,
+    lru_hit_rate,
+    popularity_oracle_hit_rate,
+    replay_store,
+)
 from kvstore.tiers.base import DRAM, NVME
 
 BLOCK = 1 << 20
@@ -159,26 +168,31 @@ def test_small_store_stays_between_nothing_and_belady_and_counts_tiers():
 def test_admission_filter_stores_a_block_from_its_second_sighting():
     trace = Trace(((1, 2), (1, 2), (1, 2)))
     result = replay_store(trace, StoreSetup("lru", 10, admit_after=2, block_bytes=BLOCK), block_keys(trace))
-    assert result.hits == 2          # stored at the second request, hit at the third
+    assert result.hits == 2  # stored at the second request, hit at the third
     assert result.bytes_put == 2 * BLOCK
 
 
 def test_cli_writes_rows_json_and_plot(tmp_path: Path):
     trace_file = tmp_path / "t.jsonl"
-    lines = [{"timestamp": i, "input_length": 512 * len(r), "output_length": 1, "hash_ids": list(r)}
-             for i, r in enumerate(chains(1, 80).requests)]
+    lines = [
+        {"timestamp": i, "input_length": 512 * len(r), "output_length": 1, "hash_ids": list(r)}
+        for i, r in enumerate(chains(1, 80).requests)
+    ]
     trace_file.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert len(load_trace(trace_file, limit=5).requests) == 5
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    replay.main(["--trace", str(trace_file), "--capacities", "0.1,0.5", "--jobs", "1",
-                 "--out", str(out), "--plot", str(png)])
+    replay.main(
+        ["--trace", str(trace_file), "--capacities", "0.1,0.5", "--jobs", "1", "--out", str(out), "--plot", str(png)]
+    )
     doc = json.loads(out.read_text())
-    assert {(r["capacity_frac"], r["policy"]) for r in doc["rows"]} == \
-        {(c, p) for c in (0.1, 0.5) for p in ("kvstore", "lru", "belady")}
+    assert {(r["capacity_frac"], r["policy"]) for r in doc["rows"]} == {
+        (c, p) for c in (0.1, 0.5) for p in ("kvstore", "lru", "belady")
+    }
     assert all(0 <= r["hit_rate"] <= 1 for r in doc["rows"])
     assert {v["policy"] for v in doc["variants"]} == {"leaf-lru", "admit2", "popularity-oracle", "lifetime-oracle"}
-    assert {(t["capacity_frac"], t["policy"]) for t in doc["tiers"]} == \
-        {(c, p) for c in (0.1, 0.5) for p in ("freq", "lru", "freq+nvme-admit2")}
+    assert {(t["capacity_frac"], t["policy"]) for t in doc["tiers"]} == {
+        (c, p) for c in (0.1, 0.5) for p in ("freq", "lru", "freq+nvme-admit2")
+    }
     admit = {t["capacity_frac"]: t for t in doc["tiers"] if t["policy"] == "freq+nvme-admit2"}
     plain = {t["capacity_frac"]: t for t in doc["tiers"] if t["policy"] == "freq"}
     assert all(admit[c]["demoted_GiB"] <= plain[c]["demoted_GiB"] for c in (0.1, 0.5))

@@ -1,4 +1,5 @@
 """Tenants through a real server: tokens, namespace isolation, no existence oracle, Stats scope, health."""
+
 from __future__ import annotations
 
 import hmac
@@ -60,9 +61,13 @@ def code_of(fn) -> tuple[grpc.StatusCode, str]:
 @pytest.mark.parametrize("token", [None, "not-a-valid-token-at-all", TOKEN_A[:-1], ""])
 def test_missing_or_invalid_token_is_unauthenticated(tenant_server, token):
     with Client(target(tenant_server), token=token, retries=0) as kv:
-        for call in (lambda: kv.lookup("ns-a", keys("ns-a")), lambda: kv.get("ns-a", keys("ns-a")),
-                     lambda: kv.put("ns-a", keys("ns-a", 1), [b"x" * 64]), lambda: kv.delete("ns-a", keys("ns-a")),
-                     lambda: kv.stats("ns-a")):
+        for call in (
+            lambda: kv.lookup("ns-a", keys("ns-a")),
+            lambda: kv.get("ns-a", keys("ns-a")),
+            lambda: kv.put("ns-a", keys("ns-a", 1), [b"x" * 64]),
+            lambda: kv.delete("ns-a", keys("ns-a")),
+            lambda: kv.stats("ns-a"),
+        ):
             code, message = code_of(call)
             assert code == grpc.StatusCode.UNAUTHENTICATED
             assert "token" in message and (not token or token not in message)
@@ -112,8 +117,13 @@ def test_each_tenant_reaches_only_its_namespaces(tenant_server, lane):
         assert all(r.status == "stored" for r in b.put("ns-b", kb, [k * 64 for k in kb]))
     with Client(target(tenant_server), token=TOKEN_A, lane=lane, retries=0) as a:
         lookups_before = tenant_server.store.stats()["lookups"]
-        for call in (lambda: a.lookup("ns-b", kb), lambda: a.get("ns-b", kb), lambda: a.delete("ns-b", kb),
-                     lambda: a.put("ns-b", kb[:1], [b"evil" * 16]), lambda: a.stats("ns-b")):
+        for call in (
+            lambda: a.lookup("ns-b", kb),
+            lambda: a.get("ns-b", kb),
+            lambda: a.delete("ns-b", kb),
+            lambda: a.put("ns-b", kb[:1], [b"evil" * 16]),
+            lambda: a.stats("ns-b"),
+        ):
             code, message = code_of(call)
             assert code == grpc.StatusCode.PERMISSION_DENIED and "'ns-b'" in message
         assert tenant_server.store.stats()["lookups"] == lookups_before  # denied before the store was touched
@@ -132,8 +142,10 @@ def test_no_existence_oracle(tenant_server, lane):
     with Client(target(tenant_server), token=TOKEN_B, lane=lane) as b:
         b.put("ns-b", keys("ns-b"), [b"z" * 64] * 4)
     with Client(target(tenant_server), token=TOKEN_A, lane=lane, retries=0) as a:
-        seen = {ns: code_of(lambda ns=ns: a.lookup(ns, keys("ns-b")))[1].replace(repr(ns), "NS")
-                for ns in ("ns-b", "never-created", "ns-b-typo")}
+        seen = {
+            ns: code_of(lambda ns=ns: a.lookup(ns, keys("ns-b")))[1].replace(repr(ns), "NS")
+            for ns in ("ns-b", "never-created", "ns-b-typo")
+        }
         assert len(set(seen.values())) == 1, seen
         code_of(lambda: a.put("never-created", keys("x", 1), [b"q" * 16]))
     assert tenant_server.store.table.namespace_id("never-created") is None  # a denied Put creates nothing
@@ -200,21 +212,24 @@ def test_garbage_request_bytes_are_invalid_argument(tenant_server):
 
 
 # -- the tenants file ------------------------------------------------------------------------------
-@pytest.mark.parametrize("doc, needle", [
-    ([{"name": "a", "token": "short", "namespaces": []}], "at least 16"),
-    ([{"name": "a", "token": TOKEN_A, "namespace": ["x"]}], "unknown keys"),
-    ([{"name": "a", "token": TOKEN_A}, {"name": "a", "token": TOKEN_B}], "appears twice"),
-    ([{"name": "a", "token": TOKEN_A}, {"name": "b", "token": TOKEN_A}], "same token"),
-    ([{"name": "a", "token": TOKEN_A, "token_sha256": "00"}], "at most one"),
-    ([{"name": "a", "namespaces": ["x"]}], "'token', 'token_sha256' or 'cert_names'"),
-    ([{"name": "a", "cert_names": ["w"]}, {"name": "b", "cert_names": ["w"]}], "listed by tenants"),
-    ([{"name": "a", "cert_names": "w"}], "list of non-empty strings"),
-    ([{"name": "a", "token_sha256": "abc"}], "64 hex"),
-    ([{"name": "a", "token": TOKEN_A, "namespaces": ["bad\x00ns"]}], "NUL"),
-    ([{"name": "a", "token": TOKEN_A, "quota": "lots"}], "not a size"),
-    ([], "no tenants"),
-    ({"tenants": [], "extra": 1}, "unknown keys"),
-])
+@pytest.mark.parametrize(
+    "doc, needle",
+    [
+        ([{"name": "a", "token": "short", "namespaces": []}], "at least 16"),
+        ([{"name": "a", "token": TOKEN_A, "namespace": ["x"]}], "unknown keys"),
+        ([{"name": "a", "token": TOKEN_A}, {"name": "a", "token": TOKEN_B}], "appears twice"),
+        ([{"name": "a", "token": TOKEN_A}, {"name": "b", "token": TOKEN_A}], "same token"),
+        ([{"name": "a", "token": TOKEN_A, "token_sha256": "00"}], "at most one"),
+        ([{"name": "a", "namespaces": ["x"]}], "'token', 'token_sha256' or 'cert_names'"),
+        ([{"name": "a", "cert_names": ["w"]}, {"name": "b", "cert_names": ["w"]}], "listed by tenants"),
+        ([{"name": "a", "cert_names": "w"}], "list of non-empty strings"),
+        ([{"name": "a", "token_sha256": "abc"}], "64 hex"),
+        ([{"name": "a", "token": TOKEN_A, "namespaces": ["bad\x00ns"]}], "NUL"),
+        ([{"name": "a", "token": TOKEN_A, "quota": "lots"}], "not a size"),
+        ([], "no tenants"),
+        ({"tenants": [], "extra": 1}, "unknown keys"),
+    ],
+)
 def test_tenants_file_errors_name_the_problem(doc, needle):
     with pytest.raises(ValueError) as err:
         TenantRegistry.parse(doc, source="t.yaml")

@@ -1,6 +1,7 @@
 """Limits through a real server: byte quotas per tenant (and for shared namespaces), concurrent streams
 per tenant, the server-side RPC deadline. Over a limit: RESOURCE_EXHAUSTED (or DEADLINE_EXCEEDED) with a
 message, and other tenants carry on unaffected."""
+
 from __future__ import annotations
 
 import threading
@@ -23,10 +24,15 @@ KIB64 = 64 << 10
 
 
 def tenants_file(tmp_path, **a_extra) -> str:
-    doc = {"shared_namespaces": ["public"], "shared_quota": "256KiB", "tenants": [
-        {"name": "a", "token": TOKEN_A, "namespaces": ["ns-a"], **a_extra},
-        {"name": "b", "token": TOKEN_B, "namespaces": ["ns-b"]},
-        {"name": "ops", "token": TOKEN_OPS, "namespaces": [], "admin": True}]}
+    doc = {
+        "shared_namespaces": ["public"],
+        "shared_quota": "256KiB",
+        "tenants": [
+            {"name": "a", "token": TOKEN_A, "namespaces": ["ns-a"], **a_extra},
+            {"name": "b", "token": TOKEN_B, "namespaces": ["ns-b"]},
+            {"name": "ops", "token": TOKEN_OPS, "namespaces": [], "admin": True},
+        ],
+    }
     path = tmp_path / "tenants.yaml"
     path.write_text(yaml.safe_dump(doc))
     return str(path)
@@ -57,8 +63,9 @@ def test_quota_rejects_over_the_limit_and_spares_others(make_server, tmp_path, l
         assert over.status == "rejected" and over.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "quota of tenant 'a' is full" in over.reason and "1048576" in over.reason
         assert a.put("ns-a", keys[:1], [b"a" * KIB64])[0].status == "already_present"  # not a quota matter
-        assert all(r.status == "stored" for r in b.put("ns-b", blocks("ns-b", 32), [b"b" * KIB64] * 32,
-                                                       chained=False))  # b has no quota: unaffected
+        assert all(
+            r.status == "stored" for r in b.put("ns-b", blocks("ns-b", 32), [b"b" * KIB64] * 32, chained=False)
+        )  # b has no quota: unaffected
         stats = a.stats("ns-a")["counters"]
         assert stats["quota_used_bytes"] == 1 << 20 and stats["quota_bytes"] == 1 << 20
         assert a.delete("ns-a", keys[:4]) == 4
@@ -95,8 +102,7 @@ def test_shared_namespaces_have_their_own_quota(make_server, tmp_path, lane):
 def stalled_put(stub, token: str, ns: str, release: threading.Event, key: bytes):
     """A Put stream that sends half a block, then waits for `release` before sending the rest."""
     data = b"s" * 4096
-    header = pb.BlockHeader(hash=key, raw_length=len(data), stored_length=len(data), crc32c=crc32c(data),
-                            dtype="uint8")
+    header = pb.BlockHeader(hash=key, raw_length=len(data), stored_length=len(data), crc32c=crc32c(data), dtype="uint8")
 
     def messages():
         yield pb.PutRequest(namespace=ns, header=header, data=data[:2048])
@@ -121,13 +127,20 @@ def test_streams_per_tenant(make_server, tmp_path):
     held = [stalled_put(stub, TOKEN_A, "ns-a", release, bytes([i]) * 16) for i in range(2)]
     wait_for(lambda: server.gate.slots.open("a") == 2)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Get(pb.GetRequest(namespace="ns-a", hashes=[b"\x00" * 16], allow_missing=True), timeout=5,
-                 metadata=meta(TOKEN_A)).next()
+        stub.Get(
+            pb.GetRequest(namespace="ns-a", hashes=[b"\x00" * 16], allow_missing=True),
+            timeout=5,
+            metadata=meta(TOKEN_A),
+        ).next()
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 open streams" in err.value.details()
     other = stalled_put(stub, TOKEN_B, "ns-b", release, b"\xbb" * 16)  # b is not held back by a's streams
     wait_for(lambda: server.gate.slots.open("b") == 1)
-    assert stub.Lookup(pb.LookupRequest(namespace="ns-a", hashes=[b"\x00" * 16]), timeout=5,
-                       metadata=meta(TOKEN_A)).prefix_length == 0  # unary calls are not streams
+    assert (
+        stub.Lookup(
+            pb.LookupRequest(namespace="ns-a", hashes=[b"\x00" * 16]), timeout=5, metadata=meta(TOKEN_A)
+        ).prefix_length
+        == 0
+    )  # unary calls are not streams
     release.set()
     for call in (*held, other):
         assert call.result().results[0].status == pb.PUT_STORED

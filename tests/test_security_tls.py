@@ -1,5 +1,6 @@
 """Transport security: TLS, mutual TLS, certificate reload (file change and SIGHUP), the plaintext rule,
 and the ssl helpers offered to data lanes. Certificates are made per test (tests/certs.py)."""
+
 from __future__ import annotations
 
 import logging
@@ -29,21 +30,24 @@ from tests.certs import TlsFiles, make_tls_files
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def call(port: int, ca: Path | None, cert: Path | None = None, key: Path | None = None,
-         token: str | None = None) -> grpc.StatusCode:
+def call(
+    port: int, ca: Path | None, cert: Path | None = None, key: Path | None = None, token: str | None = None
+) -> grpc.StatusCode:
     """One Lookup over a fresh connection (never a pooled one); its status code."""
     options = [("grpc.use_local_subchannel_pool", 1)]
     target = f"127.0.0.1:{port}"
     if ca is None:
         channel = grpc.insecure_channel(target, options=options)
     else:
-        creds = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes() if key else None,
-                                             cert.read_bytes() if cert else None)
+        creds = grpc.ssl_channel_credentials(
+            ca.read_bytes(), key.read_bytes() if key else None, cert.read_bytes() if cert else None
+        )
         channel = grpc.secure_channel(target, creds, options=options)
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     try:
-        pb_grpc.KVStoreStub(channel).Lookup(pb.LookupRequest(namespace="ns", hashes=[b"k" * 16]), timeout=5,
-                                            metadata=metadata)
+        pb_grpc.KVStoreStub(channel).Lookup(
+            pb.LookupRequest(namespace="ns", hashes=[b"k" * 16]), timeout=5, metadata=metadata
+        )
         return grpc.StatusCode.OK
     except grpc.RpcError as err:
         return err.code()
@@ -60,8 +64,8 @@ def test_tls(make_server, pki):
     a, b = pki
     server = make_server(tls_cert=str(a.server_cert), tls_key=str(a.server_key))
     assert call(server.port, a.ca) == grpc.StatusCode.OK
-    assert call(server.port, None) == grpc.StatusCode.UNAVAILABLE       # plaintext client
-    assert call(server.port, b.ca) == grpc.StatusCode.UNAVAILABLE       # does not trust the server
+    assert call(server.port, None) == grpc.StatusCode.UNAVAILABLE  # plaintext client
+    assert call(server.port, b.ca) == grpc.StatusCode.UNAVAILABLE  # does not trust the server
     with Client(f"127.0.0.1:{server.port}", tls_ca=str(a.ca)) as kv:
         kv.put("ns", [b"t" * 16], [b"over tls" * 100])
         assert kv.get("ns", [b"t" * 16]) == [b"over tls" * 100]
@@ -71,10 +75,11 @@ def test_mutual_tls(make_server, pki):
     a, b = pki
     server = make_server(tls_cert=str(a.server_cert), tls_key=str(a.server_key), tls_client_ca=str(a.ca))
     assert call(server.port, a.ca, a.client_cert, a.client_key) == grpc.StatusCode.OK
-    assert call(server.port, a.ca) == grpc.StatusCode.UNAVAILABLE                        # no client certificate
+    assert call(server.port, a.ca) == grpc.StatusCode.UNAVAILABLE  # no client certificate
     assert call(server.port, a.ca, b.client_cert, b.client_key) == grpc.StatusCode.UNAVAILABLE  # other CA
-    with Client(f"127.0.0.1:{server.port}", tls_ca=str(a.ca), tls_cert=str(a.client_cert),
-                tls_key=str(a.client_key)) as kv:
+    with Client(
+        f"127.0.0.1:{server.port}", tls_ca=str(a.ca), tls_cert=str(a.client_cert), tls_key=str(a.client_key)
+    ) as kv:
         assert kv.lookup("ns", [b"m" * 16]) == 0
 
 
@@ -125,9 +130,29 @@ def test_sighup_reloads_certificate_and_tenants(pki, tmp_path):
     old, new = "first-tenant-token-0000000", "second-tenant-token-000000"
     tenants.write_text(yaml.safe_dump([{"name": "t", "token": old, "namespaces": ["ns"]}]))
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--listen", f"127.0.0.1:{port}",
-                             "--metrics-port", "0", "--dram", "64MiB", "--tls-cert", str(cert), "--tls-key", str(key),
-                             "--tenants", str(tenants)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--metrics-port",
+            "0",
+            "--dram",
+            "64MiB",
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+            "--tenants",
+            str(tenants),
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while call(port, a.ca, token=old) != grpc.StatusCode.OK:
@@ -159,11 +184,20 @@ def _free_port() -> int:
 
 
 # -- the plaintext rule -----------------------------------------------------------------------------
-@pytest.mark.parametrize("listen, loopback", [
-    ("127.0.0.1:7070", True), ("127.9.9.9:1", True), ("[::1]:7070", True), ("localhost:7070", True),
-    ("0.0.0.0:7070", False), ("[::]:7070", False), (":7070", False), ("10.1.2.3:7070", False),
-    ("store.example:7070", False),
-])
+@pytest.mark.parametrize(
+    "listen, loopback",
+    [
+        ("127.0.0.1:7070", True),
+        ("127.9.9.9:1", True),
+        ("[::1]:7070", True),
+        ("localhost:7070", True),
+        ("0.0.0.0:7070", False),
+        ("[::]:7070", False),
+        (":7070", False),
+        ("10.1.2.3:7070", False),
+        ("store.example:7070", False),
+    ],
+)
 def test_loopback_addresses(listen, loopback):
     assert is_loopback(listen) is loopback
 
@@ -181,20 +215,49 @@ def test_plaintext_beyond_loopback_needs_explicit_consent(make_server, caplog):
 
 
 def test_cli_refuses_plaintext_on_all_interfaces():
-    run = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--listen", f"0.0.0.0:{_free_port()}",
-                          "--metrics-port", "0", "--dram", "8MiB"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--listen",
+            f"0.0.0.0:{_free_port()}",
+            "--metrics-port",
+            "0",
+            "--dram",
+            "8MiB",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2 and "refusing to serve plaintext" in run.stderr
 
 
 def test_unusable_certificate_files_stop_the_start(pki, tmp_path):
     a, b = pki
     with pytest.raises(ValueError, match="do not load"):  # key of another certificate
-        StoreServer(ServeConfig(listen="127.0.0.1:0", dram=8 << 20, metrics_port=0, tls_cert=str(a.server_cert),
-                                tls_key=str(b.server_key))).start()
+        StoreServer(
+            ServeConfig(
+                listen="127.0.0.1:0",
+                dram=8 << 20,
+                metrics_port=0,
+                tls_cert=str(a.server_cert),
+                tls_key=str(b.server_key),
+            )
+        ).start()
     with pytest.raises(FileNotFoundError):
-        StoreServer(ServeConfig(listen="127.0.0.1:0", dram=8 << 20, metrics_port=0, tls_cert=str(tmp_path / "nope"),
-                                tls_key=str(a.server_key))).start()
+        StoreServer(
+            ServeConfig(
+                listen="127.0.0.1:0",
+                dram=8 << 20,
+                metrics_port=0,
+                tls_cert=str(tmp_path / "nope"),
+                tls_key=str(a.server_key),
+            )
+        ).start()
 
 
 # -- ssl helpers for lanes --------------------------------------------------------------------------
@@ -252,16 +315,18 @@ tenants:
     ca_path = tmp_path / "ca.crt"
     with pytest.raises(ValueError, match="tls-client-ca"):  # certificates name nobody without mutual TLS
         make_server(tls_cert=str(server_cert), tls_key=str(server_key), tenants=str(tenants))
-    server = make_server(tls_cert=str(server_cert), tls_key=str(server_key), tls_client_ca=str(ca_path),
-                         tenants=str(tenants))
+    server = make_server(
+        tls_cert=str(server_cert), tls_key=str(server_key), tls_client_ca=str(ca_path), tenants=str(tenants)
+    )
     assert call(server.port, ca_path, worker_cert, worker_key) == grpc.StatusCode.OK
     assert call(server.port, ca_path, other_cert, other_key) == grpc.StatusCode.UNAUTHENTICATED
     # a token names the caller whatever its certificate: team-b may not read "ns"
     assert call(server.port, ca_path, other_cert, other_key, token=token_b) == grpc.StatusCode.PERMISSION_DENIED
     assert call(server.port, ca_path, worker_cert, worker_key, token=token_b) == grpc.StatusCode.PERMISSION_DENIED
     assert call(server.port, ca_path, worker_cert, worker_key, token="x" * 20) == grpc.StatusCode.UNAUTHENTICATED
-    with Client(f"127.0.0.1:{server.port}", tls_ca=str(ca_path), tls_cert=str(worker_cert),
-                tls_key=str(worker_key)) as kv:
+    with Client(
+        f"127.0.0.1:{server.port}", tls_ca=str(ca_path), tls_cert=str(worker_cert), tls_key=str(worker_key)
+    ) as kv:
         kv.put("ns", [b"c" * 16], [b"by certificate" * 10])
         assert bytes(kv.get("ns", [b"c" * 16])[0]) == b"by certificate" * 10
         with pytest.raises(Exception) as err:

@@ -1,4 +1,5 @@
 """Encoded blocks through the service: verified on write, decoded for readers that do not accept the codec."""
+
 from __future__ import annotations
 
 import grpc
@@ -29,8 +30,14 @@ def kv_like(n: int) -> bytes:
 def test_encoded_put_then_plain_get(stub, codec):
     raw = kv_like(200_000)
     enc = encode(codec, raw, "float16")
-    hdr = pb.BlockHeader(hash=KEY, codec=codec_id(codec), raw_length=len(raw), stored_length=len(enc),
-                         crc32c=crc32c(raw), dtype="float16")
+    hdr = pb.BlockHeader(
+        hash=KEY,
+        codec=codec_id(codec),
+        raw_length=len(raw),
+        stored_length=len(enc),
+        crc32c=crc32c(raw),
+        dtype="float16",
+    )
     reply = stub.Put(iter([pb.PutRequest(namespace="ns", header=hdr, data=enc)]), timeout=10)
     assert reply.results[0].status == pb.PUT_STORED
     plain = list(stub.Get(pb.GetRequest(namespace="ns", hashes=[KEY]), timeout=10))
@@ -42,8 +49,14 @@ def test_encoded_put_then_plain_get(stub, codec):
 def test_encoded_put_with_wrong_crc_is_refused(stub, server):
     raw = kv_like(50_000)
     enc = encode("zstd", raw, "float16")
-    hdr = pb.BlockHeader(hash=KEY, codec=pb.CODEC_ZSTD, raw_length=len(raw), stored_length=len(enc),
-                         crc32c=crc32c(raw) ^ 7, dtype="float16")
+    hdr = pb.BlockHeader(
+        hash=KEY,
+        codec=pb.CODEC_ZSTD,
+        raw_length=len(raw),
+        stored_length=len(enc),
+        crc32c=crc32c(raw) ^ 7,
+        dtype="float16",
+    )
     with pytest.raises(grpc.RpcError) as err:
         stub.Put(iter([pb.PutRequest(namespace="ns", header=hdr, data=enc)]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

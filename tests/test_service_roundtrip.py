@@ -1,11 +1,11 @@
 """Through a real server on a loopback port: round trips, prefixes, concurrency.
 
 The per-block cases (tensors, idempotent Put, missing hashes) run on every lane in test_lanes_roundtrip.py."""
+
 from __future__ import annotations
 
 import random
 import threading
-
 
 from kvstore.client import Client
 from kvstore.hashing import block_hashes

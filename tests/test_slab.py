@@ -1,4 +1,5 @@
 """Slab allocator properties: no overlap, bounded capacity, pages return to the pool."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings

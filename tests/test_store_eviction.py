@@ -1,4 +1,5 @@
 """BlockStore eviction properties (hypothesis): bounded capacity, exact bytes, leaves before parents."""
+
 from __future__ import annotations
 
 import hashlib
@@ -43,8 +44,11 @@ class Recorder(BlockStore):
         super()._evict_copy(e, tier)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["put", "get"]), st.integers(0, 7), st.integers(1, 12),
-                         st.sampled_from(SIZES)), min_size=1, max_size=40)
+ops = st.lists(
+    st.tuples(st.sampled_from(["put", "get"]), st.integers(0, 7), st.integers(1, 12), st.sampled_from(SIZES)),
+    min_size=1,
+    max_size=40,
+)
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,4 +1,5 @@
 """The committed gRPC stubs must match proto/: regenerate with `python -m kvstore.genproto`."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """prefill_node -> store -> decode_node over real gRPC, against one process computing everything."""
+
 from __future__ import annotations
 
 from concurrent import futures
@@ -52,9 +53,14 @@ def reference(model, tokens, n):
 
 
 def generate(decode, tokens, n, use_store=True):
-    replies = list(decode.Generate(wpb.GenerateRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=tokens)),
-                                                       namespace="t", max_new_tokens=n, use_store=use_store),
-                                   timeout=60))
+    replies = list(
+        decode.Generate(
+            wpb.GenerateRequest(
+                prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=tokens)), namespace="t", max_new_tokens=n, use_store=use_store
+            ),
+            timeout=60,
+        )
+    )
     return [t for r in replies for t in r.token_ids], replies[0]
 
 
@@ -63,14 +69,16 @@ PROMPT = [(i * 37 + 11) % 250 + 1 for i in range(150)]  # 9 full blocks of 16 an
 
 def test_disaggregated_equals_one_process(tiny, workers):
     prefill, decode, _, _ = workers
-    reply = prefill.Prefill(wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT)), namespace="t"),
-                            timeout=60)
+    reply = prefill.Prefill(
+        wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT)), namespace="t"), timeout=60
+    )
     assert reply.stored_blocks == 9 and reply.cached_blocks == 0 and len(reply.hashes) == 9
     tokens, first = generate(decode, PROMPT, 12)
     assert first.cached_blocks == 9 and not first.recomputed and first.transfer_bytes > 0
     assert tokens == reference(tiny, PROMPT, 12)
-    again = prefill.Prefill(wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT + [5] * 40)),
-                                               namespace="t"), timeout=60)
+    again = prefill.Prefill(
+        wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT + [5] * 40)), namespace="t"), timeout=60
+    )
     assert again.cached_blocks == 9 and again.stored_blocks == 2  # only the new blocks were computed and stored
 
 
@@ -97,8 +105,9 @@ def test_store_down_falls_back_to_recompute(tiny, workers, server):
 
 def test_corrupt_block_falls_back_to_recompute(tiny, workers, server):
     prefill, decode, _, link = workers
-    reply = prefill.Prefill(wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT)), namespace="t"),
-                            timeout=60)
+    reply = prefill.Prefill(
+        wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT)), namespace="t"), timeout=60
+    )
     store = server.store
     leases = store.acquire("t", [reply.hashes[4]])
     leases[0].buffer[100] ^= 0xFF  # flip a byte of a stored block in the arena

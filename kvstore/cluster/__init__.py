@@ -30,6 +30,7 @@ Failure semantics in one place:
 Cluster seed (detected with ``INFO cluster``); ``redis+cluster://H:P,H:P`` names
 a cluster explicitly by several seeds.
 """
+
 from kvstore.cluster.client import ClusterClient
 from kvstore.cluster.node import ClusterNode
 

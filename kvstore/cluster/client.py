@@ -49,18 +49,20 @@ get asks the nodes in rendezvous order. ``stats()["redis_up"]`` shows it.
 Per-node clients are built with ``retries=0`` unless given: falling over to
 another holder replaces retrying the same one.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
-from kvstore.client import CHUNK_BYTES, TIER_NAMES, Client, KVStoreError, PutResult
+from kvstore.client import CHUNK_BYTES, TIER_NAMES, KVStoreError, PutResult
 from kvstore.cluster import index, routing
 from kvstore.cluster.connect import REDIS_ERRORS, RedisConnector
 from kvstore.cluster.directory import Directory
@@ -71,23 +73,49 @@ log = logging.getLogger("kvstore.cluster.client")
 T = TypeVar("T")
 
 # The node (not the request) failed: try another holder and skip this node for a while.
-NODE_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
-                           grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
+NODE_FAILURES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.ABORTED,
+    }
+)
 # This node could not serve this request: try another holder, the node stays in use.
 NODE_MISSES = frozenset({grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND})
 PLACED_MEMORY = 4096  # recent puts remembered for placing their extensions
 
 
 class ClusterClient:
-    def __init__(self, target: str, *, nodes: Sequence[str] = (), refresh: float = 1.0, down_for: float = 2.0,
-                 linger: float = 10.0, redis_timeout: float = 1.0, prefix: str = "kv", parallel: int = 8,
-                 timeout: float = 60.0, chunk_bytes: int = CHUNK_BYTES, **client_options: Any):
+    def __init__(
+        self,
+        target: str,
+        *,
+        nodes: Sequence[str] = (),
+        refresh: float = 1.0,
+        down_for: float = 2.0,
+        linger: float = 10.0,
+        redis_timeout: float = 1.0,
+        prefix: str = "kv",
+        parallel: int = 8,
+        timeout: float = 60.0,
+        chunk_bytes: int = CHUNK_BYTES,
+        **client_options: Any,
+    ):
         self.connector = RedisConnector(target, timeout=redis_timeout)
         self.layout = KeyLayout(prefix)
         client_options.setdefault("retries", 0)
-        self.directory = Directory(self.connector, self.layout, refresh=refresh, down_for=down_for, linger=linger,
-                                   static=nodes,
-                                   client_options={"timeout": timeout, "chunk_bytes": chunk_bytes, **client_options})
+        self.directory = Directory(
+            self.connector,
+            self.layout,
+            refresh=refresh,
+            down_for=down_for,
+            linger=linger,
+            static=nodes,
+            client_options={"timeout": timeout, "chunk_bytes": chunk_bytes, **client_options},
+        )
         self.target, self.timeout = target, timeout
         self._pool = ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="kvstore-cluster")
         self._placed: OrderedDict[tuple[str, bytes], str] = OrderedDict()
@@ -99,7 +127,7 @@ class ClusterClient:
         self.directory.close()
         self.connector.close()
 
-    def __enter__(self) -> "ClusterClient":
+    def __enter__(self) -> ClusterClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -150,9 +178,19 @@ class ClusterClient:
         return found
 
     # -- put -----------------------------------------------------------------------------------
-    def put(self, namespace: str, hashes: Sequence[bytes], payloads: Sequence[Any], *, parent: bytes | None = None,
-            dtype: str | None = None, chained: bool = True, root: bytes | None = None, codec: str | None = None,
-            lossy_ok: bool = False) -> list[PutResult]:
+    def put(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        payloads: Sequence[Any],
+        *,
+        parent: bytes | None = None,
+        dtype: str | None = None,
+        chained: bool = True,
+        root: bytes | None = None,
+        codec: str | None = None,
+        lossy_ok: bool = False,
+    ) -> list[PutResult]:
         """As ``Client.put`` on the node that should hold the prefix (``codec``/``lossy_ok`` as there)."""
         if len(hashes) != len(payloads):
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
@@ -161,8 +199,16 @@ class ClusterClient:
         why = "no live store nodes"
         for member in self._placement(namespace, hashes, parent, root):
             try:
-                results = self.directory.client(member).put(namespace, hashes, payloads, parent=parent, dtype=dtype,
-                                                            chained=chained, codec=codec, lossy_ok=lossy_ok)
+                results = self.directory.client(member).put(
+                    namespace,
+                    hashes,
+                    payloads,
+                    parent=parent,
+                    dtype=dtype,
+                    chained=chained,
+                    codec=codec,
+                    lossy_ok=lossy_ok,
+                )
                 self._remember(namespace, hashes[-1], member.id)
                 return results
             except KVStoreError as err:
@@ -173,11 +219,14 @@ class ClusterClient:
             except (OSError, grpc.RpcError) as err:
                 self.directory.mark_down(member, err)
                 why = f"{member.id}: {err}"
-        return [PutResult(h, "rejected", grpc.StatusCode.UNAVAILABLE, f"no store node took the block ({why})")
-                for h in hashes]
+        return [
+            PutResult(h, "rejected", grpc.StatusCode.UNAVAILABLE, f"no store node took the block ({why})")
+            for h in hashes
+        ]
 
-    def _placement(self, namespace: str, hashes: Sequence[bytes], parent: bytes | None,
-                   root: bytes | None) -> list[NodeInfo]:
+    def _placement(
+        self, namespace: str, hashes: Sequence[bytes], parent: bytes | None, root: bytes | None
+    ) -> list[NodeInfo]:
         live = self.directory.live()
         order = routing.rank(root or hashes[0], live) + routing.rank(root or hashes[0], self.directory.recent())
         if parent is None or root is not None:
@@ -202,9 +251,17 @@ class ClusterClient:
                 self._placed.popitem(last=False)
 
     # -- get -------------------------------------------------------------------------------------
-    def get(self, namespace: str, hashes: Sequence[bytes], *, out: Sequence[Any] | None = None,
-            allow_missing: bool = False, verify: bool = True, codec: str | None = None,
-            lossy_ok: bool = False) -> list[Any]:
+    def get(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        *,
+        out: Sequence[Any] | None = None,
+        allow_missing: bool = False,
+        verify: bool = True,
+        codec: str | None = None,
+        lossy_ok: bool = False,
+    ) -> list[Any]:
         """As ``Client.get``, each block from a node holding it (``codec``/``lossy_ok`` as there)."""
         if out is not None and len(out) != len(hashes):
             raise ValueError(f"{len(hashes)} hashes but {len(out)} output buffers")
@@ -232,9 +289,15 @@ class ClusterClient:
             def fetch(node: str) -> list[Any]:
                 idxs = groups[node]
                 bufs = [out[i] for i in idxs] if out is not None else None
-                return self.directory.client(by_id[node]).get(namespace, [hashes[i] for i in idxs], out=bufs,
-                                                              allow_missing=True, verify=verify, codec=codec,
-                                                              lossy_ok=lossy_ok)
+                return self.directory.client(by_id[node]).get(
+                    namespace,
+                    [hashes[i] for i in idxs],
+                    out=bufs,
+                    allow_missing=True,
+                    verify=verify,
+                    codec=codec,
+                    lossy_ok=lossy_ok,
+                )
 
             replies = self._each(list(groups), fetch, member_of=by_id.__getitem__)
             for node, idxs in groups.items():
@@ -248,13 +311,16 @@ class ClusterClient:
         missing = [i for i, r in enumerate(results) if r is None]
         if missing and not allow_missing:
             i = missing[0]
-            raise KVStoreError(grpc.StatusCode.NOT_FOUND,
-                               f"block {i} ({hashes[i].hex()}) is not held by any reachable store node "
-                               f"({len(missing)} of {len(hashes)} blocks unavailable)")
+            raise KVStoreError(
+                grpc.StatusCode.NOT_FOUND,
+                f"block {i} ({hashes[i].hex()}) is not held by any reachable store node "
+                f"({len(missing)} of {len(hashes)} blocks unavailable)",
+            )
         return results
 
-    def _candidates(self, namespace: str, hashes: Sequence[bytes], live: list[NodeInfo],
-                    recent: list[NodeInfo]) -> list[list[str]]:
+    def _candidates(
+        self, namespace: str, hashes: Sequence[bytes], live: list[NodeInfo], recent: list[NodeInfo]
+    ) -> list[list[str]]:
         """Per block, node ids to try in order: the index's holders (best tier, then rendezvous order), then
         every other live node in rendezvous order of ``hashes[0]`` (the index lags puts), then nodes listed
         until a moment ago (Redis restarted and they have not registered again yet). With Redis down the
@@ -295,9 +361,11 @@ class ClusterClient:
                         agg.setdefault(k, v)
         ok = [s for s in replies.values() if s is not None]
         return {
-            "node_id": f"cluster via {self.connector.safe_url}", "redis_up": self.directory.redis_up,
+            "node_id": f"cluster via {self.connector.safe_url}",
+            "redis_up": self.directory.redis_up,
             "redis_mode": self.connector.mode or "unknown",
-            "members": [dataclasses.asdict(m) for m in members], "nodes": nodes,
+            "members": [dataclasses.asdict(m) for m in members],
+            "nodes": nodes,
             "blocks": sum(int(s.get("blocks", 0)) for s in ok),
             "lookups": sum(int(s.get("lookups", 0)) for s in ok),
             "lookup_hits": sum(int(s.get("lookup_hits", 0)) for s in ok),
@@ -306,8 +374,9 @@ class ClusterClient:
         }
 
     # -- fan-out ---------------------------------------------------------------------------------------
-    def _each(self, items: Sequence[Any], call: Callable[[Any], T],
-              member_of: Callable[[Any], NodeInfo] | None = None) -> dict[str, T | None]:
+    def _each(
+        self, items: Sequence[Any], call: Callable[[Any], T], member_of: Callable[[Any], NodeInfo] | None = None
+    ) -> dict[str, T | None]:
         """``call(item)`` for every item in parallel; a node's failure yields None (and marks it down)."""
         member_of = member_of or (lambda m: m)
 

@@ -20,11 +20,12 @@ connection just reached Redis); ``close()``.
 Timeouts are short (Redis is on the side of the data path, never in it): a
 command that cannot finish in ``timeout`` seconds counts as Redis being down.
 """
+
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Union
+from typing import Any
 from urllib.parse import urlsplit
 
 import redis
@@ -33,7 +34,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-RedisClient = Union[redis.Redis, RedisCluster]
+RedisClient = redis.Redis | RedisCluster
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SCHEMES = ("redis", "rediss", *CLUSTER_SCHEMES)
 REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, RedisClusterException, OSError)
@@ -48,8 +49,7 @@ def is_redis_url(target: str) -> bool:
 
 
 class RedisConnector:
-    def __init__(self, url: str, *, timeout: float = 1.0, connect_timeout: float = 0.5,
-                 max_backoff: float = 2.0):
+    def __init__(self, url: str, *, timeout: float = 1.0, connect_timeout: float = 0.5, max_backoff: float = 2.0):
         scheme = url.split("://", 1)[0].lower()
         if scheme not in SCHEMES:
             raise ValueError(f"not a Redis URL: {url!r} (expected redis://HOST:PORT, rediss:// or redis+cluster://)")
@@ -117,8 +117,11 @@ class RedisConnector:
         self._retry_at = time.monotonic() + self._backoff
 
     def _options(self) -> dict[str, Any]:
-        return {"socket_timeout": self.timeout, "socket_connect_timeout": self.connect_timeout,
-                "retry": Retry(ExponentialBackoff(cap=0.05, base=0.01), 1)}
+        return {
+            "socket_timeout": self.timeout,
+            "socket_connect_timeout": self.connect_timeout,
+            "retry": Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
+        }
 
     def _connect(self) -> RedisClient:
         if self.force_cluster:

@@ -19,12 +19,14 @@ Verbs:
 - ``mark_down(member, why)``: skip a node that just failed for ``down_for``
   seconds (its requests fall over to the next holder instead of timing out again).
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvstore.client import Client
 from kvstore.cluster.connect import REDIS_ERRORS, RedisConnector
@@ -35,8 +37,17 @@ log = logging.getLogger("kvstore.cluster.client")
 
 
 class Directory:
-    def __init__(self, connector: RedisConnector, layout: KeyLayout, *, refresh: float = 1.0, down_for: float = 2.0,
-                 linger: float = 10.0, static: Sequence[str] = (), client_options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        connector: RedisConnector,
+        layout: KeyLayout,
+        *,
+        refresh: float = 1.0,
+        down_for: float = 2.0,
+        linger: float = 10.0,
+        static: Sequence[str] = (),
+        client_options: dict[str, Any] | None = None,
+    ):
         self.connector, self.layout, self.refresh, self.down_for = connector, layout, refresh, down_for
         self.linger = linger
         self._seen: dict[str, tuple[NodeInfo, float]] = {}  # node id -> (info, last listed)
@@ -44,8 +55,8 @@ class Directory:
         self._options = dict(client_options or {})
         self._members: list[NodeInfo] | None = None
         self._read_at = -1e9
-        self._clients: dict[str, tuple[str, Client]] = {}   # node id -> (incarnation, client)
-        self._down: dict[str, float] = {}                    # node id -> until (monotonic)
+        self._clients: dict[str, tuple[str, Client]] = {}  # node id -> (incarnation, client)
+        self._down: dict[str, float] = {}  # node id -> until (monotonic)
         self._lock = threading.Lock()
         self.redis_up = False
 
@@ -76,8 +87,11 @@ class Directory:
     def redis_failed(self, err: object) -> None:
         """Redis could not be read: route without the index until the next successful refresh."""
         if self.redis_up:
-            log.warning("Redis unreachable (%s): asking the last known %d members directly", err,
-                        len(self._members or self._static))
+            log.warning(
+                "Redis unreachable (%s): asking the last known %d members directly",
+                err,
+                len(self._members or self._static),
+            )
         self.redis_up = False
 
     def live(self) -> list[NodeInfo]:

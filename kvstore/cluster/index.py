@@ -17,17 +17,20 @@ Readers treat the index as a hint: it lags the nodes by the publisher's flush
 interval (tens of ms), so a holder may have just evicted a block (a Get there
 misses and the client tries the next holder) or a block may not be listed yet.
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvstore.cluster.connect import RedisClient
 from kvstore.cluster.keys import KeyLayout, shard_of
 from kvstore.cluster.membership import NodeInfo
 
 
-def holders(client: RedisClient, layout: KeyLayout, namespace: str, hashes: Sequence[bytes],
-            members: Sequence[NodeInfo]) -> list[dict[str, int]]:
+def holders(
+    client: RedisClient, layout: KeyLayout, namespace: str, hashes: Sequence[bytes], members: Sequence[NodeInfo]
+) -> list[dict[str, int]]:
     out: list[dict[str, int]] = [{} for _ in hashes]
     indexed = [m for m in members if m.index]
     if not hashes or not indexed:
@@ -51,8 +54,9 @@ def holders(client: RedisClient, layout: KeyLayout, namespace: str, hashes: Sequ
     return out
 
 
-def write(pipe: Any, layout: KeyLayout, index_id: int, shards: int, states: Iterable[tuple[str, bytes, int]],
-          ttl_ms: int) -> list[tuple[bytes, int]]:
+def write(
+    pipe: Any, layout: KeyLayout, index_id: int, shards: int, states: Iterable[tuple[str, bytes, int]], ttl_ms: int
+) -> list[tuple[bytes, int]]:
     """Queue the commands; returns (key, sign) per queued HSET (+1) / HDEL (-1) in order, so the
     caller can read how many fields each added or removed from the pipeline's replies."""
     sets: dict[bytes, dict[bytes, bytes]] = {}

@@ -23,6 +23,7 @@ read the index ids of live members, so a dead node's entries are invisible even
 before they expire. Redis deletes a hash when its last field goes, which is how
 removed blocks disappear.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@
 Both need the ``redis-server`` (and for the cluster ``redis-cli``) executables;
 ``RedisNotAvailable`` says why when they are missing or do not come up.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -78,10 +79,25 @@ class LocalRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def start(self) -> "LocalRedis":
+    def start(self) -> LocalRedis:
         self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         _wait_port(self.port, 10)
         return self
 
@@ -96,7 +112,7 @@ class LocalRedis:
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalRedis":
+    def __enter__(self) -> LocalRedis:
         return self.start() if self.proc is None else self
 
     def __exit__(self, *exc: Any) -> None:
@@ -109,9 +125,21 @@ class LocalRedisCluster:
     def __init__(self, masters: int = 3, timeout: float = 20.0):
         self.cli = _exe("redis-cli")
         self.root = Path(tempfile.mkdtemp(prefix="kvstore-rcluster-"))
-        self.nodes = [LocalRedis(_free_cluster_port(), extra=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                                        "--cluster-node-timeout", "2000"), workdir=str(self.root / str(i)))
-                      for i in range(masters)]
+        self.nodes = [
+            LocalRedis(
+                _free_cluster_port(),
+                extra=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ),
+                workdir=str(self.root / str(i)),
+            )
+            for i in range(masters)
+        ]
         self.timeout = timeout
 
     @property
@@ -122,20 +150,33 @@ class LocalRedisCluster:
     def seeds_url(self) -> str:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
-    def start(self) -> "LocalRedisCluster":
+    def start(self) -> LocalRedisCluster:
         for node in self.nodes:
             node.workdir.mkdir(parents=True, exist_ok=True)
             node.start()
-        create = subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                                 "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
-                                timeout=self.timeout)
+        create = subprocess.run(
+            [
+                self.cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=self.timeout,
+        )
         if create.returncode != 0:
             self.close()
             raise RedisNotAvailable(f"redis-cli --cluster create failed: {create.stdout[-500:]} {create.stderr[-500:]}")
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
-            states = [subprocess.run([self.cli, "-p", str(n.port), "cluster", "info"], capture_output=True,
-                                     text=True).stdout for n in self.nodes]
+            states = [
+                subprocess.run([self.cli, "-p", str(n.port), "cluster", "info"], capture_output=True, text=True).stdout
+                for n in self.nodes
+            ]
             if all("cluster_state:ok" in s for s in states):
                 return self
             time.sleep(0.1)
@@ -147,7 +188,7 @@ class LocalRedisCluster:
             node.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "LocalRedisCluster":
+    def __enter__(self) -> LocalRedisCluster:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -21,14 +21,16 @@ succeeds after the node's entry (and so its index keys) may have been lost (Redi
 restarted empty, or the outage outlasted the TTL), ``on_lost`` is called so the
 index publisher resyncs.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 from kvstore.cluster.connect import REDIS_ERRORS, RedisClient, RedisConnector
 from kvstore.cluster.keys import DEFAULT_SHARDS, KeyLayout
@@ -70,11 +72,11 @@ return 0
 @dataclass(frozen=True)
 class NodeInfo:
     id: str
-    addr: str                       # HOST:PORT clients dial
-    incarnation: str                # new on every process start
-    index: int = 0                  # id of the node's current index snapshot (0: none yet)
-    shards: int = DEFAULT_SHARDS    # index shards per namespace
-    weight: float = 1.0             # rendezvous weight (capacity in bytes)
+    addr: str  # HOST:PORT clients dial
+    incarnation: str  # new on every process start
+    index: int = 0  # id of the node's current index snapshot (0: none yet)
+    shards: int = DEFAULT_SHARDS  # index shards per namespace
+    weight: float = 1.0  # rendezvous weight (capacity in bytes)
     tiers: list[dict[str, Any]] = field(default_factory=list)
     lanes: list[str] = field(default_factory=list)
     started: float = 0.0
@@ -83,7 +85,7 @@ class NodeInfo:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "NodeInfo":
+    def from_json(cls, text: str | bytes) -> NodeInfo:
         raw = json.loads(text)
         known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
         return cls(**known)
@@ -95,8 +97,16 @@ def read_members(client: RedisClient, layout: KeyLayout) -> list[NodeInfo]:
 
 
 class Membership:
-    def __init__(self, connector: RedisConnector, info: NodeInfo, *, ttl: float, layout: KeyLayout = KeyLayout(),
-                 metrics: Any = None, on_lost: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        connector: RedisConnector,
+        info: NodeInfo,
+        *,
+        ttl: float,
+        layout: KeyLayout = KeyLayout(),
+        metrics: Any = None,
+        on_lost: Callable[[], None] | None = None,
+    ):
         self.connector, self.layout, self.ttl = connector, layout, ttl
         self.metrics, self.on_lost = metrics, on_lost
         self._info = info
@@ -116,7 +126,7 @@ class Membership:
         return self.ttl / 3
 
     # -- verbs ----------------------------------------------------------------------------
-    def start(self) -> "Membership":
+    def start(self) -> Membership:
         self._thread = threading.Thread(target=self._loop, name="kvstore-membership", daemon=True)
         self._thread.start()
         return self
@@ -132,7 +142,8 @@ class Membership:
                 client = self.connector.get()
                 added = client.register_script(_BEAT)(
                     keys=[self.layout.nodes, self.layout.info],
-                    args=[self._info.id, int(self.ttl * 1000), self._info.to_json()])
+                    args=[self._info.id, int(self.ttl * 1000), self._info.to_json()],
+                )
             except REDIS_ERRORS as err:
                 self.connector.failed(err)
                 self._set_up(False)
@@ -145,8 +156,9 @@ class Membership:
             self._registered, self._last_ok = True, now
             self._set_up(True)
         if lost:
-            log.warning("membership of %s was lost (Redis restarted or unreachable for the TTL): resyncing",
-                        self._info.id)
+            log.warning(
+                "membership of %s was lost (Redis restarted or unreachable for the TTL): resyncing", self._info.id
+            )
             if self.on_lost is not None:
                 self.on_lost()
 
@@ -158,8 +170,9 @@ class Membership:
             return
         try:
             client = self.connector.get()
-            client.register_script(_LEAVE)(keys=[self.layout.nodes, self.layout.info],
-                                           args=[self._info.id, self._info.incarnation])
+            client.register_script(_LEAVE)(
+                keys=[self.layout.nodes, self.layout.info], args=[self._info.id, self._info.incarnation]
+            )
         except REDIS_ERRORS as err:
             log.warning("could not deregister %s (%s); it drops out after %.0fs", self._info.id, err, self.ttl)
 

@@ -14,12 +14,14 @@ this host's name). Both parts run on their own threads with their own Redis
 connections; nothing here is on the data path, and a node whose Redis is down
 keeps serving its blocks (``redis_up`` 0 in Stats counters and /metrics).
 """
+
 from __future__ import annotations
 
 import socket
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvstore.cluster.connect import RedisConnector
 from kvstore.cluster.keys import KeyLayout
@@ -39,9 +41,17 @@ def advertise_address(cfg: ServeConfig, port: int) -> str:
 
 
 class ClusterNode:
-    def __init__(self, cfg: ServeConfig, store: BlockStore, metrics: Any, port: int, *,
-                 lanes: Sequence[str] | None = None, layout: KeyLayout = KeyLayout(),
-                 options: PublisherOptions = PublisherOptions()):
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        store: BlockStore,
+        metrics: Any,
+        port: int,
+        *,
+        lanes: Sequence[str] | None = None,
+        layout: KeyLayout = KeyLayout(),
+        options: PublisherOptions = PublisherOptions(),
+    ):
         if not cfg.redis:
             raise ValueError("cluster mode needs --redis URL")
         if cfg.cluster_ttl <= 0:
@@ -51,22 +61,37 @@ class ClusterNode:
         addr = advertise_address(cfg, port)
         self.node_id = cfg.node_id or addr
         tiers = [{"name": t.name, "capacity": t.capacity_bytes} for t in store.tiers]
-        info = NodeInfo(id=self.node_id, addr=addr, incarnation=uuid.uuid4().hex[:12], shards=options.shards,
-                        weight=float(max(1, sum(t.capacity_bytes for t in store.tiers))), tiers=tiers,
-                        lanes=list(lanes), started=time.time())
+        info = NodeInfo(
+            id=self.node_id,
+            addr=addr,
+            incarnation=uuid.uuid4().hex[:12],
+            shards=options.shards,
+            weight=float(max(1, sum(t.capacity_bytes for t in store.tiers))),
+            tiers=tiers,
+            lanes=list(lanes),
+            started=time.time(),
+        )
         self.metrics = metrics
         metrics.set("redis_up", 0.0)
-        self.membership = Membership(RedisConnector(cfg.redis), info, ttl=cfg.cluster_ttl, layout=layout,
-                                     metrics=metrics, on_lost=self._on_lost)
-        self.publisher = IndexPublisher(store, RedisConnector(cfg.redis), self.membership, ttl=cfg.cluster_ttl,
-                                        layout=layout, metrics=metrics, options=options)
+        self.membership = Membership(
+            RedisConnector(cfg.redis), info, ttl=cfg.cluster_ttl, layout=layout, metrics=metrics, on_lost=self._on_lost
+        )
+        self.publisher = IndexPublisher(
+            store,
+            RedisConnector(cfg.redis),
+            self.membership,
+            ttl=cfg.cluster_ttl,
+            layout=layout,
+            metrics=metrics,
+            options=options,
+        )
 
     def _on_lost(self) -> None:
         """Membership is back after losing its entry: Redis answers, so resync the index now, not after a backoff."""
         self.publisher.connector.retry_now()
         self.publisher.request_resync()
 
-    def start(self) -> "ClusterNode":
+    def start(self) -> ClusterNode:
         self.membership.start()
         self.publisher.start()
         return self

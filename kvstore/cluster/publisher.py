@@ -27,6 +27,7 @@ Failure semantics: on a Redis error the batch stays pending, the thread backs of
 never waits. Gauges: ``cluster_index_pending``, ``cluster_index_id``,
 ``cluster_index_keys``; counters ``cluster_index_published``, ``cluster_index_resyncs``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -51,20 +52,29 @@ log = logging.getLogger("kvstore.cluster.publisher")
 @dataclass(frozen=True)
 class PublisherOptions:
     shards: int = DEFAULT_SHARDS
-    flush_interval: float = 0.02   # seconds between flushes
-    batch: int = 4096              # blocks per pipeline; this many waiting events wake the thread early
-    max_pending: int = 200_000     # bound of the event deque and of the coalescing set
-    snapshot_chunk: int = 16384    # blocks per pipeline during a resync
+    flush_interval: float = 0.02  # seconds between flushes
+    batch: int = 4096  # blocks per pipeline; this many waiting events wake the thread early
+    max_pending: int = 200_000  # bound of the event deque and of the coalescing set
+    snapshot_chunk: int = 16384  # blocks per pipeline during a resync
 
 
 class IndexPublisher:
-    def __init__(self, store: BlockStore, connector: RedisConnector, membership: Membership, *, ttl: float,
-                 layout: KeyLayout = KeyLayout(), metrics: Any = None, options: PublisherOptions = PublisherOptions()):
+    def __init__(
+        self,
+        store: BlockStore,
+        connector: RedisConnector,
+        membership: Membership,
+        *,
+        ttl: float,
+        layout: KeyLayout = KeyLayout(),
+        metrics: Any = None,
+        options: PublisherOptions = PublisherOptions(),
+    ):
         self.view = StoreView(store)
         self.connector, self.membership, self.layout, self.metrics = connector, membership, layout, metrics
         self.ttl, self.opt = ttl, options
         self.index_id = 0
-        self._owned: dict[bytes, int] = {}          # index key -> fields this node wrote there
+        self._owned: dict[bytes, int] = {}  # index key -> fields this node wrote there
         self._events: collections.deque[tuple[str, bytes]] = collections.deque()
         self._dirty: dict[tuple[str, bytes], None] = {}
         self._resync_needed = True
@@ -78,7 +88,7 @@ class IndexPublisher:
         store.subscribe(self._on_event)
 
     # -- verbs --------------------------------------------------------------------------------
-    def start(self) -> "IndexPublisher":
+    def start(self) -> IndexPublisher:
         self._thread = threading.Thread(target=self._loop, name="kvstore-index-publisher", daemon=True)
         self._thread.start()
         return self
@@ -170,8 +180,9 @@ class IndexPublisher:
             for item in items:
                 del self._dirty[item]
 
-    def _write(self, client: RedisClient, index_id: int, owned: dict[bytes, int],
-               states: list[tuple[str, bytes, int]]) -> None:
+    def _write(
+        self, client: RedisClient, index_id: int, owned: dict[bytes, int], states: list[tuple[str, bytes, int]]
+    ) -> None:
         pipe = client.pipeline(transaction=False)
         queued = index.write(pipe, self.layout, index_id, self.opt.shards, states, int(self.ttl * 1000))
         for (name, sign), reply in zip(queued, pipe.execute()):
@@ -185,8 +196,9 @@ class IndexPublisher:
     def _refresh(self, client: RedisClient) -> None:
         now = time.monotonic()
         if self._owned and now - self._last_refresh_ok >= self.ttl * 0.9:
-            log.warning("index keys were not refreshed for %.1fs: they may have expired; resyncing",
-                        now - self._last_refresh_ok)
+            log.warning(
+                "index keys were not refreshed for %.1fs: they may have expired; resyncing", now - self._last_refresh_ok
+            )
             self.request_resync()
         names = list(self._owned)
         pipe = client.pipeline(transaction=False)
@@ -204,7 +216,7 @@ class IndexPublisher:
         self._resyncing = True  # before the flag below clears, so `pending` never reads 0 mid-resync
         self._resync_needed = False
         try:
-            self._events.clear()   # everything reported so far is covered by the snapshot below
+            self._events.clear()  # everything reported so far is covered by the snapshot below
             self._dirty.clear()
             new_id = secrets.randbits(48) | 1  # unique without a counter that an empty Redis would restart
             owned: dict[bytes, int] = {}

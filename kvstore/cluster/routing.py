@@ -12,11 +12,13 @@ The key is the *prefix root*: the first block hash of a chain, so all blocks of
 a prefix (and every later extension of it) land on the same node and a lookup
 finds them together.
 """
+
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 N = TypeVar("N")
 _SCALE = float(1 << 64)
@@ -28,7 +30,11 @@ def score(node_id: str, key: bytes, weight: float = 1.0) -> float:
     return max(weight, 1e-12) / -math.log(u)
 
 
-def rank(key: bytes, nodes: Sequence[N], node_id: Callable[[N], str] = lambda n: getattr(n, "id"),
-         weight: Callable[[N], float] = lambda n: float(getattr(n, "weight", 1.0))) -> list[N]:
+def rank(
+    key: bytes,
+    nodes: Sequence[N],
+    node_id: Callable[[N], str] = lambda n: n.id,
+    weight: Callable[[N], float] = lambda n: float(getattr(n, "weight", 1.0)),
+) -> list[N]:
     """Nodes in placement order for ``key`` (best first)."""
     return sorted(nodes, key=lambda n: score(node_id(n), key, weight(n)), reverse=True)

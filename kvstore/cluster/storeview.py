@@ -15,9 +15,10 @@ change there is a report that is read *after* it; whatever a racing read saw is
 overwritten when that report is processed. Reads of numpy cells and dict
 lookups are atomic under the GIL.
 """
+
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 

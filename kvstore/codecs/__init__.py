@@ -20,6 +20,7 @@ Batching and the encoder pipeline live in ``kvstore.codecs.pipeline``, the
 controller that picks a codec per transfer in ``kvstore.codecs.controller``.
 Importing this package never imports torch.
 """
+
 from __future__ import annotations
 
 from .base import DEFAULT_HEAD_DIM, Codec, CodecError, EncodeOptions

@@ -27,6 +27,7 @@ controller offers lossy codecs only to namespaces whose policy allows them.
 Instances are stateless and thread-safe (per-thread library contexts live in
 the codec modules).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

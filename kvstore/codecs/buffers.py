@@ -7,6 +7,7 @@ device); ``as_writable_u8`` does the same for a decode destination and refuses
 anything it could not write through. torch is imported only when the caller
 already handed us a tensor, so the store server never pays for it.
 """
+
 from __future__ import annotations
 
 import sys

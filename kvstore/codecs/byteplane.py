@@ -18,6 +18,7 @@ Payload (little-endian)::
     planes   plane 0 .. plane w-1, as the modes say
     tail     t raw bytes (raw_len mod w), so any byte length round-trips
 """
+
 from __future__ import annotations
 
 import struct
@@ -25,7 +26,7 @@ import struct
 import numpy as np
 
 from . import zstd
-from .base import Codec, CodecError, EncodeOptions, DEFAULT_OPTIONS, check_out, itemsize_of
+from .base import DEFAULT_OPTIONS, Codec, CodecError, EncodeOptions, check_out, itemsize_of
 from .scratch import scratch
 
 _MAGIC = b"BP"
@@ -92,8 +93,7 @@ class BytePlaneCodec(Codec):
             raise CodecError(f"byteplane: bad magic/version {magic!r}/{version}")
         if width != itemsize or nplanes != itemsize or tail_len != raw_len % itemsize:
             raise CodecError(
-                f"byteplane: payload is for itemsize {width} with tail {tail_len}, "
-                f"not {dtype} with raw_len {raw_len}"
+                f"byteplane: payload is for itemsize {width} with tail {tail_len}, not {dtype} with raw_len {raw_len}"
             )
         plane_len = raw_len // itemsize
         pos = _HEADER.size + nplanes * _PLANE.size

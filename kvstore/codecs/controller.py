@@ -74,6 +74,7 @@ Verbs and their promises (all thread-safe):
   Prometheus (``codec.bandwidth_bps``, ``codec.choices.<arm>``,
   ``codec.<arm>.<dtype>.<size class>.ratio`` / ``.encode_gbps`` / ``.decode_gbps``).
 """
+
 from __future__ import annotations
 
 import math

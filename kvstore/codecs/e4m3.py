@@ -14,6 +14,7 @@ subnormal step).
 The ``*_into`` kernels write into caller arrays and take their temporaries
 from ``scratch`` (no per-block allocation); the plain forms allocate.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -9,6 +9,7 @@
   fast (a mean of seconds would let slow transfers dominate after a recovery);
   small transfers, dominated by latency, weigh less.
 """
+
 from __future__ import annotations
 
 import math

@@ -32,6 +32,7 @@ finite range. A vector holding Inf or NaN decodes to NaN throughout.
 
 ``fp8+zstd`` is one zstd-1 frame of the ``fp8`` payload.
 """
+
 from __future__ import annotations
 
 import struct
@@ -39,7 +40,7 @@ import struct
 import numpy as np
 
 from . import e4m3, zstd
-from .base import Codec, CodecError, EncodeOptions, DEFAULT_OPTIONS, check_out, itemsize_of
+from .base import DEFAULT_OPTIONS, Codec, CodecError, EncodeOptions, check_out, itemsize_of
 from .scratch import scratch
 
 _MAGIC = b"F8"

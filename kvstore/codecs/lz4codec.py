@@ -8,12 +8,13 @@ Payload: an lz4 block with its 4-byte little-endian raw length in front
 (``lz4.block`` ``store_size=True``). The python-lz4 binding only returns new
 buffers, so ``decode_into`` copies once.
 """
+
 from __future__ import annotations
 
 import lz4.block
 import numpy as np
 
-from .base import Codec, CodecError, EncodeOptions, DEFAULT_OPTIONS, check_out
+from .base import DEFAULT_OPTIONS, Codec, CodecError, EncodeOptions, check_out
 
 
 class Lz4Codec(Codec):

@@ -27,6 +27,7 @@ Small blocks (a tiny model's 16 KiB pages) still pay zstd's per-frame cost
 because payloads stay per block; real blocks (SmolLM2 360 KiB, Llama-3-8B
 2 MiB) are past the point where that matters.
 """
+
 from __future__ import annotations
 
 import queue
@@ -147,8 +148,12 @@ def iter_encoded(
     return run_ahead((encode(batch) for batch in plan), depth)
 
 
-def run_ahead(source: Iterator[T], depth: int, on_stall: Callable[[float], None] | None = None,
-              spawn: Callable[[Callable[[], None]], None] | None = None) -> Iterator[T]:
+def run_ahead(
+    source: Iterator[T],
+    depth: int,
+    on_stall: Callable[[float], None] | None = None,
+    spawn: Callable[[Callable[[], None]], None] | None = None,
+) -> Iterator[T]:
     """Items of ``source`` in order, produced on a worker thread at most ``depth`` ahead of the consumer.
 
     An exception in ``source`` is re-raised to the consumer at the item where it

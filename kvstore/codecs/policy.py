@@ -13,6 +13,7 @@ constraint of the namespace, never a trade the controller makes on cost.
   the server's Get controller never picks a lossy codec there.
 - ``is_lossy(codec_id) -> bool``: whether a wire codec id names a lossy codec.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,9 +1,10 @@
 """The identity codec (``none``, wire id 0): the payload is the raw bytes."""
+
 from __future__ import annotations
 
 import numpy as np
 
-from .base import Codec, CodecError, EncodeOptions, DEFAULT_OPTIONS, check_out
+from .base import DEFAULT_OPTIONS, Codec, CodecError, EncodeOptions, check_out
 
 
 class NoneCodec(Codec):

@@ -5,6 +5,7 @@ and ``decode_into`` are the zero-copy forms the data path uses to write into a
 send buffer, an arena slot or a KV pool block. ``lz4`` is registered only when
 the ``lz4`` package is importable.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +13,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .base import Codec, CodecError, EncodeOptions, DEFAULT_HEAD_DIM
+from .base import DEFAULT_HEAD_DIM, Codec, CodecError, EncodeOptions
 from .buffers import BufferLike, as_u8, as_writable_u8, is_device_tensor
 from .byteplane import BytePlaneCodec
 from .fp8 import Fp8Codec, Fp8ZstdCodec

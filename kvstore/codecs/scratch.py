@@ -9,6 +9,7 @@ coded (fp8 encoding keeps about 19 bytes per element, decoding 8; byteplane
 about twice the block).
 Contents are undefined on return and must not outlive the codec call.
 """
+
 from __future__ import annotations
 
 import threading

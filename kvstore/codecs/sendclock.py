@@ -48,6 +48,7 @@ waiting for the link, not for a core. Without that exception a host busy
 with other work kept only the windows faster than the estimate, and the
 estimate crept up to 1.5x a 1 Gbit/s link.
 """
+
 from __future__ import annotations
 
 import math

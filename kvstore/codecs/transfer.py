@@ -50,6 +50,7 @@ next batch encoded on a worker thread while the current one is on the wire
 - ``metric_items(prefix, snapshot)``: a controller snapshot as names fit for
   Stats counters and Prometheus (``[a-zA-Z0-9_:]``).
 """
+
 from __future__ import annotations
 
 import queue
@@ -85,8 +86,9 @@ def default_arms() -> tuple[str, ...]:
 
 def transfer_config() -> ControllerConfig:
     """The controller settings of the data path: ``default_arms``, the bandwidth weight and exploration above."""
-    return ControllerConfig(arms=default_arms(), bandwidth_alpha=BANDWIDTH_ALPHA, epsilon=EPSILON,
-                            explore_within=EXPLORE_WITHIN)
+    return ControllerConfig(
+        arms=default_arms(), bandwidth_alpha=BANDWIDTH_ALPHA, epsilon=EPSILON, explore_within=EXPLORE_WITHIN
+    )
 
 
 def codable(dtype: str) -> bool:
@@ -206,8 +208,12 @@ class DecodeTally:
     def to_wire(timings: Iterable[CodecTiming]) -> list:
         from kvstore.v1 import kvstore_pb2 as pb
 
-        return [pb.CodecTiming(codec=get_codec(t.codec).id, dtype=t.dtype, raw_bytes=t.raw_bytes, blocks=t.blocks,
-                               seconds=t.seconds) for t in timings]
+        return [
+            pb.CodecTiming(
+                codec=get_codec(t.codec).id, dtype=t.dtype, raw_bytes=t.raw_bytes, blocks=t.blocks, seconds=t.seconds
+            )
+            for t in timings
+        ]
 
     @staticmethod
     def from_wire(messages: Iterable) -> list[CodecTiming]:
@@ -223,6 +229,7 @@ class DecodeTally:
 
 
 # ---------------------------------------------------------------------------------- encoding
+
 
 def prepare(
     blocks: Sequence[BufferLike],
@@ -240,15 +247,22 @@ def prepare(
     return _stream(blocks, sizes, plan_batches(sizes, min_batch_bytes), plan, crcs, on_stall, depth)
 
 
-def _stream(blocks: Sequence[BufferLike], sizes: list[int], batches: list[Batch], plan: TransferPlan,
-            crcs: Sequence[int | None] | None, on_stall: Callable[[float], None] | None,
-            depth: int) -> Iterator[PreparedBatch]:
+def _stream(
+    blocks: Sequence[BufferLike],
+    sizes: list[int],
+    batches: list[Batch],
+    plan: TransferPlan,
+    crcs: Sequence[int | None] | None,
+    on_stall: Callable[[float], None] | None,
+    depth: int,
+) -> Iterator[PreparedBatch]:
     i = 0
     while i < len(batches):
         raw, first = _raw_next(plan, sizes, batches[i], blocks)
         if not raw:
-            yield from run_ahead(_produce(blocks, sizes, batches[i:], first, plan, crcs), depth, on_stall,
-                                 spawn=_WORKERS.run)
+            yield from run_ahead(
+                _produce(blocks, sizes, batches[i:], first, plan, crcs), depth, on_stall, spawn=_WORKERS.run
+            )
             return
         j, run = i + 1, batches[i].nbytes
         while j < len(batches) and run < RAW_RUN_BYTES:
@@ -265,8 +279,9 @@ def _stream(blocks: Sequence[BufferLike], sizes: list[int], batches: list[Batch]
         i = j
 
 
-def _raw_next(plan: TransferPlan, sizes: list[int], batch: Batch,
-              blocks: Sequence[BufferLike]) -> tuple[bool, str | None]:
+def _raw_next(
+    plan: TransferPlan, sizes: list[int], batch: Batch, blocks: Sequence[BufferLike]
+) -> tuple[bool, str | None]:
     """Whether the run of batches from ``batch`` goes raw, inline, and the codec already chosen for it."""
     if plan.codec == "none":
         return True, None
@@ -276,8 +291,14 @@ def _raw_next(plan: TransferPlan, sizes: list[int], batch: Batch,
     return first == "none", first
 
 
-def _produce(blocks: Sequence[BufferLike], sizes: list[int], batches: list[Batch], first: str | None,
-             plan: TransferPlan, crcs: Sequence[int | None] | None) -> Iterator[PreparedBatch]:
+def _produce(
+    blocks: Sequence[BufferLike],
+    sizes: list[int],
+    batches: list[Batch],
+    first: str | None,
+    plan: TransferPlan,
+    crcs: Sequence[int | None] | None,
+) -> Iterator[PreparedBatch]:
     """The worker's side: calibrate and warm up (once), then encode and checksum ``batches`` in order."""
     arms = plan.arms()
     if plan.codec == AUTO and plan.controller is not None and batches:  # warms what it codes
@@ -302,8 +323,9 @@ def _produce(blocks: Sequence[BufferLike], sizes: list[int], batches: list[Batch
         yield prepared
 
 
-def _encoded(blocks: Sequence[BufferLike], batches: list[Batch], first: str | None,
-             plan: TransferPlan) -> Iterator[tuple[EncodedBatch, list[int] | None]]:
+def _encoded(
+    blocks: Sequence[BufferLike], batches: list[Batch], first: str | None, plan: TransferPlan
+) -> Iterator[tuple[EncodedBatch, list[int] | None]]:
     """``pipeline.iter_encoded`` inline (we are on the worker already), with ``none`` batches left uncopied;
     ``first``: the codec already chosen for the first batch. With each batch, a lossy codec's CRC32Cs (of
     what the receiver will decode); None: the raw bytes' CRCs are wanted."""
@@ -320,8 +342,18 @@ def _encoded(blocks: Sequence[BufferLike], batches: list[Batch], first: str | No
                 out = np.empty(v.nbytes, dtype=np.uint8)
                 payloads.append(impl.encode_decoded(v, plan.dtype, DEFAULT_OPTIONS, out))
                 sums.append(crc32c(out))
-            yield EncodedBatch(batch.start, impl.name, impl.id, plan.dtype, [v.nbytes for v in views], payloads,
-                               time.perf_counter() - began), sums
+            yield (
+                EncodedBatch(
+                    batch.start,
+                    impl.name,
+                    impl.id,
+                    plan.dtype,
+                    [v.nbytes for v in views],
+                    payloads,
+                    time.perf_counter() - began,
+                ),
+                sums,
+            )
         else:
             yield encode_batch(codec, part, plan.dtype, start=batch.start), None
 

@@ -24,6 +24,7 @@
   (DATA_LOSS on a mismatch). What decoding cost is kept and sent with the
   next Get (``take_report()``) so the server's controller learns it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
@@ -58,8 +59,9 @@ class ClientCoding:
             self._controller = Controller(self._config or transfer_config())
         return self._controller
 
-    def put_plan(self, codec: str | None, dtype: str, lossy_ok: bool,
-                 lossy_allowed: Callable[[], bool]) -> TransferPlan | None:
+    def put_plan(
+        self, codec: str | None, dtype: str, lossy_ok: bool, lossy_allowed: Callable[[], bool]
+    ) -> TransferPlan | None:
         codec = self.codec if codec is None else check_codec(codec)
         if codec == "none" or not codable(dtype):
             return None
@@ -82,9 +84,17 @@ class ClientCoding:
         return DecodeTally.to_wire(self.report.take())
 
     # -- put ------------------------------------------------------------------------------------
-    def put_requests(self, namespace: str, hashes: Sequence[bytes], parents: Sequence[bytes],
-                     blocks: Sequence[Any], plan: TransferPlan, clock: SendClock,
-                     chunk_bytes: int, errors: list[BaseException]) -> Iterator[pb.PutRequest]:
+    def put_requests(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        parents: Sequence[bytes],
+        blocks: Sequence[Any],
+        plan: TransferPlan,
+        clock: SendClock,
+        chunk_bytes: int,
+        errors: list[BaseException],
+    ) -> Iterator[pb.PutRequest]:
         first = True
         stream = prepare(blocks, plan, on_stall=clock.stalled)
         try:
@@ -100,13 +110,22 @@ class ClientCoding:
                 clock.begin()
                 for j, payload in enumerate(enc.payloads):
                     i = enc.start + j
-                    header = pb.BlockHeader(hash=hashes[i], parent=parents[i], codec=enc.codec_id,
-                                            raw_length=enc.raw_lengths[j], stored_length=len(payload),
-                                            crc32c=prepared.crcs[j], dtype=plan.dtype)
+                    header = pb.BlockHeader(
+                        hash=hashes[i],
+                        parent=parents[i],
+                        codec=enc.codec_id,
+                        raw_length=enc.raw_lengths[j],
+                        stored_length=len(payload),
+                        crc32c=prepared.crcs[j],
+                        dtype=plan.dtype,
+                    )
                     view = memoryview(payload)
                     whole = isinstance(payload, bytes) and len(payload) <= chunk_bytes
-                    yield pb.PutRequest(namespace=namespace if first else "", header=header,
-                                        data=payload if whole else bytes(view[:chunk_bytes]))
+                    yield pb.PutRequest(
+                        namespace=namespace if first else "",
+                        header=header,
+                        data=payload if whole else bytes(view[:chunk_bytes]),
+                    )
                     first = False
                     for start in range(chunk_bytes, len(view), chunk_bytes):
                         yield pb.PutRequest(data=bytes(view[start : start + chunk_bytes]))
@@ -115,8 +134,9 @@ class ClientCoding:
             stream.close()
 
     # -- get ------------------------------------------------------------------------------------
-    def receive(self, messages: Iterator[pb.GetResponse], count: int, out: Sequence[Any] | None,
-                verify: bool) -> list[Any]:
+    def receive(
+        self, messages: Iterator[pb.GetResponse], count: int, out: Sequence[Any] | None, verify: bool
+    ) -> list[Any]:
         from kvstore.client import KVStoreError, as_bytes_view
 
         results: list[Any] = []
@@ -143,8 +163,9 @@ class ClientCoding:
                 index = len(results)
                 if header.codec == pb.CODEC_NONE:
                     if verify and crc32c(buf[: header.raw_length]) != header.crc32c:
-                        raise KVStoreError(grpc.StatusCode.DATA_LOSS,
-                                           f"block {index} ({header.hash.hex()}) failed its CRC32C check")
+                        raise KVStoreError(
+                            grpc.StatusCode.DATA_LOSS, f"block {index} ({header.hash.hex()}) failed its CRC32C check"
+                        )
                     results.append(out[index] if out is not None else buf)
                 else:
                     dest = _destination(header, out, index, as_bytes_view)
@@ -159,8 +180,11 @@ class ClientCoding:
         if verify:
             for index, h, dest in coded:
                 if crc32c(dest[: h.raw_length]) != h.crc32c:
-                    raise KVStoreError(grpc.StatusCode.DATA_LOSS, f"block {index} ({h.hash.hex()}) failed its CRC32C "
-                                                                  f"check after decoding {get_codec(h.codec).name}")
+                    raise KVStoreError(
+                        grpc.StatusCode.DATA_LOSS,
+                        f"block {index} ({h.hash.hex()}) failed its CRC32C "
+                        f"check after decoding {get_codec(h.codec).name}",
+                    )
         return results
 
     def _tally(self, coded: list[tuple[int, pb.BlockHeader, Any]], totals: Any) -> None:

@@ -28,6 +28,7 @@ batch, ratio and GB/s estimates per arm, dtype and size class),
 ``codec_get_blocks_<codec>`` blocks sent per codec, ``codec_put_blocks_<codec>``
 and ``codec_put_decode_seconds_<codec>`` for encoded blocks received.
 """
+
 from __future__ import annotations
 
 import time
@@ -43,10 +44,8 @@ from .controller import Controller, ControllerConfig
 from .policy import LossyPolicy
 from .registry import codec_names, decode, get_codec
 from .sendclock import SendClock
-from .transfer import (AUTO, DecodeTally, TransferPlan, codable, metric_items, observe_decode, prepare,
-                       transfer_config)
+from .transfer import AUTO, DecodeTally, TransferPlan, codable, metric_items, observe_decode, prepare, transfer_config
 from .warmup import cost_clock, warm_up
-
 
 WARM_BYTES = 64 << 10
 
@@ -54,8 +53,9 @@ WARM_BYTES = 64 << 10
 class ServerCoding:
     """The node-wide Get controller, the namespace lossy policy, and the codec counters."""
 
-    def __init__(self, metrics: Any, lossy: LossyPolicy | None = None, codec: str = AUTO,
-                 config: ControllerConfig | None = None):
+    def __init__(
+        self, metrics: Any, lossy: LossyPolicy | None = None, codec: str = AUTO, config: ControllerConfig | None = None
+    ):
         self.metrics, self.lossy = metrics, lossy or LossyPolicy()
         self.codec = codec if codec == AUTO else get_codec(codec).name
         self.controller = Controller(config or transfer_config())
@@ -135,8 +135,11 @@ class GetTransfer:
         run: list[tuple[Any, Any]] = []  # (lease, raw bytes) of consecutive blocks to code under one dtype
         for lease in window:
             if lease is not None and self._to_code(lease):
-                raw = lease.buffer if lease.codec == pb.CODEC_NONE else decode(
-                    lease.codec, lease.buffer, lease.dtype, lease.raw_length)
+                raw = (
+                    lease.buffer
+                    if lease.codec == pb.CODEC_NONE
+                    else decode(lease.codec, lease.buffer, lease.dtype, lease.raw_length)
+                )
                 if run and run[0][0].dtype != lease.dtype:
                     yield from self._coded(run, chunk_bytes)
                     run = []
@@ -167,8 +170,14 @@ class GetTransfer:
             self.clock.begin()
             for j, payload in enumerate(enc.payloads):
                 lease = leases[enc.start + j]
-                header = pb.BlockHeader(hash=lease.hash, codec=enc.codec_id, raw_length=enc.raw_lengths[j],
-                                        stored_length=len(payload), crc32c=prepared.crcs[j], dtype=lease.dtype)
+                header = pb.BlockHeader(
+                    hash=lease.hash,
+                    codec=enc.codec_id,
+                    raw_length=enc.raw_lengths[j],
+                    stored_length=len(payload),
+                    crc32c=prepared.crcs[j],
+                    dtype=lease.dtype,
+                )
                 yield from _chunked(header, memoryview(payload), chunk_bytes)
             self.clock.sent(enc.encoded_bytes)
             self.sent[enc.codec] += len(enc.payloads)
@@ -181,8 +190,14 @@ class GetTransfer:
         if codec not in self._accepted_ids:  # stored encoded, not codable here (dtype): send it decoded
             buf = decode(codec, buf, lease.dtype, lease.raw_length)
             codec, stored = pb.CODEC_NONE, lease.raw_length
-        header = pb.BlockHeader(hash=lease.hash, codec=codec, raw_length=lease.raw_length, stored_length=stored,
-                                crc32c=lease.crc32c, dtype=lease.dtype)
+        header = pb.BlockHeader(
+            hash=lease.hash,
+            codec=codec,
+            raw_length=lease.raw_length,
+            stored_length=stored,
+            crc32c=lease.crc32c,
+            dtype=lease.dtype,
+        )
         self.clock.begin()
         yield from _chunked(header, memoryview(as_u8(buf))[:stored], chunk_bytes)
         self.clock.sent(stored)

@@ -26,6 +26,7 @@ keep a codec that would win out of reach for good. Verbs and promises:
   It also marks the arms observed, so the controller does not try each
   one on the wire first.
 """
+
 from __future__ import annotations
 
 import threading
@@ -82,8 +83,9 @@ def calibrated(controller: Controller, arms: Iterable[str], dtype: str) -> bool:
         return all((a, dtype) in seen for a in arms)
 
 
-def calibrate(controller: Controller, arms: Iterable[str], dtype: str, blocks: Sequence[BufferLike],
-              context: Context) -> None:
+def calibrate(
+    controller: Controller, arms: Iterable[str], dtype: str, blocks: Sequence[BufferLike], context: Context
+) -> None:
     """Observe each not yet calibrated arm coding ``blocks`` here (see the module docstring)."""
     with _calibrated_lock:
         seen = _calibrated.setdefault(controller, set())

@@ -6,6 +6,7 @@ is what lets the encoder pipeline overlap coding with sending. Level 1 on
 purpose: higher levels gain nothing on KV (DESIGN 5). Payload: one zstd frame
 with the content size in its header.
 """
+
 from __future__ import annotations
 
 import threading
@@ -13,7 +14,7 @@ import threading
 import numpy as np
 import zstandard
 
-from .base import Codec, CodecError, EncodeOptions, DEFAULT_OPTIONS, check_out
+from .base import DEFAULT_OPTIONS, Codec, CodecError, EncodeOptions, check_out
 
 LEVEL = 1
 _local = threading.local()

@@ -15,6 +15,7 @@ the same rules as the gRPC Put/Get:
 
 Without a tenants file the principal is open and all three pass.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,11 +28,11 @@ from kvstore.lanes.base import LaneError
 
 @dataclass(frozen=True)
 class LaneAccess:
-    gate: Any = None        # kvstore.server.auth.Gatekeeper, or None for an embedded store
-    principal: Any = None   # kvstore.server.auth.Principal of the OpenLane call
+    gate: Any = None  # kvstore.server.auth.Gatekeeper, or None for an embedded store
+    principal: Any = None  # kvstore.server.auth.Principal of the OpenLane call
 
     @classmethod
-    def of_current_call(cls, gate: Any) -> "LaneAccess":
+    def of_current_call(cls, gate: Any) -> LaneAccess:
         if gate is None:
             return cls()
         from kvstore.server.auth import current_principal

@@ -26,6 +26,7 @@ device region (``cuda_server``/``cuda_client``): the store verbs
 (``storeops.StoreOps``), grants and leases (``grants``), tokens and expiry
 (``registry``) are reused as they are.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -34,7 +35,8 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -75,8 +77,9 @@ class Lane(ABC):
         """Store a batch; a ``kvstore.client.PutResult`` per block, in order."""
 
     @abstractmethod
-    def get(self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None,
-            allow_missing: bool, verify: bool) -> list[Any]:
+    def get(
+        self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None, allow_missing: bool, verify: bool
+    ) -> list[Any]:
         """Fetch a batch in order (None for a missing block with ``allow_missing``)."""
 
     @abstractmethod

@@ -16,12 +16,13 @@ memory already faulted in ran at 10 GB/s. So:
   in every batch again: measured, 2 MiB TCP gets at 3.6-4.5 GB/s instead of
   6). One larger than the whole pool is unmapped as usual.
 """
+
 from __future__ import annotations
 
 import mmap
 import threading
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -19,6 +19,7 @@ user, and under Yama's ``ptrace_scope`` 1 only if the client named us with
   socket (SO_PEERCRED): the one fact a client cannot forge.
 - ``available()``: Linux with the syscall present.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -55,8 +56,14 @@ def _lib() -> Any:
     if _libc is None:
         lib = ctypes.CDLL(None, use_errno=True)
         for fn in (lib.process_vm_readv, lib.process_vm_writev):
-            fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
-                           ctypes.c_ulong, ctypes.c_ulong]
+            fn.argtypes = [
+                ctypes.c_int,
+                ctypes.POINTER(_IoVec),
+                ctypes.c_ulong,
+                ctypes.POINTER(_IoVec),
+                ctypes.c_ulong,
+                ctypes.c_ulong,
+            ]
             fn.restype = ctypes.c_ssize_t
         lib.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
         lib.prctl.restype = ctypes.c_int
@@ -105,8 +112,11 @@ def _transfer(syscall: Any, verb: str, pid: int, local_buf: memoryview, address:
         got = syscall(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
         if got != size:
             err = ctypes.get_errno() if got < 0 else 0
-            raise DirectReadError(err, f"{verb} {max(got, 0)} of {size} bytes at {address + start:#x} in process "
-                                       f"{pid}{': ' + os.strerror(err) if err else ''}")
+            raise DirectReadError(
+                err,
+                f"{verb} {max(got, 0)} of {size} bytes at {address + start:#x} in process "
+                f"{pid}{': ' + os.strerror(err) if err else ''}",
+            )
         if crc:
             value = crc32c(local[start : start + size], value)
     return value

@@ -7,11 +7,13 @@ pool, and returns the results in order. Batches under ``SPLIT_BYTES`` stay on th
 work to another thread costs tens of microseconds. ``fn`` must let go of the GIL for its bulk (numpy copies,
 CRC32C and process_vm_readv/writev all do).
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -26,7 +28,9 @@ def default_threads() -> int:
 class CopyPool:
     def __init__(self, threads: int | None = None):
         self.threads = threads or default_threads()
-        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvstore-copy") if self.threads > 1 else None
+        self._pool = (
+            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvstore-copy") if self.threads > 1 else None
+        )
 
     def run(self, fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int]) -> list[R]:
         total = sum(weights)

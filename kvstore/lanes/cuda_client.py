@@ -12,17 +12,20 @@ block copied into device memory is not checked here, since that would cost
 the device-to-host copy this lane exists to avoid (the server checks every
 NVMe read before a block is served, and HBM has ECC).
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
 from kvstore.checksum import crc32c
+from kvstore.devices import Copier, flat_bytes
+from kvstore.devices import is_device_tensor as is_device
 from kvstore.lanes.buffers import alloc_blocks
 from kvstore.lanes.cuda_region import attach
-from kvstore.devices import Copier, flat_bytes, is_device_tensor as is_device
 from kvstore.lanes.memops import host_view
 from kvstore.lanes.shm_client import ShmClientLane, _corrupt, _error
 from kvstore.lanes.shm_loans import Lender
@@ -35,8 +38,13 @@ class CudaIpcClientLane(ShmClientLane):
     kind = "cuda_ipc"
     commit_bytes = 64 << 20  # device copies are quick: fewer, larger commits (each costs a message and a sync)
 
-    def __init__(self, stub: lpb_grpc.KVStoreLanesStub, opened: lpb.OpenLaneResponse,
-                 metadata: tuple[tuple[str, str], ...], timeout: float):
+    def __init__(
+        self,
+        stub: lpb_grpc.KVStoreLanesStub,
+        opened: lpb.OpenLaneResponse,
+        metadata: tuple[tuple[str, str], ...],
+        timeout: float,
+    ):
         self.region = attach(opened.cuda_region, opened.shm_bytes)  # type: ignore[assignment]
         self.ref = lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)
         self._stub, self._metadata, self._timeout = stub, metadata, timeout
@@ -62,8 +70,16 @@ class CudaIpcClientLane(ShmClientLane):
         self._copier.settle()
 
     # -- get ---------------------------------------------------------------------------
-    def _take_blocks(self, present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None,
-                     verify: bool, results: list[Any], loan: Any, crcs_at_copy: bool) -> None:
+    def _take_blocks(
+        self,
+        present: list[lpb.BlockDescriptor],
+        start: int,
+        out: Sequence[Any] | None,
+        verify: bool,
+        results: list[Any],
+        loan: Any,
+        crcs_at_copy: bool,
+    ) -> None:
         import torch
 
         landed: list[tuple[int, lpb.BlockDescriptor, Any]] = []

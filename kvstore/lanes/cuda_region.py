@@ -22,25 +22,27 @@ on the bytes after they landed in the arena slot.
 
 Only ``_export_cuda``/``_import_cuda`` touch CUDA-only calls.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.lanes.shm_region import RegionError, ShmRegion, attach as attach_shm
+from kvstore.lanes.shm_region import RegionError, ShmRegion
+from kvstore.lanes.shm_region import attach as attach_shm
 from kvstore.v1 import lanes_pb2 as lpb
 
 
 @dataclass
 class DeviceRegion:
     size: int
-    view: Any                          # flat uint8 torch tensor over the whole region
+    view: Any  # flat uint8 torch tensor over the whole region
     message: lpb.CudaIpcRegion
     device: str
     _host: ShmRegion | None = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, device: str, size: int, shm_dir: str | None = None) -> "DeviceRegion":
+    def create(cls, device: str, size: int, shm_dir: str | None = None) -> DeviceRegion:
         import torch
 
         if device == "cpu":
@@ -84,14 +86,22 @@ def _export_cuda(tensor: Any) -> lpb.CudaIpcRegion:
     import torch
 
     storage = tensor.untyped_storage()
-    (device, handle, storage_bytes, storage_offset, ref_handle, ref_offset, event_handle,
-     event_sync) = storage._share_cuda_()
+    (device, handle, storage_bytes, storage_offset, ref_handle, ref_offset, event_handle, event_sync) = (
+        storage._share_cuda_()
+    )
     index = int(device) if not hasattr(device, "index") else int(device.index or 0)
     uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
-    return lpb.CudaIpcRegion(device_uuid=uuid, device_index=index, handle=bytes(handle), storage_bytes=storage_bytes,
-                             storage_offset=storage_offset, ref_counter_handle=bytes(ref_handle),
-                             ref_counter_offset=ref_offset, event_handle=bytes(event_handle or b""),
-                             event_sync_required=bool(event_sync))
+    return lpb.CudaIpcRegion(
+        device_uuid=uuid,
+        device_index=index,
+        handle=bytes(handle),
+        storage_bytes=storage_bytes,
+        storage_offset=storage_offset,
+        ref_counter_handle=bytes(ref_handle),
+        ref_counter_offset=ref_offset,
+        event_handle=bytes(event_handle or b""),
+        event_sync_required=bool(event_sync),
+    )
 
 
 def _local_index(uuid: str, fallback: int) -> int:
@@ -113,8 +123,15 @@ def _import_cuda(m: lpb.CudaIpcRegion) -> Any:
     with torch.cuda.device(index):
         try:
             storage = torch.UntypedStorage._new_shared_cuda(
-                index, m.handle, m.storage_bytes, m.storage_offset, m.ref_counter_handle, m.ref_counter_offset,
-                m.event_handle or None, m.event_sync_required)
+                index,
+                m.handle,
+                m.storage_bytes,
+                m.storage_offset,
+                m.ref_counter_handle,
+                m.ref_counter_offset,
+                m.event_handle or None,
+                m.event_sync_required,
+            )
         except RuntimeError as err:
             raise RegionError(1, f"cannot open the cuda_ipc handle on cuda:{index}: {err}") from None
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, 0, (m.storage_bytes,))

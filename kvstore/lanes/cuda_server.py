@@ -21,10 +21,11 @@ get 1 (slot -> region) + 1 (region -> client tensor). Device-to-device copies
 run at HBM bandwidth, so the second copy that buys isolation (no client maps
 the arena) costs microseconds per MiB.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
 
 import grpc
 

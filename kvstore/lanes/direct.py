@@ -26,6 +26,7 @@ only make the server read its own memory, and a bad address fails that block
 with INVALID_ARGUMENT. Anything that fails in the handshake leaves the lane
 as it was: copies through the region.
 """
+
 from __future__ import annotations
 
 import errno
@@ -54,6 +55,7 @@ TIMEOUT = 2.0
 @dataclass
 class DirectPeer:
     """The client process a lane may read from, pinned by a pidfd."""
+
     pid: int
     pidfd: int
     _closed: bool = field(default=False, repr=False)
@@ -118,7 +120,7 @@ class DirectListener:
         self._thread = threading.Thread(target=self._serve, name="kvstore-direct", daemon=True)
         self._closed = threading.Event()
 
-    def start(self) -> "DirectListener":
+    def start(self) -> DirectListener:
         self._thread.start()
         return self
 

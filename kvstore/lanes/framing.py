@@ -35,13 +35,14 @@ while more than a piece of the frame is still to come (one wake-up per piece).
 A sender therefore sends a whole frame without waiting for the receiver: a
 receiver counts on the rest of the frame to arrive.
 """
+
 from __future__ import annotations
 
 import socket
 import struct
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 HEADER = struct.Struct("<4sB3xIQ")
 CRC = struct.Struct("<I")
@@ -135,8 +136,9 @@ def drain(sock: socket.socket, nbytes: int, scratch: memoryview | None = None) -
         nbytes -= k
 
 
-def send_blocks_crc(sock: socket.socket, head: Sequence[memoryview], payloads: Sequence[memoryview],
-                    piece: int = PIECE) -> None:
+def send_blocks_crc(
+    sock: socket.socket, head: Sequence[memoryview], payloads: Sequence[memoryview], piece: int = PIECE
+) -> None:
     """Send ``head``, then each payload followed by its CRC32C (u32), checksumming piece by piece.
 
     Each piece's CRC32C is computed just before ``sendmsg`` hands that piece to
@@ -176,8 +178,7 @@ def send_blocks_crc(sock: socket.socket, head: Sequence[memoryview], payloads: S
         send_all(sock, parts)
 
 
-def recv_into_crc(sock: socket.socket, view: memoryview, piece: int = PIECE, after: int = 0,
-                  lowat: int = LOWAT) -> int:
+def recv_into_crc(sock: socket.socket, view: memoryview, piece: int = PIECE, after: int = 0, lowat: int = LOWAT) -> int:
     """Fill ``view`` piece by piece, computing the CRC32C of each piece while it is in cache.
 
     ``after``: bytes of the same frame that follow ``view``, which the peer

@@ -23,14 +23,16 @@ Verbs of ``GrantTable`` (thread-safe; one per shared-memory lane):
   caller aborts their store tickets).
 - ``close() -> items``: everything pending, for the lane's close.
 """
+
 from __future__ import annotations
 
 import bisect
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 
@@ -45,7 +47,7 @@ class RangeAllocator:
 
     def __init__(self, size: int, align: int = ALIGN):
         self.size, self.align = size, align
-        self._starts: list[int] = [0]   # free ranges, sorted by start, coalesced
+        self._starts: list[int] = [0]  # free ranges, sorted by start, coalesced
         self._lengths: list[int] = [size]
         self._used: dict[int, int] = {}
 
@@ -83,17 +85,17 @@ class RangeAllocator:
 @dataclass(slots=True)
 class Slot:
     index: int
-    offset: int          # -1: no range (final result, or a missing get block)
+    offset: int  # -1: no range (final result, or a missing get block)
     length: int
     hash: bytes
-    item: Any = None     # put: the store reservation to commit or abort
+    item: Any = None  # put: the store reservation to commit or abort
     state: int = PENDING
 
 
 @dataclass
 class Grant:
     id: int
-    kind: str            # "put" or "get"
+    kind: str  # "put" or "get"
     expires: float
     slots: list[Slot] = field(default_factory=list)
 
@@ -142,21 +144,33 @@ class GrantTable:
         with self._lock:
             grant = self._grants.get(grant_id)
             if grant is None or grant.kind != "put" or grant.expires < time.monotonic():
-                raise LaneError(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"put grant {grant_id} is unknown, finished or expired (leases last "
-                                f"{self.lease:g}s): reserve the blocks again")
+                raise LaneError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"put grant {grant_id} is unknown, finished or expired (leases last "
+                    f"{self.lease:g}s): reserve the blocks again",
+                )
             slots: list[Slot] = []
             seen: set[int] = set()
             for d in descriptors:
                 slot = grant.slots[d.index] if d.index < len(grant.slots) else None
-                if (slot is None or slot.offset < 0 or d.index in seen or slot.offset != d.offset
-                        or slot.length != d.length or slot.hash != d.hash):
-                    raise LaneError(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"descriptor of block {d.index} (offset {d.offset}, length {d.length}) does "
-                                    f"not match a slot granted in grant {grant_id}")
+                if (
+                    slot is None
+                    or slot.offset < 0
+                    or d.index in seen
+                    or slot.offset != d.offset
+                    or slot.length != d.length
+                    or slot.hash != d.hash
+                ):
+                    raise LaneError(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"descriptor of block {d.index} (offset {d.offset}, length {d.length}) does "
+                        f"not match a slot granted in grant {grant_id}",
+                    )
                 if slot.state != PENDING:
-                    raise LaneError(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"block {d.index} of grant {grant_id} was already committed or aborted")
+                    raise LaneError(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"block {d.index} of grant {grant_id} was already committed or aborted",
+                    )
                 seen.add(d.index)
                 slots.append(slot)
             for slot in slots:

@@ -25,13 +25,15 @@ and retries ``fn`` once on a fresh one. At most ``max_lanes`` lanes are open;
 more concurrent calls wait for one. ``kind`` is the lane in use ("grpc" when
 none); ``close()`` closes every lane.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 
@@ -51,8 +53,18 @@ _NAMES = {v: k for k, v in _KINDS.items()}
 
 
 class LanePool:
-    def __init__(self, channel: grpc.Channel, target: str, mode: str, *, metadata: tuple[tuple[str, str], ...],
-                 timeout: float, tls: bool, max_lanes: int = MAX_LANES, optional: bool = False):
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        target: str,
+        mode: str,
+        *,
+        metadata: tuple[tuple[str, str], ...],
+        timeout: float,
+        tls: bool,
+        max_lanes: int = MAX_LANES,
+        optional: bool = False,
+    ):
         if mode not in MODES:
             raise ValueError(f"lane must be one of {', '.join(MODES)}; got {mode!r}")
         self.mode, self.target, self.tls = mode, target, tls
@@ -191,8 +203,9 @@ class LanePool:
                 reasons.append(f"{kind}: {err}")
                 self._close_remote(reply)
                 wanted.remove(kind)
-        return self._no_lane(code if code != grpc.StatusCode.UNIMPLEMENTED else grpc.StatusCode.FAILED_PRECONDITION,
-                             reasons, retry=True)
+        return self._no_lane(
+            code if code != grpc.StatusCode.UNIMPLEMENTED else grpc.StatusCode.FAILED_PRECONDITION, reasons, retry=True
+        )
 
     def _no_lane(self, code: grpc.StatusCode, reasons: list[str], retry: bool) -> None:
         """No lane: the caller uses gRPC (auto), or hears why (an explicit lane)."""
@@ -220,8 +233,11 @@ class LanePool:
 
     def _close_remote(self, reply: lpb.OpenLaneResponse) -> None:
         try:
-            self._stub.CloseLane(lpb.CloseLaneRequest(lane=lpb.LaneRef(lane_id=reply.lane_id, token=reply.token)),
-                                 timeout=5, metadata=self._metadata)
+            self._stub.CloseLane(
+                lpb.CloseLaneRequest(lane=lpb.LaneRef(lane_id=reply.lane_id, token=reply.token)),
+                timeout=5,
+                metadata=self._metadata,
+            )
         except grpc.RpcError:
             pass
 

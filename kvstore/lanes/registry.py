@@ -14,6 +14,7 @@ Verbs of ``LaneRegistry`` (thread-safe):
 Gauges ``lane_<kind>_open`` and the counter ``lane_grants_expired`` show in
 Stats.counters and on /metrics.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,10 @@ class LaneRegistry:
     def add(self, lane: ServerLane) -> None:
         with self._lock:
             if len(self._lanes) >= self.max_lanes:
-                raise LaneError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{len(self._lanes)} lanes are open, the limit of this node; use the gRPC path")
+                raise LaneError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{len(self._lanes)} lanes are open, the limit of this node; use the gRPC path",
+                )
             self._lanes[lane.lane_id] = lane
         self._gauges()
 
@@ -59,9 +62,10 @@ class LaneRegistry:
         with self._lock:
             lane = self._lanes.get(lane_id)
         if lane is None or lane.closed.is_set():
-            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"lane {lane_id!r} is not open (closed, idle too long, or the node restarted); "
-                            f"open a new lane")
+            raise LaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"lane {lane_id!r} is not open (closed, idle too long, or the node restarted); open a new lane",
+            )
         if not lane.check_token(token) or lane.kind != kind:
             raise LaneError(grpc.StatusCode.PERMISSION_DENIED, f"wrong token for {kind} lane {lane_id!r}")
         lane.touch()

@@ -8,6 +8,7 @@ servicer, and registers the servicer on the gRPC server. ``close(grace)``
 stops the listener after in-flight frames and closes every lane (aborting
 outstanding grants, unlinking regions).
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +48,12 @@ class LaneServer:
         if "shm" in kinds and cfg.shm_lane_bytes < cfg.max_block:
             raise ValueError(f"--shm-lane-bytes ({cfg.shm_lane_bytes}) must hold the largest block ({cfg.max_block})")
         self.ops = StoreOps(node.store, node.limits, node.metrics)
-        self.registry = LaneRegistry(node.metrics, lease_seconds=cfg.lane_lease,
-                                     idle_seconds=IDLE_LEASES * cfg.lane_lease, max_lanes=cfg.lane_max)
+        self.registry = LaneRegistry(
+            node.metrics,
+            lease_seconds=cfg.lane_lease,
+            idle_seconds=IDLE_LEASES * cfg.lane_lease,
+            max_lanes=cfg.lane_max,
+        )
         self.tcp: TcpLaneServer | None = None
         if "tcp" in kinds and cfg.tls_cert:
             log.warning("tcp lane off: gRPC uses TLS and the tcp lane is plaintext (shm and gRPC remain)")
@@ -72,13 +77,21 @@ class LaneServer:
         cuda_device = _cuda_lane_device(cfg) if "cuda_ipc" in kinds else None
         if cuda_device is not None and cfg.cuda_lane_bytes < cfg.max_block:
             raise ValueError(f"--cuda-lane-bytes ({cfg.cuda_lane_bytes}) must hold the largest block ({cfg.max_block})")
-        self.servicer = LaneServicer(self.registry, self.ops, host_id=host_id(), shm_dir=shm_dir,
-                                     shm_bytes=cfg.shm_lane_bytes, tcp=self.tcp, gate=getattr(node, "gate", None),
-                                     cuda_device=cuda_device, cuda_bytes=cfg.cuda_lane_bytes,
-                                     cuda_shm_dir=cfg.shm_dir if os.path.isdir(cfg.shm_dir) else None,
-                                     direct_socket=self.direct.path if self.direct is not None else "")
+        self.servicer = LaneServicer(
+            self.registry,
+            self.ops,
+            host_id=host_id(),
+            shm_dir=shm_dir,
+            shm_bytes=cfg.shm_lane_bytes,
+            tcp=self.tcp,
+            gate=getattr(node, "gate", None),
+            cuda_device=cuda_device,
+            cuda_bytes=cfg.cuda_lane_bytes,
+            cuda_shm_dir=cfg.shm_dir if os.path.isdir(cfg.shm_dir) else None,
+            direct_socket=self.direct.path if self.direct is not None else "",
+        )
 
-    def register(self, server: grpc.Server) -> "LaneServer":
+    def register(self, server: grpc.Server) -> LaneServer:
         lanes_pb2_grpc.add_KVStoreLanesServicer_to_server(self.servicer, server)
         self.registry.start()
         if self.direct is not None:

@@ -18,11 +18,13 @@ node's Gatekeeper authenticates every call (the interceptor); the tenant of
 the OpenLane call is bound to the lane and every namespace on it is checked
 against that tenant (``access.py``), on the TCP lane too.
 """
+
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import grpc
 
@@ -43,9 +45,21 @@ T = TypeVar("T")
 
 
 class LaneServicer(lpb_grpc.KVStoreLanesServicer):
-    def __init__(self, registry: LaneRegistry, ops: StoreOps, *, host_id: str, shm_dir: str | None,
-                 shm_bytes: int, tcp: TcpLaneServer | None, gate: Any = None, cuda_device: str | None = None,
-                 cuda_bytes: int = 0, cuda_shm_dir: str | None = None, direct_socket: str = ""):
+    def __init__(
+        self,
+        registry: LaneRegistry,
+        ops: StoreOps,
+        *,
+        host_id: str,
+        shm_dir: str | None,
+        shm_bytes: int,
+        tcp: TcpLaneServer | None,
+        gate: Any = None,
+        cuda_device: str | None = None,
+        cuda_bytes: int = 0,
+        cuda_shm_dir: str | None = None,
+        direct_socket: str = "",
+    ):
         self.registry, self.ops, self.host_id, self.gate = registry, ops, host_id, gate
         self.direct_socket = direct_socket  # "" when direct puts are off
         self.shm_dir, self.shm_bytes, self.tcp = shm_dir, shm_bytes, tcp
@@ -65,11 +79,13 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 if reply is not None:
                     reply.reason = "; ".join(reasons)
                     return reply
-            return lpb.OpenLaneResponse(kind=lpb.LANE_UNSPECIFIED, host_id=self.host_id,
-                                        reason="; ".join(reasons) or "no lane kind requested")
+            return lpb.OpenLaneResponse(
+                kind=lpb.LANE_UNSPECIFIED, host_id=self.host_id, reason="; ".join(reasons) or "no lane kind requested"
+            )
 
-    def _open(self, kind: int, request: lpb.OpenLaneRequest, reasons: list[str],
-              access: LaneAccess) -> lpb.OpenLaneResponse | None:
+    def _open(
+        self, kind: int, request: lpb.OpenLaneRequest, reasons: list[str], access: LaneAccess
+    ) -> lpb.OpenLaneResponse | None:
         common = dict(host_id=self.host_id, lease_seconds=self.registry.lease)
         if kind == lpb.LANE_SHM:
             if self.shm_dir is None:
@@ -79,13 +95,20 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 reasons.append("shm needs the same host")
                 return None
             shm_dir = self.shm_dir
-            lane = self._region_lane("shm", lambda: ShmRegion.create(shm_dir, self.shm_bytes), ShmServerLane,
-                                     reasons, access)
+            lane = self._region_lane(
+                "shm", lambda: ShmRegion.create(shm_dir, self.shm_bytes), ShmServerLane, reasons, access
+            )
             if lane is None:
                 return None
-            return lpb.OpenLaneResponse(kind=kind, lane_id=lane.lane_id, token=lane.token,
-                                        shm_path=lane.region.path, shm_bytes=lane.region.size,
-                                        direct_socket=self.direct_socket, **common)
+            return lpb.OpenLaneResponse(
+                kind=kind,
+                lane_id=lane.lane_id,
+                token=lane.token,
+                shm_path=lane.region.path,
+                shm_bytes=lane.region.size,
+                direct_socket=self.direct_socket,
+                **common,
+            )
         if kind == lpb.LANE_CUDA_IPC:
             return self._open_cuda(request, reasons, access, common)
         if kind == lpb.LANE_TCP:
@@ -95,13 +118,15 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             tlane = TcpServerLane()
             tlane.access = access
             self.registry.add(tlane)
-            return lpb.OpenLaneResponse(kind=kind, lane_id=tlane.lane_id, token=tlane.token,
-                                        tcp_port=self.tcp.port, **common)
+            return lpb.OpenLaneResponse(
+                kind=kind, lane_id=tlane.lane_id, token=tlane.token, tcp_port=self.tcp.port, **common
+            )
         reasons.append(f"unknown lane kind {kind}")
         return None
 
-    def _open_cuda(self, request: lpb.OpenLaneRequest, reasons: list[str], access: LaneAccess,
-                   common: dict[str, Any]) -> lpb.OpenLaneResponse | None:
+    def _open_cuda(
+        self, request: lpb.OpenLaneRequest, reasons: list[str], access: LaneAccess, common: dict[str, Any]
+    ) -> lpb.OpenLaneResponse | None:
         if self.cuda_device is None:
             reasons.append("cuda_ipc lane disabled on this node (off, or no CUDA device)")
             return None
@@ -112,15 +137,32 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             reasons.append("cuda_ipc cannot map a handle in the process that made it (client inside the server)")
             return None
         device = self.cuda_device
-        lane = self._region_lane("cuda_ipc", lambda: DeviceRegion.create(device, self.cuda_bytes, self.cuda_shm_dir),
-                                 CudaIpcServerLane, reasons, access)
+        lane = self._region_lane(
+            "cuda_ipc",
+            lambda: DeviceRegion.create(device, self.cuda_bytes, self.cuda_shm_dir),
+            CudaIpcServerLane,
+            reasons,
+            access,
+        )
         if lane is None:
             return None
-        return lpb.OpenLaneResponse(kind=lpb.LANE_CUDA_IPC, lane_id=lane.lane_id, token=lane.token,
-                                    shm_bytes=lane.region.size, cuda_region=lane.region.message, **common)
+        return lpb.OpenLaneResponse(
+            kind=lpb.LANE_CUDA_IPC,
+            lane_id=lane.lane_id,
+            token=lane.token,
+            shm_bytes=lane.region.size,
+            cuda_region=lane.region.message,
+            **common,
+        )
 
-    def _region_lane(self, name: str, make_region: Callable[[], Any], lane_class: type[ShmServerLane],
-                     reasons: list[str], access: LaneAccess) -> ShmServerLane | None:
+    def _region_lane(
+        self,
+        name: str,
+        make_region: Callable[[], Any],
+        lane_class: type[ShmServerLane],
+        reasons: list[str],
+        access: LaneAccess,
+    ) -> ShmServerLane | None:
         """A region lane (shm or cuda_ipc) registered for ``access``; None (with the reason) if no region."""
         try:
             region = make_region()
@@ -151,8 +193,9 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
         lane.attached()
         return lane
 
-    def LanePut(self, request_iterator: Iterator[lpb.LanePutRequest],
-                context: grpc.ServicerContext) -> Iterator[lpb.LanePutResponse]:
+    def LanePut(
+        self, request_iterator: Iterator[lpb.LanePutRequest], context: grpc.ServicerContext
+    ) -> Iterator[lpb.LanePutResponse]:
         with self.ops.metrics.rpc("LanePut", context):
             try:
                 yield from put_conversation(self._shm, request_iterator)
@@ -164,8 +207,10 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             outs = list(zip(request.out_addresses, request.out_lengths))
             if len(request.out_addresses) != len(request.out_lengths):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "out_addresses and out_lengths differ in length")
-            stream = self._run(context, lambda: self._shm(request.lane).get(request.request, request.release,
-                                                                          request.crc_at_copy, outs))
+            stream = self._run(
+                context,
+                lambda: self._shm(request.lane).get(request.request, request.release, request.crc_at_copy, outs),
+            )
             while True:
                 msg = self._run(context, lambda: next(stream, None))
                 if msg is None:
@@ -178,4 +223,4 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             return fn()
         except LaneError as err:
             context.abort(err.code, err.message)
-            raise AssertionError("unreachable")  # context.abort raises
+            raise AssertionError("unreachable") from None  # context.abort raises

@@ -20,12 +20,14 @@ closes with the lane (and the lane keeps working over gRPC without it). A
 client that stops reading before the last reply closes its end: the stream
 would be out of step.
 """
+
 from __future__ import annotations
 
 import logging
 import socket
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -45,8 +47,9 @@ def start(lookup: Callable[[str, bytes], Any]) -> Callable[[socket.socket, str, 
     """What ``DirectListener(on_bound=...)`` takes: serve each bound connection on a thread of its own."""
 
     def on_bound(conn: socket.socket, lane_id: str, token: bytes) -> None:
-        threading.Thread(target=serve, args=(conn, lane_id, token, lookup), name=f"kvstore-shm-channel-{lane_id}",
-                         daemon=True).start()
+        threading.Thread(
+            target=serve, args=(conn, lane_id, token, lookup), name=f"kvstore-shm-channel-{lane_id}", daemon=True
+        ).start()
 
     return on_bound
 
@@ -70,7 +73,9 @@ def serve(conn: socket.socket, lane_id: str, token: bytes, lookup: Callable[[str
                         return  # after an error the client may still be sending: the channel ends
                     continue
                 if frame.kind != framing.GET or frame.data_len:
-                    _status(conn, grpc.StatusCode.INVALID_ARGUMENT, f"unexpected frame kind {frame.kind} on a shm channel")
+                    _status(
+                        conn, grpc.StatusCode.INVALID_ARGUMENT, f"unexpected frame kind {frame.kind} on a shm channel"
+                    )
                     return
                 try:
                     request = lpb.LaneGetRequest.FromString(frame.meta)
@@ -145,8 +150,12 @@ def _answer(conn: socket.socket, request: lpb.LaneGetRequest, bound: _Bound) -> 
             return
         replies = None
         try:
-            replies = lane.get(request.request, request.release, request.crc_at_copy,
-                               list(zip(request.out_addresses, request.out_lengths)))
+            replies = lane.get(
+                request.request,
+                request.release,
+                request.crc_at_copy,
+                list(zip(request.out_addresses, request.out_lengths)),
+            )
             for msg in replies:
                 framing.send_frame(conn, framing.GET_REPLY, msg.SerializeToString())
         except LaneError as err:
@@ -242,8 +251,9 @@ class ShmChannel:
         if self._sock is None:
             return
         try:
-            framing.send_frame(self._sock, framing.STATUS,
-                               lpb.LaneStatus(code=grpc.StatusCode.OK.value[0]).SerializeToString())
+            framing.send_frame(
+                self._sock, framing.STATUS, lpb.LaneStatus(code=grpc.StatusCode.OK.value[0]).SerializeToString()
+            )
             while True:
                 frame = framing.recv_frame(self._sock)
                 if frame is None or frame.kind == framing.STATUS:

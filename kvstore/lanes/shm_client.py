@@ -26,12 +26,14 @@ checks the same bytes.
 
 The lane is used by one call at a time (``negotiate.LanePool``).
 """
+
 from __future__ import annotations
 
 import logging
 import queue
 import threading
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -41,8 +43,8 @@ from kvstore.lanes.buffers import alloc_blocks
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import handshake
-from kvstore.lanes.shm_channel import ShmChannel
 from kvstore.lanes.memops import copy_crc, copy_into, host_view
+from kvstore.lanes.shm_channel import ShmChannel
 from kvstore.lanes.shm_loans import Lender, Loan
 from kvstore.lanes.shm_region import attach
 from kvstore.v1 import kvstore_pb2 as pb
@@ -59,8 +61,13 @@ class ShmClientLane(Lane):
     commit_bytes = COMMIT_BYTES  # a commit is sent every this many bytes written
     _channel: ShmChannel | None = None  # Gets as frames on the direct handshake's socket, not gRPC calls
 
-    def __init__(self, stub: lpb_grpc.KVStoreLanesStub, opened: lpb.OpenLaneResponse,
-                 metadata: tuple[tuple[str, str], ...], timeout: float):
+    def __init__(
+        self,
+        stub: lpb_grpc.KVStoreLanesStub,
+        opened: lpb.OpenLaneResponse,
+        metadata: tuple[tuple[str, str], ...],
+        timeout: float,
+    ):
         self.region = attach(opened.shm_path, opened.shm_bytes)
         self.ref = lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)
         self._stub, self._metadata, self._timeout = stub, metadata, timeout
@@ -97,8 +104,9 @@ class ShmClientLane(Lane):
                         results[i] = _put_result(slot.result)
                         continue
                     self._place(slot, payloads[i])
-                    descriptors.append(lpb.BlockDescriptor(index=j, hash=headers[i].hash, offset=slot.offset,
-                                                           length=slot.length))
+                    descriptors.append(
+                        lpb.BlockDescriptor(index=j, hash=headers[i].hash, offset=slot.offset, length=slot.length)
+                    )
                     indices.append(i)
                     batch += slot.length
                     if batch >= self.commit_bytes:  # the server copies these while we write the next ones
@@ -118,8 +126,15 @@ class ShmClientLane(Lane):
             stream.close()
         return results
 
-    def _direct_round(self, stream: "PutStream", namespace: str, headers: Sequence[pb.BlockHeader],
-                      payloads: Sequence[Any], start: int, results: list[Any]) -> int:
+    def _direct_round(
+        self,
+        stream: PutStream,
+        namespace: str,
+        headers: Sequence[pb.BlockHeader],
+        payloads: Sequence[Any],
+        start: int,
+        results: list[Any],
+    ) -> int:
         """One reserve naming where each payload is; the server reads and commits what it grants."""
         addresses = [address_of(p)[0] for p in payloads[start:]]
         grant = stream.reserve(namespace, headers[start:], self._take_release(), addresses=addresses)
@@ -131,7 +146,7 @@ class ShmClientLane(Lane):
                 results[start + j] = _put_result(next(committed))
         return start + len(grant.slots)
 
-    def open_put(self) -> "PutStream":
+    def open_put(self) -> PutStream:
         """A LanePut conversation on this lane (its phases are public for tests and tools): over the lane's
         channel while it is open, else a gRPC stream."""
         if self._channel is not None and self._channel.claim():
@@ -150,16 +165,19 @@ class ShmClientLane(Lane):
         copy_into(self.region.view[slot.offset : slot.offset + slot.length], payload)
 
     # -- get ------------------------------------------------------------------------------
-    def get(self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None,
-            allow_missing: bool, verify: bool) -> list[Any]:
+    def get(
+        self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None, allow_missing: bool, verify: bool
+    ) -> list[Any]:
         results: list[Any] = [None] * len(hashes)
         outs = self._direct_outs(out) if self.direct and out is not None else None
         start = 0
         while start < len(hashes):
             request = lpb.LaneGetRequest(
-                lane=self.ref, release=self._take_release(),
+                lane=self.ref,
+                release=self._take_release(),
                 request=pb.GetRequest(namespace=namespace, hashes=hashes[start:], allow_missing=allow_missing),
-                crc_at_copy=verify)
+                crc_at_copy=verify,
+            )
             if outs is not None:  # the server writes each block into our buffer itself
                 request.out_addresses.extend(a for a, _ in outs[start:])
                 request.out_lengths.extend(n for _, n in outs[start:])
@@ -167,8 +185,9 @@ class ShmClientLane(Lane):
             start += handled
         return results
 
-    def _receive(self, request: lpb.LaneGetRequest, start: int, out: Sequence[Any] | None, verify: bool,
-                 results: list[Any]) -> int:
+    def _receive(
+        self, request: lpb.LaneGetRequest, start: int, out: Sequence[Any] | None, verify: bool, results: list[Any]
+    ) -> int:
         handled = -1
         for msg in self._replies(request):
             present = [d for d in msg.blocks if not d.header.missing]
@@ -198,8 +217,9 @@ class ShmClientLane(Lane):
             yield from self._stub.LaneGet(request, timeout=self._timeout, metadata=self._metadata)
 
     @staticmethod
-    def _take_written(present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None, verify: bool,
-                      results: list[Any]) -> None:
+    def _take_written(
+        present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None, verify: bool, results: list[Any]
+    ) -> None:
         """Blocks the server wrote into our buffers: check each CRC32C it took of what it wrote."""
         assert out is not None
         for d in present:
@@ -219,8 +239,16 @@ class ShmClientLane(Lane):
             outs.append(address_of(view))
         return outs
 
-    def _take_blocks(self, present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None,
-                     verify: bool, results: list[Any], loan: Loan | None, crcs_at_copy: bool) -> None:
+    def _take_blocks(
+        self,
+        present: list[lpb.BlockDescriptor],
+        start: int,
+        out: Sequence[Any] | None,
+        verify: bool,
+        results: list[Any],
+        loan: Loan | None,
+        crcs_at_copy: bool,
+    ) -> None:
         """Lend (no copy) or copy out the blocks of one LaneGet message, checking each CRC32C.
 
         With ``crcs_at_copy`` the server computed each CRC32C as it copied the block into the region, which
@@ -310,8 +338,9 @@ def _copy_out(c: tuple[memoryview, memoryview, bool]) -> int | None:
 def _put_result(r: pb.BlockResult) -> Any:
     from kvstore.client import _STATUS, PutResult, _code
 
-    return PutResult(r.hash, _STATUS.get(r.status, "rejected"), grpc.StatusCode.OK if not r.code else _code(r.code),
-                     r.reason)
+    return PutResult(
+        r.hash, _STATUS.get(r.status, "rejected"), grpc.StatusCode.OK if not r.code else _code(r.code), r.reason
+    )
 
 
 def _corrupt(i: int, d: lpb.BlockDescriptor) -> Exception:
@@ -366,16 +395,28 @@ class PutStream:
             raise LaneBroken(f"LanePut stream out of step: expected {step}")
         return getattr(reply, step)
 
-    def reserve(self, namespace: str, headers: Sequence[pb.BlockHeader], release: Sequence[int] = (),
-                addresses: Sequence[int] = ()) -> lpb.LaneGrant:
-        self._send(lpb.LanePutRequest(reserve=lpb.LaneReserve(namespace=namespace, headers=headers, release=release,
-                                                              addresses=addresses)))
+    def reserve(
+        self,
+        namespace: str,
+        headers: Sequence[pb.BlockHeader],
+        release: Sequence[int] = (),
+        addresses: Sequence[int] = (),
+    ) -> lpb.LaneGrant:
+        self._send(
+            lpb.LanePutRequest(
+                reserve=lpb.LaneReserve(namespace=namespace, headers=headers, release=release, addresses=addresses)
+            )
+        )
         return self._next("grant")
 
-    def send_commit(self, grant_id: int, descriptors: Sequence[lpb.BlockDescriptor],
-                    crc_from_server: bool = False) -> None:
-        self._send(lpb.LanePutRequest(commit=lpb.LaneCommit(grant_id=grant_id, blocks=descriptors,
-                                                            crc_from_server=crc_from_server)))
+    def send_commit(
+        self, grant_id: int, descriptors: Sequence[lpb.BlockDescriptor], crc_from_server: bool = False
+    ) -> None:
+        self._send(
+            lpb.LanePutRequest(
+                commit=lpb.LaneCommit(grant_id=grant_id, blocks=descriptors, crc_from_server=crc_from_server)
+            )
+        )
 
     def committed(self) -> Sequence[pb.BlockResult]:
         """Results of the oldest commit not yet collected."""

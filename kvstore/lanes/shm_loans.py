@@ -18,11 +18,12 @@ where the server put them:
   a time, so a caller that keeps many results never starves later Gets of
   region space: past the budget, blocks are copied out as before.
 """
+
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from kvstore.lanes.shm_region import ShmRegion
 
 
 class Loan:
-    def __init__(self, lender: "Lender", grant_id: int):
+    def __init__(self, lender: Lender, grant_id: int):
         self.grant_id = grant_id
         self.nbytes = 0
         self._lender = lender

@@ -17,6 +17,7 @@ before mapping it.
 mapped a region leaves the name behind; files of this uid whose server pid no
 longer runs are removed.
 """
+
 from __future__ import annotations
 
 import errno
@@ -40,11 +41,11 @@ class ShmRegion:
     path: str
     size: int
     mapping: mmap.mmap
-    array: np.ndarray   # uint8 view of the whole region
-    view: memoryview    # flat byte view of the whole region
+    array: np.ndarray  # uint8 view of the whole region
+    view: memoryview  # flat byte view of the whole region
 
     @classmethod
-    def create(cls, directory: str, size: int) -> "ShmRegion":
+    def create(cls, directory: str, size: int) -> ShmRegion:
         path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
@@ -89,8 +90,12 @@ def attach(path: str, size: int) -> ShmRegion:
         raise RegionError(err.errno, f"cannot open lane region {path}: {err.strerror}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o600 \
-                or st.st_size != size:
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_uid != os.geteuid()
+            or stat.S_IMODE(st.st_mode) != 0o600
+            or st.st_size != size
+        ):
             raise RegionError(errno.EPERM, f"lane region {path} is not a {size}-byte file of this user with mode 0600")
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
@@ -108,7 +113,7 @@ def sweep(directory: str, prefixes: tuple[str, ...] = (PREFIX, "kvstore-direct-"
         return 0
     for name in names:
         prefix = next((p for p in prefixes if name.startswith(p)), None)
-        pid_text = name[len(prefix):].partition("-")[0] if prefix else ""
+        pid_text = name[len(prefix) :].partition("-")[0] if prefix else ""
         if not pid_text.isdigit():
             continue
         path = os.path.join(directory, name)

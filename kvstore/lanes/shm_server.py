@@ -31,12 +31,14 @@ Verbs of ``ShmServerLane`` (called by ``servicer.LaneServicer``):
 - ``expire(now)`` / ``close()``: abort the store tickets of expired or
   outstanding put grants; ``close`` also unlinks and unmaps the region.
 """
+
 from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -58,11 +60,12 @@ FIRST_YIELD_BYTES = 2 << 20
 @dataclass(slots=True)
 class CopyOut:
     """One block of a Get on its way into the region."""
-    dst: memoryview | None        # the region range (None: written to the client's memory at address)
-    src: Any                      # the arena slot (host memory or an HBM tensor) or decoded bytes
+
+    dst: memoryview | None  # the region range (None: written to the client's memory at address)
+    src: Any  # the arena slot (host memory or an HBM tensor) or decoded bytes
     descriptor: lpb.BlockDescriptor
-    crc: bool                     # compute the CRC32C of the copied bytes into the descriptor
-    address: int = 0              # direct Get: where the block goes in the client's memory
+    crc: bool  # compute the CRC32C of the copied bytes into the descriptor
+    address: int = 0  # direct Get: where the block goes in the client's memory
 
 
 class ShmServerLane(ServerLane):
@@ -122,13 +125,16 @@ class ShmServerLane(ServerLane):
         finally:
             self.grants.arm(grant)
         if not reply.slots and metas:  # the client's region is taken by blocks it still holds: another lane
-            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"block 0 of {metas[0].stored_length} bytes does not fit what is free of the lane's "
-                            f"{self.region.size}-byte region")
+            raise LaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"block 0 of {metas[0].stored_length} bytes does not fit what is free of the lane's "
+                f"{self.region.size}-byte region",
+            )
         return reply
 
-    def commit(self, grant_id: int, descriptors: Sequence[lpb.BlockDescriptor],
-               crc_from_server: bool = False) -> lpb.LaneCommitted:
+    def commit(
+        self, grant_id: int, descriptors: Sequence[lpb.BlockDescriptor], crc_from_server: bool = False
+    ) -> lpb.LaneCommitted:
         grant, slots = self.grants.claim(grant_id, descriptors)
         reply = lpb.LaneCommitted()
         committed: list[int] = []
@@ -153,15 +159,22 @@ class ShmServerLane(ServerLane):
         self.ops.persist(committed)
         return reply
 
-    def commit_direct(self, grant: lpb.LaneGrant, headers: Sequence[pb.BlockHeader],
-                      addresses: Sequence[int]) -> lpb.LaneCommitted:
+    def commit_direct(
+        self, grant: lpb.LaneGrant, headers: Sequence[pb.BlockHeader], addresses: Sequence[int]
+    ) -> lpb.LaneCommitted:
         """Commit every block a direct reserve was granted, read from ``addresses`` (one per header)."""
         if len(addresses) != len(headers):
-            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"a direct reserve names {len(addresses)} addresses for {len(headers)} blocks")
-        descriptors = [lpb.BlockDescriptor(index=j, hash=headers[j].hash, offset=slot.offset, length=slot.length,
-                                           address=addresses[j])
-                       for j, slot in enumerate(grant.slots) if slot.result.status == pb.PUT_STATUS_UNSPECIFIED]
+            raise LaneError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a direct reserve names {len(addresses)} addresses for {len(headers)} blocks",
+            )
+        descriptors = [
+            lpb.BlockDescriptor(
+                index=j, hash=headers[j].hash, offset=slot.offset, length=slot.length, address=addresses[j]
+            )
+            for j, slot in enumerate(grant.slots)
+            if slot.result.status == pb.PUT_STATUS_UNSPECIFIED
+        ]
         if not descriptors:  # every block already present or refused: the grant holds nothing
             return lpb.LaneCommitted()
         return self.commit(grant.grant_id, descriptors, crc_from_server=True)
@@ -173,10 +186,14 @@ class ShmServerLane(ServerLane):
         """Copy each granted block into its arena slot (from the region, or from the client's memory at the
         descriptor's address on a direct lane); the CRC32C of each as it landed."""
         if any(d.address for d in descriptors) and self.direct is None:
-            raise LaneError(grpc.StatusCode.PERMISSION_DENIED,
-                            "a commit names client memory on a lane without a direct handshake")
-        return self.ops.copies.run(lambda pair: self._copy_in(pair[0], pair[0].item, pair[1].address),
-                                   list(zip(slots, descriptors)), [s.length for s in slots])
+            raise LaneError(
+                grpc.StatusCode.PERMISSION_DENIED, "a commit names client memory on a lane without a direct handshake"
+            )
+        return self.ops.copies.run(
+            lambda pair: self._copy_in(pair[0], pair[0].item, pair[1].address),
+            list(zip(slots, descriptors)),
+            [s.length for s in slots],
+        )
 
     @staticmethod
     def _claimed_crc(d: lpb.BlockDescriptor, computed: int) -> int:
@@ -203,18 +220,26 @@ class ShmServerLane(ServerLane):
         return crc
 
     # -- get --------------------------------------------------------------------------
-    def get(self, request: pb.GetRequest, release: Sequence[int], crc_at_copy: bool = False,
-            outs: Sequence[tuple[int, int]] = ()) -> Iterator[lpb.LaneGetResponse]:
+    def get(
+        self,
+        request: pb.GetRequest,
+        release: Sequence[int],
+        crc_at_copy: bool = False,
+        outs: Sequence[tuple[int, int]] = (),
+    ) -> Iterator[lpb.LaneGetResponse]:
         self.grants.release(release)
         accepted = accepted_codecs(request)
         crc_at_copy = crc_at_copy and self.crcs_at_copy
         if outs:
             if self.direct is None:
-                raise LaneError(grpc.StatusCode.PERMISSION_DENIED,
-                                "a Get names client memory on a lane without a direct handshake")
+                raise LaneError(
+                    grpc.StatusCode.PERMISSION_DENIED, "a Get names client memory on a lane without a direct handshake"
+                )
             if len(outs) != len(request.hashes):
-                raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"a direct Get names {len(outs)} destinations for {len(request.hashes)} hashes")
+                raise LaneError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a direct Get names {len(outs)} destinations for {len(request.hashes)} hashes",
+                )
         _, leases = self.ops.acquire(request, self.access)
         grant: Grant | None = self.grants.grant_get()
         released = 0
@@ -246,14 +271,17 @@ class ShmServerLane(ServerLane):
                         released = handled
                         yield pending
                         grant = self.grants.grant_get()  # one grant per message: released separately
-                        pending = lpb.LaneGetResponse(grant_id=grant.id, crcs_at_copy=crc_at_copy,
-                                                      written_direct=written_direct)
+                        pending = lpb.LaneGetResponse(
+                            grant_id=grant.id, crcs_at_copy=crc_at_copy, written_direct=written_direct
+                        )
                         pending_bytes = 0
                 if full:
                     break
             if handled == 0 and leases:  # the client's region is taken by blocks it still holds: another lane
-                raise LaneError(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"block 0 does not fit what is free of the lane's {self.region.size}-byte region")
+                raise LaneError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"block 0 does not fit what is free of the lane's {self.region.size}-byte region",
+                )
             pending.handled, pending.last = handled, True
             self._copy_out(copies)
             copies = []
@@ -272,9 +300,17 @@ class ShmServerLane(ServerLane):
                 self.ops.metrics.add("lane_shm_direct_get_bytes", sent)
             self.ops.metrics.bytes_out(sent)
 
-    def _place_out(self, grant: Grant, index: int, lease: Lease | None, accepted: set[int],
-                   reply: lpb.LaneGetResponse, crc_at_copy: bool, copies: list["CopyOut"],
-                   outs: Sequence[tuple[int, int]] = ()) -> int:
+    def _place_out(
+        self,
+        grant: Grant,
+        index: int,
+        lease: Lease | None,
+        accepted: set[int],
+        reply: lpb.LaneGetResponse,
+        crc_at_copy: bool,
+        copies: list[CopyOut],
+        outs: Sequence[tuple[int, int]] = (),
+    ) -> int:
         """Give one leased block a range of the region and describe it; -1 when the region is full.
 
         The copy itself is queued in ``copies`` and run with the rest of the message's (``_copy_out``).
@@ -288,30 +324,40 @@ class ShmServerLane(ServerLane):
         if outs:  # straight into the client's buffer: no region range
             address, capacity = outs[index]
             if n > capacity:
-                raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"output buffer {index} holds {capacity} bytes; block is {n}")
-            reply.blocks.append(lpb.BlockDescriptor(index=index, hash=lease.hash, length=n, crc32c=header.crc32c,
-                                                    header=header))
-            copies.append(CopyOut(None, buf, reply.blocks[-1], crc_at_copy and header.codec == pb.CODEC_NONE,
-                                  address))
+                raise LaneError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"output buffer {index} holds {capacity} bytes; block is {n}"
+                )
+            reply.blocks.append(
+                lpb.BlockDescriptor(index=index, hash=lease.hash, length=n, crc32c=header.crc32c, header=header)
+            )
+            copies.append(CopyOut(None, buf, reply.blocks[-1], crc_at_copy and header.codec == pb.CODEC_NONE, address))
             return n
         offset = self.grants.add_get(grant, index, lease.hash, n)
         if offset is None:
             return -1
-        reply.blocks.append(lpb.BlockDescriptor(index=index, hash=lease.hash, offset=offset, length=n,
-                                                crc32c=header.crc32c, header=header))
-        copies.append(CopyOut(self.region.view[offset : offset + n], buf, reply.blocks[-1],
-                              crc_at_copy and header.codec == pb.CODEC_NONE))  # the header's CRC is of raw bytes
+        reply.blocks.append(
+            lpb.BlockDescriptor(
+                index=index, hash=lease.hash, offset=offset, length=n, crc32c=header.crc32c, header=header
+            )
+        )
+        copies.append(
+            CopyOut(
+                self.region.view[offset : offset + n],
+                buf,
+                reply.blocks[-1],
+                crc_at_copy and header.codec == pb.CODEC_NONE,
+            )
+        )  # the header's CRC is of raw bytes
         return n
 
-    def _copy_out(self, copies: Sequence["CopyOut"]) -> None:
+    def _copy_out(self, copies: Sequence[CopyOut]) -> None:
         """Run one message's copies into the region (spread over the copy threads) and wait for them."""
         crcs = self.ops.copies.run(self._copy_one, copies, [c.descriptor.length for c in copies])
         for c, crc in zip(copies, crcs):
             if crc is not None:
                 c.descriptor.crc32c = crc
 
-    def _copy_one(self, c: "CopyOut") -> int | None:
+    def _copy_one(self, c: CopyOut) -> int | None:
         if c.address:
             assert self.direct is not None
             src = host_view(c.src)
@@ -357,8 +403,9 @@ def _shutdown(conn: socket.socket) -> None:
         pass
 
 
-def put_conversation(lane_for: Callable[[lpb.LaneRef], ShmServerLane],
-                     requests: Iterator[lpb.LanePutRequest]) -> Iterator[lpb.LanePutResponse]:
+def put_conversation(
+    lane_for: Callable[[lpb.LaneRef], ShmServerLane], requests: Iterator[lpb.LanePutRequest]
+) -> Iterator[lpb.LanePutResponse]:
     """The replies of one LanePut conversation (over gRPC or a lane's channel): a grant per reserve (then,
     for a direct reserve, its results at once), results per commit. The lane comes from the first message;
     whatever was reserved and not committed is taken back when the conversation ends, however it ends."""

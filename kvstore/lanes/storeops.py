@@ -22,10 +22,12 @@ Verbs (``StoreOps``, thread-safe like the BlockStore under it):
   with NOT_FOUND and DATA_LOSS mapped to ``LaneError``; ``servable(lease,
   accepted)`` decodes a block stored with a codec the reader does not accept.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 
@@ -42,14 +44,13 @@ from kvstore.tiers.base import BlockMeta
 from kvstore.v1 import kvstore_pb2 as pb
 
 
-
 @dataclass(slots=True)
 class Reservation:
     index: int
     meta: BlockMeta
     ticket: PutTicket | None
     result: pb.BlockResult | None  # final when there is no ticket
-    full: bool = False             # rejected for want of room: may fit once earlier reservations are committed
+    full: bool = False  # rejected for want of room: may fit once earlier reservations are committed
 
 
 class StoreOps:
@@ -76,13 +77,17 @@ class StoreOps:
 
     def headers(self, ns: str, headers: Sequence[pb.BlockHeader]) -> list[BlockMeta]:
         if len(headers) > self.limits.max_hashes:
-            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"{len(headers)} blocks in one request; the limit is {self.limits.max_hashes}")
+            raise LaneError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(headers)} blocks in one request; the limit is {self.limits.max_hashes}",
+            )
         metas = [self.check(validate.header, ns, h, i, self.limits) for i, h in enumerate(headers)]
         total = sum(m.stored_length for m in metas)
         if total > self.limits.max_stream_bytes:
-            raise LaneError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"{total} bytes in one request exceed {self.limits.max_stream_bytes}; split it")
+            raise LaneError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{total} bytes in one request exceed {self.limits.max_stream_bytes}; split it",
+            )
         return metas
 
     # -- put ----------------------------------------------------------------------------------
@@ -91,20 +96,39 @@ class StoreOps:
         if over is not None:  # before begin_put: a tenant over quota never evicts anyone's blocks
             if self.store.lookup(ns, [meta.hash])[0] == 1:
                 return Reservation(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT))
-            return Reservation(index, meta, None, pb.BlockResult(
-                hash=meta.hash, status=pb.PUT_REJECTED, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], reason=over))
+            return Reservation(
+                index,
+                meta,
+                None,
+                pb.BlockResult(
+                    hash=meta.hash,
+                    status=pb.PUT_REJECTED,
+                    code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                    reason=over,
+                ),
+            )
         try:
             ticket = self.store.begin_put(ns, meta)
         except CapacityError as err:
-            return Reservation(index, meta, None, pb.BlockResult(
-                hash=meta.hash, status=pb.PUT_REJECTED, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                reason=str(err)), full=True)
+            return Reservation(
+                index,
+                meta,
+                None,
+                pb.BlockResult(
+                    hash=meta.hash,
+                    status=pb.PUT_REJECTED,
+                    code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                    reason=str(err),
+                ),
+                full=True,
+            )
         if ticket is None:
             return Reservation(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT))
         return Reservation(index, meta, ticket, None)
 
-    def finish(self, res: Reservation, crc: int, computed: int, committed: list[int],
-               access: LaneAccess) -> pb.BlockResult:
+    def finish(
+        self, res: Reservation, crc: int, computed: int, committed: list[int], access: LaneAccess
+    ) -> pb.BlockResult:
         """Verify and commit one reserved block whose bytes are in ``res.ticket.buffer``."""
         if res.ticket is None:
             assert res.result is not None
@@ -117,14 +141,18 @@ class StoreOps:
             ok = verify_crc(ticket.meta, ticket.buffer, computed)
         except Exception as err:  # an encoded block that does not decode (codec, dtype): the sender's fault
             self.store.abort_put(ticket)
-            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"block {res.index} ({res.meta.hash.hex()}): does not decode with codec "
-                            f"{res.meta.codec} and dtype {res.meta.dtype!r}: {err}") from None
+            raise LaneError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block {res.index} ({res.meta.hash.hex()}): does not decode with codec "
+                f"{res.meta.codec} and dtype {res.meta.dtype!r}: {err}",
+            ) from None
         if not ok:
             self.store.abort_put(ticket)
-            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"block {res.index} ({res.meta.hash.hex()}): CRC32C mismatch; the bytes were "
-                            f"corrupted in transit or the header's checksum is wrong")
+            raise LaneError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block {res.index} ({res.meta.hash.hex()}): CRC32C mismatch; the bytes were "
+                f"corrupted in transit or the header's checksum is wrong",
+            )
         status, entry = self.store.commit_put(ticket)
         if status == ALREADY_PRESENT:
             return pb.BlockResult(hash=res.meta.hash, status=pb.PUT_ALREADY_PRESENT)
@@ -170,8 +198,14 @@ class StoreOps:
 
             buf = memoryview(decode(codec, buf, lease.dtype, lease.raw_length))
             codec, stored = pb.CODEC_NONE, lease.raw_length
-        header = pb.BlockHeader(hash=lease.hash, codec=codec, raw_length=lease.raw_length, stored_length=stored,
-                                crc32c=lease.crc32c, dtype=lease.dtype)
+        header = pb.BlockHeader(
+            hash=lease.hash,
+            codec=codec,
+            raw_length=lease.raw_length,
+            stored_length=stored,
+            crc32c=lease.crc32c,
+            dtype=lease.dtype,
+        )
         return header, buf
 
     @staticmethod
@@ -180,10 +214,22 @@ class StoreOps:
         if lease is None:
             return pb.BlockHeader(missing=True)
         if lease.codec in accepted:
-            return pb.BlockHeader(hash=lease.hash, codec=lease.codec, raw_length=lease.raw_length,
-                                  stored_length=lease.stored_length, crc32c=lease.crc32c, dtype=lease.dtype)
-        return pb.BlockHeader(hash=lease.hash, codec=pb.CODEC_NONE, raw_length=lease.raw_length,
-                              stored_length=lease.raw_length, crc32c=lease.crc32c, dtype=lease.dtype)
+            return pb.BlockHeader(
+                hash=lease.hash,
+                codec=lease.codec,
+                raw_length=lease.raw_length,
+                stored_length=lease.stored_length,
+                crc32c=lease.crc32c,
+                dtype=lease.dtype,
+            )
+        return pb.BlockHeader(
+            hash=lease.hash,
+            codec=pb.CODEC_NONE,
+            raw_length=lease.raw_length,
+            stored_length=lease.raw_length,
+            crc32c=lease.crc32c,
+            dtype=lease.dtype,
+        )
 
 
 def accepted_codecs(request: pb.GetRequest) -> set[int]:

@@ -14,10 +14,12 @@
 A STATUS frame raises ``KVStoreError`` with its code; a broken connection
 raises ``LaneBroken`` (the pool opens a fresh lane and retries once).
 """
+
 from __future__ import annotations
 
 import socket
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -26,7 +28,6 @@ from kvstore.lanes.base import Lane, LaneBroken
 from kvstore.lanes.buffers import alloc_blocks
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
-
 
 CONNECT_SECONDS = 3.0  # an unreachable lane port (not exposed, filtered) must not stall the first call long
 
@@ -62,8 +63,9 @@ class TcpClientLane(Lane):
         return [_put_result(r) for r in pb.PutResponse.FromString(frame.meta).results]
 
     # -- get ------------------------------------------------------------------------------
-    def get(self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None,
-            allow_missing: bool, verify: bool) -> list[Any]:
+    def get(
+        self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None, allow_missing: bool, verify: bool
+    ) -> list[Any]:
         request = pb.GetRequest(namespace=namespace, hashes=hashes, allow_missing=allow_missing)
         try:
             framing.send_frame(self.sock, framing.GET, request.SerializeToString())
@@ -86,8 +88,9 @@ class TcpClientLane(Lane):
                 dst = as_bytes_view(out[i])[0]
                 if len(dst) < n:
                     self._drain_reply(headers, present)
-                    raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"output buffer {i} holds {len(dst)} bytes; block is {n}")
+                    raise _error(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"output buffer {i} holds {len(dst)} bytes; block is {n}"
+                    )
                 dests.append(dst[:n])
         bad: int | None = None
         k = 0
@@ -99,8 +102,10 @@ class TcpClientLane(Lane):
                     raise framing.FrameError("a DATA frame does not end on a block boundary")
                 h = headers[present[k]]
                 if verify and h.codec == pb.CODEC_NONE:
-                    if framing.recv_into_crc(self.sock, dests[k], after=left - len(dests[k])) != h.crc32c \
-                            and bad is None:
+                    if (
+                        framing.recv_into_crc(self.sock, dests[k], after=left - len(dests[k])) != h.crc32c
+                        and bad is None
+                    ):
                         bad = present[k]
                 else:
                     framing.recv_into(self.sock, dests[k])

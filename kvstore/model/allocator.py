@@ -11,9 +11,10 @@ Pure logic, no tensors. Verbs and their promises:
 - ``refcount(b)``, ``num_free``, ``num_used``: accounting; at every moment
   ``num_free + num_used == num_blocks`` and a block is free iff its refcount is 0.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class OutOfBlocks(RuntimeError):

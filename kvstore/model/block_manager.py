@@ -27,10 +27,11 @@ Publishing happens when a block becomes full in the plan, before its K/V is
 written: callers must write the planned slots before starting or extending
 another sequence (the model runtime does both inside one forward call).
 """
+
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
 
 from kvstore.model.allocator import BlockAllocator, OutOfBlocks
 
@@ -128,8 +129,10 @@ class BlockManager:
         for b in src.table:
             self.allocator.incref(b)
         self._seqs[child] = SequenceState(
-            table=list(src.table), num_tokens=src.num_tokens,
-            hashes=list(src.hashes), published=src.published,
+            table=list(src.table),
+            num_tokens=src.num_tokens,
+            hashes=list(src.hashes),
+            published=src.published,
         )
 
     def append(self, seq_id: SeqId, n: int) -> AppendPlan:

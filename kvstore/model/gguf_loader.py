@@ -17,6 +17,7 @@ Promises:
   size and mtime: the first load dequantizes and writes a safetensors file,
   later loads read it back. An unwritable cache only costs speed.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -37,10 +38,15 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
@@ -82,10 +88,13 @@ def read_gguf_config(path: str | Path, reader: Any = None) -> ModelConfig:
     vocab = _field(r, "llama.vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
     name, _, quant = path.name.removesuffix(".gguf").rpartition(".")
     return ModelConfig(
-        name=name or path.stem, revision=f"gguf-{quant}",
-        vocab=int(vocab), hidden=hidden,
+        name=name or path.stem,
+        revision=f"gguf-{quant}",
+        vocab=int(vocab),
+        hidden=hidden,
         intermediate=int(_field(r, "llama.feed_forward_length")),
-        layers=int(_field(r, "llama.block_count")), heads=heads,
+        layers=int(_field(r, "llama.block_count")),
+        heads=heads,
         kv_heads=int(_field(r, "llama.attention.head_count_kv", heads)),
         head_dim=int(_field(r, "llama.attention.key_length", hidden // heads)),
         rope_theta=float(_field(r, "llama.rope.freq_base", 10000.0)),
@@ -125,7 +134,9 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf_state_dict(path: str | Path, reader: Any = None, config: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+def read_gguf_state_dict(
+    path: str | Path, reader: Any = None, config: ModelConfig | None = None
+) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     r = reader or _reader(Path(path))
@@ -167,8 +178,7 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
     weights_file, meta_file = cache_dir() / f"{stem}.safetensors", cache_dir() / f"{stem}.json"
     if weights_file.exists() and meta_file.exists():
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
-        return (ModelConfig.from_dict(meta["config"]), load_file(str(weights_file)),
-                TokenizerSpec(**meta["tokenizer"]))
+        return (ModelConfig.from_dict(meta["config"]), load_file(str(weights_file)), TokenizerSpec(**meta["tokenizer"]))
     r = _reader(path)
     config = read_gguf_config(path, r)
     spec = read_gguf_tokenizer(path, r)
@@ -179,8 +189,9 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
         save_file(state, str(tmp))
         os.replace(tmp, weights_file)
         tmp_meta = meta_file.with_name(meta_file.name + f".tmp{os.getpid()}")
-        tmp_meta.write_text(json.dumps({"config": config.to_dict(), "tokenizer": json.loads(spec.to_json())}),
-                            encoding="utf-8")
+        tmp_meta.write_text(
+            json.dumps({"config": config.to_dict(), "tokenizer": json.loads(spec.to_json())}), encoding="utf-8"
+        )
         os.replace(tmp_meta, meta_file)
     except OSError:
         pass  # read-only home or full disk: the next load dequantizes again

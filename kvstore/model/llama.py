@@ -24,10 +24,12 @@ CPU only, and not thread-safe: one ``forward`` at a time per pool.
 Numerics follow Hugging Face's ``LlamaForCausalLM`` (fp32 by default, bf16 or
 fp16 when the config says so); projections are fused (QKV, gate+up) for speed.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Literal, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,15 +49,15 @@ TokenChunk = Sequence[int] | torch.Tensor
 class ChunkDone:
     """Progress of a chunked prefill after one chunk."""
 
-    tokens_done: int          # tokens of the sequence now held in the pool
-    full_blocks: range        # block-table indices that became full during this chunk
+    tokens_done: int  # tokens of the sequence now held in the pool
+    full_blocks: range  # block-table indices that became full during this chunk
     logits: torch.Tensor | None
 
 
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor      # [(heads + 2*kv_heads) * head_dim, hidden]
+    qkv: torch.Tensor  # [(heads + 2*kv_heads) * head_dim, hidden]
     o: torch.Tensor
     mlp_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
@@ -73,8 +75,8 @@ class _Prefill:
 @dataclass
 class _Decode:
     rows: torch.Tensor
-    table: torch.Tensor        # [B, max_blocks]
-    length: int                # keys to read (max over the batch)
+    table: torch.Tensor  # [B, max_blocks]
+    length: int  # keys to read (max over the batch)
     mask: torch.Tensor | None  # [B, 1, 1, length], None for a single sequence
 
 
@@ -95,18 +97,20 @@ class LlamaModel:
         self.layers: list[_Layer] = []
         for i in range(config.layers):
             p = f"model.layers.{i}."
-            self.layers.append(_Layer(
-                attn_norm=get(p + "input_layernorm.weight"),
-                qkv=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                o=get(p + "self_attn.o_proj.weight"),
-                mlp_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                down=get(p + "mlp.down_proj.weight"),
-            ))
+            self.layers.append(
+                _Layer(
+                    attn_norm=get(p + "input_layernorm.weight"),
+                    qkv=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                    o=get(p + "self_attn.o_proj.weight"),
+                    mlp_norm=get(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                    down=get(p + "mlp.down_proj.weight"),
+                )
+            )
         self.inv_freq = rope_inv_freq(config)
 
     @classmethod
-    def random(cls, config: ModelConfig, seed: int = 0) -> "LlamaModel":
+    def random(cls, config: ModelConfig, seed: int = 0) -> LlamaModel:
         return cls(config, random_state_dict(config, seed))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -120,12 +124,19 @@ class LlamaModel:
             p = f"model.layers.{i}."
             wq, wk, wv = layer.qkv.split([q, kv, kv])
             gate, up = layer.gate_up.chunk(2)
-            out.update({
-                p + "input_layernorm.weight": layer.attn_norm, p + "self_attn.q_proj.weight": wq,
-                p + "self_attn.k_proj.weight": wk, p + "self_attn.v_proj.weight": wv,
-                p + "self_attn.o_proj.weight": layer.o, p + "post_attention_layernorm.weight": layer.mlp_norm,
-                p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": layer.down,
-            })
+            out.update(
+                {
+                    p + "input_layernorm.weight": layer.attn_norm,
+                    p + "self_attn.q_proj.weight": wq,
+                    p + "self_attn.k_proj.weight": wk,
+                    p + "self_attn.v_proj.weight": wv,
+                    p + "self_attn.o_proj.weight": layer.o,
+                    p + "post_attention_layernorm.weight": layer.mlp_norm,
+                    p + "mlp.gate_proj.weight": gate,
+                    p + "mlp.up_proj.weight": up,
+                    p + "mlp.down_proj.weight": layer.down,
+                }
+            )
         return out
 
     def new_pool(self, num_blocks: int, *, block_size: int | None = None) -> PagedKVPool:
@@ -133,7 +144,12 @@ class LlamaModel:
 
     # -- verbs ------------------------------------------------------------------------
     def iter_prefill(
-        self, pool: PagedKVPool, seq_id: SeqId, tokens: TokenChunk, chunk_size: int, *,
+        self,
+        pool: PagedKVPool,
+        seq_id: SeqId,
+        tokens: TokenChunk,
+        chunk_size: int,
+        *,
         logits: LogitsMode = "last",
     ) -> Iterator[ChunkDone]:
         """Chunked prefill that reports, after each chunk, which blocks just became full.
@@ -150,17 +166,25 @@ class LlamaModel:
             final = s + chunk_size >= len(toks)
             mode: LogitsMode = logits if (final or logits == "all") else "none"
             before = pool.num_tokens(seq_id) // bs
-            out = self.forward(pool, [(seq_id, toks[s:s + chunk_size])], logits=mode)
+            out = self.forward(pool, [(seq_id, toks[s : s + chunk_size])], logits=mode)
             done = pool.num_tokens(seq_id)
             yield ChunkDone(tokens_done=done, full_blocks=range(before, done // bs), logits=out)
 
     def prefill(
-        self, pool: PagedKVPool, seq_id: SeqId, tokens: TokenChunk, *,
-        logits: LogitsMode = "last", chunk_size: int | None = None,
+        self,
+        pool: PagedKVPool,
+        seq_id: SeqId,
+        tokens: TokenChunk,
+        *,
+        logits: LogitsMode = "last",
+        chunk_size: int | None = None,
     ) -> torch.Tensor | None:
         toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        outs = [c.logits for c in self.iter_prefill(pool, seq_id, toks, chunk_size or max(len(toks), 1), logits=logits)
-                if c.logits is not None]
+        outs = [
+            c.logits
+            for c in self.iter_prefill(pool, seq_id, toks, chunk_size or max(len(toks), 1), logits=logits)
+            if c.logits is not None
+        ]
         if not outs:
             return None
         return outs[-1] if logits == "last" else torch.cat(outs)
@@ -169,13 +193,17 @@ class LlamaModel:
         toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         if len(toks) != len(seq_ids):
             raise ValueError(f"{len(seq_ids)} sequences but {len(toks)} tokens")
-        out = self.forward(pool, [(s, toks[i:i + 1]) for i, s in enumerate(seq_ids)], logits="last")
+        out = self.forward(pool, [(s, toks[i : i + 1]) for i, s in enumerate(seq_ids)], logits="last")
         assert out is not None
         return out
 
     @torch.inference_mode()
     def forward(
-        self, pool: PagedKVPool, batch: Sequence[tuple[SeqId, TokenChunk]], *, logits: LogitsMode = "last",
+        self,
+        pool: PagedKVPool,
+        batch: Sequence[tuple[SeqId, TokenChunk]],
+        *,
+        logits: LogitsMode = "last",
     ) -> torch.Tensor | None:
         c = self.config
         if pool.device.type != "cpu":
@@ -195,7 +223,9 @@ class LlamaModel:
         slots = [pool.append_slots(s, len(t)) for s, t in zip(seq_ids, chunks)]
         tokens = torch.cat(chunks)
         positions = torch.cat([torch.arange(sl.start, sl.start + len(t)) for sl, t in zip(slots, chunks)])
-        flat = Slots(start=0, blocks=torch.cat([s.blocks for s in slots]), offsets=torch.cat([s.offsets for s in slots]))
+        flat = Slots(
+            start=0, blocks=torch.cat([s.blocks for s in slots]), offsets=torch.cat([s.offsets for s in slots])
+        )
         prefills, decode = self._plan_attention(pool, seq_ids, slots, [len(t) for t in chunks])
         cos, sin = rope_cos_sin(self.inv_freq, positions, c.torch_dtype)
 
@@ -221,7 +251,11 @@ class LlamaModel:
 
     # -- attention ----------------------------------------------------------------------
     def _plan_attention(
-        self, pool: PagedKVPool, seq_ids: list[SeqId], slots: list[Slots], lens: list[int],
+        self,
+        pool: PagedKVPool,
+        seq_ids: list[SeqId],
+        slots: list[Slots],
+        lens: list[int],
     ) -> tuple[list[_Prefill], _Decode | None]:
         """Block tables and masks, built once per step and reused by every layer."""
         prefills: list[_Prefill] = []
@@ -255,7 +289,12 @@ class LlamaModel:
         return prefills, decode
 
     def _attend(
-        self, pool: PagedKVPool, layer: int, q: torch.Tensor, prefills: list[_Prefill], decode: _Decode | None,
+        self,
+        pool: PagedKVPool,
+        layer: int,
+        q: torch.Tensor,
+        prefills: list[_Prefill],
+        decode: _Decode | None,
     ) -> torch.Tensor:
         """Attention output ``[n, heads * head_dim]`` for the queries ``q: [n, heads, head_dim]``."""
         n, heads, hd = q.shape
@@ -264,10 +303,15 @@ class LlamaModel:
         out = torch.empty(n, heads, hd, dtype=q.dtype)
         for p in prefills:
             k, v = pool.gather_kv(layer, p.table)
-            k, v = k[:, :p.length].unsqueeze(0), v[:, :p.length].unsqueeze(0)
+            k, v = k[:, : p.length].unsqueeze(0), v[:, : p.length].unsqueeze(0)
             qs = q[p.rows].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
-                qs, k, v, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True,
+                qs,
+                k,
+                v,
+                attn_mask=p.mask,
+                is_causal=p.mask is None,
+                enable_gqa=True,
             )
             out[p.rows] = o[0].transpose(0, 1)
         if decode is not None:
@@ -276,6 +320,6 @@ class LlamaModel:
 
     def _attend_decode(self, pool: PagedKVPool, layer: int, q: torch.Tensor, d: _Decode) -> torch.Tensor:
         k, v = pool.gather_kv(layer, d.table)  # [B, kv_heads, width * bs, hd]
-        k, v = k[:, :, :d.length], v[:, :, :d.length]
+        k, v = k[:, :, : d.length], v[:, :, : d.length]
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=d.mask, enable_gqa=True)
         return o.squeeze(2)

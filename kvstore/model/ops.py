@@ -10,6 +10,7 @@
   (``gguf_loader``) so this one form serves every checkpoint.
 - ``swiglu(gate_up)``: ``silu(gate) * up`` of a fused ``[n, 2*intermediate]``.
 """
+
 from __future__ import annotations
 
 import math

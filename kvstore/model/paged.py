@@ -20,10 +20,12 @@ its promises; this class performs the tensor side, e.g. copy-on-write copies):
 - ``sequence_payloads(seq, first, last)``: byte views of a range of a
   sequence's full blocks, ready for ``Client.put``.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +39,7 @@ class Slots:
     """Physical slots of n new tokens, as index tensors for ``write_kv``."""
 
     start: int
-    blocks: torch.Tensor   # int64 [n]
+    blocks: torch.Tensor  # int64 [n]
     offsets: torch.Tensor  # int64 [n]
 
 

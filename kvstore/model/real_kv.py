@@ -10,6 +10,7 @@ in fp32 over segments of ~1,024 tokens (each a fresh sequence from position
 arguments, same bytes. Results are cached on disk next to the model weights
 (``gguf_loader.cache_dir()``), so benchmarks pay the compute once.
 """
+
 from __future__ import annotations
 
 import os
@@ -112,7 +113,11 @@ def _smollm2() -> tuple[LlamaModel, ByteBPETokenizer]:
 
 
 def smollm2_kv_blocks(
-    num_tokens: int, *, block_size: int = 16, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+    num_tokens: int,
+    *,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
 ) -> torch.Tensor:
     """Real SmolLM2 KV of English text: ``[n_blocks, layers, 2, block_size, kv_heads, head_dim]``."""
     if num_tokens < 1 or block_size < 1:
@@ -131,7 +136,7 @@ def smollm2_kv_blocks(
     for first in range(0, n_blocks, seg_blocks):
         last = min(first + seg_blocks, n_blocks)
         pool.add_sequence(first)
-        model.prefill(pool, first, tokens[first * block_size:last * block_size], logits="none")
+        model.prefill(pool, first, tokens[first * block_size : last * block_size], logits="none")
         table = torch.tensor(pool.block_table(first))
         out[first:last] = pool.kv[table].to(dtype)
         pool.free_sequence(first)

@@ -11,14 +11,15 @@ Verbs:
 - ``BlockUploader``: puts full blocks from the pool on a background thread
   while the model computes the next chunk (chunked prefill overlaps transfer).
 """
+
 from __future__ import annotations
 
 import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from kvstore.client import Client, KVStoreError
 from kvstore.hashing import block_hashes
@@ -60,8 +61,9 @@ class StoreLink:
     def prompt_hashes(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
         return block_hashes(tokens, self.block_size, namespace, self.fingerprint)
 
-    def fetch_prefix(self, pool: PagedKVPool, seq_id: object, namespace: str, hashes: Sequence[bytes],
-                     max_blocks: int) -> Fetched:
+    def fetch_prefix(
+        self, pool: PagedKVPool, seq_id: object, namespace: str, hashes: Sequence[bytes], max_blocks: int
+    ) -> Fetched:
         out = Fetched()
         if self.client is None or not hashes or max_blocks <= 0:
             return out
@@ -130,8 +132,9 @@ class BlockUploader:
             if client is None or self.error:
                 continue
             try:
-                results = client.put(self.namespace, hashes, payloads, parent=parent,
-                                     dtype=self.link.model.config.dtype)
+                results = client.put(
+                    self.namespace, hashes, payloads, parent=parent, dtype=self.link.model.config.dtype
+                )
                 self.stored += sum(r.status == "stored" for r in results)
                 self.bytes += sum(p.numel() if hasattr(p, "numel") else len(p) for p in payloads)  # type: ignore[arg-type]
             except KVStoreError as err:

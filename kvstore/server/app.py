@@ -9,6 +9,7 @@ seconds, then closes the tiers (flushing the NVMe write buffer). Every RPC
 passes the ``Gatekeeper`` interceptor (kvstore/server/auth.py: tokens,
 tenants, stream limits, deadlines); SIGHUP re-reads the TLS and tenants files.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -49,8 +50,9 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
     if cfg.nvme_dir:
         from kvstore.tiers.nvme import NvmeTier
 
-        tiers.append(NvmeTier(cfg.nvme_dir, capacity_bytes=cfg.nvme, segment_bytes=cfg.nvme_segment,
-                              write_policy=cfg.nvme_sync))
+        tiers.append(
+            NvmeTier(cfg.nvme_dir, capacity_bytes=cfg.nvme, segment_bytes=cfg.nvme_segment, write_policy=cfg.nvme_sync)
+        )
     return tiers
 
 
@@ -89,9 +91,13 @@ def _page_size(cfg: ServeConfig) -> int:
 def build_store(cfg: ServeConfig, tiers: list[Tier] | None = None) -> BlockStore:
     from kvstore.store.policies import policy_factory
 
-    store = BlockStore(tiers or build_tiers(cfg), promote_on_hit=cfg.promote_on_hit,
-                       policy_factory=policy_factory(cfg.eviction_policy),
-                       write_through=cfg.write_policy == "write-through", nvme_admit_uses=cfg.nvme_admit_uses)
+    store = BlockStore(
+        tiers or build_tiers(cfg),
+        promote_on_hit=cfg.promote_on_hit,
+        policy_factory=policy_factory(cfg.eviction_policy),
+        write_through=cfg.write_policy == "write-through",
+        nvme_admit_uses=cfg.nvme_admit_uses,
+    )
     for tier in store.tiers:
         if hasattr(tier, "on_relocate"):
             tier.on_relocate = lambda moves, rank=tier.rank: store.relocate(rank, moves)
@@ -106,14 +112,19 @@ class StoreServer:
         self.cfg = cfg
         self.store = store or build_store(cfg)
         self.metrics = Metrics(self.store.stats)
-        self.limits = Limits(max_block_bytes=cfg.max_block, max_hashes=cfg.max_hashes,
-                             max_stream_bytes=cfg.max_stream, lossy=LossyPolicy.from_spec(cfg.lossy_namespaces))
+        self.limits = Limits(
+            max_block_bytes=cfg.max_block,
+            max_hashes=cfg.max_hashes,
+            max_stream_bytes=cfg.max_stream,
+            lossy=LossyPolicy.from_spec(cfg.lossy_namespaces),
+        )
         self.node_id = cfg.node_id or cfg.advertise or cfg.listen
         self.health = health.HealthServicer()
         tls.transport(cfg)  # refuse an unsafe transport before anything starts
         self.gate = Gatekeeper.from_config(cfg, self.store, self.metrics)  # tokens, tenants, quotas, deadlines
-        self.service = KVStoreService(self.store, self.limits, self.metrics, self.node_id, gate=self.gate,
-                                      get_codec=cfg.get_codec)
+        self.service = KVStoreService(
+            self.store, self.limits, self.metrics, self.node_id, gate=self.gate, get_codec=cfg.get_codec
+        )
         self.tls: tls.CertReloader | None = None
         self.server: grpc.Server | None = None
         self.port = 0
@@ -130,11 +141,14 @@ class StoreServer:
             ("grpc.keepalive_permit_without_calls", 1),
         ]
 
-    def start(self) -> "StoreServer":
+    def start(self) -> StoreServer:
         token = metrics_token(self.cfg) if self.cfg.metrics_port else None  # a bad token file fails before binding
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="kvstore-rpc"),
-                             options=self.grpc_options(), maximum_concurrent_rpcs=self.cfg.workers * 4,
-                             interceptors=self.gate.interceptors())
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="kvstore-rpc"),
+            options=self.grpc_options(),
+            maximum_concurrent_rpcs=self.cfg.workers * 4,
+            interceptors=self.gate.interceptors(),
+        )
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -155,8 +169,12 @@ class StoreServer:
             self._metrics_http = self.metrics.start_http(self.cfg.metrics_port, token=token)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving on %s (port %d); tiers: %s", self.cfg.listen, self.port,
-                 ", ".join(f"{t.name}={t.capacity_bytes}" for t in self.store.tiers))
+        log.info(
+            "serving on %s (port %d); tiers: %s",
+            self.cfg.listen,
+            self.port,
+            ", ".join(f"{t.name}={t.capacity_bytes}" for t in self.store.tiers),
+        )
         return self
 
     def _bind(self, server: grpc.Server) -> int:

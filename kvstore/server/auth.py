@@ -28,12 +28,14 @@ exists, so a tenant can neither read another's blocks nor learn or time
 their existence. ``gate.authorize_node(context)`` guards whole-node views
 (Stats without a namespace): admin tenants only.
 """
+
 from __future__ import annotations
 
 import contextvars
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -45,8 +47,12 @@ from kvstore.store import BlockStore
 log = logging.getLogger(__name__)
 
 UNGUARDED = ("/grpc.health.v1.Health/",)
-_KINDS = {(False, False): "unary_unary", (False, True): "unary_stream",
-          (True, False): "stream_unary", (True, True): "stream_stream"}
+_KINDS = {
+    (False, False): "unary_unary",
+    (False, True): "unary_stream",
+    (True, False): "stream_unary",
+    (True, True): "stream_stream",
+}
 
 
 @dataclass(frozen=True)
@@ -103,21 +109,26 @@ class Gatekeeper:
     quotas: ByteQuotas | None = None
     slots: StreamSlots = field(default_factory=StreamSlots)
     watchdog: DeadlineWatchdog | None = None
-    long_lived: set[str] = field(default_factory=set)   # methods exempt from the deadline (e.g. lane sessions)
-    count: Callable[[str], None] = lambda name: None    # e.g. Metrics.add
-    client_certificates: bool = False                     # mTLS: every caller shows a certificate the CA signed
+    long_lived: set[str] = field(default_factory=set)  # methods exempt from the deadline (e.g. lane sessions)
+    count: Callable[[str], None] = lambda name: None  # e.g. Metrics.add
+    client_certificates: bool = False  # mTLS: every caller shows a certificate the CA signed
 
     @classmethod
-    def from_config(cls, cfg: ServeConfig, store: BlockStore | None = None, metrics: Any = None) -> "Gatekeeper":
-        gate = cls(registry=TenantRegistry.load(cfg.tenants) if cfg.tenants else None, tenants_path=cfg.tenants,
-                   default_quota=cfg.tenant_quota, default_streams=cfg.tenant_streams,
-                   client_certificates=bool(cfg.tls_client_ca))
+    def from_config(cls, cfg: ServeConfig, store: BlockStore | None = None, metrics: Any = None) -> Gatekeeper:
+        gate = cls(
+            registry=TenantRegistry.load(cfg.tenants) if cfg.tenants else None,
+            tenants_path=cfg.tenants,
+            default_quota=cfg.tenant_quota,
+            default_streams=cfg.tenant_streams,
+            client_certificates=bool(cfg.tls_client_ca),
+        )
         gate._check_certificates(gate.registry)
         if metrics is not None:
             gate.count = metrics.add
         if cfg.max_rpc_seconds > 0:
-            gate.watchdog = DeadlineWatchdog(cfg.max_rpc_seconds,
-                                             on_expire=lambda _method: gate.count("rpc_deadline_expired"))
+            gate.watchdog = DeadlineWatchdog(
+                cfg.max_rpc_seconds, on_expire=lambda _method: gate.count("rpc_deadline_expired")
+            )
         if gate.registry is not None and store is not None:
             gate.quotas = ByteQuotas(store, gate._bucket_of, gate._quota_of)
             log.info("tenants: %s", ", ".join(t.name + (" (admin)" if t.admin else "") for t in gate.registry.tenants))
@@ -157,8 +168,10 @@ class Gatekeeper:
 
     def _check_certificates(self, registry: TenantRegistry | None) -> TenantRegistry | None:
         if registry is not None and registry.by_certificate and not self.client_certificates:
-            raise ValueError(f"{registry.source}: tenants named by client certificate (cert_names) need mutual TLS "
-                             f"(--tls-client-ca); without it no caller shows a certificate")
+            raise ValueError(
+                f"{registry.source}: tenants named by client certificate (cert_names) need mutual TLS "
+                f"(--tls-client-ca); without it no caller shows a certificate"
+            )
         return registry
 
     # -- authentication (interceptor) --------------------------------------------------
@@ -185,8 +198,11 @@ class Gatekeeper:
         if registry is None:
             return None
         auth = context.auth_context() or {}
-        names = [v.decode(errors="replace") for key in ("x509_common_name", "x509_subject_alternative_name")
-                 for v in auth.get(key, [])]
+        names = [
+            v.decode(errors="replace")
+            for key in ("x509_common_name", "x509_subject_alternative_name")
+            for v in auth.get(key, [])
+        ]
         tenant = registry.authenticate_certificate(names)
         return Principal(tenant.name, tenant) if tenant is not None else None
 
@@ -198,17 +214,21 @@ class Gatekeeper:
             limit = tenant.max_streams if tenant.max_streams is not None else self.default_streams
             if not self.slots.acquire(tenant.name, limit):
                 self.count("tenant_streams_refused")
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"tenant {tenant.name!r} already has {limit} open streams (Put/Get); "
-                              f"wait for one to finish or ask for a higher max_streams")
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"tenant {tenant.name!r} already has {limit} open streams (Put/Get); "
+                    f"wait for one to finish or ask for a higher max_streams",
+                )
             cleanups.append(lambda: self.slots.release(tenant.name))
         if self.watchdog is not None and method not in self.long_lived:
             token = self.watchdog.watch(context, method)
             cleanups.append(lambda: self.watchdog.unwatch(token))  # type: ignore[union-attr]
         if cleanups:
+
             def done() -> None:
                 for fn in cleanups:
                     fn()
+
             if not context.add_callback(done):
                 done()
 
@@ -220,8 +240,9 @@ class Gatekeeper:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "the request did not pass authentication")
         if not principal.allows(namespace):
             self.count("permission_denied")
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"tenant {principal.name!r} may not use namespace {namespace!r}")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"tenant {principal.name!r} may not use namespace {namespace!r}"
+            )
         return principal
 
     def authorize_node(self, context: grpc.ServicerContext) -> Principal:
@@ -231,9 +252,11 @@ class Gatekeeper:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "the request did not pass authentication")
         if not principal.admin:
             self.count("permission_denied")
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"tenant {principal.name!r} is not an admin: whole-node Stats are for admin tenants; "
-                          f"ask for one of your namespaces (StatsRequest.namespace)")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {principal.name!r} is not an admin: whole-node Stats are for admin tenants; "
+                f"ask for one of your namespaces (StatsRequest.namespace)",
+            )
         return principal
 
     def admit_block(self, namespace: str, nbytes: int, key: bytes | None = None) -> str | None:
@@ -287,8 +310,9 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHan
     return handler._replace(request_deserializer=None, **{kind: refuse})  # unauthenticated bytes are never parsed
 
 
-def _guarded(handler: grpc.RpcMethodHandler, method: str, principal: Principal,
-             gate: Gatekeeper) -> grpc.RpcMethodHandler:
+def _guarded(
+    handler: grpc.RpcMethodHandler, method: str, principal: Principal, gate: Gatekeeper
+) -> grpc.RpcMethodHandler:
     kind = _KINDS[(handler.request_streaming, handler.response_streaming)]
     behavior = getattr(handler, kind)
     parse = handler.request_deserializer
@@ -304,8 +328,10 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, principal: Principal,
     def checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         for i, request in enumerate(requests):
             if isinstance(request, Malformed):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"{message_name} message {i} is not a valid request message: {request.error}")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{message_name} message {i} is not a valid request message: {request.error}",
+                )
             yield request
 
     def run(request: Any, context: grpc.ServicerContext) -> Any:
@@ -314,15 +340,19 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, principal: Principal,
             caller = gate.authenticate_peer(context)
             if caller is None:
                 gate.count("unauthenticated")
-                context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                              "no bearer token, and this client certificate names no tenant of this node")
+                context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "no bearer token, and this client certificate names no tenant of this node",
+                )
         _PRINCIPAL.set(caller)
         gate.enter(caller, method, streaming, context)
         if handler.request_streaming:
             request = checked(request, context)
         elif isinstance(request, Malformed):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{message_name}: the request is not a valid request message: {request.error}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{message_name}: the request is not a valid request message: {request.error}",
+            )
         return behavior(request, context)
 
     return handler._replace(request_deserializer=lenient if parse is not None else None, **{kind: run})

@@ -4,13 +4,15 @@ Store state (bytes and blocks per tier, hits, evictions, ...) is read from
 ``BlockStore.stats()`` at scrape time by a custom collector, so the data path
 pays nothing for it; only per-RPC latency and byte counters are updated inline.
 """
+
 from __future__ import annotations
 
 import contextlib
 import hmac
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -33,10 +35,17 @@ class _StoreCollector:
         counters = {
             "hits": CounterMetricFamily("kvstore_tier_hits", "Blocks served from a tier", labels=["tier"]),
             "evictions": CounterMetricFamily("kvstore_tier_evictions", "Copies evicted from a tier", labels=["tier"]),
-            "demotions": CounterMetricFamily("kvstore_tier_demotions", "Copies demoted to the next tier", labels=["tier"]),
-            "promotions": CounterMetricFamily("kvstore_tier_promotions", "Copies promoted into a tier", labels=["tier"]),
-            "not_admitted": CounterMetricFamily("kvstore_tier_not_admitted", "Evicted copies dropped instead of "
-                                                "demoted: used too few times for the tier below", labels=["tier"]),
+            "demotions": CounterMetricFamily(
+                "kvstore_tier_demotions", "Copies demoted to the next tier", labels=["tier"]
+            ),
+            "promotions": CounterMetricFamily(
+                "kvstore_tier_promotions", "Copies promoted into a tier", labels=["tier"]
+            ),
+            "not_admitted": CounterMetricFamily(
+                "kvstore_tier_not_admitted",
+                "Evicted copies dropped instead of demoted: used too few times for the tier below",
+                labels=["tier"],
+            ),
         }
         for tier in s["tiers"]:
             for key, family in {**gauges, **counters}.items():
@@ -56,8 +65,9 @@ class Metrics:
 
     def __init__(self, stats: Callable[[], dict[str, Any]] | None = None):
         self.registry = CollectorRegistry()
-        self._latency = Histogram("kvstore_rpc_seconds", "RPC latency", ["method", "code"],
-                                  buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self._latency = Histogram(
+            "kvstore_rpc_seconds", "RPC latency", ["method", "code"], buckets=_LATENCY_BUCKETS, registry=self.registry
+        )
         self._bytes_in = Counter("kvstore_bytes_in", "Payload bytes received", registry=self.registry)
         self._bytes_out = Counter("kvstore_bytes_out", "Payload bytes sent", registry=self.registry)
         self._extra: dict[str, float] = {}
@@ -119,8 +129,9 @@ class Metrics:
                 pass
 
         app = make_wsgi_app(self.registry)
-        httpd = make_server(addr, port, app if token is None else _bearer_only(app, token), ThreadingWSGIServer,
-                            handler_class=Quiet)
+        httpd = make_server(
+            addr, port, app if token is None else _bearer_only(app, token), ThreadingWSGIServer, handler_class=Quiet
+        )
         thread = threading.Thread(target=httpd.serve_forever, daemon=True, name="metrics-http")
         thread.start()
         return httpd, thread

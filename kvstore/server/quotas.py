@@ -17,13 +17,15 @@
 - ``namespace_usage(store, ns)``: blocks and bytes of one namespace per tier,
   for Stats scoped to a namespace.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -78,8 +80,13 @@ def namespace_usage(store: BlockStore, namespace: str) -> NamespaceUsage:
 
 # -- byte quotas -----------------------------------------------------------------------------
 class ByteQuotas:
-    def __init__(self, store: BlockStore, bucket_of: Callable[[str], str],
-                 quota_of: Callable[[str], int | None], min_rescan_s: float = 0.1):
+    def __init__(
+        self,
+        store: BlockStore,
+        bucket_of: Callable[[str], str],
+        quota_of: Callable[[str], int | None],
+        min_rescan_s: float = 0.1,
+    ):
         self.store, self.bucket_of, self.quota_of = store, bucket_of, quota_of
         self.min_rescan_s = min_rescan_s
         self._lock = threading.Lock()
@@ -106,8 +113,10 @@ class ByteQuotas:
         if used + nbytes <= quota:
             return None
         whose = "the shared namespaces" if bucket.startswith("(") else f"tenant {bucket!r}"
-        return (f"quota of {whose} is full: {used} of {quota} bytes stored and this block needs {nbytes} more; "
-                f"delete blocks or ask the operator for a larger quota")
+        return (
+            f"quota of {whose} is full: {used} of {quota} bytes stored and this block needs {nbytes} more; "
+            f"delete blocks or ask the operator for a larger quota"
+        )
 
     def charge(self, namespace: str, nbytes: int) -> None:
         """Count a block just committed in `namespace`."""
@@ -223,7 +232,10 @@ class DeadlineWatchdog:
             for _, (_, context, method) in due:
                 self.expired += 1
                 log.info("%s ran past the server's %.0f s limit: ended", method, self.max_seconds)
-                expire(context, f"{method} ran longer than the server allows ({self.max_seconds:g} s, "
-                                f"--max-rpc-seconds); split the request or send it faster")
+                expire(
+                    context,
+                    f"{method} ran longer than the server allows ({self.max_seconds:g} s, "
+                    f"--max-rpc-seconds); split the request or send it faster",
+                )
                 if self.on_expire is not None:
                     self.on_expire(method)

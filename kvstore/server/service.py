@@ -20,10 +20,11 @@ reader accepts codecs beyond ``none`` is coded per batch by the node's
 controller (``ServerCoding``), which also learns from the reader's
 ``decode_report``. Namespace Stats carry ``codec_lossy_allowed`` (1 or 0).
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 
@@ -36,13 +37,12 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.quotas import namespace_usage
 from kvstore.server.validate import InvalidRequest, Limits
 from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
-from kvstore.tiers.base import TierFault
 from kvstore.store.blockstore import ALREADY_PRESENT, lease_windows
+from kvstore.tiers.base import TierFault
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
 
 
 def verify_crc(ticket_meta, stored: memoryview, stored_crc: int) -> bool:
@@ -70,8 +70,15 @@ class _PutState:
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
-    def __init__(self, store: BlockStore, limits: Limits, metrics: Metrics, node_id: str = "",
-                 gate: Gatekeeper | None = None, get_codec: str = "auto"):
+    def __init__(
+        self,
+        store: BlockStore,
+        limits: Limits,
+        metrics: Metrics,
+        node_id: str = "",
+        gate: Gatekeeper | None = None,
+        get_codec: str = "auto",
+    ):
         self.store, self.limits, self.metrics, self.node_id = store, limits, metrics, node_id
         self.gate = gate  # None: no authorization at all (an embedded service without the interceptor)
         self.coding = ServerCoding(metrics, limits.lossy, get_codec)
@@ -99,9 +106,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         ns = self._authorized(context, msg.namespace)
                     if msg.HasField("header"):
                         if state is not None:
-                            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"block {state.index}: header of the next block arrived after "
-                                        f"{state.received} of {state.meta.stored_length} bytes")
+                            self._abort(
+                                context,
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                f"block {state.index}: header of the next block arrived after "
+                                f"{state.received} of {state.meta.stored_length} bytes",
+                            )
                         state = self._start_block(context, ns, msg.header, len(results))
                     if msg.data:
                         n = len(msg.data)
@@ -109,15 +119,24 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         if state is None:
                             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "data chunk before any block header")
                         if n > self.limits.max_chunk_bytes:
-                            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"block {state.index}: chunk of {n} bytes exceeds {self.limits.max_chunk_bytes}")
+                            self._abort(
+                                context,
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                f"block {state.index}: chunk of {n} bytes exceeds {self.limits.max_chunk_bytes}",
+                            )
                         if state.received + n > state.meta.stored_length:
-                            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"block {state.index}: {state.received + n} bytes sent but the header "
-                                        f"says stored_length={state.meta.stored_length}")
+                            self._abort(
+                                context,
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                f"block {state.index}: {state.received + n} bytes sent but the header "
+                                f"says stored_length={state.meta.stored_length}",
+                            )
                         if total > self.limits.max_stream_bytes:
-                            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"Put stream exceeds {self.limits.max_stream_bytes} bytes; split it")
+                            self._abort(
+                                context,
+                                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"Put stream exceeds {self.limits.max_stream_bytes} bytes; split it",
+                            )
                         if state.ticket is not None:
                             state.ticket.buffer[state.received : state.received + n] = msg.data
                             state.crc = crc32c(msg.data, state.crc)
@@ -126,9 +145,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         results.append(self._finish_block(context, state, committed, decoded))
                         state = None
                 if state is not None:
-                    self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                f"stream ended in the middle of block {state.index} "
-                                f"({state.received} of {state.meta.stored_length} bytes)")
+                    self._abort(
+                        context,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"stream ended in the middle of block {state.index} "
+                        f"({state.received} of {state.meta.stored_length} bytes)",
+                    )
                 self.store.persist(committed)
                 self.metrics.bytes_in(total)
                 self.coding.put_decoded(decoded)
@@ -141,14 +163,31 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         meta = self._check(context, validate.header, ns, header, index, self.limits)
         over = self.gate.admit_block(ns, meta.stored_length, meta.hash) if self.gate is not None else None
         if over is not None:  # before begin_put: a tenant over quota never evicts anyone's blocks
-            return _PutState(index, meta, None, pb.BlockResult(
-                hash=meta.hash, status=pb.PUT_REJECTED, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], reason=over))
+            return _PutState(
+                index,
+                meta,
+                None,
+                pb.BlockResult(
+                    hash=meta.hash,
+                    status=pb.PUT_REJECTED,
+                    code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                    reason=over,
+                ),
+            )
         try:
             ticket = self.store.begin_put(ns, meta)
         except CapacityError as err:
-            return _PutState(index, meta, None, pb.BlockResult(
-                hash=meta.hash, status=pb.PUT_REJECTED, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                reason=str(err)))
+            return _PutState(
+                index,
+                meta,
+                None,
+                pb.BlockResult(
+                    hash=meta.hash,
+                    status=pb.PUT_REJECTED,
+                    code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                    reason=str(err),
+                ),
+            )
         if ticket is None:
             return _PutState(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT))
         return _PutState(index, meta, ticket, None)
@@ -159,9 +198,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ticket, state.ticket = state.ticket, None
         if not self.coding.verify(state.meta, ticket.buffer, state.crc, decoded):  # decode time: for the sender
             self.store.abort_put(ticket)
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"block {state.index} ({state.meta.hash.hex()}): CRC32C mismatch; the bytes "
-                        f"were corrupted in transit or the header's checksum is wrong")
+            self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block {state.index} ({state.meta.hash.hex()}): CRC32C mismatch; the bytes "
+                f"were corrupted in transit or the header's checksum is wrong",
+            )
         status, entry = self.store.commit_put(ticket)
         if status == ALREADY_PRESENT:
             return pb.BlockResult(hash=state.meta.hash, status=pb.PUT_ALREADY_PRESENT)
@@ -189,8 +231,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     except DataLossError as err:
                         self._abort(context, grpc.StatusCode.DATA_LOSS, f"{err}; the block was dropped")
                     except (TierFault, OSError) as err:  # e.g. EIO: the copy may read fine later
-                        self._abort(context, grpc.StatusCode.UNAVAILABLE,
-                                    f"reading blocks from a lower tier failed ({err}); retry, or recompute them")
+                        self._abort(
+                            context,
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"reading blocks from a lower tier failed ({err}); retry, or recompute them",
+                        )
                     if coded is not None:
                         for msg in coded.messages(window, self.limits.max_chunk_bytes):
                             sent += len(msg.data)
@@ -214,8 +259,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             from kvstore.codecs import decode
 
             raw = decode(lease.codec, lease.buffer, lease.dtype, lease.raw_length)
-            lease = Lease(lease.entry, lease.hash, pb.CODEC_NONE, lease.dtype, lease.raw_length, lease.raw_length,
-                          lease.crc32c, lease.rank, memoryview(raw))
+            lease = Lease(
+                lease.entry,
+                lease.hash,
+                pb.CODEC_NONE,
+                lease.dtype,
+                lease.raw_length,
+                lease.raw_length,
+                lease.crc32c,
+                lease.rank,
+                memoryview(raw),
+            )
         return _chunks(lease, self.limits.max_chunk_bytes)
 
     # -- Delete / Stats ---------------------------------------------------------------------
@@ -232,24 +286,45 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if self.gate is not None:
                 self.gate.authorize_node(context)
             s = self.store.stats()
-            tiers = [pb.TierStats(name=t["name"], capacity_bytes=t["capacity_bytes"], used_bytes=t["used_bytes"],
-                                  blocks=t["blocks"], hits=t["hits"], evictions=t["evictions"],
-                                  backend=t["backend"], degraded=t["degraded"], fault=t["fault"])
-                     for t in s["tiers"]]
+            tiers = [
+                pb.TierStats(
+                    name=t["name"],
+                    capacity_bytes=t["capacity_bytes"],
+                    used_bytes=t["used_bytes"],
+                    blocks=t["blocks"],
+                    hits=t["hits"],
+                    evictions=t["evictions"],
+                    backend=t["backend"],
+                    degraded=t["degraded"],
+                    fault=t["fault"],
+                )
+                for t in s["tiers"]
+            ]
             counters = {k: float(v) for k, v in s.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             counters.update(self.metrics.counters())
-            return pb.StatsResponse(tiers=tiers, blocks=s["blocks"], lookups=s["lookups"],
-                                    lookup_hits=s["lookup_hits"], lookup_misses=s["lookup_misses"],
-                                    bytes_in=int(self.metrics.total_in), bytes_out=int(self.metrics.total_out),
-                                    counters=counters, node_id=self.node_id)
+            return pb.StatsResponse(
+                tiers=tiers,
+                blocks=s["blocks"],
+                lookups=s["lookups"],
+                lookup_hits=s["lookup_hits"],
+                lookup_misses=s["lookup_misses"],
+                bytes_in=int(self.metrics.total_in),
+                bytes_out=int(self.metrics.total_out),
+                counters=counters,
+                node_id=self.node_id,
+            )
 
     def _namespace_stats(self, ns: str) -> pb.StatsResponse:
         """One namespace's blocks and bytes per tier (node-wide counters would show other tenants' traffic)."""
         use = namespace_usage(self.store, ns)
-        tiers = [pb.TierStats(name=t.name, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes, blocks=t.blocks)
-                 for t in use.tiers]
-        counters = {"namespace_bytes": float(use.bytes),
-                    "codec_lossy_allowed": 1.0 if self.limits.lossy.allows(ns) else 0.0}
+        tiers = [
+            pb.TierStats(name=t.name, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes, blocks=t.blocks)
+            for t in use.tiers
+        ]
+        counters = {
+            "namespace_bytes": float(use.bytes),
+            "codec_lossy_allowed": 1.0 if self.limits.lossy.allows(ns) else 0.0,
+        }
         if self.gate is not None:
             counters.update(self.gate.quota_counters(ns))
         return pb.StatsResponse(tiers=tiers, blocks=use.blocks, counters=counters, node_id=self.node_id)
@@ -277,8 +352,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 def _chunks(lease: Lease, chunk: int) -> Iterator[pb.GetResponse]:
     buf = lease.buffer
     n = lease.stored_length
-    header = pb.BlockHeader(hash=lease.hash, codec=lease.codec, raw_length=lease.raw_length,
-                            stored_length=n, crc32c=lease.crc32c, dtype=lease.dtype)
+    header = pb.BlockHeader(
+        hash=lease.hash,
+        codec=lease.codec,
+        raw_length=lease.raw_length,
+        stored_length=n,
+        crc32c=lease.crc32c,
+        dtype=lease.dtype,
+    )
     yield pb.GetResponse(header=header, data=bytes(buf[: min(chunk, n)]))
     for start in range(chunk, n, chunk):
         yield pb.GetResponse(data=bytes(buf[start : start + chunk]))

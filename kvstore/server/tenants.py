@@ -33,14 +33,16 @@ Promises:
   short tokens, malformed namespaces are errors naming the entry); a reload
   that fails keeps the previous registry.
 """
+
 from __future__ import annotations
 
 import hashlib
 import hmac
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
@@ -71,7 +73,7 @@ class Grants:
         return namespace in self.exact or any(namespace.startswith(p) for p in self.prefixes)
 
     @staticmethod
-    def parse(entries: Iterable[str], where: str) -> "Grants":
+    def parse(entries: Iterable[str], where: str) -> Grants:
         exact: set[str] = set()
         prefixes: list[str] = []
         for raw in entries:
@@ -95,9 +97,9 @@ class Tenant:
     digest: bytes = field(repr=False)
     grants: Grants
     admin: bool = False
-    quota_bytes: int | None = None   # None: the node default (--tenant-quota)
-    max_streams: int | None = None   # None: the node default (--tenant-streams)
-    shared: Grants = Grants()        # the file's shared namespaces, open to every tenant
+    quota_bytes: int | None = None  # None: the node default (--tenant-quota)
+    max_streams: int | None = None  # None: the node default (--tenant-streams)
+    shared: Grants = Grants()  # the file's shared namespaces, open to every tenant
     cert_names: frozenset[str] = frozenset()  # client certificate CN/SAN values that identify this tenant (mTLS)
 
     def allows(self, namespace: str) -> bool:
@@ -163,7 +165,7 @@ class TenantRegistry:
 
     # -- loading ----------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path) -> "TenantRegistry":
+    def load(cls, path: str | Path) -> TenantRegistry:
         text = Path(path).read_text()
         try:
             doc = yaml.safe_load(text)
@@ -172,7 +174,7 @@ class TenantRegistry:
         return cls.parse(doc, source=str(path))
 
     @classmethod
-    def parse(cls, doc: Any, source: str = "<tenants>") -> "TenantRegistry":
+    def parse(cls, doc: Any, source: str = "<tenants>") -> TenantRegistry:
         if isinstance(doc, list):
             doc = {"tenants": doc}
         if not isinstance(doc, dict) or not isinstance(doc.get("tenants"), list):
@@ -227,9 +229,16 @@ def _tenant(entry: Any, index: int, shared: Grants, source: str) -> Tenant:
     max_streams = entry.get("max_streams")
     if max_streams is not None and (not isinstance(max_streams, int) or max_streams < 0):
         raise ValueError(f"{where}: max_streams must be a non-negative integer")
-    return Tenant(name=name, digest=digest, grants=Grants.parse(namespaces, where), admin=bool(entry.get("admin")),
-                  quota_bytes=_size(entry.get("quota"), f"{where}: quota"), max_streams=max_streams, shared=shared,
-                  cert_names=frozenset(cert_names))
+    return Tenant(
+        name=name,
+        digest=digest,
+        grants=Grants.parse(namespaces, where),
+        admin=bool(entry.get("admin")),
+        quota_bytes=_size(entry.get("quota"), f"{where}: quota"),
+        max_streams=max_streams,
+        shared=shared,
+        cert_names=frozenset(cert_names),
+    )
 
 
 def _size(value: Any, where: str) -> int | None:
@@ -253,8 +262,9 @@ def _check_unique(tenants: tuple[Tenant, ...], source: str) -> None:
             raise ValueError(f"{source}: tenant {tenant.name!r} has the same token as another tenant")
         for cert in tenant.cert_names:
             if cert in certs:
-                raise ValueError(f"{source}: certificate name {cert!r} is listed by tenants {certs[cert]!r} and "
-                                 f"{tenant.name!r}")
+                raise ValueError(
+                    f"{source}: certificate name {cert!r} is listed by tenants {certs[cert]!r} and {tenant.name!r}"
+                )
             certs[cert] = tenant.name
         names.add(tenant.name)
         digests.add(tenant.digest)

@@ -22,6 +22,7 @@ and ``client_ssl_context(ca, cert, key)`` build ``ssl.SSLContext`` objects from
 the same files (TLS 1.2 or newer; client certificates required when the server
 has a client CA).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -55,7 +56,7 @@ def is_loopback(listen: str) -> bool:
 
 
 def transport(cfg: ServeConfig) -> str:
-    """"mtls", "tls" or "plaintext" for this config; InsecureTransport when plaintext is not allowed."""
+    """ "mtls", "tls" or "plaintext" for this config; InsecureTransport when plaintext is not allowed."""
     if cfg.tls_cert:
         return "mtls" if cfg.tls_client_ca else "tls"
     if is_loopback(cfg.listen) or cfg.insecure_plaintext:
@@ -63,16 +64,20 @@ def transport(cfg: ServeConfig) -> str:
     raise InsecureTransport(
         f"refusing to serve plaintext gRPC on {cfg.listen}: anyone who can reach it could read and write blocks "
         f"and see tenant tokens. Give --tls-cert and --tls-key (and --tls-client-ca for mutual TLS), listen on "
-        f"127.0.0.1, or pass --insecure-plaintext on a network you trust")
+        f"127.0.0.1, or pass --insecure-plaintext on a network you trust"
+    )
 
 
-def bind(server: grpc.Server, cfg: ServeConfig) -> tuple[int, "CertReloader | None"]:
+def bind(server: grpc.Server, cfg: ServeConfig) -> tuple[int, CertReloader | None]:
     """Add the listening port under the transport rule; returns (port, reloader or None)."""
     mode = transport(cfg)
     if mode == "plaintext":
         if not is_loopback(cfg.listen):
-            log.warning("serving plaintext gRPC on %s (--insecure-plaintext): anyone who can reach it can read "
-                        "and write blocks and see tenant tokens", cfg.listen)
+            log.warning(
+                "serving plaintext gRPC on %s (--insecure-plaintext): anyone who can reach it can read "
+                "and write blocks and see tenant tokens",
+                cfg.listen,
+            )
         return server.add_insecure_port(cfg.listen), None
     reloader = CertReloader(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)  # type: ignore[arg-type]
     port = server.add_secure_port(cfg.listen, reloader.credentials())
@@ -115,18 +120,25 @@ class CertReloader:
         return [p for p in (self.cert, self.key, self.client_ca) if p]
 
     def _load(self) -> CertFiles:
-        files = CertFiles(Path(self.cert).read_bytes(), Path(self.key).read_bytes(),
-                          Path(self.client_ca).read_bytes() if self.client_ca else None)
+        files = CertFiles(
+            Path(self.cert).read_bytes(),
+            Path(self.key).read_bytes(),
+            Path(self.client_ca).read_bytes() if self.client_ca else None,
+        )
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
             ctx.load_cert_chain(self.cert, self.key)
             if self.client_ca:
                 ctx.load_verify_locations(self.client_ca)
         except ssl.SSLError as err:
-            raise ValueError(f"TLS files {self.cert}, {self.key}"
-                             f"{', ' + self.client_ca if self.client_ca else ''} do not load: {err}") from None
-        again = CertFiles(Path(self.cert).read_bytes(), Path(self.key).read_bytes(),
-                          Path(self.client_ca).read_bytes() if self.client_ca else None)
+            raise ValueError(
+                f"TLS files {self.cert}, {self.key}{', ' + self.client_ca if self.client_ca else ''} do not load: {err}"
+            ) from None
+        again = CertFiles(
+            Path(self.cert).read_bytes(),
+            Path(self.key).read_bytes(),
+            Path(self.client_ca).read_bytes() if self.client_ca else None,
+        )
         if again != files:
             raise ValueError("TLS files changed while being read; will retry")
         return files
@@ -136,8 +148,9 @@ class CertReloader:
         return grpc.ssl_server_certificate_configuration([(files.key, files.cert)], root_certificates=files.client_ca)
 
     def credentials(self) -> grpc.ServerCredentials:
-        return grpc.dynamic_ssl_server_credentials(self._configuration(self.current), self.fetch,
-                                                   require_client_authentication=self.client_ca is not None)
+        return grpc.dynamic_ssl_server_credentials(
+            self._configuration(self.current), self.fetch, require_client_authentication=self.client_ca is not None
+        )
 
     def request_reload(self) -> None:
         """Re-read the files before the next handshake even if they look unchanged (SIGHUP)."""

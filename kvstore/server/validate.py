@@ -3,6 +3,7 @@
 Each check raises ``InvalidRequest`` (mapped to INVALID_ARGUMENT) with a message
 that tells the caller what to fix.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,20 +68,33 @@ def header(ns: str, hdr, index: int, limits: Limits) -> BlockMeta:
     if hdr.stored_length > limits.max_block_bytes or hdr.raw_length > limits.max_block_bytes:
         raise InvalidRequest(
             f"{where}: {max(hdr.stored_length, hdr.raw_length)} bytes exceeds the block size limit "
-            f"of {limits.max_block_bytes} bytes")
+            f"of {limits.max_block_bytes} bytes"
+        )
     if is_lossy(hdr.codec) and not limits.lossy.allows(ns):
-        raise InvalidRequest(f"{where}: codec {codec_name(hdr.codec)} is lossy and namespace {ns!r} keeps lossless KV only; "
-                             f"send it uncoded or losslessly coded (the server's --lossy-namespaces lists where "
-                             f"lossy KV may go)")
+        raise InvalidRequest(
+            f"{where}: codec {codec_name(hdr.codec)} is lossy and namespace {ns!r} keeps lossless KV only; "
+            f"send it uncoded or losslessly coded (the server's --lossy-namespaces lists where "
+            f"lossy KV may go)"
+        )
     if hdr.codec == 0 and hdr.stored_length != hdr.raw_length:
-        raise InvalidRequest(f"{where}: codec none needs stored_length == raw_length "
-                             f"({hdr.stored_length} != {hdr.raw_length})")
+        raise InvalidRequest(
+            f"{where}: codec none needs stored_length == raw_length ({hdr.stored_length} != {hdr.raw_length})"
+        )
     dtype = hdr.dtype or "uint8"
     if dtype not in DTYPES:
         raise InvalidRequest(f"{where}: unknown dtype {dtype!r}")
     if get_codec(hdr.codec).float_only and dtype not in FLOAT_DTYPES:
-        raise InvalidRequest(f"{where}: codec {codec_name(hdr.codec)} codes float KV; dtype {dtype!r} is not one of "
-                             f"{', '.join(FLOAT_DTYPES)} (send it uncoded, zstd or lz4)")
-    return BlockMeta(namespace=ns, hash=bytes(hdr.hash), parent=bytes(hdr.parent), codec=hdr.codec,
-                     dtype=dtype, raw_length=hdr.raw_length, stored_length=hdr.stored_length,
-                     crc32c=hdr.crc32c)
+        raise InvalidRequest(
+            f"{where}: codec {codec_name(hdr.codec)} codes float KV; dtype {dtype!r} is not one of "
+            f"{', '.join(FLOAT_DTYPES)} (send it uncoded, zstd or lz4)"
+        )
+    return BlockMeta(
+        namespace=ns,
+        hash=bytes(hdr.hash),
+        parent=bytes(hdr.parent),
+        codec=hdr.codec,
+        dtype=dtype,
+        raw_length=hdr.raw_length,
+        stored_length=hdr.stored_length,
+        crc32c=hdr.crc32c,
+    )

@@ -1,4 +1,5 @@
 """The block store: index, placement across tiers, leases, eviction (kvstore.store.blockstore)."""
+
 from kvstore.store.blockstore import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
 
 __all__ = ["BlockStore", "CapacityError", "DataLossError", "Lease", "NotFoundError", "PutTicket"]

@@ -27,14 +27,16 @@ batches (I/O outside the lock) until ``low_watermark``; the last tier drops
 them. A block may hold copies in several tiers (a promoted block keeps its
 clean NVMe copy), so a later demotion of it is free.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
-from kvstore.store.cascade import Cascade, CapacityError
+from kvstore.store.cascade import CapacityError, Cascade
 from kvstore.store.index import DTYPES, NO_LOC, EntryTable, dtype_id
 from kvstore.store.policy import LeafLRU
 from kvstore.tiers.base import BlockMeta, CorruptBlock, MemoryTier, Tier
@@ -72,8 +74,8 @@ class Lease:
     raw_length: int
     stored_length: int
     crc32c: int
-    rank: int                   # tier the bytes come from
-    buffer: Any = None          # filled for memory tiers at acquire, by materialize() otherwise
+    rank: int  # tier the bytes come from
+    buffer: Any = None  # filled for memory tiers at acquire, by materialize() otherwise
 
 
 GET_WINDOW_BYTES = 64 << 20  # NVMe reads of a Get are materialized this much at a time
@@ -191,8 +193,9 @@ class BlockStore(Cascade):
     def begin_put(self, namespace: str, meta: BlockMeta) -> PutTicket | None:
         dtype = dtype_id(meta.dtype)
         if not self.top.fits(meta.stored_length):
-            raise CapacityError(f"a block of {meta.stored_length} bytes exceeds the largest slot "
-                                f"({self.max_block_bytes} bytes)")
+            raise CapacityError(
+                f"a block of {meta.stored_length} bytes exceeds the largest slot ({self.max_block_bytes} bytes)"
+            )
         with self._lock:
             ns = self.table.namespace_id(namespace, create=True)
             e = self.table.find(ns, meta.hash)
@@ -257,8 +260,16 @@ class BlockStore(Cascade):
                 rank = self._top_rank(e)
                 self.counters.tiers[rank].hits += 1
                 self._touch(e)
-                lease = Lease(e, key, int(t.codec[e]), self._dtype_name(e), int(t.raw_len[e]),
-                              int(t.stored_len[e]), int(t.crc[e]), rank)
+                lease = Lease(
+                    e,
+                    key,
+                    int(t.codec[e]),
+                    self._dtype_name(e),
+                    int(t.raw_len[e]),
+                    int(t.stored_len[e]),
+                    int(t.crc[e]),
+                    rank,
+                )
                 tier = self._tier(rank)
                 if isinstance(tier, MemoryTier):
                     lease.buffer = tier.view(int(t.loc[e, rank]), lease.stored_length)
@@ -415,18 +426,34 @@ class BlockStore(Cascade):
             for tier in self.tiers:
                 s = tier.stats()
                 c = self.counters.tiers[tier.rank]
-                tiers.append({
-                    "name": s.name, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes,
-                    "blocks": len(self.policies[tier.rank]), "hits": c.hits, "evictions": c.evictions,
-                    "demotions": c.demotions, "promotions": c.promotions, "not_admitted": c.not_admitted,
-                    "backend": s.backend,
-                    "degraded": s.degraded, "fault": s.fault, **s.extra,
-                })
+                tiers.append(
+                    {
+                        "name": s.name,
+                        "capacity_bytes": s.capacity_bytes,
+                        "used_bytes": s.used_bytes,
+                        "blocks": len(self.policies[tier.rank]),
+                        "hits": c.hits,
+                        "evictions": c.evictions,
+                        "demotions": c.demotions,
+                        "promotions": c.promotions,
+                        "not_admitted": c.not_admitted,
+                        "backend": s.backend,
+                        "degraded": s.degraded,
+                        "fault": s.fault,
+                        **s.extra,
+                    }
+                )
             c = self.counters
             return {
-                "blocks": len(self.table), "tiers": tiers, "lookups": c.lookups,
-                "lookup_hits": c.lookup_hits, "lookup_misses": c.lookup_misses, "puts": c.puts,
-                "already_present": c.already_present, "rejected": c.rejected, "corrupt": c.corrupt,
+                "blocks": len(self.table),
+                "tiers": tiers,
+                "lookups": c.lookups,
+                "lookup_hits": c.lookup_hits,
+                "lookup_misses": c.lookup_misses,
+                "puts": c.puts,
+                "already_present": c.already_present,
+                "rejected": c.rejected,
+                "corrupt": c.corrupt,
                 "index_bytes": self.table.nbytes() + sum(p.nbytes() for p in self.policies.values()),
             }
 

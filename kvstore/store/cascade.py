@@ -15,12 +15,14 @@
 - ``relocate(rank, moves)``: the NVMe tier's compaction moved records;
 - ``compact_once()``: let durable tiers reclaim dead space.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -43,8 +45,11 @@ class Cascade:
     def _make_room(self, tier: MemoryTier, nbytes: int) -> int:
         """Allocate in a memory tier, evicting (synchronously, lock held) until it fits."""
         # Dropping frees exactly what is needed; a demotion batches more for sequential I/O.
-        want = nbytes if self._next_tier(tier) is None else \
-            max(nbytes, min(self.demote_batch_bytes // 8, tier.capacity_bytes // 50))
+        want = (
+            nbytes
+            if self._next_tier(tier) is None
+            else max(nbytes, min(self.demote_batch_bytes // 8, tier.capacity_bytes // 50))
+        )
         for _ in range(64):
             loc = tier.allocate(nbytes)
             if loc is not None:
@@ -56,7 +61,8 @@ class Cascade:
         self.counters.rejected += 1
         raise CapacityError(
             f"{tier.name} tier full: {tier.used_bytes} of {tier.capacity_bytes} bytes in use and "
-            f"nothing evictable (blocks are leased by readers or pinned)")
+            f"nothing evictable (blocks are leased by readers or pinned)"
+        )
 
     def _evict(self, tier: Tier, want: int) -> int:
         """Move or drop the lowest-priority leaves of `tier` until `want` bytes are freed.
@@ -94,8 +100,12 @@ class Cascade:
             with self._lock:
                 for e in demote:
                     self._unlease(e)
-                    if (t.loc[e, tier.rank] != NO_LOC and t.loc[e, lower.rank] != NO_LOC
-                            and t.leases[e] == 0 and t.nchild[e, tier.rank] == 0):
+                    if (
+                        t.loc[e, tier.rank] != NO_LOC
+                        and t.loc[e, lower.rank] != NO_LOC
+                        and t.leases[e] == 0
+                        and t.nchild[e, tier.rank] == 0
+                    ):
                         self._evict_copy(e, tier)
                         self.counters.tiers[tier.rank].demotions += 1
                 self._inflight -= len(demote)
@@ -131,8 +141,10 @@ class Cascade:
             return
         with self._lock:
             metas = [self.table.meta(e) for e in entries]
-            sources = [upper.view(int(self.table.loc[e, upper.rank]), m.stored_length)  # type: ignore[attr-defined]
-                       for e, m in zip(entries, metas)]
+            sources = [
+                upper.view(int(self.table.loc[e, upper.rank]), m.stored_length)  # type: ignore[attr-defined]
+                for e, m in zip(entries, metas)
+            ]
         try:
             locs = self._write_with_room(lower, metas, sources)
         except (TierFault, TierFull) as err:
@@ -266,4 +278,3 @@ class Cascade:
             reclaimable = getattr(tier, "reclaimable", None)
             if reclaimable is not None and reclaimable().compactable_segments and not self._degraded(tier):
                 tier.compact(max_segments=1)  # type: ignore[attr-defined]
-

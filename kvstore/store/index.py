@@ -8,6 +8,7 @@ An entry can hold a copy in several tiers at once (a block promoted from NVMe
 to DRAM keeps its clean NVMe copy, so demoting it again is free): ``loc[e, r]``
 is the location in the tier of rank r, or -1.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -143,10 +144,14 @@ class EntryTable:
     def meta(self, e: int) -> BlockMeta:
         p = self.parent_of(e)
         return BlockMeta(
-            namespace=self._ns_names[int(self.ns[e])], hash=self.key(e),
-            parent=self.key(p) if p is not None else b"", codec=int(self.codec[e]),
-            dtype=DTYPES[int(self.dtype[e])], raw_length=int(self.raw_len[e]),
-            stored_length=int(self.stored_len[e]), crc32c=int(self.crc[e]),
+            namespace=self._ns_names[int(self.ns[e])],
+            hash=self.key(e),
+            parent=self.key(p) if p is not None else b"",
+            codec=int(self.codec[e]),
+            dtype=DTYPES[int(self.dtype[e])],
+            raw_length=int(self.raw_len[e]),
+            stored_length=int(self.stored_len[e]),
+            crc32c=int(self.crc[e]),
         )
 
     def __len__(self) -> int:

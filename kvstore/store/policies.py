@@ -24,11 +24,13 @@ one sketch; an access is counted once, by the highest tier holding a copy.
 ``make_policy(name)`` builds one policy; ``policy_factory(name)`` gives what
 ``BlockStore(policy_factory=...)`` takes; ``POLICY_NAMES`` lists the names.
 """
+
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -214,8 +216,7 @@ class PolicySpec:
 
 POLICIES: dict[str, PolicySpec] = {
     "lru": PolicySpec("lru", "leaf-first LRU (the store's base policy)", LeafLRU),
-    "freq": PolicySpec("freq", "leaf-first LRU; blocks seen twice are protected for a few turnovers",
-                       FrequencyLeafLRU),
+    "freq": PolicySpec("freq", "leaf-first LRU; blocks seen twice are protected for a few turnovers", FrequencyLeafLRU),
 }
 POLICY_NAMES = tuple(POLICIES)
 

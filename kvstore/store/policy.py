@@ -19,10 +19,12 @@ Verbs (all O(log n), called with the store lock held):
 read per-entry context (depth, key, copies in other tiers) from the index
 (kvstore.store.policies uses it for access frequency).
 """
+
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 COLD_PENALTY = 1e15
 
@@ -33,11 +35,11 @@ class LeafLRU:
 
     def __init__(self) -> None:
         self._clock = 0
-        self._prio: dict[int, float] = {}     # every resident copy -> current priority
+        self._prio: dict[int, float] = {}  # every resident copy -> current priority
         self._leaf: set[int] = set()
         self._heap: list[tuple[float, int]] = []  # (priority, e) of leaves; stale rows skipped
         self.table: Any = None  # the owner's EntryTable once bound
-        self.rank = 0           # the rank of the tier this policy orders
+        self.rank = 0  # the rank of the tier this policy orders
 
     def bind(self, table: Any, rank: int) -> None:
         """Context from the owning BlockStore: its index and this tier's rank."""
@@ -79,8 +81,13 @@ class LeafLRU:
     def nbytes(self) -> int:
         import sys
 
-        return sys.getsizeof(self._prio) + sys.getsizeof(self._leaf) + sys.getsizeof(self._heap) \
-            + len(self._heap) * 64 + len(self._prio) * 24  # heap rows (tuple + float) and float values
+        return (
+            sys.getsizeof(self._prio)
+            + sys.getsizeof(self._leaf)
+            + sys.getsizeof(self._heap)
+            + len(self._heap) * 64
+            + len(self._prio) * 24
+        )  # heap rows (tuple + float) and float values
 
     def __contains__(self, e: int) -> bool:
         return e in self._prio

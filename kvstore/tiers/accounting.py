@@ -15,9 +15,11 @@ use would pass ``capacity_bytes``, so the store must evict.
 Locations are small ints handed out from a free list; the byte count of each
 live location is kept so ``free`` returns exactly what was taken.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvstore.tiers.base import DRAM, NVME, TIER_NAMES, BlockMeta, MemoryTier, Tier, TierFull, TierStats
 
@@ -80,8 +82,9 @@ class _AccountingMixin:
             loc = self._ledger.take(meta.stored_length)
             if loc is None:
                 self.free(locs)
-                raise TierFull(f"{self.name} accounting tier full: {self._ledger.used} of "
-                               f"{self._ledger.capacity} bytes in use")
+                raise TierFull(
+                    f"{self.name} accounting tier full: {self._ledger.used} of {self._ledger.capacity} bytes in use"
+                )
             locs.append(loc)
         return locs
 
@@ -95,8 +98,13 @@ class _AccountingMixin:
             self._ledger.give_back(loc)
 
     def stats(self) -> TierStats:
-        return TierStats(self.name, self.capacity_bytes, self.used_bytes, backend="accounting",
-                         extra={"peak_bytes": float(self._ledger.peak)})
+        return TierStats(
+            self.name,
+            self.capacity_bytes,
+            self.used_bytes,
+            backend="accounting",
+            extra={"peak_bytes": float(self._ledger.peak)},
+        )
 
 
 class AccountingMemoryTier(_AccountingMixin, MemoryTier):

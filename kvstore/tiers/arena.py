@@ -6,11 +6,13 @@ device copies can be asynchronous; pageable numpy memory otherwise, which the
 kernel faults in as it is first written); on ``cuda`` it is one torch tensor in
 device memory. No per-block allocation happens after start.
 """
+
 from __future__ import annotations
 
 import logging
 import mmap
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,8 +49,9 @@ def _host_buffer(nbytes: int, pinned: bool) -> tuple[np.ndarray, Any]:
 class ArenaTier(MemoryTier):
     """A memory tier: ``device`` is "cpu" (DRAM) or "cuda[:N]" (HBM)."""
 
-    def __init__(self, capacity_bytes: int, *, device: str = "cpu", page_size: int = 8 << 20,
-                 pinned: bool | None = None):
+    def __init__(
+        self, capacity_bytes: int, *, device: str = "cpu", page_size: int = 8 << 20, pinned: bool | None = None
+    ):
         self.device = device
         self.rank = HBM if device.startswith("cuda") else DRAM
         self.name = TIER_NAMES[self.rank]
@@ -66,8 +69,14 @@ class ArenaTier(MemoryTier):
             self._host, self._keepalive = _host_buffer(self.slabs.capacity, pinned)
             self._view = memoryview(self._host)
             self.backend = "pinned" if pinned else "pageable"
-        log.info("%s arena: %d bytes (%s), %d pages of %d", self.name, self.slabs.capacity,
-                 self.backend, self.slabs.n_pages, self.slabs.page_size)
+        log.info(
+            "%s arena: %d bytes (%s), %d pages of %d",
+            self.name,
+            self.slabs.capacity,
+            self.backend,
+            self.slabs.n_pages,
+            self.slabs.page_size,
+        )
 
     @property
     def capacity_bytes(self) -> int:
@@ -122,4 +131,3 @@ class ArenaTier(MemoryTier):
 
     def stats(self) -> TierStats:
         return TierStats(self.name, self.capacity_bytes, self.used_bytes, backend=self.backend)
-

@@ -25,11 +25,13 @@ Memory tiers (``MemoryTier``) add zero-copy verbs used by the data path:
 - ``view(loc, nbytes)``: a writable buffer over that room (a memoryview for
   host memory, a torch tensor for device memory).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 # Tier ranks, matching kvstore.v1.Tier (0 means "absent").
 HBM, DRAM, NVME = 1, 2, 3
@@ -109,7 +111,7 @@ class Tier(ABC):
     def stats(self) -> TierStats:
         return TierStats(self.name, self.capacity_bytes, self.used_bytes)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: tiers without resources need not override it
         """Flush and release resources."""
 
 

@@ -7,6 +7,7 @@ no free page), ``free(offset)``, ``slot_size(offset)``. A page whose slots are a
 free goes back to the shared page pool, so classes rebalance as the mix changes.
 Offsets are multiples of ``align`` (4 KiB: O_DIRECT-friendly).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ def default_classes(page_size: int, min_size: int = ALIGN, growth: float = 1.25)
 
 @dataclass
 class _Page:
-    size_class: int = -1           # index into classes, -1 when in the free pool
+    size_class: int = -1  # index into classes, -1 when in the free pool
     free_slots: list[int] = field(default_factory=list)
     taken: bytearray = field(default_factory=bytearray)  # 1 per allocated slot: catches double frees
     used: int = 0

@@ -14,9 +14,19 @@ Module map, one job each:
 - ``compaction``: moving live records out of mostly-dead segments.
 - ``tier``: ``NvmeTier``, the tier verbs.
 """
+
 from kvstore.tiers.nvme.compaction import DROPPED, CompactionReport, RelocateHook
 from kvstore.tiers.nvme.io import IoBackend, KvikioBackend, PosixBackend, select_backend
 from kvstore.tiers.nvme.tier import NvmeTier, ReclaimInfo
 
-__all__ = ["NvmeTier", "ReclaimInfo", "CompactionReport", "RelocateHook", "DROPPED",
-           "IoBackend", "PosixBackend", "KvikioBackend", "select_backend"]
+__all__ = [
+    "NvmeTier",
+    "ReclaimInfo",
+    "CompactionReport",
+    "RelocateHook",
+    "DROPPED",
+    "IoBackend",
+    "PosixBackend",
+    "KvikioBackend",
+    "select_backend",
+]

@@ -21,12 +21,13 @@ picked up an old location just before the owner switched.
 
 Without an ``on_relocate`` hook only segments with nothing live are deleted.
 """
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from kvstore.tiers.base import TierFull
 from kvstore.tiers.nvme.format import make_loc
@@ -62,9 +63,18 @@ def select_victims(log_: SegmentLog, threshold: float, max_segments: int, pressu
     return below[:max_segments]
 
 
-def compact_log(log_: SegmentLog, backend: IoBackend, pool: BufferPool, hook: RelocateHook | None, *,
-                threshold: float, max_segments: int, pressure: bool, max_read_bytes: int,
-                forward_ttl_s: float) -> CompactionReport:
+def compact_log(
+    log_: SegmentLog,
+    backend: IoBackend,
+    pool: BufferPool,
+    hook: RelocateHook | None,
+    *,
+    threshold: float,
+    max_segments: int,
+    pressure: bool,
+    max_read_bytes: int,
+    forward_ttl_s: float,
+) -> CompactionReport:
     t0 = time.perf_counter()
     report = CompactionReport()
     log_.expire_forwards(forward_ttl_s)
@@ -93,9 +103,16 @@ def compact_log(log_: SegmentLog, backend: IoBackend, pool: BufferPool, hook: Re
     return report
 
 
-def _move_segment(log_: SegmentLog, backend: IoBackend, pool: BufferPool, hook: RelocateHook | None,
-                  seg: Segment, live: Sequence[tuple[int, int]], max_read_bytes: int,
-                  report: CompactionReport) -> str:
+def _move_segment(
+    log_: SegmentLog,
+    backend: IoBackend,
+    pool: BufferPool,
+    hook: RelocateHook | None,
+    seg: Segment,
+    live: Sequence[tuple[int, int]],
+    max_read_bytes: int,
+    report: CompactionReport,
+) -> str:
     """Copy one segment's live records forward; returns why it stopped early, or ""."""
     pairs: list[tuple[int, int]] = []
     stopped = ""
@@ -114,8 +131,14 @@ def _move_segment(log_: SegmentLog, backend: IoBackend, pool: BufferPool, hook: 
                         report.records_lost += 1
                 if not good:
                     continue
-                items = [Pending(c.payload, header=bytes(c.record[:c.header.header_len]),  # type: ignore[union-attr,index]
-                                 decoded=c.header) for c in good]
+                items = [
+                    Pending(
+                        c.payload,
+                        header=bytes(c.record[: c.header.header_len]),  # type: ignore[union-attr,index]
+                        decoded=c.header,
+                    )
+                    for c in good
+                ]
                 try:
                     new_locs = log_.append(items, use_reserve=True, force_sync=True)
                 except TierFull as e:

@@ -12,12 +12,14 @@ explicitly:
 - ``fail_reads(err=EIO)``: every pread and preadv raises.
 - ``heal()``: disarm everything.
 """
+
 from __future__ import annotations
 
 import errno
 import os
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvstore.tiers.nvme.io import FileHandle, IoBackend
 

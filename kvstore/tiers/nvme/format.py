@@ -31,6 +31,7 @@ stored crc, without decoding anything.
 
 A location is one int: ``segment_id << 40 | byte offset of the record``.
 """
+
 from __future__ import annotations
 
 import struct
@@ -144,9 +145,20 @@ def encode_header(meta: BlockMeta, seq: int, stored_crc: int) -> bytes:
     ns = _namespace_bytes(meta.namespace)
     dt = _dtype_bytes(meta.dtype)
     fixed = _FIXED.pack(
-        MAGIC, VERSION, FLAG_PARENT if meta.parent else 0, len(dt), seq, meta.hash,
-        meta.parent or bytes(16), meta.codec, dt, meta.raw_length, meta.stored_length,
-        meta.crc32c & 0xFFFFFFFF, stored_crc, len(ns),
+        MAGIC,
+        VERSION,
+        FLAG_PARENT if meta.parent else 0,
+        len(dt),
+        seq,
+        meta.hash,
+        meta.parent or bytes(16),
+        meta.codec,
+        dt,
+        meta.raw_length,
+        meta.stored_length,
+        meta.crc32c & 0xFFFFFFFF,
+        stored_crc,
+        len(ns),
     )
     body = fixed + ns
     return body + _CRC.pack(_crc32c(body))
@@ -170,8 +182,9 @@ def check_header(buf: Any, offset: int = 0) -> tuple[int, int] | None:
 def decode_header(buf: Any, offset: int = 0) -> Header | None:
     """Decode and validate a header at ``buf[offset:]``; None when it is not a valid header."""
     try:
-        (magic, version, flags, dtlen, seq, h, parent, codec, dt, raw_len, stored_len,
-         raw_crc, stored_crc, nslen) = _FIXED.unpack_from(buf, offset)
+        (magic, version, flags, dtlen, seq, h, parent, codec, dt, raw_len, stored_len, raw_crc, stored_crc, nslen) = (
+            _FIXED.unpack_from(buf, offset)
+        )
     except struct.error:
         return None
     if magic != MAGIC or version != VERSION or nslen > MAX_NAMESPACE_BYTES or dtlen > MAX_DTYPE_BYTES:
@@ -183,10 +196,9 @@ def decode_header(buf: Any, offset: int = 0) -> Header | None:
     if _crc32c(body) != _CRC.unpack_from(buf, end)[0]:
         return None
     try:
-        namespace = _namespace_str(body[_FIXED.size:])
+        namespace = _namespace_str(body[_FIXED.size :])
         dtype = _dtype_str(dt[:dtlen])
     except UnicodeDecodeError:
         return None
-    meta = BlockMeta(namespace, h, parent if flags & FLAG_PARENT else b"", codec, dtype,
-                     raw_len, stored_len, raw_crc)
+    meta = BlockMeta(namespace, h, parent if flags & FLAG_PARENT else b"", codec, dtype, raw_len, stored_len, raw_crc)
     return Header(seq, meta, stored_crc, end + 4 - offset)

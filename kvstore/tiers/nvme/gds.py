@@ -19,10 +19,12 @@ A record that fails is reported and its destination zeroed, never left
 holding unverified bytes. The payload starts 4 KiB aligned in the file
 (format.py), so the device read is aligned on the file side.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,10 +33,10 @@ from kvstore.tiers.nvme.format import HEADER_BYTES, check_header
 
 @dataclass(frozen=True)
 class DeviceRead:
-    native: Any      # the segment's kvikio CuFile
-    offset: int      # of the record (its header page) in the segment file
-    length: int      # stored length the index expects
-    dest: Any        # CUDA tensor receiving the payload (at least ``length`` bytes)
+    native: Any  # the segment's kvikio CuFile
+    offset: int  # of the record (its header page) in the segment file
+    length: int  # stored length the index expects
+    dest: Any  # CUDA tensor receiving the payload (at least ``length`` bytes)
 
 
 def is_device_dest(dest: Any) -> bool:
@@ -50,11 +52,11 @@ def read_into_device(reads: Sequence[DeviceRead]) -> list[tuple[int, str]]:
     flats = [r.dest.reshape(-1).view(torch.uint8)[: r.length] for r in reads]
     futures = []
     for i, (r, flat) in enumerate(zip(reads, flats)):
-        futures.append(r.native.pread(headers[i * HEADER_BYTES:(i + 1) * HEADER_BYTES], file_offset=r.offset))
+        futures.append(r.native.pread(headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES], file_offset=r.offset))
         futures.append(r.native.pread(flat, file_offset=r.offset + HEADER_BYTES) if r.length else None)
     got = []
     failed: list[tuple[int, str]] = []
-    for i, r in enumerate(reads):
+    for i in range(len(reads)):
         try:
             h = futures[2 * i].get()
             p = futures[2 * i + 1].get() if futures[2 * i + 1] is not None else 0
@@ -116,5 +118,7 @@ def read_split(tier: Any, locs: Sequence[int], lengths: Sequence[int], dests: Se
     tier._counts["gds_blocks_read"] = tier._counts.get("gds_blocks_read", 0) + len(device)
     if bad:
         first = next(iter(bad.items()))
-        raise CorruptBlock(f"{len(bad)} of {len(locs)} nvme records failed verification "
-                           f"(first: loc {first[0]:#x}: {first[1]})", list(bad))
+        raise CorruptBlock(
+            f"{len(bad)} of {len(locs)} nvme records failed verification (first: loc {first[0]:#x}: {first[1]})",
+            list(bad),
+        )

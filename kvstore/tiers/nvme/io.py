@@ -19,6 +19,7 @@ O_DIRECT it falls back to buffered I/O for that file, logs it once, and
 compatibility mode, which its name reports), chosen only when kvikio imports
 and a CUDA device exists. It accepts host or device buffers.
 """
+
 from __future__ import annotations
 
 import errno
@@ -26,8 +27,9 @@ import logging
 import mmap
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -183,8 +185,9 @@ class PosixBackend(IoBackend):
         done = 0
         while done < total:
             try:  # the buffers as given first (no per-buffer views on the common, whole read)
-                n = os.preadv(fh.fd, _rest([memoryview(b).cast("B") for b in bufs], done) if done else bufs,
-                              offset + done)
+                n = os.preadv(
+                    fh.fd, _rest([memoryview(b).cast("B") for b in bufs], done) if done else bufs, offset + done
+                )
             except OSError as e:
                 if not self._demoted(fh, e):
                     raise

@@ -22,22 +22,30 @@ Capacity is counted in whole segment files: the log never holds more than
 for compaction, which needs room to copy live records into before it can
 delete their old segment.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 
-from kvstore.tiers.base import BlockMeta, TierFull
 from kvstore.checksum import crc32c as _crc32c
+from kvstore.tiers.base import BlockMeta, TierFull
 from kvstore.tiers.nvme.format import (
-    HEADER_BYTES, OFFSET_BITS, PAGE, Header, encode_header, record_bytes, split_loc, validate_meta,
+    HEADER_BYTES,
+    OFFSET_BITS,
+    PAGE,
+    Header,
+    encode_header,
+    record_bytes,
+    split_loc,
+    validate_meta,
 )
 from kvstore.tiers.nvme.io import IoBackend
 from kvstore.tiers.nvme.recovery import Recovered, recover_log
@@ -46,6 +54,7 @@ from kvstore.tiers.nvme.sidecar import Checkpoint, write_checkpoint, write_summa
 from kvstore.tiers.nvme.writer import Chunk, WriteCombiner
 
 log = logging.getLogger("kvstore.nvme")
+
 
 @dataclass(slots=True)
 class Pending:
@@ -63,9 +72,19 @@ class Pending:
 
 
 class SegmentLog:
-    def __init__(self, data_dir: Path, backend: IoBackend, *, segment_bytes: int, max_segments: int,
-                 reserve_segments: int, write_io_bytes: int, write_buffers: int, sync_writes: bool,
-                 sync_interval_s: float):
+    def __init__(
+        self,
+        data_dir: Path,
+        backend: IoBackend,
+        *,
+        segment_bytes: int,
+        max_segments: int,
+        reserve_segments: int,
+        write_io_bytes: int,
+        write_buffers: int,
+        sync_writes: bool,
+        sync_interval_s: float,
+    ):
         self.data_dir = data_dir
         self.backend = backend
         self.segment_bytes = segment_bytes
@@ -192,7 +211,8 @@ class SegmentLog:
                 raise TierFull(
                     f"nvme tier full: the batch needs {new} new segment(s), {len(self.segments)} of "
                     f"{self.max_segments} exist ({self.reserve_segments} reserved for compaction); "
-                    f"free blocks and compact()")
+                    f"free blocks and compact()"
+                )
 
     def _new_segment(self) -> Segment:
         seg_id = self.next_segment_id
@@ -206,8 +226,14 @@ class SegmentLog:
             self.disk_bytes += seg.size
         return seg
 
-    def _commit(self, runs: list[tuple[Segment, int, list[int]]], created: list[Segment],
-                sizes: list[int], headers: list[Header], offsets: list[int]) -> list[int]:
+    def _commit(
+        self,
+        runs: list[tuple[Segment, int, list[int]]],
+        created: list[Segment],
+        sizes: list[int],
+        headers: list[Header],
+        offsets: list[int],
+    ) -> list[int]:
         locs = [0] * len(sizes)
         with self.lock:
             for seg, _, idxs in runs:
@@ -344,8 +370,11 @@ class SegmentLog:
     def drop_empty(self) -> int:
         """Delete sealed segments with nothing live and no read in flight; returns how many."""
         with self.lock:
-            empty = [s for s in self.segments.values() if s.state is SegmentState.SEALED
-                     and s.records.live_count == 0 and s.readers == 0]
+            empty = [
+                s
+                for s in self.segments.values()
+                if s.state is SegmentState.SEALED and s.records.live_count == 0 and s.readers == 0
+            ]
         for seg in empty:
             self.retire(seg)
         return len(empty)

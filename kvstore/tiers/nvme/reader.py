@@ -26,23 +26,32 @@ other pieces' I/O and the CRCs run on every core.
 ``BufferPool`` bounds the bounce-buffer memory (``count`` buffers, each as
 large as the largest piece read so far).
 """
+
 from __future__ import annotations
 
 import queue
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from kvstore.checksum import crc32c as _crc32c
 from kvstore.tiers.nvme.format import (
-    HEADER_BYTES, PAGE, Header, align_up, check_header, crc32c, decode_header, record_bytes,
+    HEADER_BYTES,
+    PAGE,
+    Header,
+    align_up,
+    check_header,
+    crc32c,
+    decode_header,
+    record_bytes,
 )
 from kvstore.tiers.nvme.io import IoBackend, aligned_buffer
-from kvstore.tiers.nvme.writer import _address  # where an array's bytes start (cheap for writable ones)
 from kvstore.tiers.nvme.segments import Segment
+from kvstore.tiers.nvme.writer import _address  # where an array's bytes start (cheap for writable ones)
 
 MIN_PIECE = 256 << 10  # pieces are not cut smaller than this for parallelism
 
@@ -57,7 +66,7 @@ class Wanted:
     targets: list[int] = field(default_factory=list)  # indices into the caller's dests
 
     @classmethod
-    def block(cls, offset: int, length: int) -> "Wanted":
+    def block(cls, offset: int, length: int) -> Wanted:
         return cls(offset, record_bytes(length), length)
 
 
@@ -80,11 +89,17 @@ class Checked:
     @property
     def payload(self) -> np.ndarray:
         assert self.record is not None
-        return self.record[HEADER_BYTES:HEADER_BYTES + self.length]
+        return self.record[HEADER_BYTES : HEADER_BYTES + self.length]
 
 
-def plan_pieces(seg: Segment, wanted: Sequence[Wanted], max_bytes: int, gap_bytes: int,
-                parallel: int = 1, min_piece: int = MIN_PIECE) -> list[Piece]:
+def plan_pieces(
+    seg: Segment,
+    wanted: Sequence[Wanted],
+    max_bytes: int,
+    gap_bytes: int,
+    parallel: int = 1,
+    min_piece: int = MIN_PIECE,
+) -> list[Piece]:
     """Coalesce into runs, then cut each run into balanced pieces at record boundaries.
 
     A run is cut into ``k`` pieces of about equal size, where ``k`` is enough to keep
@@ -134,17 +149,17 @@ def check_record(buf: np.ndarray, rel: int, w: Wanted, decode: bool = False) -> 
     n, stored_crc = fields
     if (w.length is not None and n != w.length) or record_bytes(n) != w.nbytes:
         return Checked(w, header, None, f"record holds {n} bytes, caller expects {w.length}")
-    record = buf[rel:rel + w.nbytes]
+    record = buf[rel : rel + w.nbytes]
     if len(record) < w.nbytes:
         return Checked(w, header, None, "record extends past the end of the segment file")
-    if crc32c(record[HEADER_BYTES:HEADER_BYTES + n]) != stored_crc:
+    if crc32c(record[HEADER_BYTES : HEADER_BYTES + n]) != stored_crc:
         return Checked(w, header, None, "payload fails its CRC32C")
     return Checked(w, header, record, length=n)
 
 
 def read_piece(backend: IoBackend, piece: Piece, buf: np.ndarray, decode: bool = False) -> list[Checked]:
     """One pread for the whole piece, then a check of every record in it."""
-    view = buf[:piece.nbytes]
+    view = buf[: piece.nbytes]
     try:
         got = backend.pread(piece.seg.fh, view, piece.offset)
     except OSError as e:
@@ -244,7 +259,7 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
             elif w.offset + w.nbytes > end:
                 reason = "record extends past the end of the segment file"
             elif view is None:
-                payload = scratch[tail:tail + n]
+                payload = scratch[tail : tail + n]
                 if _crc32c(payload) != stored_crc:
                     reason = "payload fails its CRC32C"
                 else:
@@ -253,7 +268,7 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
             else:
                 crc = _crc32c(view if view.nbytes == al else view[:al])
                 if n > al:
-                    rest = scratch[tail:tail + n - al]
+                    rest = scratch[tail : tail + n - al]
                     crc = _crc32c(rest, crc)
                 if crc != stored_crc:
                     reason = "payload fails its CRC32C"
@@ -269,8 +284,9 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
     return failed
 
 
-def read_pipelined(backend: IoBackend, pool: Executor, buffers: "BufferPool", pieces: Sequence[Piece],
-                   dests: Sequence[Any], window: int) -> list[tuple[int, str]]:
+def read_pipelined(
+    backend: IoBackend, pool: Executor, buffers: BufferPool, pieces: Sequence[Piece], dests: Sequence[Any], window: int
+) -> list[tuple[int, str]]:
     """Read and check ``pieces`` with up to ``window`` of them in flight; returns the failed (target, reason).
 
     Each piece is planned, read and checked by one thread from start to end: this thread and up to
@@ -312,7 +328,7 @@ def read_pipelined(backend: IoBackend, pool: Executor, buffers: "BufferPool", pi
                 break
             jobs.append((buf, pool.submit(work, buf)))
         failed, own = work(own)
-        for i, (buf, job) in enumerate(jobs):
+        for i, (_buf, job) in enumerate(jobs):
             if job.cancel():  # still queued behind other readers' work: every piece is done already
                 continue
             more, final = job.result()

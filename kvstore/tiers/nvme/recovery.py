@@ -18,6 +18,7 @@
 All recovered segments are sealed: new writes always go to a fresh segment,
 so no write ever lands behind a torn record.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,7 +33,12 @@ from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.nvme.format import PAGE, Header, align_down, align_up, crc32c, decode_header, make_loc, record_bytes
 from kvstore.tiers.nvme.io import FileHandle, IoBackend, aligned_buffer
 from kvstore.tiers.nvme.segments import (
-    RecordTable, Segment, SegmentState, list_segment_ids, segment_path, summary_path,
+    RecordTable,
+    Segment,
+    SegmentState,
+    list_segment_ids,
+    segment_path,
+    summary_path,
 )
 from kvstore.tiers.nvme.sidecar import SegmentRecords, read_checkpoint, read_summary, write_summary
 
@@ -64,7 +70,7 @@ class _Window:
             if off + n > self.start + self.len:
                 return None
         rel = off - self.start
-        return self.buf[rel:rel + n]
+        return self.buf[rel : rel + n]
 
 
 def scan_segment(backend: IoBackend, fh: FileHandle, size: int, chunk: int = SCAN_CHUNK) -> ScanResult:
@@ -139,8 +145,9 @@ def _load_segment(data_dir: Path, backend: IoBackend, seg_id: int, out: Recovere
         out.notes.append(f"segment {seg_id}: scanned {len(res.records)} records, stopped: {res.stop}")
         if res.records:
             write_summary(data_dir, seg_id, res.end, res.records)
-        recs = SegmentRecords(res.end, [off for off, _ in res.records], [h.seq for _, h in res.records],
-                              [h.meta for _, h in res.records])
+        recs = SegmentRecords(
+            res.end, [off for off, _ in res.records], [h.seq for _, h in res.records], [h.meta for _, h in res.records]
+        )
     table = RecordTable.bulk(recs.offsets, [record_bytes(m.stored_length) for m in recs.metas])
     seg = Segment(seg_id, path, fh, size, recs.end, SegmentState.SEALED, table, headers=None)
     return seg, recs

@@ -10,15 +10,16 @@ flight) -> gone.
 (9 bytes a record, no Python object per block): offset and length in pages and
 a live flag; ``live_bytes`` is kept up to date for the compaction policy.
 """
+
 from __future__ import annotations
 
 import enum
 import fcntl
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -78,7 +79,7 @@ class RecordTable:
         self.live_bytes = 0
 
     @classmethod
-    def bulk(cls, offsets: list[int], nbytes: list[int]) -> "RecordTable":
+    def bulk(cls, offsets: list[int], nbytes: list[int]) -> RecordTable:
         """A table of live records, built at once (offsets ascending)."""
         t = cls(capacity=max(len(offsets), 64))
         n = len(offsets)

@@ -26,6 +26,7 @@ next sequence number and segment id::
 A file that fails its CRC is ignored (a summary then falls back to a scan of
 its segment). Files are written to ``*.tmp`` and renamed into place.
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,9 +70,20 @@ def _checked(data: bytes) -> bytes | None:
 
 
 _KEY = "16B"  # 16 raw bytes each (numpy's S16 would drop trailing NULs)
-_COLUMNS = (("offset", "<u4"), ("seq", "<u8"), ("hash", _KEY), ("parent", _KEY), ("has_parent", "u1"),
-            ("codec", "<u4"), ("dtype", "<u2"), ("namespace", "<u4"), ("raw_length", "<u8"),
-            ("stored_length", "<u8"), ("raw_crc", "<u4"), ("stored_crc", "<u4"))
+_COLUMNS = (
+    ("offset", "<u4"),
+    ("seq", "<u8"),
+    ("hash", _KEY),
+    ("parent", _KEY),
+    ("has_parent", "u1"),
+    ("codec", "<u4"),
+    ("dtype", "<u2"),
+    ("namespace", "<u4"),
+    ("raw_length", "<u8"),
+    ("stored_length", "<u8"),
+    ("raw_crc", "<u4"),
+    ("stored_crc", "<u4"),
+)
 
 
 @dataclass
@@ -90,12 +102,20 @@ def write_summary(data_dir: Path, seg_id: int, end: int, records: list[tuple[int
     cols: dict[str, list] = {name: [] for name, _ in _COLUMNS}
     for off, h in records:
         m = h.meta
-        for name, value in (("offset", off // PAGE), ("seq", h.seq), ("hash", m.hash),
-                            ("parent", m.parent or bytes(16)), ("has_parent", 1 if m.parent else 0),
-                            ("codec", m.codec), ("dtype", dt_idx.setdefault(m.dtype, len(dt_idx))),
-                            ("namespace", ns_idx.setdefault(m.namespace, len(ns_idx))),
-                            ("raw_length", m.raw_length), ("stored_length", m.stored_length),
-                            ("raw_crc", m.crc32c & 0xFFFFFFFF), ("stored_crc", h.stored_crc)):
+        for name, value in (
+            ("offset", off // PAGE),
+            ("seq", h.seq),
+            ("hash", m.hash),
+            ("parent", m.parent or bytes(16)),
+            ("has_parent", 1 if m.parent else 0),
+            ("codec", m.codec),
+            ("dtype", dt_idx.setdefault(m.dtype, len(dt_idx))),
+            ("namespace", ns_idx.setdefault(m.namespace, len(ns_idx))),
+            ("raw_length", m.raw_length),
+            ("stored_length", m.stored_length),
+            ("raw_crc", m.crc32c & 0xFFFFFFFF),
+            ("stored_crc", h.stored_crc),
+        ):
             cols[name].append(value)
     parts = [_SUM_HEAD.pack(b"KVSS", VERSION, 0, seg_id, end, len(records), len(ns_idx), len(dt_idx))]
     for ns in ns_idx:
@@ -104,8 +124,10 @@ def write_summary(data_dir: Path, seg_id: int, end: int, records: list[tuple[int
     for dt in dt_idx:
         raw = dt.encode("ascii")
         parts += [bytes([len(raw)]), raw]
-    parts += [b"".join(cols[name]) if dtype == _KEY else np.asarray(cols[name], dtype=dtype).tobytes()
-              for name, dtype in _COLUMNS]
+    parts += [
+        b"".join(cols[name]) if dtype == _KEY else np.asarray(cols[name], dtype=dtype).tobytes()
+        for name, dtype in _COLUMNS
+    ]
     body = b"".join(parts)
     _write_atomic(summary_path(data_dir, seg_id), body + _U32.pack(crc32c(body)), durable=False)
 
@@ -136,16 +158,16 @@ def _parse_summary(body: bytes, seg_id: int) -> SegmentRecords:
     namespaces, dtypes = [], []
     for _ in range(n_ns):
         (n,) = _U16.unpack_from(body, pos)
-        namespaces.append(body[pos + 2:pos + 2 + n].decode("utf-8"))
+        namespaces.append(body[pos + 2 : pos + 2 + n].decode("utf-8"))
         pos += 2 + n
     for _ in range(n_dt):
         n = body[pos]
-        dtypes.append(body[pos + 1:pos + 1 + n].decode("ascii"))
+        dtypes.append(body[pos + 1 : pos + 1 + n].decode("ascii"))
         pos += 1 + n
     cols = {}
     for name, dtype in _COLUMNS:
         if dtype == _KEY:
-            cols[name] = [body[p:p + 16] for p in range(pos, pos + 16 * count, 16)]
+            cols[name] = [body[p : p + 16] for p in range(pos, pos + 16 * count, 16)]
             pos += 16 * count
             continue
         arr = np.frombuffer(body, dtype=dtype, count=count, offset=pos)
@@ -153,10 +175,20 @@ def _parse_summary(body: bytes, seg_id: int) -> SegmentRecords:
         cols[name] = arr.tolist()
     if pos != len(body):
         raise ValueError(f"{len(body) - pos} trailing bytes")
-    metas = [BlockMeta(namespaces[ns], h, p if hp else b"", codec, dtypes[dt], raw_len, stored, rcrc)
-             for ns, h, p, hp, codec, dt, raw_len, stored, rcrc in zip(
-                 cols["namespace"], cols["hash"], cols["parent"], cols["has_parent"], cols["codec"],
-                 cols["dtype"], cols["raw_length"], cols["stored_length"], cols["raw_crc"])]
+    metas = [
+        BlockMeta(namespaces[ns], h, p if hp else b"", codec, dtypes[dt], raw_len, stored, rcrc)
+        for ns, h, p, hp, codec, dt, raw_len, stored, rcrc in zip(
+            cols["namespace"],
+            cols["hash"],
+            cols["parent"],
+            cols["has_parent"],
+            cols["codec"],
+            cols["dtype"],
+            cols["raw_length"],
+            cols["stored_length"],
+            cols["raw_crc"],
+        )
+    ]
     return SegmentRecords(end, [o * PAGE for o in cols["offset"]], cols["seq"], metas)
 
 

@@ -20,6 +20,7 @@
 - ``recover()``: the blocks found on disk at open, once.
 - ``reclaimable() -> ReclaimInfo``, ``stats()``, ``checkpoint()``, ``close()``.
 """
+
 from __future__ import annotations
 
 import errno
@@ -27,17 +28,18 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from kvstore.tiers.base import NVME, BlockMeta, CorruptBlock, Tier, TierFault, TierFull, TierStats
 from kvstore.tiers.nvme.compaction import CompactionReport, RelocateHook, compact_log
-from kvstore.tiers.nvme.gds import is_device_dest, read_split
 from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK, PAGE, record_bytes
+from kvstore.tiers.nvme.gds import is_device_dest, read_split
 from kvstore.tiers.nvme.io import IoBackend, select_backend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
 from kvstore.tiers.nvme.reader import BufferPool, Wanted, plan_pieces, read_pipelined
@@ -82,22 +84,36 @@ class NvmeTier(Tier):
     rank = NVME
     name = "nvme"
 
-    def __init__(self, data_dir: str | os.PathLike[str], capacity_bytes: int, *,
-                 segment_bytes: int = 256 << 20, write_policy: str = "direct", sync_interval_s: float = 1.0,
-                 compact_threshold: float = 0.5, reserve_segments: int = 1,
-                 write_io_bytes: int = 1 << 20, write_buffers: int = 4,
-                 read_threads: int = 4, max_read_bytes: int = 2 << 20,
-                 coalesce_gap_bytes: int = 128 << 10, probe_interval_s: float = 5.0,
-                 forward_ttl_s: float = 60.0, backend: IoBackend | str = "auto",
-                 on_relocate: RelocateHook | None = None):
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        segment_bytes: int = 256 << 20,
+        write_policy: str = "direct",
+        sync_interval_s: float = 1.0,
+        compact_threshold: float = 0.5,
+        reserve_segments: int = 1,
+        write_io_bytes: int = 1 << 20,
+        write_buffers: int = 4,
+        read_threads: int = 4,
+        max_read_bytes: int = 2 << 20,
+        coalesce_gap_bytes: int = 128 << 10,
+        probe_interval_s: float = 5.0,
+        forward_ttl_s: float = 60.0,
+        backend: IoBackend | str = "auto",
+        on_relocate: RelocateHook | None = None,
+    ):
         if segment_bytes % PAGE or segment_bytes < 4 * PAGE:
             raise ValueError("segment_bytes must be a multiple of 4 KiB and at least 16 KiB")
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
         max_segments = capacity_bytes // segment_bytes
         if max_segments < reserve_segments + 1:
-            raise ValueError(f"capacity {capacity_bytes} holds {max_segments} segments of {segment_bytes} bytes; "
-                             f"at least {reserve_segments + 1} are needed (one is the compaction reserve)")
+            raise ValueError(
+                f"capacity {capacity_bytes} holds {max_segments} segments of {segment_bytes} bytes; "
+                f"at least {reserve_segments + 1} are needed (one is the compaction reserve)"
+            )
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._capacity = capacity_bytes
@@ -111,10 +127,17 @@ class NvmeTier(Tier):
         self.forward_ttl_s = forward_ttl_s
         self.on_relocate = on_relocate
         self.backend = select_backend(backend) if isinstance(backend, str) else backend
-        self._log = SegmentLog(self.data_dir, self.backend, segment_bytes=segment_bytes, max_segments=max_segments,
-                               reserve_segments=reserve_segments, write_io_bytes=write_io_bytes,
-                               write_buffers=write_buffers, sync_writes=write_policy == "fdatasync",
-                               sync_interval_s=sync_interval_s)
+        self._log = SegmentLog(
+            self.data_dir,
+            self.backend,
+            segment_bytes=segment_bytes,
+            max_segments=max_segments,
+            reserve_segments=reserve_segments,
+            write_io_bytes=write_io_bytes,
+            write_buffers=write_buffers,
+            sync_writes=write_policy == "fdatasync",
+            sync_interval_s=sync_interval_s,
+        )
         self._pool = ThreadPoolExecutor(read_threads, thread_name_prefix="nvme-read")
         self._buffers = BufferPool(read_threads + 1, self.max_read_bytes)
         self._compact_lock = threading.Lock()
@@ -123,14 +146,32 @@ class NvmeTier(Tier):
         self._probe_at = 0.0
         self._pressure = False
         self._closed = False
-        self._counts = dict(writes=0, blocks_written=0, reads=0, blocks_read=0, read_ios=0, corrupt=0,
-                            write_faults=0, compactions=0, relocated=0)
+        self._counts = dict(
+            writes=0,
+            blocks_written=0,
+            reads=0,
+            blocks_read=0,
+            read_ios=0,
+            corrupt=0,
+            write_faults=0,
+            compactions=0,
+            relocated=0,
+        )
         rec = self._log.recovered
         assert rec is not None
         self.recovery_seconds = rec.seconds
-        log.info("nvme tier %s: backend %s, %d segments (%d from summaries, %d scanned), %d blocks recovered "
-                 "in %.3f s, write policy %s", self.data_dir, self.backend.name, len(rec.segments),
-                 rec.summarized, rec.scanned, len(rec.winners), rec.seconds, write_policy)
+        log.info(
+            "nvme tier %s: backend %s, %d segments (%d from summaries, %d scanned), %d blocks recovered "
+            "in %.3f s, write policy %s",
+            self.data_dir,
+            self.backend.name,
+            len(rec.segments),
+            rec.summarized,
+            rec.scanned,
+            len(rec.winners),
+            rec.seconds,
+            write_policy,
+        )
         for note in rec.notes:
             log.info("nvme recovery: %s", note)
 
@@ -222,9 +263,13 @@ class NvmeTier(Tier):
                     wanted[(off, length)] = Wanted(off, HEADER_BYTES + -(-length // PAGE) * PAGE, length, [i])
                 else:
                     w.targets.append(i)
-            pieces = [p for seg, wanted in groups.values()
-                      for p in plan_pieces(seg, list(wanted.values()), self.max_read_bytes,
-                                           self.coalesce_gap_bytes, self.read_threads)]
+            pieces = [
+                p
+                for seg, wanted in groups.values()
+                for p in plan_pieces(
+                    seg, list(wanted.values()), self.max_read_bytes, self.coalesce_gap_bytes, self.read_threads
+                )
+            ]
             failures = read_pipelined(self.backend, self._pool, self._buffers, pieces, dests, self.read_threads)
         finally:
             self._log.unpin(pinned)
@@ -236,8 +281,10 @@ class NvmeTier(Tier):
         if bad:
             self._counts["corrupt"] += len(bad)
             first = next(iter(bad.items()))
-            raise CorruptBlock(f"{len(bad)} of {len(locs)} nvme records failed verification "
-                               f"(first: loc {first[0]:#x}: {first[1]})", list(bad))
+            raise CorruptBlock(
+                f"{len(bad)} of {len(locs)} nvme records failed verification (first: loc {first[0]:#x}: {first[1]})",
+                list(bad),
+            )
 
     # -- free, compaction ---------------------------------------------------------------
     def free(self, locs: Sequence[int]) -> None:
@@ -247,14 +294,21 @@ class NvmeTier(Tier):
         """Compact up to ``max_segments`` (default: all eligible) segments below ``threshold``."""
         with self._compact_lock:
             if self._fault:  # no copying while writes fail; deleting empty segments still frees space
-                return CompactionReport(segments_dropped=self._log.drop_empty(),
-                                        stopped=f"tier degraded: {self._fault}")
+                return CompactionReport(
+                    segments_dropped=self._log.drop_empty(), stopped=f"tier degraded: {self._fault}"
+                )
             try:
                 report = compact_log(
-                    self._log, self.backend, self._buffers, self.on_relocate,
+                    self._log,
+                    self.backend,
+                    self._buffers,
+                    self.on_relocate,
                     threshold=self.compact_threshold if threshold is None else threshold,
-                    max_segments=max_segments or self._log.max_segments, pressure=self._pressure,
-                    max_read_bytes=self.max_read_bytes, forward_ttl_s=self.forward_ttl_s)
+                    max_segments=max_segments or self._log.max_segments,
+                    pressure=self._pressure,
+                    max_read_bytes=self.max_read_bytes,
+                    forward_ttl_s=self.forward_ttl_s,
+                )
             except OSError as e:
                 raise self._degrade(e) from e
             if report.bytes_freed:
@@ -271,12 +325,15 @@ class NvmeTier(Tier):
             sealed = [s for s in lg.segments.values() if s.state is SegmentState.SEALED]
             below = [s for s in sealed if s.live_fraction < self.compact_threshold]
             return ReclaimInfo(
-                capacity_bytes=self._capacity, disk_bytes=lg.disk_bytes, live_bytes=lg.live_bytes,
+                capacity_bytes=self._capacity,
+                disk_bytes=lg.disk_bytes,
+                live_bytes=lg.live_bytes,
                 dead_bytes=sum(s.size - s.live_bytes for s in sealed),
                 free_segments=max(0, lg.max_segments - lg.reserve_segments - len(lg.segments)),
                 empty_segments=sum(1 for s in sealed if s.records.live_count == 0),
                 compactable_segments=len(below),
-                compactable_gain_bytes=sum(s.size - s.live_bytes for s in below))
+                compactable_gain_bytes=sum(s.size - s.live_bytes for s in below),
+            )
 
     # -- recovery, lifecycle ----------------------------------------------------------
     def recover(self) -> Iterator[tuple[BlockMeta, int]]:
@@ -295,13 +352,25 @@ class NvmeTier(Tier):
         buffered = sum(1 for s in segs if not s.fh.direct)
         backend = self.backend.name + (f" ({buffered} files buffered: O_DIRECT refused)" if buffered else "")
         extra: dict[str, float] = {
-            "disk_bytes": info.disk_bytes, "dead_bytes": info.dead_bytes, "segments": len(segs),
-            "records": sum(s.records.live_count for s in segs), "bytes_appended": self._log.bytes_appended,
-            "fdatasyncs": self._log.syncs, "recovery_seconds": self.recovery_seconds,
-            "index_bytes": sum(s.records.nbytes() for s in segs), **self._counts,
+            "disk_bytes": info.disk_bytes,
+            "dead_bytes": info.dead_bytes,
+            "segments": len(segs),
+            "records": sum(s.records.live_count for s in segs),
+            "bytes_appended": self._log.bytes_appended,
+            "fdatasyncs": self._log.syncs,
+            "recovery_seconds": self.recovery_seconds,
+            "index_bytes": sum(s.records.nbytes() for s in segs),
+            **self._counts,
         }
-        return TierStats(self.name, self._capacity, self.used_bytes, backend=backend,
-                         degraded=self.degraded, fault=self._fault, extra=extra)
+        return TierStats(
+            self.name,
+            self._capacity,
+            self.used_bytes,
+            backend=backend,
+            degraded=self.degraded,
+            fault=self._fault,
+            extra=extra,
+        )
 
     def close(self) -> None:
         with self._compact_lock:

@@ -19,18 +19,19 @@ staging), whatever the size of the batch.
 
 Only one run is written at a time (the caller serialises appends).
 """
+
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Union
 
 import numpy as np
 
 from kvstore.tiers.nvme.format import PAGE
 from kvstore.tiers.nvme.io import FileHandle, IoBackend, aligned_buffer
 
-Chunk = Union[np.ndarray, bytes, int, tuple]  # bytes (an array or a bytes object), a count of zero bytes,
+Chunk = np.ndarray | bytes | int | tuple  # bytes (an array or a bytes object), a count of zero bytes,
 # or a record: (header bytes, payload array), written as header page, payload, zero pad
 DIRECT_ALIGN = PAGE  # sources aligned like this are written in place (O_DIRECT needs the sector size: be safe)
 DIRECT_MIN = 1 << 20  # smaller payloads go faster copied into the (hot, reused) staging buffers: measured
@@ -117,8 +118,8 @@ class _Run:
         hl = len(header)
         if self.limit - self.iov_bytes - (self.fill - self.stage_start) >= PAGE:  # fast path: the page fits
             f = self.fill
-            self.buf[f:f + hl] = header
-            self.buf[f + hl:f + PAGE] = _ZEROS[:PAGE - hl]
+            self.buf[f : f + hl] = header
+            self.buf[f + hl : f + PAGE] = _ZEROS[: PAGE - hl]
             self.fill = f + PAGE
             self.o.bytes_copied += PAGE
             self.total += PAGE
@@ -144,7 +145,7 @@ class _Run:
             n = len(chunk)
             self.total += n
             if self.limit - self.iov_bytes - (self.fill - self.stage_start) >= n:  # fast path: fits
-                self.buf[self.fill:self.fill + n] = chunk
+                self.buf[self.fill : self.fill + n] = chunk
                 self.fill += n
                 self.o.bytes_copied += n
             else:
@@ -186,18 +187,18 @@ class _Run:
                 left = take
                 while left:
                     k = min(left, len(zero))
-                    self.buf[pos:pos + k] = zero[:k]
+                    self.buf[pos : pos + k] = zero[:k]
                     pos += k
                     left -= k
             else:
-                self.buf[self.fill:self.fill + take] = src[done:done + take]
+                self.buf[self.fill : self.fill + take] = src[done : done + take]
                 self.o.bytes_copied += take
             self.fill += take
             done += take
 
     def _close_stage(self) -> None:
         if self.fill > self.stage_start:
-            self.iov.append(self.buf[self.stage_start:self.fill])
+            self.iov.append(self.buf[self.stage_start : self.fill])
             self.iov_bytes += self.fill - self.stage_start
             self.stage_start = self.fill
             if len(self.iov) >= MAX_IOVECS:
