@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= test,model,cluster,bench
 
-.PHONY: run test bench proto system-deps clean
+.PHONY: run test lint bench proto system-deps clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,7 +22,14 @@ system-deps:
 run: $(VENV)/.installed
 	$(PY) -m kvstore demo
 
-test: $(VENV)/.installed system-deps
+# The layers (import-linter contracts in pyproject.toml), lint, format and types; `make test` runs it first.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy
+
+test: $(VENV)/.installed system-deps lint
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed system-deps

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.checksum import crc32c
-from kvstore.lanes.memops import copy_into, host_view
+from kvstore.memops import copy_into, host_view
 
 
 def is_device_tensor(x: Any) -> bool:

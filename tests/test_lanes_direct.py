@@ -92,7 +92,7 @@ def test_an_address_outside_the_clients_memory_fails_that_commit(make_server):
 
 def test_a_lane_without_the_handshake_cannot_name_client_memory(make_server, monkeypatch):
     monkeypatch.setattr(direct, "handshake", lambda *a: ("skipped by the test", None))
-    monkeypatch.setattr("kvstore.lanes.shm_client.handshake", lambda *a: ("skipped by the test", None))
+    monkeypatch.setattr("kvstore.lanes.client.shm.handshake", lambda *a: ("skipped by the test", None))
     server = make_server()
     raw = RawLanes(server)
     shm = raw.shm()
@@ -244,7 +244,7 @@ def test_direct_get_checks_destinations(make_server):
 
 
 def test_a_get_without_the_handshake_cannot_name_client_memory(make_server, monkeypatch):
-    monkeypatch.setattr("kvstore.lanes.shm_client.handshake", lambda *a: ("skipped by the test", None))
+    monkeypatch.setattr("kvstore.lanes.client.shm.handshake", lambda *a: ("skipped by the test", None))
     server = make_server()
     raw = RawLanes(server)
     shm = raw.shm()

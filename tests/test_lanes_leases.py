@@ -179,7 +179,7 @@ def test_server_stop_ends_lanes(make_server):
 def test_get_results_lent_in_place_are_returned_when_dropped(make_server, monkeypatch):
     import gc
 
-    from kvstore.lanes import shm_server
+    from kvstore.lanes.server import shm as shm_server
 
     monkeypatch.setattr(shm_server, "FIRST_YIELD_BYTES", shm_server.YIELD_BYTES)  # one message per get here
     server = make_server(shm_lane_bytes=8 << 20)

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from kvstore.client import Client, KVStoreError
-from kvstore.lanes import negotiate
+from kvstore.lanes.client import negotiate
 from kvstore.lanes.shm_region import RegionError
 from tests.test_lanes_support import keys
 
@@ -45,7 +45,7 @@ def test_unmappable_region_falls_back_to_tcp(lane_server, monkeypatch):
     def refuse(*_args, **_kw):
         raise RegionError(1, "another /dev/shm")
 
-    monkeypatch.setattr("kvstore.lanes.shm_client.attach", refuse)
+    monkeypatch.setattr("kvstore.lanes.client.shm.attach", refuse)
     with Client(f"127.0.0.1:{lane_server.port}") as kv:
         round_trip(kv)
         assert kv.lane_kind == "tcp"
@@ -59,7 +59,7 @@ def test_refused_tcp_hello_falls_back_to_grpc(lane_server, monkeypatch):
         raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION, "lane 'x' is not open")
 
     monkeypatch.setattr(negotiate, "host_id", lambda: "another-boot-id/another-host")
-    monkeypatch.setattr("kvstore.lanes.tcp_client.TcpClientLane.__init__", refuse)
+    monkeypatch.setattr("kvstore.lanes.client.tcp.TcpClientLane.__init__", refuse)
     with Client(f"127.0.0.1:{lane_server.port}") as kv:
         round_trip(kv)
         assert kv.lane_kind == "grpc"

@@ -131,7 +131,7 @@ def test_region_file_is_private_and_unlinked_once_mapped(raw, lane_server):
     assert name.startswith(PREFIX) and pid == str(os.getpid()) and len(secret) == 32
     st = os.stat(opened.shm_path)
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid() and st.st_size == opened.shm_bytes
-    from kvstore.lanes.shm_client import ShmClientLane
+    from kvstore.lanes.client.shm import ShmClientLane
 
     lane = ShmClientLane(raw.stub, opened, (), 10.0)
     lane.get("ns", keys(1), None, True, True)  # the first request: the server unlinks the name

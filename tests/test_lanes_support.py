@@ -8,8 +8,8 @@ import grpc
 
 from kvstore.checksum import crc32c
 from kvstore.lanes.base import host_id
-from kvstore.lanes.shm_client import ShmClientLane
-from kvstore.lanes.tcp_client import TcpClientLane
+from kvstore.lanes.client.shm import ShmClientLane
+from kvstore.lanes.client.tcp import TcpClientLane
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
@@ -35,7 +35,7 @@ class RawLanes:
         return ShmClientLane(self.stub, self.open(lpb.LANE_SHM), self.metadata, 10.0)
 
     def cuda_ipc(self) -> ShmClientLane:
-        from kvstore.lanes.cuda_client import CudaIpcClientLane
+        from kvstore.lanes.client.cuda import CudaIpcClientLane
 
         return CudaIpcClientLane(self.stub, self.open(lpb.LANE_CUDA_IPC), self.metadata, 10.0)
 

@@ -29,9 +29,8 @@ Failure semantics in one place:
 ``--redis redis://HOST:PORT`` works with one Redis server and with a Redis
 Cluster seed (detected with ``INFO cluster``); ``redis+cluster://H:P,H:P`` names
 a cluster explicitly by several seeds.
+
+The package imports none of its modules: the node side (``node.py``, under ``kvstore serve``) and the client
+side (``client.py``, under ``kvstore.client.Client``) load only what they use. Import
+``kvstore.cluster.client.ClusterClient`` and ``kvstore.cluster.node.ClusterNode`` by module.
 """
-
-from kvstore.cluster.client import ClusterClient
-from kvstore.cluster.node import ClusterNode
-
-__all__ = ["ClusterClient", "ClusterNode"]

@@ -37,7 +37,7 @@ Options: ``nodes`` (addresses to ask while no member list was ever read),
 ``refresh`` (seconds a member list is reused), ``down_for`` (seconds a failed node
 is skipped), ``linger`` (see get), ``redis_timeout``, ``prefix`` (of every Redis
 key), ``parallel`` (node requests in flight); the rest (``token``, ``tls_*``,
-``timeout``, ``lane``, ...) go to each per-node ``Client``.
+``timeout``, ``lane``, ...) go to each per-node ``NodeClient``.
 
 Failure semantics: a store node failing mid-request never surfaces as an error
 (fallback to other holders, else a miss). Errors that are the caller's own
@@ -62,12 +62,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore.client import CHUNK_BYTES, TIER_NAMES, KVStoreError, PutResult
 from kvstore.cluster import index, routing
 from kvstore.cluster.connect import REDIS_ERRORS, RedisConnector
 from kvstore.cluster.directory import Directory
 from kvstore.cluster.keys import KeyLayout
 from kvstore.cluster.membership import NodeInfo
+from kvstore.errors import KVStoreError
+from kvstore.wire import CHUNK_BYTES, TIER_NAMES, PutResult
 
 log = logging.getLogger("kvstore.cluster.client")
 T = TypeVar("T")

@@ -11,7 +11,7 @@ Verbs:
   not listed now (nor marked down). After Redis restarts empty, members register
   again one heartbeat at a time; until then their blocks are still reachable by
   asking them directly, so ``get`` falls back to these too.
-- ``client(member) -> Client``: the per-node client, created on first use and
+- ``client(member) -> NodeClient``: the per-node client, created on first use and
   replaced when the member restarts (a new incarnation gets a fresh channel, so
   no gRPC reconnect backoff of the dead process carries over).
 - ``redis_failed(err)``: Redis failed a read; ``redis_up`` is False until the next
@@ -28,10 +28,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.client import Client
 from kvstore.cluster.connect import REDIS_ERRORS, RedisConnector
 from kvstore.cluster.keys import KeyLayout
 from kvstore.cluster.membership import NodeInfo, read_members
+from kvstore.node_client import NodeClient
 
 log = logging.getLogger("kvstore.cluster.client")
 
@@ -55,7 +55,7 @@ class Directory:
         self._options = dict(client_options or {})
         self._members: list[NodeInfo] | None = None
         self._read_at = -1e9
-        self._clients: dict[str, tuple[str, Client]] = {}  # node id -> (incarnation, client)
+        self._clients: dict[str, tuple[str, NodeClient]] = {}  # node id -> (incarnation, client)
         self._down: dict[str, float] = {}  # node id -> until (monotonic)
         self._lock = threading.Lock()
         self.redis_up = False
@@ -109,12 +109,12 @@ class Directory:
         log.info("store node %s (%s) failed: %s; skipping it for %.1fs", member.id, member.addr, why, self.down_for)
         self._down[member.id] = time.monotonic() + self.down_for
 
-    def client(self, member: NodeInfo) -> Client:
+    def client(self, member: NodeInfo) -> NodeClient:
         with self._lock:
             held = self._clients.get(member.id)
             if held is not None and held[0] == member.incarnation:
                 return held[1]
-            client = Client(member.addr, **self._options)
+            client = NodeClient(member.addr, **self._options)
             self._clients[member.id] = (member.incarnation, client)
             self._down.pop(member.id, None)
         if held is not None:

@@ -34,6 +34,8 @@ import grpc
 import numpy as np
 
 from kvstore.checksum import crc32c
+from kvstore.errors import KVStoreError
+from kvstore.payload import as_bytes_view
 from kvstore.v1 import kvstore_pb2 as pb
 
 from .buffers import as_writable_u8
@@ -137,8 +139,6 @@ class ClientCoding:
     def receive(
         self, messages: Iterator[pb.GetResponse], count: int, out: Sequence[Any] | None, verify: bool
     ) -> list[Any]:
-        from kvstore.client import KVStoreError, as_bytes_view
-
         results: list[Any] = []
         coded: list[tuple[int, pb.BlockHeader, Any]] = []  # (index, header, destination) decoded on the worker
         header: pb.BlockHeader | None = None

@@ -45,6 +45,7 @@ from .policy import LossyPolicy
 from .registry import codec_names, decode, get_codec
 from .sendclock import SendClock
 from .transfer import AUTO, DecodeTally, TransferPlan, codable, metric_items, observe_decode, prepare, transfer_config
+from .verify import verify_crc
 from .warmup import cost_clock, warm_up
 
 WARM_BYTES = 64 << 10
@@ -81,8 +82,6 @@ class ServerCoding:
 
     def verify(self, meta: Any, stored: Any, stored_crc: int, tally: DecodeTally) -> bool:
         """``verify_crc`` of a Put block; an encoded block's decode is timed (thread CPU) into ``tally``."""
-        from kvstore.server.service import verify_crc
-
         if meta.codec == pb.CODEC_NONE:
             return verify_crc(meta, stored, stored_crc)
         name = get_codec(meta.codec).name

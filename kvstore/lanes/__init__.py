@@ -70,13 +70,18 @@ no store resources (the store lease ends as soon as the copy is made) and end
 when the client releases them on a later request, or with the lane. Idle
 lanes close after ten leases.
 
-Modules: ``base`` (the Lane interface),
-``memops`` (fused copy+CRC), ``grants`` (region ranges and grant leases),
-``access`` (tenants and quotas), ``shm_loans`` (Get results lent in place),
-``storeops`` (the store verbs shared by every lane), ``registry`` (lanes,
-tokens, expiry), ``shm_region``, ``shm_server``, ``shm_client``, ``framing``,
-``buffers``, ``cma`` (cross-memory attach), ``direct`` (its handshake), ``shm_channel``,
-``copypool`` (copies of a message over a few threads), ``tcp_server``, ``tcp_client``, ``cuda_region``, ``cuda_server``,
-``cuda_client``, ``servicer`` (gRPC), ``server`` (wiring into
-StoreServer), ``negotiate`` (client-side lane selection and pool).
+Modules, by side (the two halves never import each other; an import-linter contract in pyproject.toml
+keeps it so):
+
+- shared, in ``kvstore/lanes/``: ``base`` (the Lane interface, LaneError, LaneBroken), ``framing`` (TCP and
+  channel frames), ``buffers`` (pooled receive buffers), ``cma`` (cross-memory
+  attach; fused copy+CRC is ``kvstore/memops.py``, beside the checksum), ``direct`` (the handshake that proves a client's pid), ``copypool`` (copies of a message over a few
+  threads), ``shm_region``, ``cuda_region`` (the mapped regions both ends open).
+- ``client/``: ``negotiate`` (lane selection and the pool a NodeClient uses), ``shm``, ``tcp``, ``cuda`` (each
+  lane's client end), ``channel`` (the shm lane's frames on the handshake socket), ``loans`` (Get results lent
+  in place).
+- ``server/``: ``wiring`` (``LaneServer``, plugged into StoreServer), ``servicer`` (the KVStoreLanes gRPC
+  service), ``registry`` (lanes, tokens, expiry), ``lane`` (``ServerLane``), ``access`` (tenants and quotas),
+  ``storeops`` (the store verbs shared by every lane), ``grants`` (region ranges and grant leases), ``shm``,
+  ``tcp``, ``cuda`` (each lane's server end), ``channel`` (the server's end of the shm channel).
 """

@@ -18,7 +18,7 @@ A transport failure (connection reset, region gone, lane expired on the
 server) raises ``LaneBroken``: the pool drops the lane and retries the call
 once on a fresh one; puts and gets are idempotent.
 
-Server side, one ``ServerLane`` holds what a lane owns on the node (a shared
+Server side, one ``ServerLane`` (``server/lane.py``) holds what a lane owns on the node (a shared
 memory region and its grants, or just a token); the registry expires it.
 
 The cuda_ipc lane (HBM to HBM) is the shm lane's ServerLane/Lane over a
@@ -29,17 +29,14 @@ device region (``cuda_server``/``cuda_client``): the store verbs
 
 from __future__ import annotations
 
-import hmac
-import secrets
 import socket
-import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
+from kvstore.errors import KVStoreError
 from kvstore.v1 import kvstore_pb2 as pb
 
 TOKEN_BYTES = 32
@@ -67,6 +64,17 @@ class LaneBroken(Exception):
     """The lane itself failed (transport, expired, region gone): drop it and use another."""
 
 
+_BREAKING = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED)
+
+
+def lane_failure(code: grpc.StatusCode, message: str) -> Exception:
+    """A status a lane's server sent, as the client raises it: UNAVAILABLE, FAILED_PRECONDITION (lane or grant
+    gone) and CANCELLED break the lane (``LaneBroken``: retried on a fresh one); the rest are the caller's."""
+    if code in _BREAKING:
+        return LaneBroken(f"{code.name}: {message}")
+    return KVStoreError(code, message)
+
+
 class Lane(ABC):
     """Client side of one negotiated lane."""
 
@@ -74,7 +82,7 @@ class Lane(ABC):
 
     @abstractmethod
     def put(self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[memoryview]) -> list[Any]:
-        """Store a batch; a ``kvstore.client.PutResult`` per block, in order."""
+        """Store a batch; a ``kvstore.wire.PutResult`` per block, in order."""
 
     @abstractmethod
     def get(
@@ -85,32 +93,3 @@ class Lane(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the lane on the server; the object is unusable afterwards."""
-
-
-class ServerLane(ABC):
-    """Server side of one lane: its identity, its secret, and what it holds."""
-
-    kind: str = ""
-
-    def __init__(self, lane_id: str | None = None):
-        from kvstore.lanes.access import OPEN_ACCESS
-
-        self.access = OPEN_ACCESS  # the tenant that opened the lane (set by OpenLane)
-        self.lane_id = lane_id or secrets.token_hex(8)
-        self.token = secrets.token_bytes(TOKEN_BYTES)
-        self.last_used = time.monotonic()
-        self.closed = threading.Event()
-
-    def check_token(self, token: bytes) -> bool:
-        return hmac.compare_digest(self.token, bytes(token))
-
-    def touch(self) -> None:
-        self.last_used = time.monotonic()
-
-    @abstractmethod
-    def expire(self, now: float) -> int:
-        """Take back grants whose lease ran out; returns how many expired."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Abort outstanding grants and free what the lane holds (idempotent)."""

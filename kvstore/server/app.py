@@ -152,7 +152,7 @@ class StoreServer:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        from kvstore.lanes.server import LaneServer  # fast data lanes (shm, tcp), negotiated over gRPC
+        from kvstore.lanes.server.wiring import LaneServer  # fast data lanes (shm, tcp), negotiated over gRPC
 
         self.lanes = LaneServer(self).register(server)
         self.port = self._bind(server)

@@ -45,19 +45,6 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
-def verify_crc(ticket_meta, stored: memoryview, stored_crc: int) -> bool:
-    """CRC32C of the raw bytes must match the header; encoded blocks are decoded to check."""
-    if ticket_meta.codec == 0:
-        return stored_crc == ticket_meta.crc32c
-    from kvstore.codecs import decode
-
-    try:
-        raw = decode(ticket_meta.codec, stored, ticket_meta.dtype, ticket_meta.raw_length)
-    except Exception:  # noqa: BLE001 - any failure to decode means the bytes are not what the header says
-        return False
-    return len(raw) == ticket_meta.raw_length and crc32c(raw) == ticket_meta.crc32c
-
-
 class _PutState:
     """The block being received on one Put stream."""
 

@@ -49,9 +49,8 @@ from kvstore.tiers.nvme.format import (
     decode_header,
     record_bytes,
 )
-from kvstore.tiers.nvme.io import IoBackend, aligned_buffer
+from kvstore.tiers.nvme.io import IoBackend, aligned_buffer, array_address
 from kvstore.tiers.nvme.segments import Segment
-from kvstore.tiers.nvme.writer import _address  # where an array's bytes start (cheap for writable ones)
 
 MIN_PIECE = 256 << 10  # pieces are not cut smaller than this for parallelism
 
@@ -214,7 +213,7 @@ def plan_into(piece: Piece, scratch: np.ndarray, dests: Sequence[Any], direct: b
         sp += HEADER_BYTES
         al = n // PAGE * PAGE
         view = host_view(dests[w.targets[0]]) if direct and w.targets and w.length is not None and al else None
-        if view is not None and (view.nbytes < n or _address(view) % PAGE or w.nbytes != record_bytes(n)):
+        if view is not None and (view.nbytes < n or array_address(view) % PAGE or w.nbytes != record_bytes(n)):
             view = None
         if view is None:
             plan.append((w, hdr, hdr + HEADER_BYTES, None, 0))

@@ -22,14 +22,13 @@ Only one run is written at a time (the caller serialises appends).
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from kvstore.tiers.nvme.format import PAGE
-from kvstore.tiers.nvme.io import FileHandle, IoBackend, aligned_buffer
+from kvstore.tiers.nvme.io import FileHandle, IoBackend, aligned_buffer, array_address
 
 Chunk = np.ndarray | bytes | int | tuple  # bytes (an array or a bytes object), a count of zero bytes,
 # or a record: (header bytes, payload array), written as header page, payload, zero pad
@@ -87,13 +86,6 @@ class WriteCombiner:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-def _address(a: np.ndarray) -> int:
-    """Where an array's bytes start (the ctypes route is ~3x cheaper than ``a.ctypes.data`` when writable)."""
-    if a.flags.writeable and a.flags.c_contiguous:
-        return ctypes.addressof(ctypes.c_char.from_buffer(a))
-    return int(a.ctypes.data)
 
 
 class _Run:
@@ -155,7 +147,7 @@ class _Run:
             chunk = chunk.reshape(-1).view(np.uint8)
         n = chunk.nbytes
         self.total += n
-        if n < DIRECT_MIN or _address(chunk) % DIRECT_ALIGN:
+        if n < DIRECT_MIN or array_address(chunk) % DIRECT_ALIGN:
             self._stage(memoryview(chunk), n)
             return
         inplace = n // PAGE * PAGE

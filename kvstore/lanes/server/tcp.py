@@ -33,11 +33,12 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore.lanes import framing
-from kvstore.lanes.access import LaneAccess
-from kvstore.lanes.base import LaneError, ServerLane
-from kvstore.lanes.memops import copy_into, host_view
-from kvstore.lanes.registry import LaneRegistry
-from kvstore.lanes.storeops import StoreOps, accepted_codecs
+from kvstore.lanes.base import LaneError
+from kvstore.lanes.server.access import LaneAccess
+from kvstore.lanes.server.lane import ServerLane
+from kvstore.lanes.server.registry import LaneRegistry
+from kvstore.lanes.server.storeops import StoreOps, accepted_codecs
+from kvstore.memops import copy_into, host_view
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 

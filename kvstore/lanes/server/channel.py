@@ -1,4 +1,5 @@
-"""The shm lane's Gets and Puts over the unix socket of its direct handshake, instead of gRPC calls.
+"""The server's end of the shm lane's channel: Gets and Puts over the unix socket of its direct handshake,
+instead of gRPC calls (the client's end is ``kvstore/lanes/client/channel.py``).
 
 A LaneGet over gRPC pays a call's fixed cost: 0.6-0.9 ms on the 2-core VM for
 a 4 KiB block, where the TCP lane's framed socket answers in about 0.1 ms.
@@ -33,8 +34,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore.lanes import framing
-from kvstore.lanes.base import LaneBroken, LaneError
-from kvstore.lanes.shm_server import put_conversation
+from kvstore.lanes.base import LaneError
+from kvstore.lanes.server.shm import put_conversation
 from kvstore.v1 import lanes_pb2 as lpb
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,6 @@ log = logging.getLogger(__name__)
 REPLY_SECONDS = 30.0  # a client that stops reading for this long loses the channel (and the Get's leases)
 
 
-# -- server ---------------------------------------------------------------------------------
 def start(lookup: Callable[[str, bytes], Any]) -> Callable[[socket.socket, str, bytes], None]:
     """What ``DirectListener(on_bound=...)`` takes: serve each bound connection on a thread of its own."""
 
@@ -167,119 +167,3 @@ def _answer(conn: socket.socket, request: lpb.LaneGetRequest, bound: _Bound) -> 
 
 def _status(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
     framing.send_frame(conn, framing.STATUS, lpb.LaneStatus(code=code.value[0], message=message).SerializeToString())
-
-
-# -- client ---------------------------------------------------------------------------------
-class ShmChannel:
-    """The client's end: ``get(request)`` yields the replies of one Get; ``send_put``/``next_put_reply``/``end_put``
-    carry one put conversation (``shm_client.ChannelPut``)."""
-
-    def __init__(self, sock: socket.socket, timeout: float | None, error: Callable[[grpc.StatusCode, str], Exception]):
-        self._sock: socket.socket | None = sock
-        self._error = error
-        self._busy = threading.Lock()
-        sock.settimeout(timeout)
-
-    @property
-    def open(self) -> bool:
-        return self._sock is not None
-
-    def claim(self) -> bool:
-        """Take the channel for one Get or put conversation; False when it is closed or in use (use gRPC)."""
-        return self._sock is not None and self._busy.acquire(blocking=False)
-
-    def unclaim(self) -> None:
-        self._busy.release()
-
-    def get(self, request: lpb.LaneGetRequest) -> Iterator[lpb.LaneGetResponse]:
-        """The replies of one Get, on a channel the caller has claimed (released when the replies end)."""
-        in_step = False
-        try:
-            sock = self._usable()
-            framing.send_frame(sock, framing.GET, request.SerializeToString())
-            while True:
-                frame = framing.recv_frame(sock)
-                if frame is None:
-                    raise LaneBroken("the store closed the lane's channel")
-                if frame.kind == framing.STATUS:
-                    in_step = True
-                    status = lpb.LaneStatus.FromString(frame.meta)
-                    raise self._status_error(status)
-                if frame.kind != framing.GET_REPLY or frame.data_len:
-                    raise framing.FrameError(f"unexpected frame kind {frame.kind} on a shm channel")
-                msg = lpb.LaneGetResponse.FromString(frame.meta)
-                in_step = msg.last
-                yield msg
-                if msg.last:
-                    return
-        except (OSError, framing.FrameError, DecodeError) as err:
-            raise LaneBroken(f"shm lane channel: {err}") from None
-        finally:
-            if not in_step:
-                self.close()
-            self.unclaim()
-
-    # -- one LanePut conversation (``ChannelPut`` in shm_client drives it) ---------------------------
-    def send_put(self, msg: lpb.LanePutRequest) -> None:
-        sock = self._usable()
-        try:
-            framing.send_frame(sock, framing.PUT, msg.SerializeToString())
-        except OSError as err:
-            self.close()
-            raise LaneBroken(f"shm lane channel: {err}") from None
-
-    def next_put_reply(self) -> lpb.LanePutResponse:
-        """The next reply of the conversation; an error STATUS raises it and ends the channel (the client may
-        have sent more than the server read, so the two could not be in step again)."""
-        sock = self._usable()
-        try:
-            frame = framing.recv_frame(sock)
-            if frame is None:
-                raise LaneBroken("the store closed the lane's channel")
-            if frame.kind == framing.STATUS:
-                self.close()
-                raise self._status_error(lpb.LaneStatus.FromString(frame.meta))
-            if frame.kind != framing.PUT_REPLY or frame.data_len:
-                raise framing.FrameError(f"unexpected frame kind {frame.kind} in a put")
-            return lpb.LanePutResponse.FromString(frame.meta)
-        except (OSError, framing.FrameError, DecodeError) as err:
-            self.close()
-            raise LaneBroken(f"shm lane channel: {err}") from None
-
-    def end_put(self) -> None:
-        """End the conversation: replies not read yet are dropped, up to the server's STATUS(OK)."""
-        if self._sock is None:
-            return
-        try:
-            framing.send_frame(
-                self._sock, framing.STATUS, lpb.LaneStatus(code=grpc.StatusCode.OK.value[0]).SerializeToString()
-            )
-            while True:
-                frame = framing.recv_frame(self._sock)
-                if frame is None or frame.kind == framing.STATUS:
-                    if frame is None or lpb.LaneStatus.FromString(frame.meta).code != grpc.StatusCode.OK.value[0]:
-                        self.close()
-                    return
-                if frame.kind != framing.PUT_REPLY:
-                    raise framing.FrameError(f"unexpected frame kind {frame.kind} ending a put")
-        except (OSError, framing.FrameError, DecodeError):
-            self.close()
-
-    def _usable(self) -> socket.socket:
-        if self._sock is None:
-            raise LaneBroken("the lane's channel is closed")
-        return self._sock
-
-    def _status_error(self, status: lpb.LaneStatus) -> Exception:
-        code = next((c for c in grpc.StatusCode if c.value[0] == status.code), grpc.StatusCode.UNKNOWN)
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED):
-            return LaneBroken(f"{code.name}: {status.message}")
-        return self._error(code, status.message)
-
-    def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass

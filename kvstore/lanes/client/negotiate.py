@@ -37,6 +37,7 @@ from typing import TypeVar
 
 import grpc
 
+from kvstore.errors import KVStoreError
 from kvstore.lanes.base import Lane, LaneBroken, host_id
 from kvstore.lanes.shm_region import RegionError
 from kvstore.v1 import lanes_pb2 as lpb
@@ -97,8 +98,6 @@ class LanePool:
                 result = fn(lane)
         except LaneBroken as err:
             self._discard(lane)
-            from kvstore.client import KVStoreError
-
             raise KVStoreError(grpc.StatusCode.UNAVAILABLE, f"{lane.kind} lane failed twice: {err}") from None
         except BaseException:
             self._give_back(lane)
@@ -165,8 +164,6 @@ class LanePool:
 
     # -- negotiation -----------------------------------------------------------------------
     def _negotiate(self) -> Lane | None:
-        from kvstore.client import KVStoreError  # the client imports this module
-
         wanted = ["shm", "tcp"] if self.mode == "auto" else [self.mode]
         if self.mode == "auto" and (self.tls or self.target.startswith("unix:")):
             wanted.remove("tcp")
@@ -211,8 +208,6 @@ class LanePool:
         """No lane: the caller uses gRPC (auto), or hears why (an explicit lane)."""
         why = "; ".join(r for r in reasons if r) or "the server offers no lane"
         if not self.optional:
-            from kvstore.client import KVStoreError
-
             raise KVStoreError(code, f"no {self.mode} lane to {self.target}: {why}")
         log.info("no fast lane to %s (%s): using gRPC", self.target, why)
         self._no_lane_for_a_while = retry
@@ -220,14 +215,14 @@ class LanePool:
 
     def _connect(self, kind: str, reply: lpb.OpenLaneResponse) -> Lane:
         if kind == "cuda_ipc":
-            from kvstore.lanes.cuda_client import CudaIpcClientLane
+            from kvstore.lanes.client.cuda import CudaIpcClientLane
 
             return CudaIpcClientLane(self._stub, reply, self._metadata, self._timeout)
         if kind == "shm":
-            from kvstore.lanes.shm_client import ShmClientLane
+            from kvstore.lanes.client.shm import ShmClientLane
 
             return ShmClientLane(self._stub, reply, self._metadata, self._timeout)
-        from kvstore.lanes.tcp_client import TcpClientLane
+        from kvstore.lanes.client.tcp import TcpClientLane
 
         return TcpClientLane(reply.tcp_host or _host_of(self.target), reply.tcp_port, reply, self._timeout)
 

@@ -38,18 +38,21 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstore.checksum import crc32c
-from kvstore.lanes.base import Lane, LaneBroken
+from kvstore.errors import KVStoreError, corrupt_block, short_buffer
+from kvstore.lanes.base import Lane, LaneBroken, lane_failure
 from kvstore.lanes.buffers import alloc_blocks
+from kvstore.lanes.client.channel import ShmChannel
+from kvstore.lanes.client.loans import Lender, Loan
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import handshake
-from kvstore.lanes.memops import copy_crc, copy_into, host_view
-from kvstore.lanes.shm_channel import ShmChannel
-from kvstore.lanes.shm_loans import Lender, Loan
 from kvstore.lanes.shm_region import attach
+from kvstore.memops import copy_crc, copy_into, host_view
+from kvstore.payload import as_bytes_view
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
+from kvstore.wire import put_result
 
 log = logging.getLogger(__name__)
 COMMIT_BYTES = 16 << 20
@@ -79,7 +82,7 @@ class ShmClientLane(Lane):
             why_not, sock = handshake(opened.direct_socket, opened.lane_id, opened.token)
             self.direct = why_not is None
             if sock is not None:
-                self._channel = ShmChannel(sock, timeout, _error)
+                self._channel = ShmChannel(sock, timeout)
             if why_not:
                 log.info("shm lane %s: puts copy through the region (%s)", opened.lane_id, why_not)
 
@@ -101,7 +104,7 @@ class ShmClientLane(Lane):
                 for j, slot in enumerate(grant.slots):
                     i = start + j
                     if slot.result.status != pb.PUT_STATUS_UNSPECIFIED:
-                        results[i] = _put_result(slot.result)
+                        results[i] = put_result(slot.result)
                         continue
                     self._place(slot, payloads[i])
                     descriptors.append(
@@ -120,7 +123,7 @@ class ShmClientLane(Lane):
                     commits.append(indices)
                 for indices in commits:
                     for i, r in zip(indices, stream.committed()):
-                        results[i] = _put_result(r)
+                        results[i] = put_result(r)
                 start += len(grant.slots)
         finally:
             stream.close()
@@ -141,9 +144,9 @@ class ShmClientLane(Lane):
         committed = iter(stream.committed())
         for j, slot in enumerate(grant.slots):
             if slot.result.status != pb.PUT_STATUS_UNSPECIFIED:
-                results[start + j] = _put_result(slot.result)
+                results[start + j] = put_result(slot.result)
             else:
-                results[start + j] = _put_result(next(committed))
+                results[start + j] = put_result(next(committed))
         return start + len(grant.slots)
 
     def open_put(self) -> PutStream:
@@ -206,7 +209,7 @@ class ShmClientLane(Lane):
             if msg.last:
                 handled = msg.handled
         if handled <= 0:
-            raise _error(grpc.StatusCode.DATA_LOSS, "lane Get stream ended without its last message")
+            raise KVStoreError(grpc.StatusCode.DATA_LOSS, "lane Get stream ended without its last message")
         return handled
 
     def _replies(self, request: lpb.LaneGetRequest) -> Iterator[lpb.LaneGetResponse]:
@@ -225,7 +228,7 @@ class ShmClientLane(Lane):
         for d in present:
             i = start + d.index
             if verify and d.header.codec == pb.CODEC_NONE and d.crc32c != d.header.crc32c:
-                raise _corrupt(i, d)
+                raise corrupt_block(i, d.hash)
             results[i] = out[i]
 
     @staticmethod
@@ -261,12 +264,12 @@ class ShmClientLane(Lane):
             check = verify and d.header.codec == pb.CODEC_NONE
             if check and crcs_at_copy:
                 if d.crc32c != d.header.crc32c:
-                    raise _corrupt(i, d)
+                    raise corrupt_block(i, d.hash)
                 check = False
             if loan is not None:
                 results[i] = view = loan.view(d.offset, d.length)  # the bytes stay where the server put them
                 if check and crc32c(view) != d.header.crc32c:
-                    raise _corrupt(i, d)
+                    raise corrupt_block(i, d.hash)
                 continue
             dst = self._out_view(out, i, d.length) if out is not None else next(fresh)
             copies.append((dst, self.region.view[d.offset : d.offset + d.length], check))
@@ -275,15 +278,13 @@ class ShmClientLane(Lane):
         crcs = _copy_pool().run(_copy_out, copies, [len(c[0]) for c in copies])
         for (i, d), (_, _, check), crc in zip(checked, copies, crcs):
             if check and crc != d.header.crc32c:
-                raise _corrupt(i, d)
+                raise corrupt_block(i, d.hash)
 
     @staticmethod
     def _out_view(out: Sequence[Any], i: int, n: int) -> memoryview:
-        from kvstore.client import as_bytes_view
-
         dst = as_bytes_view(out[i])[0]
         if len(dst) < n:
-            raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"output buffer {i} holds {len(dst)} bytes; block is {n}")
+            raise short_buffer(i, len(dst), n)
         return dst[:n]
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -335,31 +336,10 @@ def _copy_out(c: tuple[memoryview, memoryview, bool]) -> int | None:
     return None
 
 
-def _put_result(r: pb.BlockResult) -> Any:
-    from kvstore.client import _STATUS, PutResult, _code
-
-    return PutResult(
-        r.hash, _STATUS.get(r.status, "rejected"), grpc.StatusCode.OK if not r.code else _code(r.code), r.reason
-    )
-
-
-def _corrupt(i: int, d: lpb.BlockDescriptor) -> Exception:
-    return _error(grpc.StatusCode.DATA_LOSS, f"block {i} ({d.hash.hex()}) failed its CRC32C check")
-
-
-def _error(code: grpc.StatusCode, message: str) -> Exception:
-    from kvstore.client import KVStoreError
-
-    return KVStoreError(code, message)
-
-
 def _from_rpc(err: grpc.RpcError) -> Exception:
-    """UNAVAILABLE and FAILED_PRECONDITION (lane or grant gone) break the lane; the rest are the caller's."""
+    """A failed lane RPC as the client raises it (``lane_failure``)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED):
-        return LaneBroken(f"{code.name}: {details}")
-    return _error(code, details)
+    return lane_failure(code, err.details() if hasattr(err, "details") else str(err))
 
 
 class PutStream:

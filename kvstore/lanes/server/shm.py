@@ -43,12 +43,13 @@ from typing import Any
 import grpc
 
 from kvstore.checksum import crc32c
-from kvstore.lanes.base import LaneError, ServerLane
+from kvstore.lanes.base import LaneError
 from kvstore.lanes.direct import DirectPeer
-from kvstore.lanes.grants import Grant, GrantTable, Slot
-from kvstore.lanes.memops import copy_crc, copy_into, host_view
+from kvstore.lanes.server.grants import Grant, GrantTable, Slot
+from kvstore.lanes.server.lane import ServerLane
+from kvstore.lanes.server.storeops import Reservation, StoreOps, accepted_codecs
 from kvstore.lanes.shm_region import ShmRegion
-from kvstore.lanes.storeops import Reservation, StoreOps, accepted_codecs
+from kvstore.memops import copy_crc, copy_into, host_view
 from kvstore.store import Lease
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb

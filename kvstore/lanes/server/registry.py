@@ -23,7 +23,8 @@ import time
 
 import grpc
 
-from kvstore.lanes.base import LaneError, ServerLane
+from kvstore.lanes.base import LaneError
+from kvstore.lanes.server.lane import ServerLane
 from kvstore.server.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -23,11 +23,14 @@ from typing import Any
 
 import grpc
 
+from kvstore.errors import KVStoreError, corrupt_block, short_buffer, status_code
 from kvstore.lanes import framing
 from kvstore.lanes.base import Lane, LaneBroken
 from kvstore.lanes.buffers import alloc_blocks
+from kvstore.payload import as_bytes_view
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
+from kvstore.wire import put_results
 
 CONNECT_SECONDS = 3.0  # an unreachable lane port (not exposed, filtered) must not stall the first call long
 
@@ -50,8 +53,6 @@ class TcpClientLane(Lane):
 
     # -- put ------------------------------------------------------------------------------
     def put(self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[memoryview]) -> list[Any]:
-        from kvstore.lanes.shm_client import _put_result
-
         meta = lpb.TcpPut(namespace=namespace, headers=headers).SerializeToString()
         data_len = sum(len(p) + framing.CRC.size for p in payloads)
         try:
@@ -60,7 +61,7 @@ class TcpClientLane(Lane):
             frame = self._expect(framing.PUT_REPLY)
         except OSError as err:
             raise LaneBroken(f"tcp lane connection failed during Put: {err}") from None
-        return [_put_result(r) for r in pb.PutResponse.FromString(frame.meta).results]
+        return put_results(pb.PutResponse.FromString(frame.meta).results)
 
     # -- get ------------------------------------------------------------------------------
     def get(
@@ -75,8 +76,6 @@ class TcpClientLane(Lane):
             raise LaneBroken(f"tcp lane connection failed during Get: {err}") from None
 
     def _receive(self, headers: Sequence[pb.BlockHeader], out: Sequence[Any] | None, verify: bool) -> list[Any]:
-        from kvstore.client import as_bytes_view
-
         results: list[Any] = [None] * len(headers)
         present = [i for i, h in enumerate(headers) if not h.missing]
         if out is None:
@@ -88,9 +87,7 @@ class TcpClientLane(Lane):
                 dst = as_bytes_view(out[i])[0]
                 if len(dst) < n:
                     self._drain_reply(headers, present)
-                    raise _error(
-                        grpc.StatusCode.INVALID_ARGUMENT, f"output buffer {i} holds {len(dst)} bytes; block is {n}"
-                    )
+                    raise short_buffer(i, len(dst), n)
                 dests.append(dst[:n])
         bad: int | None = None
         k = 0
@@ -112,7 +109,7 @@ class TcpClientLane(Lane):
                 left -= len(dests[k])
                 k += 1
         if bad is not None:
-            raise _error(grpc.StatusCode.DATA_LOSS, f"block {bad} ({headers[bad].hash.hex()}) failed its CRC32C check")
+            raise corrupt_block(bad, headers[bad].hash)
         for i, dst in zip(present, dests):
             results[i] = out[i] if out is not None else dst
         return results
@@ -132,12 +129,12 @@ class TcpClientLane(Lane):
             raise LaneBroken("the tcp lane connection was closed by the server")
         if frame.kind == framing.STATUS:
             status = lpb.LaneStatus.FromString(frame.meta)
-            code = _grpc_code(status.code)
+            code = status_code(status.code)
             if code == grpc.StatusCode.OK and kind == framing.STATUS:
                 return frame
             if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
                 raise LaneBroken(f"{code.name}: {status.message}")
-            raise _error(code, status.message)
+            raise KVStoreError(code, status.message)
         if frame.kind != kind:
             raise framing.FrameError(f"expected frame kind {kind}, got {frame.kind}")
         return frame
@@ -148,15 +145,3 @@ class TcpClientLane(Lane):
         except OSError:
             pass
         self.sock.close()
-
-
-def _grpc_code(value: int) -> grpc.StatusCode:
-    from kvstore.client import _code
-
-    return _code(value)
-
-
-def _error(code: grpc.StatusCode, message: str) -> Exception:
-    from kvstore.client import KVStoreError
-
-    return KVStoreError(code, message)

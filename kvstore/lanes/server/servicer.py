@@ -28,15 +28,15 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore.lanes.access import LaneAccess
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.cuda_region import DeviceRegion
-from kvstore.lanes.cuda_server import CudaIpcServerLane
-from kvstore.lanes.registry import LaneRegistry
+from kvstore.lanes.server.access import LaneAccess
+from kvstore.lanes.server.cuda import CudaIpcServerLane
+from kvstore.lanes.server.registry import LaneRegistry
+from kvstore.lanes.server.shm import ShmServerLane, put_conversation
+from kvstore.lanes.server.storeops import StoreOps
+from kvstore.lanes.server.tcp import TcpLaneServer, TcpServerLane
 from kvstore.lanes.shm_region import RegionError, ShmRegion
-from kvstore.lanes.shm_server import ShmServerLane, put_conversation
-from kvstore.lanes.storeops import StoreOps
-from kvstore.lanes.tcp_server import TcpLaneServer, TcpServerLane
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
 

@@ -19,16 +19,16 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
-
 from kvstore.checksum import crc32c
 from kvstore.devices import Copier, flat_bytes
 from kvstore.devices import is_device_tensor as is_device
+from kvstore.errors import corrupt_block, short_buffer
 from kvstore.lanes.buffers import alloc_blocks
+from kvstore.lanes.client.loans import Lender
+from kvstore.lanes.client.shm import ShmClientLane
 from kvstore.lanes.cuda_region import attach
-from kvstore.lanes.memops import host_view
-from kvstore.lanes.shm_client import ShmClientLane, _corrupt, _error
-from kvstore.lanes.shm_loans import Lender
+from kvstore.memops import host_view
+from kvstore.payload import as_bytes_view
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
@@ -99,7 +99,7 @@ class CudaIpcClientLane(ShmClientLane):
         if verify:
             for i, d, dst in landed:
                 if d.header.codec == pb.CODEC_NONE and not is_device(dst) and crc32c(host_view(dst)) != d.header.crc32c:
-                    raise _corrupt(i, d)
+                    raise corrupt_block(i, d.hash)
 
 
 def _destination(buf: Any, i: int, n: int) -> Any:
@@ -108,10 +108,8 @@ def _destination(buf: Any, i: int, n: int) -> Any:
         flat = flat_bytes(buf)
         size = flat.numel()
     else:
-        from kvstore.client import as_bytes_view
-
         flat = as_bytes_view(buf)[0]
         size = len(flat)
     if size < n:
-        raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"output buffer {i} holds {size} bytes; block is {n}")
+        raise short_buffer(i, size, n)
     return flat[:n]

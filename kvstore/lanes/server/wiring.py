@@ -17,14 +17,16 @@ from typing import Any
 
 import grpc
 
-from kvstore.lanes import cma, shm_channel
-from kvstore.lanes.base import ServerLane, host_id
+from kvstore.lanes import cma
+from kvstore.lanes.base import host_id
 from kvstore.lanes.direct import DirectListener
-from kvstore.lanes.registry import LaneRegistry
-from kvstore.lanes.servicer import LaneServicer
+from kvstore.lanes.server import channel as shm_channel
+from kvstore.lanes.server.lane import ServerLane
+from kvstore.lanes.server.registry import LaneRegistry
+from kvstore.lanes.server.servicer import LaneServicer
+from kvstore.lanes.server.storeops import StoreOps
+from kvstore.lanes.server.tcp import TcpLaneServer
 from kvstore.lanes.shm_region import sweep
-from kvstore.lanes.storeops import StoreOps
-from kvstore.lanes.tcp_server import TcpLaneServer
 from kvstore.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger(__name__)

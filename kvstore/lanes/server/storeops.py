@@ -31,12 +31,12 @@ from typing import Any
 
 import grpc
 
-from kvstore.lanes.access import LaneAccess
+from kvstore.codecs.verify import verify_crc
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.copypool import CopyPool
+from kvstore.lanes.server.access import LaneAccess
 from kvstore.server import validate
 from kvstore.server.metrics import Metrics
-from kvstore.server.service import verify_crc
 from kvstore.server.validate import InvalidRequest, Limits
 from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
 from kvstore.store.blockstore import ALREADY_PRESENT, lease_windows

@@ -1,0 +1,421 @@
+"""The client of one kvstore node: ``NodeClient``. Users reach it as ``kvstore.client.Client`` (DESIGN 2.4).
+
+    from kvstore.client import Client
+    with Client("127.0.0.1:7070") as kv:
+        n = kv.lookup("ns", hashes)                  # leading hashes present
+        results = kv.put("ns", hashes, payloads)      # one stream, many blocks
+        blocks = kv.get("ns", hashes)                 # bytes-like, in order
+
+``kvstore.client.Client("redis://HOST:PORT")`` returns a ``kvstore.cluster.client.ClusterClient`` instead:
+the same verbs over every node of a cluster (see kvstore/cluster/client.py), built from NodeClients.
+
+Verbs and promises:
+- ``lookup(namespace, hashes) -> int``; ``lookup_tiers`` also returns the tier of each.
+- ``put(namespace, hashes, payloads, *, parent=None, dtype=None) -> [PutResult]``: one
+  result per block (stored, already present, or rejected with a reason).
+  Payloads are bytes-like, numpy arrays or torch tensors; they are sliced, not
+  copied, until the gRPC layer serializes each chunk. Consecutive hashes form a
+  chain (block i is the parent of block i+1); ``parent`` names the block before
+  the first, so the store can evict leaves before their parents.
+- ``get(namespace, hashes, *, out=None, allow_missing=False, verify=True)``:
+  payloads in order; with ``out`` the bytes land in the caller's buffers (for
+  example a paged KV pool's blocks) instead of new ones. Raises
+  ``KVStoreError`` (code NOT_FOUND) on a missing hash unless ``allow_missing``,
+  which returns None in its place. Every block's CRC32C is checked.
+- ``delete``, ``stats``; deadlines on every call (``timeout``) and retries with
+  backoff on UNAVAILABLE (``retries``).
+
+Data lanes (``lane=``, kvstore/lanes): ``"auto"`` (default) moves the bytes of
+put and get over shared memory when the server is on this host, else over the
+bulk TCP lane, and falls back to the gRPC stream when neither is offered;
+``"shm"``/``"tcp"``/``"cuda_ipc"`` insist on that lane (KVStoreError when it
+cannot be had); ``"grpc"`` always streams over gRPC. ``lane_kind`` tells which
+is in use. CUDA tensors (``put`` payloads, ``get`` ``out``) move device to
+device over the cuda_ipc lane when the store runs on this host and GPU
+(``"auto"`` asks for it on the first call that carries them); elsewhere they
+go through one pinned host staging buffer per call on the host lanes.
+
+Compression (``codec=``, kvstore/codecs; DESIGN 5): ``"none"`` (default: raw
+bytes, the fastest choice on local and fast links, on any lane), a codec
+name (``"zstd"``, ``"byteplane"``, ``"fp8"``, ...) or ``"auto"`` (a per-client
+bandit picks a codec per batch of >= 256 KiB from the encode and decode time,
+ratio and link bandwidth it measures). ``put(..., codec=, lossy_ok=)`` and
+``get(..., codec=, lossy_ok=)`` override it per call. A coded Put encodes
+the next batch while the current one is on the wire and sends each block's
+CRC32C of its raw bytes (of the bytes the reader will decode, under a lossy
+codec); a coded Get tells the server which codecs it accepts (the server's
+own controller picks among them), decodes into ``out`` and reports its
+decode time back with the next Get. Lossy codecs (fp8, fp8+zstd) are used
+only when the caller passes ``lossy_ok=True`` *and* the server's policy for
+the namespace allows lossy KV (``lossy_allowed(namespace)``; the server
+refuses a lossy Put elsewhere with INVALID_ARGUMENT). Coded transfers travel
+on the gRPC stream (the lanes carry raw bytes); ``"auto"`` sends raw bytes
+when the client's lane is shared memory. ``codec_stats()`` shows the
+client's controller (choices, bandwidth, ratio and speed estimates).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from kvstore.checksum import crc32c
+from kvstore.codecs.transfer import DecodeTally, TransferPlan
+from kvstore.codecs.transfer_client import ClientCoding
+from kvstore.devices import is_device_tensor, stage_out
+from kvstore.errors import KVStoreError, corrupt_block, from_rpc
+from kvstore.lanes.client.negotiate import LanePool
+from kvstore.payload import as_bytes_view, wire_dtype
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire import CHUNK_BYTES, TIER_NAMES, PutResult, put_results
+
+T = TypeVar("T")
+
+
+class NodeClient:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        timeout: float = 60.0,
+        retries: int = 3,
+        chunk_bytes: int = CHUNK_BYTES,
+        max_message: int = 4 << 20,
+        lane: str = "auto",
+        codec: str = "none",
+    ):
+        if target.startswith("redis://") or target.startswith("rediss://"):
+            raise KVStoreError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "cluster targets (redis://) are served by kvstore.client.Client (a ClusterClient)",
+            )
+        self.target, self.timeout, self.retries, self.chunk_bytes = target, timeout, retries, chunk_bytes
+        options = [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)]
+        if tls_ca or tls_cert:
+            read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
+            creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._lanes = LanePool(
+            self._channel, target, lane, metadata=self._metadata, timeout=timeout, tls=bool(tls_ca or tls_cert)
+        )
+        self._device_lanes = (
+            self._lanes
+            if lane == "cuda_ipc"
+            else LanePool(
+                self._channel,
+                target,
+                "cuda_ipc" if lane == "auto" else "grpc",
+                metadata=self._metadata,
+                timeout=timeout,
+                tls=bool(tls_ca or tls_cert),
+                optional=True,
+            )
+        )
+        self._coding = ClientCoding(codec)
+        self._lossy_allowed: dict[str, bool] = {}
+
+    @property
+    def lane_kind(self) -> str:
+        """The data lane in use: "shm", "tcp", "cuda_ipc" or "grpc"."""
+        return self._lanes.kind
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def close(self) -> None:
+        self._lanes.close()
+        self._device_lanes.close()
+        self._channel.close()
+
+    def __enter__(self) -> NodeClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- verbs ---------------------------------------------------------------------------
+    def lookup(self, namespace: str, hashes: Sequence[bytes]) -> int:
+        return self.lookup_tiers(namespace, hashes)[0]
+
+    def lookup_tiers(self, namespace: str, hashes: Sequence[bytes]) -> tuple[int, list[str]]:
+        reply = self._call(
+            lambda: self._stub.Lookup(
+                pb.LookupRequest(namespace=namespace, hashes=list(hashes)),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
+        )
+        return reply.prefix_length, [TIER_NAMES.get(t, "?") for t in reply.tiers]
+
+    def put(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        payloads: Sequence[Any],
+        *,
+        parent: bytes | None = None,
+        dtype: str | None = None,
+        chained: bool = True,
+        codec: str | None = None,
+        lossy_ok: bool = False,
+    ) -> list[PutResult]:
+        if len(hashes) != len(payloads):
+            raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
+        if not hashes:
+            return []
+        if (codec or self._coding.codec) in ("none", "auto") and any(is_device_tensor(p) for p in payloads):
+            on_device = self._put_device(namespace, hashes, payloads, parent, dtype, chained)
+            if on_device is not None:
+                return on_device
+        views = [as_bytes_view(p) for p in payloads]
+        headers = _headers(hashes, [(len(v), kind) for v, kind in views], parent, dtype, chained)
+        plan = self._put_plan(namespace, {dtype or kind for _, kind in views}, codec, lossy_ok)
+        if plan is not None:
+            return self._put_coded(namespace, list(hashes), [h.parent for h in headers], [v for v, _ in views], plan)
+        on_lane = self._lanes.run(lambda lane: lane.put(namespace, headers, [v for v, _ in views]))
+        if on_lane is not None:
+            return on_lane
+        for header, (view, _) in zip(headers, views):
+            header.crc32c = crc32c(view)  # C implementation; accepts any buffer
+
+        def requests() -> Iterator[pb.PutRequest]:
+            for i, (header, (view, _)) in enumerate(zip(headers, views)):
+                n = len(view)
+                first = min(self.chunk_bytes, n)
+                yield pb.PutRequest(namespace=namespace if i == 0 else "", header=header, data=bytes(view[:first]))
+                for start in range(first, n, self.chunk_bytes):
+                    yield pb.PutRequest(data=bytes(view[start : start + self.chunk_bytes]))
+
+        reply = self._call(lambda: self._stub.Put(requests(), timeout=self.timeout, metadata=self._metadata))
+        return put_results(reply.results)
+
+    def _put_device(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        payloads: Sequence[Any],
+        parent: bytes | None,
+        dtype: str | None,
+        chained: bool,
+    ) -> list[PutResult] | None:
+        """A Put of CUDA tensors device to device over the cuda_ipc lane; None when there is none."""
+        from kvstore.devices import flat_bytes
+
+        flats, sizes = [], []
+        for p in payloads:
+            if is_device_tensor(p):
+                flat = flat_bytes(p)
+                flats.append(flat)
+                sizes.append((flat.numel(), str(p.dtype).removeprefix("torch.")))
+            else:
+                view, kind = as_bytes_view(p)
+                flats.append(view)
+                sizes.append((len(view), kind))
+        headers = _headers(hashes, sizes, parent, dtype, chained)
+        return self._device_lanes.run(lambda lane: lane.put(namespace, headers, flats))
+
+    def _put_plan(self, namespace: str, kinds: set[str], codec: str | None, lossy_ok: bool) -> TransferPlan | None:
+        """How this Put codes its blocks; None: raw bytes (codec none, mixed or non-float dtypes, a shm lane)."""
+        if len(kinds) != 1 or ((codec or self._coding.codec) == "auto" and self.lane_kind == "shm"):
+            return None
+        return self._coding.put_plan(codec, kinds.pop(), lossy_ok, lambda: self.lossy_allowed(namespace))
+
+    def _put_coded(
+        self, namespace: str, hashes: list[bytes], parents: list[bytes], blocks: list[memoryview], plan: TransferPlan
+    ) -> list[PutResult]:
+        errors: list[BaseException] = []
+
+        def attempt() -> pb.PutResponse:
+            errors.clear()
+            clock = plan.send_clock()
+            requests = self._coding.put_requests(
+                namespace, hashes, parents, blocks, plan, clock, self.chunk_bytes, errors
+            )
+            reply = self._stub.Put(requests, timeout=self.timeout, metadata=self._metadata)
+            clock.finish(drained=True)
+            return reply
+
+        reply = self._call(attempt)
+        if errors:
+            raise errors[0]
+        plan.observe_decode(DecodeTally.from_wire(reply.decode_timings))
+        return put_results(reply.results)
+
+    def lossy_allowed(self, namespace: str) -> bool:
+        """Whether the server lets ``namespace`` hold lossy KV (asked once per namespace, from its Stats)."""
+        allowed = self._lossy_allowed.get(namespace)
+        if allowed is None:
+            counters = self.stats(namespace)["counters"]
+            allowed = self._lossy_allowed[namespace] = counters.get("codec_lossy_allowed", 0.0) > 0.0
+        return allowed
+
+    def codec_stats(self) -> dict[str, float]:
+        """This client's codec controller: choices, bandwidth, ratio and speed estimates (controller.snapshot)."""
+        return self._coding.controller.snapshot()
+
+    def get(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        *,
+        out: Sequence[Any] | None = None,
+        allow_missing: bool = False,
+        verify: bool = True,
+        codec: str | None = None,
+        lossy_ok: bool = False,
+    ) -> list[Any]:
+        if out is not None and len(out) != len(hashes):
+            raise ValueError(f"{len(hashes)} hashes but {len(out)} output buffers")
+        if not hashes:
+            return []
+        if (
+            out is not None
+            and any(is_device_tensor(x) for x in out)
+            and (codec or self._coding.codec) in ("none", "auto")
+        ):
+            on_device = self._device_lanes.run(
+                lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify)
+            )
+            if on_device is not None:
+                return on_device
+        device_out, out = out, None
+        out, finish = stage_out(device_out)  # CUDA destinations are filled through pinned host buffers
+        accepted = (
+            []
+            if self.lane_kind == "shm" and (codec or self._coding.codec) == "auto"
+            else self._coding.accepted(codec, lossy_ok)
+        )
+        if accepted:  # coded blocks may come: the gRPC stream, decoded here
+            request = pb.GetRequest(
+                namespace=namespace,
+                hashes=list(hashes),
+                allow_missing=allow_missing,
+                accepted_codecs=accepted,
+                decode_report=self._coding.take_report(),
+            )
+            result = self._call(
+                lambda: self._coding.receive(
+                    self._stub.Get(request, timeout=self.timeout, metadata=self._metadata), len(hashes), out, verify
+                )
+            )
+        else:
+            result = self._lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
+        if result is None:
+            request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing)
+            result = self._call(lambda: self._receive(request, out, verify))
+        if device_out is not None and out is not device_out:
+            finish()
+            return [None if r is None else d for r, d in zip(result, device_out)]
+        return result
+
+    def _receive(self, request: pb.GetRequest, out: Sequence[Any] | None, verify: bool) -> list[Any]:
+        results: list[Any] = []
+        stream = self._stub.Get(request, timeout=self.timeout, metadata=self._metadata)
+        header: pb.BlockHeader | None = None
+        dest: memoryview | None = None
+        single: bytes | None = None
+        filled = 0
+        for msg in stream:
+            if msg.HasField("header"):
+                header = msg.header
+                if header.missing:
+                    results.append(None)
+                    header = None
+                    continue
+                n = header.stored_length
+                filled, single = 0, None
+                if out is not None:
+                    dest = as_bytes_view(out[len(results)])[0]
+                    if len(dest) < n:
+                        raise ValueError(f"output buffer {len(results)} holds {len(dest)} bytes; block is {n}")
+                elif len(msg.data) == n:
+                    dest, single = None, msg.data  # whole block in one message: keep it, no copy
+                else:
+                    dest = memoryview(bytearray(n))
+            if header is None:
+                continue
+            if single is None and msg.data:
+                assert dest is not None
+                dest[filled : filled + len(msg.data)] = msg.data
+            filled += len(msg.data)
+            if filled == header.stored_length:
+                block = single if single is not None else (out[len(results)] if out is not None else dest)
+                if verify:
+                    view = single if single is not None else dest[: header.stored_length]  # type: ignore[index]
+                    if header.codec == pb.CODEC_NONE and crc32c(view) != header.crc32c:
+                        raise corrupt_block(len(results), header.hash)
+                results.append(block)
+                header = None
+        if len(results) != len(request.hashes):
+            raise KVStoreError(
+                grpc.StatusCode.DATA_LOSS, f"stream ended after {len(results)} of {len(request.hashes)} blocks"
+            )
+        return results
+
+    def delete(self, namespace: str, hashes: Sequence[bytes]) -> int:
+        return self._call(
+            lambda: self._stub.Delete(
+                pb.DeleteRequest(namespace=namespace, hashes=list(hashes)),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
+        ).deleted
+
+    def stats(self, namespace: str = "") -> dict[str, Any]:
+        reply = self._call(
+            lambda: self._stub.Stats(
+                pb.StatsRequest(namespace=namespace), timeout=self.timeout, metadata=self._metadata
+            )
+        )
+        out: dict[str, Any] = {
+            f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name not in ("tiers", "counters")
+        }
+        out["counters"] = dict(reply.counters)
+        out["tiers"] = [{f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields} for t in reply.tiers]
+        return out
+
+    # -- retries ---------------------------------------------------------------------------
+    def _call(self, fn: Callable[[], T]) -> T:
+        delay = 0.05
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+                if code == grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
+                    time.sleep(delay)
+                    delay = min(delay * 4, 2.0)
+                    continue
+                raise from_rpc(err) from None
+        raise AssertionError("unreachable")
+
+
+def _headers(
+    hashes: Sequence[bytes], sizes: Sequence[tuple[int, str]], parent: bytes | None, dtype: str | None, chained: bool
+) -> list[pb.BlockHeader]:
+    """Raw (codec none) headers of a Put: lengths, dtypes and the parent chain."""
+    headers: list[pb.BlockHeader] = []
+    prev = parent or b""
+    for i, (key, (n, kind)) in enumerate(zip(hashes, sizes)):
+        headers.append(
+            pb.BlockHeader(
+                hash=key,
+                parent=prev if chained else (parent or b"") if i == 0 else b"",
+                codec=pb.CODEC_NONE,
+                raw_length=n,
+                stored_length=n,
+                dtype=wire_dtype(dtype or kind),
+            )
+        )
+        prev = key
+    return headers
