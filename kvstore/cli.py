@@ -73,7 +73,8 @@ def _stats(args: argparse.Namespace) -> int:
 
     print(
         f"node {stats.get('node_id', '')}: {stats.get('blocks', 0)} blocks, "
-        f"lookups {stats.get('lookups', 0)} (hits {stats.get('lookup_hits', 0)}, misses {stats.get('lookup_misses', 0)})"
+        f"{stats.get('lookups', 0)} lookups of {stats.get('lookup_hits', 0) + stats.get('lookup_misses', 0)} hashes "
+        f"({stats.get('lookup_hits', 0)} hit, {stats.get('lookup_misses', 0)} missed)"
     )
     print(f"{'tier':6} {'used':>10} {'capacity':>10} {'blocks':>8} {'hits':>8} {'evictions':>9}  backend")
     for t in stats.get("tiers", []):

@@ -354,6 +354,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 lookups=s["lookups"],
                 lookup_hits=s["lookup_hits"],
                 lookup_misses=s["lookup_misses"],
+                lookup_hashes=s["lookup_hits"] + s["lookup_misses"],
                 bytes_in=int(self.metrics.total_in),
                 bytes_out=int(self.metrics.total_out),
                 counters=counters,
