@@ -27,7 +27,9 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     from kvstore.server.app import StoreServer
+    from kvstore.server.ports import preflight
 
+    preflight(cfg)  # a port that cannot be bound: one line naming its flag (main), before the store is built
     StoreServer(cfg).serve_forever()
     # Everything is flushed and closed: an exit held up by a stray thread dumps the stacks and exits 1.
     faulthandler.dump_traceback_later(EXIT_SECONDS, exit=True)

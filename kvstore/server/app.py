@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.codecs.policy import LossyPolicy
 from kvstore.config import ServeConfig
-from kvstore.server import reflection, tls
+from kvstore.server import ports, reflection, tls
 from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import KVStoreService
@@ -154,8 +154,17 @@ class StoreServer:
         reflection.enable(server, (SERVICE_NAME, LANES_SERVICE_NAME, health.SERVICE_NAME))  # v1 and v1alpha
         from kvstore.lanes.server import LaneServer  # fast data lanes (shm, tcp), negotiated over gRPC
 
-        self.lanes = LaneServer(self).register(server)
+        try:
+            self.lanes = LaneServer(self).register(server)
+        except OSError as err:  # a --tcp-lane-listen port taken since the preflight (kvstore.server.ports)
+            raise ports.PortError("--tcp-lane-listen", self.cfg.tcp_lane_listen, ports.describe(err)) from None
         self.port = self._bind(server)
+        if self.cfg.metrics_port:  # bound before serving starts, so a taken port stops the start, not a later step
+            try:
+                self._metrics_http = self.metrics.start_http(self.cfg.metrics_port, token=token)
+            except OSError as err:
+                self.lanes.close(0)
+                raise ports.PortError("--metrics-port", str(self.cfg.metrics_port), ports.describe(err)) from None
         server.start()
         self.server = server
         self.gate.start()
@@ -165,8 +174,6 @@ class StoreServer:
 
             self.cluster = ClusterNode(self.cfg, self.store, self.metrics, self.port).start()
             self.node_id = self.service.node_id = self.cluster.node_id
-        if self.cfg.metrics_port:
-            self._metrics_http = self.metrics.start_http(self.cfg.metrics_port, token=token)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -178,7 +185,11 @@ class StoreServer:
         return self
 
     def _bind(self, server: grpc.Server) -> int:
-        port, self.tls = tls.bind(server, self.cfg)  # TLS/mTLS, or plaintext only where the rule allows it
+        try:
+            port, self.tls = tls.bind(server, self.cfg)  # TLS/mTLS, or plaintext only where the rule allows it
+        except RuntimeError as err:  # grpc: "Failed to bind to address ..."
+            self.lanes.close(0)
+            raise ports.PortError("--listen", self.cfg.listen, f"gRPC could not bind it: {err}") from None
         return port
 
     def reload(self) -> None:
