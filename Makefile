@@ -26,7 +26,7 @@ test: $(VENV)/.installed system-deps
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed system-deps
-	$(PY) -m bench.transfer
+	$(PY) -m bench.transfer --out bench/results/transfer.json
 
 proto: $(VENV)/.installed
 	$(PY) -m kvstore.genproto
