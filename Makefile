@@ -4,8 +4,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= test,model,cluster,bench
+NODE_CONFORMANCE := tests/conformance/node
 
-.PHONY: run test bench proto system-deps clean
+.PHONY: run test bench proto system-deps node-deps clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,7 +23,13 @@ system-deps:
 run: $(VENV)/.installed
 	$(PY) -m kvstore demo
 
-test: $(VENV)/.installed system-deps
+# The Node.js conformance client's packages (pinned by its package-lock.json); without npm its test skips.
+node-deps:
+	@test -d $(NODE_CONFORMANCE)/node_modules || \
+	  { command -v npm >/dev/null && npm ci --prefix $(NODE_CONFORMANCE) --no-audit --no-fund --loglevel=error; } || \
+	  echo "npm not found: tests/test_conformance_node.py will skip"
+
+test: $(VENV)/.installed system-deps node-deps
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed system-deps
@@ -32,4 +39,4 @@ proto: $(VENV)/.installed
 	$(PY) -m kvstore.genproto
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis $(NODE_CONFORMANCE)/node_modules
