@@ -4,8 +4,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= test,model,cluster,bench
+NODE_CONFORMANCE := tests/conformance/node
 
-.PHONY: run test lint bench proto system-deps clean
+.PHONY: run test lint bench proto system-deps node-deps clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,14 +30,20 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 
-test: $(VENV)/.installed system-deps lint
+# The Node.js conformance client's packages (pinned by its package-lock.json); without npm its test skips.
+node-deps:
+	@test -d $(NODE_CONFORMANCE)/node_modules || \
+	  { command -v npm >/dev/null && npm ci --prefix $(NODE_CONFORMANCE) --no-audit --no-fund --loglevel=error; } || \
+	  echo "npm not found: tests/test_conformance_node.py will skip"
+
+test: $(VENV)/.installed system-deps node-deps lint
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed system-deps
-	$(PY) -m bench.transfer
+	$(PY) -m bench.transfer --out bench/results/transfer.json
 
 proto: $(VENV)/.installed
 	$(PY) -m kvstore.genproto
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis $(NODE_CONFORMANCE)/node_modules

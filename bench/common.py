@@ -47,6 +47,14 @@ def parse_args(
     return parser.parse_args(argv)
 
 
+def plot_path(out: Path | None, plot: Path | None) -> Path | None:
+    """Where a benchmark's figure goes: ``--plot`` when given, else beside ``--out`` (same stem, ``.png``), else
+    nowhere. A run writes only where it was told, never over the committed ``bench/results`` by default."""
+    if plot is not None:
+        return plot
+    return out.with_suffix(".png") if out is not None else None
+
+
 def best_seconds(
     fn: Callable[[], object], reps: int, warmup: int = 1, clock: Callable[[], float] = time.perf_counter
 ) -> float:

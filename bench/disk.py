@@ -518,8 +518,6 @@ def main(argv: list[str] | None = None) -> None:
             help="scratch directory on the disk under test (not tmpfs); removed afterwards",
         ),
     )
-    if args.out is None:
-        args.out = Path("bench/results/disk.json")
     root: Path = args.dir
     root.mkdir(parents=True, exist_ok=True)
     total = 64 * MiB if args.quick else 1 * GiB
@@ -563,8 +561,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{'one run (--quick)' if args.quick else f'median of {REPS}'}:"
     )
     print(format_table([r for r in rows if "recovery" in r], ["recovery", "recovery_blocks", "recovery_seconds"]))
-    write_json(args.out, rows, args, bench="disk")
-    print(f"wrote {len(rows)} rows to {args.out}")
+    if args.out:
+        write_json(args.out, rows, args, bench="disk")
+        print(f"wrote {len(rows)} rows to {args.out}")
 
 
 if __name__ == "__main__":

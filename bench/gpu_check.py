@@ -85,7 +85,7 @@ def gbps(fn: Callable[[], Any], nbytes: int, reps: int) -> float:
     return round(nbytes / best / 1e9, 2)
 
 
-def run_tests(log: Path) -> list[dict]:
+def run_tests(log: Path | None) -> list[dict]:
     t0 = time.perf_counter()
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TEST_FILES],
@@ -94,8 +94,9 @@ def run_tests(log: Path) -> list[dict]:
         text=True,
         timeout=240,
     )
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(tests.stdout + tests.stderr)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(tests.stdout + tests.stderr)
     lines = tests.stdout.strip().splitlines()
     failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
     return [
@@ -329,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the plan and this machine's GPU stack; run nothing")
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
     p.add_argument("--skip-tests", action="store_true", help="only the measurements")
-    p.add_argument("--out", type=Path, default=Path("bench/results/gpu_check.json"))
+    p.add_argument(
+        "--out", type=Path, default=None, metavar="FILE.json", help="write the rows here (the pytest log beside it)"
+    )
     args = p.parse_args(argv)
     env = environment()
     if args.dry_run:
@@ -344,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     n, block, reps = (16, 2 << 20, 3) if args.quick else (64, 2 << 20, 5)
     rows: list[dict] = [{"check": "environment", **env}]
     steps: list[tuple[str, Callable[[], list[dict]]]] = (
-        [] if args.skip_tests else [("tests", lambda: run_tests(args.out.with_suffix(".pytest.txt")))]
+        []
+        if args.skip_tests
+        else [("tests", lambda: run_tests(args.out.with_suffix(".pytest.txt") if args.out else None))]
     )
     steps += [
         ("hbm_dram", lambda: hbm_dram(n, block, reps)),
@@ -367,8 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows[1:]:
         cells = [f"{k}={v}" for k, v in r.items() if k not in ("check", "trace", "failures")]
         print(f"{r['check']:<48} " + "  ".join(cells))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
 

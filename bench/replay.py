@@ -1,7 +1,7 @@
 """bench.replay: prefix hit rate against capacity on a Mooncake trace, the store's policy beside LRU and Belady.
 
     python -m bench.replay [--trace FILE] [--capacities 0.02,0.05,0.1,0.2,0.5] [--quick]
-                           [--out bench/results/replay.json] [--plot bench/results/replay.png]
+                           [--out FILE.json] [--plot FILE.png (default: beside --out)]
 
 What "capacity" means: ``capacity_frac`` x the trace's distinct blocks, in
 blocks of 512 tokens; in bytes, blocks x 64 MiB (Llama-3-8B KV in bf16). The
@@ -45,7 +45,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.common import Row, format_table, parse_args, write_json
+from bench.common import Row, format_table, parse_args, plot_path, write_json
 from bench.replay_sim import (
     LLAMA3_8B_BF16,
     ReplayResult,
@@ -289,7 +289,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nvme-multiple", type=float, default=4.0, help="NVMe tier size as a multiple of DRAM")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
-    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="write the figure here")
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="FILE.png", help="write the figure here (default: beside --out)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -337,9 +339,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {len(rows)} rows to {args.out}")
-    if args.plot:
-        plot(args.plot, summary, tiers, head)
-        print(f"wrote {args.plot}")
+    figure = plot_path(args.out, args.plot)
+    if figure:
+        plot(figure, summary, tiers, head)
+        print(f"wrote {figure}")
 
 
 if __name__ == "__main__":

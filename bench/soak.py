@@ -1,6 +1,6 @@
 """Soak: mixed put/get/lookup from many clients at a fixed rate against a `kvstore serve` subprocess.
 
-    python -m bench.soak [--minutes 10] [--quick] [--out bench/results/soak.json] [--plot bench/results/soak.png]
+    python -m bench.soak [--minutes 10] [--quick] [--out FILE.json] [--plot FILE.png (default: beside --out)]
 
 Each client is a thread with its own tenant token and namespace (a tenants file
 is generated, so the interceptor, namespace checks and Stats scoping run under
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from bench.common import format_table, parse_args, write_json
+from bench.common import format_table, parse_args, plot_path, write_json
 from kvstore.client import Client, KVStoreError
 from kvstore.server.process import store_process
 from kvstore.sizes import parse_size
@@ -225,7 +225,13 @@ def configure(p: Any) -> None:
         help="data lane of the clients (default auto: shm on the same host)",
     )
     p.add_argument("--window", type=float, default=10.0, help="seconds per reported row (default 10; --quick 3)")
-    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="plot throughput, p99 and RSS")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="plot throughput, p99 and RSS (default: beside --out)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,9 +342,10 @@ def report_soak(
         doc["summary"] = summary
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {len(rows)} windows and the summary to {args.out}")
-    if args.plot:
-        plot(rows, args.plot, warmup_s)
-        print(f"wrote {args.plot}")
+    figure = plot_path(args.out, args.plot)
+    if figure:
+        plot(rows, figure, warmup_s)
+        print(f"wrote {figure}")
     print("PASSED" if not failures else "FAILED: " + ", ".join(failures))
     return 0 if not failures else 1
 

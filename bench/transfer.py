@@ -114,7 +114,7 @@ def get_latency(target: str, lane: str, n: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (same code path)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/transfer.json"), help="JSON rows")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE.json", help="write the rows as JSON here")
     parser.add_argument("--lanes", default="grpc,shm,tcp", help="comma-separated lanes to measure (grpc, shm, tcp)")
     parser.add_argument(
         "--payload",
@@ -187,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             {"op": "get_latency_2mib", "lane": lane, "p50_ms": round(p50 * 1e3, 3), "p99_ms": round(p99 * 1e3, 3)}
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"wrote {args.out}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Time to first token with and without the store, on a real model (SmolLM2-135M by default).
 
-    python -m bench.ttft [--quick] [--out bench/results/ttft.json] [--plot bench/results/ttft.png]
+    python -m bench.ttft [--quick] [--out FILE.json] [--plot FILE.png (default: beside --out)]
                          [--prefill HOST:PORT --decode HOST:PORT --store HOST:PORT]
                          [--workload chat|trace] [--trace FILE] [--rate R]
 
@@ -36,6 +36,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bench.common import plot_path
 from kvstore.router import Result, Router, local_stack
 
 
@@ -184,8 +185,8 @@ def plot(results: list[Result], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer, shorter requests on the same path")
-    p.add_argument("--out", type=Path, default=Path("bench/results/ttft.json"))
-    p.add_argument("--plot", type=Path, default=Path("bench/results/ttft.png"))
+    p.add_argument("--out", type=Path, default=None, metavar="FILE.json", help="write the rows as JSON here")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="the figure (default: beside --out)")
     p.add_argument("--model", default="smollm2", help="model the local stack runs (smollm2, tiny, bench, ...)")
     p.add_argument("--prefill", default=None, help="prefill worker HOST:PORT (default: start a local stack)")
     p.add_argument("--decode", default=None, help="decode worker HOST:PORT")
@@ -251,10 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     if sample:
         print(f"sample generation: {sample!r}")
         rows[-1]["sample_text"] = sample
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    plot(results, args.plot)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    figure = plot_path(args.out, args.plot)
+    if figure:
+        plot(results, figure)
     return 0
 
 

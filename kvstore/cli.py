@@ -27,7 +27,9 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     from kvstore.server.app import StoreServer
+    from kvstore.server.ports import preflight
 
+    preflight(cfg)  # a port that cannot be bound: one line naming its flag (main), before the store is built
     StoreServer(cfg).serve_forever()
     # Everything is flushed and closed: an exit held up by a stray thread dumps the stacks and exits 1.
     faulthandler.dump_traceback_later(EXIT_SECONDS, exit=True)
@@ -73,7 +75,8 @@ def _stats(args: argparse.Namespace) -> int:
 
     print(
         f"node {stats.get('node_id', '')}: {stats.get('blocks', 0)} blocks, "
-        f"lookups {stats.get('lookups', 0)} (hits {stats.get('lookup_hits', 0)}, misses {stats.get('lookup_misses', 0)})"
+        f"{stats.get('lookups', 0)} lookups of {stats.get('lookup_hits', 0) + stats.get('lookup_misses', 0)} hashes "
+        f"({stats.get('lookup_hits', 0)} hit, {stats.get('lookup_misses', 0)} missed)"
     )
     print(f"{'tier':6} {'used':>10} {'capacity':>10} {'blocks':>8} {'hits':>8} {'evictions':>9}  backend")
     for t in stats.get("tiers", []):

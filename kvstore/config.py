@@ -79,7 +79,12 @@ class ServeConfig:
     max_hashes: int = _opt(65536, "max hashes in one Lookup/Get/Delete", int)
     workers: int = _opt(16, "gRPC handler threads (concurrent RPCs)", int)
     drain_seconds: float = _opt(15.0, "on SIGTERM, seconds to let in-flight streams finish", float)
-    metrics_port: int = _opt(9090, "Prometheus /metrics port (0: off)", int)
+    metrics_port: int = _opt(
+        7071,
+        "Prometheus /metrics port on every interface (0: off); 7071 sits beside the gRPC default 7070 and "
+        "off 9090, the Prometheus server's own port. A second store on one host needs its own",
+        int,
+    )
     metrics_token_file: str | None = _opt(
         None,
         "file holding a bearer token that /metrics then requires (Authorization: Bearer <token>); unset: no token",

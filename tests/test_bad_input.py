@@ -90,9 +90,12 @@ def test_data_before_header(stub, server):
 
 
 def test_checksum_mismatch(stub, server):
+    """A wrong CRC rejects that block alone (tests/test_put_contract.py has the stream around it)."""
     data = b"q" * 5000
-    err = put(stub, [pb.PutRequest(namespace="ns", header=header(data, crc32c=crc32c(data) ^ 1), data=data)])
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "CRC32C mismatch" in err.details()
+    reply = stub.Put(iter([pb.PutRequest(namespace="ns", header=header(data, crc32c=crc32c(data) ^ 1), data=data)]))
+    (result,) = reply.results
+    assert result.status == pb.PUT_REJECTED and result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "CRC32C mismatch" in result.reason
     assert_nothing_stored(server)
 
 

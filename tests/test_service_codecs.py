@@ -57,14 +57,14 @@ def test_encoded_put_with_wrong_crc_is_refused(stub, server):
         crc32c=crc32c(raw) ^ 7,
         dtype="float16",
     )
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Put(iter([pb.PutRequest(namespace="ns", header=hdr, data=enc)]), timeout=10)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    (result,) = stub.Put(iter([pb.PutRequest(namespace="ns", header=hdr, data=enc)]), timeout=10).results
+    assert result.status == pb.PUT_REJECTED and result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "CRC32C mismatch" in result.reason
     assert server.store.stats()["blocks"] == 0
 
 
 def test_garbage_claiming_a_codec_is_refused(stub, server):
     hdr = pb.BlockHeader(hash=KEY, codec=pb.CODEC_ZSTD, raw_length=1000, stored_length=100, crc32c=1, dtype="float16")
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Put(iter([pb.PutRequest(namespace="ns", header=hdr, data=b"\x01" * 100)]), timeout=10)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    (result,) = stub.Put(iter([pb.PutRequest(namespace="ns", header=hdr, data=b"\x01" * 100)]), timeout=10).results
+    assert result.status == pb.PUT_REJECTED and result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "does not decode" in result.reason

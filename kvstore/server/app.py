@@ -2,7 +2,7 @@
 
 ``StoreServer(cfg).start()`` binds the port (``.port`` is the bound port, so
 tests can listen on port 0), registers the KVStore service, the standard
-``grpc.health.v1`` health service and server reflection, and starts the
+``grpc.health.v1`` health service and server reflection (v1 and v1alpha), and starts the
 metrics endpoint and the background demoter. ``stop(grace)`` flips health to
 NOT_SERVING, refuses new RPCs, lets in-flight streams finish for ``grace``
 seconds, then closes the tiers (flushing the NVMe write buffer). Every RPC
@@ -22,11 +22,10 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvstore.codecs.policy import LossyPolicy
 from kvstore.config import ServeConfig
-from kvstore.server import tls
+from kvstore.server import ports, reflection, tls
 from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import KVStoreService
@@ -34,11 +33,12 @@ from kvstore.server.validate import Limits
 from kvstore.store import BlockStore
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import Tier
-from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, lanes_pb2
 
 log = logging.getLogger("kvstore.server")
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
+LANES_SERVICE_NAME = lanes_pb2.DESCRIPTOR.services_by_name["KVStoreLanes"].full_name
 
 
 def build_tiers(cfg: ServeConfig) -> list[Tier]:
@@ -151,11 +151,20 @@ class StoreServer:
         )
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        reflection.enable(server, (SERVICE_NAME, LANES_SERVICE_NAME, health.SERVICE_NAME))  # v1 and v1alpha
         from kvstore.lanes.server.wiring import LaneServer  # fast data lanes (shm, tcp), negotiated over gRPC
 
-        self.lanes = LaneServer(self).register(server)
+        try:
+            self.lanes = LaneServer(self).register(server)
+        except OSError as err:  # a --tcp-lane-listen port taken since the preflight (kvstore.server.ports)
+            raise ports.PortError("--tcp-lane-listen", self.cfg.tcp_lane_listen, ports.describe(err)) from None
         self.port = self._bind(server)
+        if self.cfg.metrics_port:  # bound before serving starts, so a taken port stops the start, not a later step
+            try:
+                self._metrics_http = self.metrics.start_http(self.cfg.metrics_port, token=token)
+            except OSError as err:
+                self.lanes.close(0)
+                raise ports.PortError("--metrics-port", str(self.cfg.metrics_port), ports.describe(err)) from None
         server.start()
         self.server = server
         self.gate.start()
@@ -165,8 +174,6 @@ class StoreServer:
 
             self.cluster = ClusterNode(self.cfg, self.store, self.metrics, self.port).start()
             self.node_id = self.service.node_id = self.cluster.node_id
-        if self.cfg.metrics_port:
-            self._metrics_http = self.metrics.start_http(self.cfg.metrics_port, token=token)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -178,7 +185,11 @@ class StoreServer:
         return self
 
     def _bind(self, server: grpc.Server) -> int:
-        port, self.tls = tls.bind(server, self.cfg)  # TLS/mTLS, or plaintext only where the rule allows it
+        try:
+            port, self.tls = tls.bind(server, self.cfg)  # TLS/mTLS, or plaintext only where the rule allows it
+        except RuntimeError as err:  # grpc: "Failed to bind to address ..."
+            self.lanes.close(0)
+            raise ports.PortError("--listen", self.cfg.listen, f"gRPC could not bind it: {err}") from None
         return port
 
     def reload(self) -> None:

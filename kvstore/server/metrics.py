@@ -54,6 +54,10 @@ class _StoreCollector:
         yield from counters.values()
         yield GaugeMetricFamily("kvstore_blocks", "Blocks in the index", value=s["blocks"])
         yield GaugeMetricFamily("kvstore_index_bytes", "Bytes of the index columns", value=s["index_bytes"])
+        yield CounterMetricFamily("kvstore_lookups", "Lookup calls", value=s["lookups"])
+        yield CounterMetricFamily(
+            "kvstore_lookup_hashes", "Hashes asked in Lookup calls", value=s["lookup_hits"] + s["lookup_misses"]
+        )
         for key in ("lookup_hits", "lookup_misses", "puts", "already_present", "rejected", "corrupt"):
             yield CounterMetricFamily(f"kvstore_{key}", f"Blocks: {key.replace('_', ' ')}", value=s[key])
         for key, value in self._extra().items():

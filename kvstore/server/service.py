@@ -3,9 +3,17 @@
 Put is a two-phase write per block: the header reserves a slot in the top tier
 (``BlockStore.begin_put``), data chunks are copied straight into it while their
 CRC32C is accumulated, and the block becomes visible only at ``commit_put``
-after the checksum matched. A malformed stream is aborted with
-INVALID_ARGUMENT; blocks committed before the fault stay stored (they were
-whole and verified) but the caller sees the error, not an acknowledgement.
+after the checksum matched. Every block whose bytes arrived whole gets a
+result in the reply, in stream order: stored, already present, or rejected
+with a code and reason (RESOURCE_EXHAUSTED over capacity or quota,
+INVALID_ARGUMENT for a CRC32C mismatch or an encoded block that does not
+decode; the stream goes on with the next block). A malformed stream (framing,
+sizes, a header that fails validation, the stream byte limit) is aborted
+instead; the error names block k, says blocks 0..k-1 were handled (each
+stored, already present or rejected, as a Lookup shows) and nothing from
+block k on was stored, and carries k in the trailing metadata key
+``kvstore-put-blocks-handled``. Blocks committed before the fault are
+written through to the durable tier before the abort, as on success.
 
 With a ``gate`` (kvstore/server/auth.py) every handler authorizes the
 request's namespace before touching the store (PERMISSION_DENIED otherwise),
@@ -25,10 +33,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import NoReturn
 
 import grpc
 
 from kvstore.checksum import crc32c
+from kvstore.codecs import codec_name
 from kvstore.codecs.transfer import DecodeTally
 from kvstore.codecs.transfer_server import ServerCoding
 from kvstore.server import validate
@@ -43,6 +53,37 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+
+PUT_HANDLED_KEY = "kvstore-put-blocks-handled"  # trailing metadata of an aborted Put: blocks before the fault
+
+
+def crc_mismatch_reason(index: int, meta) -> str:
+    """The reason of a block rejected for its checksum (the same words on every lane)."""
+    what = (
+        "" if meta.codec == 0 else f" (or its {meta.dtype} payload does not decode with codec {codec_name(meta.codec)})"
+    )
+    return (
+        f"block {index} ({meta.hash.hex()}): CRC32C mismatch{what}; the bytes were corrupted in transit or "
+        f"the header's checksum is wrong; this block was not stored, send it again"
+    )
+
+
+def _handled_note(handled: int) -> str:
+    if handled == 0:
+        return "no block of this stream was stored"
+    return (
+        f"blocks 0..{handled - 1} of this stream were handled (each stored, already present or rejected; "
+        f"Lookup shows which are present) and nothing from block {handled} on was stored"
+    )
+
+
+class _StreamFault(Exception):
+    """A Put stream that cannot be read on: aborted with ``code`` once what was committed is made durable."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 class _PutState:
@@ -93,34 +134,30 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         ns = self._authorized(context, msg.namespace)
                     if msg.HasField("header"):
                         if state is not None:
-                            self._abort(
-                                context,
+                            raise _StreamFault(
                                 grpc.StatusCode.INVALID_ARGUMENT,
                                 f"block {state.index}: header of the next block arrived after "
                                 f"{state.received} of {state.meta.stored_length} bytes",
                             )
-                        state = self._start_block(context, ns, msg.header, len(results))
+                        state = self._start_block(ns, msg.header, len(results))
                     if msg.data:
                         n = len(msg.data)
                         total += n
                         if state is None:
-                            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "data chunk before any block header")
+                            raise _StreamFault(grpc.StatusCode.INVALID_ARGUMENT, "data chunk before any block header")
                         if n > self.limits.max_chunk_bytes:
-                            self._abort(
-                                context,
+                            raise _StreamFault(
                                 grpc.StatusCode.INVALID_ARGUMENT,
                                 f"block {state.index}: chunk of {n} bytes exceeds {self.limits.max_chunk_bytes}",
                             )
                         if state.received + n > state.meta.stored_length:
-                            self._abort(
-                                context,
+                            raise _StreamFault(
                                 grpc.StatusCode.INVALID_ARGUMENT,
                                 f"block {state.index}: {state.received + n} bytes sent but the header "
                                 f"says stored_length={state.meta.stored_length}",
                             )
                         if total > self.limits.max_stream_bytes:
-                            self._abort(
-                                context,
+                            raise _StreamFault(
                                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"Put stream exceeds {self.limits.max_stream_bytes} bytes; split it",
                             )
@@ -129,15 +166,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                             state.crc = crc32c(msg.data, state.crc)
                         state.received += n
                     if state is not None and state.received == state.meta.stored_length:
-                        results.append(self._finish_block(context, state, committed, decoded))
+                        results.append(self._finish_block(state, committed, decoded))
                         state = None
                 if state is not None:
-                    self._abort(
-                        context,
+                    raise _StreamFault(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"stream ended in the middle of block {state.index} "
                         f"({state.received} of {state.meta.stored_length} bytes)",
                     )
+            except _StreamFault as fault:
+                self.store.persist(committed)  # what was committed stays, durable as on success
+                self.metrics.bytes_in(total)
+                handled = len(results)
+                context.set_trailing_metadata(((PUT_HANDLED_KEY, str(handled)),))
+                self._abort(context, fault.code, f"{fault.message}; {_handled_note(handled)}")
+            else:
                 self.store.persist(committed)
                 self.metrics.bytes_in(total)
                 self.coding.put_decoded(decoded)
@@ -146,8 +189,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 if state is not None and state.ticket is not None:
                     self.store.abort_put(state.ticket)
 
-    def _start_block(self, context, ns: str, header: pb.BlockHeader, index: int) -> _PutState:
-        meta = self._check(context, validate.header, ns, header, index, self.limits)
+    def _start_block(self, ns: str, header: pb.BlockHeader, index: int) -> _PutState:
+        try:
+            meta = validate.header(ns, header, index, self.limits)
+        except InvalidRequest as err:
+            raise _StreamFault(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         over = self.gate.admit_block(ns, meta.stored_length, meta.hash) if self.gate is not None else None
         if over is not None:  # before begin_put: a tenant over quota never evicts anyone's blocks
             return _PutState(
@@ -179,17 +225,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             return _PutState(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT))
         return _PutState(index, meta, ticket, None)
 
-    def _finish_block(self, context, state: _PutState, committed: list[int], decoded: DecodeTally) -> pb.BlockResult:
+    def _finish_block(self, state: _PutState, committed: list[int], decoded: DecodeTally) -> pb.BlockResult:
         if state.ticket is None:
             return state.result  # already present or rejected: its bytes were drained
         ticket, state.ticket = state.ticket, None
         if not self.coding.verify(state.meta, ticket.buffer, state.crc, decoded):  # decode time: for the sender
-            self.store.abort_put(ticket)
-            self._abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"block {state.index} ({state.meta.hash.hex()}): CRC32C mismatch; the bytes "
-                f"were corrupted in transit or the header's checksum is wrong",
+            self.store.abort_put(ticket)  # this block alone is refused; the stream goes on
+            return pb.BlockResult(
+                hash=state.meta.hash,
+                status=pb.PUT_REJECTED,
+                code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                reason=crc_mismatch_reason(state.index, state.meta),
             )
         status, entry = self.store.commit_put(ticket)
         if status == ALREADY_PRESENT:
@@ -295,6 +341,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 lookups=s["lookups"],
                 lookup_hits=s["lookup_hits"],
                 lookup_misses=s["lookup_misses"],
+                lookup_hashes=s["lookup_hits"] + s["lookup_misses"],
                 bytes_in=int(self.metrics.total_in),
                 bytes_out=int(self.metrics.total_out),
                 counters=counters,
@@ -325,7 +372,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return ns
 
     @staticmethod
-    def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str):
+    def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
         context.abort(code, message)
         raise AssertionError("unreachable")  # context.abort raises
 

@@ -1,7 +1,8 @@
 """Request validation shared by every lane: one place decides what is malformed.
 
 Each check raises ``InvalidRequest`` (mapped to INVALID_ARGUMENT) with a message
-that tells the caller what to fix.
+that tells the caller what to fix. A block header's ``dtype`` must be one of
+``WIRE_DTYPES`` (an empty one is refused, not taken as bytes).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from kvstore.tiers.base import BlockMeta
 
 MAX_NAMESPACE_BYTES = 256
 KNOWN_CODECS = frozenset(range(6))  # kvstore.v1.Codec values
+# BlockHeader.dtype names a Put may carry (the index's table minus its "" slot); kvstore.proto lists them too.
+WIRE_DTYPES = tuple(sorted(d for d in DTYPES if d))
 
 
 class InvalidRequest(ValueError):
@@ -80,9 +83,13 @@ def header(ns: str, hdr, index: int, limits: Limits) -> BlockMeta:
         raise InvalidRequest(
             f"{where}: codec none needs stored_length == raw_length ({hdr.stored_length} != {hdr.raw_length})"
         )
-    dtype = hdr.dtype or "uint8"
-    if dtype not in DTYPES:
-        raise InvalidRequest(f"{where}: unknown dtype {dtype!r}")
+    dtype = hdr.dtype
+    if dtype not in WIRE_DTYPES:
+        said = "is empty" if not dtype else f"{dtype!r} is unknown"
+        raise InvalidRequest(
+            f"{where}: dtype {said}; set it to the element type of the raw bytes, one of "
+            f"{', '.join(WIRE_DTYPES)} (uint8 for plain bytes)"
+        )
     if get_codec(hdr.codec).float_only and dtype not in FLOAT_DTYPES:
         raise InvalidRequest(
             f"{where}: codec {codec_name(hdr.codec)} codes float KV; dtype {dtype!r} is not one of "

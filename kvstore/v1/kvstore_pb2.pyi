@@ -191,7 +191,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., backend: _Optional[str] = ..., degraded: _Optional[bool] = ..., fault: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "blocks", "lookups", "lookup_hits", "lookup_misses", "bytes_in", "bytes_out", "counters", "node_id")
+    __slots__ = ("tiers", "blocks", "lookups", "lookup_hits", "lookup_misses", "bytes_in", "bytes_out", "counters", "node_id", "lookup_hashes")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class StatsResponse(_message.Message):
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HASHES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     blocks: int
     lookups: int
@@ -217,4 +218,5 @@ class StatsResponse(_message.Message):
     bytes_out: int
     counters: _containers.ScalarMap[str, float]
     node_id: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., node_id: _Optional[str] = ...) -> None: ...
+    lookup_hashes: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., node_id: _Optional[str] = ..., lookup_hashes: _Optional[int] = ...) -> None: ...
