@@ -32,11 +32,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvstore.store.cascade import CapacityError, Cascade
+from kvstore.store.columns import plan
 from kvstore.store.index import DTYPES, NO_LOC, EntryTable, dtype_id
 from kvstore.store.policy import LeafLRU
 from kvstore.tiers.base import BlockMeta, CorruptBlock, MemoryTier, Tier
@@ -134,7 +138,8 @@ class BlockStore(Cascade):
         self.tiers = sorted(tiers, key=lambda t: t.rank)
         self.top: MemoryTier = self.tiers[0]  # type: ignore[assignment]
         self.policies = {t.rank: policy_factory() for t in self.tiers}
-        self.table = EntryTable()
+        self.table = EntryTable(ranks={t.rank: getattr(t, "loc_bits", 64) for t in self.tiers})
+        self._ranks = [t.rank for t in self.tiers]
         for rank, policy in self.policies.items():
             policy.bind(self.table, rank)
         self.high, self.low = high_watermark, low_watermark
@@ -170,23 +175,20 @@ class BlockStore(Cascade):
 
     # -- lookups ------------------------------------------------------------------
     def lookup(self, namespace: str, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
-        ranks: list[int] = []
         with self._lock:
-            ns = self.table.namespace_id(namespace)
-            for key in hashes:
-                e = self.table.find(ns, key)
-                if e is None:
-                    break
-                ranks.append(self._top_rank(e))
+            ids = self.table.find_many(self.table.namespace_id(namespace), hashes)
+            missing = np.nonzero(ids < 0)[0]
+            n = int(missing[0]) if len(missing) else len(ids)
+            ranks = self.table.top_ranks(ids[:n], self._ranks).tolist() if n else []
             self.counters.lookups += 1
-            self.counters.lookup_hits += len(ranks)
-            self.counters.lookup_misses += len(hashes) - len(ranks)
-        return len(ranks), ranks
+            self.counters.lookup_hits += n
+            self.counters.lookup_misses += len(hashes) - n
+        return n, ranks
 
     def _top_rank(self, e: int) -> int:
-        for tier in self.tiers:
-            if self.table.loc[e, tier.rank] != NO_LOC:
-                return tier.rank
+        for rank in self._ranks:
+            if self.table.loc_of(e, rank) != NO_LOC:
+                return rank
         raise AssertionError(f"entry {e} has no copy")
 
     # -- put ------------------------------------------------------------------------
@@ -220,6 +222,40 @@ class BlockStore(Cascade):
                 self._wake.set()
             return STORED, e
 
+    def commit_puts(self, tickets: Sequence[PutTicket]) -> list[tuple[int, int]]:
+        """``commit_put`` of a batch (a prefix), in order, with one vectorized index insert per namespace."""
+        out: list[tuple[int, int]] = [(ALREADY_PRESENT, -1)] * len(tickets)
+        with self._lock:
+            by_ns: dict[int, list[int]] = defaultdict(list)
+            for i, ticket in enumerate(tickets):
+                by_ns[ticket.ns].append(i)
+            for ns, idx in by_ns.items():
+                present = self.table.find_many(ns, [tickets[i].meta.hash for i in idx]).tolist()
+                fresh: list[int] = []
+                seen: set[bytes] = set()
+                for i, e in zip(idx, present):
+                    key = tickets[i].meta.hash
+                    if e >= 0 or key in seen:  # a concurrent Put (or an earlier one of this batch) won
+                        self.top.free([tickets[i].loc])
+                        self.counters.already_present += 1
+                        out[i] = (ALREADY_PRESENT, e)
+                    else:
+                        seen.add(key)
+                        fresh.append(i)
+                if fresh:
+                    metas = [tickets[i].meta for i in fresh]
+                    ids = self.table.insert_many(ns, metas, [tickets[i].dtype for i in fresh])
+                    self._add_new_copies(ids, self.top.rank, [tickets[i].loc for i in fresh])
+                    for i, e in zip(fresh, ids.tolist()):
+                        out[i] = (STORED, e)
+                    self.counters.puts += len(fresh)
+                for i in idx:
+                    if out[i][1] < 0:  # a repeat inside the batch: the entry its first copy made
+                        out[i] = (ALREADY_PRESENT, self.table.find(ns, tickets[i].meta.hash) or 0)
+            if self.top.used_bytes > self.high * self.top.capacity_bytes:
+                self._wake.set()
+        return out
+
     def abort_put(self, ticket: PutTicket) -> None:
         with self._lock:
             self.top.free([ticket.loc])
@@ -230,7 +266,7 @@ class BlockStore(Cascade):
             return
         durable = self.tiers[-1]
         with self._lock:
-            todo = [e for e in entries if self.table.live[e] and self.table.loc[e, durable.rank] == NO_LOC]
+            todo = [e for e in entries if self.table.live[e] and self.table.loc_of(e, durable.rank) == NO_LOC]
             for e in todo:
                 self.table.leases[e] += 1
         try:
@@ -242,38 +278,49 @@ class BlockStore(Cascade):
 
     # -- get ------------------------------------------------------------------------
     def acquire(self, namespace: str, hashes: Sequence[bytes], allow_missing: bool = False) -> list[Lease | None]:
-        out: list[Lease | None] = []
+        """Lease a prefix: one vectorized lookup, lease count and gather of the entries' fields."""
+        t = self.table
         with self._lock:
-            ns = self.table.namespace_id(namespace)
-            for i, key in enumerate(hashes):
-                e = self.table.find(ns, key)
-                if e is None:
-                    if not allow_missing:
-                        for lease in out:
-                            if lease is not None:
-                                self._unlease(lease.entry)
-                        raise NotFoundError(i, key)
-                    out.append(None)
-                    continue
-                t = self.table
-                t.leases[e] += 1
-                rank = self._top_rank(e)
-                self.counters.tiers[rank].hits += 1
+            all_ids = t.find_many(t.namespace_id(namespace), hashes)
+            missing = np.nonzero(all_ids < 0)[0]
+            if len(missing) and not allow_missing:
+                i = int(missing[0])
+                raise NotFoundError(i, hashes[i])
+            pos = np.nonzero(all_ids >= 0)[0] if len(missing) else None
+            ids = all_ids if pos is None else all_ids[pos]
+            if not len(ids):
+                return [None] * len(hashes)
+            p = plan(ids)
+            t.lease_many(ids, p)
+            ranks = t.top_ranks(ids, self._ranks, p)
+            locs = np.zeros(len(ids), dtype=np.int64)
+            for rank in self._ranks:
+                here = ranks == rank
+                if here.any():
+                    self.counters.tiers[rank].hits += int(np.count_nonzero(here))
+                    locs[here] = t.locs(ids[here], rank)
+            ids_l = ids.tolist()
+            for e in ids_l:
                 self._touch(e)
-                lease = Lease(
-                    e,
-                    key,
-                    int(t.codec[e]),
-                    self._dtype_name(e),
-                    int(t.raw_len[e]),
-                    int(t.stored_len[e]),
-                    int(t.crc[e]),
-                    rank,
-                )
-                tier = self._tier(rank)
-                if isinstance(tier, MemoryTier):
-                    lease.buffer = tier.view(int(t.loc[e, rank]), lease.stored_length)
-                out.append(lease)
+            fields = zip(
+                ids_l,
+                t.column("codec").take(ids, p).tolist(),
+                t.column("dtype").take(ids, p).tolist(),
+                t.column("raw_len").take(ids, p).tolist(),
+                t.column("stored_len").take(ids, p).tolist(),
+                t.column("crc").take(ids, p).tolist(),
+                ranks.tolist(),
+                locs.tolist(),
+                range(len(hashes)) if pos is None else pos.tolist(),
+            )
+            memory = {tier.rank: tier for tier in self.tiers if isinstance(tier, MemoryTier)}
+            out: list[Lease | None] = [None] * len(hashes)
+            for e, codec, dtype, raw_len, stored_len, crc, rank, loc, i in fields:
+                lease = Lease(e, hashes[i], codec, DTYPES[dtype], raw_len, stored_len, crc, rank)
+                tier = memory.get(rank)
+                if tier is not None:
+                    lease.buffer = tier.view(loc, stored_len)
+                out[i] = lease
         return out
 
     def materialize(self, leases: Sequence[Lease | None]) -> None:
@@ -293,7 +340,7 @@ class BlockStore(Cascade):
             by_rank: dict[int, list[Lease]] = {}
             for lease in cold:
                 by_rank.setdefault(lease.rank, []).append(lease)
-            plans = [(self._tier(r), ls, [int(self.table.loc[x.entry, r]) for x in ls]) for r, ls in by_rank.items()]
+            plans = [(self._tier(r), ls, [self.table.loc_of(x.entry, r) for x in ls]) for r, ls in by_rank.items()]
         try:
             for tier, group, locs in plans:
                 try:
@@ -310,7 +357,7 @@ class BlockStore(Cascade):
             raise
         with self._lock:
             for e, loc in promoted.items():
-                if self.table.live[e] and self.table.loc[e, self.top.rank] == NO_LOC:
+                if self.table.live[e] and self.table.loc_of(e, self.top.rank) == NO_LOC:
                     self._add_copy(e, self.top.rank, loc)
                     self.counters.tiers[self.top.rank].promotions += 1
                 else:
@@ -319,10 +366,16 @@ class BlockStore(Cascade):
                 self._wake.set()
 
     def release(self, leases: Sequence[Lease | None]) -> None:
+        ids = np.fromiter((x.entry for x in leases if x is not None), dtype=np.int64)
+        if not len(ids):
+            return
         with self._lock:
-            for lease in leases:
-                if lease is not None:
-                    self._unlease(lease.entry)
+            leases_col = self.table.column("leases")
+            leases_col.add(ids, -1)
+            if self._doomed:
+                for e in set(ids.tolist()) & self._doomed:
+                    if leases_col.get(e) == 0:
+                        self._destroy(e)
 
     def _drop_corrupt(self, tier: Tier, bad: list[tuple[Lease, int]]) -> None:
         with self._lock:
@@ -355,7 +408,7 @@ class BlockStore(Cascade):
 
     def _destroy(self, e: int) -> None:
         for tier in self.tiers:
-            if self.table.loc[e, tier.rank] != NO_LOC:
+            if self.table.loc_of(e, tier.rank) != NO_LOC:
                 self._remove_copy(e, tier.rank)
         self._doomed.discard(e)
         self.table.release_id(e)
@@ -376,35 +429,46 @@ class BlockStore(Cascade):
         return DTYPES[int(self.table.dtype[e])]
 
     def _has_copy(self, e: int) -> bool:
-        return any(self.table.loc[e, t.rank] != NO_LOC for t in self.tiers)
+        return any(self.table.loc_of(e, rank) != NO_LOC for rank in self._ranks)
 
     def _touch(self, e: int) -> None:
-        for tier in self.tiers:
-            if self.table.loc[e, tier.rank] != NO_LOC:
-                self.policies[tier.rank].touch(e)
+        for rank in self._ranks:
+            if self.table.loc_of(e, rank) != NO_LOC:
+                self.policies[rank].touch(e)
 
     def _add_copy(self, e: int, rank: int, loc: int) -> None:
         t = self.table
-        t.loc[e, rank] = loc
+        t.set_loc(e, rank, loc)
         self._notify("add", e, rank)
         self.policies[rank].insert(e, is_leaf=t.nchild[e, rank] == 0, cold=not t.rooted[e])
         p = t.parent_of(e)
-        if p is not None:
-            t.nchild[p, rank] += 1
-            if t.nchild[p, rank] == 1:
-                self.policies[rank].set_leaf(p, False)
+        if p is not None and t.nchild_add(p, rank, 1) == 1:
+            self.policies[rank].set_leaf(p, False)
+
+    def _add_new_copies(self, ids: np.ndarray, rank: int, locs: Sequence[int]) -> None:
+        """``_add_copy`` of a batch of entries just inserted (none has a child yet; parents may be in the batch)."""
+        t, policy = self.table, self.policies[rank]
+        p = plan(ids)
+        t.column_of_loc(rank).put(ids, np.asarray(locs, dtype=np.int64) + 1, p)
+        rooted = t.rooted[ids].tolist()
+        ids_l = ids.tolist()
+        for e, r in zip(ids_l, rooted):
+            self._notify("add", e, rank)
+            policy.insert(e, is_leaf=True, cold=not r)
+        for e in ids_l:
+            q = t.parent_of(e)
+            if q is not None and t.nchild_add(q, rank, 1) == 1:
+                policy.set_leaf(q, False)
 
     def _remove_copy(self, e: int, rank: int) -> None:
         t = self.table
-        self._tier(rank).free([int(t.loc[e, rank])])
-        t.loc[e, rank] = NO_LOC
+        self._tier(rank).free([t.loc_of(e, rank)])
+        t.set_loc(e, rank, NO_LOC)
         self._notify("remove", e, rank)
         self.policies[rank].remove(e)
         p = t.parent_of(e)
-        if p is not None:
-            t.nchild[p, rank] -= 1
-            if t.nchild[p, rank] == 0:
-                self.policies[rank].set_leaf(p, True)
+        if p is not None and t.nchild_add(p, rank, -1) == 0:
+            self.policies[rank].set_leaf(p, True)
 
     def close(self, flush: bool = True) -> None:
         """Stop the demoter; with `flush`, make memory-only blocks durable first (graceful shutdown)."""
@@ -463,17 +527,17 @@ class BlockStore(Cascade):
             t = self.table
             for tier in self.tiers:
                 assert tier.used_bytes <= tier.capacity_bytes, tier.name
-                resident = [e for e in range(len(t.live)) if t.live[e] and t.loc[e, tier.rank] != NO_LOC]
+                resident = t.resident(tier.rank).tolist()
                 assert len(resident) == len(self.policies[tier.rank]), tier.name
                 for e in resident:
                     p = t.parent_of(e)
                     if p is not None and p not in self._doomed:
-                        assert t.loc[p, tier.rank] != NO_LOC or self._has_copy(p), "orphaned parent"
+                        assert t.loc_of(p, tier.rank) != NO_LOC or self._has_copy(p), "orphaned parent"
                 counts: dict[int, int] = {}
                 for e in resident:
                     p = t.parent_of(e)
                     if p is not None:
                         counts[p] = counts.get(p, 0) + 1
-                for e in range(len(t.live)):
-                    if t.live[e]:
-                        assert t.nchild[e, tier.rank] == counts.get(e, 0), (tier.name, e)
+                nchild = t.nchild[:, tier.rank]
+                for e in np.nonzero(t.live[:])[0].tolist():
+                    assert nchild[e] == counts.get(e, 0), (tier.name, e)

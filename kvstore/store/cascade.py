@@ -24,8 +24,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from kvstore.store.index import NO_LOC, dtype_id
 from kvstore.tiers.base import BlockMeta, MemoryTier, Tier, TierFault, TierFull
 
@@ -80,7 +78,7 @@ class Cascade:
                 if e is None:
                     break
                 freed += int(t.stored_len[e])
-                has_lower = any(t.loc[e, x.rank] != NO_LOC for x in self.tiers if x.rank > tier.rank)
+                has_lower = any(t.loc_of(e, x.rank) != NO_LOC for x in self.tiers if x.rank > tier.rank)
                 if has_lower or lower is None or self._degraded(lower):
                     self._evict_copy(e, tier)
                 elif not self._admitted(e, tier, lower):
@@ -101,8 +99,8 @@ class Cascade:
                 for e in demote:
                     self._unlease(e)
                     if (
-                        t.loc[e, tier.rank] != NO_LOC
-                        and t.loc[e, lower.rank] != NO_LOC
+                        t.loc_of(e, tier.rank) != NO_LOC
+                        and t.loc_of(e, lower.rank) != NO_LOC
                         and t.leases[e] == 0
                         and t.nchild[e, tier.rank] == 0
                     ):
@@ -142,7 +140,7 @@ class Cascade:
         with self._lock:
             metas = [self.table.meta(e) for e in entries]
             sources = [
-                upper.view(int(self.table.loc[e, upper.rank]), m.stored_length)  # type: ignore[attr-defined]
+                upper.view(self.table.loc_of(e, upper.rank), m.stored_length)  # type: ignore[attr-defined]
                 for e, m in zip(entries, metas)
             ]
         try:
@@ -152,7 +150,7 @@ class Cascade:
             return
         with self._lock:
             for e, loc in zip(entries, locs):
-                if self.table.loc[e, lower.rank] != NO_LOC:  # a concurrent flush/demotion got there first
+                if self.table.loc_of(e, lower.rank) != NO_LOC:  # a concurrent flush/demotion got there first
                     lower.free([loc])
                 else:
                     self._add_copy(e, lower.rank, loc)
@@ -210,16 +208,16 @@ class Cascade:
         while True:
             with self._lock:
                 t, todo, size = self.table, [], 0
-                for e in np.nonzero(t.live & (t.loc[:, durable.rank] == NO_LOC))[0]:
+                for e in t.without_copy(durable.rank).tolist():
                     if size >= batch_bytes:
                         break
-                    todo.append(int(e))
-                    size += int(t.stored_len[e])
+                    todo.append(e)
+                    size += t.stored_len[e]
                 for e in todo:
                     t.leases[e] += 1
             if not todo:
                 return copied
-            upper = {e: next(x for x in self.tiers if t.loc[e, x.rank] != NO_LOC) for e in todo}
+            upper = {e: next(x for x in self.tiers if t.loc_of(e, x.rank) != NO_LOC) for e in todo}
             try:
                 for tier in {id(x): x for x in upper.values()}.values():
                     self._copy_down([e for e in todo if upper[e] is tier], tier, durable)
@@ -227,48 +225,65 @@ class Cascade:
                 with self._lock:
                     for e in todo:
                         self._unlease(e)
-            done = sum(1 for e in todo if t.loc[e, durable.rank] != NO_LOC)
+            done = sum(1 for e in todo if t.loc_of(e, durable.rank) != NO_LOC)
             if not done:
                 log.warning("flush to %s stopped: %d blocks could not be written", durable.name, len(todo))
                 return copied
             copied += done
 
     # -- recovery -------------------------------------------------------------------
-    def _recover(self, tier: Tier) -> None:
+    def _recover(self, tier: Tier, batch: int = 4096) -> None:
+        """Index the blocks a durable tier found at start, a batch of one namespace at a time."""
         n = 0
         with self._lock:
+            group: list[tuple[BlockMeta, int]] = []
             for meta, loc in tier.recover():
-                ns = self.table.namespace_id(meta.namespace, create=True)
-                if self.table.find(ns, meta.hash) is not None:
-                    tier.free([loc])
-                    continue
-                e = self.table.insert(ns, meta.hash, meta, dtype_id(meta.dtype))
-                self._add_copy(e, tier.rank, loc)
-                n += 1
+                if group and (len(group) >= batch or meta.namespace != group[0][0].namespace):
+                    n += self._recover_batch(tier, group)
+                    group = []
+                group.append((meta, loc))
+            if group:
+                n += self._recover_batch(tier, group)
         if n:
             log.info("recovered %d blocks from %s", n, tier.name)
+
+    def _recover_batch(self, tier: Tier, group: list[tuple[BlockMeta, int]]) -> int:
+        t = self.table
+        ns = t.namespace_id(group[0][0].namespace, create=True)
+        assert ns is not None
+        present = t.find_many(ns, [m.hash for m, _ in group]).tolist()
+        keep: list[tuple[BlockMeta, int]] = []
+        seen: set[bytes] = set()
+        for (meta, loc), e in zip(group, present):
+            if e >= 0 or meta.hash in seen:
+                tier.free([loc])
+            else:
+                seen.add(meta.hash)
+                keep.append((meta, loc))
+        if keep:
+            ids = t.insert_many(ns, [m for m, _ in keep], [dtype_id(m.dtype) for m, _ in keep])
+            self._add_new_copies(ids, tier.rank, [loc for _, loc in keep])  # type: ignore[attr-defined]
+        return len(keep)
 
     def relocate(self, rank: int, moves: Sequence[tuple[int, int]]) -> None:
         """Compaction moved records of tier `rank`: (old_loc, new_loc) pairs; new_loc == NO_LOC
         means the record failed its checksum while being copied and is gone."""
         mapping = dict(moves)
         with self._lock:
-            column = self.table.loc[:, rank]
-            for e in np.nonzero(np.isin(column, list(mapping)))[0]:
-                e = int(e)
-                new = mapping[int(column[e])]
+            t = self.table
+            ids, old = t.find_locs(rank, list(mapping))
+            for e, loc in zip(ids.tolist(), old.tolist()):
+                new = mapping[loc]
                 if new != NO_LOC:
-                    column[e] = new
+                    t.set_loc(e, rank, new)
                     continue
                 self.counters.corrupt += 1
-                column[e] = NO_LOC  # the record is already gone from the tier: no free()
+                t.set_loc(e, rank, NO_LOC)  # the record is already gone from the tier: no free()
                 self._notify("remove", e, rank)
                 self.policies[rank].remove(e)
-                p = self.table.parent_of(e)
-                if p is not None:
-                    self.table.nchild[p, rank] -= 1
-                    if self.table.nchild[p, rank] == 0:
-                        self.policies[rank].set_leaf(p, True)
+                p = t.parent_of(e)
+                if p is not None and t.nchild_add(p, rank, -1) == 0:
+                    self.policies[rank].set_leaf(p, True)
                 if not self._has_copy(e):
                     self._unmap(e)
 

@@ -1,18 +1,46 @@
-"""The block index: (namespace, hash) -> entry id, with per-entry state in numpy columns.
+"""The block index: (namespace, hash) -> entry id, with every per-entry field in packed columns.
 
-Per block the only Python objects are the 16-byte key and its dict slot; every
-other field lives in a column (growing by doubling), so millions of blocks cost
-a few hundred bytes each (measured by bench/transfer.py and tests/test_index.py).
+No Python object per block: fields live in chunked numpy columns
+(kvstore/store/columns.py, growing 65,536 entries at a time, never copied) and
+keys are found through an open-addressing table of uint32 slots
+(kvstore/store/slots.py). An entry of a store with one memory tier costs 57
+bytes of columns plus 5-7 bytes of slots (``python -m bench.index_scale``):
 
-An entry can hold a copy in several tiers at once (a block promoted from NVMe
-to DRAM keeps its clean NVMe copy, so demoting it again is free): ``loc[e, r]``
-is the location in the tier of rank r, or -1.
+    key 16 (two uint64)  ns 2  per tier: loc 4 or 8 (+1, 0 = none), nchild 4
+    stored_len 4  raw_len 4  crc 4  codec 1  dtype 1  parent 4 (+1)  gen 4
+    parent_gen 4  depth 2 (saturating)  leases 2  flags 1 (live, rooted, mapped)
+
+Only the ranks of the store's tiers get loc/nchild columns, each as wide as the
+tier's ``loc_bits`` (64 unless the tier says less). Entry ids are stable for
+an entry's life, then reused (``gen`` tells a parent link to a reused id apart).
+
+Verbs, single (Python ints, no numpy call on the probe path) and batched
+(one vectorized pass over a prefix):
+
+- ``namespace_id(name, create)`` / ``namespace_name(ns)``;
+- ``find(ns, key) -> e | None``, ``find_many(ns, keys) -> ids`` (-1: absent);
+- ``insert(ns, key, meta, dtype) -> e``, ``insert_many(ns, metas, dtypes) -> ids``
+  (keys absent; a parent may come earlier in the same batch);
+- ``parent_of(e)``, ``meta(e)``, ``key(e)``;
+- ``unmap(e)``: lookups miss from now on; ``release_id(e)``: the id is free;
+- ``top_ranks(ids, ranks)``, ``copies(ids, ranks)``: which tiers hold copies.
+
+Callers outside the store read the columns under their old names: ``loc[e,
+rank]``, ``loc[ids]`` (rows of ``N_RANKS`` ints), ``live``, ``ns``,
+``stored_len``, ``hashes[ids]``, ``leases``, ``fp[e]``, ... (``_columns.py``
+views: ints and numpy arrays out; a slice is a read-only copy).
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 
+from kvstore.store.columns import CHUNK_BITS, CHUNK_MASK, Column, plan
+from kvstore.store.index_views import FingerprintView, FlagView, HashView, RankedView, ScalarView
+from kvstore.store.slots import SlotIndex
 from kvstore.tiers.base import BlockMeta
 
 NO_LOC = -1
@@ -21,6 +49,9 @@ N_RANKS = 4  # ranks 1..3 used (HBM, DRAM, NVME); column 0 unused so ranks index
 DTYPES = ["", "bfloat16", "float16", "float32", "float8_e4m3fn", "uint8", "int8"]
 _DTYPE_ID = {name: i for i, name in enumerate(DTYPES)}
 
+LIVE, ROOTED, MAPPED = 1, 2, 4
+MAX_DEPTH = 0xFFFF
+MAX_LEASES = 0xFFFF
 
 _M64 = (1 << 64) - 1
 _FP_MIX = 0x9E3779B97F4A7C15
@@ -39,40 +70,83 @@ def dtype_id(name: str) -> int:
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(d for d in DTYPES if d)}") from None
 
 
+def _key_words(keys: Sequence[bytes]) -> np.ndarray | None:
+    """(n, 2) uint64 words of 16-byte keys, None when any key is not 16 bytes."""
+    buf = b"".join(keys)
+    if len(buf) != 16 * len(keys) or set(map(len, keys)) != {16}:
+        return None
+    return np.frombuffer(buf, dtype=np.uint64).reshape(-1, 2)
+
+
 class EntryTable:
-    def __init__(self, initial: int = 1024):
+    def __init__(self, initial: int = 1024, ranks: Mapping[int, int] | Sequence[int] | None = None):
+        """``ranks``: the tier ranks entries may hold copies in, each with its location width in bits
+        (a sequence means 64 bits each); all ranks at 64 bits by default."""
+        if ranks is None:
+            ranks = {r: 64 for r in range(1, N_RANKS)}
+        elif not isinstance(ranks, Mapping):
+            ranks = {r: 64 for r in ranks}
+        self.ranks = tuple(sorted(ranks))
         self._namespaces: dict[str, int] = {}
         self._ns_names: list[str] = []
-        self._maps: list[dict[bytes, int]] = []
-        self._free: list[int] = []
-        self._size = 0
-        self._alloc_columns(initial)
+        self._size = 0  # ids 0.._size-1 were handed out at least once
+        self._live = 0
+        self._free = np.zeros(64, dtype=np.int64)
+        self._nfree = 0
+        c = self._c = {
+            "key": Column(np.uint64, (2,)),
+            "ns": Column(np.uint16),
+            "stored_len": Column(np.uint32),
+            "raw_len": Column(np.uint32),
+            "crc": Column(np.uint32),
+            "codec": Column(np.uint8),
+            "dtype": Column(np.uint8),
+            "parent": Column(np.uint32),  # parent id + 1; 0: none
+            "parent_gen": Column(np.uint32),
+            "gen": Column(np.uint32),
+            "depth": Column(np.uint16),
+            "leases": Column(np.uint16),
+            "flags": Column(np.uint8),
+        }
+        self._loc = {r: Column(np.uint32 if bits <= 32 else np.uint64) for r, bits in ranks.items()}  # loc + 1
+        self._nchild = {r: Column(np.uint32) for r in ranks}  # children holding a copy in each tier
+        self._cols = list(c.values()) + list(self._loc.values()) + list(self._nchild.values())
+        self._keys, self._ns, self._flags = c["key"], c["ns"], c["flags"]
+        self.slots = SlotIndex(self._keys_of, self._key_at)
+        self.slots.all_keys = self._all_keys
+        self._ensure(max(initial, 1))
+        size = self._count
+        self.loc = RankedView(self._loc, size, offset=1)
+        self.nchild = RankedView(self._nchild, size)
+        for name in ("stored_len", "raw_len", "crc", "codec", "dtype", "ns", "parent_gen", "gen", "depth", "leases"):
+            setattr(self, name, ScalarView(c[name], size))
+        self.parent = ScalarView(c["parent"], size, offset=1)
+        self.live = FlagView(self._flags, LIVE, size)
+        self.rooted = FlagView(self._flags, ROOTED, size)
+        self.hashes = HashView(self._keys, size)
+        self.fp = FingerprintView(self._keys, self._ns, size)
 
-    def _alloc_columns(self, n: int) -> None:
-        self.loc = np.full((n, N_RANKS), NO_LOC, dtype=np.int64)
-        self.nchild = np.zeros((n, N_RANKS), dtype=np.int32)  # children holding a copy in each tier
-        self.stored_len = np.zeros(n, dtype=np.uint32)
-        self.raw_len = np.zeros(n, dtype=np.uint32)
-        self.crc = np.zeros(n, dtype=np.uint32)
-        self.codec = np.zeros(n, dtype=np.uint8)
-        self.dtype = np.zeros(n, dtype=np.uint8)
-        self.ns = np.zeros(n, dtype=np.uint16)
-        self.parent = np.full(n, -1, dtype=np.int32)
-        self.parent_gen = np.zeros(n, dtype=np.uint32)
-        self.gen = np.zeros(n, dtype=np.uint32)
-        self.depth = np.zeros(n, dtype=np.uint32)
-        self.leases = np.zeros(n, dtype=np.int32)
-        self.live = np.zeros(n, dtype=np.bool_)
-        self.rooted = np.zeros(n, dtype=np.bool_)  # reachable by prefix match when it was stored
-        self.hashes = np.zeros((n, 16), dtype=np.uint8)
-        self.fp = np.zeros(n, dtype=np.uint64)  # block_fingerprint(hash, ns)
+    def _count(self) -> int:
+        return self._size
 
-    def _grow(self) -> None:
-        old = {k: v for k, v in vars(self).items() if isinstance(v, np.ndarray)}
-        n = len(self.live)
-        self._alloc_columns(2 * n)
-        for name, column in old.items():
-            getattr(self, name)[:n] = column
+    def _ensure(self, n: int) -> None:
+        for col in self._cols:
+            col.ensure(n)
+
+    # -- callbacks of the slot index ------------------------------------------------
+    def _key_at(self, e: int) -> tuple[int, int, int]:
+        chunk, r = self._keys.chunks[e >> CHUNK_BITS], e & CHUNK_MASK
+        return chunk.item(r, 0), chunk.item(r, 1), self._ns.chunks[e >> CHUNK_BITS].item(r)
+
+    def _keys_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        p = plan(ids)
+        k = self._keys.take(ids, p)
+        return k[:, 0], k[:, 1], self._ns.take(ids, p)
+
+    def _all_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        ids = np.nonzero(self._flags.head(self._size) & MAPPED)[0]
+        lo, hi, ns = self._keys_of(ids) if len(ids) else (np.zeros(0, np.uint64),) * 2 + (np.zeros(0, np.uint16),)
+        return lo, hi, ns, ids
 
     # -- namespaces -------------------------------------------------------------
     def namespace_id(self, name: str, create: bool = False) -> int | None:
@@ -83,85 +157,262 @@ class EntryTable:
             ns = len(self._ns_names)
             self._namespaces[name] = ns
             self._ns_names.append(name)
-            self._maps.append({})
         return ns
 
     def namespace_name(self, ns: int) -> str:
         return self._ns_names[ns]
 
-    # -- entries ---------------------------------------------------------------
+    # -- lookups ---------------------------------------------------------------
     def find(self, ns: int | None, key: bytes) -> int | None:
-        return None if ns is None else self._maps[ns].get(key)
+        if ns is None or len(key) != 16:
+            return None
+        e = self.slots.find1(int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little"), ns)
+        return None if e < 0 else e
+
+    def find_many(self, ns: int | None, keys: Sequence[bytes]) -> np.ndarray:
+        """Entry id of each key, -1 where absent (one vectorized probe for the batch)."""
+        if ns is None or not keys:
+            return np.full(len(keys), -1, dtype=np.int64)
+        words = _key_words(keys)
+        if words is None or len(keys) < 8:  # a few keys: the Python-int probe is cheaper than numpy calls
+            return np.array([-1 if (e := self.find(ns, k)) is None else e for k in keys], dtype=np.int64)
+        return self.slots.find(words[:, 0], words[:, 1], np.full(len(keys), ns, dtype=np.uint16))
+
+    # -- inserts ---------------------------------------------------------------
+    def _new_ids(self, n: int) -> np.ndarray:
+        take = min(n, self._nfree)
+        ids = self._free[self._nfree - take : self._nfree][::-1].copy()
+        self._nfree -= take
+        if take < n:
+            fresh = np.arange(self._size, self._size + n - take, dtype=np.int64)
+            self._size += n - take
+            self._ensure(self._size)
+            ids = np.concatenate([ids, fresh])
+        return ids
 
     def insert(self, ns: int, key: bytes, meta: BlockMeta, dtype: int) -> int:
-        if self._free:
-            e = self._free.pop()
+        if len(key) != 16:
+            raise ValueError(f"block hash must be 16 bytes, got {len(key)}")
+        if self._nfree:
+            self._nfree -= 1
+            e = int(self._free[self._nfree])
         else:
-            if self._size == len(self.live):
-                self._grow()
             e = self._size
             self._size += 1
-        self._maps[ns][key] = e
-        self.live[e] = True
-        self.ns[e] = ns
-        self.hashes[e] = np.frombuffer(key, dtype=np.uint8)
-        self.fp[e] = block_fingerprint(key, ns)
-        self.stored_len[e], self.raw_len[e], self.crc[e] = meta.stored_length, meta.raw_length, meta.crc32c
-        self.codec[e], self.dtype[e] = meta.codec, dtype
-        self.loc[e] = NO_LOC
-        self.nchild[e] = 0
-        self.leases[e] = 0
-        parent = self._maps[ns].get(meta.parent) if meta.parent else None
-        self.parent[e] = -1 if parent is None else parent
-        self.parent_gen[e] = 0 if parent is None else self.gen[parent]
-        self.depth[e] = 0 if parent is None else self.depth[parent] + 1
-        self.rooted[e] = not meta.parent or (parent is not None and bool(self.rooted[parent]))
+            self._ensure(self._size)
+        ci, r = e >> CHUNK_BITS, e & CHUNK_MASK
+        c = self._c
+        lo, hi = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
+        krow = c["key"].chunks[ci]
+        krow[r, 0], krow[r, 1] = lo, hi
+        c["ns"].chunks[ci][r] = ns
+        c["stored_len"].chunks[ci][r] = meta.stored_length
+        c["raw_len"].chunks[ci][r] = meta.raw_length
+        c["crc"].chunks[ci][r] = meta.crc32c
+        c["codec"].chunks[ci][r] = meta.codec
+        c["dtype"].chunks[ci][r] = dtype
+        c["leases"].chunks[ci][r] = 0
+        for col in self._loc.values():
+            col.chunks[ci][r] = 0
+        for col in self._nchild.values():
+            col.chunks[ci][r] = 0
+        parent = self.find(ns, meta.parent) if meta.parent else None
+        if parent is None:
+            c["parent"].chunks[ci][r] = 0
+            c["parent_gen"].chunks[ci][r] = 0
+            c["depth"].chunks[ci][r] = 0
+            rooted = not meta.parent
+        else:
+            c["parent"].chunks[ci][r] = parent + 1
+            c["parent_gen"].chunks[ci][r] = c["gen"].get(parent)
+            c["depth"].chunks[ci][r] = min(c["depth"].get(parent) + 1, MAX_DEPTH)
+            rooted = bool(self._flags.get(parent) & ROOTED)
+        self._flags.chunks[ci][r] = LIVE | MAPPED | (ROOTED if rooted else 0)
+        self._live += 1
+        self.slots.add1(lo, hi, ns, e)
         return e
 
+    def insert_many(self, ns: int, metas: Sequence[BlockMeta], dtypes: Sequence[int]) -> np.ndarray:
+        """Insert blocks whose keys are absent and distinct, in order (a block's parent may be an earlier one)."""
+        n = len(metas)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        words = _key_words([m.hash for m in metas])
+        if words is None:
+            raise ValueError("block hashes must be 16 bytes")
+        ids = self._new_ids(n)
+        p = plan(ids)
+        c = self._c
+        c["key"].put(ids, words, p)
+        c["ns"].put(ids, ns, p)
+        c["stored_len"].put(ids, np.fromiter((m.stored_length for m in metas), np.uint32, n), p)
+        c["raw_len"].put(ids, np.fromiter((m.raw_length for m in metas), np.uint32, n), p)
+        c["crc"].put(ids, np.fromiter((m.crc32c for m in metas), np.uint32, n), p)
+        c["codec"].put(ids, np.fromiter((m.codec for m in metas), np.uint8, n), p)
+        c["dtype"].put(ids, np.asarray(dtypes, dtype=np.uint8), p)
+        c["leases"].put(ids, 0, p)
+        for col in (*self._loc.values(), *self._nchild.values()):
+            col.put(ids, 0, p)
+        # parents: earlier in this batch (a chain), else already in the index
+        pos = {m.hash: i for i, m in enumerate(metas)}
+        pkeys = [m.parent for m in metas]
+        inbatch = np.array([pos.get(k, n) if k else n for k in pkeys], dtype=np.int64)
+        inbatch = np.where(inbatch < np.arange(n), inbatch, -1)
+        has_parent = np.array([bool(k) for k in pkeys])
+        outside = has_parent & (inbatch < 0)
+        pid = np.full(n, -1, dtype=np.int64)
+        if outside.any():
+            pid[outside] = self.find_many(ns, [k for k, o in zip(pkeys, outside) if o])
+        pid[inbatch >= 0] = ids[inbatch[inbatch >= 0]]
+        known = outside & (pid >= 0)
+        depth = np.zeros(n, dtype=np.int64)
+        rooted = ~has_parent
+        if known.any():
+            q = pid[known]
+            depth[known] = self._c["depth"].take(q) + 1
+            rooted[known] = (self._flags.take(q) & ROOTED) != 0
+        chain = np.nonzero(inbatch >= 0)[0]
+        if len(chain):  # resolved in order: each link's parent precedes it in the batch
+            d, rt, ib = depth.tolist(), rooted.tolist(), inbatch.tolist()
+            for i in chain.tolist():
+                d[i], rt[i] = d[ib[i]] + 1, rt[ib[i]]
+            depth, rooted = np.asarray(d), np.asarray(rt, dtype=np.bool_)
+        found = pid >= 0
+        c["parent"].put(ids, np.where(found, pid + 1, 0), p)
+        pgen = np.zeros(n, dtype=np.uint32)
+        if found.any():
+            pgen[found] = self._c["gen"].take(pid[found])
+        c["parent_gen"].put(ids, pgen, p)
+        c["depth"].put(ids, np.minimum(depth, MAX_DEPTH), p)
+        self._flags.put(ids, np.where(rooted, LIVE | MAPPED | ROOTED, LIVE | MAPPED), p)
+        self._live += n
+        self.slots.add(words[:, 0].copy(), words[:, 1].copy(), np.full(n, ns, dtype=np.uint16), ids)
+        return ids
+
+    # -- entries -----------------------------------------------------------------
     def parent_of(self, e: int) -> int | None:
         """The parent entry, if it is still the same block that was the parent at insert."""
-        p = int(self.parent[e])
-        if p < 0 or not self.live[p] or self.gen[p] != self.parent_gen[e]:
+        ci, r = e >> CHUNK_BITS, e & CHUNK_MASK
+        p = self._c["parent"].chunks[ci].item(r) - 1
+        if p < 0 or not self._flags.get(p) & LIVE or self._c["gen"].get(p) != self._c["parent_gen"].chunks[ci].item(r):
             return None
         return p
 
+    def is_mapped(self, e: int) -> bool:
+        return bool(self._flags.get(e) & MAPPED)
+
     def unmap(self, e: int) -> None:
         """Lookups miss from now on; the id stays reserved until release_id()."""
-        ns_map = self._maps[int(self.ns[e])]
-        key = self.key(e)
-        if ns_map.get(key) == e:
-            del ns_map[key]
+        flags = self._flags.get(e)
+        if flags & MAPPED:
+            lo, hi, ns = self._key_at(e)
+            self.slots.remove1(lo, hi, ns, e)
+            self._flags.set(e, flags & ~MAPPED)
 
     def release_id(self, e: int) -> None:
         self.unmap(e)
-        self.live[e] = False
-        self.gen[e] += 1
-        self._free.append(e)
+        if self._flags.get(e) & LIVE:
+            self._live -= 1
+        self._flags.set(e, 0)
+        gen = self._c["gen"]
+        gen.set(e, (gen.get(e) + 1) & 0xFFFFFFFF)
+        if self._nfree == len(self._free):
+            self._free = np.concatenate([self._free, np.zeros(len(self._free), dtype=np.int64)])
+        self._free[self._nfree] = e
+        self._nfree += 1
 
     def key(self, e: int) -> bytes:
-        return self.hashes[e].tobytes()
+        return self._keys.row(e).tobytes()
 
     def meta(self, e: int) -> BlockMeta:
         p = self.parent_of(e)
+        c = self._c
         return BlockMeta(
-            namespace=self._ns_names[int(self.ns[e])],
+            namespace=self._ns_names[self._ns.get(e)],
             hash=self.key(e),
             parent=self.key(p) if p is not None else b"",
-            codec=int(self.codec[e]),
-            dtype=DTYPES[int(self.dtype[e])],
-            raw_length=int(self.raw_len[e]),
-            stored_length=int(self.stored_len[e]),
-            crc32c=int(self.crc[e]),
+            codec=c["codec"].get(e),
+            dtype=DTYPES[c["dtype"].get(e)],
+            raw_length=c["raw_len"].get(e),
+            stored_length=c["stored_len"].get(e),
+            crc32c=c["crc"].get(e),
         )
 
+    # -- copies ---------------------------------------------------------------------
+    def loc_of(self, e: int, rank: int) -> int:
+        col = self._loc.get(rank)
+        return NO_LOC if col is None else col.chunks[e >> CHUNK_BITS].item(e & CHUNK_MASK) - 1
+
+    def set_loc(self, e: int, rank: int, loc: int) -> None:
+        self._loc[rank].chunks[e >> CHUNK_BITS][e & CHUNK_MASK] = loc + 1
+
+    def nchild_add(self, e: int, rank: int, delta: int) -> int:
+        """Add ``delta`` to e's count of children with a copy in ``rank``; returns the new count."""
+        chunk, r = self._nchild[rank].chunks[e >> CHUNK_BITS], e & CHUNK_MASK
+        v = chunk.item(r) + delta
+        chunk[r] = v
+        return v
+
+    def locs(self, ids: np.ndarray, rank: int, p: tuple | None = None) -> np.ndarray:
+        """Locations (int64, NO_LOC where none) of entries ``ids`` in tier ``rank``."""
+        col = self._loc.get(rank)
+        if col is None:
+            return np.full(len(ids), NO_LOC, dtype=np.int64)
+        return col.take(ids, p).astype(np.int64) - 1
+
+    def top_ranks(self, ids: np.ndarray, ranks: Sequence[int], p: tuple | None = None) -> np.ndarray:
+        """The first rank of ``ranks`` (top tier first) holding a copy of each entry, 0 when none."""
+        p = plan(ids) if p is None else p
+        out = np.zeros(len(ids), dtype=np.int64)
+        for rank in reversed(ranks):
+            if rank in self._loc:
+                out = np.where(self._loc[rank].take(ids, p) != 0, rank, out)
+        return out
+
+    def resident(self, rank: int) -> np.ndarray:
+        """Ids of live entries holding a copy in ``rank``."""
+        col = self._loc.get(rank)
+        if col is None:
+            return np.zeros(0, dtype=np.int64)
+        n = self._size
+        return np.nonzero((col.head(n) != 0) & ((self._flags.head(n) & LIVE) != 0))[0]
+
+    def without_copy(self, rank: int) -> np.ndarray:
+        """Ids of live entries with no copy in ``rank``."""
+        n = self._size
+        live = (self._flags.head(n) & LIVE) != 0
+        col = self._loc.get(rank)
+        return np.nonzero(live if col is None else live & (col.head(n) == 0))[0]
+
+    def find_locs(self, rank: int, locs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Entries whose copy in ``rank`` is at one of ``locs``: (ids, their locations)."""
+        col = self._loc.get(rank)
+        if col is None or not len(locs):
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        stored = col.head(self._size).astype(np.int64) - 1
+        ids = np.nonzero(np.isin(stored, np.asarray(list(locs), dtype=np.int64)))[0]
+        return ids, stored[ids]
+
+    def lease_many(self, ids: np.ndarray, p: tuple | None = None) -> None:
+        leases = self._c["leases"]
+        if len(ids) and int(leases.take(ids, p).max()) + len(ids) > MAX_LEASES:
+            raise OverflowError(f"more than {MAX_LEASES} concurrent leases of one block")
+        leases.add(ids, 1, p)
+
+    def column(self, name: str) -> Column:
+        return self._c[name]
+
+    def column_of_loc(self, rank: int) -> Column:
+        """The raw location column of ``rank`` (it stores location + 1; 0: no copy)."""
+        return self._loc[rank]
+
     def __len__(self) -> int:
-        return self._size - len(self._free)
+        return self._live
 
     def nbytes(self) -> int:
-        """Bytes of the index: numpy columns, the per-namespace dicts and their 16-byte keys."""
-        import sys
+        """Bytes of the index: its columns (allocated chunks), the slot table and the free list."""
+        return sum(col.nbytes() for col in self._cols) + self.slots.nbytes() + self._free.nbytes + sys.getsizeof(self)
 
-        columns = sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray))
-        dicts = sum(sys.getsizeof(m) for m in self._maps)
-        keys = len(self) * sys.getsizeof(bytes(16))
-        return columns + dicts + keys + sys.getsizeof(self._free)
+    def bytes_per_entry(self) -> int:
+        """Column bytes of one entry (without slots): what the chunked layout costs per block."""
+        return sum(col.dtype.itemsize * int(np.prod(col.inner or (1,))) for col in self._cols)

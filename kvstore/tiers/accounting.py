@@ -61,6 +61,8 @@ class _Ledger:
 class _AccountingMixin:
     """The verbs both kinds share; ``self._ledger`` does the arithmetic."""
 
+    loc_bits = 32  # locations are small ints: the index stores them in 4 bytes
+
     _ledger: _Ledger
     name: str
 

@@ -1,0 +1,229 @@
+"""Array-like views of the index's chunked columns, under the names callers have always read.
+
+``EntryTable`` keeps its fields in chunked columns (kvstore/store/columns.py);
+these views let code written against plain numpy columns keep working:
+
+- ``ScalarView``: ``v[e]`` (an int), ``v[e] = x``, ``v[ids]`` (an array),
+  ``v[ids] = xs``, ``v[:n]`` (a read-only copy), ``np.asarray(v)``, ``len(v)``,
+  ``v.sum()``; an ``offset`` is subtracted on read and added on write (a
+  column that stores value + 1 so that 0 means "none");
+- ``FlagView``: one bit of a flags column, read and written as bools;
+- ``RankedView``: per-rank columns as one ``(n, N_RANKS)`` int array:
+  ``v[e, rank]``, ``v[ids]``, ``v[:, rank]``, ``v.shape``; ranks without a column read -1
+  after the offset (no location) or 0;
+- ``HashView``: ``v[e]`` / ``v[ids]`` as 16 uint8 per row;
+- ``FingerprintView``: ``v[e]`` / ``v[ids]``: ``block_fingerprint`` of each entry, computed.
+
+Every read past the highest id handed out raises IndexError, as numpy would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvstore.store.columns import CHUNK_BITS, CHUNK_MASK, Column
+
+N_RANKS = 4
+_FP_MIX = np.uint64(0x9E3779B97F4A7C15)
+_M64 = (1 << 64) - 1
+
+
+def _ids(k: Any) -> np.ndarray:
+    ids = np.asarray(k, dtype=np.int64)
+    return ids
+
+
+class _View:
+    def __init__(self, size: Callable[[], int]):
+        self._size = size
+
+    def __len__(self) -> int:
+        return self._size()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self._size(),)
+
+    def _check(self, e: int) -> int:
+        if e < 0:
+            e += self._size()
+        if not 0 <= e < self._size():
+            raise IndexError(f"entry {e} out of range")
+        return e
+
+    def _all(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self._all()
+        return a if dtype is None else a.astype(dtype)
+
+    def sum(self) -> Any:
+        return self._all().sum()
+
+    def _slice(self, k: slice) -> np.ndarray:
+        a = self._all()[k]
+        a.flags.writeable = False  # a copy: writing into it would change nothing in the index
+        return a
+
+
+class ScalarView(_View):
+    def __init__(self, col: Column, size: Callable[[], int], offset: int = 0):
+        super().__init__(size)
+        self.col, self.offset = col, offset
+        self.dtype = np.dtype(np.int64) if offset else col.dtype
+
+    def _all(self) -> np.ndarray:
+        a = self.col.head(self._size())
+        return a.astype(np.int64) - self.offset if self.offset else a
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, (int, np.integer)):
+            e = self._check(int(k))
+            return self.col.chunks[e >> CHUNK_BITS].item(e & CHUNK_MASK) - self.offset
+        if isinstance(k, slice):
+            return self._slice(k)
+        a = self.col.take(_ids(k))
+        return a.astype(np.int64) - self.offset if self.offset else a
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        if isinstance(k, (int, np.integer)):
+            e = self._check(int(k))
+            self.col.chunks[e >> CHUNK_BITS][e & CHUNK_MASK] = int(v) + self.offset
+            return
+        self.col.put(_ids(k), np.asarray(v) + self.offset if self.offset else v)
+
+
+class FlagView(_View):
+    dtype = np.dtype(np.bool_)
+
+    def __init__(self, col: Column, bit: int, size: Callable[[], int]):
+        super().__init__(size)
+        self.col, self.bit = col, bit
+
+    def _all(self) -> np.ndarray:
+        return (self.col.head(self._size()) & self.bit) != 0
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, (int, np.integer)):
+            e = self._check(int(k))
+            return bool(self.col.chunks[e >> CHUNK_BITS].item(e & CHUNK_MASK) & self.bit)
+        if isinstance(k, slice):
+            return self._slice(k)
+        return (self.col.take(_ids(k)) & self.bit) != 0
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        e = self._check(int(k))
+        chunk, r = self.col.chunks[e >> CHUNK_BITS], e & CHUNK_MASK
+        old = chunk.item(r)
+        chunk[r] = (old | self.bit) if v else (old & ~self.bit)
+
+    def __and__(self, other: Any) -> np.ndarray:
+        return self._all() & np.asarray(other)
+
+
+class RankedView(_View):
+    dtype = np.dtype(np.int64)
+
+    def __init__(self, cols: dict[int, Column], size: Callable[[], int], offset: int = 0):
+        super().__init__(size)
+        self.cols, self.offset = cols, offset
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self._size(), N_RANKS)
+
+    def _rank_all(self, rank: int, n: int) -> np.ndarray:
+        col = self.cols.get(rank)
+        if col is None:
+            return np.full(n, -self.offset, dtype=np.int64)
+        return col.head(n).astype(np.int64) - self.offset
+
+    def _all(self) -> np.ndarray:
+        n = self._size()
+        out = np.full((n, N_RANKS), -self.offset, dtype=np.int64)
+        for rank in self.cols:
+            out[:, rank] = self._rank_all(rank, n)
+        return out
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, tuple):
+            e, rank = k
+            if isinstance(e, (int, np.integer)):
+                e = self._check(int(e))
+                col = self.cols.get(rank)
+                if col is None:
+                    return -self.offset
+                return col.chunks[e >> CHUNK_BITS].item(e & CHUNK_MASK) - self.offset
+            if isinstance(e, slice):
+                a = self._rank_all(rank, self._size())[e]
+                a.flags.writeable = False
+                return a
+            return self[_ids(e)][:, rank]
+        if isinstance(k, (int, np.integer)):
+            return self[np.asarray([int(k)])][0]
+        if isinstance(k, slice):
+            return self._slice(k)
+        ids = _ids(k)
+        out = np.full((len(ids), N_RANKS), -self.offset, dtype=np.int64)
+        for rank, col in self.cols.items():
+            out[:, rank] = col.take(ids).astype(np.int64) - self.offset
+        return out
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        e, rank = k
+        e = self._check(int(e))
+        self.cols[rank].chunks[e >> CHUNK_BITS][e & CHUNK_MASK] = int(v) + self.offset
+
+
+class HashView(_View):
+    dtype = np.dtype(np.uint8)
+
+    def __init__(self, col: Column, size: Callable[[], int]):
+        super().__init__(size)
+        self.col = col
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self._size(), 16)
+
+    def _all(self) -> np.ndarray:
+        return self.col.head(self._size()).view(np.uint8).reshape(-1, 16)
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, (int, np.integer)):
+            return self.col.row(self._check(int(k))).view(np.uint8).copy()
+        if isinstance(k, slice):
+            return self._slice(k)
+        return self.col.take(_ids(k)).view(np.uint8).reshape(-1, 16)
+
+
+class FingerprintView(_View):
+    dtype = np.dtype(np.uint64)
+
+    def __init__(self, keys: Column, ns: Column, size: Callable[[], int]):
+        super().__init__(size)
+        self.keys, self.ns = keys, ns
+
+    def _all(self) -> np.ndarray:
+        n = self._size()
+        return self._fp(self.keys.head(n), self.ns.head(n))
+
+    @staticmethod
+    def _fp(k: np.ndarray, ns: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return (k[:, 0] ^ k[:, 1]) + ns.astype(np.uint64) * _FP_MIX
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, (int, np.integer)):
+            e = self._check(int(k))
+            chunk, r = self.keys.chunks[e >> CHUNK_BITS], e & CHUNK_MASK
+            ns = self.ns.chunks[e >> CHUNK_BITS].item(r)
+            return ((chunk.item(r, 0) ^ chunk.item(r, 1)) + ns * 0x9E3779B97F4A7C15) & _M64
+        if isinstance(k, slice):
+            return self._slice(k)
+        ids = _ids(k)
+        return self._fp(self.keys.take(ids), self.ns.take(ids))
