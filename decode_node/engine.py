@@ -56,6 +56,7 @@ class Request:
     max_new_tokens: int
     use_store: bool
     policy: str | None = None  # "decide", "load" or "recompute"; None: the link's policy
+    overlap: bool | None = None  # may compute early blocks while later ones load; None: the planner's default
     arrived: float = field(default_factory=time.perf_counter)
     events: queue.Queue[tuple[int | None, FirstToken | None, str]] = field(default_factory=queue.Queue)
 
@@ -140,6 +141,7 @@ class DecodeEngine:
                 max_blocks=(len(req.tokens) - 1) // bs if req.use_store else 0,
                 tail=tail,
                 policy=req.policy,
+                overlap=req.overlap,
                 started=t0,
             )
             token = int(torch.argmax(done.result[-1]))

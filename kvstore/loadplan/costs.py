@@ -56,10 +56,10 @@ class ComputePrior:
 
 
 class ComputeCosts:
-    def __init__(self, prior: ComputePrior | None = None, decay: float = 0.9, prior_weight: float = 0.2):
+    def __init__(self, prior: ComputePrior | None = None, decay: float = 0.9, prior_weight: float = 0.02):
         p = prior or ComputePrior()
         self._fit = DecayedFit(
-            [p.call_s, p.s_per_1k_tokens, p.s_per_1m_positions], [1.0, 1.0, 1.0], decay, prior_weight
+            [p.call_s, p.s_per_1k_tokens, p.s_per_1m_positions], [1.0, 1.0, 0.5], decay, prior_weight
         )
 
     @staticmethod
@@ -106,7 +106,7 @@ class _Speeds:
 
 
 class LoadCosts:
-    def __init__(self, decay: float = 0.8, prior_weight: float = 0.2):
+    def __init__(self, decay: float = 0.8, prior_weight: float = 0.05):
         self.decay, self.prior_weight = decay, prior_weight
         self._speeds = _Speeds()
         self._fits: dict[str, DecayedFit] = {}

@@ -114,6 +114,7 @@ class Outcome:
     tail_s: float = 0.0
     tail_calls: int = 1
     ttft_s: float = 0.0  # arrival to first token
+    lane: str = ""  # the lane the load used, when known after it ("" : the plan's); a client opens its lane lazily
 
 
 class Planner:
@@ -225,8 +226,9 @@ class Planner:
                     tier_bytes = [0.0] * len(TIERS)
                     for tier in plan.tiers[m:k]:
                         tier_bytes[TIERS.index(tier) if tier in TIERS else 1] += plan.block_bytes
-                    self.loads.observe(plan.lane, tier_bytes, max(outcome.load_calls, 1), outcome.load_s)
-                    self._since_load[plan.lane] = 0
+                    lane = outcome.lane or plan.lane
+                    self.loads.observe(lane, tier_bytes, max(outcome.load_calls, 1), outcome.load_s)
+                    self._since_load[lane] = 0
                 t["blocks_loaded"] += outcome.loaded
             if m > 0 and outcome.head_s > 0:
                 self.compute.observe(0, m * bs, outcome.head_s)

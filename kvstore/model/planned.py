@@ -154,6 +154,7 @@ def prefill_planned(
             tail_s=out.tail_s,
             tail_calls=_calls(len(tokens) - out.tail_start, chunk_tokens),
             ttft_s=out.total_s,
+            lane=client.lane_kind,
         ),
     )
     return out
