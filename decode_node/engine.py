@@ -5,8 +5,11 @@ admits waiting requests (Lookup + Get of the cached prefix straight into pool
 blocks, then a prefill of only the uncached tail, which yields the first
 token), then runs one batched decode step for every active sequence. A
 sequence leaves the batch at a stop token or ``max_new_tokens`` and its blocks
-are freed. If the store fails (unreachable, missing block, bad checksum) the
-request recomputes its prefix instead: it never decodes from wrong KV.
+are freed. How much of the cached prefix to load is the load planner's call
+(``kvstore.model.planned``, issue 17: load, recompute, or compute the first
+blocks while later ones load). If the store fails (unreachable, missing block,
+bad checksum) the request keeps the leading blocks that arrived intact and
+computes from there: it never decodes from wrong KV.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.model import ByteBPETokenizer, LlamaModel, OutOfBlocks, PagedKVPool
+from kvstore.model.planned import prefill_planned
 from kvstore.model.store_link import StoreLink
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,9 @@ class FirstToken:
     load_s: float
     compute_s: float
     total_s: float
+    plan: str = ""  # the load planner's choice (kvstore.loadplan.CHOICES), "" without the store
+    predicted_s: float = 0.0  # its predicted TTFT
+    head_blocks: int = 0  # blocks computed while the load ran
 
 
 @dataclass
@@ -48,6 +55,8 @@ class Request:
     namespace: str
     max_new_tokens: int
     use_store: bool
+    policy: str | None = None  # "decide", "load" or "recompute"; None: the link's policy
+    overlap: bool | None = None  # may compute early blocks while later ones load; None: the planner's default
     arrived: float = field(default_factory=time.perf_counter)
     events: queue.Queue[tuple[int | None, FirstToken | None, str]] = field(default_factory=queue.Queue)
 
@@ -120,27 +129,35 @@ class DecodeEngine:
         self.pool.add_sequence(seq)
         try:
             t0 = time.perf_counter()
-            fetched = None
-            if req.use_store:
-                hashes = self.link.prompt_hashes(req.tokens, req.namespace)
-                fetched = self.link.fetch_prefix(
-                    self.pool, seq, req.namespace, hashes, max_blocks=(len(req.tokens) - 1) // bs
-                )
-            cached = fetched.blocks if fetched else 0
-            c0 = time.perf_counter()
-            logits = self.model.prefill(self.pool, seq, req.tokens[cached * bs :], logits="last")
-            token = int(torch.argmax(logits[-1]))
-            now = time.perf_counter()
+            tail = lambda start, _: self.model.prefill(self.pool, seq, req.tokens[start:], logits="last")  # noqa: E731
+            done = prefill_planned(
+                self.link,
+                self.model,
+                self.pool,
+                seq,
+                req.tokens,
+                req.namespace,
+                self.link.prompt_hashes(req.tokens, req.namespace) if req.use_store else [],
+                max_blocks=(len(req.tokens) - 1) // bs if req.use_store else 0,
+                tail=tail,
+                policy=req.policy,
+                overlap=req.overlap,
+                started=t0,
+            )
+            token = int(torch.argmax(done.result[-1]))
             first = FirstToken(
                 prompt_tokens=len(req.tokens),
-                cached_blocks=cached,
-                transfer_bytes=fetched.bytes if fetched else 0,
-                recomputed=bool(fetched and fetched.failed),
-                lookup_s=fetched.lookup_s if fetched else 0.0,
-                transfer_s=fetched.transfer_s if fetched else 0.0,
-                load_s=fetched.load_s if fetched else 0.0,
-                compute_s=now - c0,
-                total_s=now - t0,
+                cached_blocks=done.loaded,
+                transfer_bytes=done.bytes,
+                recomputed=bool(done.failed),
+                lookup_s=done.lookup_s,
+                transfer_s=done.load_s,
+                load_s=0.0,  # received chunks land in the pool: the transfer includes the load
+                compute_s=done.head_s + done.tail_s,
+                total_s=time.perf_counter() - t0,
+                plan=done.plan.choice if done.plan else "",
+                predicted_s=done.plan.predicted_s if done.plan else 0.0,
+                head_blocks=done.head_blocks,
             )
         except Exception as err:  # noqa: BLE001 - the engine thread must survive any one request
             log.exception("request failed at admission")

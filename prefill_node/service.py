@@ -1,5 +1,9 @@
 """PrefillService: hash the prompt, fetch its cached prefix, compute the rest in chunks, Put new blocks.
 
+How much of the cached prefix to fetch is the load planner's call
+(``kvstore.model.planned``); blocks the store already holds are not Put
+again, whether they were loaded or recomputed.
+
 Chunked prefill overlaps transfer with compute: when a chunk of the prompt has
 been computed, its newly completed full blocks are handed to a background
 uploader (``BlockUploader``) while the model computes the next chunk. The reply
@@ -17,6 +21,7 @@ import time
 import grpc
 
 from kvstore.model import ByteBPETokenizer, LlamaModel, OutOfBlocks, PagedKVPool
+from kvstore.model.planned import prefill_planned
 from kvstore.model.store_link import BlockUploader, StoreLink
 from kvstore.model.worker import prompt_tokens
 from kvstore.server import validate
@@ -63,17 +68,16 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         bs = self.block_size
         hashes = self.link.prompt_hashes(tokens, ns)
         self.pool.add_sequence(seq)
-        try:
-            fetched = self.link.fetch_prefix(self.pool, seq, ns, hashes, max_blocks=len(hashes))
-            uploader = BlockUploader(self.link, self.pool, ns)
-            done_tokens = fetched.blocks * bs
-            stored_upto = fetched.blocks
-            compute_s = 0.0
-            for start in range(done_tokens, len(tokens), self.chunk):
+        compute_s = 0.0
+
+        def tail(start: int, store_holds: int) -> None:
+            nonlocal compute_s
+            stored_upto = store_holds
+            for lo in range(start, len(tokens), self.chunk):
                 c0 = time.perf_counter()
-                self.model.prefill(self.pool, seq, tokens[start : start + self.chunk], logits="none")
+                self.model.prefill(self.pool, seq, tokens[lo : lo + self.chunk], logits="none")
                 compute_s += time.perf_counter() - c0
-                full = min(len(hashes), (start + self.chunk) // bs)
+                full = min(len(hashes), (lo + self.chunk) // bs)
                 if full > stored_upto:
                     uploader.submit(
                         hashes[stored_upto:full],
@@ -81,6 +85,22 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
                         hashes[stored_upto - 1] if stored_upto else None,
                     )
                     stored_upto = full
+
+        uploader = BlockUploader(self.link, self.pool, ns)
+        try:
+            fetched = prefill_planned(
+                self.link,
+                self.model,
+                self.pool,
+                seq,
+                tokens,
+                ns,
+                hashes,
+                max_blocks=len(hashes),
+                tail=tail,
+                chunk_tokens=self.chunk,
+                started=t0,
+            )
             wait_s = uploader.finish()
         finally:
             self.pool.free_sequence(seq)
@@ -88,15 +108,15 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         return wpb.PrefillReply(
             hashes=hashes,
             prompt_tokens=len(tokens),
-            cached_blocks=fetched.blocks,
-            computed_tokens=len(tokens) - fetched.blocks * bs,
+            cached_blocks=fetched.loaded,
+            computed_tokens=len(tokens) - fetched.loaded * bs,
             stored_blocks=uploader.stored,
             transfer_bytes=fetched.bytes + uploader.bytes,
             timings=wpb.Timings(
                 lookup_s=fetched.lookup_s,
-                transfer_s=fetched.transfer_s + wait_s,
-                load_s=fetched.load_s,
-                compute_s=compute_s,
+                transfer_s=fetched.load_s + wait_s,
+                load_s=0.0,
+                compute_s=compute_s + fetched.head_s,
                 total_s=total,
             ),
         )

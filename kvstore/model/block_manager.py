@@ -16,6 +16,10 @@ so sequences share them. Verbs and their promises:
   sequence can see. All or nothing: ``OutOfBlocks`` leaves state unchanged.
 - ``extend_full(seq, n) -> ids``: n fresh full blocks appended (for payloads
   fetched from the store); the caller fills them before any other call.
+- ``reserve(n) -> ids`` / ``attach_full(seq, ids)`` / ``release(ids)``: blocks
+  held by the caller outside any sequence (a load filling them while the
+  sequence computes its earlier blocks), then appended to a sequence as full
+  blocks (it must end at a block boundary) or given back.
 - ``add_hashes(seq, hashes)``: more chain hashes for the sequence (e.g. of
   generated tokens). A full block with a known hash is published so later
   sequences can share it; the first block published under a hash wins.
@@ -175,6 +179,20 @@ class BlockManager:
         state.num_tokens += n * self.block_size
         self._publish(state)
         return ids
+
+    def reserve(self, n: int) -> list[int]:
+        return self.allocator.allocate(n)
+
+    def attach_full(self, seq_id: SeqId, ids: Sequence[int]) -> None:
+        state = self.state(seq_id)
+        if state.num_tokens % self.block_size:
+            raise ValueError(f"sequence {seq_id!r} ends inside a block ({state.num_tokens} tokens)")
+        state.table.extend(ids)
+        state.num_tokens += len(ids) * self.block_size
+        self._publish(state)
+
+    def release(self, ids: Sequence[int]) -> None:
+        self.allocator.decref_all(ids)
 
     def add_hashes(self, seq_id: SeqId, hashes: Sequence[bytes]) -> None:
         state = self.state(seq_id)

@@ -14,6 +14,8 @@ its promises; this class performs the tensor side, e.g. copy-on-write copies):
   already done; the model writes each layer's K/V with ``write_kv``.
 - ``extend_with_payloads(seq, payloads) -> ids``: load fetched block payloads
   as the sequence's next full blocks.
+- ``reserve_blocks(n)``, ``attach_full(seq, ids)``, ``release_blocks(ids)``:
+  blocks filled outside a sequence, then appended to it (``BlockManager``).
 - ``block_bytes_view(b)``: block b as a contiguous uint8 tensor aliasing the
   pool (no copy). ``load_block(b, payload)`` / ``load_blocks``: copy payloads in
   (bytes-like, numpy array or tensor of exactly ``block_nbytes`` bytes).
@@ -114,6 +116,15 @@ class PagedKVPool:
         ids = self.manager.extend_full(seq_id, len(payloads))
         self.load_blocks(ids, payloads)
         return ids
+
+    def reserve_blocks(self, n: int) -> list[int]:
+        return self.manager.reserve(n)
+
+    def attach_full(self, seq_id: SeqId, ids: Sequence[int]) -> None:
+        self.manager.attach_full(seq_id, ids)
+
+    def release_blocks(self, ids: Sequence[int]) -> None:
+        self.manager.release(ids)
 
     def sequence_payloads(self, seq_id: SeqId, first: int = 0, last: int | None = None) -> list[torch.Tensor]:
         """Byte views of full blocks ``first..last-1`` of a sequence (default: all full ones)."""

@@ -8,6 +8,10 @@ Verbs:
   block on this side). Any store failure (unreachable, a block vanished, a
   checksum mismatch) frees what was fetched and returns zero blocks: the caller
   recomputes, and ``recompute_fallbacks`` counts it. Wrong KV is never used.
+- ``planner`` (``kvstore.loadplan.Planner``), ``policy`` ("decide", "load" or
+  "recompute") and ``loader`` (a thread for loads that overlap compute) serve
+  ``kvstore.model.planned.prefill_planned``, which both workers use: how many
+  cached blocks to load is decided per request from measured costs.
 - ``BlockUploader``: puts full blocks from the pool on a background thread
   while the model computes the next chunk (chunked prefill overlaps transfer).
 """
@@ -19,10 +23,12 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvstore.client import Client, KVStoreError
 from kvstore.hashing import block_hashes
+from kvstore.loadplan import Planner
 from kvstore.model.llama import LlamaModel
 from kvstore.model.paged import PagedKVPool
 
@@ -50,13 +56,27 @@ class LinkCounters:
 
 
 class StoreLink:
-    def __init__(self, model: LlamaModel, target: str | None, *, token: str | None = None, timeout: float = 30.0):
+    def __init__(
+        self,
+        model: LlamaModel,
+        target: str | None,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        planner: Planner | None = None,
+        policy: str = "decide",
+        lane: str = "auto",
+    ):
         self.model = model
         self.fingerprint = model.config.fingerprint()
         self.block_size = model.config.block_size
-        self.client = Client(target, token=token, timeout=timeout, retries=1) if target else None
+        self.client = Client(target, token=token, timeout=timeout, retries=1, lane=lane) if target else None
         self.counters = LinkCounters()
         self._lock = threading.Lock()
+        self.planner = planner or Planner()
+        self.policy = policy
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        self._requests = 0
 
     def prompt_hashes(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
         return block_hashes(tokens, self.block_size, namespace, self.fingerprint)
@@ -94,13 +114,35 @@ class StoreLink:
 
     def _fallback(self, out: Fetched, why: str) -> Fetched:
         log.warning("store unavailable for this request, recomputing: %s", why)
-        with self._lock:
-            self.counters.recompute_fallbacks += 1
-            self.counters.errors = (self.counters.errors + [why])[-20:]
+        self.record_fallback(why)
         out.failed = why
         return out
 
+    def record_fallback(self, why: str) -> None:
+        """A request recomputes (all or part of) what the store holds, because of ``why``."""
+        with self._lock:
+            self.counters.recompute_fallbacks += 1
+            self.counters.errors = (self.counters.errors + [why])[-20:]
+
+    def seed_planner(self, every: int = 64) -> None:
+        """Every ``every`` requests (the first included), give the planner priors from the server's Stats
+        (its NVMe read speed) and the client's codec controller (the link bandwidth it measured)."""
+        self._requests += 1
+        if self.client is None or (self._requests - 1) % every:
+            return
+        try:
+            counters = self.client.stats()["counters"]
+        except KVStoreError:
+            return
+        self.planner.seed(counters, self.client.codec_stats(), self.client.lane_kind)
+
+    def count_fetched(self, blocks: int, nbytes: int) -> None:
+        with self._lock:
+            self.counters.fetched_blocks += blocks
+            self.counters.bytes_in += nbytes
+
     def close(self) -> None:
+        self.loader.shutdown(wait=True)
         if self.client is not None:
             self.client.close()
 

@@ -335,6 +335,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             ]
             counters = {k: float(v) for k, v in s.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             counters.update(self.metrics.counters())
+            for t in s["tiers"]:  # per-tier figures the message has no field for (e.g. NVMe read speed)
+                counters.update({f"tier_{t['name']}_{k}": float(v) for k, v in t.items() if type(v) in (int, float)})
             return pb.StatsResponse(
                 tiers=tiers,
                 blocks=s["blocks"],

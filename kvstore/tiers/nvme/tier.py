@@ -157,6 +157,7 @@ class NvmeTier(Tier):
             compactions=0,
             relocated=0,
         )
+        self._read_bytes, self._read_seconds = 0, 0.0  # for the load planner's NVMe speed prior (Stats)
         rec = self._log.recovered
         assert rec is not None
         self.recovery_seconds = rec.seconds
@@ -245,6 +246,7 @@ class NvmeTier(Tier):
             raise ValueError("locs, lengths and dests must have the same length")
         if self.backend.name.startswith("kvikio") and any(is_device_dest(d) for d in dests):
             return read_split(self, locs, lengths, dests)  # GPUDirect Storage into the CUDA dests (gds.py)
+        began = time.perf_counter()
         resolved, pinned = self._log.pin(locs)
         bad: dict[int, str] = {}
         try:
@@ -278,6 +280,8 @@ class NvmeTier(Tier):
         self._counts["reads"] += 1
         self._counts["blocks_read"] += len(locs)
         self._counts["read_ios"] += len(pieces)
+        self._read_bytes += sum(lengths)
+        self._read_seconds += time.perf_counter() - began
         if bad:
             self._counts["corrupt"] += len(bad)
             first = next(iter(bad.items()))
@@ -360,6 +364,8 @@ class NvmeTier(Tier):
             "fdatasyncs": self._log.syncs,
             "recovery_seconds": self.recovery_seconds,
             "index_bytes": sum(s.records.nbytes() for s in segs),
+            "read_bytes": self._read_bytes,
+            "read_seconds": self._read_seconds,
             **self._counts,
         }
         return TierStats(
