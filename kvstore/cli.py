@@ -4,6 +4,7 @@
     kvstore health --target 127.0.0.1:7070      # exit 0 only when SERVING
     kvstore stats --target 127.0.0.1:7070 [--json]
     kvstore demo                                 # embedded store + put/get throughput
+    kvstore export-model smollm2 DIR             # the bundled SmolLM2 as a local Hugging Face directory
 
 A serving node dumps every thread's stack to stderr on SIGUSR1 (a hung drain, a stuck stream).
 """
@@ -94,6 +95,14 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest)
 
 
+def _export_model(args: argparse.Namespace) -> int:
+    from kvstore.model.hf_export import export_model
+
+    result = export_model(args.model, args.dest, dtype=args.dtype)
+    print(f"{result.path}: {result.parameters:,} parameters, {result.weight_bytes:,} bytes of {result.dtype} weights")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstore", description="Tiered KV-cache block store for disaggregated LLM serving."
@@ -127,6 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="start an embedded store and run the demo (see `kvstore demo -- --help`)")
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_demo)
+
+    export = sub.add_parser(
+        "export-model", help="write a bundled model as a local Hugging Face directory (vLLM, transformers)"
+    )
+    export.add_argument("model", choices=["smollm2"], help="the model to write")
+    export.add_argument("dest", help="directory to write (created if missing)")
+    export.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights dtype (default: %(default)s)",
+    )
+    export.set_defaults(func=_export_model)
     return parser
 
 

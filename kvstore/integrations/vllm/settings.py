@@ -1,0 +1,98 @@
+"""The connector's settings: the keys of vLLM's ``kv_connector_extra_config``.
+
+- ``Settings.from_extra(extra) -> Settings``: every key checked (an unknown key is an error naming the known
+  ones, so a typo never silently runs with a default).
+- ``Settings.client()``: a ``kvstore.client.Client`` for them (``redis://`` targets give a cluster client).
+
+Keys (all optional except ``target``):
+
+==================  ==========================================================================================
+``target``          ``HOST:PORT`` of one ``kvstore serve``, or ``redis://HOST:PORT`` for a cluster
+``namespace``       tenant namespace (default ``vllm``); a request's ``cache_salt`` is appended to it
+``token``           tenant bearer token (``--tenants`` on the server)
+``tls_ca``          CA bundle that verifies the server; ``tls_cert``/``tls_key``: client certificate (mTLS)
+``lane``            data lane: ``auto`` (default), ``shm``, ``tcp``, ``grpc``, ``cuda_ipc``
+``codec``           ``none`` (default), a codec name or ``auto`` (kvstore.codecs)
+``timeout``         seconds per store call (default 10)
+``retries``         retries of UNAVAILABLE per call (default 1: a store that is down costs one fast retry)
+``load_chunk``      blocks per Get while loading (default 16; the next chunk is fetched while one is scattered)
+``save_chunk``      blocks per Put while saving (default 16)
+``model_id``        name of the model in the fingerprint (default: vLLM's ``model``)
+``stats_path``      a directory: each side rewrites its counters there (``scheduler.json``, ``worker.json``)
+``on_load_error``   ``recompute`` (default: sets vLLM's ``kv_load_failure_policy`` so) or ``fail`` (vLLM's own)
+``load_planner``    ``module:function`` capping how many hit blocks are loaded (see ``scheduler.LoadPlanner``)
+==================  ==========================================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+_ALIASES = {"tls_ca_file": "tls_ca", "tls_cert_file": "tls_cert", "tls_key_file": "tls_key"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    target: str
+    namespace: str = "vllm"
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    lane: str = "auto"
+    codec: str = "none"
+    timeout: float = 10.0
+    retries: int = 1
+    load_chunk: int = 16
+    save_chunk: int = 16
+    model_id: str | None = None
+    stats_path: str | None = None
+    load_planner: str | None = None
+    on_load_error: str = "recompute"
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
+        given = {_ALIASES.get(k, k): v for k, v in (extra or {}).items()}
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(
+                f"kvstore connector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+            )
+        if not given.get("target"):
+            raise ValueError('kvstore connector: kv_connector_extra_config needs "target" (HOST:PORT or redis://...)')
+        values: dict[str, Any] = {}
+        for name, value in given.items():
+            kind = known[name].type
+            if value is None:
+                values[name] = None
+            elif kind in ("int", int):
+                values[name] = int(value)
+            elif kind in ("float", float):
+                values[name] = float(value)
+            else:
+                values[name] = str(value)
+        settings = cls(**values)
+        if settings.on_load_error not in ("recompute", "fail"):
+            raise ValueError(
+                f"kvstore connector: on_load_error must be recompute or fail, not {settings.on_load_error!r}"
+            )
+        if settings.load_chunk < 1 or settings.save_chunk < 1:
+            raise ValueError("kvstore connector: load_chunk and save_chunk must be >= 1")
+        return settings
+
+    def client(self) -> Any:
+        from kvstore.client import Client
+
+        return Client(
+            self.target,
+            token=self.token,
+            tls_ca=self.tls_ca,
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
+            timeout=self.timeout,
+            retries=self.retries,
+            lane=self.lane,
+            codec=self.codec,
+        )
