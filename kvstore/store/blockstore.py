@@ -34,13 +34,14 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvstore.store.cascade import CapacityError, Cascade
 from kvstore.store.columns import plan
+from kvstore.store.counters import StoreCounters, TierCounters
 from kvstore.store.index import DTYPES, NO_LOC, EntryTable, dtype_id
 from kvstore.store.policy import LeafLRU
 from kvstore.tiers.base import BlockMeta, CorruptBlock, MemoryTier, Tier
@@ -97,27 +98,6 @@ def lease_windows(leases: list[Lease | None], budget: int = GET_WINDOW_BYTES) ->
             window, size = [], 0
     if window:
         yield window
-
-
-@dataclass
-class TierCounters:
-    hits: int = 0
-    evictions: int = 0
-    demotions: int = 0
-    promotions: int = 0
-    not_admitted: int = 0  # victims dropped instead of demoted: used too few times for the tier below
-
-
-@dataclass
-class StoreCounters:
-    lookups: int = 0
-    lookup_hits: int = 0
-    lookup_misses: int = 0
-    puts: int = 0
-    already_present: int = 0
-    rejected: int = 0
-    corrupt: int = 0
-    tiers: dict[int, TierCounters] = field(default_factory=dict)
 
 
 class BlockStore(Cascade):

@@ -22,9 +22,13 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvstore.store.index import NO_LOC, dtype_id
+import numpy as np
+
+from kvstore.store.counters import StoreCounters
+from kvstore.store.index import NO_LOC, EntryTable, dtype_id
+from kvstore.store.policy import LeafLRU
 from kvstore.tiers.base import BlockMeta, MemoryTier, Tier, TierFault, TierFull
 
 log = logging.getLogger("kvstore.store.blockstore")
@@ -36,6 +40,30 @@ class CapacityError(Exception):
 
 class Cascade:
     """Mixed into BlockStore; uses its table, tiers, policies, lock and counters."""
+
+    if TYPE_CHECKING:  # provided by BlockStore
+        table: EntryTable
+        tiers: list[Tier]
+        policies: dict[int, LeafLRU]
+        counters: StoreCounters
+        high: float
+        low: float
+        demote_batch_bytes: int
+        nvme_admit_uses: int
+        _lock: threading.RLock
+        _demoted: threading.Condition
+        _inflight: int
+        _wake: threading.Event
+        _stop: threading.Event
+        _demoter: threading.Thread | None
+
+        def _notify(self, event: str, e: int, rank: int) -> None: ...
+        def _unmap(self, e: int) -> None: ...
+        def _unlease(self, e: int) -> None: ...
+        def _has_copy(self, e: int) -> bool: ...
+        def _add_copy(self, e: int, rank: int, loc: int) -> None: ...
+        def _add_new_copies(self, ids: np.ndarray, rank: int, locs: Sequence[int]) -> None: ...
+        def _remove_copy(self, e: int, rank: int) -> None: ...
 
     def _evictable(self, e: int) -> bool:
         return self.table.leases[e] == 0
