@@ -24,7 +24,9 @@ controller (``ServerCoding``), which also learns from the reader's
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -38,11 +40,12 @@ from kvstore.server.quotas import namespace_usage
 from kvstore.server.validate import InvalidRequest, Limits
 from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
 from kvstore.store.blockstore import ALREADY_PRESENT, lease_windows
-from kvstore.tiers.base import TierFault
+from kvstore.tiers.base import BlockMeta, TierFault
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 class _PutState:
@@ -50,7 +53,7 @@ class _PutState:
 
     __slots__ = ("index", "meta", "ticket", "received", "crc", "result")
 
-    def __init__(self, index: int, meta, ticket: PutTicket | None, result: pb.BlockResult | None):
+    def __init__(self, index: int, meta: BlockMeta, ticket: PutTicket | None, result: pb.BlockResult | None):
         self.index, self.meta, self.ticket, self.result = index, meta, ticket, result
         self.received = 0
         self.crc = 0
@@ -76,7 +79,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             ns = self._authorized(context, request.namespace)
             keys = self._check(context, validate.hashes, request.hashes, self.limits)
             n, ranks = self.store.lookup(ns, keys)
-            return pb.LookupResponse(prefix_length=n, tiers=ranks)
+            return pb.LookupResponse(prefix_length=n, tiers=ranks)  # type: ignore[arg-type]  # .pyi: Tier | str; ints go
 
     # -- Put ----------------------------------------------------------------------------
     def Put(self, request_iterator: Iterator[pb.PutRequest], context: grpc.ServicerContext) -> pb.PutResponse:
@@ -146,7 +149,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 if state is not None and state.ticket is not None:
                     self.store.abort_put(state.ticket)
 
-    def _start_block(self, context, ns: str, header: pb.BlockHeader, index: int) -> _PutState:
+    def _start_block(self, context: grpc.ServicerContext, ns: str, header: pb.BlockHeader, index: int) -> _PutState:
         meta = self._check(context, validate.header, ns, header, index, self.limits)
         over = self.gate.admit_block(ns, meta.stored_length, meta.hash) if self.gate is not None else None
         if over is not None:  # before begin_put: a tenant over quota never evicts anyone's blocks
@@ -179,9 +182,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             return _PutState(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT))
         return _PutState(index, meta, ticket, None)
 
-    def _finish_block(self, context, state: _PutState, committed: list[int], decoded: DecodeTally) -> pb.BlockResult:
+    def _finish_block(
+        self, context: grpc.ServicerContext, state: _PutState, committed: list[int], decoded: DecodeTally
+    ) -> pb.BlockResult:
         if state.ticket is None:
-            return state.result  # already present or rejected: its bytes were drained
+            assert state.result is not None  # no ticket: already present or rejected, its bytes were drained
+            return state.result
         ticket, state.ticket = state.ticket, None
         if not self.coding.verify(state.meta, ticket.buffer, state.crc, decoded):  # decode time: for the sender
             self.store.abort_put(ticket)
@@ -197,7 +203,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         committed.append(entry)
         if self.gate is not None:
             self.gate.charge(state.meta.namespace, state.meta.stored_length)
-        return pb.BlockResult(hash=state.meta.hash, status=pb.PUT_STORED, tier=self.store.top.rank)
+        # protoc's .pyi types enum fields as Tier | str (Codec | str below); protobuf takes the ints
+        return pb.BlockResult(hash=state.meta.hash, status=pb.PUT_STORED, tier=self.store.top.rank)  # type: ignore[arg-type]
 
     # -- Get -------------------------------------------------------------------------------
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
@@ -239,7 +246,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 self.store.release(leases)
                 self.metrics.bytes_out(sent)
 
-    def _block_messages(self, lease: Lease | None, accepted: set[int]) -> Iterator[pb.GetResponse]:
+    def _block_messages(self, lease: Lease | None, accepted: AbstractSet[int]) -> Iterator[pb.GetResponse]:
         if lease is None:
             return iter([pb.GetResponse(header=pb.BlockHeader(missing=True))])
         if lease.codec not in accepted:  # stored encoded, the reader cannot decode it: decode here
@@ -317,7 +324,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.StatsResponse(tiers=tiers, blocks=use.blocks, counters=counters, node_id=self.node_id)
 
     # -- helpers ------------------------------------------------------------------------------
-    def _authorized(self, context, namespace: str) -> str:
+    def _authorized(self, context: grpc.ServicerContext, namespace: str) -> str:
         """A well-formed namespace the caller may use; INVALID_ARGUMENT or PERMISSION_DENIED otherwise."""
         ns = self._check(context, validate.namespace, namespace)
         if self.gate is not None:
@@ -325,11 +332,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return ns
 
     @staticmethod
-    def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str):
+    def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
         context.abort(code, message)
         raise AssertionError("unreachable")  # context.abort raises
 
-    def _check(self, context, fn, *args):
+    def _check(self, context: grpc.ServicerContext, fn: Callable[..., R], *args: Any) -> R:
         try:
             return fn(*args)
         except InvalidRequest as err:
@@ -341,7 +348,7 @@ def _chunks(lease: Lease, chunk: int) -> Iterator[pb.GetResponse]:
     n = lease.stored_length
     header = pb.BlockHeader(
         hash=lease.hash,
-        codec=lease.codec,
+        codec=lease.codec,  # type: ignore[arg-type]
         raw_length=lease.raw_length,
         stored_length=n,
         crc32c=lease.crc32c,
