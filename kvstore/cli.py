@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code: int = args.func(args)
+        return code
     except ValueError as err:
         print(f"kvstore: {err}", file=sys.stderr)
         return 2

@@ -195,7 +195,7 @@ def _flag(name: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(ServeConfig):
         kind = f.metadata["parse"]
-        default = f.default
+        default: Any = f.default  # each field's own type
         shown = default if kind is not parse_size else _fmt(default)
         parser.add_argument(
             _flag(f.name),

@@ -29,7 +29,8 @@ def status_code(value: int) -> grpc.StatusCode:
 
 def from_rpc(err: grpc.RpcError) -> KVStoreError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    return KVStoreError(code, err.details() if hasattr(err, "details") else str(err))
+    # str(): grpc types details() as str | None; a None keeps reading "None", as it always has
+    return KVStoreError(code, str(err.details()) if hasattr(err, "details") else str(err))
 
 
 def corrupt_block(index: int, block_hash: bytes) -> KVStoreError:

@@ -100,8 +100,7 @@ class NodeClient:
         self.target, self.timeout, self.retries, self.chunk_bytes = target, timeout, retries, chunk_bytes
         options = [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)]
         if tls_ca or tls_cert:
-            read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
-            creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+            creds = grpc.ssl_channel_credentials(_read(tls_ca), _read(tls_key), _read(tls_cert))
             self._channel = grpc.secure_channel(target, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(target, options=options)
@@ -241,7 +240,7 @@ class NodeClient:
             requests = self._coding.put_requests(
                 namespace, hashes, parents, blocks, plan, clock, self.chunk_bytes, errors
             )
-            reply = self._stub.Put(requests, timeout=self.timeout, metadata=self._metadata)
+            reply: pb.PutResponse = self._stub.Put(requests, timeout=self.timeout, metadata=self._metadata)
             clock.finish(drained=True)
             return reply
 
@@ -295,12 +294,13 @@ class NodeClient:
             if self.lane_kind == "shm" and (codec or self._coding.codec) == "auto"
             else self._coding.accepted(codec, lossy_ok)
         )
+        result: list[Any] | None
         if accepted:  # coded blocks may come: the gRPC stream, decoded here
             request = pb.GetRequest(
                 namespace=namespace,
                 hashes=list(hashes),
                 allow_missing=allow_missing,
-                accepted_codecs=accepted,
+                accepted_codecs=accepted,  # type: ignore[arg-type]  # protoc's .pyi: Codec | str; ints are what it takes
                 decode_report=self._coding.take_report(),
             )
             result = self._call(
@@ -351,7 +351,11 @@ class NodeClient:
             if filled == header.stored_length:
                 block = single if single is not None else (out[len(results)] if out is not None else dest)
                 if verify:
-                    view = single if single is not None else dest[: header.stored_length]  # type: ignore[index]
+                    if single is not None:
+                        view: bytes | memoryview = single
+                    else:
+                        assert dest is not None  # a block not whole in one message lands in dest
+                        view = dest[: header.stored_length]
                     if header.codec == pb.CODEC_NONE and crc32c(view) != header.crc32c:
                         raise corrupt_block(len(results), header.hash)
                 results.append(block)
@@ -363,13 +367,14 @@ class NodeClient:
         return results
 
     def delete(self, namespace: str, hashes: Sequence[bytes]) -> int:
-        return self._call(
+        reply: pb.DeleteResponse = self._call(
             lambda: self._stub.Delete(
                 pb.DeleteRequest(namespace=namespace, hashes=list(hashes)),
                 timeout=self.timeout,
                 metadata=self._metadata,
             )
-        ).deleted
+        )
+        return reply.deleted
 
     def stats(self, namespace: str = "") -> dict[str, Any]:
         reply = self._call(
@@ -419,3 +424,11 @@ def _headers(
         )
         prev = key
     return headers
+
+
+def _read(path: str | None) -> bytes | None:
+    """A PEM file's bytes, or None when not given."""
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()

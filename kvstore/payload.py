@@ -36,7 +36,7 @@ def as_bytes_view(payload: Any) -> tuple[memoryview, str]:
     if isinstance(payload, np.ndarray):
         arr = np.ascontiguousarray(payload)
         dtype = "bfloat16" if arr.dtype.name in ("bfloat16", "|V2") else arr.dtype.name
-        return memoryview(arr.reshape(-1).view(np.uint8)), dtype
+        return arr.reshape(-1).view(np.uint8).data, dtype
     view = memoryview(payload)
     return (view if view.format == "B" and view.ndim == 1 else view.cast("B")), "uint8"
 

@@ -122,13 +122,14 @@ class Router:
             ch.close()
 
 
-def _wait_healthy(target: str, proc: subprocess.Popen, timeout: float) -> None:
+def _wait_healthy(target: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(proc.args)} exited with {proc.returncode}")
+                cmd = " ".join(map(str, proc.args)) if isinstance(proc.args, list) else str(proc.args)
+                raise RuntimeError(f"{cmd} exited with {proc.returncode}")
             try:
                 if (
                     stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status

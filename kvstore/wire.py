@@ -18,7 +18,7 @@ from kvstore.errors import status_code
 from kvstore.v1 import kvstore_pb2 as pb
 
 CHUNK_BYTES = 1 << 20
-TIER_NAMES = {pb.TIER_HBM: "hbm", pb.TIER_DRAM: "dram", pb.TIER_NVME: "nvme"}
+TIER_NAMES: dict[int, str] = {pb.TIER_HBM: "hbm", pb.TIER_DRAM: "dram", pb.TIER_NVME: "nvme"}
 PUT_STATUS = {pb.PUT_STORED: "stored", pb.PUT_ALREADY_PRESENT: "already_present", pb.PUT_REJECTED: "rejected"}
 
 

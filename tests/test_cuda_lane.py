@@ -62,14 +62,14 @@ def test_cuda_ipc_is_not_offered_to_the_servers_own_process(make_server):
     server = make_server(cuda_lane_device="cpu")
     server.lanes.servicer.cuda_device = "cuda:0"  # as on a GPU host; refused before any device is touched
     reasons: list[str] = []
-    reply = server.lanes.servicer._open_cuda(lpb.OpenLaneRequest(host_id=host_id(), pid=os.getpid()), reasons, None, {})
+    reply = server.lanes.servicer._open_cuda(lpb.OpenLaneRequest(host_id=host_id(), pid=os.getpid()), reasons, None)
     assert reply is None and "process that made it" in reasons[0]
 
 
 def test_cuda_ipc_needs_the_same_host(make_server):
     server = make_server()
     reasons: list[str] = []
-    assert server.lanes.servicer._open_cuda(lpb.OpenLaneRequest(host_id="elsewhere"), reasons, None, {}) is None
+    assert server.lanes.servicer._open_cuda(lpb.OpenLaneRequest(host_id="elsewhere"), reasons, None) is None
     assert "same host" in reasons[0]
 
 

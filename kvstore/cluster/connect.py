@@ -146,7 +146,8 @@ class RedisConnector:
         seeds = []
         for hostport in hosts.split(","):
             host, _, port = hostport.strip().rpartition(":")
-            seeds.append(ClusterNode(host.strip("[]") or "127.0.0.1", int(port or 6379)))
+            # redis-py declares ClusterNode.__init__ without annotations
+            seeds.append(ClusterNode(host.strip("[]") or "127.0.0.1", int(port or 6379)))  # type: ignore[no-untyped-call]
         kwargs = self._options()
         if userinfo:
             user, _, password = userinfo.partition(":")

@@ -27,7 +27,8 @@ class RedisNotAvailable(RuntimeError):
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _free_cluster_port() -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 N = TypeVar("N")
 _SCALE = float(1 << 64)
@@ -30,10 +30,16 @@ def score(node_id: str, key: bytes, weight: float = 1.0) -> float:
     return max(weight, 1e-12) / -math.log(u)
 
 
+def _id_of(node: Any) -> str:
+    """A node's ``id`` (the default key of ``rank``)."""
+    node_id: str = node.id
+    return node_id
+
+
 def rank(
     key: bytes,
     nodes: Sequence[N],
-    node_id: Callable[[N], str] = lambda n: n.id,
+    node_id: Callable[[N], str] = _id_of,
     weight: Callable[[N], float] = lambda n: float(getattr(n, "weight", 1.0)),
 ) -> list[N]:
     """Nodes in placement order for ``key`` (best first)."""

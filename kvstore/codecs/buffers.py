@@ -11,7 +11,7 @@ already handed us a tensor, so the store server never pays for it.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -24,7 +24,7 @@ def _torch_tensor_type() -> type | None:
     return torch.Tensor if torch is not None else None
 
 
-def _is_tensor(data: object) -> bool:
+def _is_tensor(data: object) -> TypeGuard[Any]:  # Any: a torch.Tensor, torch being optional
     tensor_type = _torch_tensor_type()
     return tensor_type is not None and isinstance(data, tensor_type)
 
@@ -38,7 +38,8 @@ def _tensor_u8(tensor: Any) -> np.ndarray:
     flat = flat.contiguous().reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return flat.numpy()
+    arr: np.ndarray = flat.numpy()
+    return arr
 
 
 def as_u8(data: BufferLike) -> np.ndarray:
@@ -79,9 +80,9 @@ def as_writable_u8(out: BufferLike) -> np.ndarray:
     return np.frombuffer(view, dtype=np.uint8)
 
 
-def is_device_tensor(out: object) -> bool:
+def is_device_tensor(out: object) -> TypeGuard[Any]:
     """True for a torch tensor that does not live in host memory."""
-    return _is_tensor(out) and out.device.type != "cpu"  # type: ignore[attr-defined]
+    return _is_tensor(out) and out.device.type != "cpu"
 
 
 def nbytes_of(data: BufferLike) -> int:

@@ -66,7 +66,7 @@ class BytePlaneCodec(Codec):
         plane_len = src.nbytes // itemsize
         body_len = plane_len * itemsize
         tail_len = src.nbytes - body_len
-        _HEADER.pack_into(out, 0, _MAGIC, _VERSION, itemsize, tail_len, itemsize)
+        _HEADER.pack_into(out.data, 0, _MAGIC, _VERSION, itemsize, tail_len, itemsize)
         pos = _HEADER.size + itemsize * _PLANE.size
         plane = scratch("byteplane.plane", plane_len)
         for k in range(itemsize):
@@ -78,7 +78,7 @@ class BytePlaneCodec(Codec):
                 mode, length = _RAW, plane_len
             else:
                 mode, length = _ZSTD, coded
-            _PLANE.pack_into(out, _HEADER.size + k * _PLANE.size, mode, length)
+            _PLANE.pack_into(out.data, _HEADER.size + k * _PLANE.size, mode, length)
             pos += length
         out[pos : pos + tail_len] = src[body_len:]
         return pos + tail_len

@@ -41,7 +41,7 @@ def _decode_table() -> np.ndarray:
         mantissa * 2.0**-9,
         (1.0 + mantissa / 8.0) * 2.0 ** (exponent - 7.0),
     )
-    table = (sign * magnitude).astype(np.float32)
+    table: np.ndarray = (sign * magnitude).astype(np.float32)
     table[(codes & 0x7F) == 0x7F] = np.nan
     return table
 
@@ -106,7 +106,8 @@ def bf16_bits_round_up(x: np.ndarray) -> np.ndarray:
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     up = (bits.astype(np.uint64) + 0xFFFF) >> 16
     up = np.where(np.isnan(x), BF16_NAN, up)
-    return np.minimum(up, 0x7F80).astype(np.uint16)
+    bf16: np.ndarray = np.minimum(up, 0x7F80).astype(np.uint16)
+    return bf16
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import zstandard
 
 from . import e4m3, zstd
 from .base import DEFAULT_OPTIONS, Codec, CodecError, EncodeOptions, check_out, itemsize_of
@@ -118,7 +119,7 @@ class Fp8Codec(Codec):
         scale_bits[scale_bits >= 0x7F80] = e4m3.BF16_NAN  # a vector with Inf/NaN decodes to NaN
         scale = e4m3.bf16_bits_to_f32(scale_bits)
         np.divide(vectors, np.where(scale > 0, scale, np.float32(1.0))[:, None], out=vectors)
-        _HEADER.pack_into(out, 0, _MAGIC, _VERSION, _DTYPE_CODE[dtype], head_dim, src.nbytes - n * itemsize, n)
+        _HEADER.pack_into(out.data, 0, _MAGIC, _VERSION, _DTYPE_CODE[dtype], head_dim, src.nbytes - n * itemsize, n)
         pos = _HEADER.size
         out[pos : pos + 2 * n_vec].view("<u2")[...] = scale_bits
         pos += 2 * n_vec
@@ -193,14 +194,14 @@ class Fp8ZstdCodec(Codec):
         decompression, about a third of the decode)."""
         inner = self._inner(src, dtype, opts)
         payload = zstd.compress(inner)
-        self._fp8.decode_into(memoryview(inner), dtype, src.nbytes, out)
+        self._fp8.decode_into(inner.data, dtype, src.nbytes, out)
         return payload
 
     def decode_into(self, encoded: memoryview, dtype: str, raw_len: int, out: np.ndarray) -> None:
         check_out(self.name, out, raw_len)
         try:
-            inner_len = zstd.zstandard.frame_content_size(encoded)
-        except zstd.zstandard.ZstdError as exc:
+            inner_len = zstandard.frame_content_size(encoded)
+        except zstandard.ZstdError as exc:
             raise CodecError(f"{self.name}: not a zstd frame ({exc})") from None
         if not 0 < inner_len <= fp8_payload_len(raw_len, dtype, 1):
             raise CodecError(
@@ -208,7 +209,7 @@ class Fp8ZstdCodec(Codec):
             )
         inner = scratch("fp8zstd.inner", inner_len)
         zstd.decompress_into(encoded, inner, inner_len, codec=self.name)
-        self._fp8.decode_into(memoryview(inner), dtype, raw_len, out)
+        self._fp8.decode_into(inner.data, dtype, raw_len, out)
 
     def max_encoded_len(self, raw_len: int, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> int:
         return zstd.compress_bound(fp8_payload_len(raw_len, dtype, opts.head_dim))

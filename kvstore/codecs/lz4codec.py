@@ -22,7 +22,8 @@ class Lz4Codec(Codec):
     id = 5
 
     def encode(self, src: np.ndarray, dtype: str, opts: EncodeOptions = DEFAULT_OPTIONS) -> bytes:
-        return lz4.block.compress(src, mode="fast", store_size=True)
+        encoded: bytes = lz4.block.compress(src, mode="fast", store_size=True)
+        return encoded
 
     def decode_into(self, encoded: memoryview, dtype: str, raw_len: int, out: np.ndarray) -> None:
         check_out(self.name, out, raw_len)

@@ -66,7 +66,7 @@ class EncodedBatch:
     codec_id: int
     dtype: str
     raw_lengths: list[int]
-    payloads: list[bytes]
+    payloads: Sequence[bytes | memoryview]  # memoryviews of the caller's blocks when sent raw
     encode_s: float
 
     @property
@@ -119,7 +119,11 @@ class _Failed:
         self.exc = exc
 
 
-_DONE = object()
+class _Done:
+    pass
+
+
+_DONE = _Done()
 
 
 def iter_encoded(
@@ -164,11 +168,11 @@ def run_ahead(
     if depth <= 0:
         yield from source
         return
-    ready: queue.Queue[object] = queue.Queue(maxsize=depth)
+    ready: queue.Queue[T | _Failed | _Done] = queue.Queue(maxsize=depth)
     stop = threading.Event()
     finished = threading.Event()
 
-    def put(item: object) -> bool:
+    def put(item: T | _Failed | _Done) -> bool:
         while not stop.is_set():
             try:
                 ready.put(item, timeout=0.05)
@@ -204,11 +208,11 @@ def run_ahead(
                 item = ready.get()
                 if on_stall is not None:
                     on_stall(time.perf_counter() - began)
-            if item is _DONE:
+            if isinstance(item, _Done):
                 return
             if isinstance(item, _Failed):
                 raise item.exc
-            yield item  # type: ignore[misc]
+            yield item
     finally:
         stop.set()
         finished.wait()

@@ -102,13 +102,13 @@ def decode_into(codec: str | int, encoded: BufferLike, dtype: str, raw_len: int,
     copied once).
     """
     impl = get_codec(codec)
-    payload = memoryview(as_u8(encoded))
+    payload = as_u8(encoded).data
     if is_device_tensor(out):
         import torch
 
         host = np.empty(raw_len, dtype=np.uint8)
         impl.decode_into(payload, dtype, raw_len, host)
-        out.reshape(-1).view(torch.uint8)[:raw_len].copy_(torch.from_numpy(host))  # type: ignore[union-attr]
+        out.reshape(-1).view(torch.uint8)[:raw_len].copy_(torch.from_numpy(host))
         return
     impl.decode_into(payload, dtype, raw_len, as_writable_u8(out))
 
@@ -116,5 +116,5 @@ def decode_into(codec: str | int, encoded: BufferLike, dtype: str, raw_len: int,
 def decode(codec: str | int, encoded: BufferLike, dtype: str, raw_len: int) -> bytes:
     """The ``raw_len`` decoded bytes of ``encoded``."""
     out = np.empty(raw_len, dtype=np.uint8)
-    get_codec(codec).decode_into(memoryview(as_u8(encoded)), dtype, raw_len, out)
+    get_codec(codec).decode_into(as_u8(encoded).data, dtype, raw_len, out)
     return out.tobytes()

@@ -57,8 +57,9 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -71,6 +72,9 @@ from .pipeline import MIN_BATCH_BYTES, Batch, EncodedBatch, encode_batch, plan_b
 from .registry import codec_names, get_codec
 from .sendclock import SendClock
 from .warmup import calibrate, calibrated, cost_clock, warm_up
+
+if TYPE_CHECKING:  # imported where used: the codecs load the wire messages only for the timings
+    from kvstore.v1 import kvstore_pb2 as pb
 
 AUTO = "auto"
 BANDWIDTH_ALPHA = 0.5  # one sample per Put stream: halve the log error each Put, so a changed link is followed in 3-4
@@ -205,19 +209,24 @@ class DecodeTally:
         return [CodecTiming(c, d, int(r[0]), int(r[1]), r[2]) for (c, d), r in rows.items()]
 
     @staticmethod
-    def to_wire(timings: Iterable[CodecTiming]) -> list:
+    def to_wire(timings: Iterable[CodecTiming]) -> list[pb.CodecTiming]:
         from kvstore.v1 import kvstore_pb2 as pb
 
         return [
             pb.CodecTiming(
-                codec=get_codec(t.codec).id, dtype=t.dtype, raw_bytes=t.raw_bytes, blocks=t.blocks, seconds=t.seconds
+                # protoc's .pyi types an enum field as Codec | str; protobuf takes (and stores) the int
+                codec=get_codec(t.codec).id,  # type: ignore[arg-type]
+                dtype=t.dtype,
+                raw_bytes=t.raw_bytes,
+                blocks=t.blocks,
+                seconds=t.seconds,
             )
             for t in timings
         ]
 
     @staticmethod
-    def from_wire(messages: Iterable) -> list[CodecTiming]:
-        out = []
+    def from_wire(messages: Iterable[pb.CodecTiming]) -> list[CodecTiming]:
+        out: list[CodecTiming] = []
         for m in messages:
             try:
                 name = get_codec(int(m.codec)).name
@@ -239,7 +248,7 @@ def prepare(
     on_stall: Callable[[float], None] | None = None,
     depth: int = 2,
     min_batch_bytes: int = MIN_BATCH_BYTES,
-) -> Iterator[PreparedBatch]:
+) -> Generator[PreparedBatch, None, None]:
     """Encoded, checksummed batches of ``blocks`` in order: raw runs inline, coded ones one batch ahead on a
     worker thread (see the module docstring)."""
     sizes = [nbytes_of(b) for b in blocks]
@@ -255,7 +264,7 @@ def _stream(
     crcs: Sequence[int | None] | None,
     on_stall: Callable[[float], None] | None,
     depth: int,
-) -> Iterator[PreparedBatch]:
+) -> Generator[PreparedBatch, None, None]:
     i = 0
     while i < len(batches):
         raw, first = _raw_next(plan, sizes, batches[i], blocks)
@@ -274,7 +283,9 @@ def _stream(
             views = [as_u8(b) for b in blocks[batch.start : batch.stop]]
             known = crcs[batch.start : batch.stop] if crcs is not None else [None] * len(views)
             sums = [c if c is not None else crc32c(v) for c, v in zip(known, views)]
-            enc = EncodedBatch(batch.start, "none", 0, plan.dtype, [v.nbytes for v in views], views, 0.0)
+            enc = EncodedBatch(
+                batch.start, "none", 0, plan.dtype, [v.nbytes for v in views], [v.data for v in views], 0.0
+            )
             yield PreparedBatch(enc, sums, plan.context(batch.nbytes), 0.0)
         i = j
 
@@ -334,7 +345,12 @@ def _encoded(
         part = blocks[batch.start : batch.stop]
         if codec == "none":  # raw bytes go as they are: views of the caller's buffers, no copy
             views = [as_u8(b) for b in part]
-            yield EncodedBatch(batch.start, "none", 0, plan.dtype, [v.nbytes for v in views], views, 0.0), None
+            yield (
+                EncodedBatch(
+                    batch.start, "none", 0, plan.dtype, [v.nbytes for v in views], [v.data for v in views], 0.0
+                ),
+                None,
+            )
         elif get_codec(codec).lossy:
             impl, views = get_codec(codec), [as_u8(b) for b in part]
             began, payloads, sums = time.perf_counter(), [], []

@@ -45,6 +45,8 @@ from .registry import codec_names, get_codec
 from .sendclock import SendClock
 from .transfer import AUTO, DecodeTally, TransferPlan, codable, prepare, transfer_config
 
+ViewOf = Callable[[Any], tuple[memoryview, str]]  # payload -> (flat byte view, dtype name): as_bytes_view
+
 
 class ClientCoding:
     """A client's default codec, its controller (made on first use) and its pending decode report."""
@@ -115,18 +117,18 @@ class ClientCoding:
                     header = pb.BlockHeader(
                         hash=hashes[i],
                         parent=parents[i],
-                        codec=enc.codec_id,
+                        codec=enc.codec_id,  # type: ignore[arg-type]  # protoc's .pyi: Codec | str; an int is what it takes
                         raw_length=enc.raw_lengths[j],
                         stored_length=len(payload),
                         crc32c=prepared.crcs[j],
                         dtype=plan.dtype,
                     )
                     view = memoryview(payload)
-                    whole = isinstance(payload, bytes) and len(payload) <= chunk_bytes
+                    whole = payload if isinstance(payload, bytes) and len(payload) <= chunk_bytes else None
                     yield pb.PutRequest(
                         namespace=namespace if first else "",
                         header=header,
-                        data=payload if whole else bytes(view[:chunk_bytes]),
+                        data=whole if whole is not None else bytes(view[:chunk_bytes]),
                     )
                     first = False
                     for start in range(chunk_bytes, len(view), chunk_bytes):
@@ -204,7 +206,7 @@ def check_codec(codec: str) -> str:
     return get_codec(codec).name
 
 
-def _landing(header: pb.BlockHeader, out: Sequence[Any] | None, index: int, view_of: Any) -> memoryview:
+def _landing(header: pb.BlockHeader, out: Sequence[Any] | None, index: int, view_of: ViewOf) -> memoryview:
     """Where a block's stored bytes land: the caller's buffer for raw blocks, else a new buffer."""
     n = header.stored_length
     if header.codec == pb.CODEC_NONE and out is not None:
@@ -215,10 +217,10 @@ def _landing(header: pb.BlockHeader, out: Sequence[Any] | None, index: int, view
     return memoryview(bytearray(n))
 
 
-def _destination(header: pb.BlockHeader, out: Sequence[Any] | None, index: int, view_of: Any) -> Any:
+def _destination(header: pb.BlockHeader, out: Sequence[Any] | None, index: int, view_of: ViewOf) -> Any:
     """Where a coded block decodes to: the caller's buffer, else a new one of raw_length bytes."""
     if out is None:
-        return memoryview(np.empty(header.raw_length, dtype=np.uint8))
+        return np.empty(header.raw_length, dtype=np.uint8).data
     dest = view_of(out[index])[0]
     if len(dest) < header.raw_length:
         raise ValueError(f"output buffer {index} holds {len(dest)} bytes; block is {header.raw_length}")

@@ -171,7 +171,7 @@ class GetTransfer:
                 lease = leases[enc.start + j]
                 header = pb.BlockHeader(
                     hash=lease.hash,
-                    codec=enc.codec_id,
+                    codec=enc.codec_id,  # type: ignore[arg-type]  # protoc's .pyi: Codec | str; an int is what it takes
                     raw_length=enc.raw_lengths[j],
                     stored_length=len(payload),
                     crc32c=prepared.crcs[j],
@@ -198,7 +198,7 @@ class GetTransfer:
             dtype=lease.dtype,
         )
         self.clock.begin()
-        yield from _chunked(header, memoryview(as_u8(buf))[:stored], chunk_bytes)
+        yield from _chunked(header, as_u8(buf).data[:stored], chunk_bytes)
         self.clock.sent(stored)
         self.sent[get_codec(codec).name] += 1
 

@@ -7,14 +7,27 @@ Used by every server path that accepts a Put (the gRPC handler, the lanes, the c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 from kvstore.checksum import crc32c
 from kvstore.codecs.registry import decode
 
 
-def verify_crc(meta: Any, stored: memoryview, stored_crc: int) -> bool:
-    """``meta`` is a BlockMeta-like object (codec, dtype, raw_length, crc32c); ``stored_crc`` the CRC of ``stored``."""
+class StoredMeta(Protocol):
+    """What a block's header says of it (a tier's BlockMeta, say)."""
+
+    @property
+    def codec(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def raw_length(self) -> int: ...
+    @property
+    def crc32c(self) -> int: ...
+
+
+def verify_crc(meta: StoredMeta, stored: memoryview, stored_crc: int) -> bool:
+    """``stored_crc`` is the CRC of ``stored``, as it landed."""
     if meta.codec == 0:
         return stored_crc == meta.crc32c
     try:

@@ -58,7 +58,7 @@ def compress_bound(n: int) -> int:
 
 
 def compress(src: np.ndarray) -> bytes:
-    return compressor().compress(src)
+    return compressor().compress(src.data)
 
 
 def compress_into(src: np.ndarray, out: np.ndarray, *, plane: bool = False) -> int:
@@ -76,9 +76,9 @@ def compress_into(src: np.ndarray, out: np.ndarray, *, plane: bool = False) -> i
 def try_compress_into(src: np.ndarray, out: np.ndarray, *, plane: bool = False) -> int | None:
     """Like ``compress_into``, but None when the frame would not fit in ``out``."""
     cctx = plane_compressor() if plane else compressor()
-    reader = cctx.stream_reader(src, size=src.nbytes, read_size=max(src.nbytes, 1))
+    reader = cctx.stream_reader(src.data, size=src.nbytes, read_size=max(src.nbytes, 1))
     try:
-        return _drain(reader, memoryview(out), "")
+        return _drain(reader, out.data, "")
     except CodecError:
         return None
 
@@ -93,7 +93,7 @@ def decompress_into(encoded: memoryview, out: np.ndarray, raw_len: int, codec: s
         raise CodecError(f"{codec}: frame holds {declared} bytes, expected raw_len {raw_len}")
     reader = decompressor().stream_reader(encoded, read_across_frames=False)
     try:
-        n = _drain(reader, memoryview(out)[:raw_len], f"{codec}: frame decodes to more than raw_len {raw_len}")
+        n = _drain(reader, out.data[:raw_len], f"{codec}: frame decodes to more than raw_len {raw_len}")
     except zstandard.ZstdError as exc:
         raise CodecError(f"{codec}: corrupt frame ({exc})") from None
     if n != raw_len:

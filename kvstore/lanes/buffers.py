@@ -51,7 +51,7 @@ class BufferPool:
         weakref.finalize(array, self._give, mapping)
         views, offset = [], 0
         for n in lengths:
-            views.append(memoryview(array[offset : offset + n]))
+            views.append(array[offset : offset + n].data)
             offset += n
         return views
 

@@ -147,4 +147,4 @@ def forget_reader() -> None:
 def peer_pid(sock: socket.socket) -> int:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, _uid, _gid = struct.unpack("3i", creds)
-    return pid
+    return int(pid)

@@ -37,7 +37,7 @@ class CopyPool:
         if self._pool is None or len(items) < 2 or total < SPLIT_BYTES:
             return [fn(item) for item in items]
         runs = _split(weights, min(self.threads, len(items)))
-        futures = [self._pool.submit(lambda r=r: [fn(items[i]) for i in r]) for r in runs[1:]]
+        futures = [self._pool.submit(_run_part, fn, items, r) for r in runs[1:]]
         results = [fn(items[i]) for i in runs[0]]
         for f in futures:
             results.extend(f.result())
@@ -48,10 +48,15 @@ class CopyPool:
             self._pool.shutdown(wait=True)
 
 
+def _run_part(fn: Callable[[T], R], items: Sequence[T], run: range) -> list[R]:
+    return [fn(items[i]) for i in run]
+
+
 def _split(weights: Sequence[int], parts: int) -> list[range]:
     """Contiguous runs of indices, about ``sum(weights) / parts`` each; every run non-empty."""
     parts = max(1, min(parts, len(weights)))
-    total, runs, start, acc = sum(weights), [], 0, 0
+    runs: list[range] = []
+    total, start, acc = sum(weights), 0, 0
     for i, w in enumerate(weights):
         acc += w
         left_items, left_runs = len(weights) - i - 1, parts - len(runs) - 1

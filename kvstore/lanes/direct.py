@@ -37,6 +37,7 @@ import signal
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +76,7 @@ class DirectPeer:
         """Copy ``src`` to ``address`` in the client's memory; the CRC32C of ``src`` (0 without ``crc``)."""
         return self._move("direct get", lambda pid, buf, at: cma.write_from(pid, at, buf, crc), src, address)
 
-    def _move(self, what: str, fn: Any, buf: memoryview, address: int) -> int:
+    def _move(self, what: str, fn: Callable[[int, memoryview, int], int], buf: memoryview, address: int) -> int:
         if not self.alive():
             raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: client process {self.pid} is gone")
         try:
@@ -187,6 +188,7 @@ def handshake(path: str, lane_id: str, token: bytes) -> tuple[str | None, socket
     nonce = bytearray(secrets.token_bytes(16))
     address, _ = cma.address_of(nonce)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    why: str | None
     try:
         sock.settimeout(TIMEOUT)
         sock.connect(path)

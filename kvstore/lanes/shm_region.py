@@ -61,7 +61,7 @@ class ShmRegion:
         finally:
             os.close(fd)
         array = np.frombuffer(mapping, dtype=np.uint8)
-        return cls(path, size, mapping, array, memoryview(array))
+        return cls(path, size, mapping, array, array.data)
 
     def unlink(self) -> None:
         try:
@@ -101,7 +101,7 @@ def attach(path: str, size: int) -> ShmRegion:
     finally:
         os.close(fd)
     array = np.frombuffer(mapping, dtype=np.uint8)
-    return ShmRegion(path, size, mapping, array, memoryview(array))
+    return ShmRegion(path, size, mapping, array, array.data)
 
 
 def sweep(directory: str, prefixes: tuple[str, ...] = (PREFIX, "kvstore-direct-")) -> int:

@@ -86,7 +86,8 @@ class ModelConfig:
     @property
     def kv_block_bytes(self) -> int:
         layers, two, b, h, d = self.kv_block_shape
-        return layers * two * b * h * d * torch.empty((), dtype=self.torch_dtype).element_size()
+        itemsize: int = torch.empty((), dtype=self.torch_dtype).element_size()
+        return layers * two * b * h * d * itemsize
 
     def fingerprint(self, adapter: str = "") -> str:
         """The canonical ``model_fingerprint`` (DESIGN 2.1) for this config's KV bytes."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeAlias, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,14 @@ from kvstore.model.paged import PagedKVPool, Slots
 from kvstore.model.weights import check_state_dict, random_state_dict
 
 LogitsMode = Literal["last", "all", "none"]
-TokenChunk = Sequence[int] | torch.Tensor
+TokenChunk: TypeAlias = Sequence[int] | torch.Tensor
+F_ = TypeVar("F_")
+
+
+def _inference_mode(fn: F_) -> F_:
+    """``torch.inference_mode()`` as a decorator that keeps the function's type (torch is unchecked here)."""
+    wrapped: F_ = torch.inference_mode()(fn)
+    return wrapped
 
 
 @dataclass(frozen=True)
@@ -197,7 +204,7 @@ class LlamaModel:
         assert out is not None
         return out
 
-    @torch.inference_mode()
+    @_inference_mode
     def forward(
         self,
         pool: PagedKVPool,

@@ -70,11 +70,13 @@ class PagedKVPool:
     # -- sizes ----------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return self.kv.shape[0]
+        n: int = self.kv.shape[0]
+        return n
 
     @property
     def block_nbytes(self) -> int:
-        return self._bytes.shape[1]
+        n: int = self._bytes.shape[1]
+        return n
 
     @property
     def num_free_blocks(self) -> int:

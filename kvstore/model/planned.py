@@ -106,7 +106,10 @@ def prefill_planned(
     if k > m:
         ids = pool.reserve_blocks(k - m)
         views = [pool.block_bytes_view(b).numpy() for b in ids]
-        load = lambda: get_leading(client, namespace, hashes[m:k], views, piece_blocks=plan.piece_blocks)  # noqa: E731
+
+        def load() -> Leading:
+            return get_leading(client, namespace, hashes[m:k], views, piece_blocks=plan.piece_blocks)
+
         try:
             pending: Future[Leading] | None = link.loader.submit(load) if m > 0 else None
             if m > 0:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.client import Client, KVStoreError
 from kvstore.hashing import block_hashes
@@ -95,17 +96,17 @@ class StoreLink:
         out.lookup_s = time.perf_counter() - t0
         if n == 0:
             return out
-        ids = pool.manager.extend_full(seq_id, n)  # type: ignore[arg-type]
+        ids = pool.manager.extend_full(seq_id, n)
         views = [pool.block_bytes_view(b).numpy() for b in ids]
         t1 = time.perf_counter()
         try:
             self.client.get(namespace, hashes[:n], out=views)
         except (KVStoreError, ValueError) as err:
-            pool.free_sequence(seq_id)  # type: ignore[arg-type]
-            pool.add_sequence(seq_id)  # type: ignore[arg-type]
+            pool.free_sequence(seq_id)
+            pool.add_sequence(seq_id)
             return self._fallback(out, f"get: {err}")
         out.transfer_s = time.perf_counter() - t1  # received chunks land in the pool: transfer includes the load
-        pool.add_hashes(seq_id, hashes[:n])  # type: ignore[arg-type]
+        pool.add_hashes(seq_id, hashes[:n])
         out.blocks, out.bytes = n, n * pool.block_nbytes
         with self._lock:
             self.counters.fetched_blocks += n
@@ -152,7 +153,8 @@ class BlockUploader:
 
     def __init__(self, link: StoreLink, pool: PagedKVPool, namespace: str):
         self.link, self.pool, self.namespace = link, pool, namespace
-        self._queue: queue.Queue = queue.Queue()
+        # (hashes, payloads: pool block views, parent); None: stop
+        self._queue: queue.Queue[tuple[list[bytes], list[Any], bytes | None] | None] = queue.Queue()
         self.stored = 0
         self.bytes = 0
         self.error = ""
@@ -178,7 +180,7 @@ class BlockUploader:
                     self.namespace, hashes, payloads, parent=parent, dtype=self.link.model.config.dtype
                 )
                 self.stored += sum(r.status == "stored" for r in results)
-                self.bytes += sum(p.numel() if hasattr(p, "numel") else len(p) for p in payloads)  # type: ignore[arg-type]
+                self.bytes += sum(p.numel() if hasattr(p, "numel") else len(p) for p in payloads)
             except KVStoreError as err:
                 self.error = str(err)
                 log.warning("put failed, later blocks of this prompt are not stored: %s", err)

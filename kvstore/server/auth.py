@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 
@@ -43,6 +43,13 @@ from kvstore.config import ServeConfig
 from kvstore.server.quotas import ByteQuotas, DeadlineWatchdog, StreamSlots
 from kvstore.server.tenants import Tenant, TenantRegistry
 from kvstore.store import BlockStore
+
+if TYPE_CHECKING:  # grpc-stubs make these generic; at run time they are plain classes
+    _Interceptor = grpc.ServerInterceptor[Any, Any]
+    Handler = grpc.RpcMethodHandler[Any, Any]
+else:
+    _Interceptor = grpc.ServerInterceptor
+_R = TypeVar("_R", bound="TenantRegistry | None")
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +150,7 @@ class Gatekeeper:
         return self.registry.quota_of(bucket, self.default_quota or None)
 
     # -- lifecycle -------------------------------------------------------------------
-    def interceptors(self) -> list[grpc.ServerInterceptor]:
+    def interceptors(self) -> list[_Interceptor]:
         return [GuardInterceptor(self)]
 
     def start(self) -> None:
@@ -159,14 +166,14 @@ class Gatekeeper:
         if not self.tenants_path:
             return False
         try:
-            self.registry = self._check_certificates(TenantRegistry.load(self.tenants_path))
+            self.registry = registry = self._check_certificates(TenantRegistry.load(self.tenants_path))
         except (OSError, ValueError) as err:
             log.error("tenants file not reloaded, keeping the previous tenants: %s", err)
             return False
-        log.info("tenants reloaded: %d tenants", len(self.registry.tenants))
+        log.info("tenants reloaded: %d tenants", len(registry.tenants))
         return True
 
-    def _check_certificates(self, registry: TenantRegistry | None) -> TenantRegistry | None:
+    def _check_certificates(self, registry: _R) -> _R:
         if registry is not None and registry.by_certificate and not self.client_certificates:
             raise ValueError(
                 f"{registry.source}: tenants named by client certificate (cert_names) need mutual TLS "
@@ -197,7 +204,8 @@ class Gatekeeper:
         registry = self.registry
         if registry is None:
             return None
-        auth = context.auth_context() or {}
+        # grpc-stubs type each property as bytes; grpc gives an iterable of bytes values, as its docs say
+        auth = cast("Mapping[str, Iterable[bytes]]", context.auth_context()) or {}
         names = [
             v.decode(errors="replace")
             for key in ("x509_common_name", "x509_subject_alternative_name")
@@ -220,9 +228,10 @@ class Gatekeeper:
                     f"wait for one to finish or ask for a higher max_streams",
                 )
             cleanups.append(lambda: self.slots.release(tenant.name))
-        if self.watchdog is not None and method not in self.long_lived:
-            token = self.watchdog.watch(context, method)
-            cleanups.append(lambda: self.watchdog.unwatch(token))  # type: ignore[union-attr]
+        watchdog = self.watchdog
+        if watchdog is not None and method not in self.long_lived:
+            token = watchdog.watch(context, method)
+            cleanups.append(lambda: watchdog.unwatch(token))
         if cleanups:
 
             def done() -> None:
@@ -284,7 +293,7 @@ class Gatekeeper:
         return {"quota_used_bytes": float(self.quotas.usage(bucket)), "quota_bytes": float(self._quota_of(bucket) or 0)}
 
 
-class GuardInterceptor(grpc.ServerInterceptor):
+class GuardInterceptor(_Interceptor):
     """Wraps each method handler with authentication, request parsing, stream slots and deadline."""
 
     def __init__(self, gate: Gatekeeper):
@@ -301,29 +310,23 @@ class GuardInterceptor(grpc.ServerInterceptor):
         return _guarded(handler, details.method, principal, self.gate)  # BY_CERTIFICATE: resolved in the call
 
 
-def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def _refusing(handler: Handler, message: str) -> Handler:
     kind = _KINDS[(handler.request_streaming, handler.response_streaming)]
 
     def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    return handler._replace(request_deserializer=None, **{kind: refuse})  # unauthenticated bytes are never parsed
+    # grpc's method handlers are namedtuples; grpc-stubs leave _replace out
+    refusing: Handler = handler._replace(request_deserializer=None, **{kind: refuse})  # type: ignore[attr-defined]
+    return refusing  # unauthenticated bytes are never parsed
 
 
-def _guarded(
-    handler: grpc.RpcMethodHandler, method: str, principal: Principal, gate: Gatekeeper
-) -> grpc.RpcMethodHandler:
+def _guarded(handler: Handler, method: str, principal: Principal, gate: Gatekeeper) -> Handler:
     kind = _KINDS[(handler.request_streaming, handler.response_streaming)]
     behavior = getattr(handler, kind)
     parse = handler.request_deserializer
     streaming = handler.request_streaming or handler.response_streaming
     message_name = method.rsplit("/", 1)[-1]
-
-    def lenient(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except Exception as err:  # noqa: BLE001 - any parse failure is the caller's malformed input
-            return Malformed(f"{type(err).__name__}: {err}"[:200])
 
     def checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         for i, request in enumerate(requests):
@@ -335,6 +338,7 @@ def _guarded(
             yield request
 
     def run(request: Any, context: grpc.ServicerContext) -> Any:
+        caller: Principal | None
         caller = principal
         if caller is BY_CERTIFICATE:
             caller = gate.authenticate_peer(context)
@@ -355,4 +359,19 @@ def _guarded(
             )
         return behavior(request, context)
 
-    return handler._replace(request_deserializer=lenient if parse is not None else None, **{kind: run})
+    guarded: Handler = handler._replace(  # type: ignore[attr-defined]  # a namedtuple, as above
+        request_deserializer=_lenient(parse) if parse is not None else None, **{kind: run}
+    )
+    return guarded
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """``parse``, answering a Malformed marker instead of raising for bytes that are not a request message."""
+
+    def lenient(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as err:  # noqa: BLE001 - any parse failure is the caller's malformed input
+            return Malformed(f"{type(err).__name__}: {err}"[:200])
+
+    return lenient

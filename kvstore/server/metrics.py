@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -24,7 +24,7 @@ class _StoreCollector:
     def __init__(self, stats: Callable[[], dict[str, Any]], extra: Callable[[], dict[str, float]]):
         self._stats, self._extra = stats, extra
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         s = self._stats()
         gauges = {
             "used_bytes": GaugeMetricFamily("kvstore_tier_used_bytes", "Bytes held in a tier", labels=["tier"]),
@@ -47,8 +47,9 @@ class _StoreCollector:
                 labels=["tier"],
             ),
         }
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {**gauges, **counters}
         for tier in s["tiers"]:
-            for key, family in {**gauges, **counters}.items():
+            for key, family in families.items():
                 family.add_metric([tier["name"]], float(tier[key]))
         yield from gauges.values()
         yield from counters.values()

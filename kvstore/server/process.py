@@ -17,13 +17,14 @@ ROOT = Path(__file__).resolve().parent.parent.parent  # the repository root: `py
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 @contextmanager
 def store_process(
     *args: str, env: dict[str, str] | None = None, timeout: float = 30.0
-) -> Iterator[tuple[str, subprocess.Popen]]:
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Yields (target, process) once the node reports SERVING; SIGTERM and wait at exit."""
     target = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen(

@@ -179,13 +179,13 @@ def expire(context: grpc.ServicerContext, message: str) -> None:
     call = getattr(getattr(context, "_rpc_event", None), "call", None)
     if call is not None:
         try:
-            from grpc._cython import cygrpc
+            from grpc._cython import cygrpc  # type: ignore[attr-defined]  # grpc-stubs leave out grpc._cython
 
             call.cancel(cygrpc.StatusCode.deadline_exceeded, message)
             return
         except Exception:  # an older or newer grpc without this call: fall back to the public verb
             log.debug("cancel with status unavailable; cancelling plainly", exc_info=True)
-    context.cancel()
+    context.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs declare RpcContext.cancel unannotated
 
 
 class DeadlineWatchdog:

@@ -32,8 +32,9 @@ controller (``ServerCoding``), which also learns from the reader's
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import NoReturn
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -48,17 +49,18 @@ from kvstore.server.quotas import namespace_usage
 from kvstore.server.validate import InvalidRequest, Limits
 from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
 from kvstore.store.blockstore import ALREADY_PRESENT, lease_windows
-from kvstore.tiers.base import TierFault
+from kvstore.tiers.base import BlockMeta, TierFault
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 PUT_HANDLED_KEY = "kvstore-put-blocks-handled"  # trailing metadata of an aborted Put: blocks before the fault
 
 
-def crc_mismatch_reason(index: int, meta) -> str:
+def crc_mismatch_reason(index: int, meta: BlockMeta) -> str:
     """The reason of a block rejected for its checksum (the same words on every lane)."""
     what = (
         "" if meta.codec == 0 else f" (or its {meta.dtype} payload does not decode with codec {codec_name(meta.codec)})"
@@ -91,7 +93,7 @@ class _PutState:
 
     __slots__ = ("index", "meta", "ticket", "received", "crc", "result")
 
-    def __init__(self, index: int, meta, ticket: PutTicket | None, result: pb.BlockResult | None):
+    def __init__(self, index: int, meta: BlockMeta, ticket: PutTicket | None, result: pb.BlockResult | None):
         self.index, self.meta, self.ticket, self.result = index, meta, ticket, result
         self.received = 0
         self.crc = 0
@@ -117,7 +119,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             ns = self._authorized(context, request.namespace)
             keys = self._check(context, validate.hashes, request.hashes, self.limits)
             n, ranks = self.store.lookup(ns, keys)
-            return pb.LookupResponse(prefix_length=n, tiers=ranks)
+            return pb.LookupResponse(prefix_length=n, tiers=ranks)  # type: ignore[arg-type]  # .pyi: Tier | str; ints go
 
     # -- Put ----------------------------------------------------------------------------
     def Put(self, request_iterator: Iterator[pb.PutRequest], context: grpc.ServicerContext) -> pb.PutResponse:
@@ -227,7 +229,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def _finish_block(self, state: _PutState, committed: list[int], decoded: DecodeTally) -> pb.BlockResult:
         if state.ticket is None:
-            return state.result  # already present or rejected: its bytes were drained
+            assert state.result is not None  # no ticket: already present or rejected, its bytes were drained
+            return state.result
         ticket, state.ticket = state.ticket, None
         if not self.coding.verify(state.meta, ticket.buffer, state.crc, decoded):  # decode time: for the sender
             self.store.abort_put(ticket)  # this block alone is refused; the stream goes on
@@ -243,7 +246,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         committed.append(entry)
         if self.gate is not None:
             self.gate.charge(state.meta.namespace, state.meta.stored_length)
-        return pb.BlockResult(hash=state.meta.hash, status=pb.PUT_STORED, tier=self.store.top.rank)
+        # protoc's .pyi types enum fields as Tier | str (Codec | str below); protobuf takes the ints
+        return pb.BlockResult(hash=state.meta.hash, status=pb.PUT_STORED, tier=self.store.top.rank)  # type: ignore[arg-type]
 
     # -- Get -------------------------------------------------------------------------------
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
@@ -285,7 +289,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 self.store.release(leases)
                 self.metrics.bytes_out(sent)
 
-    def _block_messages(self, lease: Lease | None, accepted: set[int]) -> Iterator[pb.GetResponse]:
+    def _block_messages(self, lease: Lease | None, accepted: AbstractSet[int]) -> Iterator[pb.GetResponse]:
         if lease is None:
             return iter([pb.GetResponse(header=pb.BlockHeader(missing=True))])
         if lease.codec not in accepted:  # stored encoded, the reader cannot decode it: decode here
@@ -366,7 +370,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.StatsResponse(tiers=tiers, blocks=use.blocks, counters=counters, node_id=self.node_id)
 
     # -- helpers ------------------------------------------------------------------------------
-    def _authorized(self, context, namespace: str) -> str:
+    def _authorized(self, context: grpc.ServicerContext, namespace: str) -> str:
         """A well-formed namespace the caller may use; INVALID_ARGUMENT or PERMISSION_DENIED otherwise."""
         ns = self._check(context, validate.namespace, namespace)
         if self.gate is not None:
@@ -378,7 +382,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         context.abort(code, message)
         raise AssertionError("unreachable")  # context.abort raises
 
-    def _check(self, context, fn, *args):
+    def _check(self, context: grpc.ServicerContext, fn: Callable[..., R], *args: Any) -> R:
         try:
             return fn(*args)
         except InvalidRequest as err:
@@ -390,7 +394,7 @@ def _chunks(lease: Lease, chunk: int) -> Iterator[pb.GetResponse]:
     n = lease.stored_length
     header = pb.BlockHeader(
         hash=lease.hash,
-        codec=lease.codec,
+        codec=lease.codec,  # type: ignore[arg-type]
         raw_length=lease.raw_length,
         stored_length=n,
         crc32c=lease.crc32c,

@@ -79,13 +79,17 @@ def bind(server: grpc.Server, cfg: ServeConfig) -> tuple[int, CertReloader | Non
                 cfg.listen,
             )
         return server.add_insecure_port(cfg.listen), None
-    reloader = CertReloader(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)  # type: ignore[arg-type]
+    assert cfg.tls_cert and cfg.tls_key  # not plaintext: a cert, and the config checked it comes with its key
+    reloader = CertReloader(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
     port = server.add_secure_port(cfg.listen, reloader.credentials())
     log.info("serving %s on %s", "mutual TLS" if mode == "mtls" else "TLS", cfg.listen)
     return port, reloader
 
 
-def _signature(paths: list[str]) -> tuple:
+Signature = tuple[tuple[int, int, int], ...]  # (mtime_ns, size, inode) per file
+
+
+def _signature(paths: list[str]) -> Signature:
     out = []
     for p in paths:
         st = os.stat(p)
@@ -113,7 +117,7 @@ class CertReloader:
         self._checked_at = time.monotonic()
         self._signature = _signature(self._paths())
         self.current = self._load()  # errors here stop the node from starting: say so at once
-        self._bad_signature: tuple | None = None
+        self._bad_signature: Signature | None = None
         self.reloads = 0
 
     def _paths(self) -> list[str]:
@@ -149,7 +153,10 @@ class CertReloader:
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
-            self._configuration(self.current), self.fetch, require_client_authentication=self.client_ca is not None
+            self._configuration(self.current),
+            # grpc-stubs wants a fetcher that always returns a configuration; grpc documents None as "no change"
+            self.fetch,  # type: ignore[arg-type]
+            require_client_authentication=self.client_ca is not None,
         )
 
     def request_reload(self) -> None:

@@ -8,6 +8,7 @@ that tells the caller what to fix. A block header's ``dtype`` must be one of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstore.codecs import codec_name, get_codec
 from kvstore.codecs.base import FLOAT_DTYPES
@@ -15,6 +16,9 @@ from kvstore.codecs.policy import LossyPolicy, is_lossy
 from kvstore.hashing import HASH_BYTES
 from kvstore.store.index import DTYPES
 from kvstore.tiers.base import BlockMeta
+
+if TYPE_CHECKING:
+    from kvstore.v1 import kvstore_pb2 as pb
 
 MAX_NAMESPACE_BYTES = 256
 KNOWN_CODECS = frozenset(range(6))  # kvstore.v1.Codec values
@@ -57,7 +61,7 @@ def hashes(keys: list[bytes] | tuple[bytes, ...], limits: Limits) -> list[bytes]
     return list(keys)
 
 
-def header(ns: str, hdr, index: int, limits: Limits) -> BlockMeta:
+def header(ns: str, hdr: pb.BlockHeader, index: int, limits: Limits) -> BlockMeta:
     """A BlockMeta from a wire BlockHeader, or InvalidRequest naming block `index`."""
     where = f"block {index}"
     if len(hdr.hash) != HASH_BYTES:

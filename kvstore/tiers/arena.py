@@ -67,7 +67,7 @@ class ArenaTier(MemoryTier):
             if pinned is None:
                 pinned = cuda_available()
             self._host, self._keepalive = _host_buffer(self.slabs.capacity, pinned)
-            self._view = memoryview(self._host)
+            self._view = self._host.data
             self.backend = "pinned" if pinned else "pageable"
         log.info(
             "%s arena: %d bytes (%s), %d pages of %d",

@@ -138,4 +138,4 @@ def _cross_view(tensors: list[torch.Tensor], num_blocks: int, page: int) -> tupl
         return None
     flat = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(storage)
     cross = flat.as_strided((num_blocks, len(tensors), page), (page, step, 1), offsets[0])
-    return cross.unbind(0)
+    return tuple(cross.unbind(0))

@@ -45,18 +45,18 @@ class CudaIpcClientLane(ShmClientLane):
         metadata: tuple[tuple[str, str], ...],
         timeout: float,
     ):
-        self.region = attach(opened.cuda_region, opened.shm_bytes)  # type: ignore[assignment]
+        self.region = self._device_region = attach(opened.cuda_region, opened.shm_bytes)
         self.ref = lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)
         self._stub, self._metadata, self._timeout = stub, metadata, timeout
         self._release: list[int] = []
         self._release_lock = threading.Lock()
-        self._lender = Lender(self.region, self._give_back, budget=0)  # type: ignore[arg-type]  # never lends
+        self._lender = Lender(None, self._give_back, budget=0)  # device memory is never lent
         self.direct = False  # device payloads: no process_vm_readv
         self._copier = Copier()
 
     @property
     def device(self) -> str:
-        return self.region.device
+        return self._device_region.device
 
     # -- put ---------------------------------------------------------------------------
     def write(self, slot: lpb.SlotGrant, payload: Any) -> int:
@@ -89,10 +89,10 @@ class CudaIpcClientLane(ShmClientLane):
             if out is not None:
                 dst = _destination(out[i], i, d.length)
                 results[i] = out[i]
-            elif self.region.device == "cpu":  # the stand-in: host memory, as the shm lane returns
+            elif self.device == "cpu":  # the stand-in: host memory, as the shm lane returns
                 dst = results[i] = alloc_blocks([d.length])[0]
             else:
-                dst = results[i] = torch.empty(d.length, dtype=torch.uint8, device=self.region.device)
+                dst = results[i] = torch.empty(d.length, dtype=torch.uint8, device=self.device)
             self._copier.copy(dst, src)
             landed.append((i, d, dst))
         self._copier.settle()

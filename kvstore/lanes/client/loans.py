@@ -35,13 +35,15 @@ class Loan:
         self.grant_id = grant_id
         self.nbytes = 0
         self._lender = lender
-        self._array: np.ndarray | None = np.frombuffer(lender.region.mapping, dtype=np.uint8)
+        region = lender.region
+        assert region is not None  # a lender without a region has no budget: it never lends
+        self._array: np.ndarray | None = np.frombuffer(region.mapping, dtype=np.uint8)
         weakref.finalize(self._array, lender._returned, self)
 
     def view(self, offset: int, length: int) -> memoryview:
         assert self._array is not None
         self._lender._add(self, length)
-        return memoryview(self._array[offset : offset + length])
+        return self._array[offset : offset + length].data
 
     def close(self) -> None:
         """The loan takes no more blocks; it ends when the views it gave out are gone."""
@@ -49,7 +51,7 @@ class Loan:
 
 
 class Lender:
-    def __init__(self, region: ShmRegion, on_return: Callable[[int], None], budget: int):
+    def __init__(self, region: ShmRegion | None, on_return: Callable[[int], None], budget: int):
         self.region, self.budget = region, budget
         self._on_return = on_return
         self._held = 0

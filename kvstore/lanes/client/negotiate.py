@@ -83,18 +83,20 @@ class LanePool:
     def run(self, fn: Callable[[Lane], T]) -> T | None:
         if self.mode == "grpc" or self._closed:
             return None
-        lane = self._acquire()
-        if lane is None:
+        first = self._acquire()
+        if first is None:
             return None
+        lane: Lane = first
         try:
             try:
                 result = fn(lane)
             except LaneBroken as err:
                 log.info("%s lane broke (%s); opening a fresh one", lane.kind, err)
                 self._discard(lane)
-                lane = self._acquire(fresh=True)
-                if lane is None:
+                fresh = self._acquire(fresh=True)
+                if fresh is None:
                     return None
+                lane = fresh
                 result = fn(lane)
         except LaneBroken as err:
             self._discard(lane)
@@ -186,7 +188,8 @@ class LanePool:
                 reasons.append(f"OpenLane: {err.details() if hasattr(err, 'details') else err}")
                 if code != grpc.StatusCode.UNIMPLEMENTED:  # transient or the caller's: ask again next call
                     self._retry_at = 0.0
-                    return self._no_lane(code, reasons, retry=False)
+                    self._no_lane(code, reasons, retry=False)
+                    return None
                 break
             if reply.kind == lpb.LANE_UNSPECIFIED:
                 reasons.append(reply.reason)
@@ -200,9 +203,10 @@ class LanePool:
                 reasons.append(f"{kind}: {err}")
                 self._close_remote(reply)
                 wanted.remove(kind)
-        return self._no_lane(
+        self._no_lane(
             code if code != grpc.StatusCode.UNIMPLEMENTED else grpc.StatusCode.FAILED_PRECONDITION, reasons, retry=True
         )
+        return None
 
     def _no_lane(self, code: grpc.StatusCode, reasons: list[str], retry: bool) -> None:
         """No lane: the caller uses gRPC (auto), or hears why (an explicit lane)."""
@@ -211,7 +215,6 @@ class LanePool:
             raise KVStoreError(code, f"no {self.mode} lane to {self.target}: {why}")
         log.info("no fast lane to %s (%s): using gRPC", self.target, why)
         self._no_lane_for_a_while = retry
-        return None
 
     def _connect(self, kind: str, reply: lpb.OpenLaneResponse) -> Lane:
         if kind == "cuda_ipc":

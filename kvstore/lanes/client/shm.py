@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -46,13 +46,16 @@ from kvstore.lanes.client.loans import Lender, Loan
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import handshake
-from kvstore.lanes.shm_region import attach
+from kvstore.lanes.shm_region import ShmRegion, attach
 from kvstore.memops import copy_crc, copy_into, host_view
 from kvstore.payload import as_bytes_view
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
 from kvstore.wire import put_result
+
+if TYPE_CHECKING:
+    from kvstore.lanes.cuda_region import DeviceRegion
 
 log = logging.getLogger(__name__)
 COMMIT_BYTES = 16 << 20
@@ -71,12 +74,13 @@ class ShmClientLane(Lane):
         metadata: tuple[tuple[str, str], ...],
         timeout: float,
     ):
-        self.region = attach(opened.shm_path, opened.shm_bytes)
+        region = attach(opened.shm_path, opened.shm_bytes)
+        self.region: ShmRegion | DeviceRegion = region  # a DeviceRegion in the cuda_ipc lane
         self.ref = lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)
         self._stub, self._metadata, self._timeout = stub, metadata, timeout
         self._release: list[int] = []
         self._release_lock = threading.Lock()
-        self._lender = Lender(self.region, self._give_back, budget=self.region.size // 2)
+        self._lender = Lender(region, self._give_back, budget=region.size // 2)
         self.direct = False  # puts name client memory for the server to read (one copy)
         if opened.direct_socket:
             why_not, sock = handshake(opened.direct_socket, opened.lane_id, opened.token)
@@ -339,7 +343,7 @@ def _copy_out(c: tuple[memoryview, memoryview, bool]) -> int | None:
 def _from_rpc(err: grpc.RpcError) -> Exception:
     """A failed lane RPC as the client raises it (``lane_failure``)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    return lane_failure(code, err.details() if hasattr(err, "details") else str(err))
+    return lane_failure(code, str(err.details()) if hasattr(err, "details") else str(err))  # details: str | None
 
 
 class PutStream:
@@ -387,7 +391,8 @@ class PutStream:
                 reserve=lpb.LaneReserve(namespace=namespace, headers=headers, release=release, addresses=addresses)
             )
         )
-        return self._next("grant")
+        grant: lpb.LaneGrant = self._next("grant")
+        return grant
 
     def send_commit(
         self, grant_id: int, descriptors: Sequence[lpb.BlockDescriptor], crc_from_server: bool = False
@@ -400,7 +405,8 @@ class PutStream:
 
     def committed(self) -> Sequence[pb.BlockResult]:
         """Results of the oldest commit not yet collected."""
-        return self._next("committed").results
+        committed: lpb.LaneCommitted = self._next("committed")
+        return committed.results
 
     def close(self) -> None:
         self._queue.put(None)

@@ -43,7 +43,7 @@ class CudaIpcServerLane(ShmServerLane):
     crcs_at_copy = False  # a CRC of device memory would cost a pass on the GPU: the client checks host copies
 
     def __init__(self, region: DeviceRegion, ops: StoreOps, lease_seconds: float):
-        super().__init__(region, ops, lease_seconds)  # type: ignore[arg-type]
+        super().__init__(region, ops, lease_seconds)
         self._calls = threading.local()  # a Copier per serving thread: one get or put at a time on it
         self._staging = CrcStaging()
         self._staging_lock = threading.Lock()

@@ -42,6 +42,7 @@ from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R", ShmRegion, DeviceRegion)
 
 
 class LaneServicer(lpb_grpc.KVStoreLanesServicer):
@@ -84,9 +85,8 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             )
 
     def _open(
-        self, kind: int, request: lpb.OpenLaneRequest, reasons: list[str], access: LaneAccess
+        self, kind: lpb.LaneKind, request: lpb.OpenLaneRequest, reasons: list[str], access: LaneAccess
     ) -> lpb.OpenLaneResponse | None:
-        common = dict(host_id=self.host_id, lease_seconds=self.registry.lease)
         if kind == lpb.LANE_SHM:
             if self.shm_dir is None:
                 reasons.append("shm lane disabled on this node")
@@ -95,22 +95,24 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 reasons.append("shm needs the same host")
                 return None
             shm_dir = self.shm_dir
-            lane = self._region_lane(
+            opened = self._region_lane(
                 "shm", lambda: ShmRegion.create(shm_dir, self.shm_bytes), ShmServerLane, reasons, access
             )
-            if lane is None:
+            if opened is None:
                 return None
+            lane, region = opened
             return lpb.OpenLaneResponse(
                 kind=kind,
                 lane_id=lane.lane_id,
                 token=lane.token,
-                shm_path=lane.region.path,
-                shm_bytes=lane.region.size,
+                shm_path=region.path,
+                shm_bytes=region.size,
                 direct_socket=self.direct_socket,
-                **common,
+                host_id=self.host_id,
+                lease_seconds=self.registry.lease,
             )
         if kind == lpb.LANE_CUDA_IPC:
-            return self._open_cuda(request, reasons, access, common)
+            return self._open_cuda(request, reasons, access)
         if kind == lpb.LANE_TCP:
             if self.tcp is None:
                 reasons.append("tcp lane disabled on this node")
@@ -119,13 +121,18 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             tlane.access = access
             self.registry.add(tlane)
             return lpb.OpenLaneResponse(
-                kind=kind, lane_id=tlane.lane_id, token=tlane.token, tcp_port=self.tcp.port, **common
+                kind=kind,
+                lane_id=tlane.lane_id,
+                token=tlane.token,
+                tcp_port=self.tcp.port,
+                host_id=self.host_id,
+                lease_seconds=self.registry.lease,
             )
         reasons.append(f"unknown lane kind {kind}")
         return None
 
     def _open_cuda(
-        self, request: lpb.OpenLaneRequest, reasons: list[str], access: LaneAccess, common: dict[str, Any]
+        self, request: lpb.OpenLaneRequest, reasons: list[str], access: LaneAccess
     ) -> lpb.OpenLaneResponse | None:
         if self.cuda_device is None:
             reasons.append("cuda_ipc lane disabled on this node (off, or no CUDA device)")
@@ -137,33 +144,36 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             reasons.append("cuda_ipc cannot map a handle in the process that made it (client inside the server)")
             return None
         device = self.cuda_device
-        lane = self._region_lane(
+        opened = self._region_lane(
             "cuda_ipc",
             lambda: DeviceRegion.create(device, self.cuda_bytes, self.cuda_shm_dir),
             CudaIpcServerLane,
             reasons,
             access,
         )
-        if lane is None:
+        if opened is None:
             return None
+        lane, region = opened
         return lpb.OpenLaneResponse(
             kind=lpb.LANE_CUDA_IPC,
             lane_id=lane.lane_id,
             token=lane.token,
-            shm_bytes=lane.region.size,
-            cuda_region=lane.region.message,
-            **common,
+            shm_bytes=region.size,
+            cuda_region=region.message,
+            host_id=self.host_id,
+            lease_seconds=self.registry.lease,
         )
 
     def _region_lane(
         self,
         name: str,
-        make_region: Callable[[], Any],
-        lane_class: type[ShmServerLane],
+        make_region: Callable[[], R],
+        lane_class: Callable[[R, StoreOps, float], ShmServerLane],
         reasons: list[str],
         access: LaneAccess,
-    ) -> ShmServerLane | None:
-        """A region lane (shm or cuda_ipc) registered for ``access``; None (with the reason) if no region."""
+    ) -> tuple[ShmServerLane, R] | None:
+        """A region lane (shm or cuda_ipc) registered for ``access``, and its region; None (with the reason)
+        if no region."""
         try:
             region = make_region()
         except (RegionError, OSError) as err:
@@ -177,7 +187,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
         except LaneError:
             lane.close()
             raise
-        return lane
+        return lane, region
 
     def CloseLane(self, request: lpb.CloseLaneRequest, context: grpc.ServicerContext) -> lpb.CloseLaneResponse:
         with self.ops.metrics.rpc("CloseLane", context):

@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -53,6 +53,9 @@ from kvstore.memops import copy_crc, copy_into, host_view
 from kvstore.store import Lease
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
+
+if TYPE_CHECKING:
+    from kvstore.lanes.cuda_region import DeviceRegion
 
 YIELD_BYTES = 16 << 20
 FIRST_YIELD_BYTES = 2 << 20
@@ -73,7 +76,7 @@ class ShmServerLane(ServerLane):
     kind = "shm"
     crcs_at_copy = True  # can compute a Get block's CRC32C while copying it into the region
 
-    def __init__(self, region: ShmRegion, ops: StoreOps, lease_seconds: float):
+    def __init__(self, region: ShmRegion | DeviceRegion, ops: StoreOps, lease_seconds: float):
         super().__init__()
         self.region, self.ops, self.lease = region, ops, lease_seconds
         self.grants = GrantTable(region.size, lease_seconds)
@@ -207,10 +210,9 @@ class ShmServerLane(ServerLane):
     def _copy_in(self, slot: Slot, res: Reservation, address: int = 0) -> int:
         """Region (or client memory at ``address``) -> arena slot; the CRC32C of the bytes as they landed."""
         assert res.ticket is not None
-        dst = host_view(res.ticket.buffer)
-        staging = dst is None  # device slot (HBM tier): land and check on the host, then upload
-        if staging:
-            dst = memoryview(bytearray(slot.length))
+        host = host_view(res.ticket.buffer)
+        staging = host is None  # device slot (HBM tier): land and check on the host, then upload
+        dst = memoryview(bytearray(slot.length)) if host is None else host
         if address:
             assert self.direct is not None
             crc = self.direct.read_into(dst, address)
@@ -242,7 +244,8 @@ class ShmServerLane(ServerLane):
                     f"a direct Get names {len(outs)} destinations for {len(request.hashes)} hashes",
                 )
         _, leases = self.ops.acquire(request, self.access)
-        grant: Grant | None = self.grants.grant_get()
+        grant: Grant | None
+        grant = self.grants.grant_get()
         released = 0
         handled = 0
         sent = 0
@@ -406,7 +409,7 @@ def _shutdown(conn: socket.socket) -> None:
 
 def put_conversation(
     lane_for: Callable[[lpb.LaneRef], ShmServerLane], requests: Iterator[lpb.LanePutRequest]
-) -> Iterator[lpb.LanePutResponse]:
+) -> Generator[lpb.LanePutResponse, None, None]:
     """The replies of one LanePut conversation (over gRPC or a lane's channel): a grant per reserve (then,
     for a direct reserve, its results at once), results per commit. The lane comes from the first message;
     whatever was reserved and not committed is taken back when the conversation ends, however it ends."""

@@ -25,9 +25,9 @@ Verbs (``StoreOps``, thread-safe like the BlockStore under it):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -42,6 +42,8 @@ from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFo
 from kvstore.store.blockstore import ALREADY_PRESENT, lease_windows
 from kvstore.tiers.base import BlockMeta
 from kvstore.v1 import kvstore_pb2 as pb
+
+R = TypeVar("R")
 
 
 @dataclass(slots=True)
@@ -60,7 +62,7 @@ class StoreOps:
 
     # -- validation ---------------------------------------------------------------------
     @staticmethod
-    def check(fn: Any, *args: Any) -> Any:
+    def check(fn: Callable[..., R], *args: Any) -> R:
         try:
             return fn(*args)
         except InvalidRequest as err:
@@ -158,7 +160,8 @@ class StoreOps:
             return pb.BlockResult(hash=res.meta.hash, status=pb.PUT_ALREADY_PRESENT)
         committed.append(entry)
         access.charge(res.meta.namespace, res.meta.stored_length)
-        return pb.BlockResult(hash=res.meta.hash, status=pb.PUT_STORED, tier=self.store.top.rank)
+        # protoc's .pyi types enum fields as Tier | str and Codec | str; protobuf takes (and stores) the ints
+        return pb.BlockResult(hash=res.meta.hash, status=pb.PUT_STORED, tier=self.store.top.rank)  # type: ignore[arg-type]
 
     def abort(self, reservations: Sequence[Reservation | None]) -> None:
         for res in reservations:
@@ -200,7 +203,7 @@ class StoreOps:
             codec, stored = pb.CODEC_NONE, lease.raw_length
         header = pb.BlockHeader(
             hash=lease.hash,
-            codec=codec,
+            codec=codec,  # type: ignore[arg-type]  # protoc's .pyi: Codec | str; an int is what it takes
             raw_length=lease.raw_length,
             stored_length=stored,
             crc32c=lease.crc32c,
@@ -216,7 +219,7 @@ class StoreOps:
         if lease.codec in accepted:
             return pb.BlockHeader(
                 hash=lease.hash,
-                codec=lease.codec,
+                codec=lease.codec,  # type: ignore[arg-type]  # protoc's .pyi: Codec | str; an int is what it takes
                 raw_length=lease.raw_length,
                 stored_length=lease.stored_length,
                 crc32c=lease.crc32c,

@@ -228,6 +228,7 @@ class TcpLaneServer:
                 res = ops.reserve(ns, meta, i, access)
                 if res.ticket is None:
                     framing.drain(conn, n + framing.CRC.size)
+                    assert res.result is not None  # final when there is no ticket
                     reply.results.append(res.result)
                     res = None
                     continue

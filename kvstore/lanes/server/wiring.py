@@ -113,7 +113,7 @@ class LaneServer:
 
 def _cuda_lane_device(cfg: Any) -> str | None:
     """Where cuda_ipc regions live: None (lane off) unless CUDA works here or the cpu stand-in is asked for."""
-    device = cfg.cuda_lane_device or cfg.hbm_device
+    device: str | None = cfg.cuda_lane_device or cfg.hbm_device
     if device == "cpu":
         return device
     from kvstore.tiers.arena import cuda_available

@@ -33,7 +33,7 @@ from kvstore.tiers.base import TierFull
 from kvstore.tiers.nvme.format import make_loc
 from kvstore.tiers.nvme.io import IoBackend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
-from kvstore.tiers.nvme.reader import BufferPool, Wanted, plan_pieces, read_piece
+from kvstore.tiers.nvme.reader import BufferPool, Checked, Wanted, plan_pieces, read_piece
 from kvstore.tiers.nvme.segments import Segment, SegmentState
 
 log = logging.getLogger("kvstore.nvme")
@@ -131,14 +131,7 @@ def _move_segment(
                         report.records_lost += 1
                 if not good:
                     continue
-                items = [
-                    Pending(
-                        c.payload,
-                        header=bytes(c.record[: c.header.header_len]),  # type: ignore[union-attr,index]
-                        decoded=c.header,
-                    )
-                    for c in good
-                ]
+                items = [_verbatim(c) for c in good]
                 try:
                     new_locs = log_.append(items, use_reserve=True, force_sync=True)
                 except TierFull as e:
@@ -155,3 +148,9 @@ def _move_segment(
         if pairs and hook is not None:
             hook(pairs)
     return stopped
+
+
+def _verbatim(c: Checked) -> Pending:
+    """A copy of a valid record read with ``decode=True``: its payload, with its header as on disk."""
+    assert c.record is not None and c.header is not None
+    return Pending(c.payload, header=bytes(c.record[: c.header.header_len]), decoded=c.header)

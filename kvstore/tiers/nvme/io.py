@@ -95,7 +95,9 @@ class IoBackend(ABC):
 def array_address(a: np.ndarray) -> int:
     """Where an array's bytes start (the ctypes route is ~3x cheaper than ``a.ctypes.data`` when writable)."""
     if a.flags.writeable and a.flags.c_contiguous:
-        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+        # numpy types ndarray as a Buffer only from Python 3.12 (PEP 688); at run time it is one, and ``a.data``
+        # here would cost a second memoryview (~50% more per call, on the per-record read path)
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))  # type: ignore[arg-type]
     return int(a.ctypes.data)
 
 
@@ -232,7 +234,8 @@ def cuda_device_present() -> bool:
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        count: int = cupy.cuda.runtime.getDeviceCount()
+        return count > 0
     except Exception:  # noqa: BLE001 - no cupy, no driver: no device
         return False
 

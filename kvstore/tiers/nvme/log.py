@@ -122,7 +122,7 @@ class SegmentLog:
             self._ensure_room(sizes, use_reserve)
             seq0 = self.next_seq
             self._validate(items)  # ValueError here: nothing touched yet
-            decoded: list[Header] = [None] * len(items)  # type: ignore[list-item]  # filled as written
+            decoded: dict[int, Header] = {}  # item index -> its header, filled as written
             runs: list[tuple[Segment, int, list[int]]] = []  # (segment, start offset, item indices)
             created: list[Segment] = []
             offsets: list[int] = []
@@ -177,7 +177,7 @@ class SegmentLog:
         self._last_sync = time.monotonic()
 
     @staticmethod
-    def _chunks(items: Sequence[Pending], seq0: int, decoded: list[Header], idxs: list[int]) -> Iterator[Chunk]:
+    def _chunks(items: Sequence[Pending], seq0: int, decoded: dict[int, Header], idxs: list[int]) -> Iterator[Chunk]:
         """Header, payload and padding of each record, encoded as the combiner consumes them.
 
         A new block's payload CRC is computed here, just before its header is staged, so
@@ -190,9 +190,11 @@ class SegmentLog:
                 h = p.header
                 decoded[i] = p.decoded
             else:
+                m = p.meta
+                assert m is not None  # a new block: _validate checked it has its meta
                 crc = _crc32c(payload) if p.stored_crc is None else p.stored_crc
-                h = encode_header(p.meta, seq0 + i, crc)  # type: ignore[arg-type]
-                decoded[i] = Header(seq0 + i, p.meta, crc, len(h))  # type: ignore[arg-type]
+                h = encode_header(m, seq0 + i, crc)
+                decoded[i] = Header(seq0 + i, m, crc, len(h))
             yield h, payload
 
     def _ensure_room(self, sizes: list[int], use_reserve: bool) -> None:
@@ -231,7 +233,7 @@ class SegmentLog:
         runs: list[tuple[Segment, int, list[int]]],
         created: list[Segment],
         sizes: list[int],
-        headers: list[Header],
+        headers: dict[int, Header],
         offsets: list[int],
     ) -> list[int]:
         locs = [0] * len(sizes)

@@ -245,7 +245,7 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
                 view[:al] = 0
         return [(t, f"read failed: {got}") for w in piece.records for t in w.targets]
     end = piece.offset + got
-    failed = []
+    failed: list[tuple[int, str]] = []
     for w, hdr, tail, view, al in planned.plan:
         reason = ""
         fields = check_header(scratch, hdr) if w.offset + HEADER_BYTES <= end else None

@@ -112,7 +112,8 @@ class RecordTable:
         return nbytes
 
     def live_mask(self) -> list[bool]:
-        return self._live[: self.count].tolist()
+        live: list[bool] = self._live[: self.count].tolist()
+        return live
 
     def extend(self, offsets: list[int], nbytes: list[int]) -> None:
         """Append records at ascending offsets, all at once."""

@@ -34,6 +34,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -99,7 +100,7 @@ class SegmentRecords:
 def write_summary(data_dir: Path, seg_id: int, end: int, records: list[tuple[int, Header]]) -> None:
     ns_idx: dict[str, int] = {}
     dt_idx: dict[str, int] = {}
-    cols: dict[str, list] = {name: [] for name, _ in _COLUMNS}
+    cols: dict[str, list[Any]] = {name: [] for name, _ in _COLUMNS}  # ints; 16-byte keys in the _KEY columns
     for off, h in records:
         m = h.meta
         for name, value in (
@@ -164,7 +165,7 @@ def _parse_summary(body: bytes, seg_id: int) -> SegmentRecords:
         n = body[pos]
         dtypes.append(body[pos + 1 : pos + 1 + n].decode("ascii"))
         pos += 1 + n
-    cols = {}
+    cols: dict[str, list[Any]] = {}
     for name, dtype in _COLUMNS:
         if dtype == _KEY:
             cols[name] = [body[p : p + 16] for p in range(pos, pos + 16 * count, 16)]

@@ -74,9 +74,8 @@ def as_source(src: Any) -> np.ndarray:
 
         src = src.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
     if isinstance(src, np.ndarray):
-        if not src.flags.c_contiguous:
-            src = np.ascontiguousarray(src)
-        return src.reshape(-1).view(np.uint8)
+        arr = src if src.flags.c_contiguous else np.ascontiguousarray(src)
+        return arr.reshape(-1).view(np.uint8)
     return np.frombuffer(src, dtype=np.uint8)
 
 
