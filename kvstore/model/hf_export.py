@@ -12,6 +12,9 @@ Verbs and promises:
   Files are written to a temporary name and renamed, so a directory that has
   ``config.json`` and ``model.safetensors`` is complete.
 - ``export_model(name, dest, ...)``: the CLI's entry; only ``smollm2`` exists.
+- ``exported_smollm2(dtype="float32") -> Path``: a directory under the model cache (``$KVSTORE_CACHE_DIR`` or
+  ``~/.cache/kvstore``), exported on first use and reused after (keyed by the GGUF's name, size and mtime):
+  what tests, benchmarks and demos hand to vLLM.
 
 fp32 is the default dtype: this VM's cores have AVX2 but no AVX512-BF16/AMX, so
 vLLM's CPU kernels run bf16 slower than fp32 here (see the report of issue 16).
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvstore.model.gguf_loader import find_smollm2_gguf, load_gguf
+from kvstore.model.gguf_loader import cache_dir, cache_key, find_smollm2_gguf, load_gguf
 
 MODELS = ("smollm2",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,3 +90,10 @@ def export_model(name: str, dest: str | Path, *, dtype: str = "float32") -> Expo
     if name != "smollm2":
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     return export_smollm2(dest, dtype=dtype)
+
+
+def exported_smollm2(dtype: str = "float32") -> Path:
+    dest = cache_dir() / "hf" / f"{cache_key(find_smollm2_gguf())}-{dtype}"
+    if not ((dest / "config.json").exists() and (dest / "model.safetensors").exists()):
+        export_smollm2(dest, dtype=dtype)
+    return dest

@@ -41,7 +41,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstore.integrations.vllm.identity import EngineShape, request_namespace
 from kvstore.integrations.vllm.plan import StepPlan
 from kvstore.integrations.vllm.scheduler import SchedulerSide, planner_from_spec
-from kvstore.integrations.vllm.settings import Settings
+from kvstore.integrations.vllm.settings import ClientSlot, Settings
 from kvstore.integrations.vllm.stats import StatsFile, stats_files
 from kvstore.integrations.vllm.worker import WorkerSide
 
@@ -77,14 +77,13 @@ class KVStoreConnector(KVConnectorBase_V1):
                 # The scheduler reads the policy right after building this connector.
                 log.info("KVStoreConnector: kv_load_failure_policy %r -> 'recompute'", transfer.kv_load_failure_policy)
                 transfer.kv_load_failure_policy = "recompute"
-            client = self.settings.client()
-            self._lookup_client = client
+            self._lookup_client = ClientSlot(self.settings.client)
             page = 2 * self.shape.kv_heads * self.shape.head_size * self.shape.block_size
             itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(self.shape.dtype, 1)
             self._scheduler = SchedulerSide(
                 self.shape,
                 self.settings.namespace,
-                client.lookup_tiers,
+                lambda ns, hashes: self._lookup_client.call(lambda c: c.lookup_tiers(ns, hashes)),
                 loads=self.loads,
                 saves=self.saves,
                 block_bytes=page * itemsize * self.shape.layers,

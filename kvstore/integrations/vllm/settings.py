@@ -3,6 +3,9 @@
 - ``Settings.from_extra(extra) -> Settings``: every key checked (an unknown key is an error naming the known
   ones, so a typo never silently runs with a default).
 - ``Settings.client()``: a ``kvstore.client.Client`` for them (``redis://`` targets give a cluster client).
+- ``ClientSlot(factory)``: one lazily built client; ``call(fn)`` runs ``fn(client)`` and, when it raises,
+  drops the client so the next call builds a fresh one (a restarted store is reached at once instead of
+  after gRPC's reconnect backoff, and a broken lane is renegotiated).
 
 Keys (all optional except ``target``):
 
@@ -26,8 +29,11 @@ Keys (all optional except ``target``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _ALIASES = {"tls_ca_file": "tls_ca", "tls_cert_file": "tls_cert", "tls_key_file": "tls_key"}
 
@@ -96,3 +102,26 @@ class Settings:
             lane=self.lane,
             codec=self.codec,
         )
+
+
+class ClientSlot:
+    def __init__(self, factory: Callable[[], Any]):
+        self._factory = factory
+        self.client: Any = None
+
+    def call(self, fn: Callable[[Any], T]) -> T:
+        if self.client is None:
+            self.client = self._factory()
+        try:
+            return fn(self.client)
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass

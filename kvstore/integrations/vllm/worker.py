@@ -40,6 +40,7 @@ import torch
 
 from kvstore.integrations.vllm.cache_blocks import CacheBlocks
 from kvstore.integrations.vllm.plan import BlockRun, StepPlan
+from kvstore.integrations.vllm.settings import ClientSlot
 from kvstore.integrations.vllm.stats import StatsFile
 
 log = logging.getLogger(__name__)
@@ -91,17 +92,17 @@ class WorkerSide:
         saves: bool = True,
         stats: StatsFile | None = None,
     ):
-        self._client_factory, self.dtype = client_factory, dtype
+        self.dtype = dtype
         self.load_chunk, self.save_chunk = load_chunk, save_chunk
         self.counters = WorkerCounters()
         self._stats = stats
         self._stats_lock = threading.Lock()
         self.blocks: CacheBlocks | None = None
-        self._load_client: Any = None
+        self._load_client = ClientSlot(client_factory)
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
         self._load_errors: set[int] = set()
         self._load_staging: list[torch.Tensor] = []
-        self._saver = _Saver(self, save_chunk) if saves else None
+        self._saver = _Saver(self, save_chunk, client_factory) if saves else None
         self._save_reqs: set[str] = set()
         self._finished: set[str] = set()
 
@@ -128,15 +129,12 @@ class WorkerSide:
         self.counters.load_seconds += time.perf_counter() - start
         self._publish()
 
-    def _client(self) -> Any:
-        if self._load_client is None:
-            self._load_client = self._client_factory()
-        return self._load_client
-
     def _fetch(self, run: BlockRun, lo: int, hi: int, staging: torch.Tensor) -> int:
         """Get blocks [lo, hi) of a run into staging rows; the number of leading blocks that arrived."""
         out = [staging[i] for i in range(hi - lo)]
-        got = self._client().get(run.namespace, list(run.hashes[lo:hi]), out=out, allow_missing=True)
+        got = self._load_client.call(
+            lambda c: c.get(run.namespace, list(run.hashes[lo:hi]), out=out, allow_missing=True)
+        )
         for i, block in enumerate(got):
             if block is None:
                 return i
@@ -189,6 +187,7 @@ class WorkerSide:
         for run in plan.saves:
             self._save_reqs.add(run.req_id)
             self._saver.submit(run)
+        self._publish()  # saves_in_flight > 0 before the step's output reaches anyone waiting on it
 
     def preempting(self, plan: StepPlan) -> None:
         if self._saver is not None and plan.preempted & self._save_reqs:
@@ -207,13 +206,12 @@ class WorkerSide:
         if self._saver is not None:
             self._saver.close(timeout)
         self._fetcher.shutdown(wait=True)
-        if self._load_client is not None:
-            self._load_client.close()
+        self._load_client.close()
         self._publish()
 
     def _publish(self) -> None:
         c = self.counters
-        client = self._load_client or (self._saver.client if self._saver is not None else None)
+        client = self._load_client.client or (self._saver.slot.client if self._saver is not None else None)
         if client is not None and not c.lane:
             try:
                 c.lane = str(client.lane_kind)
@@ -232,12 +230,12 @@ class WorkerSide:
 class _Saver:
     """One thread that gathers and Puts save runs in order; counts what is outstanding per request."""
 
-    def __init__(self, worker: WorkerSide, chunk: int):
+    def __init__(self, worker: WorkerSide, chunk: int, client_factory: Callable[[], Any]):
         self._worker, self._chunk = worker, chunk
         self._queue: queue.Queue[BlockRun | None] = queue.Queue()
         self._outstanding: defaultdict[str, int] = defaultdict(int)
         self._cond = threading.Condition()
-        self.client: Any = None
+        self.slot = ClientSlot(client_factory)
         self._staging: torch.Tensor | None = None
         self._thread = threading.Thread(target=self._loop, name="kvstore-save", daemon=True)
         self._thread.start()
@@ -268,8 +266,7 @@ class _Saver:
     def close(self, timeout: float) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
-        if self.client is not None:
-            self.client.close()
+        self.slot.close()
 
     def _loop(self) -> None:
         while True:
@@ -294,8 +291,6 @@ class _Saver:
         assert blocks is not None
         c = self._worker.counters
         start = time.perf_counter()
-        if self.client is None:
-            self.client = self._worker._client_factory()
         if self._staging is None:
             self._staging = blocks.new_staging(self._chunk)
         c.save_runs += 1
@@ -303,12 +298,11 @@ class _Saver:
             hi = min(lo + self._chunk, len(run))
             blocks.gather(run.block_ids[lo:hi], self._staging)
             parent = run.hashes[lo - 1] if lo else (run.parent or None)
-            results = self.client.put(
-                run.namespace,
-                list(run.hashes[lo:hi]),
-                [self._staging[i] for i in range(hi - lo)],
-                parent=parent,
-                dtype=self._worker.dtype,
+            payloads = [self._staging[i] for i in range(hi - lo)]
+            results = self.slot.call(
+                lambda c: c.put(
+                    run.namespace, list(run.hashes[lo:hi]), payloads, parent=parent, dtype=self._worker.dtype
+                )
             )
             c.save_blocks_sent += hi - lo
             c.save_bytes += (hi - lo) * blocks.block_bytes

@@ -1,0 +1,215 @@
+"""KVStoreConnector in real vLLM engines (subprocesses) over a real ``kvstore serve``.
+
+Two engines for the whole module, to keep it inside CI's budget on 2 cores: a producer (``kv_both``,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``: both connector sides in one process) and a consumer (``kv_consumer``,
+multiprocessing on: its scheduler and worker sides in the engine-core process, the driver elsewhere). The
+reference tokens are the producer's, computed cold (an empty store: nothing loaded). Each test uses its own
+random prompt, so neither engine's own prefix cache answers for another test.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvstore.integrations.vllm_engine import EngineProcess, EngineSpec  # noqa: E402
+from kvstore.server.process import free_port  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 32
+MAX_TOKENS = 4
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+@dataclass
+class Store:
+    port: int
+    nvme_dir: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", "--listen", self.target, "--metrics-port", "0",
+             "--log-level", "error", "--dram", "1GiB", "--nvme-dir", str(self.nvme_dir), "--nvme", "2GiB"],
+            cwd=ROOT,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while subprocess.run(
+            [sys.executable, "-m", "kvstore", "health", "--target", self.target, "--timeout", "1"],
+            cwd=ROOT,
+            capture_output=True,
+        ).returncode:
+            assert self.proc.poll() is None, "kvstore serve exited"
+            assert time.monotonic() < deadline, "kvstore serve did not become healthy"
+            time.sleep(0.2)
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(60)
+        self.proc = None
+
+
+@dataclass
+class Rig:
+    store: Store
+    producer: EngineProcess
+    consumer: EngineProcess
+    fault_file: Path
+
+    def reference(self, prompt: list[int], salt: str | None = None) -> list[int]:
+        """The producer's tokens for a prompt nobody stored before; waits until its blocks are in the store."""
+        out = self.producer.generate([prompt], MAX_TOKENS, cache_salt=salt)["outputs"][0]
+        assert out["cached"] == 0
+        self.producer.wait_saves()
+        return out["tokens"]
+
+    def consume(self, prompt: list[int], salt: str | None = None) -> dict:
+        return self.consumer.generate([prompt], MAX_TOKENS, cache_salt=salt)["outputs"][0]
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    from kvstore.model.hf_export import exported_smollm2
+
+    try:
+        model = str(exported_smollm2())
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    tmp = tmp_path_factory.mktemp("vllm")
+    store = Store(free_port(), tmp / "nvme")
+    store.start()
+    fault = tmp / "fault"
+    common = {"target": store.target, "timeout": 20}
+    producer = consumer = None
+    try:
+        producer = EngineProcess(
+            EngineSpec(model, "kvstore", "kv_both", {**common, "stats_path": str(tmp / "p")}, mp=False)
+        )
+        consumer = EngineProcess(
+            EngineSpec(
+                model,
+                "kvstore",
+                "kv_consumer",
+                {
+                    **common,
+                    "stats_path": str(tmp / "c"),
+                    "load_planner": "tests.vllm_fault_planner:kill_store_after_lookup",
+                },
+                mp=True,
+                env={"KVSTORE_TEST_FAULT": str(fault)},
+            )
+        )
+        yield Rig(store, producer, consumer, fault)
+    finally:
+        for engine in (consumer, producer):
+            if engine is not None:
+                engine.close()
+        store.stop(signal.SIGTERM)
+
+
+def test_consumer_in_a_new_process_loads_the_stored_prefix(rig: Rig) -> None:
+    prompt = _prompt(1, 1000)
+    ref = rig.reference(prompt)
+    saved = rig.producer.worker_stats()
+    assert saved["save_blocks_stored"] >= 1000 // BLOCK and saved["save_failures"] == 0
+    before = rig.consumer.worker_stats().get("load_blocks", 0)
+    out = rig.consume(prompt)
+    assert out["tokens"] == ref
+    assert out["cached"] == (len(prompt) - 1) // BLOCK * BLOCK  # every full block but the one holding the last token
+    stats = rig.consumer.worker_stats()
+    assert stats["load_blocks"] - before == len(prompt) // BLOCK and stats["load_failures"] == 0
+    assert stats["lane"] == "shm" and stats["cross_layer_view"]
+
+
+def test_multi_turn_reuses_the_earlier_turn_from_the_store(rig: Rig) -> None:
+    turn1 = _prompt(2, 700)
+    answer = rig.reference(turn1)
+    turn2 = turn1 + answer + _prompt(3, 400)
+    before = rig.consumer.worker_stats().get("load_blocks", 0)
+    out = rig.consume(turn2)  # the store holds turn 1's blocks only: a partial prefix hit
+    assert out["cached"] == len(turn1) // BLOCK * BLOCK
+    assert rig.consumer.worker_stats()["load_blocks"] - before == len(turn1) // BLOCK
+    assert out["tokens"] == rig.producer.generate([turn2], MAX_TOKENS)["outputs"][0]["tokens"]
+
+
+def test_cache_salt_isolates_tenants(rig: Rig) -> None:
+    prompt = _prompt(4, 800)
+    ref = rig.reference(prompt, salt="tenant-a")
+    other = rig.consume(prompt, salt="tenant-b")
+    assert other["cached"] == 0 and other["tokens"] == ref
+    unsalted = rig.consume(prompt)
+    assert unsalted["cached"] == 0
+    same = rig.consume(prompt, salt="tenant-a")
+    assert same["cached"] == (len(prompt) - 1) // BLOCK * BLOCK and same["tokens"] == ref
+
+
+def test_store_down_before_the_load_recomputes(rig: Rig) -> None:
+    prompt = _prompt(5, 900)
+    ref = rig.reference(prompt)
+    failures = rig.consumer.scheduler_stats().get("lookup_failures", 0)
+    rig.store.stop()
+    try:
+        out = rig.consume(prompt)
+        assert out["tokens"] == ref and out["cached"] == 0
+        assert rig.consumer.scheduler_stats()["lookup_failures"] == failures + 1
+    finally:
+        rig.store.start()  # empty: memory only until now
+
+
+def test_store_lost_between_lookup_and_load_recomputes(rig: Rig) -> None:
+    prompt = _prompt(6, 900)
+    ref = rig.reference(prompt)
+    before = rig.consumer.worker_stats()
+    assert rig.store.proc is not None
+    rig.fault_file.write_text(str(rig.store.proc.pid))
+    try:
+        out = rig.consume(prompt)  # Lookup hits, then the planner kills the store before the Gets
+        assert out["tokens"] == ref
+        stats = rig.consumer.worker_stats()
+        why = (stats, rig.consumer.scheduler_stats(), rig.producer.worker_stats(), rig.fault_file.exists())
+        assert stats["load_failures"] == before.get("load_failures", 0) + 1, why
+        assert stats["load_failed_blocks"] - before.get("load_failed_blocks", 0) == len(prompt) // BLOCK
+    finally:
+        rig.fault_file.unlink(missing_ok=True)
+        rig.store.stop()
+        rig.store.start()
+
+
+def test_corrupted_block_is_recomputed(rig: Rig) -> None:
+    prompt = _prompt(7, 900)
+    ref = rig.reference(prompt)
+    rig.store.stop(signal.SIGTERM)  # a graceful stop copies the blocks to NVMe
+    flipped = 0
+    for seg in sorted(rig.store.nvme_dir.glob("seg-*.log")):
+        data = bytearray(seg.read_bytes())
+        for off in range(0, len(data) - 8192, 4096):
+            if data[off : off + 4] == b"KVSR":
+                data[off + 4096 + 1000] ^= 0xFF  # a payload byte of every record: its CRC32C no longer matches
+                flipped += 1
+        seg.write_bytes(bytes(data))
+    assert flipped >= len(prompt) // BLOCK
+    rig.store.start()  # recovers the index from the segments' summaries; payloads are checked on read
+    before = rig.consumer.worker_stats()
+    out = rig.consume(prompt)
+    assert out["tokens"] == ref
+    assert rig.consumer.worker_stats()["load_failures"] == before.get("load_failures", 0) + 1

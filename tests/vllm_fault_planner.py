@@ -1,0 +1,24 @@
+"""A ``load_planner`` for the connector tests: kills the store between a Lookup and its load, once, on demand.
+
+The test writes the store's pid into the file named by ``KVSTORE_TEST_FAULT``; the next planned load in the
+engine (scheduler side, right after its Lookup found hits) kills that store, so the worker's Gets fail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from kvstore.integrations.vllm.scheduler import LoadQuery
+
+
+def kill_store_after_lookup(query: LoadQuery) -> int:
+    path = os.environ.get("KVSTORE_TEST_FAULT", "")
+    if query.hit_blocks and path and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            pid = int(f.read().strip())
+        os.unlink(path)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)  # its sockets close with it; the test process reaps it
+    return query.hit_blocks
