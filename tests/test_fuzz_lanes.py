@@ -408,7 +408,7 @@ def put_frame(rng: random.Random, fault: str) -> tuple[bytes, list[bytes]]:
         crcs[bad] ^= 1 << rng.randrange(32)
     payload = b"".join(d + framing.CRC.pack(c) for d, c in zip(blocks, crcs))
     if fault == "crc":
-        return frame(framing.PUT, meta, payload), hashes[bad:]
+        return frame(framing.PUT, meta, payload), hashes[bad : bad + 1]  # only the bad block is refused
     if fault == "length":  # declared payload length differs from what the headers announce: nothing stored
         delta = rng.choice([1, -1, 4, -4, 1 << 40, 2**64 - 1 - len(payload)])
         return frame(framing.PUT, meta, payload, data_len=(len(payload) + delta) % 2**64), hashes

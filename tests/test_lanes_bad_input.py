@@ -87,7 +87,7 @@ def test_codec_none_with_unequal_lengths(lane_server, lane):
     assert_nothing_stored(lane_server)
 
 
-def test_checksum_mismatch_stores_nothing(lane_server, lane):
+def test_checksum_mismatch_rejects_that_block_alone(lane_server, lane):
     if lane == "cuda_ipc":
         pytest.skip("cuda_ipc puts carry no client CRC: the server computes it where the block lands")
     raw = RawLanes(lane_server)
@@ -113,8 +113,7 @@ def test_checksum_mismatch_stores_nothing(lane_server, lane):
             grant.grant_id,
             [lpb.BlockDescriptor(index=1, hash=KEY, offset=grant.slots[1].offset, length=5000, crc32c=crc ^ 1)],
         )
-        with pytest.raises(KVStoreError) as err:
-            stream.committed()
+        (result,) = stream.committed()
         stream.close()
     else:
         tcp = raw.tcp()
@@ -122,9 +121,10 @@ def test_checksum_mismatch_stores_nothing(lane_server, lane):
         meta = lpb.TcpPut(namespace="ns", headers=[header(KEY, data)])
         wrong = framing.CRC.pack(header(KEY, data).crc32c ^ 1)  # each block's CRC32C follows its bytes
         framing.send_frame(tcp.sock, framing.PUT, meta.SerializeToString(), [memoryview(data), memoryview(wrong)])
-        with pytest.raises(KVStoreError) as err:
-            tcp._expect(framing.PUT_REPLY)
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "CRC32C mismatch" in err.value.message
+        (result,) = pb.PutResponse.FromString(tcp._expect(framing.PUT_REPLY).meta).results
+    # the block is refused in its result, as on the gRPC Put, and the lane stays usable
+    assert result.status == pb.PUT_REJECTED and result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "CRC32C mismatch" in result.reason
     assert lane_server.store.lookup("ns", [bytes(16), KEY])[0] == 1  # the good block before it stays
     assert lane_server.store.stats()["blocks"] == 1
     raw.close()

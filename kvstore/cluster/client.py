@@ -371,6 +371,7 @@ class ClusterClient:
             "lookups": sum(int(s.get("lookups", 0)) for s in ok),
             "lookup_hits": sum(int(s.get("lookup_hits", 0)) for s in ok),
             "lookup_misses": sum(int(s.get("lookup_misses", 0)) for s in ok),
+            "lookup_hashes": sum(int(s.get("lookup_hashes", 0)) for s in ok),
             "tiers": list(tiers.values()),
         }
 

@@ -1,4 +1,7 @@
-"""``verify_crc(meta, stored, stored_crc) -> bool``: does a stored block hold what its header says?
+"""Does a stored block hold what its header says? The check and the words of a refusal, for every Put path.
+
+- ``verify_crc(meta, stored, stored_crc) -> bool``
+- ``crc_mismatch_reason(index, meta) -> str``: the reason in a rejected block's result (gRPC and the lanes).
 
 A raw block (codec 0) matches when the CRC32C computed over its bytes as they landed equals the header's. An
 encoded block is decoded and the CRC32C of the raw bytes is compared (the header carries the raw bytes' CRC).
@@ -10,7 +13,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from kvstore.checksum import crc32c
-from kvstore.codecs.registry import decode
+from kvstore.codecs.registry import codec_name, decode
 
 
 class StoredMeta(Protocol):
@@ -24,6 +27,8 @@ class StoredMeta(Protocol):
     def raw_length(self) -> int: ...
     @property
     def crc32c(self) -> int: ...
+    @property
+    def hash(self) -> bytes: ...
 
 
 def verify_crc(meta: StoredMeta, stored: memoryview, stored_crc: int) -> bool:
@@ -35,3 +40,14 @@ def verify_crc(meta: StoredMeta, stored: memoryview, stored_crc: int) -> bool:
     except Exception:  # noqa: BLE001 - any failure to decode means the bytes are not what the header says
         return False
     return len(raw) == meta.raw_length and crc32c(raw) == meta.crc32c
+
+
+def crc_mismatch_reason(index: int, meta: StoredMeta) -> str:
+    """The reason of a block rejected for its checksum (the same words on every lane)."""
+    what = (
+        "" if meta.codec == 0 else f" (or its {meta.dtype} payload does not decode with codec {codec_name(meta.codec)})"
+    )
+    return (
+        f"block {index} ({meta.hash.hex()}): CRC32C mismatch{what}; the bytes were corrupted in transit or "
+        f"the header's checksum is wrong; this block was not stored, send it again"
+    )

@@ -39,9 +39,9 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from kvstore.checksum import crc32c
-from kvstore.codecs import codec_name
 from kvstore.codecs.transfer import DecodeTally
 from kvstore.codecs.transfer_server import ServerCoding
+from kvstore.codecs.verify import crc_mismatch_reason
 from kvstore.server import validate
 from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
@@ -58,17 +58,6 @@ R = TypeVar("R")
 
 
 PUT_HANDLED_KEY = "kvstore-put-blocks-handled"  # trailing metadata of an aborted Put: blocks before the fault
-
-
-def crc_mismatch_reason(index: int, meta: BlockMeta) -> str:
-    """The reason of a block rejected for its checksum (the same words on every lane)."""
-    what = (
-        "" if meta.codec == 0 else f" (or its {meta.dtype} payload does not decode with codec {codec_name(meta.codec)})"
-    )
-    return (
-        f"block {index} ({meta.hash.hex()}): CRC32C mismatch{what}; the bytes were corrupted in transit or "
-        f"the header's checksum is wrong; this block was not stored, send it again"
-    )
 
 
 def _handled_note(handled: int) -> str:

@@ -13,8 +13,9 @@ Verbs (``StoreOps``, thread-safe like the BlockStore under it):
 - ``finish(res, crc, computed, committed, access) -> BlockResult``: ``crc`` is the CRC32C the
   client claims for the raw bytes, ``computed`` the CRC32C of the bytes that
   landed in the slot (codec none). On a match the block is committed; on a
-  mismatch the slot is given back and INVALID_ARGUMENT raised. A stored
-  block is charged to the tenant's quota.
+  mismatch (or a payload that does not decode) the slot is given back and that
+  block alone is rejected (INVALID_ARGUMENT in its result, as on the gRPC Put);
+  the request goes on. A stored block is charged to the tenant's quota.
 - ``abort(reservations)``: give back the slots of uncommitted reservations.
 - ``persist(entries)``: write-through to the durable tier before acknowledging.
 - ``copies``: the ``CopyPool`` the region lanes spread a batch's copies over.
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore.codecs.verify import verify_crc
+from kvstore.codecs.verify import crc_mismatch_reason, verify_crc
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.server.access import LaneAccess
@@ -141,19 +142,15 @@ class StoreOps:
             ticket.meta = BlockMeta(m.namespace, m.hash, m.parent, m.codec, m.dtype, m.raw_length, m.stored_length, crc)
         try:
             ok = verify_crc(ticket.meta, ticket.buffer, computed)
-        except Exception as err:  # an encoded block that does not decode (codec, dtype): the sender's fault
+        except Exception:  # an encoded block that does not decode (codec, dtype): the sender's fault
+            ok = False
+        if not ok:  # this block alone is refused, as on the gRPC Put; the request goes on
             self.store.abort_put(ticket)
-            raise LaneError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"block {res.index} ({res.meta.hash.hex()}): does not decode with codec "
-                f"{res.meta.codec} and dtype {res.meta.dtype!r}: {err}",
-            ) from None
-        if not ok:
-            self.store.abort_put(ticket)
-            raise LaneError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"block {res.index} ({res.meta.hash.hex()}): CRC32C mismatch; the bytes were "
-                f"corrupted in transit or the header's checksum is wrong",
+            return pb.BlockResult(
+                hash=res.meta.hash,
+                status=pb.PUT_REJECTED,
+                code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                reason=crc_mismatch_reason(res.index, res.meta),
             )
         status, entry = self.store.commit_put(ticket)
         if status == ALREADY_PRESENT:
