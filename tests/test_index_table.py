@@ -23,8 +23,8 @@ def meta(ns: str, i: int, parent: int | None = None, size: int = 100) -> BlockMe
     return BlockMeta(ns, key(i), key(parent) if parent is not None else b"", 1, "bfloat16", 2 * size, size, i & 0xFFFF)
 
 
-def table() -> EntryTable:
-    return EntryTable(ranks={DRAM: 32, NVME: 64})
+def table(jit: bool = True) -> EntryTable:
+    return EntryTable(ranks={DRAM: 32, NVME: 64}, jit=jit)
 
 
 # -- a dict model --------------------------------------------------------------------------
@@ -38,9 +38,9 @@ op = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(op, max_size=120))
-def test_random_operations_agree_with_a_dict(ops):
-    t = table()
+@given(st.lists(op, max_size=120), st.booleans())
+def test_random_operations_agree_with_a_dict(ops, jit):
+    t = table(jit)
     names = ["a", "b", "c"]
     model: dict[tuple[int, int], int] = {}  # (ns, i) -> entry
     unmapped: set[int] = set()
@@ -69,8 +69,9 @@ def test_random_operations_agree_with_a_dict(ops):
     assert t.slots.used == len(model)
 
 
-def test_growth_under_load_loses_nothing():
-    t = table()
+@pytest.mark.parametrize("jit", [True, False])
+def test_growth_under_load_loses_nothing(jit):
+    t = table(jit)
     ns = t.namespace_id("ns", create=True)
     n = 3 * CHUNK + 123  # several column chunks and many slot-table rebuilds
     start_slots = t.slots.nslots
@@ -88,9 +89,10 @@ def test_growth_under_load_loses_nothing():
     assert EntryTable(ranks={DRAM: 32}).bytes_per_entry() == 57
 
 
-def test_dense_table_probes_past_a_window():
+@pytest.mark.parametrize("jit", [True, False])
+def test_dense_table_probes_past_a_window(jit):
     """A table filled to its maximum load: many keys sit more than WINDOW slots from home."""
-    t = table()
+    t = table(jit)
     ns = t.namespace_id("ns", create=True)
     n = int(MAX_LOAD * t.slots.nslots)
     t.insert_many(ns, [meta("ns", i) for i in range(n)], [2] * n)
@@ -102,8 +104,9 @@ def test_dense_table_probes_past_a_window():
     assert [t.find(ns, key(i)) for i in range(n)] == list(range(n))
 
 
-def test_tombstones_are_reused_without_growth():
-    t = table()
+@pytest.mark.parametrize("jit", [True, False])
+def test_tombstones_are_reused_without_growth(jit):
+    t = table(jit)
     ns = t.namespace_id("ns", create=True)
     live = list(range(500))
     t.insert_many(ns, [meta("ns", i) for i in live], [2] * 500)

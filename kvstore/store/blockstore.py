@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 
 from kvstore.store.cascade import CapacityError, Cascade
-from kvstore.store.columns import plan
 from kvstore.store.counters import StoreCounters, TierCounters
 from kvstore.store.index import DTYPES, NO_LOC, EntryTable, dtype_id
 from kvstore.store.policy import LeafLRU
@@ -270,9 +269,8 @@ class BlockStore(Cascade):
             ids = all_ids if pos is None else all_ids[pos]
             if not len(ids):
                 return [None] * len(hashes)
-            p = plan(ids)
-            t.lease_many(ids, p)
-            ranks = t.top_ranks(ids, self._ranks, p)
+            t.lease_many(ids)
+            ranks = t.top_ranks(ids, self._ranks)
             locs = np.zeros(len(ids), dtype=np.int64)
             for rank in self._ranks:
                 here = ranks == rank
@@ -284,11 +282,11 @@ class BlockStore(Cascade):
                 self._touch(e)
             fields = zip(
                 ids_l,
-                t.column("codec").take(ids, p).tolist(),
-                t.column("dtype").take(ids, p).tolist(),
-                t.column("raw_len").take(ids, p).tolist(),
-                t.column("stored_len").take(ids, p).tolist(),
-                t.column("crc").take(ids, p).tolist(),
+                t.column("codec").take(ids).tolist(),
+                t.column("dtype").take(ids).tolist(),
+                t.column("raw_len").take(ids).tolist(),
+                t.column("stored_len").take(ids).tolist(),
+                t.column("crc").take(ids).tolist(),
                 ranks.tolist(),
                 locs.tolist(),
                 range(len(hashes)) if pos is None else pos.tolist(),
@@ -428,8 +426,7 @@ class BlockStore(Cascade):
     def _add_new_copies(self, ids: np.ndarray, rank: int, locs: Sequence[int]) -> None:
         """``_add_copy`` of a batch of entries just inserted (none has a child yet; parents may be in the batch)."""
         t, policy = self.table, self.policies[rank]
-        p = plan(ids)
-        t.column_of_loc(rank).put(ids, np.asarray(locs, dtype=np.int64) + 1, p)
+        t.column_of_loc(rank).put(ids, np.asarray(locs, dtype=np.int64) + 1)
         rooted = t.rooted[ids].tolist()
         ids_l = ids.tolist()
         for e, r in zip(ids_l, rooted):

@@ -38,7 +38,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from kvstore.store.columns import CHUNK_BITS, CHUNK_MASK, Column, plan
+from kvstore.store import slots_jit
+from kvstore.store.columns import Column
 from kvstore.store.index_views import FingerprintView, FlagView, HashView, RankedView, ScalarView
 from kvstore.store.slots import SlotIndex
 from kvstore.tiers.base import BlockMeta
@@ -79,9 +80,10 @@ def _key_words(keys: Sequence[bytes]) -> np.ndarray | None:
 
 
 class EntryTable:
-    def __init__(self, initial: int = 1024, ranks: Mapping[int, int] | Sequence[int] | None = None):
+    def __init__(self, initial: int = 1024, ranks: Mapping[int, int] | Sequence[int] | None = None, jit: bool = True):
         """``ranks``: the tier ranks entries may hold copies in, each with its location width in bits
-        (a sequence means 64 bits each); all ranks at 64 bits by default."""
+        (a sequence means 64 bits each); all ranks at 64 bits by default. ``jit=False`` keeps the slot
+        index on its numpy path even where the compiled kernels are available (kvstore/store/slots_jit.py)."""
         if ranks is None:
             ranks = {r: 64 for r in range(1, N_RANKS)}
         elif not isinstance(ranks, Mapping):
@@ -112,7 +114,9 @@ class EntryTable:
         self._nchild = {r: Column(np.uint32) for r in ranks}  # children holding a copy in each tier
         self._cols = list(c.values()) + list(self._loc.values()) + list(self._nchild.values())
         self._keys, self._ns, self._flags = c["key"], c["ns"], c["flags"]
-        self.slots = SlotIndex(self._keys_of, self._key_at)
+        self._rows = 0  # every column has room for this many entries
+        self._row_bases: tuple[np.ndarray, ...] = ()
+        self.slots = SlotIndex(self._keys_of, self._key_at, jit_keys=(self._keys, self._ns) if jit else None)
         self.slots.all_keys = self._all_keys
         self._ensure(max(initial, 1))
         size = self._count
@@ -130,18 +134,20 @@ class EntryTable:
         return self._size
 
     def _ensure(self, n: int) -> None:
-        for col in self._cols:
-            col.ensure(n)
+        if n > self._rows:
+            for col in self._cols:
+                col.ensure(n)
+            self._rows = self._keys.rows
+            self._row_bases = tuple(self._c[name].base for name in self._ROW_COLUMNS)
 
     # -- callbacks of the slot index ------------------------------------------------
     def _key_at(self, e: int) -> tuple[int, int, int]:
-        chunk, r = self._keys.chunks[e >> CHUNK_BITS], e & CHUNK_MASK
-        return chunk.item(r, 0), chunk.item(r, 1), self._ns.chunks[e >> CHUNK_BITS].item(r)
+        keys = self._keys.base
+        return keys.item(e, 0), keys.item(e, 1), self._ns.base.item(e)
 
     def _keys_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        p = plan(ids)
-        k = self._keys.take(ids, p)
-        return k[:, 0], k[:, 1], self._ns.take(ids, p)
+        k = self._keys.take(ids)
+        return k[:, 0], k[:, 1], self._ns.take(ids)
 
     def _all_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         ids = np.nonzero(self._flags.head(self._size) & MAPPED)[0]
@@ -174,12 +180,18 @@ class EntryTable:
         if ns is None or not keys:
             return np.full(len(keys), -1, dtype=np.int64)
         words = _key_words(keys)
-        if words is None or len(keys) < 8:  # a few keys: the Python-int probe is cheaper than numpy calls
+        if words is None or (len(keys) < 8 and self.slots.jit_keys is None):
+            # a few keys: the Python-int probe is cheaper than the numpy calls of a vectorized one
             return np.array([-1 if (e := self.find(ns, k)) is None else e for k in keys], dtype=np.int64)
-        return self.slots.find(words[:, 0], words[:, 1], np.full(len(keys), ns, dtype=np.uint16))
+        return self.slots.find_keys(words, ns)
 
     # -- inserts ---------------------------------------------------------------
     def _new_ids(self, n: int) -> np.ndarray:
+        if not self._nfree:
+            ids = np.arange(self._size, self._size + n, dtype=np.int64)
+            self._size += n
+            self._ensure(self._size)
+            return ids
         take = min(n, self._nfree)
         ids = self._free[self._nfree - take : self._nfree][::-1].copy()
         self._nfree -= take
@@ -200,34 +212,33 @@ class EntryTable:
             e = self._size
             self._size += 1
             self._ensure(self._size)
-        ci, r = e >> CHUNK_BITS, e & CHUNK_MASK
         c = self._c
         lo, hi = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
-        krow = c["key"].chunks[ci]
-        krow[r, 0], krow[r, 1] = lo, hi
-        c["ns"].chunks[ci][r] = ns
-        c["stored_len"].chunks[ci][r] = meta.stored_length
-        c["raw_len"].chunks[ci][r] = meta.raw_length
-        c["crc"].chunks[ci][r] = meta.crc32c
-        c["codec"].chunks[ci][r] = meta.codec
-        c["dtype"].chunks[ci][r] = dtype
-        c["leases"].chunks[ci][r] = 0
+        krow = c["key"].base[e]
+        krow[0], krow[1] = lo, hi
+        c["ns"].base[e] = ns
+        c["stored_len"].base[e] = meta.stored_length
+        c["raw_len"].base[e] = meta.raw_length
+        c["crc"].base[e] = meta.crc32c
+        c["codec"].base[e] = meta.codec
+        c["dtype"].base[e] = dtype
+        c["leases"].base[e] = 0
         for col in self._loc.values():
-            col.chunks[ci][r] = 0
+            col.base[e] = 0
         for col in self._nchild.values():
-            col.chunks[ci][r] = 0
+            col.base[e] = 0
         parent = self.find(ns, meta.parent) if meta.parent else None
         if parent is None:
-            c["parent"].chunks[ci][r] = 0
-            c["parent_gen"].chunks[ci][r] = 0
-            c["depth"].chunks[ci][r] = 0
+            c["parent"].base[e] = 0
+            c["parent_gen"].base[e] = 0
+            c["depth"].base[e] = 0
             rooted = not meta.parent
         else:
-            c["parent"].chunks[ci][r] = parent + 1
-            c["parent_gen"].chunks[ci][r] = c["gen"].get(parent)
-            c["depth"].chunks[ci][r] = min(c["depth"].get(parent) + 1, MAX_DEPTH)
+            c["parent"].base[e] = parent + 1
+            c["parent_gen"].base[e] = c["gen"].get(parent)
+            c["depth"].base[e] = min(c["depth"].get(parent) + 1, MAX_DEPTH)
             rooted = bool(self._flags.get(parent) & ROOTED)
-        self._flags.chunks[ci][r] = LIVE | MAPPED | (ROOTED if rooted else 0)
+        self._flags.base[e] = LIVE | MAPPED | (ROOTED if rooted else 0)
         self._live += 1
         self.slots.add1(lo, hi, ns, e)
         return e
@@ -240,61 +251,118 @@ class EntryTable:
         words = _key_words([m.hash for m in metas])
         if words is None:
             raise ValueError("block hashes must be 16 bytes")
+        fields = np.array([(m.stored_length, m.raw_length, m.crc32c, m.codec) for m in metas], dtype=np.int64)
+        has_parent = np.fromiter((bool(m.parent) for m in metas), dtype=np.bool_, count=n)
+        parents = np.zeros((n, 2), dtype=np.uint64)
+        if has_parent.any():
+            pw = _key_words([m.parent for m in metas if m.parent])
+            if pw is not None:
+                parents[has_parent] = pw
+            else:  # a parent hash that is not 16 bytes can never be found: such a block is unreachable
+                for i, m in enumerate(metas):
+                    if m.parent and len(m.parent) == 16:
+                        parents[i] = np.frombuffer(m.parent, dtype=np.uint64)
+                    elif m.parent:
+                        parents[i] = (0, 0)
+        return self.insert_arrays(ns, words, fields, np.asarray(dtypes, dtype=np.uint8), parents, has_parent)
+
+    def insert_arrays(
+        self,
+        ns: int,
+        keys: np.ndarray,
+        fields: np.ndarray,
+        dtypes: np.ndarray,
+        parents: np.ndarray,
+        has_parent: np.ndarray,
+    ) -> np.ndarray:
+        """``insert_many`` from arrays: keys and parent keys as (n, 2) uint64 words, ``fields`` as
+        (n, 4) ints (stored_len, raw_len, crc, codec), ``has_parent`` as bools."""
+        n = len(keys)
         ids = self._new_ids(n)
-        p = plan(ids)
+        if self.slots.jit_keys is not None:
+            return self._insert_compiled(ns, ids, keys, fields, dtypes, parents, has_parent)
         c = self._c
-        c["key"].put(ids, words, p)
-        c["ns"].put(ids, ns, p)
-        c["stored_len"].put(ids, np.fromiter((m.stored_length for m in metas), np.uint32, n), p)
-        c["raw_len"].put(ids, np.fromiter((m.raw_length for m in metas), np.uint32, n), p)
-        c["crc"].put(ids, np.fromiter((m.crc32c for m in metas), np.uint32, n), p)
-        c["codec"].put(ids, np.fromiter((m.codec for m in metas), np.uint8, n), p)
-        c["dtype"].put(ids, np.asarray(dtypes, dtype=np.uint8), p)
-        c["leases"].put(ids, 0, p)
-        for col in (*self._loc.values(), *self._nchild.values()):
-            col.put(ids, 0, p)
-        # parents: earlier in this batch (a chain), else already in the index
-        pos = {m.hash: i for i, m in enumerate(metas)}
-        pkeys = [m.parent for m in metas]
-        inbatch = np.array([pos.get(k, n) if k else n for k in pkeys], dtype=np.int64)
-        inbatch = np.where(inbatch < np.arange(n), inbatch, -1)
-        has_parent = np.array([bool(k) for k in pkeys])
-        outside = has_parent & (inbatch < 0)
+        c["key"].put(ids, keys)
+        c["ns"].put(ids, ns)
+        c["stored_len"].put(ids, fields[:, 0])
+        c["raw_len"].put(ids, fields[:, 1])
+        c["crc"].put(ids, fields[:, 2])
+        c["codec"].put(ids, fields[:, 3])
+        c["dtype"].put(ids, dtypes)
+        for col in (c["leases"], *self._loc.values(), *self._nchild.values()):
+            col.put(ids, 0)
+        # parents: most often the block just before (a chain), else in the index, rarely elsewhere in the batch
+        prev = np.zeros(n, dtype=np.bool_)
+        if n > 1:
+            prev[1:] = has_parent[1:] & (parents[1:] == keys[:-1]).all(axis=1)
+        outside = has_parent & ~prev
         pid = np.full(n, -1, dtype=np.int64)
         if outside.any():
-            pid[outside] = self.find_many(ns, [k for k, o in zip(pkeys, outside) if o])
-        pid[inbatch >= 0] = ids[inbatch[inbatch >= 0]]
+            q = parents[outside]
+            pid[outside] = self.slots.find(q[:, 0].copy(), q[:, 1].copy(), np.full(len(q), ns, dtype=np.uint16))
+        pid[prev] = ids[np.nonzero(prev)[0] - 1]
+        inbatch = outside & (pid < 0)
+        if inbatch.any():  # a parent earlier in the batch but not just before: look it up by key
+            pos = {keys[i].tobytes(): i for i in range(n)}
+            for i in np.nonzero(inbatch)[0].tolist():
+                j = pos.get(parents[i].tobytes(), n)
+                if j < i:
+                    pid[i] = ids[j]
         known = outside & (pid >= 0)
         depth = np.zeros(n, dtype=np.int64)
         rooted = ~has_parent
         if known.any():
             q = pid[known]
-            depth[known] = self._c["depth"].take(q) + 1
+            depth[known] = c["depth"].take(q) + 1
             rooted[known] = (self._flags.take(q) & ROOTED) != 0
-        chain = np.nonzero(inbatch >= 0)[0]
-        if len(chain):  # resolved in order: each link's parent precedes it in the batch
-            d, rt, ib = depth.tolist(), rooted.tolist(), inbatch.tolist()
-            for i in chain.tolist():
-                d[i], rt[i] = d[ib[i]] + 1, rt[ib[i]]
+        if prev.any():  # along a run of links to the block before: depth counts up, rootedness is the run's
+            idx = np.arange(n)
+            head = np.maximum.accumulate(np.where(prev, 0, idx))
+            depth = depth[head] + (idx - head)
+            rooted = rooted[head]
+        if (inbatch & (pid >= 0)).any():  # the rare links elsewhere in the batch, in order
+            d, rt, pl, il = depth.tolist(), rooted.tolist(), pid.tolist(), ids.tolist()
+            where = {e: i for i, e in enumerate(il)}
+            for i in range(n):
+                j = where.get(pl[i], n) if pl[i] >= 0 else n
+                if j < i:
+                    d[i], rt[i] = d[j] + 1, rt[j]
             depth, rooted = np.asarray(d), np.asarray(rt, dtype=np.bool_)
         found = pid >= 0
-        c["parent"].put(ids, np.where(found, pid + 1, 0), p)
-        pgen = np.zeros(n, dtype=np.uint32)
-        if found.any():
-            pgen[found] = self._c["gen"].take(pid[found])
-        c["parent_gen"].put(ids, pgen, p)
-        c["depth"].put(ids, np.minimum(depth, MAX_DEPTH), p)
-        self._flags.put(ids, np.where(rooted, LIVE | MAPPED | ROOTED, LIVE | MAPPED), p)
+        c["parent"].put(ids, pid + 1)
+        c["parent_gen"].put(ids, np.where(found, c["gen"].take(np.maximum(pid, 0)), 0))
+        c["depth"].put(ids, np.minimum(depth, MAX_DEPTH))
+        self._flags.put(ids, np.where(rooted, LIVE | MAPPED | ROOTED, LIVE | MAPPED))
         self._live += n
-        self.slots.add(words[:, 0].copy(), words[:, 1].copy(), np.full(n, ns, dtype=np.uint16), ids)
+        self.slots.add(keys[:, 0].copy(), keys[:, 1].copy(), np.full(n, ns, dtype=np.uint16), ids)
+        return ids
+
+    _ROW_COLUMNS = (
+        "key", "ns", "stored_len", "raw_len", "crc", "codec", "dtype", "leases", "parent", "parent_gen", "gen",
+        "depth", "flags",
+    )  # fmt: skip
+
+    def _insert_compiled(self, ns: int, ids: np.ndarray, keys: np.ndarray, fields: np.ndarray,
+                         dtypes: np.ndarray, parents: np.ndarray, has_parent: np.ndarray) -> np.ndarray:  # fmt: skip
+        """``insert_arrays`` in one compiled pass over the rows (kvstore/store/slots_jit.py)."""
+        for col in (*self._loc.values(), *self._nchild.values()):
+            col.put(ids, 0)
+        sl = self.slots
+        keys = np.ascontiguousarray(keys, dtype=np.uint64)
+        slots_jit.insert_rows(
+            sl.words, sl.nslots, sl.seed, ids, keys, np.ascontiguousarray(fields, dtype=np.int64),
+            np.ascontiguousarray(dtypes, dtype=np.uint8), np.ascontiguousarray(parents, dtype=np.uint64),
+            np.ascontiguousarray(has_parent, dtype=np.bool_), ns, self._row_bases,
+        )  # fmt: skip
+        self._live += len(ids)
+        sl.add_keys(keys, ns, ids)
         return ids
 
     # -- entries -----------------------------------------------------------------
     def parent_of(self, e: int) -> int | None:
         """The parent entry, if it is still the same block that was the parent at insert."""
-        ci, r = e >> CHUNK_BITS, e & CHUNK_MASK
-        p = self._c["parent"].chunks[ci].item(r) - 1
-        if p < 0 or not self._flags.get(p) & LIVE or self._c["gen"].get(p) != self._c["parent_gen"].chunks[ci].item(r):
+        p = self._c["parent"].base.item(e) - 1
+        if p < 0 or not self._flags.get(p) & LIVE or self._c["gen"].get(p) != self._c["parent_gen"].base.item(e):
             return None
         return p
 
@@ -341,32 +409,31 @@ class EntryTable:
     # -- copies ---------------------------------------------------------------------
     def loc_of(self, e: int, rank: int) -> int:
         col = self._loc.get(rank)
-        return NO_LOC if col is None else col.chunks[e >> CHUNK_BITS].item(e & CHUNK_MASK) - 1
+        return NO_LOC if col is None else col.base.item(e) - 1
 
     def set_loc(self, e: int, rank: int, loc: int) -> None:
-        self._loc[rank].chunks[e >> CHUNK_BITS][e & CHUNK_MASK] = loc + 1
+        self._loc[rank].base[e] = loc + 1
 
     def nchild_add(self, e: int, rank: int, delta: int) -> int:
         """Add ``delta`` to e's count of children with a copy in ``rank``; returns the new count."""
-        chunk, r = self._nchild[rank].chunks[e >> CHUNK_BITS], e & CHUNK_MASK
-        v = chunk.item(r) + delta
-        chunk[r] = v
+        base = self._nchild[rank].base
+        v = base.item(e) + delta
+        base[e] = v
         return v
 
-    def locs(self, ids: np.ndarray, rank: int, p: tuple | None = None) -> np.ndarray:
+    def locs(self, ids: np.ndarray, rank: int) -> np.ndarray:
         """Locations (int64, NO_LOC where none) of entries ``ids`` in tier ``rank``."""
         col = self._loc.get(rank)
         if col is None:
             return np.full(len(ids), NO_LOC, dtype=np.int64)
-        return col.take(ids, p).astype(np.int64) - 1
+        return col.take(ids).astype(np.int64) - 1
 
-    def top_ranks(self, ids: np.ndarray, ranks: Sequence[int], p: tuple | None = None) -> np.ndarray:
+    def top_ranks(self, ids: np.ndarray, ranks: Sequence[int]) -> np.ndarray:
         """The first rank of ``ranks`` (top tier first) holding a copy of each entry, 0 when none."""
-        p = plan(ids) if p is None else p
         out = np.zeros(len(ids), dtype=np.int64)
         for rank in reversed(ranks):
             if rank in self._loc:
-                out = np.where(self._loc[rank].take(ids, p) != 0, rank, out)
+                out = np.where(self._loc[rank].take(ids) != 0, rank, out)
         return out
 
     def resident(self, rank: int) -> np.ndarray:
@@ -393,11 +460,11 @@ class EntryTable:
         ids = np.nonzero(np.isin(stored, np.asarray(list(locs), dtype=np.int64)))[0]
         return ids, stored[ids]
 
-    def lease_many(self, ids: np.ndarray, p: tuple | None = None) -> None:
+    def lease_many(self, ids: np.ndarray) -> None:
         leases = self._c["leases"]
-        if len(ids) and int(leases.take(ids, p).max()) + len(ids) > MAX_LEASES:
+        if len(ids) and int(leases.take(ids).max()) + len(ids) > MAX_LEASES:
             raise OverflowError(f"more than {MAX_LEASES} concurrent leases of one block")
-        leases.add(ids, 1, p)
+        leases.add(ids, 1)
 
     def column(self, name: str) -> Column:
         return self._c[name]
@@ -410,7 +477,7 @@ class EntryTable:
         return self._live
 
     def nbytes(self) -> int:
-        """Bytes of the index: its columns (allocated chunks), the slot table and the free list."""
+        """Bytes of the index: its columns (rows up to the high-water mark), the slot table and the free list."""
         return sum(col.nbytes() for col in self._cols) + self.slots.nbytes() + self._free.nbytes + sys.getsizeof(self)
 
     def bytes_per_entry(self) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.store.columns import CHUNK_BITS, CHUNK_MASK, Column
+from kvstore.store.columns import Column
 
 N_RANKS = 4
 _FP_MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -83,7 +83,7 @@ class ScalarView(_View):
     def __getitem__(self, k: Any) -> Any:
         if isinstance(k, (int, np.integer)):
             e = self._check(int(k))
-            return self.col.chunks[e >> CHUNK_BITS].item(e & CHUNK_MASK) - self.offset
+            return self.col.base.item(e) - self.offset
         if isinstance(k, slice):
             return self._slice(k)
         a = self.col.take(_ids(k))
@@ -92,7 +92,7 @@ class ScalarView(_View):
     def __setitem__(self, k: Any, v: Any) -> None:
         if isinstance(k, (int, np.integer)):
             e = self._check(int(k))
-            self.col.chunks[e >> CHUNK_BITS][e & CHUNK_MASK] = int(v) + self.offset
+            self.col.base[e] = int(v) + self.offset
             return
         self.col.put(_ids(k), np.asarray(v) + self.offset if self.offset else v)
 
@@ -110,16 +110,16 @@ class FlagView(_View):
     def __getitem__(self, k: Any) -> Any:
         if isinstance(k, (int, np.integer)):
             e = self._check(int(k))
-            return bool(self.col.chunks[e >> CHUNK_BITS].item(e & CHUNK_MASK) & self.bit)
+            return bool(self.col.base.item(e) & self.bit)
         if isinstance(k, slice):
             return self._slice(k)
         return (self.col.take(_ids(k)) & self.bit) != 0
 
     def __setitem__(self, k: Any, v: Any) -> None:
         e = self._check(int(k))
-        chunk, r = self.col.chunks[e >> CHUNK_BITS], e & CHUNK_MASK
-        old = chunk.item(r)
-        chunk[r] = (old | self.bit) if v else (old & ~self.bit)
+        base = self.col.base
+        old = base.item(e)
+        base[e] = (old | self.bit) if v else (old & ~self.bit)
 
     def __and__(self, other: Any) -> np.ndarray:
         return self._all() & np.asarray(other)
@@ -157,7 +157,7 @@ class RankedView(_View):
                 col = self.cols.get(rank)
                 if col is None:
                     return -self.offset
-                return col.chunks[e >> CHUNK_BITS].item(e & CHUNK_MASK) - self.offset
+                return col.base.item(e) - self.offset
             if isinstance(e, slice):
                 a = self._rank_all(rank, self._size())[e]
                 a.flags.writeable = False
@@ -176,7 +176,7 @@ class RankedView(_View):
     def __setitem__(self, k: Any, v: Any) -> None:
         e, rank = k
         e = self._check(int(e))
-        self.cols[rank].chunks[e >> CHUNK_BITS][e & CHUNK_MASK] = int(v) + self.offset
+        self.cols[rank].base[e] = int(v) + self.offset
 
 
 class HashView(_View):
@@ -220,9 +220,8 @@ class FingerprintView(_View):
     def __getitem__(self, k: Any) -> Any:
         if isinstance(k, (int, np.integer)):
             e = self._check(int(k))
-            chunk, r = self.keys.chunks[e >> CHUNK_BITS], e & CHUNK_MASK
-            ns = self.ns.chunks[e >> CHUNK_BITS].item(r)
-            return ((chunk.item(r, 0) ^ chunk.item(r, 1)) + ns * 0x9E3779B97F4A7C15) & _M64
+            keys = self.keys.base
+            return ((keys.item(e, 0) ^ keys.item(e, 1)) + self.ns.base.item(e) * 0x9E3779B97F4A7C15) & _M64
         if isinstance(k, slice):
             return self._slice(k)
         ids = _ids(k)

@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+
+from kvstore.store import slots_jit
 
 KeysOf = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 KeyAt = Callable[[int], tuple[int, int, int]]
@@ -58,8 +61,18 @@ _HIGH = 0xFFFFFFFF ^ _LOW
 
 
 class SlotIndex:
-    def __init__(self, keys_of: KeysOf, key_at: KeyAt, nslots: int = MIN_SLOTS, seed: int | None = None):
+    def __init__(
+        self,
+        keys_of: KeysOf,
+        key_at: KeyAt,
+        nslots: int = MIN_SLOTS,
+        seed: int | None = None,
+        jit_keys: tuple[Any, Any] | None = None,
+    ):
+        """``jit_keys``: the owner's key and ns columns, when each keeps its rows in one ``base`` array the
+        compiled kernels can index; without them (or without numba) every batch goes through numpy."""
         self.keys_of, self.key_at = keys_of, key_at
+        self.jit_keys = jit_keys if slots_jit.AVAILABLE else None
         self.seed = np.uint64(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
         self.used = 0  # live entries
         self.tombs = 0
@@ -149,6 +162,11 @@ class SlotIndex:
     # -- verbs ----------------------------------------------------------------------
     def find(self, lo: np.ndarray, hi: np.ndarray, ns: np.ndarray) -> np.ndarray:
         n = len(lo)
+        if self.jit_keys is not None and n and self.used:
+            found = np.empty(n, dtype=np.int64)
+            keys, nss = self.jit_keys
+            slots_jit.find(self.words, self.nslots, self.seed, lo, hi, ns, keys.base, nss.base, found)
+            return found
         out = np.full(n, -1, dtype=np.int64)
         if n == 0 or self.used == 0:
             return out
@@ -174,6 +192,28 @@ class SlotIndex:
                 return out
             rows, start, tag = rows[more], start[more] + WINDOW, tag[more]
 
+    def find_keys(self, q: np.ndarray, ns: int) -> np.ndarray:
+        """``find`` of keys given as (n, 2) uint64 words, all in namespace ``ns``."""
+        if self.jit_keys is not None and self.used:
+            found = np.empty(len(q), dtype=np.int64)
+            keys, nss = self.jit_keys
+            slots_jit.find_keys(self.words, self.nslots, self.seed, q, ns, keys.base, nss.base, found)
+            return found
+        return self.find(q[:, 0].copy(), q[:, 1].copy(), np.full(len(q), ns, dtype=np.uint16))
+
+    def add_keys(self, q: np.ndarray, ns: int, ids: np.ndarray) -> None:
+        """``add`` of keys given as (n, 2) uint64 words, all in namespace ``ns``."""
+        n = len(q)
+        if self.jit_keys is None or self.used + self.tombs + n > MAX_LOAD * self.nslots or self.used + n > MAX_ENTRIES:
+            self.add(q[:, 0].copy(), q[:, 1].copy(), np.full(n, ns, dtype=np.uint16), ids)
+            return
+        ok, reused = slots_jit.place_keys(self.words, self.nslots, self.seed, q, ns, ids, self.nslots + PAD)
+        self.tombs -= reused
+        if not ok:
+            self._grow(self.used + n, force=True)
+            return
+        self.used += n
+
     def add(self, lo: np.ndarray, hi: np.ndarray, ns: np.ndarray, ids: np.ndarray) -> None:
         """Map keys known to be absent (and distinct) to ``ids``; ``all_keys()`` must already list them,
         since growth rebuilds the table from it (and so places this batch too)."""
@@ -185,16 +225,21 @@ class SlotIndex:
         if self.used + self.tombs + n > MAX_LOAD * self.nslots:
             self._grow(self.used + n)
             return
-        start, tag = self._hash(lo, hi, ns)
-        if not self._place(start, tag | (ids.astype(np.uint32) + np.uint32(1))):
+        if not self._place(lo, hi, ns, ids):
             self._grow(self.used + n, force=True)
             return
         self.used += n
 
-    def _place(self, start: np.ndarray, new_words: np.ndarray) -> bool:
-        """Write each word into the first free (empty or tombstone) slot from its start; False if one ran off."""
-        words = self.words
+    def _place(self, lo: np.ndarray, hi: np.ndarray, ns: np.ndarray, ids: np.ndarray) -> bool:
+        """Write each id into the first free (empty or tombstone) slot of its run; False if one ran off the end."""
         limit = self.nslots + PAD
+        if self.jit_keys is not None:
+            ok, reused = slots_jit.place(self.words, self.nslots, self.seed, lo, hi, ns, ids, limit)
+            self.tombs -= reused
+            return bool(ok)
+        start, tag = self._hash(lo, hi, ns)
+        new_words = tag | (ids.astype(np.uint32) + np.uint32(1))
+        words = self.words
         pending = np.arange(len(start))
         while len(pending):
             s = start[pending]
@@ -220,6 +265,12 @@ class SlotIndex:
         """Tombstone the slots of (key, id) pairs; every pair must be present."""
         n = len(lo)
         if n == 0:
+            return
+        if self.jit_keys is not None:
+            if slots_jit.remove(self.words, self.nslots, self.seed, lo, hi, ns, ids) != n:
+                raise KeyError("slot index: removing an entry that is not mapped")
+            self.used -= n
+            self.tombs += n
             return
         start, tag = self._hash(lo, hi, ns)
         want = tag | (ids.astype(np.uint32) + np.uint32(1))
@@ -262,6 +313,12 @@ class SlotIndex:
             if len(lo) == 0:
                 self.used = 0
                 return
+            if self.jit_keys is not None:  # one compiled pass in key order: no sort needed
+                if self._place(lo, hi, ns, ids):
+                    self.used = len(lo)
+                    return
+                nslots = int(nslots * 1.1) + PAD
+                continue
             start, tag = self._hash(lo, hi, ns)
             new_words = tag | (ids.astype(np.uint32) + np.uint32(1))
             # linear probing in order of start position: final = i + running max of (start - i)

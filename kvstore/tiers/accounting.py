@@ -13,7 +13,8 @@ use would pass ``capacity_bytes``, so the store must evict.
   nothing, as a disk tier whose bytes were never written.
 
 Locations are small ints handed out from a free list; the byte count of each
-live location is kept so ``free`` returns exactly what was taken.
+live location is kept (in a numpy column: no Python object per block, so a
+replay of 100M blocks fits) so ``free`` returns exactly what was taken.
 """
 
 from __future__ import annotations
@@ -21,41 +22,59 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvstore.tiers.base import DRAM, NVME, TIER_NAMES, BlockMeta, MemoryTier, Tier, TierFull, TierStats
 
 _EMPTY = memoryview(bytearray(0))
 
 
 class _Ledger:
-    """Byte accounting of one tier: location -> bytes, with a free list of locations."""
+    """Byte accounting of one tier: location -> bytes in a numpy column (4 bytes a location, no Python
+    object per block), with a free list of locations as a numpy stack."""
 
     def __init__(self, capacity_bytes: int):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity must be positive, got {capacity_bytes}")
         self.capacity = int(capacity_bytes)
         self.used = 0
-        self.sizes: dict[int, int] = {}
-        self._free_locs: list[int] = []
+        self.count = 0
+        self._sizes = np.zeros(1024, dtype=np.int64)  # bytes + 1 of each taken location; 0: free
+        self._free_locs = np.zeros(1024, dtype=np.int64)
+        self._nfree = 0
         self._next = 0
         self.peak = 0
 
     def take(self, nbytes: int) -> int | None:
         if self.used + nbytes > self.capacity:
             return None
-        loc = self._free_locs.pop() if self._free_locs else self._new_loc()
-        self.sizes[loc] = nbytes
+        if self._nfree:
+            self._nfree -= 1
+            loc = int(self._free_locs[self._nfree])
+        else:
+            loc = self._next
+            self._next += 1
+            if loc == len(self._sizes):
+                self._sizes = np.concatenate([self._sizes, np.zeros(len(self._sizes), dtype=np.int64)])
+        self._sizes[loc] = nbytes + 1
         self.used += nbytes
+        self.count += 1
         self.peak = max(self.peak, self.used)
         return loc
 
-    def _new_loc(self) -> int:
-        self._next += 1
-        return self._next - 1
+    def holds(self, loc: int) -> bool:
+        return 0 <= loc < self._next and self._sizes[loc] != 0
 
     def give_back(self, loc: int) -> None:
-        nbytes = self.sizes.pop(loc)  # KeyError on a double free, as a real allocator would fail
-        self.used -= nbytes
-        self._free_locs.append(loc)
+        if not self.holds(loc):
+            raise KeyError(loc)  # a double free, as a real allocator would fail
+        self.used -= int(self._sizes[loc]) - 1
+        self._sizes[loc] = 0
+        self.count -= 1
+        if self._nfree == len(self._free_locs):
+            self._free_locs = np.concatenate([self._free_locs, np.zeros(len(self._free_locs), dtype=np.int64)])
+        self._free_locs[self._nfree] = loc
+        self._nfree += 1
 
 
 class _AccountingMixin:
@@ -76,7 +95,7 @@ class _AccountingMixin:
 
     @property
     def blocks(self) -> int:
-        return len(self._ledger.sizes)
+        return self._ledger.count
 
     def write(self, metas: Sequence[BlockMeta], sources: Sequence[Any]) -> list[int]:
         locs: list[int] = []
@@ -92,7 +111,7 @@ class _AccountingMixin:
 
     def read(self, locs: Sequence[int], lengths: Sequence[int], dests: Sequence[Any]) -> None:
         for loc in locs:
-            if loc not in self._ledger.sizes:
+            if not self._ledger.holds(loc):
                 raise KeyError(f"{self.name}: location {loc} is not allocated")
 
     def free(self, locs: Sequence[int]) -> None:

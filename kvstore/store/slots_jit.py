@@ -1,0 +1,181 @@
+"""Compiled probe loops of the slot index (numba, optional): the same table, the same bits, no numpy calls per batch.
+
+A vectorized numpy probe of a 64-key prefix costs about 40 numpy calls (hash,
+window gather, tag compare, candidate key gather, ...), each a few
+microseconds whatever its size, so pure numpy tops out near 0.2-1M keys/s per
+64-key batch here (``python -m bench.index_scale`` measures both paths). These
+kernels walk the same slots in compiled loops when numba is importable
+(``pip install kvstore[fast]``; wheels, no compiler needed); ``AVAILABLE``
+says whether they are, and kvstore/store/slots.py falls back to numpy when not.
+
+Kernels (all take the slot words, ``nslots`` and the table's ``seed``):
+
+- ``find(words, nslots, seed, lo, hi, ns, keys, nss, out)``: the entry of
+  each key or -1, comparing keys with rows of the key and ns columns;
+- ``place(words, nslots, seed, lo, hi, ns, ids, limit) -> (ok, reused tombstones)``:
+  put each id in the first free slot of its probe run (False: one ran past ``limit``);
+- ``remove(words, nslots, seed, lo, hi, ns, ids) -> found``: tombstone each id's slot.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+try:  # pragma: no cover - depends on the environment
+    if os.environ.get("KVSTORE_NO_JIT"):
+        raise ImportError("KVSTORE_NO_JIT is set")
+    import numba
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover
+    numba = None
+    AVAILABLE = False
+
+ID_BITS = 28
+_LOW = (1 << ID_BITS) - 1
+_TOMB = 0xFFFFFFFF
+
+
+if AVAILABLE:
+    _U = numba.uint64
+    M1, M2, M3, M4 = _U(0x9E3779B97F4A7C15), _U(0xC2B2AE3D27D4EB4F), _U(0x165667B19E3779F9), _U(0xD6E8FEB86659FD93)
+
+    @numba.njit(cache=True, inline="always")
+    def _hash(lo: Any, hi: Any, ns: Any, seed: Any, nslots: Any) -> tuple[Any, Any]:
+        h = (lo * M1) ^ (hi * M2) ^ ((numba.uint64(ns) + seed) * M3)
+        h ^= h >> numba.uint64(31)
+        h *= M4
+        pos = ((h >> numba.uint64(32)) * numba.uint64(nslots)) >> numba.uint64(32)
+        tag = ((h >> numba.uint64(28)) & numba.uint64(0xF)) << numba.uint64(ID_BITS)
+        return numba.int64(pos), numba.uint32(tag)
+
+    @numba.njit(cache=True, inline="always")
+    def _find1(words, nslots, seed, lo, hi, ns, keys, nss):  # type: ignore[no-untyped-def]
+        pos, tag = _hash(lo, hi, ns, seed, nslots)
+        while True:
+            w = words[pos]
+            if w == 0:
+                return -1
+            if w != _TOMB and (w & numba.uint32(0xF0000000)) == tag:
+                e = numba.int64(w & numba.uint32(_LOW)) - 1
+                if keys[e, 0] == lo and keys[e, 1] == hi and nss[e] == ns:
+                    return e
+            pos += 1
+
+    @numba.njit(cache=True, nogil=True)
+    def find(words, nslots, seed, lo, hi, ns, keys, nss, out):  # type: ignore[no-untyped-def]
+        for i in range(len(lo)):
+            out[i] = _find1(words, nslots, seed, lo[i], hi[i], ns[i], keys, nss)
+
+    @numba.njit(cache=True, nogil=True)
+    def find_keys(words, nslots, seed, q, ns, keys, nss, out):  # type: ignore[no-untyped-def]
+        """``find`` of keys given as (n, 2) words, all in namespace ``ns``."""
+        for i in range(len(q)):
+            out[i] = _find1(words, nslots, seed, q[i, 0], q[i, 1], ns, keys, nss)
+
+    @numba.njit(cache=True, nogil=True)
+    def insert_rows(  # type: ignore[no-untyped-def]
+        words, nslots, seed, ids, q, fields, dtypes, parents, has_parent, ns, cols
+    ):
+        """Write the rows of new entries ``ids`` (keys ``q``) and link each to its parent: the entry just
+        before when its key matches, else one in the index (``words``), else an earlier one of the batch."""
+        keys, nss, stored, raw, crc, codec, dtype, leases, parent, pgen, gen, depth, flags = cols
+        for i in range(len(ids)):
+            e = ids[i]
+            keys[e, 0], keys[e, 1] = q[i, 0], q[i, 1]
+            nss[e] = ns
+            stored[e], raw[e], crc[e], codec[e] = fields[i, 0], fields[i, 1], fields[i, 2], fields[i, 3]
+            dtype[e] = dtypes[i]
+            leases[e] = 0
+            pid = -1
+            if has_parent[i]:
+                plo, phi = parents[i, 0], parents[i, 1]
+                if i > 0 and plo == q[i - 1, 0] and phi == q[i - 1, 1]:
+                    pid = ids[i - 1]
+                else:
+                    pid = _find1(words, nslots, seed, plo, phi, ns, keys, nss)
+                    if pid < 0:
+                        for j in range(i):
+                            if q[j, 0] == plo and q[j, 1] == phi:
+                                pid = ids[j]
+                                break
+            if pid >= 0:
+                parent[e] = pid + 1
+                pgen[e] = gen[pid]
+                depth[e] = min(numba.int64(depth[pid]) + 1, 0xFFFF)
+                flags[e] = 1 | 4 | (flags[pid] & 2)
+            else:
+                parent[e] = 0
+                pgen[e] = 0
+                depth[e] = 0
+                flags[e] = 1 | 4 | (0 if has_parent[i] else 2)
+
+    @numba.njit(cache=True, nogil=True)
+    def place(words, nslots, seed, lo, hi, ns, ids, limit):  # type: ignore[no-untyped-def]
+        reused = 0
+        for i in range(len(lo)):
+            pos, tag = _hash(lo[i], hi[i], ns[i], seed, nslots)
+            while pos < limit:
+                w = words[pos]
+                if w == 0 or w == _TOMB:
+                    if w == _TOMB:
+                        reused += 1
+                    words[pos] = tag | numba.uint32(ids[i] + 1)
+                    break
+                pos += 1
+            if pos >= limit:
+                return False, reused
+        return True, reused
+
+    @numba.njit(cache=True, nogil=True)
+    def place_keys(words, nslots, seed, q, ns, ids, limit):  # type: ignore[no-untyped-def]
+        """``place`` of keys given as (n, 2) words, all in namespace ``ns``."""
+        reused = 0
+        for i in range(len(q)):
+            pos, tag = _hash(q[i, 0], q[i, 1], ns, seed, nslots)
+            while pos < limit:
+                w = words[pos]
+                if w == 0 or w == _TOMB:
+                    if w == _TOMB:
+                        reused += 1
+                    words[pos] = tag | numba.uint32(ids[i] + 1)
+                    break
+                pos += 1
+            if pos >= limit:
+                return False, reused
+        return True, reused
+
+    @numba.njit(cache=True, nogil=True)
+    def remove(words, nslots, seed, lo, hi, ns, ids):  # type: ignore[no-untyped-def]
+        found = 0
+        for i in range(len(lo)):
+            pos, tag = _hash(lo[i], hi[i], ns[i], seed, nslots)
+            want = tag | numba.uint32(ids[i] + 1)
+            while True:
+                w = words[pos]
+                if w == want:
+                    words[pos] = numba.uint32(_TOMB)
+                    found += 1
+                    break
+                if w == 0:
+                    break
+                pos += 1
+        return found
+else:  # pragma: no cover
+    find = find_keys = insert_rows = place = place_keys = remove = None
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel once, so no request pays for it."""
+    if not AVAILABLE:
+        return
+    words = np.zeros(64, dtype=np.uint32)
+    z64, z16 = np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint16)
+    ids = np.zeros(1, dtype=np.int64)
+    keys, nss = np.zeros((4, 2), dtype=np.uint64), np.zeros(4, dtype=np.uint16)
+    place(words, 16, np.uint64(1), z64, z64, z16, ids, 48)
+    find(words, 16, np.uint64(1), z64, z64, z16, keys, nss, np.zeros(1, dtype=np.int64))
+    remove(words, 16, np.uint64(1), z64, z64, z16, ids)
