@@ -1,35 +1,36 @@
 """What a decode worker sees for a prefix cached on NVMe: client Gets through a `kvstore serve` process.
 
-    python -m bench.nvme_get [--quick] [--lane auto|shm|tcp|grpc] [--out bench/results/nvme_get.json]
+    python -m bench.nvme_get [--quick] [--baseline REV] [--out bench/results/nvme_get.json]
 
-One store process (write-through, so every block has an NVMe copy; DRAM
-``--dram``), 32-block prefixes of 64 KiB, 512 KiB and 2 MiB blocks written to
-it, then each prefix fetched once, in shuffled order, into page-aligned
-buffers (``Client.get(out=...)``), three ways taken in turn prefix by prefix
-so that all see the disk in the same state:
+For each block size (64 KiB, 512 KiB, 2 MiB), 32-block prefixes are written to two store processes of this
+tree (``bench/nvme_get_worker.py``): one with an NVMe tier (write-through, so every block has an NVMe copy;
+DRAM holds three prefixes, at least 32 MiB: room to promote what a Get reads while most prefixes are only on
+NVMe) and one whose DRAM holds everything. Each prefix is then fetched once, into page-aligned buffers
+(``Client.get(out=...)``), and every kind of step is taken in turn, prefix by prefix, in a rotating order, so
+that all see the disk and the loaded host in the same state:
 
-- ``nvme``: a Get of a prefix that NVMe holds, against a store whose DRAM
-  holds three prefixes (at least 32 MiB): room to promote what a Get reads, as
-  the store does by default, while most prefixes are only on NVMe
-  (``nvme_hits`` and ``dram_hits`` count where blocks came from);
-- ``raw``: one O_DIRECT ``preadv`` of a prefix-sized extent (32 x (4 KiB +
-  block), as the tier lays a prefix down) of a file written beside the store's
-  segments just before, each extent read once (the disk's speed at the same
-  amount of data, the baseline);
-- ``dram``: the same Get against a second store whose DRAM holds everything
-  and has no NVMe tier (what the lane and the server cost without the disk).
+- ``nvme_shm`` / ``nvme_tcp``: a Get of a prefix that NVMe holds, on the shared-memory lane (direct) and on
+  the TCP lane;
+- ``dram_shm`` / ``dram_tcp``: the same Get from the all-DRAM store (what the lane and server cost);
+- ``raw``: one O_DIRECT ``preadv`` of a prefix-sized extent (32 x (4 KiB + block), as the tier lays a prefix
+  down) of a file written beside the stores' segments just before, each extent read once (the disk's speed
+  at the same amount of data: the baseline of ``nvme_vs_raw``);
+- with ``--baseline REV``: the same steps (``old_*``) run by the code of git revision ``REV``, exported to a
+  temporary directory, with store processes of its own: today's code against that one, in the same run.
 
-Rows: ``get_nvme_p50_ms``, ``get_dram_p50_ms``, ``raw_extent_p50_ms``,
-``nvme_vs_raw`` (raw time / Get time, 1 = as fast as the bare disk) and GB/s of
-payload. Only this machine's disk is measured; a real NVMe drive changes the
-``raw`` column, not what the store adds on top of it.
+Rows: p50 ms of each step, ``shm_nvme_vs_raw`` and ``tcp_nvme_vs_raw`` (raw time / Get time, 1 = as fast
+as the bare disk), ``dram_shm_speedup`` (old / new p50 of the DRAM-hit Get) and the like, GB/s of payload.
+Only this machine's disk is measured; a real NVMe drive changes the ``raw`` column, not what the store adds.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,26 +39,11 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.common import format_table, parse_args, write_json
-from kvstore.client import Client
-from kvstore.server.process import store_process
 from kvstore.tiers.nvme.format import record_bytes
 from kvstore.tiers.nvme.io import aligned_buffer
 
 PREFIX = 32
 MiB = 1 << 20
-
-
-def write_prefixes(kv: Client, block: int, count: int, rng: np.random.Generator) -> list[list[bytes]]:
-    """``count`` unchained 32-block prefixes of ``block`` bytes (8 distinct payloads reused)."""
-    payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(8)]
-    prefixes = []
-    for p in range(count):
-        keys = [rng.bytes(16) for _ in range(PREFIX)]
-        results = kv.put("bench", keys, [payloads[(p + i) % 8] for i in range(PREFIX)], chained=False)
-        if not all(r.ok for r in results):
-            raise RuntimeError(f"put refused: {results[0].reason}")
-        prefixes.append(keys)
-    return prefixes
 
 
 class RawExtents:
@@ -81,70 +67,114 @@ class RawExtents:
         os.close(self.fd)
 
 
-def measure(block: int, count: int, lane: str, root: Path, bar: tqdm) -> dict:
-    rng = np.random.default_rng(block)
-    nvme_dir = root / f"nvme-{block}"
-    dram_needed = count * PREFIX * block * 5 // 4 + 64 * MiB
-    cold_dram = max(32 * MiB, 3 * PREFIX * block)  # room to promote a Get's blocks; most prefixes only on NVMe
-    with (
-        store_process(
-            "--dram",
-            f"{cold_dram >> 20}MiB",
-            "--nvme-dir",
-            str(nvme_dir),
-            "--nvme",
-            "8GiB",
-            "--write-policy",
-            "write-through",
-            "--shm-direct",
-            "true",
-        ) as (cold_target, _),
-        store_process("--dram", f"{dram_needed >> 20}MiB", "--shm-direct", "true") as (warm_target, _),
-        Client(cold_target, timeout=120, lane=lane) as cold,
-        Client(warm_target, timeout=120, lane=lane) as warm,
-    ):
-        prefixes = write_prefixes(cold, block, count, rng)
-        warm_prefixes = write_prefixes(warm, block, count, np.random.default_rng(block))
-        raw = RawExtents(root / f"raw-{block}.bin", block, count, rng)
-        out = [aligned_buffer(block) for _ in range(PREFIX)]
-        times: dict[str, list[float]] = {"nvme": [], "dram": [], "raw": []}
-        order = [int(i) for i in rng.permutation(count)]
+REPO = Path(__file__).resolve().parent.parent
+KINDS = ("nvme-shm", "nvme-tcp", "dram-shm", "dram-tcp")
+
+
+class Worker:
+    """The store processes and clients of one source tree (``nvme_get_worker.py`` run against it)."""
+
+    def __init__(self, tree: Path, block: int, count: int, root: Path, cold_dram: int):
+        root.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "bench" / "nvme_get_worker.py"), str(block), str(count), str(root)]
+            + [str(cold_dram)],
+            cwd=tree,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        if self._line() != "ready":
+            raise RuntimeError(f"the worker of {tree} did not start")
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("a bench worker died (its store output is above)")
+        return line.strip()
+
+    def ask(self, command: str) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def close(self) -> None:
         try:
-            for i, p in enumerate(order):
-                steps = (
-                    ("nvme", lambda: cold.get("bench", prefixes[p], out=out)),
-                    ("dram", lambda: warm.get("bench", warm_prefixes[p], out=out)),
-                    ("raw", lambda: raw.read(i)),
-                )
-                for name, step in steps[i % 3 :] + steps[: i % 3]:
+            self.ask("quit")
+        except (RuntimeError, BrokenPipeError, OSError):
+            pass
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def export_tree(rev: str, dest: Path) -> Path:
+    """The files of git revision ``rev`` of this repository, in ``dest``."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def measure(block: int, count: int, root: Path, bar: tqdm, baseline: Path | None = None) -> dict:
+    rng = np.random.default_rng(block)
+    cold_dram = max(32 * MiB, 3 * PREFIX * block)
+    sides = {"": REPO} | ({"old_": baseline} if baseline is not None else {})
+    workers: dict[str, Worker] = {}
+    raw: RawExtents | None = None
+    try:
+        for tag, tree in sides.items():
+            workers[tag] = Worker(tree, block, count, root / f"{tag}store-{block}", cold_dram)
+        raw = RawExtents(root / f"raw-{block}.bin", block, count, rng)
+        steps = [(tag, kind) for tag in sides for kind in KINDS] + [("", "raw")]
+        times: dict[str, list[float]] = {f"{tag}{kind}": [] for tag, kind in steps}
+        order = [int(i) for i in rng.permutation(count)]
+        for r, p in enumerate(order):
+            k = r % len(steps)
+            for tag, kind in steps[k:] + steps[:k]:
+                if kind == "raw":
                     t0 = time.perf_counter()
-                    step()
-                    times[name].append(time.perf_counter() - t0)
-                bar.update(1)
-        finally:
+                    raw.read(r)
+                    times["raw"].append(time.perf_counter() - t0)
+                else:
+                    times[f"{tag}{kind}"].append(float(workers[tag].ask(f"{kind} {p}")))
+            bar.update(1)
+        hits = json.loads(workers[""].ask("stats"))
+    finally:
+        if raw is not None:
             raw.close()
-        tiers = {t["name"]: t for t in cold.stats()["tiers"]}
-    p50 = {k: statistics.median(v) for k, v in times.items()}
+        for w in workers.values():
+            w.close()
+    p50 = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     payload = PREFIX * block
-    return {
-        "block_bytes": block,
-        "lane": lane,
-        "prefixes": count,
-        "get_nvme_p50_ms": p50["nvme"] * 1e3,
-        "get_dram_p50_ms": p50["dram"] * 1e3,
-        "raw_extent_p50_ms": p50["raw"] * 1e3,
-        "nvme_vs_raw": p50["raw"] / p50["nvme"],
-        "get_nvme_gbps": payload / p50["nvme"] / 1e9,
-        "get_dram_gbps": payload / p50["dram"] / 1e9,
-        "raw_extent_gbps": PREFIX * record_bytes(block) / p50["raw"] / 1e9,
-        "nvme_hits": tiers["nvme"]["hits"],
-        "dram_hits": tiers["dram"]["hits"],
-    }
+    row: dict = {"block_bytes": block, "prefixes": count}
+    for name, ms in p50.items():
+        row[f"{name.replace('-', '_')}_p50_ms"] = ms
+    row["raw_extent_gbps"] = PREFIX * record_bytes(block) / p50["raw"] / 1e6
+    for lane in ("shm", "tcp"):
+        row[f"{lane}_nvme_vs_raw"] = p50["raw"] / p50[f"nvme-{lane}"]
+        row[f"{lane}_nvme_gbps"] = payload / p50[f"nvme-{lane}"] / 1e6
+        if baseline is not None:
+            row[f"old_{lane}_nvme_vs_raw"] = p50["raw"] / p50[f"old_nvme-{lane}"]
+            row[f"{lane}_nvme_speedup"] = p50[f"old_nvme-{lane}"] / p50[f"nvme-{lane}"]
+            row[f"{lane}_dram_speedup"] = p50[f"old_dram-{lane}"] / p50[f"dram-{lane}"]
+    row["nvme_hits"], row["dram_hits"] = hits["nvme"], hits["dram"]
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:
     def configure(p):
-        p.add_argument("--lane", default="auto", choices=("auto", "shm", "tcp", "grpc"), help="the client's data lane")
+        p.add_argument(
+            "--baseline",
+            default="",
+            metavar="REV",
+            help="also run the code of this git revision (exported to a temporary directory), step for step",
+        )
         p.add_argument(
             "--dir",
             type=Path,
@@ -153,36 +183,26 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     args = parse_args("Gets of prefixes cached on NVMe through a kvstore serve process", argv, configure)
-    sizes = {64 << 10: 48, 512 << 10: 12, 2 << 20: 6} if args.quick else {64 << 10: 256, 512 << 10: 48, 2 << 20: 16}
+    sizes = {64 << 10: 24, 512 << 10: 8, 2 << 20: 5} if args.quick else {64 << 10: 96, 512 << 10: 32, 2 << 20: 12}
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="kvstore-nvme-get-", dir=args.dir))
     try:
+        baseline = export_tree(args.baseline, root / "baseline") if args.baseline else None
         with tqdm(total=sum(sizes.values()), unit="prefix", desc="nvme gets") as bar:
-            rows = [measure(block, count, args.lane, root, bar) for block, count in sizes.items()]
+            rows = [measure(block, count, root, bar, baseline) for block, count in sizes.items()]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(
-        "Prefix Gets (32 blocks) through a kvstore serve process, p50, taken in turn with a raw read of the same "
-        f"size from the store's segment files; lane {args.lane}:"
+        "Prefix Gets (32 blocks) through kvstore serve processes, p50 ms, each step taken in turn prefix by prefix "
+        "with a raw O_DIRECT read of the same size" + (f"; old_ = the code of {args.baseline}" if args.baseline else "")
     )
-    print(
-        format_table(
-            rows,
-            [
-                "block_bytes",
-                "prefixes",
-                "get_nvme_p50_ms",
-                "get_dram_p50_ms",
-                "raw_extent_p50_ms",
-                "nvme_vs_raw",
-                "get_nvme_gbps",
-                "get_dram_gbps",
-                "raw_extent_gbps",
-                "nvme_hits",
-                "dram_hits",
-            ],
-        )
-    )
+    cols = ["block_bytes", "prefixes", "raw_p50_ms", "nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_tcp_p50_ms"]
+    cols += ["tcp_nvme_vs_raw", "dram_shm_p50_ms", "dram_tcp_p50_ms"]
+    if args.baseline:
+        cols += ["old_nvme_shm_p50_ms", "old_shm_nvme_vs_raw", "old_nvme_tcp_p50_ms", "old_tcp_nvme_vs_raw"]
+        cols += ["old_dram_shm_p50_ms", "shm_dram_speedup", "old_dram_tcp_p50_ms", "tcp_dram_speedup"]
+    print(format_table(rows, cols))
+    print(format_table(rows, ["block_bytes", "raw_extent_gbps", "shm_nvme_gbps", "tcp_nvme_gbps", "nvme_hits"]))
     if args.out:
         write_json(args.out, rows, args, bench="nvme_get")
         print(f"wrote {len(rows)} rows to {args.out}")

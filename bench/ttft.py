@@ -117,7 +117,7 @@ def run_trace(router: Router, prompts: list[list[int]], new_tokens: int, rate: f
 
 def summarize(results: list[Result], memcpy_gbps: float, block_tokens: int = 16) -> list[dict]:
     rows = []
-    for mode in ("recompute", "disaggregated", "store"):
+    for mode in ("recompute", "disaggregated", "store", "store_nvme"):
         rs = [r for r in results if r.mode == mode]
         if not rs:
             continue
@@ -197,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-blocks", type=int, default=48, help="trace: hash ids per request kept (16 tokens each)")
     p.add_argument("--rate", type=float, default=0.0, help="trace: open-loop arrivals per second (0: one at a time)")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request")
+    p.add_argument(
+        "--nvme", action="store_true", help="chat: also a mode with the prefix only on NVMe (bench/ttft_nvme)"
+    )
+    p.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="--nvme: where its store keeps its NVMe tier")
     args = p.parse_args(argv)
+    nvme_results: list = []  # --nvme (bench/ttft_nvme.py)
 
     from bench.baselines import memcpy_gbps
 
@@ -209,7 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         router = Router(prefill, decode)
         stack.callback(router.close)
         if args.workload == "chat":
-            results = run_chat(router, chat_prompts(args.quick, args.model), args.new_tokens)
+            prompts = chat_prompts(args.quick, args.model)
+            results = run_chat(router, prompts, args.new_tokens)
+            if args.nvme:
+                from bench.ttft_nvme import run_nvme
+
+                nvme_results, disk_speeds = run_nvme(args.model, prompts, args.new_tokens, args.dir)
+                results += nvme_results
         else:
             n = min(args.requests, 12) if args.quick else args.requests
             from kvstore.model import load_model
@@ -225,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             with Client(store) as kv:
                 stats = kv.stats()
     rows = summarize(results, memcpy_gbps(256 << 20))
+    if nvme_results:
+        from bench.ttft_nvme import nvme_row
+
+        nvme_row(rows, nvme_results, disk_speeds)
     base = next((r for r in rows if r["mode"] == "recompute"), None)
     print(
         f"\n{'mode':14} {'n':>3} {'tokens':>7} {'TTFT p50':>9} {'p99':>8} {'speedup':>8} {'lookup':>7} "

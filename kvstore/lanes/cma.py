@@ -11,7 +11,8 @@ user, and under Yama's ``ptrace_scope`` 1 only if the client named us with
   pieces, each CRC32C'd right after it lands (still in cache). Raises
   ``DirectReadError`` (with the errno) on a short or failed read.
 - ``write_from(pid, address, src) -> crc``: the other way (``process_vm_writev``),
-  the CRC32C of ``src`` computed piece by piece as it goes.
+  the CRC32C of ``src`` computed piece by piece as it goes; ``write_many(pid,
+  pairs)``: many blocks in one call (no CRC).
 - ``allow_reader(pid) -> bool`` (client): let process ``pid`` read our memory;
   a process names one such reader at a time, so a second store is refused
   (that lane then copies through its region as before).
@@ -35,6 +36,7 @@ import numpy as np
 from kvstore.checksum import crc32c
 
 PIECE = 512 << 10
+IOV_BATCH = 1024  # Linux's IOV_MAX: the most blocks one process_vm_writev moves
 PR_SET_PTRACER = 0x59616D61
 
 
@@ -99,6 +101,29 @@ def write_from(pid: int, address: int, src: memoryview, crc: bool = True) -> int
     """Copy ``src`` to ``address`` in process ``pid``; the CRC32C of ``src`` (each piece read while in cache),
     or 0 without ``crc``."""
     return _transfer(_lib().process_vm_writev, "wrote", pid, src, address, crc)
+
+
+def write_many(pid: int, pairs: list[tuple[int, Any]]) -> None:
+    """Copy each ``(address, src)`` of ``pairs`` to ``address`` in process ``pid``: one process_vm_writev per
+    ``IOV_BATCH`` blocks instead of one per block (a Get of many small blocks pays a syscall, not 32)."""
+    for start in range(0, len(pairs), IOV_BATCH):
+        batch = pairs[start : start + IOV_BATCH]
+        n = len(batch)
+        liov, riov = (_IoVec * n)(), (_IoVec * n)()
+        total = 0
+        for k, (address, src) in enumerate(batch):
+            base, size = address_of(src)
+            liov[k].iov_base, liov[k].iov_len = base, size
+            riov[k].iov_base, riov[k].iov_len = address, size
+            total += size
+        got = _lib().process_vm_writev(pid, liov, n, riov, n, 0)
+        if got != total:
+            err = ctypes.get_errno() if got < 0 else 0
+            raise DirectReadError(
+                err,
+                f"wrote {max(got, 0)} of {total} bytes of {n} blocks (first at {batch[0][0]:#x}) in process "
+                f"{pid}{': ' + os.strerror(err) if err else ''}",
+            )
 
 
 def _transfer(syscall: Any, verb: str, pid: int, local_buf: memoryview, address: int, crc: bool) -> int:

@@ -76,6 +76,15 @@ class DirectPeer:
         """Copy ``src`` to ``address`` in the client's memory; the CRC32C of ``src`` (0 without ``crc``)."""
         return self._move("direct get", lambda pid, buf, at: cma.write_from(pid, at, buf, crc), src, address)
 
+    def write_many(self, pairs: list[tuple[int, Any]]) -> None:
+        """Copy each ``(address, src)`` into the client's memory, as few syscalls as IOV_MAX allows."""
+        if not self.alive():
+            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"direct get: client process {self.pid} is gone")
+        try:
+            cma.write_many(self.pid, pairs)
+        except cma.DirectReadError as err:
+            raise _refused("direct get", err) from None
+
     def _move(self, what: str, fn: Callable[[int, memoryview, int], int], buf: memoryview, address: int) -> int:
         if not self.alive():
             raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: client process {self.pid} is gone")

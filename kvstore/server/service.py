@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -49,6 +50,7 @@ from kvstore.server.quotas import namespace_usage
 from kvstore.server.validate import InvalidRequest, Limits
 from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
 from kvstore.store.blockstore import ALREADY_PRESENT, lease_windows
+from kvstore.store.readahead import ReadAhead
 from kvstore.tiers.base import BlockMeta, TierFault
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -101,6 +103,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.store, self.limits, self.metrics, self.node_id = store, limits, metrics, node_id
         self.gate = gate  # None: no authorization at all (an embedded service without the interceptor)
         self.coding = ServerCoding(metrics, limits.lossy, get_codec)
+        self._readers = ThreadPoolExecutor(4, thread_name_prefix="kvstore-grpc-get-read")  # ReadAhead's reads
 
     # -- Lookup ------------------------------------------------------------------------
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
@@ -250,33 +253,41 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             sent = 0
             self.coding.observe_report(request.decode_report)
             coded = self.coding.begin_get(ns, request.accepted_codecs)  # None: the reader takes raw bytes only
+            windows = list(lease_windows(leases))
+            reads = ReadAhead(self.store.materialize, windows, self._readers)  # NVMe reads a window ahead
             try:
-                for window in lease_windows(leases):
-                    try:
-                        self.store.materialize(window)
-                    except DataLossError as err:
-                        self._abort(context, grpc.StatusCode.DATA_LOSS, f"{err}; the block was dropped")
-                    except (TierFault, OSError) as err:  # e.g. EIO: the copy may read fine later
-                        self._abort(
-                            context,
-                            grpc.StatusCode.UNAVAILABLE,
-                            f"reading blocks from a lower tier failed ({err}); retry, or recompute them",
-                        )
+                for w, window in enumerate(windows):
                     if coded is not None:
+                        for j in range(len(window)):
+                            self._wait_read(context, reads, w, j)
                         for msg in coded.messages(window, self.limits.max_chunk_bytes):
                             sent += len(msg.data)
                             yield msg
                         continue
                     accepted = set(request.accepted_codecs) | {pb.CODEC_NONE}
-                    for lease in window:
+                    for j, lease in enumerate(window):
+                        self._wait_read(context, reads, w, j)  # each block is sent once it is verified
                         for msg in self._block_messages(lease, accepted):
                             sent += len(msg.data)
                             yield msg
             finally:
+                reads.close()
                 if coded is not None:
                     coded.close()
                 self.store.release(leases)
                 self.metrics.bytes_out(sent)
+
+    def _wait_read(self, context: grpc.ServicerContext, reads: ReadAhead, w: int, j: int) -> None:
+        try:
+            reads.wait(w, j)
+        except DataLossError as err:
+            self._abort(context, grpc.StatusCode.DATA_LOSS, f"{err}; the block was dropped")
+        except (TierFault, OSError) as err:  # e.g. EIO: the copy may read fine later
+            self._abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"reading blocks from a lower tier failed ({err}); retry, or recompute them",
+            )
 
     def _block_messages(self, lease: Lease | None, accepted: AbstractSet[int]) -> Iterator[pb.GetResponse]:
         if lease is None:

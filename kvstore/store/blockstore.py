@@ -43,11 +43,14 @@ from kvstore.store.cascade import CapacityError, Cascade
 from kvstore.store.counters import StoreCounters, TierCounters
 from kvstore.store.index import DTYPES, NO_LOC, EntryTable, dtype_id
 from kvstore.store.policy import LeafLRU
+from kvstore.store.staging import Staging
 from kvstore.tiers.base import BlockMeta, CorruptBlock, MemoryTier, Tier
+from kvstore.tiers.nvme.io import aligned_buffer
 
 log = logging.getLogger(__name__)
 
 STORED, ALREADY_PRESENT = 1, 2  # kvstore.v1.PutStatus values
+CODEC_NONE = 0  # kvstore.v1.Codec: stored bytes are the raw bytes, so both CRC32Cs are the same
 
 
 class NotFoundError(KeyError):
@@ -80,6 +83,7 @@ class Lease:
     crc32c: int
     rank: int  # tier the bytes come from
     buffer: Any = None  # filled for memory tiers at acquire, by materialize() otherwise
+    hold: tuple[Any, int] | None = None  # (tier, or None: the staging arena; loc) freed at release
 
 
 GET_WINDOW_BYTES = 64 << 20  # NVMe reads of a Get are materialized this much at a time
@@ -111,6 +115,7 @@ class BlockStore(Cascade):
         promote_on_hit: bool = True,
         write_through: bool = False,
         nvme_admit_uses: int = 1,
+        staging_bytes: int = 2 * GET_WINDOW_BYTES,
     ):
         if not tiers or not isinstance(tiers[0], MemoryTier):
             raise ValueError("the top tier must be a memory tier (HBM or DRAM)")
@@ -140,6 +145,7 @@ class BlockStore(Cascade):
         self._demoter: threading.Thread | None = None
         self._listeners: list[Callable[[str, str, bytes, int], None]] = []
         self.max_block_bytes = min(t.max_block_bytes for t in self.tiers if isinstance(t, MemoryTier))
+        self.staging = Staging(staging_bytes if len(self.tiers) > 1 else 0)  # NVMe reads DRAM cannot take
         for tier in self.tiers[1:]:
             self._recover(tier)
 
@@ -301,46 +307,95 @@ class BlockStore(Cascade):
                 out[i] = lease
         return out
 
-    def materialize(self, leases: Sequence[Lease | None]) -> None:
-        """Read NVMe-only blocks of the batch (coalesced by the tier), promoting when there is room."""
-        cold = [lease for lease in leases if lease is not None and lease.buffer is None]
+    # -- reads from lower tiers (issue 19): straight into where the bytes go, handed on piece by piece ------
+    def materialize(
+        self,
+        leases: Sequence[Lease | None],
+        on_ready: Callable[[list[int]], None] | None = None,
+        dest_for: Callable[[int], Any] | None = None,
+    ) -> None:
+        """Read the batch's NVMe-only blocks (coalesced by the tier) straight into where they go.
+
+        Each lands, in this order of preference, in a free slot of the top tier (a promotion, when
+        ``promote_on_hit``; no eviction is done for it), in ``dest_for(i)`` (a caller's buffer for
+        ``leases[i]``, such as a lane's region range; None: no such buffer), or in a slot of the store's
+        staging arena (so a full DRAM tier serves from NVMe without allocating), else in a fresh buffer.
+        Every payload is verified (CRC32C) before ``lease.buffer`` is usable; a raw (codec none) block's
+        record must also carry the CRC32C of the index, so its bytes' CRC32C is ``lease.crc32c``. ``on_ready(positions)`` (called
+        from reading threads) names the leases whose bytes are verified as each read completes, so the caller
+        moves them on while later ones are still read. A slot held only for this read is freed by
+        ``release``. A corrupt copy is dropped and ``DataLossError`` raised (the other blocks stay).
+        """
+        cold = [i for i, lease in enumerate(leases) if lease is not None and lease.buffer is None]
         if not cold:
             return
-        promoted: dict[int, int] = {}
+        promoted: list[tuple[Lease, int]] = []
         with self._lock:
-            for lease in cold:
-                loc = self.top.allocate(lease.stored_length) if self.promote_on_hit else None
-                if loc is None:
-                    lease.buffer = bytearray(lease.stored_length)
-                else:
-                    promoted[lease.entry] = loc
-                    lease.buffer = self.top.view(loc, lease.stored_length)
-            by_rank: dict[int, list[Lease]] = {}
-            for lease in cold:
-                by_rank.setdefault(lease.rank, []).append(lease)
-            plans = [(self._tier(r), ls, [self.table.loc_of(x.entry, r) for x in ls]) for r, ls in by_rank.items()]
+            for i in cold:
+                lease = leases[i]
+                assert lease is not None
+                n = lease.stored_length
+                loc = self.top.allocate(n) if self.promote_on_hit else None
+                if loc is not None:
+                    promoted.append((lease, loc))
+                    lease.buffer = self.top.view(loc, n)
+                    continue
+                dest = dest_for(i) if dest_for is not None else None
+                if dest is None:
+                    staged = self.staging.take(n)
+                    if staged is None:
+                        dest = aligned_buffer(n)
+                    else:
+                        lease.hold = (None, staged[0])
+                        dest = staged[1]
+                lease.buffer = dest
+            by_rank: dict[int, list[int]] = {}
+            for i in cold:
+                by_rank.setdefault(leases[i].rank, []).append(i)  # type: ignore[union-attr]
+            plans = [
+                (self._tier(r), pos, [self.table.loc_of(leases[i].entry, r) for i in pos])  # type: ignore[union-attr]
+                for r, pos in by_rank.items()
+            ]
+        verified: set[int] = set()  # positions handed on: their bytes stay readable until release, whatever fails
+
+        def done(positions: list[int]) -> None:
+            verified.update(positions)
+            if on_ready is not None:
+                on_ready(positions)
+
         try:
-            for tier, group, locs in plans:
+            for tier, pos, locs in plans:
+                group = [leases[i] for i in pos]
+                lengths = [x.stored_length for x in group]  # type: ignore[union-attr]
+                bufs = [x.buffer for x in group]  # type: ignore[union-attr]
                 try:
-                    tier.read(locs, [x.stored_length for x in group], [x.buffer for x in group])
+                    if getattr(tier, "streams_reads", False):  # raw blocks: the record's CRC must be the index's
+                        crcs = [x.crc32c if x.codec == CODEC_NONE else None for x in group]  # type: ignore[union-attr]
+                        tier.read(locs, lengths, bufs, lambda idx, pos=pos: done([pos[k] for k in idx]), crcs)
+                    else:
+                        tier.read(locs, lengths, bufs)
+                        done(pos)
                 except CorruptBlock as err:
-                    bad = {loc for loc in err.locs}
-                    self._drop_corrupt(tier, [(x, loc) for x, loc in zip(group, locs) if loc in bad])
+                    bad = set(err.locs)
+                    self._drop_corrupt(tier, [(x, loc) for x, loc in zip(group, locs) if loc in bad])  # type: ignore[misc]
                     raise DataLossError(str(err)) from err
         except BaseException:
-            with self._lock:
-                self.top.free(list(promoted.values()))
-            for lease in cold:
-                lease.buffer = None
+            with self._lock:  # every slot taken for this read is freed at release: a sender may still hold one
+                for lease, loc in promoted:
+                    lease.hold = (self.top, loc)
+                for i in cold:
+                    if i not in verified:
+                        leases[i].buffer = None  # type: ignore[union-attr]
             raise
         with self._lock:
-            for e, loc in promoted.items():
+            for lease, loc in promoted:
+                e = lease.entry
                 if self.table.live[e] and self.table.loc_of(e, self.top.rank) == NO_LOC:
                     self._add_copy(e, self.top.rank, loc)
                     self.counters.tiers[self.top.rank].promotions += 1
-                else:
-                    self.top.free([loc])  # keep serving from the buffer: freed slot is reused only after release
-            if self.top.used_bytes > self.high * self.top.capacity_bytes:
+                else:  # deleted, or promoted by a concurrent Get: the slot is ours until the lease ends
+                    lease.hold = (self.top, loc)
+            if promoted and self.top.used_bytes > self.high * self.top.capacity_bytes:
                 self._wake.set()
 
     def release(self, leases: Sequence[Lease | None]) -> None:
@@ -348,6 +403,9 @@ class BlockStore(Cascade):
         if not len(ids):
             return
         with self._lock:
+            for lease in leases:
+                if lease is not None and lease.hold is not None:
+                    self._let_go(lease)  # the staging or DRAM slot a cold read held
             leases_col = self.table.column("leases")
             leases_col.add(ids, -1)
             if self._doomed:
@@ -355,6 +413,18 @@ class BlockStore(Cascade):
                     if leases_col.get(e) == 0:
                         self._destroy(e)
 
+    def _let_go(self, lease: Lease) -> None:
+        """Free the slot a lease held only for its read (lock held)."""
+        if lease.hold is None:
+            return
+        tier, loc = lease.hold
+        lease.hold = None
+        if tier is None:
+            self.staging.give(loc)
+        else:
+            tier.free([loc])
+
+    # -- end of the reads from lower tiers ------------------------------------------------------------------
     def _drop_corrupt(self, tier: Tier, bad: list[tuple[Lease, int]]) -> None:
         with self._lock:
             for lease, _ in bad:

@@ -41,6 +41,7 @@ from kvstore.v1 import lanes_pb2 as lpb
 class CudaIpcServerLane(ShmServerLane):
     kind = "cuda_ipc"
     crcs_at_copy = False  # a CRC of device memory would cost a pass on the GPU: the client checks host copies
+    streams_cold = False  # NVMe blocks are read first, then copied with the rest (the copies are asynchronous)
 
     def __init__(self, region: DeviceRegion, ops: StoreOps, lease_seconds: float):
         super().__init__(region, ops, lease_seconds)

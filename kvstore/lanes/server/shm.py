@@ -51,6 +51,7 @@ from kvstore.lanes.server.storeops import Reservation, StoreOps, accepted_codecs
 from kvstore.lanes.shm_region import ShmRegion
 from kvstore.memops import copy_crc, copy_into, host_view
 from kvstore.store import Lease
+from kvstore.store.readahead import has_cold
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 
 YIELD_BYTES = 16 << 20
 FIRST_YIELD_BYTES = 2 << 20
+WRITE_RUN_BYTES = 4 << 20  # direct Get writes: this much per process_vm_writev (and per copy thread's turn)
 
 
 @dataclass(slots=True)
@@ -75,6 +77,7 @@ class CopyOut:
 class ShmServerLane(ServerLane):
     kind = "shm"
     crcs_at_copy = True  # can compute a Get block's CRC32C while copying it into the region
+    streams_cold = True  # NVMe reads go straight into the region or are written to the client as verified
 
     def __init__(self, region: ShmRegion | DeviceRegion, ops: StoreOps, lease_seconds: float):
         super().__init__()
@@ -257,17 +260,29 @@ class ShmServerLane(ServerLane):
         try:
             full = False
             for window in self.ops.windows(leases):
-                self.ops.materialize(window)
-                for lease in window:
+                streamed = (
+                    self.streams_cold and has_cold(window) and all(x is None or x.codec in accepted for x in window)
+                )
+                if streamed:  # NVMe blocks: read straight where they go, each moved on once verified
                     assert grant is not None
-                    n = self._place_out(grant, handled, lease, accepted, pending, crc_at_copy, copies, outs)
-                    if n < 0:
-                        full = True
-                        break
-                    handled += 1
+                    n, placed = self._read_out(grant, handled, window, accepted, pending, crc_at_copy, copies, outs)
+                    handled += placed
                     sent += n
                     pending_bytes += n
-                    if pending_bytes >= due and handled < len(leases):  # never an empty last message
+                    full = placed < len(window)
+                else:
+                    self.ops.materialize(window)
+                for lease in [None] if streamed else window:
+                    if not streamed:
+                        assert grant is not None
+                        n = self._place_out(grant, handled, lease, accepted, pending, crc_at_copy, copies, outs)
+                        if n < 0:
+                            full = True
+                            break
+                        handled += 1
+                        sent += n
+                        pending_bytes += n
+                    if not full and pending_bytes >= due and handled < len(leases):  # never an empty last message
                         due = YIELD_BYTES
                         self._copy_out(copies)
                         copies = []
@@ -354,12 +369,90 @@ class ShmServerLane(ServerLane):
         )  # the header's CRC is of raw bytes
         return n
 
+    def _read_out(
+        self,
+        grant: Grant,
+        first: int,
+        window: Sequence[Lease | None],
+        accepted: set[int],
+        reply: lpb.LaneGetResponse,
+        crc_at_copy: bool,
+        copies: list[CopyOut],
+        outs: Sequence[tuple[int, int]],
+    ) -> tuple[int, int]:
+        """A window with NVMe-only blocks: place every block first (a region range, or the client's address),
+        then read the NVMe ones straight where they go and move each on as its read is verified, while the
+        disk reads the next ones: into its region range in place (nothing to copy) unless a DRAM slot took it
+        (a promotion: copied from there), or written into the client's buffer (direct). Their CRC32C is the
+        index's, which the tier checked the record against, so it is not computed again. The DRAM hits of
+        the window are queued in ``copies`` as usual. Returns (bytes, blocks placed): fewer blocks than the
+        window when the region is full."""
+        cold: dict[int, CopyOut] = {}
+        n_bytes = placed = 0
+        for j, lease in enumerate(window):
+            cold_one = lease is not None and lease.buffer is None
+            n = self._place_out(grant, first + j, lease, accepted, reply, crc_at_copy, copies, outs)
+            if n < 0:
+                break
+            placed += 1
+            n_bytes += n
+            if cold_one:
+                cold[j] = copies.pop()
+        if not cold:
+            return n_bytes, placed
+
+        def dest_for(j: int) -> Any:
+            c = cold.get(j)
+            return None if c is None else c.dst  # the region range itself (None on a direct Get)
+
+        def on_ready(positions: list[int]) -> None:
+            for j in positions:
+                c, lease = cold[j], window[j]
+                assert lease is not None
+                if c.dst is None or lease.buffer is not c.dst:  # not read in place: one copy, no CRC pass
+                    c.src, verified, c.crc = lease.buffer, c.crc, False
+                    self._copy_one(c)
+                    c.crc = verified
+                if c.crc:
+                    c.descriptor.crc32c = lease.crc32c
+
+        self.ops.materialize(window[:placed], on_ready, dest_for)
+        return n_bytes, placed
+
     def _copy_out(self, copies: Sequence[CopyOut]) -> None:
-        """Run one message's copies into the region (spread over the copy threads) and wait for them."""
-        crcs = self.ops.copies.run(self._copy_one, copies, [c.descriptor.length for c in copies])
-        for c, crc in zip(copies, crcs):
+        """Run one message's copies into the region or the client's memory (spread over the copy threads) and
+        wait for them. Direct writes from host memory go in runs of up to ``WRITE_RUN_BYTES``, each run one
+        process_vm_writev (after the CRC32C of each block, when asked), not one syscall and check per block."""
+        runs: list[list[CopyOut]] = []
+        size = WRITE_RUN_BYTES
+        for c in copies:
+            if c.address and host_view(c.src) is not None:
+                if size >= WRITE_RUN_BYTES:
+                    runs.append([])
+                    size = 0
+                runs[-1].append(c)
+                size += c.descriptor.length
+            else:
+                runs.append([c])
+                size = WRITE_RUN_BYTES
+        self.ops.copies.run(self._copy_run, runs, [sum(c.descriptor.length for c in run) for run in runs])
+
+    def _copy_run(self, run: list[CopyOut]) -> None:
+        if len(run) == 1 and (not run[0].address or host_view(run[0].src) is None):
+            crc = self._copy_one(run[0])
             if crc is not None:
-                c.descriptor.crc32c = crc
+                run[0].descriptor.crc32c = crc
+            return
+        assert self.direct is not None
+        pairs = []
+        for c in run:
+            src = host_view(c.src)
+            assert src is not None
+            src = src[: c.descriptor.length]
+            if c.crc:
+                c.descriptor.crc32c = crc32c(src)
+            pairs.append((c.address, src))
+        self.direct.write_many(pairs)
 
     def _copy_one(self, c: CopyOut) -> int | None:
         if c.address:

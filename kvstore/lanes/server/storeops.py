@@ -20,13 +20,15 @@ Verbs (``StoreOps``, thread-safe like the BlockStore under it):
 - ``persist(entries)``: write-through to the durable tier before acknowledging.
 - ``copies``: the ``CopyPool`` the region lanes spread a batch's copies over.
 - ``acquire / materialize / release``: leases for reading, as the gRPC Get,
-  with NOT_FOUND and DATA_LOSS mapped to ``LaneError``; ``servable(lease,
+  with NOT_FOUND and DATA_LOSS mapped to ``LaneError``; ``read_ahead(leases)``:
+  the windows with their NVMe reads running in the background (``ReadAhead``); ``servable(lease,
   accepted)`` decodes a block stored with a codec the reader does not accept.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -41,7 +43,8 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.validate import InvalidRequest, Limits
 from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
 from kvstore.store.blockstore import ALREADY_PRESENT, lease_windows
-from kvstore.tiers.base import BlockMeta
+from kvstore.store.readahead import ReadAhead
+from kvstore.tiers.base import BlockMeta, TierFault
 from kvstore.v1 import kvstore_pb2 as pb
 
 R = TypeVar("R")
@@ -60,6 +63,7 @@ class StoreOps:
     def __init__(self, store: BlockStore, limits: Limits, metrics: Metrics, copies: CopyPool | None = None):
         self.store, self.limits, self.metrics = store, limits, metrics
         self.copies = copies or CopyPool()  # the region lanes' bulk copies, a few threads wide
+        self.readers = ThreadPoolExecutor(4, thread_name_prefix="kvstore-get-read")  # ReadAhead's window reads
 
     # -- validation ---------------------------------------------------------------------
     @staticmethod
@@ -178,11 +182,27 @@ class StoreOps:
         except NotFoundError as err:
             raise LaneError(grpc.StatusCode.NOT_FOUND, str(err.args[0])) from None
 
-    def materialize(self, leases: Sequence[Lease | None]) -> None:
+    def materialize(
+        self,
+        leases: Sequence[Lease | None],
+        on_ready: Callable[[list[int]], None] | None = None,
+        dest_for: Callable[[int], Any] | None = None,
+    ) -> None:
+        """``BlockStore.materialize`` (NVMe reads straight into place, handed on piece by piece) with DATA_LOSS
+        and UNAVAILABLE (an I/O error) as ``LaneError``."""
         try:
-            self.store.materialize(leases)
+            self.store.materialize(leases, on_ready, dest_for)
         except DataLossError as err:
             raise LaneError(grpc.StatusCode.DATA_LOSS, f"{err}; the block was dropped") from None
+        except (TierFault, OSError) as err:
+            raise LaneError(
+                grpc.StatusCode.UNAVAILABLE, f"reading blocks from a lower tier failed ({err}); retry, or recompute"
+            ) from None
+
+    def read_ahead(self, leases: Sequence[Lease | None]) -> tuple[list[list[Lease | None]], ReadAhead]:
+        """The Get's windows, with their NVMe reads started in the background one window ahead of the sender."""
+        windows = list(lease_windows(list(leases)))
+        return windows, ReadAhead(self.materialize, windows, self.readers)
 
     def release(self, leases: Sequence[Lease | None]) -> None:
         self.store.release(leases)

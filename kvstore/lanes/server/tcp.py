@@ -13,8 +13,10 @@ Verbs (frames in ``framing.py``):
   bytes read and dropped. A connection that dies mid-block aborts that slot:
   nothing partial ever becomes visible and no slot leaks.
 - GET: lease the blocks, send every header, then DATA frames of whole blocks
-  gathered straight from the arena slots with ``sendmsg`` (materializing NVMe
-  blocks one window at a time); leases are dropped as each window is sent.
+  gathered straight from the arena slots with ``sendmsg``. NVMe blocks are read
+  in the background (``ReadAhead``, a window ahead) straight into their slots
+  and sent as each read is verified, so the disk and the socket work at once;
+  the leases are dropped when the Get ends.
 
 Socket reads and writes inside a frame time out after ``frame_seconds``
 (kernel SO_RCVTIMEO/SO_SNDTIMEO), so a stalled peer cannot hold slots or
@@ -272,24 +274,33 @@ class TcpLaneServer:
             self._status(conn, err.code, err.message)
             return
         accepted = accepted_codecs(request)
+        windows, reads = ops.read_ahead(leases)
         released = 0
         sent = 0
         try:
             reply = lpb.TcpGetReply(headers=[ops.header_of(lease, accepted) for lease in leases])
             framing.send_frame(conn, framing.GET_REPLY, reply.SerializeToString())
-            for window in ops.windows(leases):
-                try:
-                    ops.materialize(window)
-                except LaneError as err:
-                    self._status(conn, err.code, err.message)
-                    return
-                payload = [_host_bytes(ops.servable(lease, accepted)[1]) for lease in window if lease is not None]
+            for w, window in enumerate(windows):
+                payload: list[memoryview] = []
+                for j, lease in enumerate(window):
+                    if payload and not reads.ready(w, j):  # send what is verified while the rest is read
+                        framing.send_frame(conn, framing.DATA, b"", payload)
+                        sent += sum(len(p) for p in payload)
+                        payload = []
+                    try:
+                        reads.wait(w, j)
+                    except LaneError as err:
+                        self._status(conn, err.code, err.message)
+                        return
+                    if lease is not None:
+                        payload.append(_host_bytes(ops.servable(lease, accepted)[1]))
                 if payload:
                     framing.send_frame(conn, framing.DATA, b"", payload)
                     sent += sum(len(p) for p in payload)
-                ops.release(window)
+                ops.release(window)  # sent: the kernel holds the bytes now
                 released += len(window)
         finally:
+            reads.close()
             ops.release(leases[released:])
             ops.metrics.add("lane_tcp_get_bytes", sent)
             ops.metrics.bytes_out(sent)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import queue
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +63,7 @@ class Wanted:
     nbytes: int  # record bytes
     length: int | None = None
     targets: list[int] = field(default_factory=list)  # indices into the caller's dests
+    crc: int | None = None  # the payload CRC32C the caller expects (its index's), checked beside the record's
 
     @classmethod
     def block(cls, offset: int, length: int) -> Wanted:
@@ -255,6 +256,8 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
             n, stored_crc = fields
             if (w.length is not None and n != w.length) or record_bytes(n) != w.nbytes:
                 reason = f"record holds {n} bytes, caller expects {w.length}"
+            elif w.crc is not None and stored_crc != w.crc:
+                reason = "record's CRC32C differs from the index's"
             elif w.offset + w.nbytes > end:
                 reason = "record extends past the end of the segment file"
             elif view is None:
@@ -284,9 +287,20 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
 
 
 def read_pipelined(
-    backend: IoBackend, pool: Executor, buffers: BufferPool, pieces: Sequence[Piece], dests: Sequence[Any], window: int
+    backend: IoBackend,
+    pool: Executor,
+    buffers: BufferPool,
+    pieces: Sequence[Piece],
+    dests: Sequence[Any],
+    window: int,
+    on_ready: Callable[[list[int]], None] | None = None,
 ) -> list[tuple[int, str]]:
     """Read and check ``pieces`` with up to ``window`` of them in flight; returns the failed (target, reason).
+
+    ``on_ready(targets)``, when given, is called by the thread that read a piece as soon as its records passed
+    their checks and their dests are filled (the targets of records that failed are left out), so the caller
+    can move those blocks on while the other pieces are still being read. An exception it raises ends the read
+    (after every preadv in flight returned) and propagates.
 
     Each piece is planned, read and checked by one thread from start to end: this thread and up to
     ``window - 1`` pool workers take pieces from one queue until it is empty. So one piece's checks
@@ -316,7 +330,13 @@ def read_pipelined(
                 got: int | OSError = backend.preadv(piece.seg.fh, planned.iov, piece.offset)
             except OSError as e:
                 got = e
-            failed.extend(finish_into(planned, got, dests))
+            bad = finish_into(planned, got, dests)
+            failed.extend(bad)
+            if on_ready is not None:
+                lost = {t for t, _ in bad}
+                ok = [t for w in piece.records for t in w.targets if t not in lost]
+                if ok:
+                    on_ready(ok)
 
     own = buffers.get(pieces[0].nbytes)
     jobs: list[tuple[np.ndarray, Future[tuple[list[tuple[int, str]], np.ndarray]]]] = []

@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,11 +240,27 @@ class NvmeTier(Tier):
                 self._fault = ""
 
     # -- read -----------------------------------------------------------------------
-    def read(self, locs: Sequence[int], lengths: Sequence[int], dests: Sequence[Any]) -> None:
+    streams_reads = True  # read() takes on_ready: blocks are handed on piece by piece, as they are verified
+
+    def read(
+        self,
+        locs: Sequence[int],
+        lengths: Sequence[int],
+        dests: Sequence[Any],
+        on_ready: Callable[[list[int]], None] | None = None,
+        crcs: Sequence[int | None] | None = None,
+    ) -> None:
+        """Fill ``dests[i]`` with the verified payload at ``locs[i]``; ``on_ready(indices)`` (optional) is called
+        from a reading thread as each piece's records pass their checks (failed ones left out). ``crcs[i]``
+        (optional) is the payload CRC32C the caller's index holds: a record whose own differs fails too, so a
+        verified payload's CRC32C is known to the caller without computing it again."""
         if not (len(locs) == len(lengths) == len(dests)):
             raise ValueError("locs, lengths and dests must have the same length")
         if self.backend.name.startswith("kvikio") and any(is_device_dest(d) for d in dests):
-            return read_split(self, locs, lengths, dests)  # GPUDirect Storage into the CUDA dests (gds.py)
+            read_split(self, locs, lengths, dests)  # GPUDirect Storage into the CUDA dests (gds.py)
+            if on_ready is not None:
+                on_ready(list(range(len(locs))))
+            return
         began = time.perf_counter()
         resolved, pinned = self._log.pin(locs)
         bad: dict[int, str] = {}
@@ -261,7 +277,8 @@ class NvmeTier(Tier):
                 wanted = group[1]
                 w = wanted.get((off, length))
                 if w is None:  # record_bytes(length), inlined
-                    wanted[(off, length)] = Wanted(off, HEADER_BYTES + -(-length // PAGE) * PAGE, length, [i])
+                    crc = None if crcs is None else crcs[i]
+                    wanted[(off, length)] = Wanted(off, HEADER_BYTES + -(-length // PAGE) * PAGE, length, [i], crc)
                 else:
                     w.targets.append(i)
             pieces = [
@@ -271,7 +288,9 @@ class NvmeTier(Tier):
                     seg, list(wanted.values()), self.max_read_bytes, self.coalesce_gap_bytes, self.read_threads
                 )
             ]
-            failures = read_pipelined(self.backend, self._pool, self._buffers, pieces, dests, self.read_threads)
+            failures = read_pipelined(
+                self.backend, self._pool, self._buffers, pieces, dests, self.read_threads, on_ready
+            )
         finally:
             self._log.unpin(pinned)
         for i, reason in failures:

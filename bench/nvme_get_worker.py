@@ -1,0 +1,82 @@
+"""One side of ``bench.nvme_get``: store processes and clients of one source tree, driven step by step.
+
+    python bench/nvme_get_worker.py BLOCK COUNT ROOT COLD_DRAM   (PYTHONPATH and cwd: the tree to measure)
+
+Starts a store with an NVMe tier (write-through, DRAM ``COLD_DRAM``) and one whose DRAM holds everything, both
+``kvstore serve`` processes of the tree on ``PYTHONPATH``, writes ``COUNT`` 32-block prefixes per kind (each
+Get reads a prefix once: a repeated read could come from a cache), prints ``ready``, then answers lines on
+stdin: ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``dram-shm``,
+``dram-tcp``) into page-aligned buffers and prints its seconds; ``stats`` prints the NVMe store's tier hits
+as JSON; ``quit`` stops. Only public names are used, so an older tree runs it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.client import Client
+from kvstore.server.process import store_process
+from kvstore.tiers.nvme.io import aligned_buffer
+
+PREFIX = 32
+KINDS = ("nvme-shm", "nvme-tcp", "dram-shm", "dram-tcp")
+
+
+def write_prefixes(kv: Client, block: int, count: int, rng: np.random.Generator) -> list[list[bytes]]:
+    """``count`` unchained 32-block prefixes of ``block`` bytes (8 distinct payloads reused)."""
+    payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(8)]
+    prefixes = []
+    for p in range(count):
+        keys = [rng.bytes(16) for _ in range(PREFIX)]
+        results = kv.put("bench", keys, [payloads[(p + i) % 8] for i in range(PREFIX)], chained=False)
+        if not all(r.ok for r in results):
+            raise RuntimeError(f"put refused: {results[0].reason}")
+        prefixes.append(keys)
+    return prefixes
+
+
+def main(block: int, count: int, root: Path, cold_dram: int) -> None:
+    rng = np.random.default_rng(block)
+    warm_dram = 2 * count * PREFIX * block * 5 // 4 + (64 << 20)
+    with contextlib.ExitStack() as stack:
+        cold_target, _ = stack.enter_context(
+            store_process(
+                *("--dram", f"{cold_dram >> 20}MiB", "--nvme-dir", str(root / "nvme"), "--nvme", "16GiB"),
+                *("--write-policy", "write-through", "--shm-direct", "true"),
+            )
+        )
+        warm_target, _ = stack.enter_context(store_process("--dram", f"{warm_dram >> 20}MiB", "--shm-direct", "true"))
+        clients = {
+            kind: stack.enter_context(
+                Client(cold_target if kind.startswith("nvme") else warm_target, timeout=120, lane=kind.split("-")[1])
+            )
+            for kind in KINDS
+        }
+        prefixes = {kind: write_prefixes(kv, block, count, rng) for kind, kv in clients.items()}
+        out = [aligned_buffer(block) for _ in range(PREFIX)]
+        for buf in out:
+            buf[:] = 1  # faulted in before any Get
+        print("ready", flush=True)
+        for line in sys.stdin:
+            words = line.split()
+            if not words or words[0] == "quit":
+                break
+            if words[0] == "stats":
+                tiers = {t["name"]: t["hits"] for t in clients["nvme-shm"].stats()["tiers"]}
+                print(json.dumps(tiers), flush=True)
+                continue
+            kind, i = words[0], int(words[1])
+            keys = prefixes[kind][i]
+            t0 = time.perf_counter()
+            clients[kind].get("bench", keys, out=out)
+            print(time.perf_counter() - t0, flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))

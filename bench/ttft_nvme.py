@@ -1,0 +1,76 @@
+"""``bench.ttft --nvme``: TTFT when the reused prefix lives only on NVMe (the store's DRAM is too small for it).
+
+A second local stack (store, prefill and decode workers) whose store has a DRAM tier of ``DRAM`` (far less
+than one prompt's KV) and an NVMe tier under ``--dir``, write-through and without promotion, so a Get of the
+prefix reads every block from NVMe. Per chat prompt: ``disaggregated`` on that stack stores the prefix, a
+filler Put of DRAM's size pushes whatever of it DRAM still held out, then ``store_nvme``: the decode worker
+with the prefix only on NVMe. Just before it, one O_DIRECT read of a fresh extent of ``EXTENT_BYTES`` gives
+the disk's read speed at that moment: ``floor_s`` of the ``store_nvme`` row is the compute of the uncached
+tail plus the KV bytes at that speed (the DRAM modes' floor uses memcpy speed).
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from bench.nvme_get import RawExtents
+from kvstore.client import Client
+from kvstore.router import Result, Router, local_stack
+
+DRAM = 16 << 20
+FILLER_BLOCK = 256 << 10
+EXTENT_BLOCK = 2 << 20  # raw extents of 32 x (4 KiB + 2 MiB): about one prompt's KV
+
+
+def run_nvme(model: str, prompts: list[list[int]], new_tokens: int, root: Path) -> tuple[list[Result], list[float]]:
+    """The ``store_nvme`` results (mode renamed) and the disk's read speed (bytes/s) measured before each."""
+    results: list[Result] = []
+    speeds: list[float] = []
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-ttft-nvme-", dir=root))
+    rng = np.random.default_rng(0)
+    try:
+        with ExitStack() as stack:
+            store_args = ("--nvme-dir", str(tmp / "nvme"), "--write-policy", "write-through")
+            store_args += ("--promote-on-hit", "false")
+            store, prefill, decode = stack.enter_context(
+                local_stack(model, dram=f"{DRAM >> 20}MiB", store_args=store_args)
+            )
+            router = Router(prefill, decode)
+            stack.callback(router.close)
+            kv = stack.enter_context(Client(store))
+            raw = RawExtents(tmp / "raw.bin", EXTENT_BLOCK, len(prompts), rng)
+            stack.callback(raw.close)
+            filler = rng.integers(0, 256, FILLER_BLOCK, dtype=np.uint8)
+            for i, prompt in enumerate(tqdm(prompts, desc="prompts, prefix on NVMe", unit="prompt")):
+                router.run("disaggregated", prompt, "chat", new_tokens)
+                keys = [rng.bytes(16) for _ in range(DRAM // FILLER_BLOCK)]
+                kv.put("filler", keys, [filler] * len(keys), chained=False)
+                t0 = time.perf_counter()
+                raw.read(i)
+                speeds.append(raw.extent / (time.perf_counter() - t0))
+                r = router.run("store", prompt, "chat", new_tokens)
+                r.mode = "store_nvme"
+                results.append(r)
+            nvme = {t["name"]: t["hits"] for t in kv.stats()["tiers"]}
+            print(f"prefix-on-NVMe store: hits per tier {nvme}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results, speeds
+
+
+def nvme_row(rows: list[dict], results: list[Result], speeds: list[float]) -> None:
+    """Set the ``store_nvme`` row's floor from the disk's measured speed (``rows`` from ``summarize``)."""
+    for row in rows:
+        if row["mode"] == "store_nvme":
+            row["disk_read_gbps"] = round(statistics.median(speeds) / 1e9, 3)
+            row["floor_s"] = round(
+                statistics.mean(r.compute_s + r.transfer_bytes / s for r, s in zip(results, speeds)), 4
+            )

@@ -1,0 +1,104 @@
+"""A Get's reads from lower tiers, run in the background so the sender streams blocks as they are verified.
+
+``ReadAhead(materialize, windows, executor)`` takes a Get's lease windows (``lease_windows``) and the
+store's ``materialize(leases, on_ready)``. Verbs:
+
+- ``wait(w, j)``: block until lease ``j`` of window ``w`` has its bytes verified in ``lease.buffer`` (a
+  missing lease or a DRAM hit at once); raises what the window's read raised (``DataLossError``, ...).
+- ``ready(w, j) -> bool``: the same without blocking (a sender flushes what it has before it waits).
+- ``close()``: wait for every read still in flight; call it before the leases are released, since a read
+  may still be landing in a slot they hold.
+
+Window ``w + 1``'s reads start when the consumer first waits on window ``w``, so the disk reads the next
+window while the sender moves the last one; at most two windows are read ahead. Windows without an
+NVMe-only lease cost nothing: no thread is involved.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from typing import Any
+
+Materialize = Callable[..., None]
+
+
+class _Window:
+    __slots__ = ("leases", "ready", "done", "error", "future")
+
+    def __init__(self, leases: Sequence[Any]):
+        self.leases = leases
+        self.ready = {j for j, lease in enumerate(leases) if lease is None or lease.buffer is not None}
+        self.done = False
+        self.error: BaseException | None = None
+        self.future: Future[None] | None = None
+
+
+def has_cold(leases: Sequence[Any]) -> bool:
+    """Whether any lease of the batch still needs a read from a lower tier."""
+    return any(lease is not None and lease.buffer is None for lease in leases)
+
+
+class ReadAhead:
+    def __init__(self, materialize: Materialize, windows: Sequence[Sequence[Any]], executor: Executor):
+        self._materialize, self._executor = materialize, executor
+        self._windows = [_Window(w) for w in windows]
+        self._cond = threading.Condition()
+        self._started = [False] * len(self._windows)
+
+    def _start(self, w: int) -> None:
+        if w >= len(self._windows) or self._started[w]:
+            return
+        self._started[w] = True
+        win = self._windows[w]
+        if not has_cold(win.leases):
+            win.done = True
+            return
+        win.future = self._executor.submit(self._read, win)
+
+    def _read(self, win: _Window) -> None:
+        def mark(positions: list[int]) -> None:
+            with self._cond:
+                win.ready.update(positions)
+                self._cond.notify_all()
+
+        try:
+            self._materialize(win.leases, on_ready=mark)
+        except BaseException as err:
+            with self._cond:
+                win.error = err
+        finally:
+            with self._cond:
+                win.done = True
+                self._cond.notify_all()
+
+    def _now(self, win: _Window, j: int) -> bool:
+        if j in win.ready:
+            return True
+        if win.error is not None:
+            raise win.error
+        if win.done:
+            return True  # a DRAM hit, a missing block, or a window read with no error
+        return False
+
+    def ready(self, w: int, j: int) -> bool:
+        self._start(w)
+        with self._cond:
+            return self._now(self._windows[w], j)
+
+    def wait(self, w: int, j: int) -> None:
+        self._start(w)
+        self._start(w + 1)
+        win = self._windows[w]
+        with self._cond:
+            while not self._now(win, j):
+                self._cond.wait()
+
+    def close(self) -> None:
+        for win in self._windows:
+            if win.future is not None:
+                try:
+                    win.future.result()
+                except BaseException:
+                    pass  # already recorded in win.error for whoever waits on it

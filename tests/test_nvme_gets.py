@@ -1,0 +1,227 @@
+"""Gets of blocks that only NVMe holds, through a real server on every lane (issue 19): the reads land straight
+where the bytes go and are handed on as they are verified, so these check what that must not break: exact
+bytes, CRC checks before anything is served, a corrupt record failing alone, no lease or slot left behind by a
+Get that ends early (a client killed mid-Get included), and concurrent Gets of the same blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.client import Client, KVStoreError
+from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK
+from kvstore.tiers.nvme.io import aligned_buffer
+from tests.conftest import ROOT
+
+BLOCK = 64 << 10
+PREFIX = 32
+LANES = ["shm-direct", "shm-region", "shm-loan", "tcp", "grpc"]
+
+
+def _start(make_server, tmp_path: Path, lane: str, promote: bool, dram: int = 8 << 20):
+    return make_server(
+        dram=dram,
+        nvme_dir=str(tmp_path / "nvme"),
+        nvme=1 << 30,
+        nvme_segment=64 << 20,
+        write_policy="write-through",
+        promote_on_hit=promote,
+        shm_direct=lane == "shm-direct",
+    )
+
+
+def _client(server, lane: str) -> Client:
+    return Client(f"127.0.0.1:{server.port}", timeout=30, lane=lane.split("-")[0])
+
+
+def _fill(kv: Client, prefixes: int, seed: int = 0) -> list[tuple[list[bytes], list[np.ndarray]]]:
+    """``prefixes`` unchained 32-block prefixes, more than DRAM holds: the first ones end up only on NVMe."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(prefixes):
+        keys = [rng.bytes(16) for _ in range(PREFIX)]
+        blocks = [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(PREFIX)]
+        assert all(r.ok for r in kv.put("t", keys, blocks, chained=False))
+        out.append((keys, blocks))
+    return out
+
+
+def _nvme_only(server, keys: list[bytes]) -> int:
+    return sum(1 for r in server.store.lookup("t", keys)[1] if r == 3)
+
+
+def _get(kv: Client, lane: str, keys: list[bytes]) -> list:
+    if lane == "shm-loan":
+        return [bytes(memoryview(b)) for b in kv.get("t", keys)]
+    out = [aligned_buffer(BLOCK) for _ in keys]
+    kv.get("t", keys, out=out)
+    return out
+
+
+def _quiet(server, timeout: float = 10.0) -> None:
+    """No lease, no staging slot and no read-only DRAM slot is left once the Gets are over."""
+    store = server.store
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if int(np.asarray(store.table.leases).sum()) == 0 and store.staging.used_bytes == 0:
+            break
+        time.sleep(0.05)
+    assert int(np.asarray(store.table.leases).sum()) == 0
+    assert store.staging.used_bytes == 0
+    store.check_invariants()
+    top = store.top
+    held = sum(
+        top.slabs.slot_size(int(store.table.loc[e, top.rank]))
+        for e in range(len(store.table.live))
+        if store.table.live[e] and store.table.loc[e, top.rank] != -1
+    )
+    assert top.used_bytes == held  # every DRAM slot belongs to a block: none leaked by a promotion
+
+
+@pytest.mark.parametrize("promote", [False, True], ids=["no-promote", "promote"])
+@pytest.mark.parametrize("lane", LANES)
+def test_nvme_only_blocks_come_back_exact_on_every_lane(make_server, tmp_path, lane, promote):
+    server = _start(make_server, tmp_path, lane, promote)
+    with _client(server, lane) as kv:
+        data = _fill(kv, 8)
+        keys, blocks = data[0]
+        assert _nvme_only(server, keys) == PREFIX
+        for _ in range(2):  # the second Get: from DRAM when promoted, from NVMe again otherwise
+            got = _get(kv, lane, keys)
+            for g, b in zip(got, blocks):
+                assert bytes(memoryview(g)) == b.tobytes()
+        # a Get mixing DRAM hits, NVMe blocks and a missing block, in one request
+        mixed = data[1][0][:8] + [b"\x01" * 16] + data[-1][0][:8]
+        want = data[1][1][:8] + [None] + data[-1][1][:8]
+        out = kv.get("t", mixed, allow_missing=True)
+        for g, b in zip(out, want):
+            assert (g is None) if b is None else bytes(memoryview(g)) == b.tobytes()
+    _quiet(server)
+    tiers = {t["name"]: t for t in server.store.stats()["tiers"]}
+    assert tiers["nvme"]["hits"] >= PREFIX
+    if promote:
+        assert tiers["dram"]["promotions"] > 0
+
+
+def _corrupt(server, key: bytes) -> None:
+    """Flip payload bytes of the record holding ``key`` in its segment file (what a bad disk sector does)."""
+    store = server.store
+    nvme = store.tiers[-1]
+    e = store.table.find(store.table.namespace_id("t"), key)
+    loc = int(store.table.loc[e, nvme.rank])
+    seg = nvme._log.segments[loc >> 40]  # the test reaches into the tier to damage one record on disk
+    with open(seg.fh.path, "r+b") as f:
+        f.seek((loc & OFFSET_MASK) + HEADER_BYTES + 100)
+        f.write(b"\xff" * 64)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_a_corrupt_record_fails_alone_and_is_dropped(make_server, tmp_path, lane):
+    server = _start(make_server, tmp_path, lane, promote=True)
+    with _client(server, lane) as kv:
+        data = _fill(kv, 8)
+        keys, blocks = data[0]
+        assert _nvme_only(server, keys) == PREFIX
+        _corrupt(server, keys[5])
+        out = [aligned_buffer(BLOCK) for _ in keys]
+        with pytest.raises(KVStoreError) as err:
+            if lane == "shm-loan":
+                kv.get("t", keys)
+            else:
+                kv.get("t", keys, out=out)
+        assert "DATA_LOSS" in str(err.value.code) or "checksum" in str(err.value).lower()
+        assert server.store.lookup("t", [keys[5]])[0] == 0  # dropped
+        rest = keys[:5] + keys[6:]
+        got = _get(kv, lane, rest)
+        for g, b in zip(got, blocks[:5] + blocks[6:]):
+            assert bytes(memoryview(g)) == b.tobytes()
+        assert server.store.counters.corrupt == 1
+    _quiet(server)
+
+
+@pytest.mark.parametrize("lane", ["shm-direct", "tcp", "grpc"])
+def test_concurrent_gets_of_the_same_nvme_blocks(make_server, tmp_path, lane):
+    server = _start(make_server, tmp_path, lane, promote=True, dram=12 << 20)
+    with _client(server, lane) as kv:
+        data = _fill(kv, 8)
+    keys, blocks = data[0]
+    assert _nvme_only(server, keys) == PREFIX
+    want = [b.tobytes() for b in blocks]
+    errors: list[BaseException] = []
+
+    def reader(seed: int) -> None:
+        try:
+            with _client(server, lane) as c:
+                for k in range(4):
+                    sel = keys if (seed + k) % 2 else keys[::-1]
+                    got = _get(c, lane, sel)
+                    ref = want if sel is keys else want[::-1]
+                    for g, b in zip(got, ref):
+                        assert bytes(memoryview(g)) == b
+        except BaseException as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+    _quiet(server)
+
+
+CHILD = r"""
+import sys, numpy as np
+from kvstore.client import Client
+from kvstore.tiers.nvme.io import aligned_buffer
+target, lane, keys = sys.argv[1], sys.argv[2], [bytes.fromhex(k) for k in sys.argv[3].split(",")]
+with Client(target, timeout=30, lane=lane) as kv:
+    out = [aligned_buffer(64 << 10) for _ in keys]
+    print("ready", flush=True)
+    while True:
+        kv.get("t", keys, out=out)
+"""
+
+
+@pytest.mark.parametrize("lane", ["shm-direct", "tcp"])
+def test_a_client_killed_mid_get_leaks_no_lease_and_no_slot(make_server, tmp_path, lane):
+    server = _start(make_server, tmp_path, lane, promote=False)
+    with _client(server, lane) as kv:
+        data = _fill(kv, 8)
+    keys = [k for prefix in data[:4] for k in prefix[0]]  # 128 blocks, all only on NVMe
+    assert _nvme_only(server, keys) == len(keys)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, f"127.0.0.1:{server.port}", lane.split("-")[0], ",".join(k.hex() for k in keys)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 20
+        while server.store.stats()["tiers"][-1]["hits"] < 3 * len(keys) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(200):  # kill it while the server is inside a Get
+            if int(np.asarray(server.store.table.leases).sum()) > 0:
+                break
+            time.sleep(0.002)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    _quiet(server, timeout=20)
+    with _client(server, lane) as kv:  # the store still serves those blocks
+        got = _get(kv, lane, keys[:PREFIX])
+        assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in data[0][1]]
