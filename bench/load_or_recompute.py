@@ -153,7 +153,7 @@ def local_regimes(args: argparse.Namespace, regimes: list[str], spec: dict[str, 
                         p.kill()
                         p.wait()
         if "nvme" in regimes:
-            nvme_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="lor-nvme-", dir=str(ROOT)))
+            nvme_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="lor-nvme-"))
             flags = ["--dram", "512MiB", "--nvme-dir", nvme_dir, "--nvme", "2GiB", "--promote-on-hit", "false"]
             flags += ["--lanes", "shm"]
             with store_process(*flags) as (target, _):
