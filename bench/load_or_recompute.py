@@ -3,7 +3,7 @@
     python -m bench.load_or_recompute [--quick] [--out bench/results/load_or_recompute.json] [--model smollm2]
 
 SmolLM2-135M (the built-in runtime, fp32: 46,080 bytes of KV per token) serves
-prompts of 500-4,000 tokens (``--quick``: 300 and 600) whose first L - 32
+prompts of 500-4,000 tokens (``--quick``: 250 and 500) whose first L - 32
 tokens are a prefix already in the store, through the decode worker's engine
 (``decode_node.engine.DecodeEngine``; TTFT = request submitted to first token).
 Regimes, all in one run:
@@ -61,7 +61,7 @@ BACKGROUND_CLIENTS = 2
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--regimes", default=",".join(REGIMES))
-    p.add_argument("--lengths", default=None, help="prompt lengths (default 500,1000,2000,4000; quick 300,600)")
+    p.add_argument("--lengths", default=None, help="prompt lengths (default 500,1000,2000,4000; quick 250,500)")
     p.add_argument("--reps", type=int, default=None, help="rounds per case (default 3, quick 1)")
     p.add_argument("--plot-regimes", default="tcp_1gbit,tcp_0.1gbit")
 
@@ -103,7 +103,7 @@ def run_spec(args: argparse.Namespace) -> dict[str, Any]:
     lengths = (
         [int(x) for x in args.lengths.split(",")]
         if args.lengths
-        else ([300, 600] if args.quick else [500, 1000, 2000, 4000])
+        else ([250, 500] if args.quick else [500, 1000, 2000, 4000])
     )
     return {
         "lengths": lengths,
@@ -111,6 +111,7 @@ def run_spec(args: argparse.Namespace) -> dict[str, Any]:
         "modes": [*MODES, "decide_serial"],
         "fast_reps": 3 if args.quick else 7,
         "fast_s": 1.0,
+        "warmup": ["load", "recompute"] if args.quick else ["load", "recompute", "decide", "load"],
     }
 
 
@@ -152,7 +153,7 @@ def local_regimes(args: argparse.Namespace, regimes: list[str], spec: dict[str, 
                         p.kill()
                         p.wait()
         if "nvme" in regimes:
-            nvme_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="lor-nvme-", dir=str(ROOT)))
+            nvme_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="lor-nvme-"))
             flags = ["--dram", "512MiB", "--nvme-dir", nvme_dir, "--nvme", "2GiB", "--promote-on-hit", "false"]
             flags += ["--lanes", "shm"]
             with store_process(*flags) as (target, _):
@@ -213,7 +214,11 @@ def summarize(results: list[dict[str, Any]]) -> list[Row]:
                 for m in (*MODES, "decide_serial")
             }
             p50 = {m: statistics.median(t["ttft_s"] for t in ts) for m, ts in by_mode.items() if ts}
-            tokens = {t["token"] for ts in by_mode.values() for t in ts}
+            first_tokens: dict[int, set[int]] = {}  # per round (one prompt): the first token of every mode
+            for ts in by_mode.values():
+                for t in ts:
+                    first_tokens.setdefault(t["rep"], set()).add(t["token"])
+            same = all(len(v) == 1 for v in first_tokens.values())
             best_fixed = min(p50["load"], p50["recompute"])
             for mode in MODES:
                 ts = by_mode[mode]
@@ -231,7 +236,7 @@ def summarize(results: list[dict[str, Any]]) -> list[Row]:
                     "loaded_blocks": statistics.median(t["loaded_blocks"] for t in ts),
                     "head_blocks": statistics.median(t["head_blocks"] for t in ts),
                     "ratio_to_best_fixed": round(p50[mode] / best_fixed, 3),
-                    "same_first_token": len(tokens) == 1,
+                    "same_first_token": same,
                 }
                 if mode == "decide" and by_mode["decide_serial"]:
                     row["ttft_p50_serial_s"] = round(p50["decide_serial"], 4)
@@ -284,7 +289,8 @@ def plot(rows: list[Row], regimes: list[str], path: Path) -> None:
             ax.plot(xs, [r["ttft_p50_s"] for r in rs], style, label=f"{mode} (measured)")
             if mode == "decide":
                 ax.plot(xs, [r["predicted_s"] for r in rs], "^:", color="gray", label="decide (predicted)")
-        ax.set_title(regime), ax.set_xlabel("cached prefix (tokens)"), ax.set_ylabel("TTFT p50 (s)")
+        ax.set_yscale("log")
+        ax.set_title(regime), ax.set_xlabel("cached prefix (tokens)"), ax.set_ylabel("TTFT p50 (s, log)")
         ax.grid(alpha=0.3), ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -10,8 +10,8 @@ stdout (anything else it prints is log):
 - ``{"op": "populate", "tokens"}``: computes the KV of the first ``tokens``
   tokens of the base text and Puts its full blocks (the reused prefix), and
   writes their hashes to a file for background clients (``hashes_file``).
-- ``{"op": "run", "regime", "lengths", "reps", "modes", "fast_reps", "fast_s"}``:
-  warm-up requests, then ``reps`` interleaved rounds of every (prompt length,
+- ``{"op": "run", "regime", "lengths", "reps", "modes", "fast_reps", "fast_s", "warmup"}``:
+  untimed requests in the ``warmup`` modes at the shortest length, then ``reps`` interleaved rounds of every (prompt length,
   mode), plus rounds up to ``fast_reps`` for cases under ``fast_s`` seconds
   (short TTFTs are noisy); returns every trial.
 - ``{"op": "quit"}``.
@@ -123,10 +123,17 @@ class Worker:
         }
 
     def run(
-        self, regime: str, lengths: list[int], reps: int, modes: list[str], fast_reps: int, fast_s: float
+        self,
+        regime: str,
+        lengths: list[int],
+        reps: int,
+        modes: list[str],
+        fast_reps: int,
+        fast_s: float,
+        warmup: list[str],
     ) -> dict[str, Any]:
         n, tiers = self.link.client.lookup_tiers(NAMESPACE, self.link.prompt_hashes(self.base, NAMESPACE))
-        for mode in ("load", "recompute", "decide", "load"):  # warm-up: the planner sees this regime once
+        for mode in warmup:  # untimed: the planner sees this regime before the measured requests
             self.trial(lengths[0], -1, mode)
         trials = [self.trial(length, rep, mode) for rep in range(reps) for length in lengths for mode in modes]
         fast = {(t["prompt_tokens"], t["mode"]) for t in trials if t["rep"] == 0 and t["ttft_s"] < fast_s}

@@ -253,3 +253,17 @@ def test_pieces_follow_the_predicted_load_time():
     assert plan.piece_blocks == math.ceil(249 / 16)  # a 1.5 s load: the most pieces
     fast = planner_for(40.0).plan(["dram"] * 20, 400, block_size=BS, block_bytes=BLOCK, lane="tcp", policy="load")
     assert fast.piece_blocks == 20  # a short load is one Get
+
+
+def test_tokens_the_engine_already_holds_are_not_planned():
+    p = planner_for(0.1)
+    whole = p.plan(["dram"] * 249, 4000, block_size=BS, block_bytes=BLOCK, lane="tcp", overlap=False)
+    rest = p.plan(
+        ["dram"] * 149, 4000, block_size=BS, block_bytes=BLOCK, lane="tcp", overlap=False, computed_tokens=1600
+    )
+    assert rest.computed_tokens == 1600 and rest.cached == 149
+    # the 1,600 tokens the engine holds are not recomputed: recomputing the rest costs less than all of it
+    assert rest.predicted_fixed["recompute"] < whole.predicted_fixed["recompute"]
+    assert rest.predicted_fixed["recompute"] == pytest.approx(float(p.compute.predict(1600, 4000)))
+    with pytest.raises(ValueError):
+        p.plan(["dram"], 100, block_size=BS, block_bytes=BLOCK, lane="tcp", computed_tokens=5)

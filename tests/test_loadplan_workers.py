@@ -190,3 +190,25 @@ def test_prefill_worker_never_puts_again_what_the_store_holds(tiny, server):
         assert again.stored_blocks == 2 and again.cached_blocks + again.computed_tokens // 16 >= 9
     finally:
         link.close()
+
+
+def test_server_stats_report_nvme_read_speed_and_seed_the_planner(make_server, tmp_path):
+    import time
+
+    server = make_server(dram=8 << 20, nvme_dir=str(tmp_path / "nvme"), nvme=1 << 30, promote_on_hit=False)
+    keys = block_hashes(list(range(16 * 48)), 16, NS, "m")
+    with Client(f"127.0.0.1:{server.port}") as kv:
+        for lo in range(0, 48, 8):
+            kv.put(NS, keys[lo : lo + 8], [bytes([i]) * (256 << 10) for i in range(lo, lo + 8)])
+        deadline = time.monotonic() + 15
+        while kv.lookup_tiers(NS, keys)[1].count("nvme") < 8:  # the demoter moves the oldest blocks down
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        cold = [k for k, t in zip(keys, kv.lookup_tiers(NS, keys)[1]) if t == "nvme"]
+        kv.get(NS, cold)
+        counters = kv.stats()["counters"]
+        assert counters["tier_nvme_read_bytes"] >= len(cold) * (256 << 10) and counters["tier_nvme_read_seconds"] > 0
+        planner = Planner()
+        planner.seed(counters, {}, "shm")
+        speed = counters["tier_nvme_read_bytes"] / counters["tier_nvme_read_seconds"] / 1e9
+        assert planner.snapshot()["loadplan.load.nvme_prior_gbps"] == pytest.approx(speed)

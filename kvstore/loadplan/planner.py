@@ -20,9 +20,12 @@ engine that can only load a leading prefix, such as vLLM's connector).
 
 Verbs and promises (thread-safe):
 
-- ``plan(tiers, prompt_tokens, *, block_size, block_bytes, lane, policy="decide", overlap=None, elapsed_s=0)
-  -> Plan``: ``tiers`` are the tiers of the leading cached blocks the caller
-  may use (Lookup's, clipped so at least one prompt token is left to compute).
+- ``plan(tiers, prompt_tokens, *, block_size, block_bytes, lane, policy="decide", overlap=None, elapsed_s=0,
+  computed_tokens=0) -> Plan``: ``tiers`` are the tiers of the cached blocks
+  the caller may use (Lookup's), starting at block ``computed_tokens //
+  block_size`` (``computed_tokens``: KV the engine already holds, for
+  example from its own prefix cache; block indices in the plan count from
+  there); it is clipped so at least one prompt token is left to compute.
   ``policy`` "decide" minimises the predicted TTFT; "load" and "recompute"
   are the fixed modes (still predicted, for comparison). Every plan carries
   its predicted TTFT and those of both fixed modes. Side-effect free except
@@ -77,7 +80,8 @@ class Plan:
     prompt_tokens: int
     block_size: int
     block_bytes: int
-    tiers: tuple[str, ...]  # of the cached blocks the plan could use
+    tiers: tuple[str, ...]  # of the cached blocks the plan could use, from block computed_tokens // block_size
+    computed_tokens: int  # leading tokens whose KV the engine already holds (its own prefix cache): not planned
     compute_first: int  # m: blocks computed locally while [m, load_until) loads
     load_until: int  # k
     piece_blocks: int  # blocks per Get of the load
@@ -97,7 +101,8 @@ class Plan:
 
     @property
     def tokens_to_load(self) -> int:
-        """Leading prompt tokens whose KV comes from the store when ``compute_first`` is 0 (vLLM's cap)."""
+        """Tokens after ``computed_tokens`` whose KV comes from the store, when ``compute_first`` is 0 (the cap an
+        engine that can only load a leading prefix, such as vLLM's connector, applies)."""
         return self.load_until * self.block_size if self.compute_first == 0 else 0
 
 
@@ -147,14 +152,17 @@ class Planner:
         policy: str = "decide",
         overlap: bool | None = None,
         elapsed_s: float = 0.0,
+        computed_tokens: int = 0,
     ) -> Plan:
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
-        n_cached = min(len(tiers), max(prompt_tokens - 1, 0) // block_size)
+        if computed_tokens % block_size or computed_tokens < 0:
+            raise ValueError(f"computed_tokens ({computed_tokens}) must be a multiple of the block size")
+        n_cached = min(len(tiers), max(prompt_tokens - 1 - computed_tokens, 0) // block_size)
         tiers = tuple(tiers[:n_cached])
         allow_overlap = self.config.overlap if overlap is None else overlap
         with self._lock:
-            costs = self._costs(tiers, prompt_tokens, block_size, block_bytes, lane)
+            costs = self._costs(tiers, prompt_tokens, block_size, block_bytes, lane, computed_tokens)
             fixed = {"load": costs.total(0, n_cached) + elapsed_s, "recompute": costs.total(0, 0) + elapsed_s}
             if policy == "load":
                 m, k = 0, n_cached
@@ -179,6 +187,7 @@ class Planner:
                 block_size=block_size,
                 block_bytes=block_bytes,
                 tiers=tiers,
+                computed_tokens=computed_tokens,
                 compute_first=m,
                 load_until=k,
                 piece_blocks=self._piece_blocks(k - m, pred_load),
@@ -189,12 +198,12 @@ class Planner:
                 predicted_fixed=fixed,
             )
 
-    def _costs(self, tiers: tuple[str, ...], n: int, bs: int, block_bytes: int, lane: str) -> _Costs:
-        starts = np.arange(len(tiers) + 1) * bs
+    def _costs(self, tiers: tuple[str, ...], n: int, bs: int, block_bytes: int, lane: str, first: int) -> _Costs:
+        starts = first + np.arange(len(tiers) + 1) * bs
         per_byte = self.loads.per_byte(lane)
         block_s = np.array([per_byte.get(t, per_byte["dram"]) * block_bytes for t in tiers], dtype=float)
         return _Costs(
-            head=self.compute.predict(0, starts),
+            head=self.compute.predict(first, starts),
             tail=self.compute.predict(starts, n),
             prefix=np.concatenate([[0.0], np.cumsum(block_s)]),
             call_s=self.loads.call_s(lane),
@@ -231,7 +240,7 @@ class Planner:
                     self._since_load[lane] = 0
                 t["blocks_loaded"] += outcome.loaded
             if m > 0 and outcome.head_s > 0:
-                self.compute.observe(0, m * bs, outcome.head_s)
+                self.compute.observe(plan.computed_tokens, plan.computed_tokens + m * bs, outcome.head_s)
             if outcome.tail_s > 0:
                 self.compute.observe(outcome.tail_start, n, outcome.tail_s, outcome.tail_calls)
             if outcome.ttft_s > 0 and not outcome.load_failed:

@@ -82,7 +82,8 @@ def prefill_planned(
     if client is None or not hashes or max_blocks <= 0:
         return _tail_only(tail, t0, len(tokens), chunk_tokens, link, None)
     link.seed_planner()
-    t0 = time.perf_counter() if started is None else t0  # Stats (once per 64 requests) is not the request's time
+    if started is None:  # Stats (once per 64 requests) is not this request's time
+        t0 = time.perf_counter()
     try:
         n, tiers = client.lookup_tiers(namespace, hashes[:max_blocks])
     except KVStoreError as err:
@@ -95,7 +96,7 @@ def prefill_planned(
         len(tokens),
         block_size=bs,
         block_bytes=pool.block_nbytes,
-        lane=client.lane_kind,
+        lane=link.lane_kind(),
         policy=policy or link.policy,
         overlap=overlap,
         elapsed_s=lookup_s,
@@ -157,7 +158,7 @@ def prefill_planned(
             tail_s=out.tail_s,
             tail_calls=_calls(len(tokens) - out.tail_start, chunk_tokens),
             ttft_s=out.total_s,
-            lane=client.lane_kind,
+            lane=link.lane_kind(),
         ),
     )
     return out

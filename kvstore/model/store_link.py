@@ -132,10 +132,15 @@ class StoreLink:
         if self.client is None or (self._requests - 1) % every:
             return
         try:
-            counters = self.client.stats()["counters"]
+            counters = self.client.stats().get("counters", {})
         except KVStoreError:
             return
-        self.planner.seed(counters, self.client.codec_stats(), self.client.lane_kind)
+        codec_stats = getattr(self.client, "codec_stats", None)  # a cluster client has no one codec controller
+        self.planner.seed(counters, codec_stats() if codec_stats else {}, self.lane_kind())
+
+    def lane_kind(self) -> str:
+        """The client's data lane ("shm", "tcp", ...; "cluster" for a cluster client, which has one per node)."""
+        return getattr(self.client, "lane_kind", "cluster")
 
     def count_fetched(self, blocks: int, nbytes: int) -> None:
         with self._lock:
