@@ -54,6 +54,7 @@ from kvstore.store.policies import FrequencyLeafLRU, FrequencySketch
 DEAD, ONCE, REUSED, KEPT = 0, 1, 2, 3
 CLASS_NAMES = ("dead", "once", "reused", "kept")
 DEFAULT_LADDER = (0.0, 1.0, 4.0, 16.0)
+FREQ_PROTECT = 4.0  # FrequencyLeafLRU's default protection, in turnovers
 
 
 class Shadow:
@@ -165,7 +166,8 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         self.hint_turnovers = hint_turnovers
         self.max_shadow = max_shadow
         self.now = now
-        self.P = self.ladder[0] if 0.0 in self.ladder else self.ladder[len(self.ladder) // 2]
+        # start where freq is (what worked before), until the shadows have seen a window of accesses
+        self.P = min(self.ladder, key=lambda p: abs(p - FREQ_PROTECT))
         self.switches = 0
         self._cls: dict[int, int] = {}  # resident e -> its class
         self._heaps: tuple[list[tuple[float, int]], ...] = ([], [], [], [])  # per class: (clock, e) of leaves
