@@ -36,6 +36,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, wait
@@ -46,6 +47,8 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.common import Row, format_table, parse_args, plot_path, write_json
+from bench.replay_hints import HINT_KINDS
+from bench.replay_report import check_target, plot_suite, policy_rows
 from bench.replay_sim import (
     LLAMA3_8B_BF16,
     ReplayResult,
@@ -59,6 +62,7 @@ from bench.replay_sim import (
     popularity_oracle_hit_rate,
     replay_store,
 )
+from bench.tracegen import KINDS, generate, write_trace
 from kvstore.store.policies import DEFAULT_POLICY
 from kvstore.tiers.base import DRAM, NVME
 
@@ -68,11 +72,14 @@ DEFAULT_TRACE = (
     / "traces"
     / "synthetic_trace.jsonl"
 )
-FULL_CAPACITIES = (0.02, 0.05, 0.1, 0.2, 0.5)
+FULL_CAPACITIES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 QUICK_CAPACITIES = (0.05, 0.1)
 QUICK_REQUESTS = 2000
 GIB = 1 << 30
 NVME_ADMIT2 = f"{DEFAULT_POLICY}+nvme-admit2"  # the two-tier store demoting only blocks used twice
+COMPARED = ("freq", "adaptive")  # policies replayed beside the default on every trace
+HINT_CAPACITIES = (0.05, 0.1)  # where the hinted runs go (``--hint-capacities``)
+GEN_REQUESTS, QUICK_GEN_REQUESTS = 4000, 1500
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,13 @@ class Job:
     setup: StoreSetup
 
 
-def plan(trace: Trace, capacities: Sequence[float], nvme_multiple: float) -> list[Job]:
+def plan(
+    trace: Trace,
+    capacities: Sequence[float],
+    nvme_multiple: float,
+    tiers: bool = True,
+    hint_capacities: Sequence[float] = HINT_CAPACITIES,
+) -> list[Job]:
     jobs: list[Job] = []
     for frac in capacities:
         blocks = trace.blocks_for(frac)
@@ -94,6 +107,14 @@ def plan(trace: Trace, capacities: Sequence[float], nvme_multiple: float) -> lis
             Job("variant", "leaf-lru", frac, StoreSetup("lru", blocks)),
             Job("variant", "admit2", frac, StoreSetup("lru", blocks, admit_after=2)),
         ]
+        jobs += [Job("policy", name, frac, StoreSetup(name, blocks)) for name in COMPARED if name != DEFAULT_POLICY]
+        if any(abs(frac - c) < 1e-9 for c in hint_capacities):
+            jobs += [
+                Job("hints", f"adaptive+{kind}", frac, StoreSetup("adaptive", blocks, hints=kind))
+                for kind in HINT_KINDS
+            ]
+        if not tiers:
+            continue
         nvme = max(1, int(blocks * nvme_multiple))
         jobs += [Job("tiers", name, frac, StoreSetup(name, blocks, nvme)) for name in (DEFAULT_POLICY, "lru")]
         jobs.append(Job("tiers", NVME_ADMIT2, frac, StoreSetup(DEFAULT_POLICY, blocks, nvme, nvme_admit_uses=2)))
@@ -204,6 +225,8 @@ def build_tables(
             }
         )
         for name in (DEFAULT_POLICY, "lru", NVME_ADMIT2):
+            if ("tiers", name, frac) not in by:
+                continue
             r = by[("tiers", name, frac)]
             tiers.append(
                 {
@@ -223,63 +246,43 @@ def build_tables(
     return rows, summary, variants, tiers
 
 
-# -- output --------------------------------------------------------------------------------
-def plot(path: Path, summary: list[Row], tiers: list[Row], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
-
-    caps = [s["cap"] for s in summary]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, style in (
-        ("belady", "k-"),
-        ("life-oracle", "k--"),
-        ("pop-oracle", "k:"),
-        ("kvstore", "C0-o"),
-        ("lru", "C3-s"),
-        ("leaf-lru", "C2:"),
-        ("admit2", "C1:"),
-    ):
-        label = f"kvstore ({DEFAULT_POLICY})" if key == "kvstore" else key
-        left.plot(caps, [s[key] for s in summary], style, label=label, lw=2 if style[-1] in "-os" else 1.2)
-    left.set(
-        xscale="log",
-        xlabel="capacity (fraction of distinct blocks)",
-        ylabel="prefix hit rate",
-        title="one tier: policy vs LRU and Belady",
-    )
-    left.set_xticks(caps, [f"{c:g}" for c in caps])
-    left.xaxis.set_minor_formatter(NullFormatter())
-    left.grid(alpha=0.3)
-    left.legend(fontsize=8)
-    mine = [t for t in tiers if t["policy"] == DEFAULT_POLICY]
-    x = range(len(mine))
-    right.bar(x, [t["dram_hit"] for t in mine], label="DRAM hits")
-    right.bar(x, [t["nvme_hit"] for t in mine], bottom=[t["dram_hit"] for t in mine], label="NVMe hits")
-    right.set_xticks(list(x), [f"{t['capacity_frac']:g}" for t in mine])
-    right.set(
-        xlabel="DRAM capacity (fraction; NVMe below it)",
-        ylabel="prefix hit rate",
-        title=f"two tiers ({DEFAULT_POLICY}): hits per tier",
-    )
-    right.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
+# -- output: tables and the figure are in bench/replay_report.py -------------------------
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake FAST'25 JSONL trace")
+    parser.add_argument(
+        "--traces",
+        type=lambda s: [Path(x) for x in s.split(",") if x],
+        default=[],
+        metavar="FILE,FILE",
+        help="more traces to replay after --trace (each gets its own table; rows carry a 'trace' field)",
+    )
+    parser.add_argument(
+        "--generated",
+        type=lambda s: list(KINDS) if s == "all" else s.split(","),
+        default=[],
+        metavar="KIND,KIND|all",
+        help=f"also replay traces made by bench.tracegen ({', '.join(KINDS)})",
+    )
+    parser.add_argument("--gen-seed", type=int, default=1, help="seed of the generated traces")
+    parser.add_argument(
+        "--gen-requests",
+        type=int,
+        default=None,
+        help=f"requests per generated trace (default {GEN_REQUESTS}; --quick: {QUICK_GEN_REQUESTS})",
+    )
     parser.add_argument(
         "--capacities",
         type=lambda s: tuple(float(x) for x in s.split(",")),
         default=None,
         help="capacities as fractions of the trace's distinct blocks "
         f"(default {','.join(map(str, FULL_CAPACITIES))}; --quick: {','.join(map(str, QUICK_CAPACITIES))})",
+    )
+    parser.add_argument(
+        "--hint-capacities",
+        type=lambda s: tuple(float(x) for x in s.split(",") if x),
+        default=HINT_CAPACITIES,
+        help="capacities at which the adaptive policy is also replayed with future-derived hints "
+        f"(default {','.join(map(str, HINT_CAPACITIES))}; empty: none)",
     )
     parser.add_argument(
         "--requests",
@@ -294,54 +297,91 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _generated(kinds: Sequence[str], seed: int, requests: int, where: Path) -> list[Path]:
+    paths = []
+    for kind in kinds:
+        path = where / f"{kind}-s{seed}-n{requests}.jsonl"
+        write_trace(generate(kind, seed, requests), path)
+        paths.append(path)
+    return paths
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args("Replay a KV-cache trace against the store's placement and eviction", argv, configure)
     capacities = args.capacities or (QUICK_CAPACITIES if args.quick else FULL_CAPACITIES)
     if any(not 0 < c <= 1 for c in capacities):
         raise SystemExit("--capacities must be fractions in (0, 1]")
     limit = args.requests or (QUICK_REQUESTS if args.quick else None)
-    trace = load_trace(args.trace, limit)
+    gen_requests = args.gen_requests or (QUICK_GEN_REQUESTS if args.quick else GEN_REQUESTS)
     block_bytes = LLAMA3_8B_BF16.block_bytes()
-    jobs = plan(trace, capacities, args.nvme_multiple)
     started = time.perf_counter()
-    results = run_jobs(trace, jobs, max(1, min(args.jobs, len(jobs))))
-    rows, summary, variants, tiers = build_tables(trace, capacities, results, block_bytes)
-    head = (
-        f"{args.trace.name}: {len(trace.requests)} requests, {trace.total_blocks} blocks, "
-        f"{trace.distinct_blocks} distinct; {LLAMA3_8B_BF16.name}: {block_bytes >> 20} MiB per block"
-    )
-    print(head)
-    print(
-        f"\nPrefix hit rate, one tier of capacity = cap x distinct blocks "
-        f"(kvstore = BlockStore with policy '{DEFAULT_POLICY}'):"
-    )
-    print(format_table(summary))
-    print(f"\nTwo tiers: DRAM = cap x distinct blocks, NVMe = {args.nvme_multiple:g} x DRAM below it:")
-    print(format_table(tiers))
-    print(f"\n{len(jobs)} store runs in {time.perf_counter() - started:.0f} s")
+    all_rows: list[Row] = []
+    doc_parts: dict[str, list[Row]] = {"variants": [], "tiers": [], "policies": [], "hints": []}
+    traces_meta: list[Row] = []
+    suite: list[tuple[str, list[Row], list[Row]]] = []
+    runs = 0
+    with tempfile.TemporaryDirectory(prefix="replay-traces-") as tmp:
+        paths = [args.trace, *args.traces, *_generated(args.generated, args.gen_seed, gen_requests, Path(tmp))]
+        for n, path in enumerate(paths):
+            name = path.stem
+            trace = load_trace(path, limit)
+            jobs = plan(trace, capacities, args.nvme_multiple, tiers=n == 0, hint_capacities=args.hint_capacities)
+            runs += len(jobs)
+            results = run_jobs(trace, jobs, max(1, min(args.jobs, len(jobs))))
+            rows, summary, variants, tiers = build_tables(trace, capacities, results, block_bytes)
+            policies, hints = policy_rows(summary, results)
+            head = (
+                f"{name}: {len(trace.requests)} requests, {trace.total_blocks} blocks, "
+                f"{trace.distinct_blocks} distinct; {LLAMA3_8B_BF16.name}: {block_bytes >> 20} MiB per block"
+            )
+            print(f"\n{head}")
+            print(
+                f"Prefix hit rate, one tier of capacity = cap x distinct blocks "
+                f"(kvstore = BlockStore with policy '{DEFAULT_POLICY}'):"
+            )
+            print(format_table(policies))
+            if hints:
+                print("With hints derived from the future (adaptive policy); gap_closed = share of LRU -> Belady:")
+                print(format_table(hints))
+            if tiers:
+                print(f"Two tiers: DRAM = cap x distinct blocks, NVMe = {args.nvme_multiple:g} x DRAM below it:")
+                print(format_table(tiers))
+            tag = {"trace": name}
+            all_rows += [{**tag, **r} for r in rows]
+            for key, part in (("variants", variants), ("tiers", tiers), ("policies", policies), ("hints", hints)):
+                doc_parts[key] += [{**tag, **r} for r in part]
+            traces_meta.append(
+                {
+                    "name": name,
+                    "path": str(path) if n < 1 + len(args.traces) else f"bench.tracegen {path.stem}",
+                    "requests": len(trace.requests),
+                    "total_blocks": trace.total_blocks,
+                    "distinct_blocks": trace.distinct_blocks,
+                }
+            )
+            suite.append((name, policies, hints))
+    target = check_target(suite)
+    print(f"\nTarget: default >= max(lru, freq) - 0.005 at every capacity of every trace: {target['met']}")
+    print(format_table(target["worst"]))
+    print(f"\n{runs} store runs in {time.perf_counter() - started:.0f} s")
     if args.out:
-        write_json(args.out, rows, args, bench="replay")
+        write_json(args.out, all_rows, args, bench="replay")
         doc = json.loads(args.out.read_text())
         doc.update(
-            trace={
-                "path": str(args.trace),
-                "requests": len(trace.requests),
-                "total_blocks": trace.total_blocks,
-                "distinct_blocks": trace.distinct_blocks,
-                "block_bytes": block_bytes,
-                "model": LLAMA3_8B_BF16.name,
-            },
-            capacity="capacity_frac x distinct blocks of the trace, one tier (rows, variants); "
-            "tiers: DRAM of that size plus NVMe of nvme_multiple x it",
+            trace={**traces_meta[0], "block_bytes": block_bytes, "model": LLAMA3_8B_BF16.name},
+            traces=traces_meta,
+            capacity="capacity_frac x distinct blocks of the trace, one tier (rows, variants, policies, hints); "
+            "tiers (first trace only): DRAM of that size plus NVMe of nvme_multiple x it",
+            default_policy=DEFAULT_POLICY,
             nvme_multiple=args.nvme_multiple,
-            variants=variants,
-            tiers=tiers,
+            target=target,
+            **doc_parts,
         )
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"wrote {len(rows)} rows to {args.out}")
-    figure = plot_path(args.out, args.plot)
+        print(f"wrote {len(all_rows)} rows to {args.out}")
+    figure = plot_path(args.out, args.plot)  # --plot, else beside --out, else none
     if figure:
-        plot(figure, summary, tiers, head)
+        plot_suite(figure, suite, DEFAULT_POLICY)
         print(f"wrote {figure}")
 
 

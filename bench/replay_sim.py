@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.replay_hints import future_hints
 from kvstore.store.blockstore import BlockStore, Lease
 from kvstore.store.policies import policy_factory
 from kvstore.tiers.accounting import AccountingDiskTier, AccountingMemoryTier
@@ -63,6 +64,7 @@ class Trace:
     """Per request, its prefix block ids (equal ids at the same position = shared prefix)."""
 
     requests: tuple[tuple[int, ...], ...]
+    times: tuple[float, ...] = ()  # arrival of each request, seconds (empty: unknown)
 
     @property
     def total_blocks(self) -> int:
@@ -80,15 +82,18 @@ class Trace:
 def load_trace(path: Path, limit: int | None = None) -> Trace:
     """Read a Mooncake FAST'25 JSONL trace (``hash_ids`` per line), optionally its first ``limit`` requests."""
     requests: list[tuple[int, ...]] = []
+    times: list[float] = []
     with open(path) as f:
         for line in f:
             if limit is not None and len(requests) >= limit:
                 break
             if line.strip():
-                requests.append(tuple(int(h) for h in json.loads(line)["hash_ids"]))
+                row = json.loads(line)
+                requests.append(tuple(int(h) for h in row["hash_ids"]))
+                times.append(float(row.get("timestamp", len(times))) / 1000.0)
     if not requests:
         raise ValueError(f"{path}: no requests")
-    return Trace(tuple(requests))
+    return Trace(tuple(requests), tuple(times))
 
 
 # -- reference caches ----------------------------------------------------------------
@@ -189,6 +194,7 @@ class StoreSetup:
     admit_after: int = 1  # Put a block only from its n-th sighting on (1: always)
     nvme_admit_uses: int = 1  # demote a DRAM victim to NVMe only once used this often (1: always)
     block_bytes: int = LLAMA3_8B_BF16.block_bytes()
+    hints: str = ""  # engine hints derived from the future (bench/replay_hints.py): "", reuse, priority, ttl, all
 
 
 @dataclass
@@ -214,12 +220,15 @@ class ReplayResult:
         return self.hits_by_rank[rank] / max(self.total_blocks, 1)
 
 
-def build_store(setup: StoreSetup) -> BlockStore:
-    """A BlockStore over accounting tiers: DRAM, and NVMe below it when ``nvme_blocks`` > 0."""
+def build_store(setup: StoreSetup, now: Callable[[], float] | None = None) -> BlockStore:
+    """A BlockStore over accounting tiers: DRAM, and NVMe below it when ``nvme_blocks`` > 0; ``now`` is
+    the policy's clock for TTL hints (the trace's time), where the policy takes one."""
     tiers = [AccountingMemoryTier(setup.dram_blocks * setup.block_bytes, rank=DRAM)]
     if setup.nvme_blocks:
         tiers.append(AccountingDiskTier(setup.nvme_blocks * setup.block_bytes, rank=NVME))
-    return BlockStore(tiers, policy_factory=policy_factory(setup.policy), nvme_admit_uses=setup.nvme_admit_uses)
+    params = {"now": now} if now is not None and setup.policy == "adaptive" else {}
+    factory = policy_factory(setup.policy, **params)
+    return BlockStore(tiers, policy_factory=factory, nvme_admit_uses=setup.nvme_admit_uses)
 
 
 def block_keys(trace: Trace) -> dict[int, bytes]:
@@ -245,12 +254,16 @@ def replay_store(
 ) -> ReplayResult:
     """Drive a fresh store with the trace: per request Lookup, Get the hit prefix, Put the rest."""
     keys = keys if keys is not None else block_keys(trace)
-    store = build_store(setup)
+    clock = [0.0]
+    store = build_store(setup, lambda: clock[0])
+    hints = future_hints(trace, setup.hints) if setup.hints else None
     result = ReplayResult(setup)
     sightings: Counter = Counter()
     size = setup.block_bytes
     started = time.perf_counter()
     for done, request in enumerate(trace.requests, 1):
+        if trace.times:
+            clock[0] = trace.times[done - 1]
         hashes = [keys[b] for b in request]
         n, ranks = store.lookup(NAMESPACE, hashes)
         result.total_blocks += len(hashes)
@@ -273,6 +286,10 @@ def replay_store(
                 store.commit_put(ticket)
                 result.bytes_put += size
             parent = hashes[i]
+        if hints is not None:  # the Put carries, for each block of the request, what the future holds
+            for h, hint in zip(hashes, hints[done - 1]):
+                if not hint.empty:
+                    store.hint(NAMESPACE, [h], hint)
         if setup.nvme_blocks:
             while store.demote_once():  # what the background demoter does between requests
                 pass

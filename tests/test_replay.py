@@ -22,6 +22,7 @@ from bench.replay_sim import (
     popularity_oracle_hit_rate,
     replay_store,
 )
+from kvstore.store.policies import DEFAULT_POLICY
 from kvstore.tiers.base import DRAM, NVME
 
 BLOCK = 1 << 20
@@ -191,9 +192,9 @@ def test_cli_writes_rows_json_and_plot(tmp_path: Path):
     assert all(0 <= r["hit_rate"] <= 1 for r in doc["rows"])
     assert {v["policy"] for v in doc["variants"]} == {"leaf-lru", "admit2", "popularity-oracle", "lifetime-oracle"}
     assert {(t["capacity_frac"], t["policy"]) for t in doc["tiers"]} == {
-        (c, p) for c in (0.1, 0.5) for p in ("freq", "lru", "freq+nvme-admit2")
+        (c, p) for c in (0.1, 0.5) for p in (DEFAULT_POLICY, "lru", f"{DEFAULT_POLICY}+nvme-admit2")
     }
-    admit = {t["capacity_frac"]: t for t in doc["tiers"] if t["policy"] == "freq+nvme-admit2"}
-    plain = {t["capacity_frac"]: t for t in doc["tiers"] if t["policy"] == "freq"}
+    admit = {t["capacity_frac"]: t for t in doc["tiers"] if t["policy"] == f"{DEFAULT_POLICY}+nvme-admit2"}
+    plain = {t["capacity_frac"]: t for t in doc["tiers"] if t["policy"] == DEFAULT_POLICY}
     assert all(admit[c]["demoted_GiB"] <= plain[c]["demoted_GiB"] for c in (0.1, 0.5))
     assert png.stat().st_size > 10_000

@@ -15,6 +15,7 @@ Verbs (thread-safe; the transport layers call only these):
   reader), then ``materialize(leases)`` loads any NVMe-only ones (promoting
   them to the top tier when there is free room), and ``release(leases)``.
 - ``delete(ns, hashes) -> n``: unmap now; bytes are freed when the last lease ends.
+- ``hint(ns, hashes, hint) -> n``: an engine's reuse hint for present blocks, to each tier's policy.
 - ``stats()``; ``start()`` / ``close()`` run the background demoter.
 - ``subscribe(fn)``: ``fn(event, namespace, key, rank)`` is called (lock held:
   keep it to an append onto a queue) with event "add" when a copy of a block
@@ -444,6 +445,22 @@ class BlockStore(Cascade):
                 if e is not None:
                     self._unmap(e)
                     n += 1
+        return n
+
+    # -- engine hints (issue 18): hand a Put's reuse hint to each tier's policy ------------------
+    def hint(self, namespace: str, hashes: Sequence[bytes], hint: Any) -> int:
+        """Pass ``hint`` (kvstore.store.hints.ReuseHint) to the policy of every tier holding each block;
+        returns how many of the blocks are present. Plain policies ignore hints."""
+        n = 0
+        with self._lock:
+            ns = self.table.namespace_id(namespace)
+            for key in hashes:
+                e = self.table.find(ns, key)
+                if e is not None:
+                    n += 1
+                    for tier in self.tiers:
+                        if self.table.loc[e, tier.rank] != NO_LOC:
+                            self.policies[tier.rank].hint(e, hint)
         return n
 
     def _unmap(self, e: int) -> None:

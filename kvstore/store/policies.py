@@ -214,9 +214,18 @@ class PolicySpec:
     build: Callable[..., LeafLRU]
 
 
+def _adaptive(**params: Any) -> LeafLRU:
+    from kvstore.store.adaptive import AdaptiveLeafPolicy  # it builds on this module: imported when asked for
+
+    return AdaptiveLeafPolicy(**params)
+
+
 POLICIES: dict[str, PolicySpec] = {
     "lru": PolicySpec("lru", "leaf-first LRU (the store's base policy)", LeafLRU),
     "freq": PolicySpec("freq", "leaf-first LRU; blocks seen twice are protected for a few turnovers", FrequencyLeafLRU),
+    "adaptive": PolicySpec(
+        "adaptive", "leaf-first; how long reused blocks are protected is chosen online by shadow caches", _adaptive
+    ),
 }
 POLICY_NAMES = tuple(POLICIES)
 

@@ -13,6 +13,8 @@ Verbs (all O(log n), called with the store lock held):
 - ``remove(e)`` the copy left the tier;
 - ``pop_victim(evictable) -> e | None`` the lowest-priority leaf with
   ``evictable(e)`` true (leased copies are skipped but kept);
+- ``hint(e, hint)`` an engine's reuse hint for e (ignored here; see
+  kvstore.store.adaptive);
 
 ``priority(e)`` is the hook policies override: plain LRU uses a logical clock.
 ``bind(table, rank)`` is called once by the owning BlockStore, so a policy may
@@ -54,6 +56,9 @@ class LeafLRU:
         if is_leaf:
             self._leaf.add(e)
             self._push(e)
+
+    def hint(self, e: int, hint: Any) -> None:
+        """An engine's hint about e's future (kvstore.store.hints.ReuseHint); plain LRU ignores it."""
 
     def uses(self, e: int) -> int | None:
         """How many times block ``e`` was used (stored or read), when ``counts_uses``; else None."""

@@ -1,0 +1,370 @@
+"""``adaptive``: leaf-first eviction whose protection of reused blocks is chosen online by shadow caches.
+
+Parts (each small, each measured by ``python -m bench.replay``):
+
+1. **Leaf-first order with leases** (as every policy here, DESIGN 3): only a
+   leaf of the tier is a victim; a leased leaf is skipped, never evicted.
+2. **Classes, one heap of leaves each, ordered by last access**: ``dead``
+   (unreachable by prefix match, or hinted "no reuse", or a TTL hint that ran
+   out) always goes first; ``once`` (seen fewer than ``reuse_threshold``
+   times) ranks by its clock; ``reused`` by its clock plus ``P x N`` (N: blocks
+   resident in the tier), so a reused block outlives about P turnovers of
+   blocks seen once; ``kept`` (a "reuse" or TTL hint) by its clock plus
+   ``(P + hint_turnovers) x N``. Because the offset is applied when heads are
+   compared, a new P takes effect at once, with no re-ranking.
+3. **The frequency sketch** (TinyLFU's count-min sketch with aging, shared
+   with ``freq`` and by every tier of a store): it decides ``once`` against
+   ``reused`` and, since it remembers blocks after they are evicted, it plays
+   the part of ARC's ghost lists and LIRS's non-resident entries: a block that
+   comes back after its eviction is known as reused.
+4. **The adaptation: shadow caches choose P.** P = 0 is leaf-first LRU and
+   P = 4 is ``freq``; which is better depends on the workload (``freq`` loses to
+   LRU where blocks are reused once, soon, then die: one-shot documents,
+   conversations that end). Instead of a hill climber on the hit rate (Caffeine
+   resizes its window that way, and pays in noise and lag), every access is
+   replayed into small directories (keys only, no bytes) that run this policy
+   with each P of ``ladder`` on the same accesses and at the same size,
+   leaf rule included, counting a hit only while the request's previous block
+   hit (the prefix rule). Their hits decay over about ``window`` turnovers;
+   the tier uses the P whose shadow scores best (switching needs a
+   ``margin``). With LRU on the ladder the policy tracks the better of LRU and
+   every other rung, lagging by about one window. This is set dueling (as in
+   CPU caches' adaptive insertion) with whole shadow caches instead of sets.
+5. **Engine hints** (``hint(e, ReuseHint)``, kvstore.store.hints): "no reuse"
+   sends a block to ``dead``; "reuse" (the conversation continues) or a TTL
+   moves it to ``kept`` until its next access or the deadline; ``priority``
+   adds that many turnovers to its rank while resident.
+
+Memory is bounded: per resident block a clock and a class (two dict slots)
+and heap rows compacted at 4x the residents; each shadow holds at most as
+many keys as the tier holds blocks, and at most ``max_shadow`` (beyond that,
+shadows see a hash-sampled 1/R of the keys at 1/R of the size).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstore.store.hints import ReuseHint
+from kvstore.store.policies import FrequencyLeafLRU, FrequencySketch
+
+DEAD, ONCE, REUSED, KEPT = 0, 1, 2, 3
+CLASS_NAMES = ("dead", "once", "reused", "kept")
+DEFAULT_LADDER = (0.0, 1.0, 4.0, 16.0)
+FREQ_PROTECT = 4.0  # FrequencyLeafLRU's default protection, in turnovers
+
+
+class Shadow:
+    """A key-only cache running the class order with a fixed P: the leaf rule, LRU clocks, no bytes."""
+
+    __slots__ = ("P", "reuse_threshold", "clock", "key", "cls", "parent", "nchild", "heaps", "score", "last_hit")
+
+    def __init__(self, P: float, reuse_threshold: int):
+        self.P = P
+        self.reuse_threshold = reuse_threshold
+        self.clock = 0
+        self.key: dict[int, int] = {}  # resident fp -> clock of its last access
+        self.cls: dict[int, int] = {}  # resident fp -> ONCE or REUSED
+        self.parent: dict[int, int] = {}  # resident fp -> resident parent fp
+        self.nchild: dict[int, int] = {}  # resident fp -> resident children (absent: 0)
+        self.heaps: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])  # (clock, fp) of leaves
+        self.score = 0.0
+        self.last_hit = -1  # the fp of the previous access when it was a (prefix) hit
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def access(self, fp: int, parent: int | None, count: int, capacity: int) -> None:
+        self.clock += 1
+        cls = REUSED if count >= self.reuse_threshold else ONCE
+        if fp in self.key:
+            if parent is None or parent == self.last_hit:
+                self.score += 1.0
+                self.last_hit = fp
+            else:
+                self.last_hit = -1
+        else:
+            self.last_hit = -1
+            while len(self.key) >= capacity and self._evict():
+                pass
+            if parent is not None and parent in self.key:
+                self.parent[fp] = parent
+                self.nchild[parent] = self.nchild.get(parent, 0) + 1
+        self.key[fp] = self.clock
+        self.cls[fp] = cls
+        if not self.nchild.get(fp):
+            heapq.heappush(self.heaps[cls - ONCE], (self.clock, fp))
+        self._compact()
+
+    def _head(self, cls: int) -> tuple[int, int] | None:
+        heap = self.heaps[cls - ONCE]
+        while heap:
+            clock, fp = heap[0]
+            if self.key.get(fp) == clock and self.cls[fp] == cls and not self.nchild.get(fp):
+                return heap[0]
+            heapq.heappop(heap)
+        return None
+
+    def _evict(self) -> bool:
+        once, reused = self._head(ONCE), self._head(REUSED)
+        if once is None and reused is None:
+            return False
+        offset = self.P * max(len(self.key), 64)
+        cls = ONCE if reused is None or (once is not None and once[0] <= reused[0] + offset) else REUSED
+        _, fp = heapq.heappop(self.heaps[cls - ONCE])
+        del self.key[fp], self.cls[fp]
+        self.nchild.pop(fp, None)
+        p = self.parent.pop(fp, None)
+        if p is not None and p in self.key:
+            left = self.nchild[p] - 1
+            if left:
+                self.nchild[p] = left
+            else:
+                del self.nchild[p]
+                heapq.heappush(self.heaps[self.cls[p] - ONCE], (self.key[p], p))
+        return True
+
+    def _compact(self) -> None:
+        for i, heap in enumerate(self.heaps):
+            if len(heap) > 4 * len(self.key) + 64:
+                cls = ONCE + i
+                rows = [(c, fp) for fp, c in self.key.items() if self.cls[fp] == cls and not self.nchild.get(fp)]
+                heapq.heapify(rows)
+                self.heaps[i][:] = rows
+
+    def heap_rows(self) -> int:
+        return sum(len(h) for h in self.heaps)
+
+
+class AdaptiveLeafPolicy(FrequencyLeafLRU):
+    """Leaf-first classes (dead, once, reused, kept) with the reused offset P chosen by shadow caches."""
+
+    name = "adaptive"
+    counts_uses = True
+
+    def __init__(
+        self,
+        *,
+        ladder: Sequence[float] = DEFAULT_LADDER,
+        reuse_threshold: int = 2,
+        window: float = 4.0,
+        margin: float = 0.01,
+        hint_turnovers: float = 8.0,
+        max_shadow: int = 1 << 16,
+        now: Callable[[], float] = time.monotonic,
+        sketch: FrequencySketch | None = None,
+    ):
+        if not ladder or any(p < 0 for p in ladder) or window <= 0 or margin < 0 or max_shadow < 64:
+            raise ValueError("ladder must be non-empty and >= 0; window > 0; margin >= 0; max_shadow >= 64")
+        super().__init__(protect=0.0, reuse_threshold=reuse_threshold, sketch=sketch)
+        self.ladder = tuple(float(p) for p in ladder)
+        self.window = window
+        self.margin = margin
+        self.hint_turnovers = hint_turnovers
+        self.max_shadow = max_shadow
+        self.now = now
+        # start where freq is (what worked before), until the shadows have seen a window of accesses
+        self.P = min(self.ladder, key=lambda p: abs(p - FREQ_PROTECT))
+        self.switches = 0
+        self._cls: dict[int, int] = {}  # resident e -> its class
+        self._heaps: tuple[list[tuple[float, int]], ...] = ([], [], [], [])  # per class: (clock, e) of leaves
+        self._boost: dict[int, float] = {}  # e -> priority hint, in turnovers
+        self._deadline: dict[int, float] = {}  # e in KEPT by a TTL hint -> when it runs out
+        self._expiry: list[tuple[float, int]] = []  # (deadline, e); stale rows skipped
+        self._sample = 1  # shadows see fingerprints with fp % _sample == 0
+        self._shadows = [Shadow(p, reuse_threshold) for p in self.ladder]
+        self._accesses = 0
+        self.parent_of: Callable[[int], int | None] = lambda e: None  # the parent entry (from the index once bound)
+
+    def bind(self, table: Any, rank: int) -> None:
+        super().bind(table, rank)
+        self.parent_of = table.parent_of
+
+    # -- verbs -----------------------------------------------------------------------------
+    def insert(self, e: int, is_leaf: bool = True, cold: bool = False) -> None:
+        if e in self._prio:  # a victim put back while its copy is written below: keep its rank
+            if is_leaf:
+                self._leaf.add(e)
+                self._push(e)
+            return
+        fp = self._fingerprint(e)
+        count = self.sketch.add(fp) if self._sole_copy(e) else self.sketch.estimate(fp)
+        self._access(e, fp, count, DEAD if cold else None)
+        if is_leaf:
+            self._leaf.add(e)
+            self._push(e)
+
+    def touch(self, e: int) -> None:
+        if e not in self._prio:
+            return
+        fp = self._fingerprint(e)
+        count = self.sketch.add(fp) if self._top_copy(e) else self.sketch.estimate(fp)
+        self._deadline.pop(e, None)  # a hint lasts until the block's next access
+        self._access(e, fp, count, None)
+        if e in self._leaf:
+            self._push(e)
+
+    def hint(self, e: int, hint: ReuseHint) -> None:
+        if e not in self._prio:
+            return
+        if hint.priority:
+            self._boost[e] = float(hint.priority)
+            self._prio[e] = float(self._clock_of(e)) + hint.priority * max(len(self._prio), 64)
+        cls = self._cls[e]
+        if hint.reuse is False:
+            cls = DEAD
+            self._deadline.pop(e, None)
+        elif hint.reuse is True or hint.ttl_s is not None:
+            cls = KEPT
+            if hint.ttl_s is None:
+                self._deadline.pop(e, None)
+            else:
+                self._deadline[e] = deadline = self.now() + hint.ttl_s
+                heapq.heappush(self._expiry, (deadline, e))
+                if len(self._expiry) > 4 * len(self._deadline) + 64:
+                    self._expiry = [(d, x) for x, d in self._deadline.items()]
+                    heapq.heapify(self._expiry)
+        self._cls[e] = cls
+        if e in self._leaf:
+            self._push(e)
+
+    def remove(self, e: int) -> None:
+        super().remove(e)
+        self._cls.pop(e, None)
+        self._boost.pop(e, None)
+        self._deadline.pop(e, None)
+
+    def pop_victim(self, evictable: Callable[[int], bool]) -> int | None:
+        skipped: list[tuple[int, tuple[float, int]]] = []
+        victim = None
+        while True:
+            cls = self._victim_class()
+            if cls is None:
+                break
+            row = heapq.heappop(self._heaps[cls])
+            e = row[1]
+            if evictable(e):
+                victim = e
+                break
+            skipped.append((cls, row))
+        for cls, row in skipped:
+            heapq.heappush(self._heaps[cls], row)
+        return victim
+
+    def nbytes(self) -> int:
+        import sys
+
+        rows = sum(len(h) for h in self._heaps) + len(self._expiry) + sum(s.heap_rows() for s in self._shadows)
+        keys = len(self._cls) + len(self._boost) + len(self._deadline) + sum(4 * len(s) for s in self._shadows)
+        return super().nbytes() + sys.getsizeof(self._cls) + rows * 64 + keys * 32
+
+    def footprint(self) -> dict[str, int]:
+        """What the policy holds, in rows: bounded by the residents (tests check it)."""
+        return {
+            "resident": len(self._prio),
+            "heap_rows": sum(len(h) for h in self._heaps) + len(self._expiry),
+            "hinted": len(self._boost) + len(self._deadline),
+            "shadow_keys": max((len(s) for s in self._shadows), default=0),
+            "shadow_heap_rows": max((s.heap_rows() for s in self._shadows), default=0),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """What it adapted: the P in use, the shadows' scores, how many switches; blocks per class."""
+        return {
+            "P": self.P,
+            "switches": self.switches,
+            "shadow_scores": {s.P: round(s.score, 1) for s in self._shadows},
+            "shadow_sample": self._sample,
+            "classes": {name: sum(1 for c in self._cls.values() if c == i) for i, name in enumerate(CLASS_NAMES)},
+        }
+
+    # -- the order ---------------------------------------------------------------------------
+    def _clock_of(self, e: int) -> float:
+        return self._prio[e] - self._boost.get(e, 0.0) * max(len(self._prio), 64)
+
+    def _access(self, e: int, fp: int, count: int, cls: int | None) -> None:
+        self._clock += 1
+        if cls is None:
+            cls = REUSED if count >= self.reuse_threshold else ONCE
+        self._cls[e] = cls
+        self._prio[e] = float(self._clock) + self._boost.get(e, 0.0) * max(len(self._prio), 64)
+        self._shadow(e, fp, count)
+
+    def _push(self, e: int) -> None:
+        heap = self._heaps[self._cls[e]]
+        heapq.heappush(heap, (self._prio[e], e))
+        if len(heap) > 4 * len(self._prio) + 64:
+            for i, h in enumerate(self._heaps):
+                rows = [(p, x) for x, p in self._prio.items() if x in self._leaf and self._cls[x] == i]
+                heapq.heapify(rows)
+                h[:] = rows
+
+    def _head(self, cls: int) -> tuple[float, int] | None:
+        heap = self._heaps[cls]
+        while heap:
+            prio, e = heap[0]
+            if self._prio.get(e) == prio and e in self._leaf and self._cls[e] == cls:
+                return heap[0]
+            heapq.heappop(heap)
+        return None
+
+    def _expire(self) -> None:
+        """Blocks whose TTL hint ran out: nothing keeps them any more."""
+        now = self.now()
+        while self._expiry and self._expiry[0][0] <= now:
+            deadline, e = heapq.heappop(self._expiry)
+            if self._deadline.get(e) == deadline:
+                del self._deadline[e]
+                self._cls[e] = DEAD
+                if e in self._leaf:
+                    self._push(e)
+
+    def _victim_class(self) -> int | None:
+        if self._expiry:
+            self._expire()
+        if self._head(DEAD) is not None:
+            return DEAD
+        n = max(len(self._prio), 64)
+        offsets = (0.0, 0.0, self.P * n, (self.P + self.hint_turnovers) * n)
+        best, best_key = None, 0.0
+        for cls in (ONCE, REUSED, KEPT):
+            head = self._head(cls)
+            if head is not None and (best is None or head[0] + offsets[cls] < best_key):
+                best, best_key = cls, head[0] + offsets[cls]
+        return best
+
+    # -- the adaptation ------------------------------------------------------------------------
+    def _shadow(self, e: int, fp: int, count: int) -> None:
+        resident = len(self._prio)
+        if resident > self.max_shadow * self._sample:
+            while resident > self.max_shadow * self._sample:
+                self._sample *= 2
+            self._shadows = [Shadow(p, self.reuse_threshold) for p in self.ladder]  # restart, sampled
+        if fp % self._sample:
+            return
+        p = self.parent_of(e)
+        parent = None if p is None else self._fingerprint(p)
+        if parent is not None and parent % self._sample:
+            parent = None  # an unsampled parent: the shadow sees this block as a root
+        capacity = max(resident // self._sample, 1)
+        for s in self._shadows:
+            s.access(fp, parent, count, capacity)
+        self._accesses += 1
+        if self._accesses % 64 == 0:
+            self._choose(capacity)
+
+    def _choose(self, capacity: int) -> None:
+        decay = (1.0 - 1.0 / (self.window * max(capacity, 64))) ** 64
+        current = None
+        for s in self._shadows:
+            s.score *= decay
+            if s.P == self.P:
+                current = s
+        best = max(self._shadows, key=lambda s: s.score)
+        if current is None or best.score > current.score * (1.0 + self.margin) + 1.0:
+            if best.P != self.P:
+                self.switches += 1
+            self.P = best.P
