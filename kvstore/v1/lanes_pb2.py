@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvstore.v1 import kvstore_pb2 as kvstore_dot_v1_dot_kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/lanes.proto\x12\nkvstore.v1\x1a\x18kvstore/v1/kvstore.proto\"T\n\x0fOpenLaneRequest\x12#\n\x05kinds\x18\x01 \x03(\x0e\x32\x14.kvstore.v1.LaneKind\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\"\x9e\x02\n\x10OpenLaneResponse\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kvstore.v1.LaneKind\x12\x0f\n\x07lane_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x10\n\x08shm_path\x18\x06 \x01(\t\x12\x11\n\tshm_bytes\x18\x07 \x01(\x04\x12\x10\n\x08tcp_host\x18\x08 \x01(\t\x12\x10\n\x08tcp_port\x18\t \x01(\r\x12\x0e\n\x06reason\x18\n \x01(\t\x12.\n\x0b\x63uda_region\x18\x0b \x01(\x0b\x32\x19.kvstore.v1.CudaIpcRegion\x12\x15\n\rdirect_socket\x18\x0c \x01(\t\"\xf7\x01\n\rCudaIpcRegion\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\r\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x04 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x05 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\x11\n\thost_path\x18\n \x01(\t\")\n\x07LaneRef\x12\x0f\n\x07lane_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"\x91\x01\n\x0eLanePutRequest\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\x12*\n\x07reserve\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.LaneReserveH\x00\x12(\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x16.kvstore.v1.LaneCommitH\x00\x42\x06\n\x04step\"n\n\x0bLaneReserve\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12(\n\x07headers\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\x12\x0f\n\x07release\x18\x03 \x03(\x04\x12\x11\n\taddresses\x18\x04 \x03(\x04\"T\n\tSlotGrant\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\'\n\x06result\x18\x03 \x01(\x0b\x32\x17.kvstore.v1.BlockResult\"W\n\tLaneGrant\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12$\n\x05slots\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.SlotGrant\x12\x12\n\nexpires_in\x18\x03 \x01(\x01\"\x98\x01\n\x0f\x42lockDescriptor\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04hash\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x05 \x01(\r\x12\'\n\x06header\x18\x06 \x01(\x0b\x32\x17.kvstore.v1.BlockHeader\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\x04\"d\n\nLaneCommit\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12+\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1b.kvstore.v1.BlockDescriptor\x12\x17\n\x0f\x63rc_from_server\x18\x03 \x01(\x08\"9\n\rLaneCommitted\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.BlockResult\"q\n\x0fLanePutResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.LaneGrantH\x00\x12.\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.kvstore.v1.LaneCommittedH\x00\x42\x06\n\x04step\"\xae\x01\n\x0eLaneGetRequest\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\x12\'\n\x07request\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.GetRequest\x12\x0f\n\x07release\x18\x03 \x03(\x04\x12\x13\n\x0b\x63rc_at_copy\x18\x04 \x01(\x08\x12\x15\n\rout_addresses\x18\x05 \x03(\x04\x12\x13\n\x0bout_lengths\x18\x06 \x03(\x04\"\x9d\x01\n\x0fLaneGetResponse\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12+\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1b.kvstore.v1.BlockDescriptor\x12\x0f\n\x07handled\x18\x03 \x01(\r\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x14\n\x0c\x63rcs_at_copy\x18\x05 \x01(\x08\x12\x16\n\x0ewritten_direct\x18\x06 \x01(\x08\"5\n\x10\x43loseLaneRequest\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\"\x13\n\x11\x43loseLaneResponse\"-\n\x08TcpHello\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\"E\n\x06TcpPut\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12(\n\x07headers\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\"7\n\x0bTcpGetReply\x12(\n\x07headers\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\"+\n\nLaneStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t*O\n\x08LaneKind\x12\x14\n\x10LANE_UNSPECIFIED\x10\x00\x12\x0c\n\x08LANE_SHM\x10\x01\x12\x0c\n\x08LANE_TCP\x10\x02\x12\x11\n\rLANE_CUDA_IPC\x10\x03\x32\xad\x02\n\x0cKVStoreLanes\x12\x45\n\x08OpenLane\x12\x1b.kvstore.v1.OpenLaneRequest\x1a\x1c.kvstore.v1.OpenLaneResponse\x12\x46\n\x07LanePut\x12\x1a.kvstore.v1.LanePutRequest\x1a\x1b.kvstore.v1.LanePutResponse(\x01\x30\x01\x12\x44\n\x07LaneGet\x12\x1a.kvstore.v1.LaneGetRequest\x1a\x1b.kvstore.v1.LaneGetResponse0\x01\x12H\n\tCloseLane\x12\x1c.kvstore.v1.CloseLaneRequest\x1a\x1d.kvstore.v1.CloseLaneResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/lanes.proto\x12\nkvstore.v1\x1a\x18kvstore/v1/kvstore.proto\"T\n\x0fOpenLaneRequest\x12#\n\x05kinds\x18\x01 \x03(\x0e\x32\x14.kvstore.v1.LaneKind\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\"\x9e\x02\n\x10OpenLaneResponse\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kvstore.v1.LaneKind\x12\x0f\n\x07lane_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x10\n\x08shm_path\x18\x06 \x01(\t\x12\x11\n\tshm_bytes\x18\x07 \x01(\x04\x12\x10\n\x08tcp_host\x18\x08 \x01(\t\x12\x10\n\x08tcp_port\x18\t \x01(\r\x12\x0e\n\x06reason\x18\n \x01(\t\x12.\n\x0b\x63uda_region\x18\x0b \x01(\x0b\x32\x19.kvstore.v1.CudaIpcRegion\x12\x15\n\rdirect_socket\x18\x0c \x01(\t\"\xf7\x01\n\rCudaIpcRegion\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\r\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x04 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x05 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\x11\n\thost_path\x18\n \x01(\t\")\n\x07LaneRef\x12\x0f\n\x07lane_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"\x91\x01\n\x0eLanePutRequest\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\x12*\n\x07reserve\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.LaneReserveH\x00\x12(\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x16.kvstore.v1.LaneCommitH\x00\x42\x06\n\x04step\"\xba\x01\n\x0bLaneReserve\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12(\n\x07headers\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\x12\x0f\n\x07release\x18\x03 \x03(\x04\x12\x11\n\taddresses\x18\x04 \x03(\x04\x12\x16\n\x0esegment_counts\x18\x05 \x03(\r\x12\x19\n\x11segment_addresses\x18\x06 \x03(\x04\x12\x17\n\x0fsegment_lengths\x18\x07 \x03(\x04\"T\n\tSlotGrant\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\'\n\x06result\x18\x03 \x01(\x0b\x32\x17.kvstore.v1.BlockResult\"W\n\tLaneGrant\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12$\n\x05slots\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.SlotGrant\x12\x12\n\nexpires_in\x18\x03 \x01(\x01\"\xcc\x01\n\x0f\x42lockDescriptor\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04hash\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x05 \x01(\r\x12\'\n\x06header\x18\x06 \x01(\x0b\x32\x17.kvstore.v1.BlockHeader\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\x04\x12\x19\n\x11segment_addresses\x18\x08 \x03(\x04\x12\x17\n\x0fsegment_lengths\x18\t \x03(\x04\"d\n\nLaneCommit\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12+\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1b.kvstore.v1.BlockDescriptor\x12\x17\n\x0f\x63rc_from_server\x18\x03 \x01(\x08\"9\n\rLaneCommitted\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.BlockResult\"q\n\x0fLanePutResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.LaneGrantH\x00\x12.\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.kvstore.v1.LaneCommittedH\x00\x42\x06\n\x04step\"\x86\x02\n\x0eLaneGetRequest\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\x12\'\n\x07request\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.GetRequest\x12\x0f\n\x07release\x18\x03 \x03(\x04\x12\x13\n\x0b\x63rc_at_copy\x18\x04 \x01(\x08\x12\x15\n\rout_addresses\x18\x05 \x03(\x04\x12\x13\n\x0bout_lengths\x18\x06 \x03(\x04\x12\x1a\n\x12out_segment_counts\x18\x07 \x03(\r\x12\x1d\n\x15out_segment_addresses\x18\x08 \x03(\x04\x12\x1b\n\x13out_segment_lengths\x18\t \x03(\x04\"\x9d\x01\n\x0fLaneGetResponse\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12+\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1b.kvstore.v1.BlockDescriptor\x12\x0f\n\x07handled\x18\x03 \x01(\r\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x14\n\x0c\x63rcs_at_copy\x18\x05 \x01(\x08\x12\x16\n\x0ewritten_direct\x18\x06 \x01(\x08\"5\n\x10\x43loseLaneRequest\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\"\x13\n\x11\x43loseLaneResponse\"-\n\x08TcpHello\x12!\n\x04lane\x18\x01 \x01(\x0b\x32\x13.kvstore.v1.LaneRef\"E\n\x06TcpPut\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12(\n\x07headers\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\"7\n\x0bTcpGetReply\x12(\n\x07headers\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\"+\n\nLaneStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t*O\n\x08LaneKind\x12\x14\n\x10LANE_UNSPECIFIED\x10\x00\x12\x0c\n\x08LANE_SHM\x10\x01\x12\x0c\n\x08LANE_TCP\x10\x02\x12\x11\n\rLANE_CUDA_IPC\x10\x03\x32\xad\x02\n\x0cKVStoreLanes\x12\x45\n\x08OpenLane\x12\x1b.kvstore.v1.OpenLaneRequest\x1a\x1c.kvstore.v1.OpenLaneResponse\x12\x46\n\x07LanePut\x12\x1a.kvstore.v1.LanePutRequest\x1a\x1b.kvstore.v1.LanePutResponse(\x01\x30\x01\x12\x44\n\x07LaneGet\x12\x1a.kvstore.v1.LaneGetRequest\x1a\x1b.kvstore.v1.LaneGetResponse0\x01\x12H\n\tCloseLane\x12\x1c.kvstore.v1.CloseLaneRequest\x1a\x1d.kvstore.v1.CloseLaneResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.lanes_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LANEKIND']._serialized_start=2231
-  _globals['_LANEKIND']._serialized_end=2310
+  _globals['_LANEKIND']._serialized_start=2448
+  _globals['_LANEKIND']._serialized_end=2527
   _globals['_OPENLANEREQUEST']._serialized_start=64
   _globals['_OPENLANEREQUEST']._serialized_end=148
   _globals['_OPENLANERESPONSE']._serialized_start=151
@@ -44,36 +44,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LANEREF']._serialized_end=730
   _globals['_LANEPUTREQUEST']._serialized_start=733
   _globals['_LANEPUTREQUEST']._serialized_end=878
-  _globals['_LANERESERVE']._serialized_start=880
-  _globals['_LANERESERVE']._serialized_end=990
-  _globals['_SLOTGRANT']._serialized_start=992
-  _globals['_SLOTGRANT']._serialized_end=1076
-  _globals['_LANEGRANT']._serialized_start=1078
-  _globals['_LANEGRANT']._serialized_end=1165
-  _globals['_BLOCKDESCRIPTOR']._serialized_start=1168
-  _globals['_BLOCKDESCRIPTOR']._serialized_end=1320
-  _globals['_LANECOMMIT']._serialized_start=1322
-  _globals['_LANECOMMIT']._serialized_end=1422
-  _globals['_LANECOMMITTED']._serialized_start=1424
-  _globals['_LANECOMMITTED']._serialized_end=1481
-  _globals['_LANEPUTRESPONSE']._serialized_start=1483
-  _globals['_LANEPUTRESPONSE']._serialized_end=1596
-  _globals['_LANEGETREQUEST']._serialized_start=1599
-  _globals['_LANEGETREQUEST']._serialized_end=1773
-  _globals['_LANEGETRESPONSE']._serialized_start=1776
-  _globals['_LANEGETRESPONSE']._serialized_end=1933
-  _globals['_CLOSELANEREQUEST']._serialized_start=1935
-  _globals['_CLOSELANEREQUEST']._serialized_end=1988
-  _globals['_CLOSELANERESPONSE']._serialized_start=1990
-  _globals['_CLOSELANERESPONSE']._serialized_end=2009
-  _globals['_TCPHELLO']._serialized_start=2011
-  _globals['_TCPHELLO']._serialized_end=2056
-  _globals['_TCPPUT']._serialized_start=2058
-  _globals['_TCPPUT']._serialized_end=2127
-  _globals['_TCPGETREPLY']._serialized_start=2129
-  _globals['_TCPGETREPLY']._serialized_end=2184
-  _globals['_LANESTATUS']._serialized_start=2186
-  _globals['_LANESTATUS']._serialized_end=2229
-  _globals['_KVSTORELANES']._serialized_start=2313
-  _globals['_KVSTORELANES']._serialized_end=2614
+  _globals['_LANERESERVE']._serialized_start=881
+  _globals['_LANERESERVE']._serialized_end=1067
+  _globals['_SLOTGRANT']._serialized_start=1069
+  _globals['_SLOTGRANT']._serialized_end=1153
+  _globals['_LANEGRANT']._serialized_start=1155
+  _globals['_LANEGRANT']._serialized_end=1242
+  _globals['_BLOCKDESCRIPTOR']._serialized_start=1245
+  _globals['_BLOCKDESCRIPTOR']._serialized_end=1449
+  _globals['_LANECOMMIT']._serialized_start=1451
+  _globals['_LANECOMMIT']._serialized_end=1551
+  _globals['_LANECOMMITTED']._serialized_start=1553
+  _globals['_LANECOMMITTED']._serialized_end=1610
+  _globals['_LANEPUTRESPONSE']._serialized_start=1612
+  _globals['_LANEPUTRESPONSE']._serialized_end=1725
+  _globals['_LANEGETREQUEST']._serialized_start=1728
+  _globals['_LANEGETREQUEST']._serialized_end=1990
+  _globals['_LANEGETRESPONSE']._serialized_start=1993
+  _globals['_LANEGETRESPONSE']._serialized_end=2150
+  _globals['_CLOSELANEREQUEST']._serialized_start=2152
+  _globals['_CLOSELANEREQUEST']._serialized_end=2205
+  _globals['_CLOSELANERESPONSE']._serialized_start=2207
+  _globals['_CLOSELANERESPONSE']._serialized_end=2226
+  _globals['_TCPHELLO']._serialized_start=2228
+  _globals['_TCPHELLO']._serialized_end=2273
+  _globals['_TCPPUT']._serialized_start=2275
+  _globals['_TCPPUT']._serialized_end=2344
+  _globals['_TCPGETREPLY']._serialized_start=2346
+  _globals['_TCPGETREPLY']._serialized_end=2401
+  _globals['_LANESTATUS']._serialized_start=2403
+  _globals['_LANESTATUS']._serialized_end=2446
+  _globals['_KVSTORELANES']._serialized_start=2530
+  _globals['_KVSTORELANES']._serialized_end=2831
 # @@protoc_insertion_point(module_scope)
