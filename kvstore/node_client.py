@@ -25,6 +25,21 @@ Verbs and promises:
 - ``delete``, ``stats``; deadlines on every call (``timeout``) and retries with
   backoff on UNAVAILABLE (``retries``).
 
+Scatter-gather blocks (``kvstore.client.Segments``, from ``kvstore/payload.py``): a block that lives in
+several buffers, such as a vLLM block (one slice of each layer's KV tensor), is passed as
+``Segments([part, part, ...])`` wherever a payload goes (``put``) or an ``out`` buffer goes (``get``); parts
+are contiguous host buffers (bytes-like, numpy arrays, CPU torch tensors) and the block is their
+concatenation. ``put`` reads the parts where they are; ``get`` writes the block across them in order (bytes
+of the parts past the block's length are unspecified) and returns the Segments in its place, the CRC32C
+of the whole block (chained over the parts) checked before the call returns. Segments and plain payloads
+mix freely in one call. Copies per block, against the same bytes as one buffer: none added on the shm
+lane (the store reads and writes the parts with one multi-iovec process_vm_readv/writev per piece; through
+the region, one copy per part with its CRC fused in), on the tcp lane (sendmsg over the parts' views,
+recvmsg_into them) and on gRPC (chunks assembled from the parts, where gRPC copies anyway). Coded transfers
+(codec other than none), the cuda_ipc lane and Segments holding CUDA tensors join each block into one host
+buffer first (Put) or scatter it from one after the call (Get): one copy per block, small beside the
+codec's work or the device copies there.
+
 Data lanes (``lane=``, kvstore/lanes): ``"auto"`` (default) moves the bytes of
 put and get over shared memory when the server is on this host, else over the
 bulk TCP lane, and falls back to the gRPC stream when neither is offered;

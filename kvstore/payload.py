@@ -13,6 +13,7 @@ views (no copy when contiguous) and names their dtype as the wire spells it.
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -189,11 +190,12 @@ class SegmentsWriter:
 
 
 def _is_tensor(part: Any) -> bool:
-    return type(part).__module__.startswith("torch")
+    torch = sys.modules.get("torch")  # no torch imported: no tensors (a dict lookup, not an import)
+    return torch is not None and isinstance(part, torch.Tensor)
 
 
 def _on_device(part: Any) -> bool:
-    return _is_tensor(part) and part.device.type != "cpu"
+    return _is_tensor(part) and not part.is_cpu
 
 
 def _nbytes(part: Any) -> int:
@@ -215,16 +217,18 @@ def _flat_view(part: Any) -> memoryview:
     """A flat uint8 view of a contiguous host part; ValueError for device tensors and non-contiguous parts
     (a contiguous copy would take writes a Get makes into it)."""
     if _is_tensor(part):
-        if part.device.type != "cpu":
+        if not part.is_cpu:
             raise ValueError("a CUDA tensor part has no host view")
         if not part.is_contiguous():
             raise ValueError("a tensor part must be contiguous")
-        try:
-            return memoryview(part.detach().numpy()).cast("B")  # ~5x cheaper than a uint8 reinterpretation
-        except TypeError:  # bfloat16 and other dtypes numpy lacks
-            import torch
-
-            return memoryview(part.detach().reshape(-1).view(torch.uint8).numpy())
+        n = part.nbytes
+        if not n:
+            return memoryview(b"")
+        # a ctypes array over the tensor's bytes (it keeps the tensor alive): about 1.5x cheaper here than
+        # .numpy() and 3x cheaper than a uint8 reinterpretation, per part, and any dtype (bfloat16 too)
+        array = (ctypes.c_char * n).from_address(part.data_ptr())
+        array.part = part  # type: ignore[attr-defined]
+        return memoryview(array).cast("B")
     if isinstance(part, np.ndarray):
         if not part.flags.c_contiguous:
             raise ValueError("an array part must be C-contiguous")
@@ -247,7 +251,7 @@ def _flat_any(part: Any) -> Any:
 def _address(part: Any) -> int:
     """Where a contiguous host part's bytes start."""
     if _is_tensor(part):
-        if part.device.type != "cpu" or not part.is_contiguous():
+        if not part.is_cpu or not part.is_contiguous():
             raise ValueError("a tensor part must be a contiguous CPU tensor")
         return int(part.data_ptr())
     if isinstance(part, np.ndarray):
