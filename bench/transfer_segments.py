@@ -5,15 +5,18 @@ tensor, so one block (SmolLM2-135M, block_size 32: 3 kv heads x 32 tokens x 2x64
 is 30 slices of 48 KiB, 1.47 MB in all. For 64 blocks per call, put and get, on each lane, in one run and
 interleaved repetition by repetition, the same bytes moved three ways:
 
-- ``segments``: ``Segments([layer[b] for layer in layers])`` per block, put from / got into the layers' tensors
-  (building the Segments objects is timed: a connector builds them on every call);
+- ``segments``: ``SegmentRows(layers).block(b)`` per block (the rows object made once, as a connector makes it
+  when the KV cache is registered; the blocks' Segments are built inside the timing), put from / got into
+  the layers' tensors;
+- ``slices``: the same through the generic constructor, ``Segments([layer[b] for layer in layers])``, which
+  slices 30 tensors per block and asks each for its address (the per-part cost ``SegmentRows`` avoids);
 - ``contiguous``: each block as one contiguous 1.47 MB slice of a pool (the lane at its best, no layers);
 - ``gather``: what a connector without Segments does: gather each block's layer slices into a staging buffer
   (one copy per layer across the 64 blocks) and put the staging blocks; get into the staging buffer and
   scatter it back into the layers.
 
-Each row is one (op, lane) with the three GB/s (block bytes / median seconds) and the ratios
-``segments_vs_contiguous`` and ``segments_vs_gather``.
+Each row is one (op, lane) with the GB/s of each (block bytes / median seconds) and the ratios
+``segments_vs_contiguous``, ``segments_vs_gather`` and ``slices_vs_gather``.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ import numpy as np
 import torch
 
 from kvstore.client import Client, Segments
+from kvstore.payload import SegmentRows
 
 LAYERS = 30
 LAYER_SHAPE = (3, 32, 128)  # kv heads, block size, 2 x head size (K and V), fp32: 49,152 bytes
 BATCH = 64
-VARIANTS = ("segments", "contiguous", "gather")
+VARIANTS = ("segments", "slices", "contiguous", "gather")
 
 
 class Layout:
@@ -48,13 +52,19 @@ class Layout:
         self.pool = np.frombuffer(os.urandom(self.block_bytes * BATCH), dtype=np.uint8).copy()
         self.pool_out = np.zeros_like(self.pool)
         self.staging = torch.empty((BATCH, LAYERS, self.layer_bytes), dtype=torch.uint8)
+        self.src_rows, self.dst_rows = SegmentRows(self.src), SegmentRows(self.dst)
 
     def blocks(self, pool: np.ndarray) -> list[memoryview]:
         n = self.block_bytes
         return [memoryview(pool[i * n : (i + 1) * n]) for i in range(BATCH)]
 
-    def segments(self, layers: list[torch.Tensor]) -> list[Segments]:
+    @staticmethod
+    def slices(layers: list[torch.Tensor]) -> list[Segments]:
         return [Segments([layer[b] for layer in layers]) for b in range(BATCH)]
+
+    @staticmethod
+    def rows(rows: SegmentRows) -> list[Segments]:
+        return [rows.block(b) for b in range(BATCH)]
 
     def gather(self) -> list[memoryview]:
         for i, layer in enumerate(self.src):
@@ -79,7 +89,9 @@ class Layout:
 
 def _put(kv: Client, layout: Layout, variant: str, keys: list[bytes]) -> None:
     if variant == "segments":
-        payloads: list[Any] = layout.segments(layout.src)
+        payloads: list[Any] = layout.rows(layout.src_rows)
+    elif variant == "slices":
+        payloads = layout.slices(layout.src)
     elif variant == "contiguous":
         payloads = layout.blocks(layout.pool)
     else:
@@ -89,7 +101,9 @@ def _put(kv: Client, layout: Layout, variant: str, keys: list[bytes]) -> None:
 
 def _get(kv: Client, layout: Layout, variant: str, keys: list[bytes]) -> None:
     if variant == "segments":
-        kv.get("bench", keys, out=layout.segments(layout.dst))
+        kv.get("bench", keys, out=layout.rows(layout.dst_rows))
+    elif variant == "slices":
+        kv.get("bench", keys, out=layout.slices(layout.dst))
     elif variant == "contiguous":
         kv.get("bench", keys, out=layout.blocks(layout.pool_out))
     else:
@@ -138,6 +152,7 @@ def measure(target: str, lanes: list[str], reps: int) -> list[dict[str, Any]]:
                     **{f"{v}_gbps": round(g, 3) for v, g in gbps.items()},
                     "segments_vs_contiguous": round(gbps["segments"] / gbps["contiguous"], 3),
                     "segments_vs_gather": round(gbps["segments"] / gbps["gather"], 3),
+                    "slices_vs_gather": round(gbps["slices"] / gbps["gather"], 3),
                 }
             )
     return rows
@@ -146,10 +161,12 @@ def measure(target: str, lanes: list[str], reps: int) -> list[dict[str, Any]]:
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(
         f"\n{LAYERS} segments x {rows[0]['segment_bytes']} B per block, {BATCH} blocks per call\n"
-        f"{'op':4} {'lane':5} {'segments':>9} {'contig':>8} {'gather':>8} {'/contig':>8} {'/gather':>8}  (GB/s)"
+        f"{'op':4} {'lane':5} {'segments':>9} {'slices':>8} {'contig':>8} {'gather':>8} {'seg/contig':>10} "
+        f"{'seg/gather':>10} {'slices/gather':>13}  (GB/s)"
     )
     for r in rows:
         print(
-            f"{r['op']:4} {r['lane']:5} {r['segments_gbps']:>9.3f} {r['contiguous_gbps']:>8.3f} "
-            f"{r['gather_gbps']:>8.3f} {r['segments_vs_contiguous']:>8.2f} {r['segments_vs_gather']:>8.2f}"
+            f"{r['op']:4} {r['lane']:5} {r['segments_gbps']:>9.3f} {r['slices_gbps']:>8.3f} "
+            f"{r['contiguous_gbps']:>8.3f} {r['gather_gbps']:>8.3f} {r['segments_vs_contiguous']:>10.2f} "
+            f"{r['segments_vs_gather']:>10.2f} {r['slices_vs_gather']:>13.2f}"
         )

@@ -23,7 +23,7 @@ from kvstore.checksum import crc32c
 from kvstore.client import Client, KVStoreError, Segments
 from kvstore.lanes import cma, framing
 from kvstore.lanes.segments import clip, describe_source, descriptor_spans, flatten, pieces, unflatten
-from kvstore.payload import SegmentsWriter
+from kvstore.payload import SegmentRows, SegmentsWriter
 from kvstore.v1 import lanes_pb2 as lpb
 from tests.test_lanes_support import RawLanes, header, keys
 
@@ -391,3 +391,42 @@ def test_segments_report_dtype_and_refuse_non_contiguous_parts():
         _ = Segments([torch.zeros(4, 4).t()]).spans
     with pytest.raises(ValueError):
         _ = Segments([np.zeros((4, 4))[:, 1]]).views
+
+
+def test_segment_rows_build_the_same_blocks_as_slices(make_server):
+    layers = [torch.rand(8, 3, 4, 16) for _ in range(5)]
+    rows = SegmentRows(layers)
+    for b in (0, 3, 7):
+        block, generic = rows.block(b), Segments([layer[b] for layer in layers])
+        assert bytes(block.join()) == bytes(generic.join())
+        assert block.spans == generic.spans and block.lengths == generic.lengths and block.dtype == "float32"
+    with pytest.raises(IndexError):
+        rows.block(8)
+    with pytest.raises(ValueError):
+        SegmentRows([torch.zeros(8, 4), torch.zeros(7, 4)])
+    server = make_server()
+    out = [torch.zeros(8, 3, 4, 16) for _ in range(5)]
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        assert all(r.status == "stored" for r in kv.put("ns", keys(8), [rows.block(b) for b in range(8)]))
+        back = SegmentRows(out)
+        kv.get("ns", keys(8), out=[back.block(b) for b in range(8)])
+    assert all(torch.equal(a, b) for a, b in zip(layers, out))
+    assert server.metrics.counters()["lane_shm_direct_put_bytes"] == 8 * 5 * 3 * 4 * 16 * 4
+
+
+def test_a_server_without_segmented_reserves_gets_them_through_the_region(make_server):
+    """A store that predates Segments reads one address per block: the client puts Segments through the
+    region there (its OpenLaneResponse has no direct_segments) instead of waiting on a commit that never comes."""
+    server = make_server()
+    raw = RawLanes(server)
+    lane = raw.shm()
+    assert lane.direct and lane.direct_segments
+    lane.direct_segments = False  # as an older server answers
+    block = segments(np.random.default_rng(10), UNEVEN)
+    results = lane.put("ns", [header(keys(1)[0], flat(block))], [block])
+    assert results[0].status == "stored"
+    assert "lane_shm_direct_put_bytes" not in server.metrics.counters()
+    with Client(f"127.0.0.1:{server.port}", lane="grpc") as kv:
+        assert flat(kv.get("ns", keys(1))[0]) == flat(block)
+    lane.close()
+    raw.close()

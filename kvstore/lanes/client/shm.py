@@ -79,6 +79,7 @@ class ShmClientLane(Lane):
         self._release_lock = threading.Lock()
         self._lender = Lender(self.region, self._give_back, budget=self.region.size // 2)
         self.direct = False  # puts name client memory for the server to read (one copy)
+        self.direct_segments = opened.direct_segments  # ... and blocks in several buffers (Segments)
         if opened.direct_socket:
             why_not, sock = handshake(opened.direct_socket, opened.lane_id, opened.token)
             self.direct = why_not is None
@@ -92,11 +93,13 @@ class ShmClientLane(Lane):
         self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[memoryview | Segments]
     ) -> list[Any]:
         results: list[Any] = [None] * len(headers)
+        # a server that predates Segments reads only one address per block: they go through its region
+        direct = self.direct and (self.direct_segments or not any(isinstance(p, Segments) for p in payloads))
         stream = self.open_put()
         try:
             start = 0
             while start < len(headers):
-                if self.direct:  # one round trip: the server reads the granted blocks from our memory
+                if direct:  # one round trip: the server reads the granted blocks from our memory
                     start = self._direct_round(stream, namespace, headers, payloads, start, results)
                     continue
                 grant = stream.reserve(namespace, headers[start:], self._take_release())

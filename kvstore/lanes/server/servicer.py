@@ -108,6 +108,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 shm_path=lane.region.path,
                 shm_bytes=lane.region.size,
                 direct_socket=self.direct_socket,
+                direct_segments=bool(self.direct_socket),
                 **common,
             )
         if kind == lpb.LANE_CUDA_IPC:
