@@ -26,6 +26,12 @@ repetition drops the previous Get's results before the next Get, as a worker
 that loads them into its pool does; ``--hold-results`` keeps them (on the
 shm lane, results past half the region are then copied out, not lent).
 
+Scatter-gather blocks (``--cases segments``, in the default run too): a vLLM-shaped block as 30 per-layer
+buffers of 48 KiB (``kvstore.client.Segments``), 64 blocks per call, on shm and tcp, beside the same bytes as
+one contiguous block and beside gathering into a staging buffer before a contiguous put (scattering after
+the get), as ratios (``bench/transfer_segments.py``). ``--cases segments --out
+bench/results/transfer_segments.json`` is the committed run of those rows alone.
+
 The raw socket baseline (``raw_socket_gbps``, the targets' baseline) repeats
 one cache-resident buffer on each side; beside it, ``raw_socket_distinct_gbps``
 and ``vs_raw_socket_distinct`` move the batch's bytes as a store does, from
@@ -44,6 +50,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from bench import transfer_segments
 from bench.baselines import memcpy_gbps, raw_socket_gbps, redis_gbps, redis_server
 from kvstore.client import Client
 from kvstore.server.process import store_process
@@ -125,10 +132,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hold-results", action="store_true", help="keep each Get's results until the next Get returns"
     )
+    parser.add_argument(
+        "--cases",
+        default="blocks,segments",
+        help="comma-separated: blocks (contiguous blocks beside memcpy, raw sockets, Redis), segments "
+        "(30-segment vLLM-shaped blocks beside contiguous and gathered ones, shm and tcp lanes)",
+    )
     args = parser.parse_args(argv)
     reps = 3 if args.quick else 7
     lanes = args.lanes.split(",")
+    cases = args.cases.split(",")
     rows = []
+    if "segments" in cases:
+        with store_process("--dram", "1GiB") as (target, _):
+            segment_rows = transfer_segments.measure(target, [x for x in lanes if x in ("shm", "tcp")], reps)
+        transfer_segments.print_rows(segment_rows)
+        rows.extend(segment_rows)
+    if "blocks" in cases:
+        rows.extend(block_rows(args, lanes, reps))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def block_rows(args: argparse.Namespace, lanes: list[str], reps: int) -> list[dict[str, object]]:
+    """The contiguous-block rows: each lane beside memcpy, raw loopback sockets and Redis, and Get latency."""
+    rows: list[dict[str, object]] = []
     with store_process("--dram", "1GiB") as (target, _), redis_server() as redis_port:
         cases = [(size, lane) for size in SIZES for lane in lanes]
         baseline_cache: dict[int, dict[str, float]] = {}
@@ -187,11 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             {"op": "get_latency_2mib", "lane": lane, "p50_ms": round(p50 * 1e3, 3), "p99_ms": round(p99 * 1e3, 3)}
         )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=1) + "\n")
-        print(f"wrote {args.out}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -25,6 +25,21 @@ Verbs and promises:
 - ``delete``, ``stats``; deadlines on every call (``timeout``) and retries with
   backoff on UNAVAILABLE (``retries``).
 
+Scatter-gather blocks (``kvstore.client.Segments``, from ``kvstore/payload.py``): a block that lives in
+several buffers, such as a vLLM block (one slice of each layer's KV tensor), is passed as
+``Segments([part, part, ...])`` wherever a payload goes (``put``) or an ``out`` buffer goes (``get``); parts
+are contiguous host buffers (bytes-like, numpy arrays, CPU torch tensors) and the block is their
+concatenation. ``put`` reads the parts where they are; ``get`` writes the block across them in order (bytes
+of the parts past the block's length are unspecified) and returns the Segments in its place, the CRC32C
+of the whole block (chained over the parts) checked before the call returns. Segments and plain payloads
+mix freely in one call. Copies per block, against the same bytes as one buffer: none added on the shm
+lane (the store reads and writes the parts with one multi-iovec process_vm_readv/writev per piece; through
+the region, one copy per part with its CRC fused in), on the tcp lane (sendmsg over the parts' views,
+recvmsg_into them) and on gRPC (chunks assembled from the parts, where gRPC copies anyway). Coded transfers
+(codec other than none), the cuda_ipc lane and Segments holding CUDA tensors join each block into one host
+buffer first (Put) or scatter it from one after the call (Get): one copy per block, small beside the
+codec's work or the device copies there.
+
 Data lanes (``lane=``, kvstore/lanes): ``"auto"`` (default) moves the bytes of
 put and get over shared memory when the server is on this host, else over the
 bulk TCP lane, and falls back to the gRPC stream when neither is offered;
@@ -68,7 +83,7 @@ from kvstore.codecs.transfer_client import ClientCoding
 from kvstore.devices import is_device_tensor, stage_out
 from kvstore.errors import KVStoreError, corrupt_block, from_rpc
 from kvstore.lanes.client.negotiate import LanePool
-from kvstore.payload import as_bytes_view, wire_dtype
+from kvstore.payload import Segments, SegmentsWriter, as_bytes_view, wire_dtype
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import CHUNK_BYTES, TIER_NAMES, PutResult, put_results
@@ -172,28 +187,32 @@ class NodeClient:
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
         if not hashes:
             return []
+        whole = self._device_lanes is self._lanes  # lane="cuda_ipc": the device lane copies whole blocks
+        if any(isinstance(p, Segments) and (whole or not p.on_host) for p in payloads):  # joined on the host
+            payloads = [p.join() if isinstance(p, Segments) and (whole or not p.on_host) else p for p in payloads]
         if (codec or self._coding.codec) in ("none", "auto") and any(is_device_tensor(p) for p in payloads):
             on_device = self._put_device(namespace, hashes, payloads, parent, dtype, chained)
             if on_device is not None:
                 return on_device
-        views = [as_bytes_view(p) for p in payloads]
-        headers = _headers(hashes, [(len(v), kind) for v, kind in views], parent, dtype, chained)
+        views = [(p, p.dtype) if isinstance(p, Segments) else as_bytes_view(p) for p in payloads]
+        headers = _headers(hashes, [(_nbytes(v), kind) for v, kind in views], parent, dtype, chained)
         plan = self._put_plan(namespace, {dtype or kind for _, kind in views}, codec, lossy_ok)
-        if plan is not None:
-            return self._put_coded(namespace, list(hashes), [h.parent for h in headers], [v for v, _ in views], plan)
+        if plan is not None:  # the codec reads each block whole: segments are joined once
+            blocks = [v.join() if isinstance(v, Segments) else v for v, _ in views]
+            return self._put_coded(namespace, list(hashes), [h.parent for h in headers], blocks, plan)
         on_lane = self._lanes.run(lambda lane: lane.put(namespace, headers, [v for v, _ in views]))
         if on_lane is not None:
             return on_lane
         for header, (view, _) in zip(headers, views):
-            header.crc32c = crc32c(view)  # C implementation; accepts any buffer
+            # C implementation; accepts any buffer (chained over the segments of a Segments)
+            header.crc32c = view.crc32c() if isinstance(view, Segments) else crc32c(view)
 
         def requests() -> Iterator[pb.PutRequest]:
             for i, (header, (view, _)) in enumerate(zip(headers, views)):
-                n = len(view)
-                first = min(self.chunk_bytes, n)
-                yield pb.PutRequest(namespace=namespace if i == 0 else "", header=header, data=bytes(view[:first]))
-                for start in range(first, n, self.chunk_bytes):
-                    yield pb.PutRequest(data=bytes(view[start : start + self.chunk_bytes]))
+                chunks = _chunks(view, self.chunk_bytes)
+                yield pb.PutRequest(namespace=namespace if i == 0 else "", header=header, data=next(chunks, b""))
+                for data in chunks:
+                    yield pb.PutRequest(data=data)
 
         reply = self._call(lambda: self._stub.Put(requests(), timeout=self.timeout, metadata=self._metadata))
         return put_results(reply.results)
@@ -216,6 +235,9 @@ class NodeClient:
                 flat = flat_bytes(p)
                 flats.append(flat)
                 sizes.append((flat.numel(), str(p.dtype).removeprefix("torch.")))
+            elif isinstance(p, Segments):  # the device lane copies whole blocks: joined once
+                flats.append(p.join())
+                sizes.append((p.nbytes, p.dtype))
             else:
                 view, kind = as_bytes_view(p)
                 flats.append(view)
@@ -277,6 +299,8 @@ class NodeClient:
             raise ValueError(f"{len(hashes)} hashes but {len(out)} output buffers")
         if not hashes:
             return []
+        if out is not None and any(isinstance(x, Segments) for x in out):
+            return self._get_segments(namespace, hashes, out, allow_missing, verify, codec, lossy_ok)
         if (
             out is not None
             and any(is_device_tensor(x) for x in out)
@@ -289,11 +313,7 @@ class NodeClient:
                 return on_device
         device_out, out = out, None
         out, finish = stage_out(device_out)  # CUDA destinations are filled through pinned host buffers
-        accepted = (
-            []
-            if self.lane_kind == "shm" and (codec or self._coding.codec) == "auto"
-            else self._coding.accepted(codec, lossy_ok)
-        )
+        accepted = self._accepted(codec, lossy_ok)
         result: list[Any] | None
         if accepted:  # coded blocks may come: the gRPC stream, decoded here
             request = pb.GetRequest(
@@ -318,11 +338,52 @@ class NodeClient:
             return [None if r is None else d for r, d in zip(result, device_out)]
         return result
 
+    def _accepted(self, codec: str | None, lossy_ok: bool) -> list[int]:
+        """The codecs a Get accepts beyond none (none: raw bytes on the lane or the gRPC stream)."""
+        if self.lane_kind == "shm" and (codec or self._coding.codec) == "auto":
+            return []
+        return self._coding.accepted(codec, lossy_ok)
+
+    def _get_segments(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        out: Sequence[Any],
+        allow_missing: bool,
+        verify: bool,
+        codec: str | None,
+        lossy_ok: bool,
+    ) -> list[Any]:
+        """A Get whose ``out`` holds Segments: scattered into them by the host lanes and the gRPC stream;
+        through one host buffer per block, scattered once after the call, where a codec decodes the blocks,
+        a device lane copies them or a Segments holds CUDA tensors."""
+        staged = (
+            self._device_lanes is self._lanes
+            or any(is_device_tensor(x) for x in out)
+            or any(isinstance(x, Segments) and not x.on_host for x in out)
+            or bool(self._accepted(codec, lossy_ok))
+        )
+        if not staged:
+            result = self._lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
+            if result is None:
+                request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing)
+                result = self._call(lambda: self._receive(request, out, verify))
+            return result
+        buffers = [memoryview(bytearray(x.nbytes)) if isinstance(x, Segments) else x for x in out]
+        result = self.get(
+            namespace, hashes, out=buffers, allow_missing=allow_missing, verify=verify, codec=codec, lossy_ok=lossy_ok
+        )
+        for i, (x, buf) in enumerate(zip(out, buffers)):
+            if isinstance(x, Segments) and result[i] is not None:
+                x.scatter(buf)
+                result[i] = x
+        return result
+
     def _receive(self, request: pb.GetRequest, out: Sequence[Any] | None, verify: bool) -> list[Any]:
         results: list[Any] = []
         stream = self._stub.Get(request, timeout=self.timeout, metadata=self._metadata)
         header: pb.BlockHeader | None = None
-        dest: memoryview | None = None
+        dest: Any = None
         single: bytes | None = None
         filled = 0
         for msg in stream:
@@ -334,7 +395,9 @@ class NodeClient:
                     continue
                 n = header.stored_length
                 filled, single = 0, None
-                if out is not None:
+                if out is not None and isinstance(out[len(results)], Segments):
+                    dest = SegmentsWriter(out[len(results)], n)  # chunks scattered as they arrive
+                elif out is not None:
                     dest = as_bytes_view(out[len(results)])[0]
                     if len(dest) < n:
                         raise ValueError(f"output buffer {len(results)} holds {len(dest)} bytes; block is {n}")
@@ -350,13 +413,15 @@ class NodeClient:
             filled += len(msg.data)
             if filled == header.stored_length:
                 block = single if single is not None else (out[len(results)] if out is not None else dest)
-                if verify:
-                    if single is not None:
-                        view: bytes | memoryview = single
+                if verify and header.codec == pb.CODEC_NONE:
+                    if isinstance(dest, SegmentsWriter):
+                        crc = dest.crc32c()
+                    elif single is not None:
+                        crc = crc32c(single)
                     else:
                         assert dest is not None  # a block not whole in one message lands in dest
-                        view = dest[: header.stored_length]
-                    if header.codec == pb.CODEC_NONE and crc32c(view) != header.crc32c:
+                        crc = crc32c(dest[: header.stored_length])
+                    if crc != header.crc32c:
                         raise corrupt_block(len(results), header.hash)
                 results.append(block)
                 header = None
@@ -432,3 +497,16 @@ def _read(path: str | None) -> bytes | None:
         return None
     with open(path, "rb") as f:
         return f.read()
+
+
+def _nbytes(view: memoryview | Segments) -> int:
+    return view.nbytes if isinstance(view, Segments) else len(view)
+
+
+def _chunks(view: memoryview | Segments, chunk: int) -> Iterator[bytes]:
+    """A payload as gRPC chunks of at most ``chunk`` bytes (gRPC copies each into its message anyway)."""
+    if isinstance(view, Segments):
+        yield from view.chunks(chunk)
+        return
+    for start in range(0, len(view), chunk):
+        yield bytes(view[start : start + chunk])

@@ -40,6 +40,11 @@ are still in cache, fused with the copy, never as a separate pass over memory):
     tcp   put  0: sendmsg straight from the payloads 0: recv_into straight into the arena slot
     tcp   get  0: recv_into `out` or a new buffer    0: sendmsg straight from the arena slots
     (tcp: the kernel copies once into and once out of the socket buffers)
+    A block given as ``Segments`` (several buffers: ``segments.py``) moves with the same copies: the
+    direct shm lane passes every part's (address, length) and the store reads or writes them with one
+    multi-iovec process_vm_readv/writev per piece of the arena slot; through the region each part is
+    copied (and CRC'd, chained) into or out of its place in the granted range; tcp gathers the parts with
+    sendmsg and receives into them with recvmsg_into. cuda_ipc joins a block's parts once first.
     cuda_ipc put  1: tensor -> region (d2d)     1: region -> HBM slot (d2d) or DRAM slot (d2h)
     cuda_ipc get  1: region -> `out` tensor     1: HBM slot (d2d) or DRAM slot (h2d) -> region
 

@@ -3,13 +3,16 @@
 Client side, one ``Lane`` is one negotiated channel for block bytes, used by
 one call at a time (``negotiate.LanePool`` hands lanes out exclusively):
 
-- ``put(namespace, headers, payloads) -> [PutResult]``: store a batch; one
+- ``put(namespace, headers, payloads) -> [PutResult]``: store a batch (a payload
+  is a flat byte view, or a ``Segments`` on the host lanes, moved without
+  gathering it where the transport allows); one
   result per block, in order (stored, already present, or rejected with the
   reason). ``headers`` are wire BlockHeaders (hash, parent, codec, lengths,
   dtype; the lane fills in the CRC32C). Raises ``KVStoreError`` with the
   server's status code; blocks acknowledged before an error stay stored.
 - ``get(namespace, hashes, out, allow_missing, verify) -> [payload | None]``:
-  the blocks in order, into ``out`` buffers when given, else new buffers;
+  the blocks in order, into ``out`` buffers when given (a ``Segments`` there:
+  scattered across its parts), else new buffers;
   NOT_FOUND on a missing hash unless ``allow_missing``; DATA_LOSS when a CRC32C
   does not match.
 - ``close()``: give the lane back to the server (its region, its token).
@@ -81,8 +84,9 @@ class Lane(ABC):
     kind: str = ""
 
     @abstractmethod
-    def put(self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[memoryview]) -> list[Any]:
-        """Store a batch; a ``kvstore.wire.PutResult`` per block, in order."""
+    def put(self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[Any]) -> list[Any]:
+        """Store a batch; a ``kvstore.wire.PutResult`` per block, in order (payloads: flat byte views, or
+        ``kvstore.payload.Segments`` on the host lanes)."""
 
     @abstractmethod
     def get(

@@ -13,6 +13,12 @@ user, and under Yama's ``ptrace_scope`` 1 only if the client named us with
 - ``write_from(pid, address, src) -> crc``: the other way (``process_vm_writev``),
   the CRC32C of ``src`` computed piece by piece as it goes; ``write_many(pid,
   pairs)``: many blocks in one call (no CRC).
+- ``read_spans_into(pid, dst, spans)`` / ``write_spans_from(pid, spans, src)``:
+  the same for a block in several pieces of the other process's memory
+  (``Segments``): each call moves one piece of ``dst``/``src`` from or to
+  as many (address, length) spans as it covers (at most IOV_MAX iovecs per
+  call, ``segments.pieces``), so the local side stays one pass with the CRC
+  fused in, whatever the segments' sizes.
 - ``allow_reader(pid) -> bool`` (client): let process ``pid`` read our memory;
   a process names one such reader at a time, so a second store is refused
   (that lane then copies through its region as before).
@@ -34,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.checksum import crc32c
+from kvstore.lanes.segments import IOV_MAX, Spans, pieces
 
 PIECE = 512 << 10
 IOV_BATCH = 1024  # Linux's IOV_MAX: the most blocks one process_vm_writev moves
@@ -94,13 +101,13 @@ def address_of(buf: Any) -> tuple[int, int]:
 
 def read_into(pid: int, dst: memoryview, address: int) -> int:
     """Copy ``len(dst)`` bytes from ``address`` in process ``pid`` into ``dst``; the CRC32C of what landed."""
-    return _transfer(_lib().process_vm_readv, "read", pid, dst, address, crc=True)
+    return _transfer(_lib().process_vm_readv, "read", pid, dst, ((address, len(dst)),), crc=True)
 
 
 def write_from(pid: int, address: int, src: memoryview, crc: bool = True) -> int:
     """Copy ``src`` to ``address`` in process ``pid``; the CRC32C of ``src`` (each piece read while in cache),
     or 0 without ``crc``."""
-    return _transfer(_lib().process_vm_writev, "wrote", pid, src, address, crc)
+    return _transfer(_lib().process_vm_writev, "wrote", pid, src, ((address, len(src)),), crc)
 
 
 def write_many(pid: int, pairs: list[tuple[int, Any]]) -> None:
@@ -126,24 +133,50 @@ def write_many(pid: int, pairs: list[tuple[int, Any]]) -> None:
             )
 
 
-def _transfer(syscall: Any, verb: str, pid: int, local_buf: memoryview, address: int, crc: bool) -> int:
-    """Move ``local_buf`` to or from ``address`` in ``pid`` in ``PIECE``-byte calls, each piece CRC32C'd (when
-    asked) right after it moved, while it is in cache."""
+def read_spans_into(pid: int, dst: memoryview, spans: Spans) -> int:
+    """Fill ``dst`` from the (address, length) ``spans`` of process ``pid``, in order (their lengths add up to
+    ``len(dst)``); the CRC32C of what landed."""
+    return _transfer(_lib().process_vm_readv, "read", pid, dst, spans, crc=True)
+
+
+def write_spans_from(pid: int, spans: Spans, src: memoryview, crc: bool = True) -> int:
+    """Copy ``src`` across the (address, length) ``spans`` of process ``pid``, in order (their lengths add up
+    to ``len(src)``); the CRC32C of ``src``, or 0 without ``crc``."""
+    return _transfer(_lib().process_vm_writev, "wrote", pid, src, spans, crc)
+
+
+def _transfer(syscall: Any, verb: str, pid: int, local_buf: memoryview, spans: Spans, crc: bool) -> int:
+    """Move ``local_buf`` to or from the remote ``spans`` in ``pid``, one ``PIECE`` of the local buffer per
+    call (with as many remote iovecs as that piece covers, at most IOV_MAX), each piece CRC32C'd (when asked)
+    right after it moved, while it is in cache."""
     local = np.frombuffer(local_buf, dtype=np.uint8)
     base, n, value = int(local.ctypes.data), len(local), 0
-    for start in range(0, n, PIECE):
-        size = min(PIECE, n - start)
-        liov, riov = _IoVec(base + start, size), _IoVec(address + start, size)
-        got = syscall(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
+    if sum(length for _, length in spans) != n:
+        raise ValueError(f"{len(spans)} spans of {sum(length for _, length in spans)} bytes for {n} local bytes")
+    start = 0
+    for run in pieces([length for _, length in spans], PIECE, IOV_MAX):
+        size = sum(k for _, _, k in run)
+        liov = _IoVec(base + start, size)
+        remote: Any
+        if len(run) == 1:
+            index, offset, _ = run[0]
+            riov: Any = _IoVec(spans[index][0] + offset, size)
+            remote, count = ctypes.byref(riov), 1
+        else:
+            remote = (_IoVec * len(run))(*[_IoVec(spans[index][0] + offset, k) for index, offset, k in run])
+            count = len(run)
+        got = syscall(pid, ctypes.byref(liov), 1, remote, count, 0)
         if got != size:
             err = ctypes.get_errno() if got < 0 else 0
+            at = spans[run[0][0]][0] + run[0][1]
             raise DirectReadError(
                 err,
-                f"{verb} {max(got, 0)} of {size} bytes at {address + start:#x} in process "
+                f"{verb} {max(got, 0)} of {size} bytes at {at:#x} ({count} spans) in process "
                 f"{pid}{': ' + os.strerror(err) if err else ''}",
             )
         if crc:
             value = crc32c(local[start : start + size], value)
+        start += size
     return value
 
 

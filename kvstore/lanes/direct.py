@@ -45,6 +45,7 @@ import grpc
 
 from kvstore.lanes import cma
 from kvstore.lanes.base import LaneError
+from kvstore.lanes.segments import Spans
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +86,23 @@ class DirectPeer:
         except cma.DirectReadError as err:
             raise _refused("direct get", err) from None
 
-    def _move(self, what: str, fn: Callable[[int, memoryview, int], int], buf: memoryview, address: int) -> int:
+    def read_spans(self, dst: memoryview, spans: Spans) -> int:
+        """Fill ``dst`` from a block in several pieces of the client's memory; its CRC32C."""
+        return self._move("direct put", lambda pid, buf, at: cma.read_spans_into(pid, buf, at), dst, spans)
+
+    def write_spans(self, spans: Spans, src: memoryview, crc: bool = True) -> int:
+        """Copy ``src`` across several pieces of the client's memory; the CRC32C of ``src`` (0 without ``crc``)."""
+        return self._move("direct get", lambda pid, buf, at: cma.write_spans_from(pid, at, buf, crc), src, spans)
+
+    def _move(self, what: str, fn: Callable[[int, memoryview, Any], int], buf: memoryview, address: Any) -> int:
         if not self.alive():
             raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: client process {self.pid} is gone")
         try:
             return fn(self.pid, buf, address)
         except cma.DirectReadError as err:
             raise _refused(what, err) from None
+        except ValueError as err:  # spans that do not cover the block
+            raise LaneError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {err}") from None
 
     def close(self) -> None:
         if not self._closed:

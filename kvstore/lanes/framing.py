@@ -137,9 +137,15 @@ def drain(sock: socket.socket, nbytes: int, scratch: memoryview | None = None) -
 
 
 def send_blocks_crc(
-    sock: socket.socket, head: Sequence[memoryview], payloads: Sequence[memoryview], piece: int = PIECE
+    sock: socket.socket,
+    head: Sequence[memoryview],
+    payloads: Sequence[memoryview | Sequence[memoryview]],
+    piece: int = PIECE,
 ) -> None:
     """Send ``head``, then each payload followed by its CRC32C (u32), checksumming piece by piece.
+
+    A payload given as a sequence of flat byte views (a block in several buffers, ``Segments``) is sent as
+    their concatenation, gathered by ``sendmsg`` from where they are, its CRC32C chained over them.
 
     Each piece's CRC32C is computed just before ``sendmsg`` hands that piece to
     the kernel, so the kernel's copy reads it from cache instead of memory, and
@@ -154,6 +160,19 @@ def send_blocks_crc(
     parts: list[memoryview] = list(head)
     pending = 0
     for payload in payloads:
+        if not isinstance(payload, memoryview):  # segments: pieces of each, one CRC32C over all
+            crc = 0
+            for view in payload:
+                for start in range(0, len(view), piece):
+                    part = view[start : start + piece] if len(view) > piece else view
+                    crc = crc32c(part, crc)
+                    parts.append(part)
+                    pending += len(part)
+                    if pending >= piece or len(parts) >= IOV_MAX:
+                        send_all(sock, parts)
+                        parts, pending = [], 0
+            parts.append(memoryview(pack(crc)))
+            continue
         view = payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")
         n = len(view)
         if n <= piece:
@@ -215,6 +234,58 @@ def recv_into_crc(sock: socket.socket, view: memoryview, piece: int = PIECE, aft
             except OSError:
                 pass  # the connection is gone; the error that ended the loop is the one to report
     return crc
+
+
+def recv_views_crc(
+    sock: socket.socket, views: Sequence[memoryview], piece: int = PIECE, after: int = 0, lowat: int = LOWAT
+) -> int:
+    """Fill ``views`` in turn (one block scattered across several buffers, ``Segments``) with ``recvmsg_into``,
+    one run of at most ``piece`` bytes and IOV_MAX buffers per call (``segments.pieces``), each run
+    CRC32C'd while it is in cache; the CRC32C of the whole block. ``after`` and ``lowat`` as in
+    ``recv_into_crc``."""
+    from kvstore.checksum import crc32c
+    from kvstore.lanes.segments import pieces
+
+    crc, n = 0, sum(len(v) for v in views)
+    use = bool(RCVLOWAT) and lowat > 1 and n >= piece and n - piece + after >= lowat
+    if use:
+        sock.setsockopt(socket.SOL_SOCKET, RCVLOWAT, lowat)
+    done = 0
+    try:
+        for run in pieces([len(v) for v in views], piece, IOV_MAX):
+            bufs = [views[i][off : off + k] for i, off, k in run]
+            size = sum(k for _, _, k in run)
+            if use and n - done - size + after < lowat:
+                sock.setsockopt(socket.SOL_SOCKET, RCVLOWAT, 1)
+                use = False
+            _recv_all_into(sock, list(bufs), size)
+            for buf in bufs:
+                crc = crc32c(buf, crc)
+            done += size
+    finally:
+        if use:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, RCVLOWAT, 1)
+            except OSError:
+                pass
+    return crc
+
+
+def _recv_all_into(sock: socket.socket, bufs: list[memoryview], size: int) -> None:
+    """Fill every buffer of ``bufs`` (``size`` bytes in all) with ``recvmsg_into``, resuming after short reads."""
+    got = 0
+    while got < size:
+        k = sock.recvmsg_into(bufs, 0, socket.MSG_WAITALL)[0]
+        if k == 0:
+            raise FrameError(f"connection closed after {got} of {size} bytes")
+        got += k
+        while k:  # drop what was filled
+            if k >= len(bufs[0]):
+                k -= len(bufs[0])
+                bufs.pop(0)
+            else:
+                bufs[0] = bufs[0][k:]
+                k = 0
 
 
 def set_timeouts(sock: socket.socket, seconds: float) -> None:

@@ -30,7 +30,7 @@ class OpenLaneRequest(_message.Message):
     def __init__(self, kinds: _Optional[_Iterable[_Union[LaneKind, str]]] = ..., host_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class OpenLaneResponse(_message.Message):
-    __slots__ = ("kind", "lane_id", "token", "host_id", "lease_seconds", "shm_path", "shm_bytes", "tcp_host", "tcp_port", "reason", "cuda_region", "direct_socket")
+    __slots__ = ("kind", "lane_id", "token", "host_id", "lease_seconds", "shm_path", "shm_bytes", "tcp_host", "tcp_port", "reason", "cuda_region", "direct_socket", "direct_segments")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LANE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class OpenLaneResponse(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     CUDA_REGION_FIELD_NUMBER: _ClassVar[int]
     DIRECT_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     kind: LaneKind
     lane_id: str
     token: bytes
@@ -55,7 +56,8 @@ class OpenLaneResponse(_message.Message):
     reason: str
     cuda_region: CudaIpcRegion
     direct_socket: str
-    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., lane_id: _Optional[str] = ..., token: _Optional[bytes] = ..., host_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., tcp_host: _Optional[str] = ..., tcp_port: _Optional[int] = ..., reason: _Optional[str] = ..., cuda_region: _Optional[_Union[CudaIpcRegion, _Mapping]] = ..., direct_socket: _Optional[str] = ...) -> None: ...
+    direct_segments: bool
+    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., lane_id: _Optional[str] = ..., token: _Optional[bytes] = ..., host_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., tcp_host: _Optional[str] = ..., tcp_port: _Optional[int] = ..., reason: _Optional[str] = ..., cuda_region: _Optional[_Union[CudaIpcRegion, _Mapping]] = ..., direct_socket: _Optional[str] = ..., direct_segments: _Optional[bool] = ...) -> None: ...
 
 class CudaIpcRegion(_message.Message):
     __slots__ = ("device_uuid", "device_index", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "host_path")
@@ -100,16 +102,22 @@ class LanePutRequest(_message.Message):
     def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., reserve: _Optional[_Union[LaneReserve, _Mapping]] = ..., commit: _Optional[_Union[LaneCommit, _Mapping]] = ...) -> None: ...
 
 class LaneReserve(_message.Message):
-    __slots__ = ("namespace", "headers", "release", "addresses")
+    __slots__ = ("namespace", "headers", "release", "addresses", "segment_counts", "segment_addresses", "segment_lengths")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HEADERS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     headers: _containers.RepeatedCompositeFieldContainer[_kvstore_pb2.BlockHeader]
     release: _containers.RepeatedScalarFieldContainer[int]
     addresses: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[str] = ..., headers: _Optional[_Iterable[_Union[_kvstore_pb2.BlockHeader, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ..., addresses: _Optional[_Iterable[int]] = ...) -> None: ...
+    segment_counts: _containers.RepeatedScalarFieldContainer[int]
+    segment_addresses: _containers.RepeatedScalarFieldContainer[int]
+    segment_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., headers: _Optional[_Iterable[_Union[_kvstore_pb2.BlockHeader, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ..., addresses: _Optional[_Iterable[int]] = ..., segment_counts: _Optional[_Iterable[int]] = ..., segment_addresses: _Optional[_Iterable[int]] = ..., segment_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SlotGrant(_message.Message):
     __slots__ = ("offset", "length", "result")
@@ -132,7 +140,7 @@ class LaneGrant(_message.Message):
     def __init__(self, grant_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ..., expires_in: _Optional[float] = ...) -> None: ...
 
 class BlockDescriptor(_message.Message):
-    __slots__ = ("index", "hash", "offset", "length", "crc32c", "header", "address")
+    __slots__ = ("index", "hash", "offset", "length", "crc32c", "header", "address", "segment_addresses", "segment_lengths")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +148,8 @@ class BlockDescriptor(_message.Message):
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     index: int
     hash: bytes
     offset: int
@@ -147,7 +157,9 @@ class BlockDescriptor(_message.Message):
     crc32c: int
     header: _kvstore_pb2.BlockHeader
     address: int
-    def __init__(self, index: _Optional[int] = ..., hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., crc32c: _Optional[int] = ..., header: _Optional[_Union[_kvstore_pb2.BlockHeader, _Mapping]] = ..., address: _Optional[int] = ...) -> None: ...
+    segment_addresses: _containers.RepeatedScalarFieldContainer[int]
+    segment_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., crc32c: _Optional[int] = ..., header: _Optional[_Union[_kvstore_pb2.BlockHeader, _Mapping]] = ..., address: _Optional[int] = ..., segment_addresses: _Optional[_Iterable[int]] = ..., segment_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LaneCommit(_message.Message):
     __slots__ = ("grant_id", "blocks", "crc_from_server")
@@ -174,20 +186,26 @@ class LanePutResponse(_message.Message):
     def __init__(self, grant: _Optional[_Union[LaneGrant, _Mapping]] = ..., committed: _Optional[_Union[LaneCommitted, _Mapping]] = ...) -> None: ...
 
 class LaneGetRequest(_message.Message):
-    __slots__ = ("lane", "request", "release", "crc_at_copy", "out_addresses", "out_lengths")
+    __slots__ = ("lane", "request", "release", "crc_at_copy", "out_addresses", "out_lengths", "out_segment_counts", "out_segment_addresses", "out_segment_lengths")
     LANE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     CRC_AT_COPY_FIELD_NUMBER: _ClassVar[int]
     OUT_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     OUT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    OUT_SEGMENT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    OUT_SEGMENT_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    OUT_SEGMENT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     lane: LaneRef
     request: _kvstore_pb2.GetRequest
     release: _containers.RepeatedScalarFieldContainer[int]
     crc_at_copy: bool
     out_addresses: _containers.RepeatedScalarFieldContainer[int]
     out_lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ..., out_addresses: _Optional[_Iterable[int]] = ..., out_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    out_segment_counts: _containers.RepeatedScalarFieldContainer[int]
+    out_segment_addresses: _containers.RepeatedScalarFieldContainer[int]
+    out_segment_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ..., out_addresses: _Optional[_Iterable[int]] = ..., out_lengths: _Optional[_Iterable[int]] = ..., out_segment_counts: _Optional[_Iterable[int]] = ..., out_segment_addresses: _Optional[_Iterable[int]] = ..., out_segment_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LaneGetResponse(_message.Message):
     __slots__ = ("grant_id", "blocks", "handled", "last", "crcs_at_copy", "written_direct")

@@ -46,9 +46,10 @@ from kvstore.lanes.client.loans import Lender, Loan
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import handshake
+from kvstore.lanes.segments import Spans, flatten, gather, scatter
 from kvstore.lanes.shm_region import ShmRegion, attach
 from kvstore.memops import copy_crc, copy_into, host_view
-from kvstore.payload import as_bytes_view
+from kvstore.payload import Segments, as_bytes_view
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
@@ -82,6 +83,7 @@ class ShmClientLane(Lane):
         self._release_lock = threading.Lock()
         self._lender = Lender(region, self._give_back, budget=region.size // 2)
         self.direct = False  # puts name client memory for the server to read (one copy)
+        self.direct_segments = opened.direct_segments  # ... and blocks in several buffers (Segments)
         if opened.direct_socket:
             why_not, sock = handshake(opened.direct_socket, opened.lane_id, opened.token)
             self.direct = why_not is None
@@ -91,13 +93,17 @@ class ShmClientLane(Lane):
                 log.info("shm lane %s: puts copy through the region (%s)", opened.lane_id, why_not)
 
     # -- put ------------------------------------------------------------------------------
-    def put(self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[memoryview]) -> list[Any]:
+    def put(
+        self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[memoryview | Segments]
+    ) -> list[Any]:
         results: list[Any] = [None] * len(headers)
+        # a server that predates Segments reads only one address per block: they go through its region
+        direct = self.direct and (self.direct_segments or not any(isinstance(p, Segments) for p in payloads))
         stream = self.open_put()
         try:
             start = 0
             while start < len(headers):
-                if self.direct:  # one round trip: the server reads the granted blocks from our memory
+                if direct:  # one round trip: the server reads the granted blocks from our memory
                     start = self._direct_round(stream, namespace, headers, payloads, start, results)
                     continue
                 grant = stream.reserve(namespace, headers[start:], self._take_release())
@@ -143,8 +149,15 @@ class ShmClientLane(Lane):
         results: list[Any],
     ) -> int:
         """One reserve naming where each payload is; the server reads and commits what it grants."""
-        addresses = [address_of(p)[0] for p in payloads[start:]]
-        grant = stream.reserve(namespace, headers[start:], self._take_release(), addresses=addresses)
+        rest = payloads[start:]
+        if any(isinstance(p, Segments) for p in rest):  # blocks in several buffers: every block's segments
+            counts, addresses, lengths = flatten([_spans_of(p) for p in rest])
+            grant = stream.reserve(
+                namespace, headers[start:], self._take_release(), segments=(counts, addresses, lengths)
+            )
+        else:
+            addresses = [address_of(p)[0] for p in rest]
+            grant = stream.reserve(namespace, headers[start:], self._take_release(), addresses=addresses)
         committed = iter(stream.committed())
         for j, slot in enumerate(grant.slots):
             if slot.result.status != pb.PUT_STATUS_UNSPECIFIED:
@@ -163,13 +176,21 @@ class ShmClientLane(Lane):
     def _settle(self) -> None:
         """Wait for writes into the region still in flight (none here: shm copies are synchronous)."""
 
-    def write(self, slot: lpb.SlotGrant, payload: memoryview) -> int:
-        """Copy one payload into its granted offset; its CRC32C (for a commit that vouches for its CRCs)."""
-        return copy_crc(self.region.view[slot.offset : slot.offset + slot.length], payload)
+    def write(self, slot: lpb.SlotGrant, payload: memoryview | Segments) -> int:
+        """Copy one payload into its granted offset; its CRC32C (for a commit that vouches for its CRCs).
+        Segments are copied one after the other, each copy with its CRC32C fused in, chained."""
+        dst = self.region.view[slot.offset : slot.offset + slot.length]
+        if isinstance(payload, Segments):
+            return gather(dst, payload.views, crc=True)
+        return copy_crc(dst, payload)
 
     def _place(self, slot: lpb.SlotGrant, payload: Any) -> None:
         """Copy one payload into its granted offset for a ``crc_from_server`` commit: no CRC here."""
-        copy_into(self.region.view[slot.offset : slot.offset + slot.length], payload)
+        dst = self.region.view[slot.offset : slot.offset + slot.length]
+        if isinstance(payload, Segments):
+            gather(dst, payload.views, crc=False)
+        else:
+            copy_into(dst, payload)
 
     # -- get ------------------------------------------------------------------------------
     def get(
@@ -177,6 +198,7 @@ class ShmClientLane(Lane):
     ) -> list[Any]:
         results: list[Any] = [None] * len(hashes)
         outs = self._direct_outs(out) if self.direct and out is not None else None
+        segmented = out is not None and any(isinstance(o, Segments) for o in out)
         start = 0
         while start < len(hashes):
             request = lpb.LaneGetRequest(
@@ -185,9 +207,14 @@ class ShmClientLane(Lane):
                 request=pb.GetRequest(namespace=namespace, hashes=hashes[start:], allow_missing=allow_missing),
                 crc_at_copy=verify,
             )
-            if outs is not None:  # the server writes each block into our buffer itself
-                request.out_addresses.extend(a for a, _ in outs[start:])
-                request.out_lengths.extend(n for _, n in outs[start:])
+            if outs is not None and segmented:  # the server writes each block across our buffers itself
+                counts, addresses, lengths = flatten(outs[start:])
+                request.out_segment_counts.extend(counts)
+                request.out_segment_addresses.extend(addresses)
+                request.out_segment_lengths.extend(lengths)
+            elif outs is not None:  # the server writes each block into our buffer itself
+                request.out_addresses.extend(spans[0][0] for spans in outs[start:])
+                request.out_lengths.extend(spans[0][1] for spans in outs[start:])
             handled = self._call(lambda: self._receive(request, start, out, verify, results))
             start += handled
         return results
@@ -236,14 +263,20 @@ class ShmClientLane(Lane):
             results[i] = out[i]
 
     @staticmethod
-    def _direct_outs(out: Sequence[Any]) -> list[tuple[int, int]] | None:
-        """(address, bytes) of each output buffer, or None when one is not plain host memory."""
-        outs = []
+    def _direct_outs(out: Sequence[Any]) -> list[Spans] | None:
+        """((address, bytes), ...) of each output buffer (its segments' for ``Segments``), or None when one is
+        not plain host memory."""
+        outs: list[Spans] = []
         for buf in out:
+            if isinstance(buf, Segments):
+                if not buf.on_host:
+                    return None
+                outs.append(buf.spans)
+                continue
             view = host_view(buf)
             if view is None:
                 return None
-            outs.append(address_of(view))
+            outs.append((address_of(view),))
         return outs
 
     def _take_blocks(
@@ -261,7 +294,7 @@ class ShmClientLane(Lane):
         With ``crcs_at_copy`` the server computed each CRC32C as it copied the block into the region, which
         only it and this client map: comparing that with the header's checks the block without reading it."""
         fresh = iter(alloc_blocks([d.length for d in present]) if out is None and loan is None else ())
-        copies: list[tuple[memoryview, memoryview, bool]] = []  # (destination, region range, compute its CRC)
+        copies: list[tuple[Any, memoryview, bool]] = []  # (destination, region range, compute its CRC)
         checked: list[tuple[int, lpb.BlockDescriptor]] = []
         for d in present:
             i = start + d.index
@@ -279,13 +312,19 @@ class ShmClientLane(Lane):
             copies.append((dst, self.region.view[d.offset : d.offset + d.length], check))
             checked.append((i, d))
             results[i] = out[i] if out is not None else dst
-        crcs = _copy_pool().run(_copy_out, copies, [len(c[0]) for c in copies])
+        crcs = _copy_pool().run(_copy_out, copies, [len(c[1]) for c in copies])
         for (i, d), (_, _, check), crc in zip(checked, copies, crcs):
             if check and crc != d.header.crc32c:
                 raise corrupt_block(i, d.hash)
 
     @staticmethod
-    def _out_view(out: Sequence[Any], i: int, n: int) -> memoryview:
+    def _out_view(out: Sequence[Any], i: int, n: int) -> memoryview | list[memoryview]:
+        target = out[i]
+        if isinstance(target, Segments):  # scattered across its segments
+            if target.nbytes < n:
+                raise short_buffer(i, target.nbytes, n)
+            views: list[memoryview] = target.head_views(n)
+            return views
         dst = as_bytes_view(out[i])[0]
         if len(dst) < n:
             raise short_buffer(i, len(dst), n)
@@ -332,12 +371,22 @@ def _copy_pool() -> CopyPool:
         return _pool
 
 
-def _copy_out(c: tuple[memoryview, memoryview, bool]) -> int | None:
+def _copy_out(c: tuple[Any, memoryview, bool]) -> int | None:
     dst, src, check = c
+    if isinstance(dst, list):  # segments
+        crc = scatter(dst, src, crc=check)
+        return crc if check else None
     if check:
         return copy_crc(dst, src)
     copy_into(dst, src)
     return None
+
+
+def _spans_of(payload: memoryview | Segments) -> Spans:
+    """Where a payload is in our memory: its segments' spans, or one (address, length)."""
+    if isinstance(payload, Segments):
+        return payload.spans
+    return (address_of(payload),)
 
 
 def _from_rpc(err: grpc.RpcError) -> Exception:
@@ -385,12 +434,16 @@ class PutStream:
         headers: Sequence[pb.BlockHeader],
         release: Sequence[int] = (),
         addresses: Sequence[int] = (),
+        segments: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None,
     ) -> lpb.LaneGrant:
-        self._send(
-            lpb.LanePutRequest(
-                reserve=lpb.LaneReserve(namespace=namespace, headers=headers, release=release, addresses=addresses)
-            )
-        )
+        """``addresses``: one per header (a direct reserve); ``segments``: (counts, addresses, lengths) of
+        blocks in several buffers (``segments.flatten``) instead."""
+        reserve = lpb.LaneReserve(namespace=namespace, headers=headers, release=release, addresses=addresses)
+        if segments is not None:
+            reserve.segment_counts.extend(segments[0])
+            reserve.segment_addresses.extend(segments[1])
+            reserve.segment_lengths.extend(segments[2])
+        self._send(lpb.LanePutRequest(reserve=reserve))
         grant: lpb.LaneGrant = self._next("grant")
         return grant
 

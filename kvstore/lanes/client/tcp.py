@@ -27,7 +27,7 @@ from kvstore.errors import KVStoreError, corrupt_block, short_buffer, status_cod
 from kvstore.lanes import framing
 from kvstore.lanes.base import Lane, LaneBroken
 from kvstore.lanes.buffers import alloc_blocks
-from kvstore.payload import as_bytes_view
+from kvstore.payload import Segments, as_bytes_view
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.wire import put_results
@@ -52,12 +52,15 @@ class TcpClientLane(Lane):
             raise
 
     # -- put ------------------------------------------------------------------------------
-    def put(self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[memoryview]) -> list[Any]:
+    def put(
+        self, namespace: str, headers: Sequence[pb.BlockHeader], payloads: Sequence[memoryview | Segments]
+    ) -> list[Any]:
         meta = lpb.TcpPut(namespace=namespace, headers=headers).SerializeToString()
-        data_len = sum(len(p) + framing.CRC.size for p in payloads)
+        data_len = sum(h.stored_length + framing.CRC.size for h in headers)
+        blocks = [p.views if isinstance(p, Segments) else p for p in payloads]  # segments: gathered by sendmsg
         try:
             head = framing.HEADER.pack(framing.MAGIC, framing.PUT, len(meta), data_len)
-            framing.send_blocks_crc(self.sock, [memoryview(head), memoryview(meta)], payloads)
+            framing.send_blocks_crc(self.sock, [memoryview(head), memoryview(meta)], blocks)
             frame = self._expect(framing.PUT_REPLY)
         except OSError as err:
             raise LaneBroken(f"tcp lane connection failed during Put: {err}") from None
@@ -78,12 +81,19 @@ class TcpClientLane(Lane):
     def _receive(self, headers: Sequence[pb.BlockHeader], out: Sequence[Any] | None, verify: bool) -> list[Any]:
         results: list[Any] = [None] * len(headers)
         present = [i for i, h in enumerate(headers) if not h.missing]
+        dests: list[Any]
         if out is None:
             dests = alloc_blocks([headers[i].stored_length for i in present])
         else:
             dests = []
             for i in present:
                 n = headers[i].stored_length
+                if isinstance(out[i], Segments):  # scattered across the segments as it arrives
+                    if out[i].nbytes < n:
+                        self._drain_reply(headers, present)
+                        raise short_buffer(i, out[i].nbytes, n)
+                    dests.append(out[i].head_views(n))
+                    continue
                 dst = as_bytes_view(out[i])[0]
                 if len(dst) < n:
                     self._drain_reply(headers, present)
@@ -95,18 +105,20 @@ class TcpClientLane(Lane):
             frame = self._expect(framing.DATA)
             left = frame.data_len
             while left > 0:
-                if k >= len(present) or len(dests[k]) > left:
+                h = headers[present[k]] if k < len(present) else None
+                if h is None or h.stored_length > left:
                     raise framing.FrameError("a DATA frame does not end on a block boundary")
-                h = headers[present[k]]
-                if verify and h.codec == pb.CODEC_NONE:
-                    if (
-                        framing.recv_into_crc(self.sock, dests[k], after=left - len(dests[k])) != h.crc32c
-                        and bad is None
-                    ):
+                n, dst = h.stored_length, dests[k]
+                if isinstance(dst, list):  # segments
+                    crc = framing.recv_views_crc(self.sock, dst, after=left - n)
+                    if verify and h.codec == pb.CODEC_NONE and crc != h.crc32c and bad is None:
+                        bad = present[k]
+                elif verify and h.codec == pb.CODEC_NONE:
+                    if framing.recv_into_crc(self.sock, dst, after=left - n) != h.crc32c and bad is None:
                         bad = present[k]
                 else:
-                    framing.recv_into(self.sock, dests[k])
-                left -= len(dests[k])
+                    framing.recv_into(self.sock, dst)
+                left -= n
                 k += 1
         if bad is not None:
             raise corrupt_block(bad, headers[bad].hash)

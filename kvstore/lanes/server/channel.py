@@ -35,6 +35,7 @@ from google.protobuf.message import DecodeError
 
 from kvstore.lanes import framing
 from kvstore.lanes.base import LaneError
+from kvstore.lanes.segments import get_destinations
 from kvstore.lanes.server.shm import put_conversation
 from kvstore.v1 import lanes_pb2 as lpb
 
@@ -145,17 +146,9 @@ def _answer(conn: socket.socket, request: lpb.LaneGetRequest, bound: _Bound) -> 
         _status(conn, err.code, err.message)
         return
     with lane.ops.metrics.rpc("LaneGet"):
-        if len(request.out_addresses) != len(request.out_lengths):
-            _status(conn, grpc.StatusCode.INVALID_ARGUMENT, "out_addresses and out_lengths differ in length")
-            return
         replies = None
         try:
-            replies = lane.get(
-                request.request,
-                request.release,
-                request.crc_at_copy,
-                list(zip(request.out_addresses, request.out_lengths)),
-            )
+            replies = lane.get(request.request, request.release, request.crc_at_copy, get_destinations(request))
             for msg in replies:
                 framing.send_frame(conn, framing.GET_REPLY, msg.SerializeToString())
         except LaneError as err:

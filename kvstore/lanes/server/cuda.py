@@ -57,7 +57,7 @@ class CudaIpcServerLane(ShmServerLane):
         return copier
 
     def _land(self, slots: Sequence[Slot], descriptors: Sequence[lpb.BlockDescriptor]) -> list[int]:
-        if any(d.address for d in descriptors):
+        if any(d.address or d.segment_addresses for d in descriptors):
             raise LaneError(grpc.StatusCode.PERMISSION_DENIED, "a cuda_ipc commit cannot name client memory")
         dests = []
         copier = self._copier

@@ -30,6 +30,7 @@ import grpc
 
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.cuda_region import DeviceRegion
+from kvstore.lanes.segments import get_destinations
 from kvstore.lanes.server.access import LaneAccess
 from kvstore.lanes.server.cuda import CudaIpcServerLane
 from kvstore.lanes.server.registry import LaneRegistry
@@ -108,6 +109,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 shm_path=region.path,
                 shm_bytes=region.size,
                 direct_socket=self.direct_socket,
+                direct_segments=bool(self.direct_socket),
                 host_id=self.host_id,
                 lease_seconds=self.registry.lease,
             )
@@ -214,9 +216,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
 
     def LaneGet(self, request: lpb.LaneGetRequest, context: grpc.ServicerContext) -> Iterator[lpb.LaneGetResponse]:
         with self.ops.metrics.rpc("LaneGet", context):
-            outs = list(zip(request.out_addresses, request.out_lengths))
-            if len(request.out_addresses) != len(request.out_lengths):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "out_addresses and out_lengths differ in length")
+            outs = self._run(context, lambda: get_destinations(request))
             stream = self._run(
                 context,
                 lambda: self._shm(request.lane).get(request.request, request.release, request.crc_at_copy, outs),

@@ -45,6 +45,7 @@ import grpc
 from kvstore.checksum import crc32c
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.direct import DirectPeer
+from kvstore.lanes.segments import Spans, clip, describe_source, descriptor_spans, reserve_sources, span_bytes
 from kvstore.lanes.server.grants import Grant, GrantTable, Slot
 from kvstore.lanes.server.lane import ServerLane
 from kvstore.lanes.server.storeops import Reservation, StoreOps, accepted_codecs
@@ -67,11 +68,11 @@ WRITE_RUN_BYTES = 4 << 20  # direct Get writes: this much per process_vm_writev 
 class CopyOut:
     """One block of a Get on its way into the region."""
 
-    dst: memoryview | None  # the region range (None: written to the client's memory at address)
+    dst: memoryview | None  # the region range (None: written to the client's memory at spans)
     src: Any  # the arena slot (host memory or an HBM tensor) or decoded bytes
     descriptor: lpb.BlockDescriptor
     crc: bool  # compute the CRC32C of the copied bytes into the descriptor
-    address: int = 0  # direct Get: where the block goes in the client's memory
+    spans: Spans = ()  # direct Get: where the block goes in the client's memory ((address, length), in order)
 
 
 class ShmServerLane(ServerLane):
@@ -152,7 +153,7 @@ class ShmServerLane(ServerLane):
                 claimed = computed if crc_from_server else self._claimed_crc(d, computed)
                 reply.results.append(self.ops.finish(res, claimed, computed, committed, self.access))
                 done += slot.length
-                direct += slot.length if d.address else 0
+                direct += slot.length if d.address or d.segment_addresses else 0
         except BaseException:
             self.ops.abort([s.item for s in slots])
             self.ops.abort(self.grants.fail(grant))
@@ -167,17 +168,13 @@ class ShmServerLane(ServerLane):
         return reply
 
     def commit_direct(
-        self, grant: lpb.LaneGrant, headers: Sequence[pb.BlockHeader], addresses: Sequence[int]
+        self, grant: lpb.LaneGrant, headers: Sequence[pb.BlockHeader], sources: Sequence[Spans]
     ) -> lpb.LaneCommitted:
-        """Commit every block a direct reserve was granted, read from ``addresses`` (one per header)."""
-        if len(addresses) != len(headers):
-            raise LaneError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"a direct reserve names {len(addresses)} addresses for {len(headers)} blocks",
-            )
+        """Commit every block a direct reserve was granted, read from its ``sources`` (one per header:
+        ``segments.reserve_sources``)."""
         descriptors = [
-            lpb.BlockDescriptor(
-                index=j, hash=headers[j].hash, offset=slot.offset, length=slot.length, address=addresses[j]
+            describe_source(
+                lpb.BlockDescriptor(index=j, hash=headers[j].hash, offset=slot.offset, length=slot.length), sources[j]
             )
             for j, slot in enumerate(grant.slots)
             if slot.result.status == pb.PUT_STATUS_UNSPECIFIED
@@ -192,12 +189,12 @@ class ShmServerLane(ServerLane):
     def _land(self, slots: Sequence[Slot], descriptors: Sequence[lpb.BlockDescriptor]) -> list[int]:
         """Copy each granted block into its arena slot (from the region, or from the client's memory at the
         descriptor's address on a direct lane); the CRC32C of each as it landed."""
-        if any(d.address for d in descriptors) and self.direct is None:
+        if any(d.address or d.segment_addresses for d in descriptors) and self.direct is None:
             raise LaneError(
                 grpc.StatusCode.PERMISSION_DENIED, "a commit names client memory on a lane without a direct handshake"
             )
         return self.ops.copies.run(
-            lambda pair: self._copy_in(pair[0], pair[0].item, pair[1].address),
+            lambda pair: self._copy_in(pair[0], pair[0].item, descriptor_spans(pair[1])),
             list(zip(slots, descriptors)),
             [s.length for s in slots],
         )
@@ -210,15 +207,18 @@ class ShmServerLane(ServerLane):
     def _settle(self) -> None:
         """Wait for copies into the region still in flight (none here: shm copies are synchronous)."""
 
-    def _copy_in(self, slot: Slot, res: Reservation, address: int = 0) -> int:
-        """Region (or client memory at ``address``) -> arena slot; the CRC32C of the bytes as they landed."""
+    def _copy_in(self, slot: Slot, res: Reservation, source: Spans = ()) -> int:
+        """Region (or the client memory ``source`` names) -> arena slot; the CRC32C of the bytes as they landed."""
         assert res.ticket is not None
         host = host_view(res.ticket.buffer)
         staging = host is None  # device slot (HBM tier): land and check on the host, then upload
         dst = memoryview(bytearray(slot.length)) if host is None else host
-        if address:
+        if len(source) == 1:
             assert self.direct is not None
-            crc = self.direct.read_into(dst, address)
+            crc = self.direct.read_into(dst, source[0][0])
+        elif source:  # a block in several buffers: one pass, many iovecs
+            assert self.direct is not None
+            crc = self.direct.read_spans(dst, source)
         else:
             crc = copy_crc(dst, self.region.view[slot.offset : slot.offset + slot.length])
         if staging:
@@ -231,7 +231,7 @@ class ShmServerLane(ServerLane):
         request: pb.GetRequest,
         release: Sequence[int],
         crc_at_copy: bool = False,
-        outs: Sequence[tuple[int, int]] = (),
+        outs: Sequence[Spans] = (),
     ) -> Iterator[lpb.LaneGetResponse]:
         self.grants.release(release)
         accepted = accepted_codecs(request)
@@ -328,7 +328,7 @@ class ShmServerLane(ServerLane):
         reply: lpb.LaneGetResponse,
         crc_at_copy: bool,
         copies: list[CopyOut],
-        outs: Sequence[tuple[int, int]] = (),
+        outs: Sequence[Spans] = (),
     ) -> int:
         """Give one leased block a range of the region and describe it; -1 when the region is full.
 
@@ -341,7 +341,7 @@ class ShmServerLane(ServerLane):
         header, buf = self.ops.servable(lease, accepted)
         n = header.stored_length
         if outs:  # straight into the client's buffer: no region range
-            address, capacity = outs[index]
+            capacity = span_bytes(outs[index])
             if n > capacity:
                 raise LaneError(
                     grpc.StatusCode.INVALID_ARGUMENT, f"output buffer {index} holds {capacity} bytes; block is {n}"
@@ -349,7 +349,8 @@ class ShmServerLane(ServerLane):
             reply.blocks.append(
                 lpb.BlockDescriptor(index=index, hash=lease.hash, length=n, crc32c=header.crc32c, header=header)
             )
-            copies.append(CopyOut(None, buf, reply.blocks[-1], crc_at_copy and header.codec == pb.CODEC_NONE, address))
+            crc = crc_at_copy and header.codec == pb.CODEC_NONE
+            copies.append(CopyOut(None, buf, reply.blocks[-1], crc, clip(outs[index], n)))
             return n
         offset = self.grants.add_get(grant, index, lease.hash, n)
         if offset is None:
@@ -378,7 +379,7 @@ class ShmServerLane(ServerLane):
         reply: lpb.LaneGetResponse,
         crc_at_copy: bool,
         copies: list[CopyOut],
-        outs: Sequence[tuple[int, int]],
+        outs: Sequence[Spans],
     ) -> tuple[int, int]:
         """A window with NVMe-only blocks: place every block first (a region range, or the client's address),
         then read the NVMe ones straight where they go and move each on as its read is verified, while the
@@ -422,11 +423,12 @@ class ShmServerLane(ServerLane):
     def _copy_out(self, copies: Sequence[CopyOut]) -> None:
         """Run one message's copies into the region or the client's memory (spread over the copy threads) and
         wait for them. Direct writes from host memory go in runs of up to ``WRITE_RUN_BYTES``, each run one
-        process_vm_writev (after the CRC32C of each block, when asked), not one syscall and check per block."""
+        process_vm_writev (after the CRC32C of each block, when asked), not one syscall and check per block.
+        A block bound for several buffers (Segments) is written alone, by one vectored call per piece."""
         runs: list[list[CopyOut]] = []
         size = WRITE_RUN_BYTES
         for c in copies:
-            if c.address and host_view(c.src) is not None:
+            if _runnable(c):
                 if size >= WRITE_RUN_BYTES:
                     runs.append([])
                     size = 0
@@ -438,7 +440,7 @@ class ShmServerLane(ServerLane):
         self.ops.copies.run(self._copy_run, runs, [sum(c.descriptor.length for c in run) for run in runs])
 
     def _copy_run(self, run: list[CopyOut]) -> None:
-        if len(run) == 1 and (not run[0].address or host_view(run[0].src) is None):
+        if len(run) == 1 and not _runnable(run[0]):
             crc = self._copy_one(run[0])
             if crc is not None:
                 run[0].descriptor.crc32c = crc
@@ -451,17 +453,21 @@ class ShmServerLane(ServerLane):
             src = src[: c.descriptor.length]
             if c.crc:
                 c.descriptor.crc32c = crc32c(src)
-            pairs.append((c.address, src))
+            pairs.append((c.spans[0][0], src))
         self.direct.write_many(pairs)
 
     def _copy_one(self, c: CopyOut) -> int | None:
-        if c.address:
+        if c.spans:
             assert self.direct is not None
             src = host_view(c.src)
             if src is None:  # an HBM slot: through the host
                 src = memoryview(bytearray(c.descriptor.length))
                 copy_into(src, c.src)
-            crc = self.direct.write_from(c.address, src[: c.descriptor.length], c.crc)
+            src = src[: c.descriptor.length]
+            if len(c.spans) == 1:
+                crc = self.direct.write_from(c.spans[0][0], src, c.crc)
+            else:  # a destination in several buffers: one pass, many iovecs
+                crc = self.direct.write_spans(c.spans, src, c.crc)
             return crc if c.crc else None
         assert c.dst is not None
         if not c.crc:
@@ -518,8 +524,8 @@ def put_conversation(
                 grant = lane.reserve(r.namespace, r.headers, r.release)
                 grants.append(grant.grant_id)
                 yield lpb.LanePutResponse(grant=grant)
-                if r.addresses:  # a direct round: read and commit what was granted, now
-                    yield lpb.LanePutResponse(committed=lane.commit_direct(grant, r.headers, r.addresses))
+                if r.addresses or r.segment_counts:  # a direct round: read and commit what was granted, now
+                    yield lpb.LanePutResponse(committed=lane.commit_direct(grant, r.headers, reserve_sources(r)))
             elif step == "commit":
                 c = msg.commit
                 yield lpb.LanePutResponse(committed=lane.commit(c.grant_id, c.blocks, c.crc_from_server))
@@ -528,3 +534,8 @@ def put_conversation(
     finally:
         if lane is not None:
             lane.end_stream(grants)
+
+
+def _runnable(c: CopyOut) -> bool:
+    """A direct Get block that joins a ``write_many`` run: one destination buffer, the source in host memory."""
+    return len(c.spans) == 1 and host_view(c.src) is not None

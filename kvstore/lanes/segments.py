@@ -1,0 +1,193 @@
+"""Blocks in several buffers on the lanes (``kvstore.payload.Segments``): the bookkeeping both ends share.
+
+A block may live in several pieces of memory (a vLLM block is one slice per layer); the lanes move it without
+gathering it into one buffer first. What they share:
+
+- ``pieces(lengths, piece, iov_max)``: the concatenation of buffers of ``lengths`` cut into runs of at most
+  ``piece`` bytes and ``iov_max`` entries, each entry (buffer, offset in it, length), never empty. A run is one
+  ``process_vm_readv``/``writev`` or ``recvmsg_into`` call, CRC32C'd right after it moved, while it is in cache
+  (Linux takes at most IOV_MAX = 1024 entries per call).
+- ``clip(spans, n)``: the first ``n`` bytes of a list of (address, length) spans.
+- ``gather(dst, views, crc)`` / ``scatter(views, src, crc)``: segments copied into or out of one contiguous
+  range (the shm lane's region), each copy with its CRC32C fused in (``memops.copy_crc``), chained.
+- On the wire (lanes.proto), a direct put names each block's memory in ``LaneReserve`` either as one address
+  per block (``addresses``: old clients) or as ``segment_counts`` (one per block) over flattened
+  ``segment_addresses``/``segment_lengths``; a direct Get names its destinations as ``out_addresses`` and
+  ``out_lengths`` (one per hash) or as ``out_segment_counts`` over ``out_segment_addresses``/
+  ``out_segment_lengths``; a commit's ``BlockDescriptor`` carries ``address`` or ``segment_addresses``/
+  ``segment_lengths``. ``flatten`` builds the segmented form; ``reserve_sources``, ``get_destinations`` and
+  ``descriptor_spans`` read either form back as one ``Spans`` per block, raising ``LaneError``
+  (INVALID_ARGUMENT) when the counts or lengths do not add up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from kvstore.lanes.base import LaneError
+from kvstore.memops import copy_crc, copy_into
+from kvstore.v1 import lanes_pb2 as lpb
+
+IOV_MAX = 1024
+Span = tuple[int, int]  # (address, length)
+Spans = tuple[Span, ...]
+Entry = tuple[int, int, int]  # (buffer index, offset in that buffer, length)
+
+
+def pieces(lengths: Sequence[int], piece: int, iov_max: int = IOV_MAX) -> Iterator[list[Entry]]:
+    """Runs of at most ``piece`` bytes and ``iov_max`` entries covering the buffers' bytes in order.
+
+    A run ends when it holds ``piece`` bytes (runs start at multiples of ``piece`` in the concatenation until
+    an ``iov_max`` cut shifts them) or ``iov_max`` entries; empty buffers get no entry."""
+    run: list[Entry] = []
+    size = 0
+    for index, n in enumerate(lengths):
+        offset = 0
+        while offset < n:
+            take = min(n - offset, piece - size)
+            run.append((index, offset, take))
+            size += take
+            offset += take
+            if size == piece or len(run) == iov_max:
+                yield run
+                run, size = [], 0
+    if run:
+        yield run
+
+
+def clip(spans: Spans, n: int) -> Spans:
+    """The spans of the first ``n`` bytes (all of them when they hold no more)."""
+    out: list[Span] = []
+    for address, length in spans:
+        if n <= 0:
+            break
+        out.append((address, min(length, n)))
+        n -= length
+    return tuple(out)
+
+
+def flatten(blocks: Sequence[Spans]) -> tuple[list[int], list[int], list[int]]:
+    """(counts, addresses, lengths) of the segmented wire form."""
+    counts, addresses, lengths = [], [], []
+    for spans in blocks:
+        counts.append(len(spans))
+        for address, length in spans:
+            addresses.append(address)
+            lengths.append(length)
+    return counts, addresses, lengths
+
+
+def unflatten(
+    what: str, blocks: int, counts: Sequence[int], addresses: Sequence[int], lengths: Sequence[int]
+) -> list[Spans]:
+    """The segmented wire form back as one Spans per block (INVALID_ARGUMENT when it does not add up)."""
+    if len(counts) != blocks:
+        raise _invalid(f"{what} gives segment counts for {len(counts)} of {blocks} blocks")
+    if len(addresses) != len(lengths) or sum(counts) != len(addresses):
+        raise _invalid(
+            f"{what} has {len(addresses)} segment addresses and {len(lengths)} lengths for {sum(counts)} segments"
+        )
+    pairs = list(zip(addresses, lengths))
+    out: list[Spans] = []
+    at = 0
+    for count in counts:
+        out.append(tuple(pairs[at : at + count]))
+        at += count
+    return out
+
+
+def reserve_sources(reserve: lpb.LaneReserve) -> list[Spans]:
+    """Where each block of a direct reserve is in the client's memory, either wire form."""
+    headers = reserve.headers
+    if reserve.segment_counts:
+        sources = unflatten(
+            "a direct reserve", len(headers), reserve.segment_counts, reserve.segment_addresses, reserve.segment_lengths
+        )
+        for i, (spans, header) in enumerate(zip(sources, headers)):
+            if sum(n for _, n in spans) != header.stored_length:
+                raise _invalid(
+                    f"block {i}: its segments hold {sum(n for _, n in spans)} bytes; the block is "
+                    f"{header.stored_length}"
+                )
+        return sources
+    if len(reserve.addresses) != len(headers):
+        raise _invalid(f"a direct reserve names {len(reserve.addresses)} addresses for {len(headers)} blocks")
+    return [((a, h.stored_length),) for a, h in zip(reserve.addresses, headers)]
+
+
+def get_destinations(request: lpb.LaneGetRequest) -> list[Spans]:
+    """Where a direct Get writes each block in the client's memory (none: the region), either wire form."""
+    if request.out_segment_counts:
+        return unflatten(
+            "a direct Get",
+            len(request.request.hashes),
+            request.out_segment_counts,
+            request.out_segment_addresses,
+            request.out_segment_lengths,
+        )
+    if len(request.out_addresses) != len(request.out_lengths):
+        raise _invalid("out_addresses and out_lengths differ in length")
+    return [((a, n),) for a, n in zip(request.out_addresses, request.out_lengths)]
+
+
+def describe_source(descriptor: lpb.BlockDescriptor, spans: Spans) -> lpb.BlockDescriptor:
+    """Name a block's client memory in its commit descriptor: one address, or its segments."""
+    if len(spans) == 1:
+        descriptor.address = spans[0][0]
+    else:
+        descriptor.segment_addresses.extend(a for a, _ in spans)
+        descriptor.segment_lengths.extend(n for _, n in spans)
+    return descriptor
+
+
+def descriptor_spans(descriptor: lpb.BlockDescriptor) -> Spans:
+    """The client memory a commit descriptor names (empty: the block is in the region)."""
+    if descriptor.segment_addresses or descriptor.segment_lengths:
+        spans = tuple(zip(descriptor.segment_addresses, descriptor.segment_lengths))
+        if len(descriptor.segment_addresses) != len(descriptor.segment_lengths):
+            raise _invalid(f"block {descriptor.index}: segment addresses and lengths differ in number")
+        if sum(n for _, n in spans) != descriptor.length:
+            raise _invalid(
+                f"block {descriptor.index}: its segments hold {sum(n for _, n in spans)} bytes; the block is "
+                f"{descriptor.length}"
+            )
+        return spans
+    return ((descriptor.address, descriptor.length),) if descriptor.address else ()
+
+
+def span_bytes(spans: Spans) -> int:
+    return sum(n for _, n in spans)
+
+
+def gather(dst: memoryview, views: Sequence[memoryview], crc: bool) -> int:
+    """Copy ``views`` one after the other into ``dst``; their CRC32C chained (each fused with its copy) when
+    asked, else 0."""
+    value, offset = 0, 0
+    for view in views:
+        n = len(view)
+        if n and crc:
+            value = copy_crc(dst[offset : offset + n], view, value)
+        elif n:
+            copy_into(dst[offset : offset + n], view)
+        offset += n
+    return value
+
+
+def scatter(views: Sequence[memoryview], src: memoryview, crc: bool) -> int:
+    """Copy ``src`` across ``views`` in turn (they hold ``len(src)`` bytes in all); the CRC32C chained over the
+    copies (each fused with its copy) when asked, else 0."""
+    value, offset = 0, 0
+    for view in views:
+        n = len(view)
+        if crc:
+            value = copy_crc(view, src[offset : offset + n], value)
+        else:
+            copy_into(view, src[offset : offset + n])
+        offset += n
+    return value
+
+
+def _invalid(message: str) -> LaneError:
+    return LaneError(grpc.StatusCode.INVALID_ARGUMENT, message)
