@@ -153,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:  # the demo parses its own options (argparse's REMAINDER misses a leading --flag)
+        from kvstore.demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)

@@ -77,7 +77,8 @@ def chat(model_dir: Path, work: Path, new_tokens: int, system_repeat: int) -> li
             history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM * system_repeat}]
             for i, question in enumerate(TURNS, 1):
                 history.append({"role": "user", "content": question})
-                ids = list(tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True))
+                text = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+                ids = [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
                 prefill.generate([ids], max_tokens=1)  # computes the prompt; the connector saves its blocks
                 prefill.wait_saves()
                 before = decode.worker_stats()
@@ -88,7 +89,7 @@ def chat(model_dir: Path, work: Path, new_tokens: int, system_repeat: int) -> li
                 with_store = decode.generate([ids], max_tokens=new_tokens)["outputs"][0]["tokens"]
                 recomputed = decode.generate([ids], max_tokens=new_tokens, cache_salt=f"recompute-{i}")
                 recomputed_tokens = recomputed["outputs"][0]["tokens"]
-                answer = tokenizer.decode(with_store, skip_special_tokens=True).strip()
+                answer = tokenizer.decode(with_store).split("<|im_end|>")[0].strip()  # the turn ends there
                 results.append(
                     TurnResult(
                         prompt_tokens=len(ids),
