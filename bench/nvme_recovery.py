@@ -14,7 +14,8 @@ Then, each in a fresh process: ``recover_log`` alone (the tier's own pass:
 summaries, checkpoint, newest record per key), and opening a ``BlockStore``
 over an ``NvmeTier`` on that directory (the tier's pass plus indexing every
 recovered block and the eviction policy's bookkeeping), for the compact index
-and for c9edcad's (``bench.index_scale`` checks it out from git). Rows carry
+and for c9edcad's store and index (``bench.index_scale`` checks them out from
+git; both run over the current tier), with each of ``--policies``. Rows carry
 seconds, blocks recovered and the process's peak RSS.
 """
 
@@ -114,7 +115,7 @@ def _peak_rss() -> int:
 
 
 def run_child(case: dict[str, Any]) -> Row:
-    data_dir, what, impl = Path(case["dir"]), case["what"], case["impl"]
+    data_dir, what, impl, policy = Path(case["dir"]), case["what"], case["impl"], case.get("policy", "freq")
     from kvstore.tiers.accounting import AccountingMemoryTier
     from kvstore.tiers.base import DRAM
     from kvstore.tiers.nvme.io import PosixBackend
@@ -138,7 +139,7 @@ def run_child(case: dict[str, Any]) -> Row:
             _, blockstore, policies = _load_baseline(work)
         tier = NvmeTier(work / "d", 1 << 40, write_policy="direct")
         store = blockstore.BlockStore(
-            [AccountingMemoryTier(1 << 40, rank=DRAM), tier], policy_factory=policies.policy_factory("freq")
+            [AccountingMemoryTier(1 << 40, rank=DRAM), tier], policy_factory=policies.policy_factory(policy)
         )
         blocks = store.stats()["blocks"]
         extra = {"tier_recovery_s": round(tier.recovery_seconds, 2)}
@@ -148,6 +149,7 @@ def run_child(case: dict[str, Any]) -> Row:
     return {
         "what": what,
         "impl": impl,
+        "policy": policy if what == "blockstore" else "",
         "blocks": blocks,
         "seconds": round(seconds, 2),
         "peak_rss_mb": _peak_rss() >> 20,
@@ -161,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, metavar="FILE.json")
     parser.add_argument("--blocks", type=int, default=0, help="blocks in the log (default 10M, 200k with --quick)")
     parser.add_argument("--dir", type=Path, default=None, help="where to build the log (default: a temp dir)")
-    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the BlockStore of c9edcad")
+    parser.add_argument("--no-store", action="store_true", help="time the tier's recover_log only")
+    parser.add_argument("--policies", default="freq,lru", help="eviction policies of the BlockStore cases")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -173,12 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         build(root / "log", blocks)
         print(f"built a log of {blocks} blocks in {time.perf_counter() - t0:.1f} s", flush=True)
-        cases = [("recover_log", "compact"), ("blockstore", "compact")]
-        if not args.no_baseline:
-            cases.append(("blockstore", "base"))
+        cases = [("recover_log", "compact", "")]
+        for policy in [] if args.no_store else args.policies.split(","):
+            cases.append(("blockstore", "compact", policy))
+            if not args.no_baseline:
+                cases.append(("blockstore", "base", policy))
         rows: list[Row] = []
-        for what, impl in cases:
-            case = {"dir": str(root / "log"), "what": what, "impl": impl}
+        for what, impl, policy in cases:
+            case = {"dir": str(root / "log"), "what": what, "impl": impl, "policy": policy}
             cmd = [sys.executable, "-m", "bench.nvme_recovery", "--child", json.dumps(case)]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode:
@@ -189,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {rows[-1]}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    base = next((r for r in rows if r.get("impl") == "base" and "seconds" in r), None)
+    base = {r["policy"]: r for r in rows if r.get("impl") == "base" and "seconds" in r}
     for r in rows:
-        if base is not None and r.get("what") == "blockstore" and r.get("impl") == "compact" and "seconds" in r:
-            r["vs_base"] = round(r["seconds"] / base["seconds"], 2)
+        b = base.get(r.get("policy", ""))
+        if b is not None and r.get("what") == "blockstore" and r.get("impl") == "compact" and "seconds" in r:
+            r["vs_base"] = round(r["seconds"] / b["seconds"], 2)
     report(
         rows,
         args,

@@ -366,6 +366,26 @@ class EntryTable:
             return None
         return p
 
+    def parents_of(self, ids: np.ndarray) -> np.ndarray:
+        """``parent_of`` of many entries: the parent id, -1 where none (or no longer the same block)."""
+        c = self._c
+        p = c["parent"].take(ids).astype(np.int64) - 1
+        q = np.maximum(p, 0)
+        ok = (p >= 0) & ((self._flags.take(q) & LIVE) != 0) & (c["gen"].take(q) == c["parent_gen"].take(ids))
+        return np.where(ok, p, -1)
+
+    def add_children(self, parents: np.ndarray, rank: int) -> np.ndarray:
+        """Count one more child with a copy in ``rank`` for each parent id >= 0 (repeats allowed); returns the
+        parents whose count went up from 0 (they stopped being leaves of that tier)."""
+        parents = parents[parents >= 0]
+        if not len(parents):
+            return parents
+        col = self._nchild[rank]
+        uniq = np.unique(parents)
+        was_leaf = uniq[col.take(uniq) == 0]
+        col.add(parents, 1)
+        return was_leaf
+
     def is_mapped(self, e: int) -> bool:
         return bool(self._flags.get(e) & MAPPED)
 
