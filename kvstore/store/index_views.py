@@ -1,6 +1,6 @@
-"""Array-like views of the index's chunked columns, under the names callers have always read.
+"""Array-like views of the index's columns, under the names callers have always read.
 
-``EntryTable`` keeps its fields in chunked columns (kvstore/store/columns.py);
+``EntryTable`` keeps its fields in packed columns (kvstore/store/columns.py);
 these views let code written against plain numpy columns keep working:
 
 - ``ScalarView``: ``v[e]`` (an int), ``v[e] = x``, ``v[ids]`` (an array),

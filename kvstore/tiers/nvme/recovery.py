@@ -204,7 +204,9 @@ def recover_log(data_dir: Path, backend: IoBackend) -> Recovered:
             seg.records.kill_pages(ckpt.dead[seg_id])
         if len(recs):
             out.next_seq = max(out.next_seq, int(recs.seqs.max()) + 1)
-            parts.append((seg_id, np.nonzero(seg.records.live_mask()[: len(recs)])[0], recs))
+            parts.append(
+                (seg_id, np.nonzero(np.asarray(seg.records.live_mask(), dtype=np.bool_)[: len(recs)])[0], recs)
+            )
     out.columns = _newest(parts, out.segments)
     for seg_id, seg in list(out.segments.items()):
         if seg.records.live_count == 0:
