@@ -514,15 +514,16 @@ class BlockStore(Cascade):
         """``_add_copy`` of a batch of entries just inserted (none has a child yet; parents may be in the batch)."""
         t, policy = self.table, self.policies[rank]
         t.column_of_loc(rank).put(ids, np.asarray(locs, dtype=np.int64) + 1)
-        rooted = t.rooted[ids].tolist()
         ids_l = ids.tolist()
-        for e, r in zip(ids_l, rooted):
-            self._notify("add", e, rank)
-            policy.insert(e, is_leaf=True, cold=not r)
-        for e in ids_l:
-            q = t.parent_of(e)
-            if q is not None and t.nchild_add(q, rank, 1) == 1:
-                policy.set_leaf(q, False)
+        if self._listeners:
+            for e in ids_l:
+                self._notify("add", e, rank)
+        insert = policy.insert
+        for e, r in zip(ids_l, t.rooted[ids].tolist()):
+            insert(e, is_leaf=True, cold=not r)
+        set_leaf = policy.set_leaf
+        for p in t.add_children(t.parents_of(ids), rank).tolist():  # parents that stopped being leaves
+            set_leaf(p, False)
 
     def _remove_copy(self, e: int, rank: int) -> None:
         t = self.table

@@ -263,6 +263,14 @@ class Cascade:
     def _recover(self, tier: Tier, batch: int = 4096) -> None:
         """Index the blocks a durable tier found at start, a batch of one namespace at a time."""
         n = 0
+        columns = getattr(tier, "recover_columns", None)  # the NVMe tier hands them over as numpy columns
+        recs = columns() if columns is not None else None
+        if recs is not None:
+            with self._lock:
+                n = self._recover_columns(tier, recs)
+            if n:
+                log.info("recovered %d blocks from %s", n, tier.name)
+            return
         with self._lock:
             group: list[tuple[BlockMeta, int]] = []
             for meta, loc in tier.recover():
@@ -274,6 +282,28 @@ class Cascade:
                 n += self._recover_batch(tier, group)
         if n:
             log.info("recovered %d blocks from %s", n, tier.name)
+
+    def _recover_columns(self, tier: Tier, recs: Any, batch: int = 1 << 16) -> int:
+        """``_recover`` from columns (kvstore.tiers.nvme.sidecar.RecordColumns; ``offsets`` are locations)."""
+        t, n = self.table, 0
+        dtypes = np.asarray([dtype_id(d) for d in recs.dtypes] or [0], dtype=np.uint8)
+        for ns_index, name in enumerate(recs.namespaces):
+            rows = np.nonzero(recs.ns == ns_index)[0]
+            ns = t.namespace_id(name, create=True)
+            for start in range(0, len(rows), batch):
+                r = rows[start : start + batch]
+                keys = np.ascontiguousarray(recs.keys[r], dtype=np.uint64)
+                present = t.slots.find_keys(keys, ns) >= 0
+                if present.any():  # already held in a tier above: this copy is not needed
+                    tier.free(recs.offsets[r[present]].tolist())
+                    r, keys = r[~present], keys[~present]
+                fields = np.stack(
+                    [recs.stored_length[r], recs.raw_length[r], recs.raw_crc[r], recs.codec[r]], axis=1
+                ).astype(np.int64)
+                ids = t.insert_arrays(ns, keys, fields, dtypes[recs.dtype[r]], recs.parents[r], recs.has_parent[r])
+                self._add_new_copies(ids, tier.rank, recs.offsets[r].tolist())  # type: ignore[attr-defined]
+                n += len(r)
+        return n
 
     def _recover_batch(self, tier: Tier, group: list[tuple[BlockMeta, int]]) -> int:
         t = self.table

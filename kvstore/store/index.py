@@ -1,10 +1,12 @@
 """The block index: (namespace, hash) -> entry id, with every per-entry field in packed columns.
 
-No Python object per block: fields live in chunked numpy columns
-(kvstore/store/columns.py, growing 65,536 entries at a time, never copied) and
-keys are found through an open-addressing table of uint32 slots
-(kvstore/store/slots.py). An entry of a store with one memory tier costs 57
-bytes of columns plus 5-7 bytes of slots (``python -m bench.index_scale``):
+No Python object per block: fields live in numpy columns that grow without
+copying (kvstore/store/columns.py: zeroed reservations whose untouched pages
+cost nothing) and keys are found through an open-addressing table of uint32
+slots (kvstore/store/slots.py, probed by compiled loops when numba is there,
+kvstore/store/slots_jit.py, else by numpy). An entry of a store with one memory
+tier costs 57 bytes of columns plus 4.7-6.7 bytes of slots (measured by
+``python -m bench.index_scale``):
 
     key 16 (two uint64)  ns 2  per tier: loc 4 or 8 (+1, 0 = none), nchild 4
     stored_len 4  raw_len 4  crc 4  codec 1  dtype 1  parent 4 (+1)  gen 4
@@ -14,21 +16,23 @@ Only the ranks of the store's tiers get loc/nchild columns, each as wide as the
 tier's ``loc_bits`` (64 unless the tier says less). Entry ids are stable for
 an entry's life, then reused (``gen`` tells a parent link to a reused id apart).
 
-Verbs, single (Python ints, no numpy call on the probe path) and batched
-(one vectorized pass over a prefix):
+Verbs, single (one compiled or Python-int probe) and batched (one call for a
+whole prefix):
 
 - ``namespace_id(name, create)`` / ``namespace_name(ns)``;
 - ``find(ns, key) -> e | None``, ``find_many(ns, keys) -> ids`` (-1: absent);
-- ``insert(ns, key, meta, dtype) -> e``, ``insert_many(ns, metas, dtypes) -> ids``
-  (keys absent; a parent may come earlier in the same batch);
-- ``parent_of(e)``, ``meta(e)``, ``key(e)``;
+- ``insert(ns, key, meta, dtype) -> e``, ``insert_many(ns, metas, dtypes) -> ids``,
+  ``insert_arrays(ns, keys, fields, dtypes, parents, has_parent) -> ids``
+  (keys absent and distinct; a parent may come earlier in the same batch);
+- ``parent_of(e)``, ``parents_of(ids)``, ``add_children(parents, rank)``, ``meta(e)``, ``key(e)``;
 - ``unmap(e)``: lookups miss from now on; ``release_id(e)``: the id is free;
-- ``top_ranks(ids, ranks)``, ``copies(ids, ranks)``: which tiers hold copies.
+- ``loc_of`` / ``set_loc`` / ``locs`` / ``top_ranks`` / ``resident`` /
+  ``without_copy`` / ``find_locs``: which tiers hold copies, and where.
 
 Callers outside the store read the columns under their old names: ``loc[e,
 rank]``, ``loc[ids]`` (rows of ``N_RANKS`` ints), ``live``, ``ns``,
-``stored_len``, ``hashes[ids]``, ``leases``, ``fp[e]``, ... (``_columns.py``
-views: ints and numpy arrays out; a slice is a read-only copy).
+``stored_len``, ``hashes[ids]``, ``leases``, ``fp[e]``, ... (kvstore/store/index_views.py:
+ints and numpy arrays out; a slice is a read-only copy).
 """
 
 from __future__ import annotations
@@ -366,6 +370,26 @@ class EntryTable:
             return None
         return p
 
+    def parents_of(self, ids: np.ndarray) -> np.ndarray:
+        """``parent_of`` of many entries: the parent id, -1 where none (or no longer the same block)."""
+        c = self._c
+        p = c["parent"].take(ids).astype(np.int64) - 1
+        q = np.maximum(p, 0)
+        ok = (p >= 0) & ((self._flags.take(q) & LIVE) != 0) & (c["gen"].take(q) == c["parent_gen"].take(ids))
+        return np.where(ok, p, -1)
+
+    def add_children(self, parents: np.ndarray, rank: int) -> np.ndarray:
+        """Count one more child with a copy in ``rank`` for each parent id >= 0 (repeats allowed); returns the
+        parents whose count went up from 0 (they stopped being leaves of that tier)."""
+        parents = parents[parents >= 0]
+        if not len(parents):
+            return parents
+        col = self._nchild[rank]
+        uniq = np.unique(parents)
+        was_leaf = uniq[col.take(uniq) == 0]
+        col.add(parents, 1)
+        return was_leaf
+
     def is_mapped(self, e: int) -> bool:
         return bool(self._flags.get(e) & MAPPED)
 
@@ -481,5 +505,5 @@ class EntryTable:
         return sum(col.nbytes() for col in self._cols) + self.slots.nbytes() + self._free.nbytes + sys.getsizeof(self)
 
     def bytes_per_entry(self) -> int:
-        """Column bytes of one entry (without slots): what the chunked layout costs per block."""
+        """Column bytes of one entry (without slots): what the packed layout costs per block."""
         return sum(col.dtype.itemsize * int(np.prod(col.inner or (1,))) for col in self._cols)

@@ -1,6 +1,6 @@
-"""Array-like views of the index's chunked columns, under the names callers have always read.
+"""Array-like views of the index's columns, under the names callers have always read.
 
-``EntryTable`` keeps its fields in chunked columns (kvstore/store/columns.py);
+``EntryTable`` keeps its fields in packed columns (kvstore/store/columns.py);
 these views let code written against plain numpy columns keep working:
 
 - ``ScalarView``: ``v[e]`` (an int), ``v[e] = x``, ``v[ids]`` (an array),
@@ -81,6 +81,8 @@ class ScalarView(_View):
         return a.astype(np.int64) - self.offset if self.offset else a
 
     def __getitem__(self, k: Any) -> Any:
+        if k.__class__ is int and 0 <= k < self._size():  # the common case first: one entry by a Python int
+            return self.col.base.item(k) - self.offset
         if isinstance(k, (int, np.integer)):
             e = self._check(int(k))
             return self.col.base.item(e) - self.offset
@@ -108,6 +110,8 @@ class FlagView(_View):
         return (self.col.head(self._size()) & self.bit) != 0
 
     def __getitem__(self, k: Any) -> Any:
+        if k.__class__ is int and 0 <= k < self._size():
+            return bool(self.col.base.item(k) & self.bit)
         if isinstance(k, (int, np.integer)):
             e = self._check(int(k))
             return bool(self.col.base.item(e) & self.bit)
@@ -150,8 +154,11 @@ class RankedView(_View):
         return out
 
     def __getitem__(self, k: Any) -> Any:
-        if isinstance(k, tuple):
+        if k.__class__ is tuple:
             e, rank = k
+            if e.__class__ is int and 0 <= e < self._size():
+                col = self.cols.get(rank)
+                return -self.offset if col is None else col.base.item(e) - self.offset
             if isinstance(e, (int, np.integer)):
                 e = self._check(int(e))
                 col = self.cols.get(rank)
@@ -218,7 +225,7 @@ class FingerprintView(_View):
             return (k[:, 0] ^ k[:, 1]) + ns.astype(np.uint64) * _FP_MIX
 
     def __getitem__(self, k: Any) -> Any:
-        if isinstance(k, (int, np.integer)):
+        if k.__class__ is int or isinstance(k, np.integer):
             e = self._check(int(k))
             keys = self.keys.base
             return ((keys.item(e, 0) ^ keys.item(e, 1)) + self.ns.base.item(e) * 0x9E3779B97F4A7C15) & _M64

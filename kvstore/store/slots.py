@@ -115,6 +115,12 @@ class SlotIndex:
     def find1(self, lo: int, hi: int, ns: int) -> int:
         if self.used == 0:
             return -1
+        if self.jit_keys is not None:
+            keys, nss = self.jit_keys
+            u64 = np.uint64
+            return int(
+                slots_jit.find_one(self.words, self.nslots, self.seed, u64(lo), u64(hi), ns, keys.base, nss.base)
+            )
         pos, tag = self._hash1(lo, hi, ns)
         item = self.words.item
         while True:

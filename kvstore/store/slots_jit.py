@@ -66,6 +66,10 @@ if AVAILABLE:
             pos += 1
 
     @numba.njit(cache=True, nogil=True)
+    def find_one(words, nslots, seed, lo, hi, ns, keys, nss):  # type: ignore[no-untyped-def]
+        return _find1(words, nslots, seed, numba.uint64(lo), numba.uint64(hi), numba.uint16(ns), keys, nss)
+
+    @numba.njit(cache=True, nogil=True)
     def find(words, nslots, seed, lo, hi, ns, keys, nss, out):  # type: ignore[no-untyped-def]
         for i in range(len(lo)):
             out[i] = _find1(words, nslots, seed, lo[i], hi[i], ns[i], keys, nss)
@@ -165,7 +169,7 @@ if AVAILABLE:
                 pos += 1
         return found
 else:  # pragma: no cover
-    find = find_keys = insert_rows = place = place_keys = remove = None
+    find = find_one = find_keys = insert_rows = place = place_keys = remove = None
 
 
 def warm_up() -> None:
@@ -178,4 +182,7 @@ def warm_up() -> None:
     keys, nss = np.zeros((4, 2), dtype=np.uint64), np.zeros(4, dtype=np.uint16)
     place(words, 16, np.uint64(1), z64, z64, z16, ids, 48)
     find(words, 16, np.uint64(1), z64, z64, z16, keys, nss, np.zeros(1, dtype=np.int64))
+    find_one(words, 16, np.uint64(1), np.uint64(1), np.uint64(1), 0, keys, nss)
+    find_keys(words, 16, np.uint64(1), np.zeros((1, 2), dtype=np.uint64), 0, keys, nss, np.zeros(1, dtype=np.int64))
+    place_keys(words, 16, np.uint64(1), np.zeros((1, 2), dtype=np.uint64), 0, ids, 48)
     remove(words, 16, np.uint64(1), z64, z64, z16, ids)

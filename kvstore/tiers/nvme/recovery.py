@@ -30,7 +30,16 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.tiers.base import BlockMeta
-from kvstore.tiers.nvme.format import PAGE, Header, align_down, align_up, crc32c, decode_header, make_loc, record_bytes
+from kvstore.tiers.nvme.format import (
+    HEADER_BYTES,
+    OFFSET_BITS,
+    PAGE,
+    Header,
+    align_down,
+    align_up,
+    crc32c,
+    decode_header,
+)
 from kvstore.tiers.nvme.io import FileHandle, IoBackend, aligned_buffer
 from kvstore.tiers.nvme.segments import (
     RecordTable,
@@ -40,7 +49,7 @@ from kvstore.tiers.nvme.segments import (
     segment_path,
     summary_path,
 )
-from kvstore.tiers.nvme.sidecar import SegmentRecords, read_checkpoint, read_summary, write_summary
+from kvstore.tiers.nvme.sidecar import RecordColumns, read_checkpoint, read_summary_columns, write_summary
 
 log = logging.getLogger("kvstore.nvme")
 
@@ -111,9 +120,24 @@ def scan_segment(backend: IoBackend, fh: FileHandle, size: int, chunk: int = SCA
 
 
 @dataclass
+class Winners:
+    """The newest live record of every (namespace, hash), as columns: ``records`` (its fields, with
+    ``offsets`` holding the tier location ``make_loc(segment, offset)``)."""
+
+    records: RecordColumns
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def metas(self) -> list[tuple[BlockMeta, int]]:
+        recs = self.records.to_records()
+        return list(zip(recs.metas, recs.offsets))
+
+
+@dataclass
 class Recovered:
     segments: dict[int, Segment]
-    winners: list[tuple[BlockMeta, int]]
+    columns: Winners | None
     next_seq: int
     next_segment_id: int
     summarized: int = 0  # segments loaded from their summary
@@ -121,6 +145,15 @@ class Recovered:
     deleted: int = 0  # segments with nothing live, removed
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+
+    @property
+    def winners(self) -> list[tuple[BlockMeta, int]]:
+        """(meta, location) of every recovered block (built on demand: a Python object per block)."""
+        return [] if self.columns is None else self.columns.metas()
+
+    @property
+    def count(self) -> int:
+        return 0 if self.columns is None else len(self.columns)
 
 
 def _cleanup(data_dir: Path, ids: list[int]) -> None:
@@ -132,11 +165,11 @@ def _cleanup(data_dir: Path, ids: list[int]) -> None:
             os.unlink(data_dir / name)
 
 
-def _load_segment(data_dir: Path, backend: IoBackend, seg_id: int, out: Recovered) -> tuple[Segment, SegmentRecords]:
+def _load_segment(data_dir: Path, backend: IoBackend, seg_id: int, out: Recovered) -> tuple[Segment, RecordColumns]:
     path = segment_path(data_dir, seg_id)
     fh = backend.open(str(path))
     size = os.fstat(fh.fd).st_size
-    recs = read_summary(data_dir, seg_id)
+    recs = read_summary_columns(data_dir, seg_id)
     if recs is not None:
         out.summarized += 1
     else:
@@ -145,10 +178,11 @@ def _load_segment(data_dir: Path, backend: IoBackend, seg_id: int, out: Recovere
         out.notes.append(f"segment {seg_id}: scanned {len(res.records)} records, stopped: {res.stop}")
         if res.records:
             write_summary(data_dir, seg_id, res.end, res.records)
-        recs = SegmentRecords(
+        recs = RecordColumns.of_records(
             res.end, [off for off, _ in res.records], [h.seq for _, h in res.records], [h.meta for _, h in res.records]
         )
-    table = RecordTable.bulk(recs.offsets, [record_bytes(m.stored_length) for m in recs.metas])
+    nbytes = HEADER_BYTES + ((recs.stored_length.astype(np.int64) + PAGE - 1) // PAGE) * PAGE
+    table = RecordTable.bulk(recs.offsets, nbytes)
     seg = Segment(seg_id, path, fh, size, recs.end, SegmentState.SEALED, table, headers=None)
     return seg, recs
 
@@ -158,31 +192,22 @@ def recover_log(data_dir: Path, backend: IoBackend) -> Recovered:
     ids = list_segment_ids(data_dir)
     _cleanup(data_dir, ids)
     ckpt = read_checkpoint(data_dir)
-    out = Recovered({}, [], 0, (max(ids) + 1) if ids else 1)
+    out = Recovered({}, None, 0, (max(ids) + 1) if ids else 1)
     if ckpt is not None:
         out.next_seq = ckpt.next_seq
         out.next_segment_id = max(out.next_segment_id, ckpt.next_segment_id)
-    best: dict[tuple[str, bytes], tuple[int, int, int, int, BlockMeta]] = {}  # key -> (seq, seg, index, offset, meta)
+    parts: list[tuple[int, np.ndarray, RecordColumns]] = []  # (segment, live record indices, columns)
     for seg_id in ids:
         seg, recs = _load_segment(data_dir, backend, seg_id, out)
         out.segments[seg_id] = seg
         if ckpt is not None and seg_id in ckpt.dead:
             seg.records.kill_pages(ckpt.dead[seg_id])
-        live = seg.records.live_mask()
-        if recs.seqs:
-            out.next_seq = max(out.next_seq, max(recs.seqs) + 1)
-        for i, (seq, off, meta) in enumerate(zip(recs.seqs, recs.offsets, recs.metas)):
-            if not live[i]:
-                continue
-            key = (meta.namespace, meta.hash)
-            prev = best.get(key)
-            if prev is None or seq >= prev[0]:  # a tie is a compaction copy: the newer location wins
-                best[key] = (seq, seg_id, i, off, meta)
-                if prev is not None:
-                    out.segments[prev[1]].records.kill_index(prev[2])
-            else:
-                seg.records.kill_index(i)
-    out.winners = [(meta, make_loc(sid, off)) for _, sid, _, off, meta in best.values()]
+        if len(recs):
+            out.next_seq = max(out.next_seq, int(recs.seqs.max()) + 1)
+            parts.append(
+                (seg_id, np.nonzero(np.asarray(seg.records.live_mask(), dtype=np.bool_)[: len(recs)])[0], recs)
+            )
+    out.columns = _newest(parts, out.segments)
     for seg_id, seg in list(out.segments.items()):
         if seg.records.live_count == 0:
             backend.close(seg.fh)
@@ -192,3 +217,62 @@ def recover_log(data_dir: Path, backend: IoBackend) -> Recovered:
             out.deleted += 1
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _newest(parts: list[tuple[int, np.ndarray, RecordColumns]], segments: dict[int, Segment]) -> Winners:
+    """For each (namespace, hash) the live record with the highest sequence number (a tie is a compaction
+    copy of the same record: the one met later, in segment then offset order, wins); the others are
+    marked dead in their segments. One sort over all records instead of a dict entry per block."""
+    namespaces: dict[str, int] = {}
+    dtypes: dict[str, int] = {}
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("seg", "idx", "ns", "dtype")}
+    picked: list[RecordColumns] = []
+    for seg_id, live, recs in parts:
+        ns_map = np.asarray([namespaces.setdefault(n, len(namespaces)) for n in recs.namespaces], dtype=np.uint32)
+        dt_map = np.asarray([dtypes.setdefault(d, len(dtypes)) for d in recs.dtypes], dtype=np.uint16)
+        cols["seg"].append(np.full(len(live), seg_id, dtype=np.int64))
+        cols["idx"].append(live.astype(np.int64))
+        cols["ns"].append(ns_map[recs.ns[live]] if len(ns_map) else np.zeros(len(live), np.uint32))
+        cols["dtype"].append(dt_map[recs.dtype[live]] if len(dt_map) else np.zeros(len(live), np.uint16))
+        picked.append(recs)
+    if not parts:
+        empty = RecordColumns.of_records(0, [], [], [])
+        return Winners(empty)
+    seg, idx, ns, dtype = (np.concatenate(cols[k]) for k in ("seg", "idx", "ns", "dtype"))
+
+    def gather(name: str) -> np.ndarray:
+        return np.concatenate([getattr(r, name)[live] for (_, live, _), r in zip(parts, picked)])
+
+    keys, seqs = gather("keys"), gather("seqs")
+    order = np.lexsort((np.arange(len(seqs)), seqs, keys[:, 1], keys[:, 0], ns))
+    k, n = keys[order], ns[order]
+    last = np.ones(len(order), dtype=np.bool_)  # the last row of each (namespace, hash) run wins
+    if len(order) > 1:
+        last[:-1] = (n[1:] != n[:-1]) | (k[1:, 0] != k[:-1, 0]) | (k[1:, 1] != k[:-1, 1])
+    for s_id, i in zip(seg[order[~last]].tolist(), idx[order[~last]].tolist()):
+        segments[s_id].records.kill_index(i)
+    first = np.ones(len(order), dtype=np.bool_)
+    first[1:] = last[:-1]
+    # in the order each key first appeared in the log (as a dict of keys would keep them): a parent
+    # before the children written after it, even when a compaction copy of it is the newer record
+    win = order[last][np.argsort(order[first], kind="stable")]
+    offsets = gather("offsets")[win]
+    locs = (seg[win] << OFFSET_BITS) | offsets
+    return Winners(
+        RecordColumns(
+            0,
+            locs,
+            seqs[win],
+            keys[win],
+            gather("parents")[win],
+            gather("has_parent")[win],
+            gather("codec")[win],
+            dtype[win],
+            ns[win],
+            gather("raw_length")[win],
+            gather("stored_length")[win],
+            gather("raw_crc")[win],
+            list(namespaces),
+            list(dtypes),
+        )
+    )

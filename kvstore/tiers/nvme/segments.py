@@ -79,7 +79,7 @@ class RecordTable:
         self.live_bytes = 0
 
     @classmethod
-    def bulk(cls, offsets: list[int], nbytes: list[int]) -> RecordTable:
+    def bulk(cls, offsets: list[int] | np.ndarray, nbytes: list[int] | np.ndarray) -> RecordTable:
         """A table of live records, built at once (offsets ascending)."""
         t = cls(capacity=max(len(offsets), 64))
         n = len(offsets)

@@ -97,6 +97,86 @@ class SegmentRecords:
     metas: list[BlockMeta] = field(default_factory=list)
 
 
+@dataclass
+class RecordColumns:
+    """The records of one segment as numpy columns (no Python object per record): what recovery of
+    millions of blocks works on. ``ns`` and ``dtype`` index ``namespaces`` and ``dtypes``; keys and
+    parents are (n, 2) uint64 words of the 16-byte hashes."""
+
+    end: int
+    offsets: np.ndarray  # bytes, int64
+    seqs: np.ndarray  # uint64
+    keys: np.ndarray
+    parents: np.ndarray
+    has_parent: np.ndarray  # bool
+    codec: np.ndarray
+    dtype: np.ndarray
+    ns: np.ndarray
+    raw_length: np.ndarray
+    stored_length: np.ndarray
+    raw_crc: np.ndarray
+    namespaces: list[str]
+    dtypes: list[str]
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @classmethod
+    def of_records(cls, end: int, offsets: list[int], seqs: list[int], metas: list[BlockMeta]) -> RecordColumns:
+        namespaces = list(dict.fromkeys(m.namespace for m in metas))
+        dtypes = list(dict.fromkeys(m.dtype for m in metas))
+        ns_idx, dt_idx = {n: i for i, n in enumerate(namespaces)}, {d: i for i, d in enumerate(dtypes)}
+        n = len(metas)
+
+        def words(keys: list[bytes]) -> np.ndarray:
+            return np.frombuffer(b"".join(keys), dtype="<u8").reshape(n, 2).copy() if n else np.zeros((0, 2), "<u8")
+
+        return cls(
+            end,
+            np.asarray(offsets, dtype=np.int64),
+            np.asarray(seqs, dtype=np.uint64),
+            words([m.hash for m in metas]),
+            words([m.parent or bytes(16) for m in metas]),
+            np.asarray([bool(m.parent) for m in metas], dtype=np.bool_),
+            np.asarray([m.codec for m in metas], dtype=np.uint32),
+            np.asarray([dt_idx[m.dtype] for m in metas], dtype=np.uint16),
+            np.asarray([ns_idx[m.namespace] for m in metas], dtype=np.uint32),
+            np.asarray([m.raw_length for m in metas], dtype=np.uint64),
+            np.asarray([m.stored_length for m in metas], dtype=np.uint64),
+            np.asarray([m.crc32c & 0xFFFFFFFF for m in metas], dtype=np.uint32),
+            namespaces,
+            dtypes,
+        )
+
+    def to_records(self) -> SegmentRecords:
+        keys = self.keys.astype("<u8").tobytes()
+        parents = self.parents.astype("<u8").tobytes()
+        metas = [
+            BlockMeta(
+                self.namespaces[ns],
+                keys[16 * i : 16 * i + 16],
+                parents[16 * i : 16 * i + 16] if hp else b"",
+                codec,
+                self.dtypes[dt],
+                raw_len,
+                stored,
+                rcrc,
+            )
+            for i, (ns, hp, codec, dt, raw_len, stored, rcrc) in enumerate(
+                zip(
+                    self.ns.tolist(),
+                    self.has_parent.tolist(),
+                    self.codec.tolist(),
+                    self.dtype.tolist(),
+                    self.raw_length.tolist(),
+                    self.stored_length.tolist(),
+                    self.raw_crc.tolist(),
+                )
+            )
+        ]
+        return SegmentRecords(self.end, self.offsets.tolist(), self.seqs.tolist(), metas)
+
+
 def write_summary(data_dir: Path, seg_id: int, end: int, records: list[tuple[int, Header]]) -> None:
     ns_idx: dict[str, int] = {}
     dt_idx: dict[str, int] = {}
@@ -135,6 +215,12 @@ def write_summary(data_dir: Path, seg_id: int, end: int, records: list[tuple[int
 
 def read_summary(data_dir: Path, seg_id: int) -> SegmentRecords | None:
     """The records of a sealed segment from its summary, or None when missing or invalid."""
+    cols = read_summary_columns(data_dir, seg_id)
+    return None if cols is None else cols.to_records()
+
+
+def read_summary_columns(data_dir: Path, seg_id: int) -> RecordColumns | None:
+    """``read_summary`` as numpy columns (a few views of the file's bytes), or None when missing or invalid."""
     path = summary_path(data_dir, seg_id)
     try:
         raw = path.read_bytes()
@@ -151,7 +237,7 @@ def read_summary(data_dir: Path, seg_id: int) -> SegmentRecords | None:
         return None
 
 
-def _parse_summary(body: bytes, seg_id: int) -> SegmentRecords:
+def _parse_summary(body: bytes, seg_id: int) -> RecordColumns:
     magic, version, _, sid, end, count, n_ns, n_dt = _SUM_HEAD.unpack_from(body, 0)
     if magic != b"KVSS" or version != VERSION or sid != seg_id:
         raise ValueError("wrong magic, version or segment id")
@@ -165,32 +251,35 @@ def _parse_summary(body: bytes, seg_id: int) -> SegmentRecords:
         n = body[pos]
         dtypes.append(body[pos + 1 : pos + 1 + n].decode("ascii"))
         pos += 1 + n
-    cols: dict[str, list[Any]] = {}
+    cols: dict[str, np.ndarray] = {}
     for name, dtype in _COLUMNS:
         if dtype == _KEY:
-            cols[name] = [body[p : p + 16] for p in range(pos, pos + 16 * count, 16)]
+            cols[name] = np.frombuffer(body, dtype="<u8", count=2 * count, offset=pos).reshape(count, 2)
             pos += 16 * count
             continue
         arr = np.frombuffer(body, dtype=dtype, count=count, offset=pos)
         pos += arr.nbytes
-        cols[name] = arr.tolist()
+        cols[name] = arr
     if pos != len(body):
         raise ValueError(f"{len(body) - pos} trailing bytes")
-    metas = [
-        BlockMeta(namespaces[ns], h, p if hp else b"", codec, dtypes[dt], raw_len, stored, rcrc)
-        for ns, h, p, hp, codec, dt, raw_len, stored, rcrc in zip(
-            cols["namespace"],
-            cols["hash"],
-            cols["parent"],
-            cols["has_parent"],
-            cols["codec"],
-            cols["dtype"],
-            cols["raw_length"],
-            cols["stored_length"],
-            cols["raw_crc"],
-        )
-    ]
-    return SegmentRecords(end, [o * PAGE for o in cols["offset"]], cols["seq"], metas)
+    if count and (int(cols["namespace"].max()) >= n_ns or int(cols["dtype"].max()) >= n_dt):
+        raise IndexError("a record names a namespace or dtype the summary does not list")
+    return RecordColumns(
+        end,
+        cols["offset"].astype(np.int64) * PAGE,
+        cols["seq"],
+        cols["hash"],
+        cols["parent"],
+        cols["has_parent"] != 0,
+        cols["codec"],
+        cols["dtype"],
+        cols["namespace"],
+        cols["raw_length"],
+        cols["stored_length"],
+        cols["raw_crc"],
+        namespaces,
+        dtypes,
+    )
 
 
 @dataclass

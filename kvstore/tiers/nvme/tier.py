@@ -44,6 +44,7 @@ from kvstore.tiers.nvme.io import IoBackend, select_backend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
 from kvstore.tiers.nvme.reader import BufferPool, Wanted, plan_pieces, read_pipelined
 from kvstore.tiers.nvme.segments import SegmentState
+from kvstore.tiers.nvme.sidecar import RecordColumns
 
 log = logging.getLogger("kvstore.nvme")
 
@@ -168,7 +169,7 @@ class NvmeTier(Tier):
             len(rec.segments),
             rec.summarized,
             rec.scanned,
-            len(rec.winners),
+            rec.count,
             rec.seconds,
             write_policy,
         )
@@ -362,6 +363,11 @@ class NvmeTier(Tier):
         rec, self._log.recovered = self._log.recovered, None
         if rec is not None:
             yield from rec.winners
+
+    def recover_columns(self) -> RecordColumns | None:
+        """``recover`` as numpy columns (``offsets`` holds each block's location): for millions of blocks."""
+        rec, self._log.recovered = self._log.recovered, None
+        return None if rec is None or rec.columns is None else rec.columns.records
 
     def checkpoint(self) -> None:
         """Persist the free list now (it is also written on close and after compaction)."""
