@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     args = parse_args("Gets of prefixes cached on NVMe through a kvstore serve process", argv, configure)
-    sizes = {64 << 10: 24, 512 << 10: 8, 2 << 20: 5} if args.quick else {64 << 10: 96, 512 << 10: 32, 2 << 20: 12}
+    sizes = {64 << 10: 24, 512 << 10: 8, 2 << 20: 5} if args.quick else {64 << 10: 64, 512 << 10: 24, 2 << 20: 10}
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="kvstore-nvme-get-", dir=args.dir))
     try:

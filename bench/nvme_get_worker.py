@@ -3,8 +3,8 @@
     python bench/nvme_get_worker.py BLOCK COUNT ROOT COLD_DRAM   (PYTHONPATH and cwd: the tree to measure)
 
 Starts a store with an NVMe tier (write-through, DRAM ``COLD_DRAM``) and one whose DRAM holds everything, both
-``kvstore serve`` processes of the tree on ``PYTHONPATH``, writes ``COUNT`` 32-block prefixes per kind (each
-Get reads a prefix once: a repeated read could come from a cache), prints ``ready``, then answers lines on
+``kvstore serve`` processes of the tree on ``PYTHONPATH``, writes ``COUNT`` 32-block prefixes per NVMe kind
+(each such Get reads a prefix once: a repeated read could come from a cache) and ``WARM`` per DRAM kind, prints ``ready``, then answers lines on
 stdin: ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``dram-shm``,
 ``dram-tcp``) into page-aligned buffers and prints its seconds; ``stats`` prints the NVMe store's tier hits
 as JSON; ``quit`` stops. Only public names are used, so an older tree runs it too.
@@ -26,6 +26,7 @@ from kvstore.tiers.nvme.io import aligned_buffer
 
 PREFIX = 32
 KINDS = ("nvme-shm", "nvme-tcp", "dram-shm", "dram-tcp")
+WARM = 4  # prefixes of the all-DRAM store, taken in turn
 
 
 def write_prefixes(kv: Client, block: int, count: int, rng: np.random.Generator) -> list[list[bytes]]:
@@ -43,7 +44,7 @@ def write_prefixes(kv: Client, block: int, count: int, rng: np.random.Generator)
 
 def main(block: int, count: int, root: Path, cold_dram: int) -> None:
     rng = np.random.default_rng(block)
-    warm_dram = 2 * count * PREFIX * block * 5 // 4 + (64 << 20)
+    warm_dram = 2 * WARM * PREFIX * block * 5 // 4 + (64 << 20)
     with contextlib.ExitStack() as stack:
         cold_target, _ = stack.enter_context(
             store_process(
@@ -58,7 +59,11 @@ def main(block: int, count: int, root: Path, cold_dram: int) -> None:
             )
             for kind in KINDS
         }
-        prefixes = {kind: write_prefixes(kv, block, count, rng) for kind, kv in clients.items()}
+        # a DRAM hit may repeat a prefix (no disk under it): a few suffice
+        prefixes = {
+            kind: write_prefixes(kv, block, count if kind.startswith("nvme") else min(count, WARM), rng)
+            for kind, kv in clients.items()
+        }
         out = [aligned_buffer(block) for _ in range(PREFIX)]
         for buf in out:
             buf[:] = 1  # faulted in before any Get
@@ -72,7 +77,7 @@ def main(block: int, count: int, root: Path, cold_dram: int) -> None:
                 print(json.dumps(tiers), flush=True)
                 continue
             kind, i = words[0], int(words[1])
-            keys = prefixes[kind][i]
+            keys = prefixes[kind][i % len(prefixes[kind])]
             t0 = time.perf_counter()
             clients[kind].get("bench", keys, out=out)
             print(time.perf_counter() - t0, flush=True)

@@ -2,7 +2,7 @@
 
     python -m bench.ttft [--quick] [--out FILE.json] [--plot FILE.png (default: beside --out)]
                          [--prefill HOST:PORT --decode HOST:PORT --store HOST:PORT]
-                         [--workload chat|trace] [--trace FILE] [--rate R]
+                         [--workload chat|trace] [--trace FILE] [--rate R] [--nvme [--dir DIR]]
 
 Without addresses it starts a store, a prefill worker and a decode worker on
 loopback ports. Workloads:
@@ -13,6 +13,8 @@ loopback ports. Workloads:
   ``disaggregated`` (prefill worker computes what the store lacks and stores
   it, then the decode worker fetches it) and ``store`` (decode worker, prefix
   already in the store: a later turn, a retry, another decode replica).
+  With ``--nvme`` also ``store_nvme``: the same, with the prefix only on NVMe
+  (a second stack whose store's DRAM is too small; ``bench/ttft_nvme.py``).
 - ``trace``: the Mooncake trace (``--trace``) scaled down: each hash id becomes
   a deterministic run of 16 tokens, so equal ids mean equal tokens; requests
   go down the disaggregated path at ``--rate`` requests/s (open loop).

@@ -346,28 +346,16 @@ class ShmServerLane(ServerLane):
                 raise LaneError(
                     grpc.StatusCode.INVALID_ARGUMENT, f"output buffer {index} holds {capacity} bytes; block is {n}"
                 )
-            reply.blocks.append(
-                lpb.BlockDescriptor(index=index, hash=lease.hash, length=n, crc32c=header.crc32c, header=header)
-            )
+            d = reply.blocks.add(index=index, hash=lease.hash, length=n, crc32c=header.crc32c, header=header)
             crc = crc_at_copy and header.codec == pb.CODEC_NONE
-            copies.append(CopyOut(None, buf, reply.blocks[-1], crc, clip(outs[index], n)))
+            copies.append(CopyOut(None, buf, d, crc, clip(outs[index], n)))
             return n
         offset = self.grants.add_get(grant, index, lease.hash, n)
         if offset is None:
             return -1
-        reply.blocks.append(
-            lpb.BlockDescriptor(
-                index=index, hash=lease.hash, offset=offset, length=n, crc32c=header.crc32c, header=header
-            )
-        )
-        copies.append(
-            CopyOut(
-                self.region.view[offset : offset + n],
-                buf,
-                reply.blocks[-1],
-                crc_at_copy and header.codec == pb.CODEC_NONE,
-            )
-        )  # the header's CRC is of raw bytes
+        d = reply.blocks.add(index=index, hash=lease.hash, offset=offset, length=n, crc32c=header.crc32c, header=header)
+        view = self.region.view[offset : offset + n]
+        copies.append(CopyOut(view, buf, d, crc_at_copy and header.codec == pb.CODEC_NONE))  # header CRC: raw bytes
         return n
 
     def _read_out(
