@@ -8,7 +8,7 @@
 
 The verbs, their promises and the options are in ``kvstore/node_client.py``; the cluster client has the same
 verbs. This module sits at the top of the client side: it imports both clients, and neither imports it.
-``KVStoreError``, ``PutResult``, ``Segments`` and ``as_bytes_view`` are re-exported from their leaf modules for users.
+``KVStoreError``, ``PutResult``, ``Segments``, ``SegmentRows`` and ``as_bytes_view`` are re-exported from their leaf modules for users.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvstore.cluster.client import ClusterClient
 from kvstore.cluster.connect import is_redis_url
 from kvstore.errors import KVStoreError
 from kvstore.node_client import NodeClient
-from kvstore.payload import Segments, as_bytes_view
+from kvstore.payload import SegmentRows, Segments, as_bytes_view
 from kvstore.wire import CHUNK_BYTES, TIER_NAMES, PutResult
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "Client",
     "KVStoreError",
     "PutResult",
+    "SegmentRows",
     "Segments",
     "as_bytes_view",
     "connect",

@@ -32,7 +32,9 @@ are contiguous host buffers (bytes-like, numpy arrays, CPU torch tensors) and th
 concatenation. ``put`` reads the parts where they are; ``get`` writes the block across them in order (bytes
 of the parts past the block's length are unspecified) and returns the Segments in its place, the CRC32C
 of the whole block (chained over the parts) checked before the call returns. Segments and plain payloads
-mix freely in one call. Copies per block, against the same bytes as one buffer: none added on the shm
+mix freely in one call. ``SegmentRows(layer_tensors).block(b)`` builds the Segments of block b when each
+buffer holds one row per block (vLLM's ``[num_blocks, ...]`` per-layer caches) from offsets worked out once,
+without a tensor operation per part. Copies per block, against the same bytes as one buffer: none added on the shm
 lane (the store reads and writes the parts with one multi-iovec process_vm_readv/writev per piece; through
 the region, one copy per part with its CRC fused in), on the tcp lane (sendmsg over the parts' views,
 recvmsg_into them) and on gRPC (chunks assembled from the parts, where gRPC copies anyway). Coded transfers
