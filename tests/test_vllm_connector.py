@@ -140,7 +140,7 @@ def test_consumer_in_a_new_process_loads_the_stored_prefix(rig: Rig) -> None:
     assert out["tokens"] == ref
     assert out["cached"] == (len(prompt) - 1) // BLOCK * BLOCK  # every full block but the one holding the last token
     stats = rig.consumer.worker_stats()
-    assert stats["load_blocks"] - before == len(prompt) // BLOCK and stats["load_failures"] == 0
+    assert stats["load_blocks"] - before == (len(prompt) - 1) // BLOCK and stats["load_failures"] == 0
     assert stats["lane"] == "shm" and stats["cross_layer_view"]
 
 
@@ -191,7 +191,7 @@ def test_store_lost_between_lookup_and_load_recomputes(rig: Rig) -> None:
         stats = rig.consumer.worker_stats()
         why = (stats, rig.consumer.scheduler_stats(), rig.producer.worker_stats(), rig.fault_file.exists())
         assert stats["load_failures"] == before.get("load_failures", 0) + 1, why
-        assert stats["load_failed_blocks"] - before.get("load_failed_blocks", 0) == len(prompt) // BLOCK
+        assert stats["load_failed_blocks"] - before.get("load_failed_blocks", 0) == (len(prompt) - 1) // BLOCK
     finally:
         rig.fault_file.unlink(missing_ok=True)
         rig.store.stop()
