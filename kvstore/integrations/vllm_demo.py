@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                 ) as decode,
             ):
                 print(f"engines up in {prefill.start_seconds:.0f} s and {decode.start_seconds:.0f} s\n")
-                warm = tok.encode("warm up " * 40)
+                warm = tok.encode("warm up " * 100)  # a first save and load: lanes negotiated, buffers touched
                 prefill.generate([warm], 1)
+                prefill.wait_saves()
                 decode.generate([warm], 1)
                 messages = [{"role": "system", "content": SYSTEM}]
                 header = (
