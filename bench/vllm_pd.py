@@ -1,6 +1,7 @@
 """Time to first token of a real vLLM engine whose prompt prefix comes from elsewhere (issue 16).
 
-    python -m bench.vllm_pd [--quick] [--out bench/results/vllm_pd.json]
+    python -m bench.vllm_pd [--quick] [--out bench/results/vllm_pd.json] [--sizes 1000,2000] [--reps N]
+                            [--phases local,example,kvstore,turns]
 
 Every mode runs SmolLM2-135M (``kvstore export-model``, fp32, block size 32, eager) in an engine process of its
 own, one phase at a time (memory), each prompt a fresh random one:
@@ -11,15 +12,18 @@ own, one phase at a time (memory), each prompt a fresh random one:
   safetensors file per layer), vLLM's own cache is dropped (``reset_prefix_cache``) and the prompt runs again,
   loading the files from the page cache; ``example_connector_evicted``: the same after ``fsync`` and
   ``posix_fadvise(DONTNEED)`` of every file, so they come from the disk.
-- ``kvstore_shm`` / ``kvstore_tcp``: ``KVStoreConnector`` (kv_both) on that lane: the prompt is run once
-  (its blocks saved in the background), vLLM's cache dropped, the prompt run again, loading from the store.
+- ``kvstore_shm`` / ``kvstore_tcp``: ``KVStoreConnector`` (kv_both), two engines side by side, one per lane:
+  the shm engine runs the prompt once (its blocks saved in the background); each engine drops vLLM's cache
+  and runs the prompt, loading its prefix from the store's DRAM.
 - ``kvstore_nvme``: as ``kvstore_shm``, after filler blocks pushed the prompt's blocks out of the store's
   DRAM onto its NVMe tier (``--promote-on-hit false``; ``nvme_fraction`` says how many were there).
 - ``multi_turn:*``: chats over one shared system prompt, each turn on a dropped vLLM cache (as if another
   replica served it); its prefix can come only from the connector. ``hit_rate``: cached / prompt tokens.
 
 Rows: ``mode``, ``prompt_tokens``, ``ttft_p50_s``, ``ttft_p99_s`` (of ``n`` samples: with few samples p99 is
-the slowest), ``ratio_to_local`` (p50 over ``local_prefix_hit``'s p50 at that size, in this run),
+the slowest), ``ratio_to_local`` (the median over samples of the TTFT over vLLM's own prefix hit of the same prompt, measured
+in the same engine right after: this VM's load moves 2-10x within minutes, a paired ratio much less),
+``local_p50_s`` (those local hits),
 ``tokens_match`` (the first token equals the cold run's), ``bytes_per_block``, ``copies_per_block``,
 ``load_s_p50`` (the kvstore worker's own load time per request).
 """
@@ -107,17 +111,21 @@ class Samples:
             self.extra.setdefault((mode, size), {}).setdefault(k, []).append(v)
 
     def rows(self) -> list[Row]:
-        local = {size: statistics.median(v) for (mode, size), v in self.ttft.items() if mode == "local_prefix_hit"}
         rows: list[Row] = []
         for (mode, size), values in self.ttft.items():
             p50 = statistics.median(values)
+            pairs = self.extra.get((mode, size), {}).pop("local_s", None)
             row: Row = {
                 "mode": mode,
                 "prompt_tokens": size,
                 "n": len(values),
                 "ttft_p50_s": round(p50, 4),
                 "ttft_p99_s": round(_p(values, 0.99), 4),
-                "ratio_to_local": round(p50 / local[size], 2) if size in local else None,
+                # each sample over vLLM's own prefix hit of the same prompt in the same engine, right after
+                "ratio_to_local": round(statistics.median([v / h for v, h in zip(values, pairs)]), 2)
+                if pairs
+                else None,
+                "local_p50_s": round(statistics.median(pairs), 4) if pairs else None,
                 "tokens_match": self.match.get((mode, size)),
             }
             for k, v in self.extra.get((mode, size), {}).items():
@@ -129,14 +137,13 @@ class Samples:
         return rows
 
 
-def _warm(engine: EngineProcess, rng: random.Random, sizes: list[int]) -> None:
-    for size in sizes:  # first requests of each size allocate and tune; keep them out of the figures
-        engine.generate([_prompt(rng, size)], 1)
+def _warm(engine: EngineProcess, rng: random.Random) -> None:
+    engine.generate([_prompt(rng, 500)], 1)  # the first request allocates and tunes: keep it out of the figures
 
 
 def phase_local(model: str, sizes: list[int], reps: int, out: Samples, rng: random.Random) -> dict[str, Any]:
     with EngineProcess(EngineSpec(model)) as engine:
-        _warm(engine, rng, sizes)
+        _warm(engine, rng)
         for size in sizes:
             for _ in range(reps):
                 prompt = _prompt(rng, size)
@@ -157,7 +164,7 @@ def phase_example(model: str, sizes: list[int], reps: int, out: Samples, rng: ra
     storage.mkdir()
     spec = EngineSpec(model, "example", "kv_both", {"shared_storage_path": str(storage)})
     with EngineProcess(spec) as engine:
-        _warm(engine, rng, sizes)
+        _warm(engine, rng)
         for size in sizes:
             for _ in range(reps):
                 prompt = _prompt(rng, size)
@@ -165,12 +172,18 @@ def phase_example(model: str, sizes: list[int], reps: int, out: Samples, rng: ra
                 engine.reset_prefix_cache()
                 warm = engine.generate([prompt], 1)
                 same = warm["outputs"][0]["tokens"] == cold["tokens"]
-                out.add("example_connector", size, warm["seconds"], same, cached=warm["outputs"][0]["cached"])
+                local = engine.generate([prompt], 1)["seconds"]
+                out.add(
+                    "example_connector", size, warm["seconds"], same, cached=warm["outputs"][0]["cached"], local_s=local
+                )
                 engine.reset_prefix_cache()
                 dropped = _evict(storage)
                 evicted = engine.generate([prompt], 1)
                 same = evicted["outputs"][0]["tokens"] == cold["tokens"]
-                out.add("example_connector_evicted", size, evicted["seconds"], same, evicted_bytes=dropped)
+                local = engine.generate([prompt], 1)["seconds"]
+                out.add(
+                    "example_connector_evicted", size, evicted["seconds"], same, evicted_bytes=dropped, local_s=local
+                )
         multi_turn(engine, "multi_turn:example_connector", out, rng)
 
 
@@ -185,40 +198,45 @@ def _fill(target: str, nbytes: int, block_bytes: int) -> None:
             client.put("bench-filler", keys[i : i + 16], [payload] * len(keys[i : i + 16]), chained=False)
 
 
+def _load_once(engine: EngineProcess, mode: str, size: int, prompt: list[int], cold: list[int], out: Samples,
+               **extra: Any) -> None:  # fmt: skip
+    """Drop vLLM's cache, run the prompt (its prefix from the store), then again (vLLM's own hit: the pair)."""
+    before = engine.worker_stats()
+    engine.reset_prefix_cache()
+    warm = engine.generate([prompt], 1)
+    after = engine.worker_stats()
+    local = engine.generate([prompt], 1)["seconds"]
+    out.add(
+        mode,
+        size,
+        warm["seconds"],
+        warm["outputs"][0]["tokens"] == cold,
+        cached=warm["outputs"][0]["cached"],
+        loaded_blocks=after["load_blocks"] - before.get("load_blocks", 0),
+        load_s=after["load_seconds"] - before.get("load_seconds", 0.0),
+        bytes_per_block=after["block_bytes"],
+        copies_per_block=after["copies_per_block_load"],
+        lane=after["lane"],
+        local_s=local,
+        **extra,
+    )
+
+
 def phase_kvstore(
-    model: str, target: str, lane: str, sizes: list[int], reps: int, out: Samples, rng: random.Random, tmp: Path,
-    *, nvme: bool, dram_bytes: int,
+    model: str, target: str, sizes: list[int], reps: int, out: Samples, rng: random.Random, tmp: Path,
+    *, dram_bytes: int,
 ) -> None:  # fmt: skip
+    """Two kv_both engines side by side, one per lane; the shm one computes and saves each prompt, both load it
+    from DRAM, then filler pushes it to NVMe and the shm one loads it again."""
     from kvstore.client import Client
 
-    stats = tmp / f"stats-{lane}"
-    spec = EngineSpec(model, "kvstore", "kv_both", {"target": target, "lane": lane, "stats_path": str(stats)})
+    def spec(lane: str) -> EngineSpec:
+        return EngineSpec(model, "kvstore", "kv_both", {"target": target, "lane": lane, "stats_path": str(tmp / lane)})
+
     shape = EngineShape(model, "", "float32", 30, 3, 64, BLOCK, "vllm-LBHNC-tp1")
-    with EngineProcess(spec) as engine, Client(target) as probe:
-
-        def loaded(mode: str, size: int, prompt: list[int], cold: list[int], **extra: Any) -> None:
-            before = engine.worker_stats()
-            engine.reset_prefix_cache()
-            warm = engine.generate([prompt], 1)
-            after = engine.worker_stats()
-            blocks = after["load_blocks"] - before.get("load_blocks", 0)
-            out.add(
-                mode,
-                size,
-                warm["seconds"],
-                warm["outputs"][0]["tokens"] == cold,
-                cached=warm["outputs"][0]["cached"],
-                loaded_blocks=blocks,
-                load_s=after["load_seconds"] - before.get("load_seconds", 0.0),
-                bytes_per_block=after["block_bytes"],
-                copies_per_block=after["copies_per_block_load"],
-                lane=after["lane"],
-                **extra,
-            )
-
-        _warm(engine, rng, sizes)
-        for size in sizes:  # a warm-up save and load: lanes negotiated, staging buffers touched
-            p = _prompt(rng, size)
+    with EngineProcess(spec("shm")) as shm, EngineProcess(spec("tcp")) as tcp, Client(target) as probe:
+        for engine in (shm, tcp):  # first requests allocate and tune; lanes negotiated, staging buffers touched
+            p = _prompt(rng, 500)
             engine.generate([p], 1)
             engine.wait_saves()
             engine.reset_prefix_cache()
@@ -226,20 +244,17 @@ def phase_kvstore(
         for size in sizes:
             for _ in range(reps):
                 prompt = _prompt(rng, size)
-                cold = engine.generate([prompt], 1)["outputs"][0]["tokens"]
-                engine.wait_saves()
-                loaded(f"kvstore_{lane}", size, prompt, cold)
-                if nvme:
-                    _fill(target, dram_bytes + (256 << 20), engine.worker_stats()["block_bytes"])
-                    hashes = prompt_hashes(prompt, shape, "vllm")[: (size - 1) // BLOCK]
-                    _, tiers = probe.lookup_tiers("vllm", hashes)
-                    frac = sum(t == "nvme" for t in tiers) / max(len(hashes), 1)
-                    loaded("kvstore_nvme", size, prompt, cold, nvme_fraction=round(frac, 3))
-                if lane == "shm":
-                    hit = engine.generate([prompt], 1)
-                    out.add("kvstore_phase_local_hit", size, hit["seconds"], hit["outputs"][0]["tokens"] == cold)
-        if lane == "shm":
-            multi_turn(engine, "multi_turn:kvstore_shm", out, rng, wait=engine.wait_saves)
+                cold = shm.generate([prompt], 1)["outputs"][0]["tokens"]
+                shm.wait_saves()
+                _load_once(shm, "kvstore_shm", size, prompt, cold, out)
+                _load_once(tcp, "kvstore_tcp", size, prompt, cold, out)
+                _fill(target, dram_bytes + (256 << 20), shm.worker_stats()["block_bytes"])
+                hashes = prompt_hashes(prompt, shape, "vllm")[: (size - 1) // BLOCK]
+                _, tiers = probe.lookup_tiers("vllm", hashes)
+                frac = sum(t == "nvme" for t in tiers) / max(len(hashes), 1)
+                _load_once(shm, "kvstore_nvme", size, prompt, cold, out, nvme_fraction=round(frac, 3))
+        tcp.close()
+        multi_turn(shm, "multi_turn:kvstore_shm", out, rng, wait=shm.wait_saves)
 
 
 def multi_turn(
@@ -272,7 +287,7 @@ def multi_turn(
 
 def phase_multi_turn_recompute(model: str, out: Samples, rng: random.Random) -> None:
     with EngineProcess(EngineSpec(model)) as engine:
-        _warm(engine, rng, [1000])
+        _warm(engine, rng)
         multi_turn(engine, "multi_turn:recompute", out, rng)
 
 
@@ -282,14 +297,18 @@ def main(argv: list[str] | None = None) -> int:
             "--sizes", default="", help="prompt tokens, comma list (default 1000,2000,3500; quick 1000,2000)"
         )
         p.add_argument("--reps", type=int, default=0, help="prompts per size and mode (default 5; quick 2)")
-        p.add_argument("--modes", default="local,example,shm,tcp,turns", help="phases to run")
+        p.add_argument("--phases", default="local,example,kvstore,turns", help="phases to run (default: all)")
+        p.add_argument(
+            "--local-reps", type=int, default=0, help="prompts per size without a connector (default 2; quick 1)"
+        )
 
     args = parse_args("vLLM TTFT with the prompt prefix from kvstore, ExampleConnector or vLLM itself", argv, configure)
     sizes = (
         [int(s) for s in args.sizes.split(",")] if args.sizes else ([1000, 2000] if args.quick else [1000, 2000, 3500])
     )
     reps = args.reps or (2 if args.quick else 5)
-    phases = set(args.modes.split(","))
+    phases = set(args.phases.split(","))
+    local_reps = args.local_reps or (1 if args.quick else 2)
     from kvstore.model.hf_export import exported_smollm2
 
     model = str(exported_smollm2())
@@ -300,19 +319,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVSTORE_BENCH_DIR", "/var/tmp")) as d:
         tmp = Path(d)
         if "local" in phases:
-            info = phase_local(model, sizes, reps, out, rng)
+            info = phase_local(model, sizes, local_reps, out, rng)
         if "example" in phases:
             phase_example(model, sizes, reps, out, rng, tmp)
         with _store(tmp / "nvme", dram) as target:
-            if "shm" in phases:
-                phase_kvstore(model, target, "shm", sizes, reps, out, rng, tmp, nvme=True, dram_bytes=1 << 30)
-            if "tcp" in phases:
-                phase_kvstore(model, target, "tcp", sizes, reps, out, rng, tmp, nvme=False, dram_bytes=1 << 30)
+            if "kvstore" in phases:
+                phase_kvstore(model, target, sizes, reps, out, rng, tmp, dram_bytes=1 << 30)
         if "turns" in phases:
             phase_multi_turn_recompute(model, out, rng)
     rows = out.rows()
     rows.sort(key=lambda r: (r["mode"].startswith("multi_turn"), r["prompt_tokens"], r["mode"]))
-    columns = ["mode", "prompt_tokens", "n", "ttft_p50_s", "ttft_p99_s", "ratio_to_local", "tokens_match", "cached",
+    columns = ["mode", "prompt_tokens", "n", "ttft_p50_s", "ttft_p99_s", "local_p50_s", "ratio_to_local", "tokens_match", "cached", "loaded_blocks",
                "load_s", "copies_per_block", "bytes_per_block", "nvme_fraction", "hit_rate"]  # fmt: skip
     report(rows, args, title=f"vLLM TTFT (SmolLM2-135M fp32, block 32; engine start {info.get('start_s', 0):.0f} s)",
            columns=columns, bench="vllm_pd")  # fmt: skip

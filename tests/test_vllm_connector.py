@@ -103,7 +103,9 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     producer = consumer = None
     try:
         producer = EngineProcess(
-            EngineSpec(model, "kvstore", "kv_both", {**common, "stats_path": str(tmp / "p")}, mp=False)
+            EngineSpec(
+                model, "kvstore", "kv_both", {**common, "stats_path": str(tmp / "p")}, mp=False, max_model_len=2048
+            )
         )
         consumer = EngineProcess(
             EngineSpec(
@@ -116,6 +118,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
                     "load_planner": "tests.vllm_fault_planner:kill_store_after_lookup",
                 },
                 mp=True,
+                max_model_len=2048,
                 env={"KVSTORE_TEST_FAULT": str(fault)},
             )
         )
@@ -128,23 +131,23 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 
 
 def test_consumer_in_a_new_process_loads_the_stored_prefix(rig: Rig) -> None:
-    prompt = _prompt(1, 1000)
+    prompt = _prompt(1, 480)
     ref = rig.reference(prompt)
     saved = rig.producer.worker_stats()
-    assert saved["save_blocks_stored"] >= 1000 // BLOCK and saved["save_failures"] == 0
+    assert saved["save_blocks_stored"] >= len(prompt) // BLOCK and saved["save_failures"] == 0
     before = rig.consumer.worker_stats().get("load_blocks", 0)
     out = rig.consume(prompt)
     assert out["tokens"] == ref
     assert out["cached"] == (len(prompt) - 1) // BLOCK * BLOCK  # every full block but the one holding the last token
     stats = rig.consumer.worker_stats()
-    assert stats["load_blocks"] - before == len(prompt) // BLOCK and stats["load_failures"] == 0
+    assert stats["load_blocks"] - before == (len(prompt) - 1) // BLOCK and stats["load_failures"] == 0
     assert stats["lane"] == "shm" and stats["cross_layer_view"]
 
 
 def test_multi_turn_reuses_the_earlier_turn_from_the_store(rig: Rig) -> None:
-    turn1 = _prompt(2, 700)
+    turn1 = _prompt(2, 330)
     answer = rig.reference(turn1)
-    turn2 = turn1 + answer + _prompt(3, 400)
+    turn2 = turn1 + answer + _prompt(3, 200)
     before = rig.consumer.worker_stats().get("load_blocks", 0)
     out = rig.consume(turn2)  # the store holds turn 1's blocks only: a partial prefix hit
     assert out["cached"] == len(turn1) // BLOCK * BLOCK
@@ -153,7 +156,7 @@ def test_multi_turn_reuses_the_earlier_turn_from_the_store(rig: Rig) -> None:
 
 
 def test_cache_salt_isolates_tenants(rig: Rig) -> None:
-    prompt = _prompt(4, 800)
+    prompt = _prompt(4, 300)
     ref = rig.reference(prompt, salt="tenant-a")
     other = rig.consume(prompt, salt="tenant-b")
     assert other["cached"] == 0 and other["tokens"] == ref
@@ -164,7 +167,7 @@ def test_cache_salt_isolates_tenants(rig: Rig) -> None:
 
 
 def test_store_down_before_the_load_recomputes(rig: Rig) -> None:
-    prompt = _prompt(5, 900)
+    prompt = _prompt(5, 300)
     ref = rig.reference(prompt)
     failures = rig.consumer.scheduler_stats().get("lookup_failures", 0)
     rig.store.stop()
@@ -177,7 +180,7 @@ def test_store_down_before_the_load_recomputes(rig: Rig) -> None:
 
 
 def test_store_lost_between_lookup_and_load_recomputes(rig: Rig) -> None:
-    prompt = _prompt(6, 900)
+    prompt = _prompt(6, 300)
     ref = rig.reference(prompt)
     before = rig.consumer.worker_stats()
     assert rig.store.proc is not None
@@ -188,7 +191,7 @@ def test_store_lost_between_lookup_and_load_recomputes(rig: Rig) -> None:
         stats = rig.consumer.worker_stats()
         why = (stats, rig.consumer.scheduler_stats(), rig.producer.worker_stats(), rig.fault_file.exists())
         assert stats["load_failures"] == before.get("load_failures", 0) + 1, why
-        assert stats["load_failed_blocks"] - before.get("load_failed_blocks", 0) == len(prompt) // BLOCK
+        assert stats["load_failed_blocks"] - before.get("load_failed_blocks", 0) == (len(prompt) - 1) // BLOCK
     finally:
         rig.fault_file.unlink(missing_ok=True)
         rig.store.stop()
@@ -196,7 +199,7 @@ def test_store_lost_between_lookup_and_load_recomputes(rig: Rig) -> None:
 
 
 def test_corrupted_block_is_recomputed(rig: Rig) -> None:
-    prompt = _prompt(7, 900)
+    prompt = _prompt(7, 300)
     ref = rig.reference(prompt)
     rig.store.stop(signal.SIGTERM)  # a graceful stop copies the blocks to NVMe
     flipped = 0

@@ -9,10 +9,11 @@ Verbs and promises:
 - ``EngineProcess(spec)`` starts ``python -m kvstore.integrations.vllm_engine SPEC_JSON`` and waits until the
   engine answers (``start_seconds``). One request at a time; a reply is one JSON line on stdout behind a
   marker, so vLLM's own logging on stdout never confuses it.
-- ``generate(prompts, max_tokens, cache_salt=None)``: greedy generation of token-id prompts; per prompt the
+- ``generate(prompts, max_tokens, cache_salt=None, ignore_eos=True)``: greedy generation of token-id prompts; per prompt the
   tokens and ``num_cached_tokens`` (vLLM's own prefix hit plus the connector's), and the call's seconds
   measured inside the engine process (with ``max_tokens=1``: the time to first token).
-- ``reset_prefix_cache()``: drops vLLM's own prefix cache, so the next prompt can only hit the connector.
+- ``reset_prefix_cache()``: drops vLLM's own prefix cache, so the next prompt can only hit the connector (runs
+  one-token steps until vLLM agrees: blocks of finished requests whose saves completed are freed on a step).
 - ``wait_saves(timeout)``: with a kvstore connector and ``stats_path``, until its worker has no save in flight.
 - ``worker_stats()`` / ``scheduler_stats()``: the connector's counters (``stats.StatsFile``).
 - ``close()``: asks the engine to exit, then kills it if it does not.
@@ -127,12 +128,19 @@ class EngineProcess:
         return self._wait(timeout)
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int = 1, cache_salt: str | None = None, timeout: float = 300.0
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 1,
+        cache_salt: str | None = None,
+        timeout: float = 300.0,
+        ignore_eos: bool = True,
     ) -> dict[str, Any]:
-        return self.call("generate", timeout, prompts=prompts, max_tokens=max_tokens, cache_salt=cache_salt)
+        return self.call(
+            "generate", timeout, prompts=prompts, max_tokens=max_tokens, cache_salt=cache_salt, ignore_eos=ignore_eos
+        )
 
     def reset_prefix_cache(self) -> None:
-        self.call("reset_prefix_cache")
+        self.call("reset_prefix_cache")  # raises EngineError when vLLM could not drop it
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(list(self._log)[-n:])
@@ -224,7 +232,9 @@ def _serve(spec: EngineSpec) -> None:
             if op == "quit":
                 break
             if op == "generate":
-                params = SamplingParams(max_tokens=int(cmd["max_tokens"]), temperature=0.0, ignore_eos=True)
+                params = SamplingParams(
+                    max_tokens=int(cmd["max_tokens"]), temperature=0.0, ignore_eos=bool(cmd.get("ignore_eos", True))
+                )
                 salt = cmd.get("cache_salt")
                 prompts = [{"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})} for p in cmd["prompts"]]
                 start = time.perf_counter()
@@ -240,7 +250,17 @@ def _serve(spec: EngineSpec) -> None:
                     }
                 )
             elif op == "reset_prefix_cache":
-                reply({"ok": bool(llm.reset_prefix_cache())})
+                # vLLM refuses while blocks are still held, e.g. by a finished request whose async save
+                # completed after the engine's last step: the scheduler hears of it only on its next step,
+                # so run tiny steps until it does.
+                ok = bool(llm.reset_prefix_cache())
+                for _ in range(50):
+                    if ok:
+                        break
+                    llm.generate([{"prompt_token_ids": [1]}], SamplingParams(max_tokens=1), use_tqdm=False)
+                    time.sleep(0.02)
+                    ok = bool(llm.reset_prefix_cache())
+                reply({"ok": True} if ok else {"error": "vLLM would not reset its prefix cache"})
             else:
                 reply({"error": f"unknown op {op!r}"})
         except Exception as err:  # reported to the driver, which raises EngineError

@@ -110,7 +110,8 @@ class WorkerSide:
         self.blocks = CacheBlocks.from_caches(kv_caches)
         self.counters.cross_layer_view = self.blocks.cross_layer_view
         self.counters.block_bytes = self.blocks.block_bytes
-        self._load_staging = [self.blocks.new_staging(self.load_chunk) for _ in range(2)]
+        # touched now: the first load would otherwise pay for faulting in tens of MB of fresh pages
+        self._load_staging = [self.blocks.new_staging(self.load_chunk).zero_() for _ in range(2)]
         log.info(
             "kvstore connector: %d layers, %d blocks of %d bytes (%s)",
             self.blocks.layers,
@@ -292,7 +293,7 @@ class _Saver:
         c = self._worker.counters
         start = time.perf_counter()
         if self._staging is None:
-            self._staging = blocks.new_staging(self._chunk)
+            self._staging = blocks.new_staging(self._chunk).zero_()
         c.save_runs += 1
         for lo in range(0, len(run), self._chunk):
             hi = min(lo + self._chunk, len(run))

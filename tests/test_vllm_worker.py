@@ -1,0 +1,139 @@
+"""The vLLM connector's worker side without vLLM: a KV cache laid out as vLLM's CPU backend lays it out, a real
+in-process store, real clients. Saves, loads, missing blocks, corrupt blocks and request lifetimes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvstore.client import Client
+from kvstore.integrations.vllm.plan import BlockRun, StepPlan
+from kvstore.integrations.vllm.worker import WorkerSide
+
+LAYERS, BLOCKS, HEADS, TOKENS, WIDTH = 4, 40, 3, 32, 16
+
+
+def cache() -> dict[str, torch.Tensor]:
+    """One backing buffer, layer after layer, as vLLM allocates it (LBHNC)."""
+    per = BLOCKS * HEADS * TOKENS * WIDTH
+    buf = torch.zeros(LAYERS * per)
+    return {
+        f"model.layers.{i}.self_attn.attn": buf[i * per : (i + 1) * per].view(BLOCKS, HEADS, TOKENS, WIDTH)
+        for i in range(LAYERS)
+    }
+
+
+def keys(n: int, seed: int = 0) -> tuple[bytes, ...]:
+    return tuple(bytes([seed, i]) * 8 for i in range(n))
+
+
+def worker(target: str, **kw) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    caches = cache()
+    side = WorkerSide(lambda: Client(target, timeout=10, retries=0), dtype="float32", load_chunk=3, save_chunk=2, **kw)
+    side.register(caches)
+    return side, caches
+
+
+def wait_idle(side: WorkerSide, req: str) -> set[str]:
+    deadline = time.monotonic() + 30
+    while True:
+        done = side.finished_sending({req})
+        if done:
+            return done
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_save_then_load_into_other_blocks_of_another_engine(server) -> None:
+    target = f"127.0.0.1:{server.port}"
+    producer, src = worker(target)
+    for t in src.values():
+        t.normal_()
+    run = BlockRun("r1", "ns", keys(7), (3, 4, 5, 6, 7, 8, 9))
+    producer.save(StepPlan(saves=[run]))
+    assert producer.finished_sending(set()) is None  # not finished yet: vLLM keeps the blocks
+    assert wait_idle(producer, "r1") == {"r1"}
+    assert producer.finished_sending({"r1"}) is None  # reported once
+    c = producer.counters
+    assert (c.save_blocks_stored, c.save_failures, c.saves_in_flight) == (7, 0, 0)
+    producer.save(StepPlan(saves=[BlockRun("r2", "ns", keys(2), (3, 4))]))
+    wait_idle(producer, "r2")
+    assert producer.counters.save_blocks_present == 2
+
+    consumer, dst = worker(target, saves=False)
+    consumer.load(StepPlan(loads=[BlockRun("q", "ns", keys(7), (20, 21, 22, 23, 24, 25, 26))]))
+    assert consumer.take_load_errors() == set()
+    for name in src:
+        assert torch.equal(dst[name][20:27], src[name][3:10])
+    assert consumer.counters.load_blocks == 7 and consumer.counters.lane == "shm"
+    assert consumer.finished_sending({"q"}) is None  # a consumer never holds blocks
+    producer.close()
+    consumer.close()
+
+
+def test_a_missing_block_fails_the_rest_of_its_run(server) -> None:
+    target = f"127.0.0.1:{server.port}"
+    producer, src = worker(target)
+    for t in src.values():
+        t.normal_()
+    producer.save(StepPlan(saves=[BlockRun("r", "ns", keys(6, 1), tuple(range(6)))]))
+    wait_idle(producer, "r")
+    with Client(target) as c:
+        assert c.delete("ns", [keys(6, 1)[4]]) == 1
+    consumer, dst = worker(target, saves=False)
+    for t in dst.values():
+        t.fill_(7.0)
+    consumer.load(StepPlan(loads=[BlockRun("q", "ns", keys(6, 1), tuple(range(10, 16)))]))
+    assert consumer.take_load_errors() == {14, 15}
+    assert consumer.take_load_errors() == set()  # reported once
+    for name in src:
+        assert torch.equal(dst[name][10:14], src[name][0:4])
+        assert not dst[name][14:16].any()  # zeroed: nothing half-written is left for the forward pass
+    assert consumer.counters.load_failed_blocks == 2
+    producer.close()
+    consumer.close()
+
+
+def test_a_corrupt_block_is_never_loaded(server) -> None:
+    target = f"127.0.0.1:{server.port}"
+    producer, src = worker(target)
+    for t in src.values():
+        t.normal_()
+    producer.save(StepPlan(saves=[BlockRun("r", "ns", keys(5, 2), tuple(range(5)))]))
+    wait_idle(producer, "r")
+    leases = server.store.acquire("ns", [keys(5, 2)[1]])
+    leases[0].buffer[100] ^= 0xFF  # flip a stored byte in the arena
+    server.store.release(leases)
+    consumer, dst = worker(target, saves=False)
+    consumer.load(StepPlan(loads=[BlockRun("q", "ns", keys(5, 2), (30, 31, 32, 33, 34))]))
+    errors = consumer.take_load_errors()
+    assert 31 in errors and errors == set(range(min(errors), 35))
+    producer.close()
+    consumer.close()
+
+
+def test_store_down_fails_the_load_and_the_save_quietly() -> None:
+    from kvstore.server.process import free_port
+
+    target = f"127.0.0.1:{free_port()}"
+    side, _ = worker(target)
+    side.load(StepPlan(loads=[BlockRun("q", "ns", keys(4), (1, 2, 3, 4))]))
+    assert side.take_load_errors() == {1, 2, 3, 4}
+    side.save(StepPlan(saves=[BlockRun("r", "ns", keys(2), (1, 2))]))
+    assert wait_idle(side, "r") == {"r"}  # a failed save still ends: its blocks go back to vLLM
+    assert side.counters.save_failures == 1
+    side.close()
+
+
+@pytest.mark.parametrize("preempted", [True, False])
+def test_preemption_waits_for_the_saves_reading_its_blocks(server, preempted: bool) -> None:
+    side, _ = worker(f"127.0.0.1:{server.port}")
+    side.save(StepPlan(saves=[BlockRun("r", "ns", keys(8, 3), tuple(range(8)))]))
+    side.preempting(StepPlan(preempted=frozenset({"r"} if preempted else {"other"})))
+    if preempted:  # returned only once the save no longer reads the blocks: done at once below
+        assert side.finished_sending({"r"}) == {"r"}
+    else:
+        wait_idle(side, "r")
+    side.close()
