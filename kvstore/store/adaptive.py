@@ -37,8 +37,9 @@ Parts (each small, each measured by ``python -m bench.replay``):
 
 Memory is bounded: per resident block a clock and a class (two dict slots)
 and heap rows compacted at 4x the residents; each shadow holds at most as
-many keys as the tier holds blocks, and at most ``max_shadow`` (beyond that,
-shadows see a hash-sampled 1/R of the keys at 1/R of the size).
+many keys as the tier held blocks at its last access, and at most
+``max_shadow`` (beyond that, shadows see a hash-sampled 1/R of the keys at
+1/R of the size).
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class Shadow:
     def access(self, fp: int, parent: int | None, count: int, capacity: int) -> None:
         self.clock += 1
         cls = REUSED if count >= self.reuse_threshold else ONCE
+        if fp in self.key:
+            while len(self.key) > capacity and self._evict():  # the tier shrank: so does its shadow
+                pass
         if fp in self.key:
             if parent is None or parent == self.last_hit:
                 self.score += 1.0
