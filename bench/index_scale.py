@@ -98,7 +98,7 @@ def _lookup_batches(n: int) -> list[list[bytes]]:
     return out
 
 
-def _load_baseline(tmp: Path) -> Any:
+def load_baseline(tmp: Path) -> Any:
     """The store package of BASELINE_COMMIT as ``kvstore_base`` (imports rewritten to stay inside it)."""
     pkg = tmp / "kvstore_base"
     pkg.mkdir()
@@ -146,7 +146,7 @@ def run_child(case: dict[str, Any]) -> Row:
 
         slots_jit.warm_up()
     else:
-        index_mod, blockstore, policies = _load_baseline(Path(tmp.name))
+        index_mod, blockstore, policies = load_baseline(Path(tmp.name))
     from kvstore.tiers.accounting import AccountingMemoryTier
     from kvstore.tiers.base import DRAM
 

@@ -134,9 +134,9 @@ def run_child(case: dict[str, Any]) -> Row:
         if impl == "compact":
             from kvstore.store import blockstore, policies
         else:
-            from bench.index_scale import _load_baseline
+            from bench.index_scale import load_baseline
 
-            _, blockstore, policies = _load_baseline(work)
+            _, blockstore, policies = load_baseline(work)
         tier = NvmeTier(work / "d", 1 << 40, write_policy="direct")
         store = blockstore.BlockStore(
             [AccountingMemoryTier(1 << 40, rank=DRAM), tier], policy_factory=policies.policy_factory(policy)

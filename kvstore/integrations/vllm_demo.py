@@ -45,7 +45,7 @@ QUESTIONS = [
 ]
 
 
-def _start_store(tmp: Path) -> tuple[str, subprocess.Popen]:
+def _start_store(tmp: Path) -> tuple[str, subprocess.Popen[bytes]]:
     target = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "serve", "--listen", target, "--metrics-port", "0", "--log-level",

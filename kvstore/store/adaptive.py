@@ -49,8 +49,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstore.store.frequency import FrequencyLeafLRU, FrequencySketch
 from kvstore.store.hints import ReuseHint
-from kvstore.store.policies import FrequencyLeafLRU, FrequencySketch
 
 DEAD, ONCE, REUSED, KEPT = 0, 1, 2, 3
 CLASS_NAMES = ("dead", "once", "reused", "kept")

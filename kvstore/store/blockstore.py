@@ -36,7 +36,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -145,7 +145,7 @@ class BlockStore(Cascade):
         self._stop = threading.Event()
         self._demoter: threading.Thread | None = None
         self._listeners: list[Callable[[str, str, bytes, int], None]] = []
-        self.max_block_bytes = min(t.max_block_bytes for t in self.tiers if isinstance(t, MemoryTier))
+        self.max_block_bytes: int = min(getattr(t, "max_block_bytes") for t in self.tiers if isinstance(t, MemoryTier))  # noqa: B009 - arenas have it
         self.staging = Staging(staging_bytes if len(self.tiers) > 1 else 0)  # NVMe reads DRAM cannot take
         for tier in self.tiers[1:]:
             self._recover(tier)
@@ -186,6 +186,7 @@ class BlockStore(Cascade):
             )
         with self._lock:
             ns = self.table.namespace_id(namespace, create=True)
+            assert ns is not None  # create=True always gives an id
             e = self.table.find(ns, meta.hash)
             if e is not None:
                 self._touch(e)
@@ -372,7 +373,9 @@ class BlockStore(Cascade):
                 try:
                     if getattr(tier, "streams_reads", False):  # raw blocks: the record's CRC must be the index's
                         crcs = [x.crc32c if x.codec == CODEC_NONE else None for x in group]  # type: ignore[union-attr]
-                        tier.read(locs, lengths, bufs, lambda idx, pos=pos: done([pos[k] for k in idx]), crcs)
+                        cast(Any, tier).read(
+                            locs, lengths, bufs, lambda idx, pos=pos: done([pos[k] for k in idx]), crcs
+                        )  # NvmeTier.read
                     else:
                         tier.read(locs, lengths, bufs)
                         done(pos)
@@ -572,17 +575,17 @@ class BlockStore(Cascade):
                         **s.extra,
                     }
                 )
-            c = self.counters
+            sc = self.counters
             return {
                 "blocks": len(self.table),
                 "tiers": tiers,
-                "lookups": c.lookups,
-                "lookup_hits": c.lookup_hits,
-                "lookup_misses": c.lookup_misses,
-                "puts": c.puts,
-                "already_present": c.already_present,
-                "rejected": c.rejected,
-                "corrupt": c.corrupt,
+                "lookups": sc.lookups,
+                "lookup_hits": sc.lookup_hits,
+                "lookup_misses": sc.lookup_misses,
+                "puts": sc.puts,
+                "already_present": sc.already_present,
+                "rejected": sc.rejected,
+                "corrupt": sc.corrupt,
                 "index_bytes": self.table.nbytes() + sum(p.nbytes() for p in self.policies.values()),
             }
 

@@ -290,6 +290,7 @@ class Cascade:
         for ns_index, name in enumerate(recs.namespaces):
             rows = np.nonzero(recs.ns == ns_index)[0]
             ns = t.namespace_id(name, create=True)
+            assert ns is not None  # create=True always gives an id
             for start in range(0, len(rows), batch):
                 r = rows[start : start + batch]
                 keys = np.ascontiguousarray(recs.keys[r], dtype=np.uint64)
@@ -301,7 +302,7 @@ class Cascade:
                     [recs.stored_length[r], recs.raw_length[r], recs.raw_crc[r], recs.codec[r]], axis=1
                 ).astype(np.int64)
                 ids = t.insert_arrays(ns, keys, fields, dtypes[recs.dtype[r]], recs.parents[r], recs.has_parent[r])
-                self._add_new_copies(ids, tier.rank, recs.offsets[r].tolist())  # type: ignore[attr-defined]
+                self._add_new_copies(ids, tier.rank, recs.offsets[r].tolist())
                 n += len(r)
         return n
 
@@ -320,7 +321,7 @@ class Cascade:
                 keep.append((meta, loc))
         if keep:
             ids = t.insert_many(ns, [m for m, _ in keep], [dtype_id(m.dtype) for m, _ in keep])
-            self._add_new_copies(ids, tier.rank, [loc for _, loc in keep])  # type: ignore[attr-defined]
+            self._add_new_copies(ids, tier.rank, [loc for _, loc in keep])
         return len(keep)
 
     def relocate(self, rank: int, moves: Sequence[tuple[int, int]]) -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -84,6 +85,10 @@ def _key_words(keys: Sequence[bytes]) -> np.ndarray | None:
 
 
 class EntryTable:
+    if TYPE_CHECKING:  # the columns' views (leases, stored_len, ns, dtype, ...) are set per name in __init__
+
+        def __getattr__(self, name: str) -> Any: ...
+
     def __init__(self, initial: int = 1024, ranks: Mapping[int, int] | Sequence[int] | None = None, jit: bool = True):
         """``ranks``: the tier ranks entries may hold copies in, each with its location width in bits
         (a sequence means 64 bits each); all ranks at 64 bits by default. ``jit=False`` keeps the slot

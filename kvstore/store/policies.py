@@ -27,182 +27,27 @@ one sketch; an access is counted once, by the highest tier holding a copy.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from kvstore.store.adaptive import AdaptiveLeafPolicy
+from kvstore.store.frequency import FrequencyLeafLRU, FrequencySketch, shared_sketch
 from kvstore.store.policy import LeafLRU
 
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "POLICY_NAMES",
+    "FrequencyLeafLRU",
+    "FrequencySketch",
+    "PolicySpec",
+    "make_policy",
+    "policy_factory",
+    "shared_sketch",
+]
+
 DEFAULT_POLICY = "freq"
-_M64 = (1 << 64) - 1
-_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
-_NO_LOC = -1
-
-
-class FrequencySketch:
-    """Approximate access counts in fixed memory, with aging.
-
-    A count-min sketch: ``len(_MULTIPLIERS)`` rows of 8-bit counters indexed by
-    multiply-shift hashes of a 64-bit fingerprint; an estimate is the minimum
-    over the rows (never below the true count since the last halving). Updates
-    are conservative (only the minimal counters grow), which keeps the
-    overestimate small. Every ``halve_after x population`` additions all
-    counters are halved, so popularity that stops being renewed fades. The
-    width grows (and the counts restart) while it is under 8x the population.
-    """
-
-    def __init__(self, width_bits: int = 14, max_width_bits: int = 24, halve_after: float = 16.0):
-        self.width_bits = width_bits
-        self.max_width_bits = max_width_bits
-        self.halve_after = halve_after
-        self._rows = [bytearray(1 << width_bits) for _ in _MULTIPLIERS]
-        self._added = 0
-        self.halvings = 0
-        self._owners: weakref.WeakSet[LeafLRU] = weakref.WeakSet()
-        self._first: weakref.ref[LeafLRU] | None = None
-
-    def attach(self, policy: LeafLRU) -> None:
-        """Count ``policy``'s resident blocks in the population that sizes the sketch."""
-        self._owners.add(policy)
-        if self._first is None or self._first() is None:
-            self._first = weakref.ref(policy)
-
-    def reported_by(self, policy: LeafLRU) -> bool:
-        """Whether ``policy`` reports the sketch's bytes (one policy per sketch does)."""
-        return self._first is not None and self._first() is policy
-
-    def _slots(self, fp: int) -> list[int]:
-        shift = 64 - self.width_bits
-        return [((fp * m) & _M64) >> shift for m in _MULTIPLIERS]
-
-    def estimate(self, fp: int) -> int:
-        return min(row[i] for row, i in zip(self._rows, self._slots(fp)))
-
-    def add(self, fp: int) -> int:
-        """Count one access of ``fp``; returns the new estimate (after any aging this addition set off)."""
-        slots = self._slots(fp)
-        counts = [row[i] for row, i in zip(self._rows, slots)]
-        low = min(counts)
-        if low < 255:
-            for row, i, c in zip(self._rows, slots, counts):
-                if c == low:
-                    row[i] = low + 1
-        self._added += 1
-        if self._added & 1023 == 0 and self._maintain():
-            return self.estimate(fp)
-        return min(low + 1, 255)
-
-    def population(self) -> int:
-        return max(sum(len(p) for p in self._owners), 1024)
-
-    def _maintain(self) -> bool:
-        """Widen (restarting the counts) or halve every counter when due; True when it did either."""
-        population = self.population()
-        if (1 << self.width_bits) < 8 * population and self.width_bits < self.max_width_bits:
-            while (1 << self.width_bits) < 8 * population and self.width_bits < self.max_width_bits:
-                self.width_bits += 1
-            self._rows = [bytearray(1 << self.width_bits) for _ in _MULTIPLIERS]
-            self._added = 0
-            return True
-        if self._added >= self.halve_after * population:
-            for row in self._rows:
-                counters = np.frombuffer(row, dtype=np.uint8)
-                counters >>= 1
-            self._added = 0
-            self.halvings += 1
-            return True
-        return False
-
-    def nbytes(self) -> int:
-        return sum(len(row) for row in self._rows)
-
-
-_SHARED: weakref.WeakKeyDictionary[Any, FrequencySketch] = weakref.WeakKeyDictionary()
-
-
-def shared_sketch(table: Any) -> FrequencySketch:
-    """The one sketch of the store that owns ``table`` (created on first use)."""
-    sketch = _SHARED.get(table)
-    if sketch is None:
-        sketch = _SHARED[table] = FrequencySketch()
-    return sketch
-
-
-class FrequencyLeafLRU(LeafLRU):
-    """Leaf-first LRU where blocks seen ``reuse_threshold`` times are protected for ``protect`` turnovers."""
-
-    name = "freq"
-    counts_uses = True
-
-    def __init__(self, *, protect: float = 4.0, reuse_threshold: int = 2, sketch: FrequencySketch | None = None):
-        super().__init__()
-        if protect < 0 or reuse_threshold < 1:
-            raise ValueError("protect must be >= 0 and reuse_threshold >= 1")
-        self.protect = protect
-        self.reuse_threshold = reuse_threshold
-        self.sketch = sketch if sketch is not None else FrequencySketch()
-        self.sketch.attach(self)
-        self._upper: tuple[int, ...] = ()  # ranks above this tier's
-        self._others: tuple[int, ...] = ()  # every other rank
-
-    def bind(self, table: Any, rank: int) -> None:
-        super().bind(table, rank)
-        self.sketch = shared_sketch(table)
-        self.sketch.attach(self)
-        ranks = range(1, table.loc.shape[1])
-        self._upper = tuple(r for r in ranks if r < rank)
-        self._others = tuple(r for r in ranks if r != rank)
-
-    # -- the hook ----------------------------------------------------------------
-    def priority(self, e: int, count: int | None = None) -> float:
-        """The LRU clock, pushed ahead when the block's use count (``count``, or the sketch's) is high."""
-        clock = super().priority(e)
-        if count is None:
-            count = self.sketch.estimate(self._fingerprint(e))
-        if count >= self.reuse_threshold:
-            clock += self.protect * max(len(self._prio), 64)
-        return clock
-
-    # -- verbs: count each access once, then order as the base does -----------------
-    def insert(self, e: int, is_leaf: bool = True, cold: bool = False) -> None:
-        if e in self._prio:  # a victim put back while its copy is written below: keep its rank
-            if is_leaf:
-                self._leaf.add(e)
-                self._push(e)
-            return
-        fp = self._fingerprint(e)
-        if self._sole_copy(e):  # a new block (or one recovered), not a copy moving between tiers
-            self.sketch.add(fp)
-        super().insert(e, is_leaf, cold)
-
-    def touch(self, e: int) -> None:
-        # the base's touch with the count computed once: counted here only when no tier above holds it
-        if e not in self._prio:
-            return
-        fp = self._fingerprint(e)
-        count = self.sketch.add(fp) if self._top_copy(e) else self.sketch.estimate(fp)
-        self._prio[e] = self.priority(e, count)
-        if e in self._leaf:
-            self._push(e)
-
-    def uses(self, e: int) -> int:
-        return self.sketch.estimate(self._fingerprint(e))
-
-    def nbytes(self) -> int:
-        return super().nbytes() + (self.sketch.nbytes() if self.sketch.reported_by(self) else 0)
-
-    # -- context from the index -------------------------------------------------------
-    def _fingerprint(self, e: int) -> int:
-        return e if self.table is None else int(self.table.fp[e])
-
-    def _sole_copy(self, e: int) -> bool:
-        return all(self.table.loc[e, r] == _NO_LOC for r in self._others)
-
-    def _top_copy(self, e: int) -> bool:
-        return all(self.table.loc[e, r] == _NO_LOC for r in self._upper)
 
 
 @dataclass(frozen=True)
@@ -214,17 +59,13 @@ class PolicySpec:
     build: Callable[..., LeafLRU]
 
 
-def _adaptive(**params: Any) -> LeafLRU:
-    from kvstore.store.adaptive import AdaptiveLeafPolicy  # it builds on this module: imported when asked for
-
-    return AdaptiveLeafPolicy(**params)
-
-
 POLICIES: dict[str, PolicySpec] = {
     "lru": PolicySpec("lru", "leaf-first LRU (the store's base policy)", LeafLRU),
     "freq": PolicySpec("freq", "leaf-first LRU; blocks seen twice are protected for a few turnovers", FrequencyLeafLRU),
     "adaptive": PolicySpec(
-        "adaptive", "leaf-first; how long reused blocks are protected is chosen online by shadow caches", _adaptive
+        "adaptive",
+        "leaf-first; how long reused blocks are protected is chosen online by shadow caches",
+        AdaptiveLeafPolicy,
     ),
 }
 POLICY_NAMES = tuple(POLICIES)
