@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from kvstore.integrations.vllm_engine import EngineProcess, EngineSpec
 from kvstore.server.process import free_port
@@ -103,9 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(header)
                 for turn in range(args.turns):
                     messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
-                    prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-                    if isinstance(prompt[0], str) or not isinstance(prompt[0], int):
-                        prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+                    encoded: Any = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                    prompt = [int(t) for t in (encoded["input_ids"] if hasattr(encoded, "keys") else encoded)]
                     prefill.reset_prefix_cache()
                     cold = prefill.generate([prompt], 1)
                     prefill.wait_saves()
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{first['seconds']:>14.3f}s {cold['seconds'] / first['seconds']:>7.1f}x "
                         f"{moved / 1e6:>9.1f} {moved / seconds / 1e9 if seconds else 0:>6.2f}  {match}"
                     )
-                    text = tok.decode(answer, skip_special_tokens=True).strip()
+                    text = str(tok.decode(answer, skip_special_tokens=True)).strip()
                     print(f"      assistant: {text!r}")
                     messages.append({"role": "assistant", "content": text})
         finally:

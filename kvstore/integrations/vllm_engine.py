@@ -34,7 +34,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvstore.integrations.vllm.stats import read_stats, stats_files
 
@@ -193,12 +193,12 @@ def _build(spec: EngineSpec) -> Any:
         transfer = KVTransferConfig(
             kv_connector="KVStoreConnector",
             kv_connector_module_path="kvstore.integrations.vllm",
-            kv_role=spec.role,
+            kv_role=cast(Any, spec.role),
             kv_connector_extra_config=spec.extra,
         )
     elif spec.connector == "example":
         transfer = KVTransferConfig(
-            kv_connector="ExampleConnector", kv_role=spec.role, kv_connector_extra_config=spec.extra
+            kv_connector="ExampleConnector", kv_role=cast(Any, spec.role), kv_connector_extra_config=spec.extra
         )
     elif spec.connector is not None:
         raise ValueError(f"unknown connector {spec.connector!r}")

@@ -62,7 +62,7 @@ _WIRE_DTYPES = ("float32", "bfloat16", "float16")
 class KVStoreConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = Settings.from_extra(transfer.kv_connector_extra_config)
