@@ -194,12 +194,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 index,
                 meta,
                 None,
-                pb.BlockResult(
-                    hash=meta.hash,
-                    status=pb.PUT_REJECTED,
-                    code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                    reason=over,
-                ),
+                validate.over_capacity(meta.hash, over),
             )
         try:
             ticket = self.store.begin_put(ns, meta)
@@ -208,12 +203,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 index,
                 meta,
                 None,
-                pb.BlockResult(
-                    hash=meta.hash,
-                    status=pb.PUT_REJECTED,
-                    code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                    reason=str(err),
-                ),
+                validate.over_capacity(meta.hash, str(err)),
             )
         if ticket is None:
             return _PutState(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT))

@@ -8,7 +8,8 @@ that tells the caller what to fix. A block header's ``dtype`` must be one of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+import grpc
 
 from kvstore.codecs import codec_name, get_codec
 from kvstore.codecs.base import FLOAT_DTYPES
@@ -16,9 +17,7 @@ from kvstore.codecs.policy import LossyPolicy, is_lossy
 from kvstore.hashing import HASH_BYTES
 from kvstore.store.index import DTYPES
 from kvstore.tiers.base import BlockMeta
-
-if TYPE_CHECKING:
-    from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2 as pb
 
 MAX_NAMESPACE_BYTES = 256
 KNOWN_CODECS = frozenset(range(6))  # kvstore.v1.Codec values
@@ -108,4 +107,11 @@ def header(ns: str, hdr: pb.BlockHeader, index: int, limits: Limits) -> BlockMet
         raw_length=hdr.raw_length,
         stored_length=hdr.stored_length,
         crc32c=hdr.crc32c,
+    )
+
+
+def over_capacity(block_hash: bytes, reason: str) -> pb.BlockResult:
+    """A block refused for capacity or quota (RESOURCE_EXHAUSTED in its result): the same on gRPC and every lane."""
+    return pb.BlockResult(
+        hash=block_hash, status=pb.PUT_REJECTED, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], reason=reason
     )

@@ -19,6 +19,7 @@ Every read past the highest id handed out raises IndexError, as numpy would.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,7 @@ def _ids(k: Any) -> np.ndarray:
     return ids
 
 
-class _View:
+class _View(ABC):
     def __init__(self, size: Callable[[], int]):
         self._size = size
 
@@ -54,8 +55,9 @@ class _View:
             raise IndexError(f"entry {e} out of range")
         return e
 
+    @abstractmethod
     def _all(self) -> np.ndarray:
-        raise NotImplementedError
+        """The whole column as one array (what ``np.asarray(view)`` gives)."""
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         a = self._all()

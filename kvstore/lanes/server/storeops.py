@@ -107,12 +107,7 @@ class StoreOps:
                 index,
                 meta,
                 None,
-                pb.BlockResult(
-                    hash=meta.hash,
-                    status=pb.PUT_REJECTED,
-                    code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                    reason=over,
-                ),
+                validate.over_capacity(meta.hash, over),
             )
         try:
             ticket = self.store.begin_put(ns, meta)
@@ -121,12 +116,7 @@ class StoreOps:
                 index,
                 meta,
                 None,
-                pb.BlockResult(
-                    hash=meta.hash,
-                    status=pb.PUT_REJECTED,
-                    code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                    reason=str(err),
-                ),
+                validate.over_capacity(meta.hash, str(err)),
                 full=True,
             )
         if ticket is None:
