@@ -115,7 +115,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
                 {
                     **common,
                     "stats_path": str(tmp / "c"),
-                    "load_planner": "tests.vllm_fault_planner:kill_store_after_lookup",
+                    "load_planner": "tests.vllm_fault_planner:KillStoreAfterLookup",
                 },
                 mp=True,
                 max_model_len=2048,
@@ -141,7 +141,10 @@ def test_consumer_in_a_new_process_loads_the_stored_prefix(rig: Rig) -> None:
     assert out["cached"] == (len(prompt) - 1) // BLOCK * BLOCK  # every full block but the one holding the last token
     stats = rig.consumer.worker_stats()
     assert stats["load_blocks"] - before == (len(prompt) - 1) // BLOCK and stats["load_failures"] == 0
-    assert stats["lane"] == "shm" and stats["cross_layer_view"]
+    assert stats["lane"] == "shm" and stats["cross_layer_view"] and stats["copies_per_block_load"] == 1
+    plans = rig.consumer.scheduler_stats()  # the default cost planner chose to load, and learned from it
+    assert plans["loadplan.choices.load"] >= 1 and plans["loadplan.blocks_loaded"] >= (len(prompt) - 1) // BLOCK
+    assert plans["loadplan.compared"] >= 1 and plans["loadplan.actual_s_sum"] > 0
 
 
 def test_multi_turn_reuses_the_earlier_turn_from_the_store(rig: Rig) -> None:

@@ -249,7 +249,7 @@ def test_gather_and_scatter_move_whole_blocks_across_layers(shared: bool) -> Non
     src, dst = _caches(shared), {k: torch.zeros_like(v) for k, v in _caches(shared).items()}
     a, b = CacheBlocks.from_caches(src), CacheBlocks.from_caches(dst)
     assert a.cross_layer_view is shared and a.block_bytes == 4 * 3 * 32 * 16 * 4
-    staging = a.staging(2)
+    staging = a.new_staging(2)
     a.gather([4, 1], staging)
     b.scatter([0, 5], staging)
     for name in src:
@@ -259,6 +259,20 @@ def test_gather_and_scatter_move_whole_blocks_across_layers(shared: bool) -> Non
     assert all(not dst[name][0].any() for name in dst)
     with pytest.raises(ValueError):
         a.gather([1, 2, 3], staging)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_segments_are_the_blocks_pages_in_place(shared: bool) -> None:
+    src = _caches(shared)
+    blocks = CacheBlocks.from_caches(src)
+    assert blocks.host
+    staging = blocks.new_staging(1)
+    blocks.gather([3], staging)
+    (seg,) = blocks.segments([3])
+    assert seg.nbytes == blocks.block_bytes and len(seg.parts) == blocks.layers
+    assert bytes(seg.join()) == staging[0].numpy().tobytes()
+    seg.scatter(bytes(blocks.block_bytes))  # writes land in the cache itself, in every layer
+    assert all(not t[3].any() for t in src.values()) and all(t[2].any() for t in src.values())
 
 
 def test_layers_are_ordered_by_index() -> None:

@@ -29,9 +29,11 @@ def keys(n: int, seed: int = 0) -> tuple[bytes, ...]:
     return tuple(bytes([seed, i]) * 8 for i in range(n))
 
 
-def worker(target: str, **kw) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+def worker(target: str, lane: str = "auto", **kw) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
     caches = cache()
-    side = WorkerSide(lambda: Client(target, timeout=10, retries=0), dtype="float32", load_chunk=3, save_chunk=2, **kw)
+    side = WorkerSide(
+        lambda: Client(target, timeout=10, retries=0, lane=lane), dtype="float32", load_chunk=3, save_chunk=2, **kw
+    )
     side.register(caches)
     return side, caches
 
@@ -46,9 +48,10 @@ def wait_idle(side: WorkerSide, req: str) -> set[str]:
         time.sleep(0.01)
 
 
-def test_save_then_load_into_other_blocks_of_another_engine(server) -> None:
+@pytest.mark.parametrize("lane", ["shm", "tcp", "grpc"])
+def test_save_then_load_into_other_blocks_of_another_engine(server, lane: str) -> None:
     target = f"127.0.0.1:{server.port}"
-    producer, src = worker(target)
+    producer, src = worker(target, lane)
     for t in src.values():
         t.normal_()
     run = BlockRun("r1", "ns", keys(7), (3, 4, 5, 6, 7, 8, 9))
@@ -62,12 +65,14 @@ def test_save_then_load_into_other_blocks_of_another_engine(server) -> None:
     wait_idle(producer, "r2")
     assert producer.counters.save_blocks_present == 2
 
-    consumer, dst = worker(target, saves=False)
+    consumer, dst = worker(target, lane, saves=False)
     consumer.load(StepPlan(loads=[BlockRun("q", "ns", keys(7), (20, 21, 22, 23, 24, 25, 26))]))
     assert consumer.take_load_errors() == set()
     for name in src:
         assert torch.equal(dst[name][20:27], src[name][3:10])
-    assert consumer.counters.load_blocks == 7 and consumer.counters.lane == "shm"
+        assert not dst[name][:20].any() and not dst[name][27:].any()  # nothing written outside the run
+    c = consumer.counters
+    assert c.load_blocks == 7 and c.lane == lane and c.copies_per_block_load == {"shm": 1, "tcp": 2, "grpc": 3}[lane]
     assert consumer.finished_sending({"q"}) is None  # a consumer never holds blocks
     producer.close()
     consumer.close()
@@ -96,9 +101,10 @@ def test_a_missing_block_fails_the_rest_of_its_run(server) -> None:
     consumer.close()
 
 
-def test_a_corrupt_block_is_never_loaded(server) -> None:
+@pytest.mark.parametrize("lane", ["shm", "tcp", "grpc"])
+def test_a_corrupt_block_is_never_loaded(server, lane: str) -> None:
     target = f"127.0.0.1:{server.port}"
-    producer, src = worker(target)
+    producer, src = worker(target, lane)
     for t in src.values():
         t.normal_()
     producer.save(StepPlan(saves=[BlockRun("r", "ns", keys(5, 2), tuple(range(5)))]))
@@ -106,10 +112,15 @@ def test_a_corrupt_block_is_never_loaded(server) -> None:
     leases = server.store.acquire("ns", [keys(5, 2)[1]])
     leases[0].buffer[100] ^= 0xFF  # flip a stored byte in the arena
     server.store.release(leases)
-    consumer, dst = worker(target, saves=False)
+    consumer, dst = worker(target, lane, saves=False)
+    for t in dst.values():
+        t.fill_(7.0)
     consumer.load(StepPlan(loads=[BlockRun("q", "ns", keys(5, 2), (30, 31, 32, 33, 34))]))
     errors = consumer.take_load_errors()
     assert 31 in errors and errors == set(range(min(errors), 35))
+    for name in src:  # the Get wrote the corrupt bytes in place: they are zeroed before vLLM sees them
+        assert not dst[name][min(errors) : 35].any()
+        assert torch.equal(dst[name][30 : min(errors)], src[name][0 : min(errors) - 30])
     producer.close()
     consumer.close()
 

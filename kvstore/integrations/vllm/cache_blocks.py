@@ -15,7 +15,10 @@ Verbs and promises:
   ``[n, block_bytes]`` uint8 tensor: layer 0's page, then layer 1's, ...). One copy of each byte.
 - ``scatter(block_ids, src)``: the reverse. One copy of each byte.
 - ``zero(block_ids)``: blocks a failed load may have half-written, zeroed in every layer.
-- ``staging(n)``: a reusable ``[n, block_bytes]`` buffer on the cache's device (grown, never shrunk).
+- ``segments(block_ids)``: each block as a ``Segments`` of its per-layer pages (host caches only; ``host``
+  says which), so a Get writes the store's bytes straight into the KV cache and a Put reads them there:
+  no gather or scatter copy at all.
+- ``new_staging(n)``: an ``[n, block_bytes]`` buffer on the cache's device, for device caches (gather/scatter).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kvstore.client import SegmentRows, Segments
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
@@ -48,7 +53,7 @@ class CacheBlocks:
     dtype: torch.dtype
     _per_block: tuple[torch.Tensor, ...] | None  # strided [layers, page_bytes] views, one per block
     _per_layer: list[torch.Tensor]  # [num_blocks, page_bytes] uint8 views, one per layer
-    _staging: torch.Tensor | None = None
+    _rows: SegmentRows | None = None  # host caches: block b as the Segments of row b of every layer
 
     @property
     def layers(self) -> int:
@@ -62,6 +67,11 @@ class CacheBlocks:
     def cross_layer_view(self) -> bool:
         """True when each block is one strided tensor (one copy call per block), not one per layer."""
         return self._per_block is not None
+
+    @property
+    def host(self) -> bool:
+        """The cache is host memory: blocks move as ``segments``, with no staging copy."""
+        return bool(self.device.type == "cpu")
 
     @classmethod
     def from_caches(cls, kv_caches: dict[str, torch.Tensor]) -> CacheBlocks:
@@ -78,14 +88,14 @@ class CacheBlocks:
         num_blocks = int(first.shape[0])
         page = first[0].numel() * first.element_size()
         per_layer = [t.view(torch.uint8).reshape(num_blocks, page) for t in tensors]
-        return cls(
-            names, num_blocks, page, first.device, first.dtype, _cross_view(tensors, num_blocks, page), per_layer
-        )
+        rows = SegmentRows(per_layer) if first.device.type == "cpu" else None
+        cross = _cross_view(tensors, num_blocks, page)
+        return cls(names, num_blocks, page, first.device, first.dtype, cross, per_layer, rows)
 
-    def staging(self, n: int) -> torch.Tensor:
-        if self._staging is None or self._staging.shape[0] < n:
-            self._staging = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=self.device)
-        return self._staging[:n]
+    def segments(self, block_ids: Sequence[int]) -> list[Segments]:
+        if self._rows is None:
+            raise ValueError(f"a {self.device.type} cache has no host segments: use new_staging and gather/scatter")
+        return [self._rows.block(b) for b in block_ids]
 
     def new_staging(self, n: int) -> torch.Tensor:
         return torch.empty((n, self.block_bytes), dtype=torch.uint8, device=self.device)

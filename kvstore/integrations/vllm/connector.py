@@ -8,10 +8,12 @@ Scheduler side (``scheduler.SchedulerSide``, no KV bytes):
     get_num_new_matched_tokens  one batched Lookup, no side effects, one prompt token always left to compute
     update_state_after_alloc    binds the allocated blocks to the planned load
     build_connector_meta        this step's StepPlan: loads, saves of newly computed full blocks, preemptions
+    update_connector_output     the workers' StepReports, for the load planner (``planning.CostPlanner``)
     request_finished            True while saves of the request may still read its blocks
 
 Worker side (``worker.WorkerSide``, the bytes):
     register_kv_caches          views the KV cache as one store block per vLLM block
+    bind_connector_metadata     the step starts (its forward pass is timed for the load planner)
     start_load_kv               synchronous Gets straight into the KV cache before the forward pass
     wait_for_layer_load         nothing: everything is loaded before the first layer runs
     save_kv_layer               nothing: whole blocks are saved after the step, all layers at once
@@ -19,6 +21,7 @@ Worker side (``worker.WorkerSide``, the bytes):
     handle_preemptions          waits for saves still reading blocks vLLM is about to reuse
     get_finished                requests whose saves are done (their blocks may be freed)
     get_block_ids_with_load_errors  blocks that failed to load: vLLM recomputes them
+    build_connector_worker_meta the step's StepReport (loads and forward pass measured) for the scheduler
     shutdown                    drains the saver
 
 Roles: ``kv_producer`` saves, ``kv_consumer`` loads, ``kv_both`` does both. Keys: ``settings.Settings``.
@@ -40,7 +43,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.integrations.vllm.identity import EngineShape, request_namespace
 from kvstore.integrations.vllm.plan import StepPlan
-from kvstore.integrations.vllm.scheduler import SchedulerSide, planner_from_spec
+from kvstore.integrations.vllm.planning import CostPlanner
+from kvstore.integrations.vllm.scheduler import Learner, LoadPlanner, SchedulerSide, planner_from_spec
 from kvstore.integrations.vllm.settings import ClientSlot, Settings
 from kvstore.integrations.vllm.stats import StatsFile, stats_files
 from kvstore.integrations.vllm.worker import WorkerSide
@@ -48,11 +52,13 @@ from kvstore.integrations.vllm.worker import WorkerSide
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -78,6 +84,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.info("KVStoreConnector: kv_load_failure_policy %r -> 'recompute'", transfer.kv_load_failure_policy)
                 transfer.kv_load_failure_policy = "recompute"
             self._lookup_client = ClientSlot(self.settings.client)
+            spec = self.settings.load_planner
+            planner: LoadPlanner = (
+                CostPlanner(lane=_expected_lane(self.settings)) if spec == "cost" else planner_from_spec(spec)
+            )
             page = 2 * self.shape.kv_heads * self.shape.head_size * self.shape.block_size
             itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(self.shape.dtype, 1)
             self._scheduler = SchedulerSide(
@@ -87,7 +97,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 loads=self.loads,
                 saves=self.saves,
                 block_bytes=page * itemsize * self.shape.layers,
-                planner=planner_from_spec(self.settings.load_planner),
+                planner=planner,
+                learner=planner if isinstance(planner, Learner) else None,
                 stats=StatsFile(stats[0]) if stats else None,
             )
         else:
@@ -125,6 +136,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._work().register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_step()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._work().load(self._plan())
 
@@ -138,7 +154,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
-            self._work().save(self._plan())
+            plan = self._plan()
+            self._work().end_step(plan)
+            self._work().save(plan)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._work().take_report()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, StepPlan):
@@ -170,5 +191,16 @@ class KVStoreConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._sched().step_plan(scheduler_output)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().report(connector_output.kv_connector_worker_meta)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().finished(request), None
+
+
+def _expected_lane(settings: Settings) -> str:
+    """The lane the workers' loads will likely use, until their first report says (a prior only)."""
+    if settings.lane != "auto":
+        return settings.lane
+    host = settings.target.rsplit(":", 1)[0].strip("[]")
+    return "shm" if host in ("127.0.0.1", "localhost", "::1") else "tcp"

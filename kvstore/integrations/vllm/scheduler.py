@@ -6,14 +6,17 @@ Verbs and promises (vLLM calls them in this order for a request):
   Lookup of the prompt's full blocks; returns how many tokens beyond ``num_computed`` (vLLM's own,
   block-aligned prefix hit) will be loaded from the store. It leaves at least one prompt token to compute,
   never changes the store, and counts a failed Lookup (store down, timeout, denied) as 0 hits. vLLM may call
-  it several times for a request; each call replaces the previous answer. ``LoadPlanner`` (a hook for
-  issue 17's load-or-recompute planner) may cap the number of blocks loaded, given each block's tier.
+  it several times for a request; each call replaces the previous answer. A ``LoadPlanner`` may cap the
+  number of blocks loaded, given each block's tier: ``planning.CostPlanner`` from measured costs by default
+  (extra config ``load_planner="cost"``), every hit (``"all"``), or any ``module:name``.
 - ``after_alloc(request, block_ids, num_external)`` (``update_state_after_alloc``): binds the blocks vLLM
   allocated to the planned load.
 - ``step_plan(scheduler_output) -> StepPlan`` (``build_connector_meta``): this step's loads, and (for a
   producer) the prompt's full blocks this step completes that the store did not already report, each block
   planned for saving once. Loaded blocks are taken out of ``new_block_ids_to_zero`` (they are overwritten
   whole before the forward pass; a failed load zeroes its blocks itself).
+- ``report(step_report)`` (``update_connector_output``): what the worker measured in a step, for a planner
+  that learns (``Learner``).
 - ``finished(request) -> bool`` (``request_finished``): True iff some step planned a save for the request,
   so vLLM keeps its blocks until the worker reports the save finished.
 """
@@ -24,10 +27,10 @@ import importlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kvstore.integrations.vllm.identity import EngineShape, lora_adapter_id, prompt_hashes, request_namespace
-from kvstore.integrations.vllm.plan import BlockRun, StepPlan
+from kvstore.integrations.vllm.plan import BlockRun, Span, StepPlan, StepReport
 from kvstore.integrations.vllm.stats import StatsFile
 
 log = logging.getLogger(__name__)
@@ -44,7 +47,8 @@ class LoadQuery:
     block_bytes: int
     computed_blocks: int  # already in vLLM's own cache: never loaded
     hit_blocks: int  # leading blocks the store holds, at most all but the prompt's last token
-    tiers: tuple[str, ...]  # tier of each hit block ("hbm", "dram", "nvme")
+    tiers: tuple[str, ...]  # tier of each hit block ("hbm", "dram", "nvme"), from block 0
+    request_id: str = ""
 
 
 class LoadPlanner(Protocol):
@@ -54,18 +58,31 @@ class LoadPlanner(Protocol):
         ...
 
 
+@runtime_checkable
+class Learner(Protocol):
+    """A load planner that learns from what the worker side measured (``planning.CostPlanner``)."""
+
+    def observe(self, report: StepReport) -> None: ...
+
+    def forget(self, req_id: str) -> None: ...
+
+    def snapshot(self) -> dict[str, float]: ...
+
+
 def load_every_hit(query: LoadQuery) -> int:
     return query.hit_blocks
 
 
 def planner_from_spec(spec: str | None) -> LoadPlanner:
-    """``module:function`` (extra config ``load_planner``), or loading every hit when not given."""
-    if not spec:
+    """``all`` (or nothing): every hit; ``module:name``: a function, or a class built with no arguments (a
+    ``Learner`` too when it has the verbs, such as a ``planning.CostPlanner`` subclass)."""
+    if not spec or spec == "all":
         return load_every_hit
     module, _, name = spec.partition(":")
     if not name:
-        raise ValueError(f"load_planner {spec!r} is not module:function")
-    planner: LoadPlanner = getattr(importlib.import_module(module), name)
+        raise ValueError(f"load_planner {spec!r} is not all, cost or module:name")
+    found = getattr(importlib.import_module(module), name)
+    planner: LoadPlanner = found() if isinstance(found, type) else found
     return planner
 
 
@@ -105,10 +122,12 @@ class SchedulerSide:
         saves: bool,
         block_bytes: int,
         planner: LoadPlanner = load_every_hit,
+        learner: Learner | None = None,
         stats: StatsFile | None = None,
     ):
         self.shape, self.namespace, self._lookup = shape, namespace, lookup
         self.loads, self.saves, self.block_bytes, self._planner = loads, saves, block_bytes, planner
+        self._learner = learner
         self.counters = SchedulerCounters()
         self._stats = stats
         self._requests: dict[str, _Tracked] = {}
@@ -134,7 +153,15 @@ class SchedulerSide:
         if not self.loads:
             return 0
         usable = min(hits, max(tracked.prompt_len - 1, 0) // block)  # at least one token left to compute
-        query = LoadQuery(tracked.prompt_len, block, self.block_bytes, computed_blocks, usable, tuple(tiers[:usable]))
+        query = LoadQuery(
+            tracked.prompt_len,
+            block,
+            self.block_bytes,
+            computed_blocks,
+            usable,
+            tuple(tiers[:usable]),
+            request.request_id,
+        )
         wanted = min(usable, int(self._planner(query))) if usable > computed_blocks else 0
         if wanted <= computed_blocks:
             tracked.load_from = tracked.load_to = 0
@@ -178,7 +205,7 @@ class SchedulerSide:
 
     # -- build_connector_meta ------------------------------------------------------------------------
     def step_plan(self, so: Any) -> StepPlan:
-        plan = StepPlan(preempted=frozenset(getattr(so, "preempted_req_ids", None) or ()))
+        plan = StepPlan(preempted=frozenset(getattr(so, "preempted_req_ids", None) or ()), spans=_spans(so))
         for tracked in self._requests.values():
             if tracked.pending_load is not None:
                 plan.loads.append(tracked.pending_load)
@@ -234,11 +261,35 @@ class SchedulerSide:
         tracked.has_saves = True
         self.counters.planned_save_blocks += full - start
 
+    # -- update_connector_output ---------------------------------------------------------------------
+    def report(self, step_report: Any) -> None:
+        if self._learner is not None and isinstance(step_report, StepReport):
+            self._learner.observe(step_report)
+            if step_report.loads:
+                self._write_stats()
+
     # -- request_finished ----------------------------------------------------------------------------
     def finished(self, request: Any) -> bool:
+        if self._learner is not None:
+            self._learner.forget(request.request_id)
         tracked = self._requests.pop(request.request_id, None)
         return bool(tracked is not None and tracked.has_saves)
 
     def _write_stats(self) -> None:
         if self._stats is not None:
-            self._stats.write(self.counters)
+            self._stats.write(self.counters, **(self._learner.snapshot() if self._learner is not None else {}))
+
+
+def _spans(so: Any) -> tuple[Span, ...]:
+    """The tokens each scheduled request computes in this step (vLLM's SchedulerOutput)."""
+    scheduled: dict[str, int] = getattr(so, "num_scheduled_tokens", None) or {}
+    spans = [
+        Span(new.req_id, new.num_computed_tokens, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        for new in getattr(so, "scheduled_new_reqs", None) or ()
+    ]
+    cached = getattr(so, "scheduled_cached_reqs", None)
+    if cached is not None:
+        for i, req_id in enumerate(cached.req_ids):
+            start = cached.num_computed_tokens[i]
+            spans.append(Span(req_id, start, start + scheduled.get(req_id, 0)))
+    return tuple(s for s in spans if s.end > s.start)

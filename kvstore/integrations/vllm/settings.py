@@ -23,7 +23,7 @@ Keys (all optional except ``target``):
 ``model_id``        name of the model in the fingerprint (default: vLLM's ``model``)
 ``stats_path``      a directory: each side rewrites its counters there (``scheduler.json``, ``worker.json``)
 ``on_load_error``   ``recompute`` (default: sets vLLM's ``kv_load_failure_policy`` so) or ``fail`` (vLLM's own)
-``load_planner``    ``module:function`` capping how many hit blocks are loaded (see ``scheduler.LoadPlanner``)
+``load_planner``    how many hit blocks to load: ``cost`` (default: from measured costs, ``planning``), ``all`` or ``module:name``
 ==================  ==========================================================================================
 """
 
@@ -54,7 +54,7 @@ class Settings:
     save_chunk: int = 16
     model_id: str | None = None
     stats_path: str | None = None
-    load_planner: str | None = None
+    load_planner: str | None = "cost"
     on_load_error: str = "recompute"
 
     @classmethod

@@ -5,23 +5,29 @@ Verbs and promises:
 - ``register(kv_caches)`` (vLLM's ``register_kv_caches``): views the cache as one store block per vLLM block
   (``cache_blocks.CacheBlocks``).
 - ``load(plan)`` (``start_load_kv``, before the forward pass, synchronous): each load run is fetched with
-  Gets of ``load_chunk`` blocks into a staging buffer and scattered into the KV cache; the next chunk's Get
-  runs on a helper thread while the current one is scattered. A chunk that fails (store unreachable, a
-  block missing, a CRC32C mismatch, the store lost mid-load) fails the rest of its run: those block ids are
-  zeroed and reported by ``take_load_errors`` (``get_block_ids_with_load_errors``), so vLLM recomputes
-  them; the blocks before stay loaded. Nothing wrong is ever left for the forward pass to read.
+  Gets of ``load_chunk`` blocks. A host cache (vLLM on the CPU) is the Get's destination itself: each block
+  is a ``Segments`` of its per-layer pages, which the lane fills in place. A device cache is filled through
+  a staging buffer and scattered, the next chunk's Get running on a helper thread meanwhile. A chunk that
+  fails (store unreachable, a block missing, a CRC32C mismatch, the store lost mid-load) fails the rest of
+  its run: those block ids are zeroed and reported by ``take_load_errors``
+  (``get_block_ids_with_load_errors``), so vLLM recomputes them; the blocks before stay loaded. Nothing
+  wrong is ever left for the forward pass to read.
 - ``save(plan)`` (``wait_for_save``, after the forward pass): queues the step's save runs for the saver
-  thread and returns at once. The saver gathers each chunk of blocks into its own staging buffer and Puts it
-  (the store answers ``already_present`` for blocks another engine stored meanwhile). The blocks stay vLLM's
-  until their request is reported by ``finished_sending``.
+  thread and returns at once. The saver Puts each chunk of blocks, read in place from a host cache (or
+  gathered into its own staging buffer from a device cache); the store answers ``already_present`` for
+  blocks another engine stored meanwhile. The blocks stay vLLM's until their request is reported by
+  ``finished_sending``.
+- ``begin_step()``/``end_step(plan)`` (vLLM binding the step's plan; ``wait_for_save``) and ``take_report()``
+  (``build_connector_worker_meta``): the step's ``StepReport``: each load run's outcome and the seconds of
+  the forward pass between the loads and the saves, for the scheduler side's load planner.
 - ``preempting(plan)`` (``handle_preemptions``): waits for the saves of preempted requests, whose blocks
   vLLM is about to reuse.
 - ``finished_sending(finished_req_ids) -> set`` (``get_finished``): requests that had saves, have finished,
   and whose saves are all done (stored, refused or failed: a save is best effort).
 - ``close()`` (``shutdown``): drains the saver (bounded), closes the clients.
 
-Copies per block (between the store's memory and the KV cache): see ``COPIES`` and docs in the report of
-issue 16; the staging buffer adds one on every path because the lanes take one contiguous buffer per block.
+Copies per block between the store's memory and the KV cache, per path: ``COPIES`` (host caches) and
+``COPIES_STAGED`` (device caches, one more: the staging buffer).
 """
 
 from __future__ import annotations
@@ -39,22 +45,24 @@ from typing import Any
 import torch
 
 from kvstore.integrations.vllm.cache_blocks import CacheBlocks
-from kvstore.integrations.vllm.plan import BlockRun, StepPlan
+from kvstore.integrations.vllm.plan import BlockRun, LoadReport, StepPlan, StepReport
 from kvstore.integrations.vllm.settings import ClientSlot
 from kvstore.integrations.vllm.stats import StatsFile
 
 log = logging.getLogger(__name__)
 
-# Copies of each block's bytes between the store's arena and vLLM's KV cache, per path (this connector,
-# single-buffer lanes). A lane taking a block as a list of per-layer buffers would save the staging copy.
+# Copies of each block's bytes between the store's arena and a host KV cache, per lane: the lanes read and
+# write the cache's per-layer pages in place (Segments).
 COPIES = {
-    "load:shm": 2,  # store -> staging (the server writes our buffer: process_vm_writev), staging -> cache
-    "load:tcp": 3,  # arena -> socket (server), socket -> staging (recv_into), staging -> cache
-    "load:grpc": 4,  # arena -> message, message -> staging, staging -> cache, plus protobuf's own copy
-    "save:shm": 2,  # cache -> staging, staging -> arena (the server reads our memory: process_vm_readv)
-    "save:tcp": 3,  # cache -> staging, staging -> socket (sendmsg), socket -> arena (server)
-    "save:grpc": 4,
+    "load:shm": 1,  # arena -> cache (the server writes our pages: process_vm_writev, one vector per block)
+    "load:tcp": 2,  # arena -> socket (server), socket -> cache (recvmsg_into the pages)
+    "load:grpc": 3,  # arena -> message, protobuf's own copy, message -> cache
+    "save:shm": 1,  # cache -> arena (the server reads our pages: process_vm_readv)
+    "save:tcp": 2,  # cache -> socket (sendmsg of the pages), socket -> arena (server)
+    "save:grpc": 3,
 }
+# A device cache (CUDA) goes through a host staging buffer: one copy more on every path.
+COPIES_STAGED = {path: n + 1 for path, n in COPIES.items()}
 
 
 @dataclass
@@ -105,34 +113,62 @@ class WorkerSide:
         self._saver = _Saver(self, save_chunk, client_factory) if saves else None
         self._save_reqs: set[str] = set()
         self._finished: set[str] = set()
+        self._step_start = 0.0
+        self._step_load_s = 0.0
+        self._report = StepReport()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.blocks = CacheBlocks.from_caches(kv_caches)
         self.counters.cross_layer_view = self.blocks.cross_layer_view
         self.counters.block_bytes = self.blocks.block_bytes
-        # touched now: the first load would otherwise pay for faulting in tens of MB of fresh pages
-        self._load_staging = [self.blocks.new_staging(self.load_chunk).zero_() for _ in range(2)]
+        if not self.blocks.host:
+            # touched now: the first load would otherwise pay for faulting in tens of MB of fresh pages
+            self._load_staging = [self.blocks.new_staging(self.load_chunk).zero_() for _ in range(2)]
         log.info(
             "kvstore connector: %d layers, %d blocks of %d bytes (%s)",
             self.blocks.layers,
             self.blocks.num_blocks,
             self.blocks.block_bytes,
-            "one strided view per block" if self.blocks.cross_layer_view else "one copy per layer",
+            "moved in place, one segment per layer" if self.blocks.host else "through a staging buffer",
         )
 
     # -- loads -------------------------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
         if not plan.loads or self.blocks is None:
             return
-        start = time.perf_counter()
+        lane = ""
         for run in plan.loads:
-            self._load_run(run)
-        self.counters.load_seconds += time.perf_counter() - start
+            start = time.perf_counter()
+            loaded, calls = self._load_run(run)
+            seconds = time.perf_counter() - start
+            self._step_load_s += seconds
+            self.counters.load_seconds += seconds
+            lane = lane or self._lane()
+            self._report.loads.append(LoadReport(run.req_id, len(run), loaded, seconds, calls, lane))
         self._publish()
 
-    def _fetch(self, run: BlockRun, lo: int, hi: int, staging: torch.Tensor) -> int:
-        """Get blocks [lo, hi) of a run into staging rows; the number of leading blocks that arrived."""
-        out = [staging[i] for i in range(hi - lo)]
+    def begin_step(self) -> None:
+        self._step_start, self._step_load_s = time.perf_counter(), 0.0
+
+    def end_step(self, plan: StepPlan) -> None:
+        if self._step_start and plan.spans:
+            forward = time.perf_counter() - self._step_start - self._step_load_s
+            self._report.spans, self._report.forward_s = plan.spans, max(forward, 0.0)
+        self._step_start = 0.0
+
+    def take_report(self) -> StepReport | None:
+        report, self._report = self._report, StepReport()
+        return report if report.loads or report.spans else None
+
+    def _lane(self) -> str:
+        client = self._load_client.client
+        try:
+            return str(client.lane_kind) if client is not None else ""
+        except Exception:
+            return ""
+
+    def _fetch(self, run: BlockRun, lo: int, hi: int, out: list[Any]) -> int:
+        """Get blocks [lo, hi) of a run into ``out``; the number of leading blocks that arrived."""
         got = self._load_client.call(
             lambda c: c.get(run.namespace, list(run.hashes[lo:hi]), out=out, allow_missing=True)
         )
@@ -141,41 +177,67 @@ class WorkerSide:
                 return i
         return hi - lo
 
-    def _load_run(self, run: BlockRun) -> None:
+    def _load_run(self, run: BlockRun) -> tuple[int, int]:
+        """Blocks loaded intact (the leading ones) and the Gets it took."""
         assert self.blocks is not None
         self.counters.load_runs += 1
         chunks = [(lo, min(lo + self.load_chunk, len(run))) for lo in range(0, len(run), self.load_chunk)]
-        pending: Future[int] | None = self._fetcher.submit(self._fetch, run, *chunks[0], self._load_staging[0])
-        failed_from: int | None = None
+        loaded = self._load_in_place(run, chunks) if self.blocks.host else self._load_staged(run, chunks)
+        self.counters.load_blocks += loaded
+        self.counters.load_bytes += loaded * self.blocks.block_bytes
+        if loaded < len(run):
+            failed = run.block_ids[loaded:]
+            self.blocks.zero(failed)  # a failed Get may have written part of them
+            self._load_errors.update(failed)
+            self.counters.load_failures += 1
+            self.counters.load_failed_blocks += len(failed)
+        return loaded, min(len(chunks), loaded // self.load_chunk + 1)
+
+    def _load_in_place(self, run: BlockRun, chunks: list[tuple[int, int]]) -> int:
+        """Gets straight into the cache's pages; the number of leading blocks loaded intact."""
+        assert self.blocks is not None
+        for lo, hi in chunks:
+            try:
+                arrived = self._fetch(run, lo, hi, list(self.blocks.segments(run.block_ids[lo:hi])))
+            except Exception as err:  # unreachable, CRC mismatch, lost mid-load: recompute from here
+                log.warning("kvstore load of %s failed at block %d: %s", run.req_id, lo, err)
+                return lo
+            if arrived < hi - lo:
+                log.warning("kvstore load of %s: block %d is no longer in the store", run.req_id, lo + arrived)
+                return lo + arrived
+        return len(run)
+
+    def _load_staged(self, run: BlockRun, chunks: list[tuple[int, int]]) -> int:
+        """Gets into two staging buffers in turn, each scattered while the next chunk's Get runs."""
+        assert self.blocks is not None
+
+        def fetch(k: int) -> Future[int]:
+            lo, hi = chunks[k]
+            staging = self._load_staging[k % 2]
+            return self._fetcher.submit(self._fetch, run, lo, hi, [staging[i] for i in range(hi - lo)])
+
+        pending: Future[int] | None = fetch(0)
+        loaded = len(run)
         for k, (lo, hi) in enumerate(chunks):
             assert pending is not None
             try:
                 arrived = pending.result()
-            except Exception as err:  # unreachable, CRC mismatch, lost mid-load: recompute from here
+            except Exception as err:
                 log.warning("kvstore load of %s failed at block %d: %s", run.req_id, lo, err)
-                failed_from, pending = lo, None
+                loaded, pending = lo, None
                 break
-            pending = None
-            if arrived == hi - lo and k + 1 < len(chunks):
-                pending = self._fetcher.submit(self._fetch, run, *chunks[k + 1], self._load_staging[(k + 1) % 2])
+            pending = fetch(k + 1) if arrived == hi - lo and k + 1 < len(chunks) else None
             self.blocks.scatter(run.block_ids[lo : lo + arrived], self._load_staging[k % 2])
-            self.counters.load_blocks += arrived
-            self.counters.load_bytes += arrived * self.blocks.block_bytes
             if arrived < hi - lo:
                 log.warning("kvstore load of %s: block %d is no longer in the store", run.req_id, lo + arrived)
-                failed_from = lo + arrived
+                loaded = lo + arrived
                 break
         if pending is not None:  # never leave a Get writing into a staging buffer the next run reuses
             try:
                 pending.result()
             except Exception:
                 pass
-        if failed_from is not None:
-            failed = run.block_ids[failed_from:]
-            self.blocks.zero(failed)
-            self._load_errors.update(failed)
-            self.counters.load_failures += 1
-            self.counters.load_failed_blocks += len(failed)
+        return loaded
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -218,9 +280,10 @@ class WorkerSide:
                 c.lane = str(client.lane_kind)
             except Exception:
                 c.lane = "?"
-        if c.lane:
-            c.copies_per_block_load = COPIES.get(f"load:{c.lane}", 0)
-            c.copies_per_block_save = COPIES.get(f"save:{c.lane}", 0)
+        if c.lane and self.blocks is not None:
+            copies = COPIES if self.blocks.host else COPIES_STAGED
+            c.copies_per_block_load = copies.get(f"load:{c.lane}", 0)
+            c.copies_per_block_save = copies.get(f"save:{c.lane}", 0)
         if self._saver is not None:
             c.saves_in_flight = self._saver.in_flight()
         if self._stats is not None:
@@ -292,14 +355,18 @@ class _Saver:
         assert blocks is not None
         c = self._worker.counters
         start = time.perf_counter()
-        if self._staging is None:
+        if self._staging is None and not blocks.host:
             self._staging = blocks.new_staging(self._chunk).zero_()
         c.save_runs += 1
         for lo in range(0, len(run), self._chunk):
             hi = min(lo + self._chunk, len(run))
-            blocks.gather(run.block_ids[lo:hi], self._staging)
+            payloads: list[Any]
+            if self._staging is None:  # a host cache: the Put reads the pages in place
+                payloads = list(blocks.segments(run.block_ids[lo:hi]))
+            else:
+                blocks.gather(run.block_ids[lo:hi], self._staging)
+                payloads = [self._staging[i] for i in range(hi - lo)]
             parent = run.hashes[lo - 1] if lo else (run.parent or None)
-            payloads = [self._staging[i] for i in range(hi - lo)]
             results = self.slot.call(
                 lambda c: c.put(
                     run.namespace, list(run.hashes[lo:hi]), payloads, parent=parent, dtype=self._worker.dtype
