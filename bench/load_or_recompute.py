@@ -3,7 +3,7 @@
     python -m bench.load_or_recompute [--quick] [--out bench/results/load_or_recompute.json] [--model smollm2]
 
 SmolLM2-135M (the built-in runtime, fp32: 46,080 bytes of KV per token) serves
-prompts of 500-4,000 tokens (``--quick``: 250 and 500) whose first L - 32
+prompts of 500-4,000 tokens (``--quick``: 250 and 500, regimes dram_shm and tcp_0.1gbit) whose first L - 32
 tokens are a prefix already in the store, through the decode worker's engine
 (``decode_node.engine.DecodeEngine``; TTFT = request submitted to first token).
 Regimes, all in one run:
@@ -54,13 +54,18 @@ ROOT = Path(__file__).resolve().parent.parent
 MODES = ("load", "recompute", "decide")
 REGIMES = ("dram_shm", "nvme", "tcp_10gbit", "tcp_1gbit", "tcp_0.1gbit", "loaded")
 RATES = {"tcp_10gbit": 10.0, "tcp_1gbit": 1.0, "tcp_0.1gbit": 0.1}
+QUICK_REGIMES = ("dram_shm", "tcp_0.1gbit")  # the two ends: loading wins, overlapping wins
 PORT = 7070
 BACKGROUND_CLIENTS = 2
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--regimes", default=",".join(REGIMES))
+    p.add_argument(
+        "--regimes",
+        default=None,
+        help=f"comma list of {', '.join(REGIMES)} (default all; quick {','.join(QUICK_REGIMES)})",
+    )
     p.add_argument("--lengths", default=None, help="prompt lengths (default 500,1000,2000,4000; quick 250,500)")
     p.add_argument("--reps", type=int, default=None, help="rounds per case (default 3, quick 1)")
     p.add_argument("--plot-regimes", default="tcp_1gbit,tcp_0.1gbit")
@@ -299,7 +304,7 @@ def plot(rows: list[Row], regimes: list[str], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__ or "", argv, configure)
-    regimes = [r for r in args.regimes.split(",") if r]
+    regimes = [r for r in (args.regimes or ",".join(QUICK_REGIMES if args.quick else REGIMES)).split(",") if r]
     unknown = set(regimes) - set(REGIMES)
     if unknown:
         raise SystemExit(f"unknown regimes {sorted(unknown)}; choose from {REGIMES}")

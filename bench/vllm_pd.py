@@ -80,7 +80,12 @@ def _store(nvme_dir: Path, dram: str) -> Iterator[str]:
         yield target
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        try:
+            proc.wait(120)  # a graceful stop writes DRAM's blocks to NVMe
+        except subprocess.TimeoutExpired:
+            print("[vllm_pd] kvstore serve did not stop in 120 s: killed", file=sys.stderr)
+            proc.kill()
+            proc.wait()
 
 
 def _evict(directory: Path) -> int:
@@ -105,6 +110,10 @@ class Samples:
 
     def add(self, mode: str, size: int, seconds: float, match: bool | None = None, **extra: Any) -> None:
         self.ttft.setdefault((mode, size), []).append(seconds)
+        n = len(self.ttft[(mode, size)])
+        print(
+            f"[vllm_pd {time.strftime('%H:%M:%S')}] {mode} {size}: {seconds:.3f} s (#{n})", file=sys.stderr, flush=True
+        )
         if match is not None:
             self.match[(mode, size)] = self.match.get((mode, size), True) and match
         for k, v in extra.items():

@@ -237,3 +237,40 @@ def test_nvme_admission_needs_a_policy_that_counts_uses(tmp_path):
     with pytest.raises(ValueError, match="1 or more"):
         config.load(env={"KVSTORE_NVME_ADMIT_USES": "0"})
     assert config.load(env={"KVSTORE_NVME_ADMIT_USES": "2"}).nvme_admit_uses == 2
+
+
+def test_a_put_never_waits_for_a_running_compaction(tmp_path):
+    """A Put that makes room holds the store's lock and may find NVMe full; a background compaction meanwhile
+    holds the compaction lock and needs the store's lock to report its moves. Waiting for that compaction
+    deadlocked the store (found by bench.vllm_pd: Puts and the shutdown hung for good)."""
+    from kvstore.store import BlockStore
+
+    size = 256 << 10
+    nvme = NvmeTier(tmp_path / "n", 16 << 20, segment_bytes=2 << 20)
+    store = BlockStore([ArenaTier(4 << 20, page_size=1 << 20), nvme])
+    nvme.on_relocate = lambda moves: store.relocate(nvme.rank, moves)
+    keys = block_hashes(list(range(16 * 80)), 16, "ns", "fill")
+    put_blocks(store, keys[:70], size)  # DRAM and NVMe both full
+    compacting, done = threading.Event(), threading.Event()
+
+    def background_compaction() -> None:  # what compact_once does: the lock, then a relocation report
+        with nvme._compact_lock:
+            compacting.set()
+            done.wait(30)
+            store.relocate(nvme.rank, [])
+
+    def more_puts() -> None:
+        put_blocks(store, keys[70:], size)  # every one needs room on NVMe
+        done.set()
+
+    bg = threading.Thread(target=background_compaction, daemon=True)
+    bg.start()
+    assert compacting.wait(10)
+    writer = threading.Thread(target=more_puts, daemon=True)
+    writer.start()
+    writer.join(30)
+    assert not writer.is_alive(), "the Put waited for the compaction holding the store's lock"
+    bg.join(30)
+    assert not bg.is_alive()
+    store.check_invariants()
+    store.close()

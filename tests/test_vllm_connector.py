@@ -158,6 +158,24 @@ def test_multi_turn_reuses_the_earlier_turn_from_the_store(rig: Rig) -> None:
     assert out["tokens"] == rig.producer.generate([turn2], MAX_TOKENS)["outputs"][0]["tokens"]
 
 
+def test_a_hole_in_the_stored_prefix_loads_the_blocks_before_it(rig: Rig) -> None:
+    from kvstore.client import Client
+    from kvstore.integrations.vllm.identity import EngineShape, prompt_hashes
+
+    prompt = _prompt(8, 300)
+    ref = rig.reference(prompt)
+    shape = EngineShape(rig.producer.spec.model, "", "float32", 30, 3, 64, BLOCK, "vllm-LBHNC-tp1")
+    hashes = prompt_hashes(prompt, shape, "vllm")
+    with Client(rig.store.target) as c:
+        assert c.delete("vllm", [hashes[5]]) == 1  # evicted between the Lookup and the load, say
+        hits, _ = c.lookup_tiers("vllm", hashes)
+    assert hits == 5
+    before = rig.consumer.worker_stats().get("load_blocks", 0)
+    out = rig.consume(prompt)
+    assert out["tokens"] == ref and out["cached"] == 5 * BLOCK  # the 5 blocks before the hole, then recompute
+    assert rig.consumer.worker_stats()["load_blocks"] - before == 5
+
+
 def test_cache_salt_isolates_tenants(rig: Rig) -> None:
     prompt = _prompt(4, 300)
     ref = rig.reference(prompt, salt="tenant-a")

@@ -194,7 +194,9 @@ class Cascade:
                 freed = self._evict(lower, need)
                 compact = getattr(lower, "compact", None)
                 if compact is not None:
-                    compact()
+                    # Callers hold the store's lock, which a running compaction's relocation takes: waiting
+                    # for that compaction would deadlock, so only compact when nobody else is.
+                    compact(wait=False)
                 if not freed and compact is None:
                     raise
         raise TierFull(lower.name)

@@ -15,8 +15,11 @@
   header and payload CRC are verified before its dest is filled; failures
   raise ``CorruptBlock`` naming the bad locations (other dests are filled).
 - ``free(locs)``: records die; their space returns through compaction.
-- ``compact(max_segments, threshold) -> CompactionReport``: run by the owner
-  from a background thread; moves are reported through ``on_relocate``.
+- ``compact(max_segments, threshold, wait=True) -> CompactionReport``: run by
+  the owner from a background thread; moves are reported through
+  ``on_relocate``. ``wait=False`` returns at once (``stopped`` says so) when
+  another compaction is running: a caller that holds a lock ``on_relocate``
+  takes (the store's, while it makes room for a Put) must not wait for it.
 - ``recover()``: the blocks found on disk at open, once.
 - ``reclaimable() -> ReclaimInfo``, ``stats()``, ``checkpoint()``, ``close()``.
 """
@@ -313,34 +316,41 @@ class NvmeTier(Tier):
     def free(self, locs: Sequence[int]) -> None:
         self._log.kill(locs)
 
-    def compact(self, max_segments: int | None = None, threshold: float | None = None) -> CompactionReport:
+    def compact(
+        self, max_segments: int | None = None, threshold: float | None = None, *, wait: bool = True
+    ) -> CompactionReport:
         """Compact up to ``max_segments`` (default: all eligible) segments below ``threshold``."""
-        with self._compact_lock:
-            if self._fault:  # no copying while writes fail; deleting empty segments still frees space
-                return CompactionReport(
-                    segments_dropped=self._log.drop_empty(), stopped=f"tier degraded: {self._fault}"
-                )
-            try:
-                report = compact_log(
-                    self._log,
-                    self.backend,
-                    self._buffers,
-                    self.on_relocate,
-                    threshold=self.compact_threshold if threshold is None else threshold,
-                    max_segments=max_segments or self._log.max_segments,
-                    pressure=self._pressure,
-                    max_read_bytes=self.max_read_bytes,
-                    forward_ttl_s=self.forward_ttl_s,
-                )
-            except OSError as e:
-                raise self._degrade(e) from e
-            if report.bytes_freed:
-                self._pressure = False
-            self._counts["compactions"] += 1
-            self._counts["relocated"] += report.records_moved
-            if report.segments_compacted or report.segments_dropped:
-                self._log.checkpoint()
-            return report
+        if not self._compact_lock.acquire(blocking=wait):
+            return CompactionReport(stopped="another compaction is running")
+        try:
+            return self._compact(max_segments, threshold)
+        finally:
+            self._compact_lock.release()
+
+    def _compact(self, max_segments: int | None, threshold: float | None) -> CompactionReport:
+        if self._fault:  # no copying while writes fail; deleting empty segments still frees space
+            return CompactionReport(segments_dropped=self._log.drop_empty(), stopped=f"tier degraded: {self._fault}")
+        try:
+            report = compact_log(
+                self._log,
+                self.backend,
+                self._buffers,
+                self.on_relocate,
+                threshold=self.compact_threshold if threshold is None else threshold,
+                max_segments=max_segments or self._log.max_segments,
+                pressure=self._pressure,
+                max_read_bytes=self.max_read_bytes,
+                forward_ttl_s=self.forward_ttl_s,
+            )
+        except OSError as e:
+            raise self._degrade(e) from e
+        if report.bytes_freed:
+            self._pressure = False
+        self._counts["compactions"] += 1
+        self._counts["relocated"] += report.records_moved
+        if report.segments_compacted or report.segments_dropped:
+            self._log.checkpoint()
+        return report
 
     def reclaimable(self) -> ReclaimInfo:
         lg = self._log
