@@ -85,7 +85,15 @@ def compact_log(
         if live and hook is None:
             report.stopped = "no on_relocate hook: segments with live records cannot be moved"
             break
-        stopped = _move_segment(log_, backend, pool, hook, seg, live, max_read_bytes, report)
+        # Pinned like a read while its records are copied: a writer making room drops empty segments
+        # (drop_empty), and this one empties as its records move or die; it must not be retired (its file
+        # closed, its descriptor reused) under the copy.
+        if not log_.pin_segment(seg):
+            continue  # retired meanwhile
+        try:
+            stopped = _move_segment(log_, backend, pool, hook, seg, live, max_read_bytes, report)
+        finally:
+            log_.unpin([seg])
         if stopped:
             report.stopped = stopped
             break
@@ -94,7 +102,7 @@ def compact_log(
         if still_live:
             report.stopped = f"segment {seg.id} still has {still_live} live records"
             break
-        log_.retire(seg)
+        log_.retire(seg)  # unless a writer's drop_empty did, as soon as it was unpinned
         report.segments_compacted += 1
     report.bytes_freed = max(0, disk0 - log_.disk_bytes)
     report.seconds = time.perf_counter() - t0

@@ -324,6 +324,14 @@ class SegmentLog:
                 out.append((r, seg))
         return out, list(pinned.values())
 
+    def pin_segment(self, seg: Segment) -> bool:
+        """Pin one segment as a read does (False: it is being retired, or gone)."""
+        with self.lock:
+            if self.segments.get(seg.id) is not seg or seg.state is SegmentState.RETIRING:
+                return False
+            seg.readers += 1
+            return True
+
     def unpin(self, segs: Sequence[Segment]) -> None:
         with self.lock:
             for seg in segs:
@@ -355,8 +363,11 @@ class SegmentLog:
 
     # -- retirement ------------------------------------------------------------------
     def retire(self, seg: Segment) -> None:
-        """Delete a segment: new reads of it are refused at once, in-flight ones finish first."""
+        """Delete a segment: new reads of it are refused at once, in-flight ones finish first. A segment
+        another thread is retiring, or retired, is left to it."""
         with self.lock:
+            if self.segments.get(seg.id) is not seg or seg.state is SegmentState.RETIRING:
+                return
             seg.state = SegmentState.RETIRING
             while seg.readers:
                 self._unpinned.wait()
