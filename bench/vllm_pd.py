@@ -15,8 +15,9 @@ own, one phase at a time (memory), each prompt a fresh random one:
 - ``kvstore_shm`` / ``kvstore_tcp``: ``KVStoreConnector`` (kv_both), two engines side by side, one per lane:
   the shm engine runs the prompt once (its blocks saved in the background); each engine drops vLLM's cache
   and runs the prompt, loading its prefix from the store's DRAM.
-- ``kvstore_nvme``: as ``kvstore_shm``, after filler blocks pushed the prompt's blocks out of the store's
-  DRAM onto its NVMe tier (``--promote-on-hit false``; ``nvme_fraction`` says how many were there).
+- ``kvstore_nvme``: as ``kvstore_shm``, after the store restarted: a graceful stop writes every block to its
+  NVMe tier, DRAM starts empty and ``--promote-on-hit false`` keeps the blocks on NVMe (``nvme_fraction``
+  says how many were there: 1.0).
 - ``multi_turn:*``: chats over one shared system prompt, each turn on a dropped vLLM cache (as if another
   replica served it); its prefix can come only from the connector. ``hit_rate``: cached / prompt tokens.
 
@@ -62,30 +63,54 @@ def _p(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-@contextmanager
-def _store(nvme_dir: Path, dram: str) -> Iterator[str]:
-    target = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "kvstore", "serve", "--listen", target, "--metrics-port", "0", "--log-level",
-           "error", "--dram", dram, "--nvme-dir", str(nvme_dir), "--nvme", "8GiB", "--promote-on-hit", "false"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    try:
+class StoreProc:
+    """A ``kvstore serve`` on a loopback port; ``restart()`` stops it gracefully (DRAM's blocks go to NVMe) and
+    starts it again on the same port and NVMe directory, with an empty DRAM."""
+
+    def __init__(self, nvme_dir: Path, dram: str):
+        self.target = f"127.0.0.1:{free_port()}"
+        self.cmd = [sys.executable, "-m", "kvstore", "serve", "--listen", self.target, "--metrics-port", "0",
+                    "--log-level", "error", "--dram", dram, "--nvme-dir", str(nvme_dir), "--nvme", "8GiB",
+                    "--promote-on-hit", "false"]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT)
+        deadline = time.monotonic() + 300  # recovery of the NVMe index included
         while subprocess.run(
-            [sys.executable, "-m", "kvstore", "health", "--target", target, "--timeout", "1"],
+            [sys.executable, "-m", "kvstore", "health", "--target", self.target, "--timeout", "1"],
             capture_output=True,
             cwd=ROOT,
         ).returncode:
-            if proc.poll() is not None:
-                raise RuntimeError("kvstore serve exited")
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("kvstore serve exited or did not become healthy")
             time.sleep(0.2)
-        yield target
-    finally:
-        proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(120)  # a graceful stop writes DRAM's blocks to NVMe
+            self.proc.wait(180)  # a graceful stop writes DRAM's blocks to NVMe
         except subprocess.TimeoutExpired:
-            print("[vllm_pd] kvstore serve did not stop in 120 s: killed", file=sys.stderr)
-            proc.kill()
-            proc.wait()
+            print("[vllm_pd] kvstore serve did not stop in 180 s: killed", file=sys.stderr)
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@contextmanager
+def _store(nvme_dir: Path, dram: str) -> Iterator[StoreProc]:
+    store = StoreProc(nvme_dir, dram)
+    store.start()
+    try:
+        yield store
+    finally:
+        store.stop()
 
 
 def _evict(directory: Path) -> int:
@@ -196,17 +221,6 @@ def phase_example(model: str, sizes: list[int], reps: int, out: Samples, rng: ra
         multi_turn(engine, "multi_turn:example_connector", out, rng)
 
 
-def _fill(target: str, nbytes: int, block_bytes: int) -> None:
-    """Put ``nbytes`` of filler blocks so older blocks leave DRAM for NVMe."""
-    from kvstore.client import Client
-
-    payload = bytes(block_bytes)
-    keys = [os.urandom(16) for _ in range(nbytes // block_bytes + 1)]
-    with Client(target) as client:
-        for i in range(0, len(keys), 16):
-            client.put("bench-filler", keys[i : i + 16], [payload] * len(keys[i : i + 16]), chained=False)
-
-
 def _load_once(engine: EngineProcess, mode: str, size: int, prompt: list[int], cold: list[int], out: Samples,
                **extra: Any) -> None:  # fmt: skip
     """Drop vLLM's cache, run the prompt (its prefix from the store), then again (vLLM's own hit: the pair)."""
@@ -232,24 +246,27 @@ def _load_once(engine: EngineProcess, mode: str, size: int, prompt: list[int], c
 
 
 def phase_kvstore(
-    model: str, target: str, sizes: list[int], reps: int, out: Samples, rng: random.Random, tmp: Path,
-    *, dram_bytes: int,
+    model: str, store: StoreProc, sizes: list[int], reps: int, out: Samples, rng: random.Random, tmp: Path
 ) -> None:  # fmt: skip
     """Two kv_both engines side by side, one per lane; the shm one computes and saves each prompt, both load it
-    from DRAM, then filler pushes it to NVMe and the shm one loads it again."""
+    from DRAM. Then the store restarts (a graceful stop writes every block to NVMe; DRAM starts empty, and
+    ``--promote-on-hit false`` keeps them there) and the shm engine loads every prompt again, from NVMe."""
     from kvstore.client import Client
 
     def spec(lane: str) -> EngineSpec:
-        return EngineSpec(model, "kvstore", "kv_both", {"target": target, "lane": lane, "stats_path": str(tmp / lane)})
+        extra = {"target": store.target, "lane": lane, "stats_path": str(tmp / lane)}
+        return EngineSpec(model, "kvstore", "kv_both", extra)
 
     shape = EngineShape(model, "", "float32", 30, 3, 64, BLOCK, "vllm-LBHNC-tp1")
-    with EngineProcess(spec("shm")) as shm, EngineProcess(spec("tcp")) as tcp, Client(target) as probe:
-        for engine in (shm, tcp):  # first requests allocate and tune; lanes negotiated, staging buffers touched
+    stored: list[tuple[int, list[int], list[int]]] = []
+    with EngineProcess(spec("shm")) as shm, EngineProcess(spec("tcp")) as tcp:
+        for engine in (shm, tcp):  # first requests allocate and tune; lanes negotiated, pages touched
             p = _prompt(rng, 500)
             engine.generate([p], 1)
             engine.wait_saves()
             engine.reset_prefix_cache()
             engine.generate([p], 1)
+        warm = p
         for size in sizes:
             for _ in range(reps):
                 prompt = _prompt(rng, size)
@@ -257,12 +274,18 @@ def phase_kvstore(
                 shm.wait_saves()
                 _load_once(shm, "kvstore_shm", size, prompt, cold, out)
                 _load_once(tcp, "kvstore_tcp", size, prompt, cold, out)
-                _fill(target, dram_bytes + (256 << 20), shm.worker_stats()["block_bytes"])
+                stored.append((size, prompt, cold))
+        tcp.close()
+        store.restart()
+        for _ in range(2):  # the engine's clients find the old lanes gone and reconnect: not measured
+            shm.reset_prefix_cache()
+            shm.generate([warm], 1)
+        with Client(store.target) as probe:
+            for size, prompt, cold in stored:
                 hashes = prompt_hashes(prompt, shape, "vllm")[: (size - 1) // BLOCK]
                 _, tiers = probe.lookup_tiers("vllm", hashes)
                 frac = sum(t == "nvme" for t in tiers) / max(len(hashes), 1)
                 _load_once(shm, "kvstore_nvme", size, prompt, cold, out, nvme_fraction=round(frac, 3))
-        tcp.close()
         multi_turn(shm, "multi_turn:kvstore_shm", out, rng, wait=shm.wait_saves)
 
 
@@ -323,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(exported_smollm2())
     rng = random.Random(16)
     out = Samples()
-    dram = "1GiB"
+    dram = "2GiB"
     info: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVSTORE_BENCH_DIR", "/var/tmp")) as d:
         tmp = Path(d)
@@ -331,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             info = phase_local(model, sizes, local_reps, out, rng)
         if "example" in phases:
             phase_example(model, sizes, reps, out, rng, tmp)
-        with _store(tmp / "nvme", dram) as target:
+        with _store(tmp / "nvme", dram) as store:
             if "kvstore" in phases:
-                phase_kvstore(model, target, sizes, reps, out, rng, tmp, dram_bytes=1 << 30)
+                phase_kvstore(model, store, sizes, reps, out, rng, tmp)
         if "turns" in phases:
             phase_multi_turn_recompute(model, out, rng)
     rows = out.rows()

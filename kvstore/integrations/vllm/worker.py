@@ -6,7 +6,8 @@ Verbs and promises:
   (``cache_blocks.CacheBlocks``).
 - ``load(plan)`` (``start_load_kv``, before the forward pass, synchronous): each load run is fetched with
   Gets of ``load_chunk`` blocks. A host cache (vLLM on the CPU) is the Get's destination itself: each block
-  is a ``Segments`` of its per-layer pages, which the lane fills in place. A device cache is filled through
+  is a ``Segments`` of its per-layer pages, which the lane fills in place, ``load_streams`` Gets at a time
+  (one client each). A device cache is filled through
   a staging buffer and scattered, the next chunk's Get running on a helper thread meanwhile. A chunk that
   fails (store unreachable, a block missing, a CRC32C mismatch, the store lost mid-load) fails the rest of
   its run: those block ids are zeroed and reported by ``take_load_errors``
@@ -96,6 +97,7 @@ class WorkerSide:
         *,
         dtype: str,
         load_chunk: int = 16,
+        load_streams: int = 2,
         save_chunk: int = 16,
         saves: bool = True,
         stats: StatsFile | None = None,
@@ -106,8 +108,16 @@ class WorkerSide:
         self._stats = stats
         self._stats_lock = threading.Lock()
         self.blocks: CacheBlocks | None = None
-        self._load_client = ClientSlot(client_factory)
-        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+        if load_streams < 1:
+            raise ValueError("load_streams must be >= 1")
+        # one client per stream: a host cache's chunks are fetched by up to load_streams Gets at once (the
+        # store copies one while the next is requested and this side checks the last one's CRC32C)
+        self._slots: queue.SimpleQueue[ClientSlot] = queue.SimpleQueue()
+        self._all_slots = [ClientSlot(client_factory) for _ in range(load_streams)]
+        for slot in self._all_slots:
+            self._slots.put(slot)
+        self._load_client = self._all_slots[0]
+        self._fetcher = ThreadPoolExecutor(load_streams, thread_name_prefix="kvstore-load")
         self._load_errors: set[int] = set()
         self._load_staging: list[torch.Tensor] = []
         self._saver = _Saver(self, save_chunk, client_factory) if saves else None
@@ -169,9 +179,11 @@ class WorkerSide:
 
     def _fetch(self, run: BlockRun, lo: int, hi: int, out: list[Any]) -> int:
         """Get blocks [lo, hi) of a run into ``out``; the number of leading blocks that arrived."""
-        got = self._load_client.call(
-            lambda c: c.get(run.namespace, list(run.hashes[lo:hi]), out=out, allow_missing=True)
-        )
+        slot = self._slots.get()
+        try:
+            got = slot.call(lambda c: c.get(run.namespace, list(run.hashes[lo:hi]), out=out, allow_missing=True))
+        finally:
+            self._slots.put(slot)
         for i, block in enumerate(got):
             if block is None:
                 return i
@@ -191,21 +203,30 @@ class WorkerSide:
             self._load_errors.update(failed)
             self.counters.load_failures += 1
             self.counters.load_failed_blocks += len(failed)
-        return loaded, min(len(chunks), loaded // self.load_chunk + 1)
+        calls = len(chunks) if self.blocks.host else min(len(chunks), loaded // self.load_chunk + 1)
+        return loaded, calls
 
     def _load_in_place(self, run: BlockRun, chunks: list[tuple[int, int]]) -> int:
-        """Gets straight into the cache's pages; the number of leading blocks loaded intact."""
+        """Gets straight into the cache's pages, ``load_streams`` at a time; the number of leading blocks
+        loaded intact. Every Get has returned before this does: none writes into the cache afterwards."""
         assert self.blocks is not None
-        for lo, hi in chunks:
+        futures = [
+            self._fetcher.submit(self._fetch, run, lo, hi, list(self.blocks.segments(run.block_ids[lo:hi])))
+            for lo, hi in chunks
+        ]
+        loaded: int | None = None
+        for (lo, hi), future in zip(chunks, futures):
             try:
-                arrived = self._fetch(run, lo, hi, list(self.blocks.segments(run.block_ids[lo:hi])))
+                arrived = future.result()
             except Exception as err:  # unreachable, CRC mismatch, lost mid-load: recompute from here
-                log.warning("kvstore load of %s failed at block %d: %s", run.req_id, lo, err)
-                return lo
-            if arrived < hi - lo:
+                if loaded is None:
+                    log.warning("kvstore load of %s failed at block %d: %s", run.req_id, lo, err)
+                    loaded = lo
+                continue
+            if loaded is None and arrived < hi - lo:
                 log.warning("kvstore load of %s: block %d is no longer in the store", run.req_id, lo + arrived)
-                return lo + arrived
-        return len(run)
+                loaded = lo + arrived
+        return len(run) if loaded is None else loaded
 
     def _load_staged(self, run: BlockRun, chunks: list[tuple[int, int]]) -> int:
         """Gets into two staging buffers in turn, each scattered while the next chunk's Get runs."""
@@ -269,7 +290,8 @@ class WorkerSide:
         if self._saver is not None:
             self._saver.close(timeout)
         self._fetcher.shutdown(wait=True)
-        self._load_client.close()
+        for slot in self._all_slots:
+            slot.close()
         self._publish()
 
     def _publish(self) -> None:

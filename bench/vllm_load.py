@@ -1,0 +1,119 @@
+"""The vLLM connector's load path alone: ``WorkerSide.load`` of a prompt's blocks into a KV cache laid out as
+vLLM's CPU backend lays it out (30 layers, LBHNC, SmolLM2's 1,474,560-byte blocks), from a ``kvstore serve``.
+
+    python -m bench.vllm_load [--quick] [--out FILE.json] [--blocks 62,109] [--streams 1,2]
+
+Per lane (shm, tcp) and ``load_streams``: the median seconds of a load (every block lands in place in the
+cache's 30 per-layer pages, CRC32C checked), and in the same run the baseline: one ``torch`` copy of the
+same bytes from one contiguous buffer into the cache's pages (what an in-process cache hit would cost).
+Rows: ``lane``, ``streams``, ``blocks``, ``load_s``, ``gbps``, ``memcpy_s``, ``vs_memcpy`` (memcpy / load).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from bench.common import Row, parse_args, report
+from kvstore.client import Client
+from kvstore.integrations.vllm.plan import BlockRun, StepPlan
+from kvstore.integrations.vllm.worker import WorkerSide
+from kvstore.server.process import store_process
+
+LAYERS, HEADS, TOKENS, WIDTH = 30, 3, 32, 128  # SmolLM2-135M at block 32, fp32: 49,152 bytes a layer page
+
+
+def _cache(blocks: int) -> dict[str, torch.Tensor]:
+    per = blocks * HEADS * TOKENS * WIDTH
+    buf = torch.zeros(LAYERS * per)
+    return {
+        f"model.layers.{i}.self_attn.attn": buf[i * per : (i + 1) * per].view(blocks, HEADS, TOKENS, WIDTH)
+        for i in range(LAYERS)
+    }
+
+
+def _keys(n: int) -> tuple[bytes, ...]:
+    return tuple(i.to_bytes(16, "little") for i in range(n))
+
+
+def _memcpy_s(cache: dict[str, torch.Tensor], blocks: int, reps: int) -> float:
+    """One copy of the same bytes from one contiguous host buffer into each layer's pages."""
+    layers = [t[:blocks].reshape(-1) for t in cache.values()]
+    src = torch.randn(len(layers), layers[0].numel())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for layer, row in zip(layers, src):
+            layer.copy_(row)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    def configure(p: Any) -> None:
+        p.add_argument("--blocks", default="", help="blocks per load (default 62,109: 2k and 3.5k tokens)")
+        p.add_argument("--streams", default="1,2", help="load_streams values")
+        p.add_argument("--reps", type=int, default=0, help="loads per case (default 9; quick 3)")
+
+    args = parse_args("The vLLM connector's load path: WorkerSide.load against memcpy", argv, configure)
+    sizes = [int(x) for x in args.blocks.split(",")] if args.blocks else ([62] if args.quick else [62, 109])
+    reps = args.reps or (3 if args.quick else 9)
+    streams = [int(x) for x in args.streams.split(",")]
+    rows: list[Row] = []
+    top = max(sizes)
+    with store_process("--dram", "2GiB") as (target, _):
+        producer = WorkerSide(lambda: Client(target, lane="shm"), dtype="float32", saves=True)
+        src = _cache(top + 1)
+        for t in src.values():
+            t.normal_()
+        producer.register(src)
+        producer.save(StepPlan(saves=[BlockRun("fill", "bench", _keys(top), tuple(range(top)))]))
+        deadline = time.monotonic() + 120
+        while not producer.finished_sending({"fill"}):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the blocks were not stored in 120 s")
+            time.sleep(0.05)
+        producer.close()
+        for lane in ("shm", "tcp"):
+            for n in streams:
+                side = WorkerSide(lambda lane=lane: Client(target, lane=lane), dtype="float32", load_streams=n)
+                cache = _cache(top + 1)
+                side.register(cache)
+                for blocks in sizes:
+                    run = BlockRun("q", "bench", _keys(blocks), tuple(range(1, blocks + 1)))
+                    side.load(StepPlan(loads=[run]))  # lanes opened, pages touched
+                    times = []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        side.load(StepPlan(loads=[run]))
+                        times.append(time.perf_counter() - t0)
+                    assert side.take_load_errors() == set()
+                    for name in cache:
+                        assert torch.equal(cache[name][1 : blocks + 1], src[name][:blocks])
+                    load_s = statistics.median(times)
+                    memcpy_s = _memcpy_s(cache, blocks, reps)
+                    nbytes = blocks * side.counters.block_bytes
+                    rows.append(
+                        {
+                            "lane": lane,
+                            "streams": n,
+                            "blocks": blocks,
+                            "mb": round(nbytes / 1e6, 1),
+                            "load_s": round(load_s, 4),
+                            "gbps": round(nbytes / load_s / 1e9, 2),
+                            "memcpy_s": round(memcpy_s, 4),
+                            "vs_memcpy": round(memcpy_s / load_s, 2),
+                        }
+                    )
+                    print(f"[vllm_load] {rows[-1]}", file=sys.stderr, flush=True)
+                side.close()
+    report(rows, args, title="vLLM connector load path (30 x 49,152-byte pages a block)", bench="vllm_load")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
