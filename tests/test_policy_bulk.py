@@ -194,3 +194,17 @@ def test_commit_puts_orders_eviction_as_commit_put_does() -> None:
                         store.commit_put(t)
     for one, many in ((stores[0], stores[1]), (stores[2], stores[3])):
         _same(one.policies[DRAM], many.policies[DRAM])
+
+
+def test_reserve_sizes_the_slot_table_once() -> None:
+    t = EntryTable(ranks={DRAM: 32})
+    t.reserve(50_000)
+    nslots = t.slots.nslots
+    assert 50_000 <= 0.85 * nslots
+    ns = t.namespace_id("ns", create=True)
+    assert ns is not None
+    keys = np.random.default_rng(1).integers(0, 1 << 64, size=(50_000, 2), dtype=np.uint64, endpoint=False)
+    fields = np.tile(np.array([1, 1, 0, 0], dtype=np.int64), (50_000, 1))
+    ids = t.insert_arrays(ns, keys, fields, np.ones(50_000, np.uint8), np.zeros_like(keys), np.zeros(50_000, np.bool_))
+    assert t.slots.nslots == nslots  # no growth on the way
+    assert (t.slots.find_keys(keys, ns) == ids).all()

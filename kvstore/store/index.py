@@ -24,6 +24,7 @@ whole prefix):
 - ``insert(ns, key, meta, dtype) -> e``, ``insert_many(ns, metas, dtypes) -> ids``,
   ``insert_arrays(ns, keys, fields, dtypes, parents, has_parent) -> ids``
   (keys absent and distinct; a parent may come earlier in the same batch);
+- ``reserve(n)``: size the slot table for ``n`` more entries at once;
 - ``parent_of(e)``, ``parents_of(ids)``, ``add_children(parents, rank)``, ``meta(e)``, ``key(e)``;
 - ``unmap(e)``: lookups miss from now on; ``release_id(e)``: the id is free;
 - ``loc_of`` / ``set_loc`` / ``locs`` / ``top_ranks`` / ``resident`` /
@@ -350,6 +351,10 @@ class EntryTable:
         "key", "ns", "stored_len", "raw_len", "crc", "codec", "dtype", "leases", "parent", "parent_gen", "gen",
         "depth", "flags",
     )  # fmt: skip
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` more entries in the slot table now (one rebuild at most), e.g. before recovery."""
+        self.slots.reserve(self.slots.used + n)
 
     def _insert_compiled(self, ns: int, ids: np.ndarray, keys: np.ndarray, fields: np.ndarray,
                          dtypes: np.ndarray, parents: np.ndarray, has_parent: np.ndarray) -> np.ndarray:  # fmt: skip
