@@ -82,6 +82,7 @@ class SlotIndex:
 
     def _alloc(self, nslots: int) -> None:
         self.nslots = max(int(nslots), MIN_SLOTS)
+        self.params = np.array([self.nslots, self.seed, 0], dtype=np.uint64)  # what find_joined takes
         # PAD usable slots past nslots, then WINDOW always empty so a window read never leaves the array
         self.words = np.zeros(self.nslots + PAD + WINDOW, dtype=np.uint32)
 
