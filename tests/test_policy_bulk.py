@@ -182,7 +182,10 @@ def test_commit_puts_orders_eviction_as_commit_put_does() -> None:
         BlockStore([AccountingMemoryTier(1 << 40, rank=DRAM)], policy_factory=policy_factory(name))
         for name in ("freq", "freq", "lru", "lru")
     ]
-    chains = [[(c * 100 + i, c * 100 + i - 1 if i else (None if c % 3 else 5)) for i in range(20)] for c in range(6)]
+    # first blocks: a root, a parent later in its own chain (cold), or the leaf ending the chain before
+    # (an earlier batch's leaf that stops being one)
+    firsts = {0: 5, 1: None, 2: 119, 3: 205, 4: 319, 5: None}
+    chains = [[(c * 100 + i, c * 100 + i - 1 if i else firsts[c]) for i in range(20)] for c in range(6)]
     for k, store in enumerate(stores):
         for chain in chains:
             tickets = [store.begin_put("ns", _meta(i, p)) for i, p in chain]
@@ -193,6 +196,7 @@ def test_commit_puts_orders_eviction_as_commit_put_does() -> None:
                     if t is not None:
                         store.commit_put(t)
     for one, many in ((stores[0], stores[1]), (stores[2], stores[3])):
+        assert many.policies[DRAM]._leaf == {19, 59, 99, 119}  # entry ids: chains 1 and 3 end in parents
         _same(one.policies[DRAM], many.policies[DRAM])
 
 
