@@ -128,7 +128,7 @@ def run_child(case: dict[str, Any]) -> Row:
     start = time.perf_counter()
     if what == "recover_log":
         out = recover_log(work / "d", PosixBackend())
-        blocks = len(out.winners)
+        blocks = out.count  # not len(out.winners): that builds a BlockMeta per block
         extra = {"scanned": out.scanned, "summarized": out.summarized}
     else:
         if impl == "compact":

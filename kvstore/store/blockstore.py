@@ -513,19 +513,19 @@ class BlockStore(Cascade):
         if p is not None and t.nchild_add(p, rank, 1) == 1:
             self.policies[rank].set_leaf(p, False)
 
-    def _add_new_copies(self, ids: np.ndarray, rank: int, locs: Sequence[int]) -> None:
+    def _add_new_copies(self, ids: np.ndarray, rank: int, locs: Sequence[int] | np.ndarray) -> None:
         """``_add_copy`` of a batch of entries just inserted (none has a child yet; parents may be in the batch)."""
         t, policy = self.table, self.policies[rank]
         t.column_of_loc(rank).put(ids, np.asarray(locs, dtype=np.int64) + 1)
-        ids_l = ids.tolist()
         if self._listeners:
-            for e in ids_l:
+            for e in ids.tolist():
                 self._notify("add", e, rank)
-        insert = policy.insert
-        for e, r in zip(ids_l, t.rooted[ids].tolist()):
-            insert(e, is_leaf=True, cold=not r)
+        # children first: an entry of the batch is then inserted as what it ends up (a leaf or not), and
+        # only parents outside the batch that stopped being leaves need set_leaf (one call each)
+        was_leaf = t.add_children(t.parents_of(ids), rank)
+        policy.insert_many(ids, t.nchild[ids, rank] == 0, ~t.rooted[ids])
         set_leaf = policy.set_leaf
-        for p in t.add_children(t.parents_of(ids), rank).tolist():  # parents that stopped being leaves
+        for p in was_leaf[~np.isin(was_leaf, ids)].tolist():
             set_leaf(p, False)
 
     def _remove_copy(self, e: int, rank: int) -> None:

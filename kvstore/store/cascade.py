@@ -62,7 +62,7 @@ class Cascade:
         def _unlease(self, e: int) -> None: ...
         def _has_copy(self, e: int) -> bool: ...
         def _add_copy(self, e: int, rank: int, loc: int) -> None: ...
-        def _add_new_copies(self, ids: np.ndarray, rank: int, locs: Sequence[int]) -> None: ...
+        def _add_new_copies(self, ids: np.ndarray, rank: int, locs: Sequence[int] | np.ndarray) -> None: ...
         def _remove_copy(self, e: int, rank: int) -> None: ...
 
     def _evictable(self, e: int) -> bool:
@@ -289,6 +289,8 @@ class Cascade:
         """``_recover`` from columns (kvstore.tiers.nvme.sidecar.RecordColumns; ``offsets`` are locations)."""
         t, n = self.table, 0
         dtypes = np.asarray([dtype_id(d) for d in recs.dtypes] or [0], dtype=np.uint8)
+        held = len(t) > 0  # else no block can be in a tier above yet (the winners' keys are distinct)
+        t.reserve(len(recs))  # one slot table of the final size instead of a rebuild at every growth step
         for ns_index, name in enumerate(recs.namespaces):
             rows = np.nonzero(recs.ns == ns_index)[0]
             ns = t.namespace_id(name, create=True)
@@ -296,7 +298,7 @@ class Cascade:
             for start in range(0, len(rows), batch):
                 r = rows[start : start + batch]
                 keys = np.ascontiguousarray(recs.keys[r], dtype=np.uint64)
-                present = t.slots.find_keys(keys, ns) >= 0
+                present = t.slots.find_keys(keys, ns) >= 0 if held else np.zeros(len(r), dtype=np.bool_)
                 if present.any():  # already held in a tier above: this copy is not needed
                     tier.free(recs.offsets[r[present]].tolist())
                     r, keys = r[~present], keys[~present]
@@ -304,7 +306,7 @@ class Cascade:
                     [recs.stored_length[r], recs.raw_length[r], recs.raw_crc[r], recs.codec[r]], axis=1
                 ).astype(np.int64)
                 ids = t.insert_arrays(ns, keys, fields, dtypes[recs.dtype[r]], recs.parents[r], recs.has_parent[r])
-                self._add_new_copies(ids, tier.rank, recs.offsets[r].tolist())
+                self._add_new_copies(ids, tier.rank, recs.offsets[r])
                 n += len(r)
         return n
 

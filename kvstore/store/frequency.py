@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.store.policy import LeafLRU
+from kvstore.store.policy import BULK_MIN, COLD_PENALTY, LeafLRU
 
 DEFAULT_POLICY = "freq"
 _M64 = (1 << 64) - 1
@@ -72,6 +72,37 @@ class FrequencySketch:
         if self._added & 1023 == 0 and self._maintain():
             return self.estimate(fp)
         return min(low + 1, 255)
+
+    def _slots_many(self, fps: np.ndarray) -> list[np.ndarray]:
+        shift = np.uint64(64 - self.width_bits)
+        with np.errstate(over="ignore"):
+            return [(fps * np.uint64(m)) >> shift for m in _MULTIPLIERS]
+
+    def estimate_many(self, fps: np.ndarray) -> np.ndarray:
+        """``estimate`` of each fingerprint (uint64 array), as an int64 array."""
+        out = np.full(len(fps), 255, dtype=np.int64)
+        for row, s in zip(self._rows, self._slots_many(fps)):
+            np.minimum(out, np.frombuffer(row, dtype=np.uint8)[s], out=out)
+        return out
+
+    def add_many(self, fps: np.ndarray) -> None:
+        """``add`` of each fingerprint (uint64 array), in one vectorized pass: the counters of a fingerprint
+        added ``k`` times are raised to at least its minimum (read before the batch) + ``k``, which is what
+        adding them one by one does unless fingerprints of the batch share a counter. Aging (widening or
+        halving) is checked once, before the batch, when the batch crosses a check point of ``add``."""
+        n = len(fps)
+        if n == 0:
+            return
+        if (self._added + n) >> 10 != self._added >> 10:
+            self._maintain()
+        self._added += n
+        fps, times = np.unique(fps, return_counts=True)
+        rows = [np.frombuffer(row, dtype=np.uint8) for row in self._rows]
+        slots = self._slots_many(fps)
+        low = np.minimum.reduce([row[s] for row, s in zip(rows, slots)]).astype(np.int64)
+        new = np.minimum(low + times, 255).astype(np.uint8)
+        for row, s in zip(rows, slots):
+            np.maximum.at(row, s, new)
 
     def population(self) -> int:
         return max(sum(len(p) for p in self._owners), 1024)
@@ -155,6 +186,32 @@ class FrequencyLeafLRU(LeafLRU):
         if self._sole_copy(e):  # a new block (or one recovered), not a copy moving between tiers
             self.sketch.add(fp)
         super().insert(e, is_leaf, cold)
+
+    def insert_many(self, ids: np.ndarray, is_leaf: np.ndarray, cold: np.ndarray) -> None:
+        """``insert`` of each new entry in order, vectorized (the sketch counts the batch with ``add_many``)."""
+        ids_l = ids.tolist()
+        if (
+            len(ids_l) < BULK_MIN
+            or type(self).insert is not FrequencyLeafLRU.insert
+            or type(self).priority is not FrequencyLeafLRU.priority
+            or self.table is None
+            or any(map(self._prio.__contains__, ids_l))
+        ):
+            self._insert_each(ids_l, is_leaf, cold)
+            return
+        n = len(ids_l)
+        fps = np.asarray(self.table.fp[ids], dtype=np.uint64)
+        sole = np.ones(n, dtype=np.bool_)
+        for r in self._others:
+            sole &= self.table.locs(ids, r) == _NO_LOC
+        self.sketch.add_many(fps[sole])
+        counts = self.sketch.estimate_many(fps)
+        # what priority() gives the i-th of them: its clock, plus protect x (entries already held, >= 64)
+        prio = np.arange(self._clock + 1, self._clock + n + 1, dtype=np.float64)
+        self._clock += n
+        held = np.maximum(np.arange(len(self._prio), len(self._prio) + n), 64)
+        prio = np.where(counts >= self.reuse_threshold, prio + self.protect * held, prio)
+        self._add_new(ids, ids_l, prio - np.where(cold, COLD_PENALTY, 0.0), is_leaf)
 
     def touch(self, e: int) -> None:
         # the base's touch with the count computed once: counted here only when no tier above holds it

@@ -20,10 +20,12 @@ Verbs, single (one compiled or Python-int probe) and batched (one call for a
 whole prefix):
 
 - ``namespace_id(name, create)`` / ``namespace_name(ns)``;
-- ``find(ns, key) -> e | None``, ``find_many(ns, keys) -> ids`` (-1: absent);
+- ``find(ns, key) -> e | None``, ``find_many(ns, keys) -> ids`` (-1: absent; with numba, one compiled
+  call that reads the keys out of two joins, slots_jit.find_joined);
 - ``insert(ns, key, meta, dtype) -> e``, ``insert_many(ns, metas, dtypes) -> ids``,
   ``insert_arrays(ns, keys, fields, dtypes, parents, has_parent) -> ids``
   (keys absent and distinct; a parent may come earlier in the same batch);
+- ``reserve(n)``: size the slot table for ``n`` more entries at once;
 - ``parent_of(e)``, ``parents_of(ids)``, ``add_children(parents, rank)``, ``meta(e)``, ``key(e)``;
 - ``unmap(e)``: lookups miss from now on; ``release_id(e)``: the id is free;
 - ``loc_of`` / ``set_loc`` / ``locs`` / ``top_ranks`` / ``resident`` /
@@ -188,6 +190,15 @@ class EntryTable:
         """Entry id of each key, -1 where absent (one vectorized probe for the batch)."""
         if ns is None or not keys:
             return np.full(len(keys), -1, dtype=np.int64)
+        sl = self.slots
+        if sl.jit_keys is not None and sl.used:
+            # the compiled path reads the keys out of two joins (which also prove every key is 16 bytes);
+            # with one namespace on the node, every entry is in it and namespaces need not be compared
+            out = np.empty(len(keys), dtype=np.int64)
+            nsq = ns if ns == 0 and len(self._ns_names) == 1 else ns | 1 << 16
+            j0, j1 = b"\x00".join(keys), b"\x01".join(keys)
+            if slots_jit.find_joined(sl.words, sl.params, j0, j1, nsq, self._keys.base, self._ns.base, out):
+                return out
         words = _key_words(keys)
         if words is None or (len(keys) < 8 and self.slots.jit_keys is None):
             # a few keys: the Python-int probe is cheaper than the numpy calls of a vectorized one
@@ -350,6 +361,10 @@ class EntryTable:
         "key", "ns", "stored_len", "raw_len", "crc", "codec", "dtype", "leases", "parent", "parent_gen", "gen",
         "depth", "flags",
     )  # fmt: skip
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` more entries in the slot table now (one rebuild at most), e.g. before recovery."""
+        self.slots.reserve(self.slots.used + n)
 
     def _insert_compiled(self, ns: int, ids: np.ndarray, keys: np.ndarray, fields: np.ndarray,
                          dtypes: np.ndarray, parents: np.ndarray, has_parent: np.ndarray) -> np.ndarray:  # fmt: skip

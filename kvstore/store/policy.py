@@ -8,6 +8,10 @@ Verbs (all O(log n), called with the store lock held):
 - ``insert(e, is_leaf, cold)`` a copy of entry e arrived in this tier; ``cold``
   marks a block no prefix match can reach (its parent was never stored or is
   gone), which goes before every reachable one;
+- ``insert_many(ids, is_leaf, cold)`` ``insert`` of each entry in order (numpy
+  arrays; entries new to this tier), in a few vectorized passes: what recovery
+  of millions of blocks and ``commit_puts`` call (a subclass that overrides
+  ``insert`` or ``priority`` gets the per-entry loop unless it overrides this too);
 - ``touch(e)`` e was read or written: its priority rises;
 - ``set_leaf(e, is_leaf)`` e's leaf status in this tier changed;
 - ``remove(e)`` the copy left the tier;
@@ -28,7 +32,10 @@ import heapq
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 COLD_PENALTY = 1e15
+BULK_MIN = 8  # fewer entries than this: the per-entry loop costs less than the numpy calls
 
 
 class LeafLRU:
@@ -56,6 +63,42 @@ class LeafLRU:
         if is_leaf:
             self._leaf.add(e)
             self._push(e)
+
+    def insert_many(self, ids: np.ndarray, is_leaf: np.ndarray, cold: np.ndarray) -> None:
+        ids_l = ids.tolist()
+        if (
+            len(ids_l) < BULK_MIN
+            or type(self).insert is not LeafLRU.insert
+            or type(self).priority is not LeafLRU.priority
+            or any(map(self._prio.__contains__, ids_l))
+        ):
+            self._insert_each(ids_l, is_leaf, cold)
+            return
+        n = len(ids_l)
+        prio = np.arange(self._clock + 1, self._clock + n + 1, dtype=np.float64)
+        self._clock += n
+        self._add_new(ids, ids_l, prio - np.where(cold, COLD_PENALTY, 0.0), is_leaf)
+
+    def _insert_each(self, ids_l: list[int], is_leaf: np.ndarray, cold: np.ndarray) -> None:
+        insert = self.insert
+        for e, leaf, c in zip(ids_l, np.asarray(is_leaf).tolist(), np.asarray(cold).tolist()):
+            insert(e, is_leaf=leaf, cold=c)
+
+    def _add_new(self, ids: np.ndarray, ids_l: list[int], prio: np.ndarray, is_leaf: np.ndarray) -> None:
+        """Entries new to this tier with their priorities, as ``insert`` leaves them (the same heap order)."""
+        self._prio.update(zip(ids_l, prio.tolist()))
+        leaves = ids[is_leaf].tolist()
+        self._leaf.update(leaves)
+        rows = list(zip(prio[is_leaf].tolist(), leaves))
+        if len(rows) > len(self._heap) // 8:
+            self._heap.extend(rows)
+            heapq.heapify(self._heap)
+        else:
+            for row in rows:
+                heapq.heappush(self._heap, row)
+        if len(self._heap) > 4 * len(self._prio) + 64:
+            self._heap = [(p, x) for x, p in self._prio.items() if x in self._leaf]
+            heapq.heapify(self._heap)
 
     def hint(self, e: int, hint: Any) -> None:
         """An engine's hint about e's future (kvstore.store.hints.ReuseHint); plain LRU ignores it."""

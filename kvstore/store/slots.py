@@ -16,7 +16,8 @@ Verbs (each vectorized over a batch of keys given as uint64 halves and ns ids):
 - ``remove(lo, hi, ns, ids)``: the slots holding these ids become tombstones;
   tombstones count as load and are reused by ``add``, and a rebuild (to a
   larger size, or the same size when tombstones are most of the load) drops them;
-- ``rebuild(lo, hi, ns, ids, nslots)``: place every live entry anew.
+- ``rebuild(lo, hi, ns, ids, nslots)``: place every live entry anew;
+- ``reserve(live)``: grow at once to hold ``live`` entries (at load ``RESERVE_LOAD``).
 
 Probing is linear, ``WINDOW`` slots per vectorized step, without wrap-around
 (the array has ``PAD`` spare slots past ``nslots``; a probe never runs past
@@ -47,6 +48,7 @@ WINDOW = 8
 PAD = 256
 MAX_LOAD = 0.85
 GROWTH = 1.45
+RESERVE_LOAD = 0.7
 MIN_SLOTS = 1024
 
 _M1 = np.uint64(0x9E3779B97F4A7C15)
@@ -80,6 +82,7 @@ class SlotIndex:
 
     def _alloc(self, nslots: int) -> None:
         self.nslots = max(int(nslots), MIN_SLOTS)
+        self.params = np.array([self.nslots, self.seed, 0], dtype=np.uint64)  # what find_joined takes
         # PAD usable slots past nslots, then WINDOW always empty so a window read never leaves the array
         self.words = np.zeros(self.nslots + PAD + WINDOW, dtype=np.uint32)
 
@@ -305,6 +308,11 @@ class SlotIndex:
         if force or live > (MAX_LOAD / GROWTH) * nslots:
             nslots = int(max(nslots * GROWTH, live / (MAX_LOAD / GROWTH)))
         self.rebuild_all(nslots)
+
+    def reserve(self, live: int) -> None:
+        """Make room for ``live`` entries in one rebuild (to a load of ``RESERVE_LOAD``), if they do not fit."""
+        if live + self.tombs > MAX_LOAD * self.nslots:
+            self.rebuild_all(int(live / RESERVE_LOAD) + 1)
 
     def rebuild_all(self, nslots: int | None = None) -> None:
         """Place every live entry into a fresh table (``all_keys`` is set by the owner)."""

@@ -14,7 +14,9 @@ Kernels (all take the slot words, ``nslots`` and the table's ``seed``):
   each key or -1, comparing keys with rows of the key and ns columns;
 - ``place(words, nslots, seed, lo, hi, ns, ids, limit) -> (ok, reused tombstones)``:
   put each id in the first free slot of its probe run (False: one ran past ``limit``);
-- ``remove(words, nslots, seed, lo, hi, ns, ids) -> found``: tombstone each id's slot.
+- ``remove(words, nslots, seed, lo, hi, ns, ids) -> found``: tombstone each id's slot;
+- ``find_joined(words, params, j0, j1, nsq, keys, nss, out) -> 1 | 0``: ``find`` of 16-byte keys read
+  straight out of two ``bytes.join`` of them (what ``EntryTable.find_many`` calls: no numpy call per batch).
 """
 
 from __future__ import annotations
@@ -79,6 +81,63 @@ if AVAILABLE:
         """``find`` of keys given as (n, 2) words, all in namespace ``ns``."""
         for i in range(len(q)):
             out[i] = _find1(words, nslots, seed, q[i, 0], q[i, 1], ns, keys, nss)
+
+    @numba.njit(cache=True, inline="always")
+    def _word(buf, at):  # type: ignore[no-untyped-def]
+        """The little-endian uint64 at byte ``at`` of a bytes object."""
+        w = numba.uint64(0)
+        for k in range(8):
+            w |= numba.uint64(buf[at + k]) << numba.uint64(8 * k)
+        return w
+
+    @numba.njit(cache=True, nogil=True)
+    def find_joined(words, params, j0, j1, nsq, keys, nss, out):  # type: ignore[no-untyped-def]
+        """``find_keys`` of 16-byte keys given as two joins of them, with a 0 byte and with a 1 byte between
+        keys (``b"\\x00".join(keys)``, ``b"\\x01".join(keys)``), ``out`` one row per key: 1, or 0 with ``out``
+        untouched unless every key is 16 bytes. (The check is exact: for n keys every position 17 i + 16
+        must hold 0 in one join and 1 in the other, which only a separator can, and there are only n - 1.)
+        ``params``: the table's ``nslots`` and ``seed``, and a word this writes (the sum of what it
+        touched, so that no load is optimized away); ``nsq``: the namespace, plus 1 << 16 when namespaces must be compared (a table
+        of one namespace need not). Few arguments: each costs the dispatcher time on every call.
+
+        Passes that each issue independent loads (the memory system overlaps them): hash and touch every
+        key's first slots; find its first tag match (cache-hot) and touch that entry's row; compare, and
+        a false match probes again as ``find`` does."""
+        n = (len(j0) + 1) // 17
+        if len(j0) != 17 * n - 1 or len(j1) != len(j0) or n != len(out):  # out: one row per key
+            return 0
+        for i in range(n - 1):
+            if j0[17 * i + 16] != 0 or j1[17 * i + 16] != 1:
+                return 0
+        nslots, seed = params[0], params[1]
+        ns, check_ns = nsq & 0xFFFF, nsq >> 16
+        touch = numba.uint64(0)
+        for i in range(n):  # no scratch arrays: out holds each key's start, then its candidate
+            pos = _hash(_word(j0, 17 * i), _word(j0, 17 * i + 8), ns, seed, nslots)[0]
+            out[i] = pos
+            touch += words[pos] + words[pos + 4]  # the next cache line too when the run may cross into it
+        for i in range(n):
+            lo, hi = _word(j0, 17 * i), _word(j0, 17 * i + 8)
+            tag = _hash(lo, hi, ns, seed, nslots)[1]
+            pos, e = out[i], -1
+            while True:
+                w = words[pos]
+                if w == 0:
+                    break
+                if w != _TOMB and (w & numba.uint32(0xF0000000)) == tag:
+                    e = numba.int64(w & numba.uint32(_LOW)) - 1
+                    touch += keys[e, 0] + (numba.uint64(nss[e]) if check_ns else numba.uint64(0))
+                    break
+                pos += 1
+            out[i] = e
+        for i in range(n):
+            e = out[i]
+            if e >= 0:
+                lo, hi = _word(j0, 17 * i), _word(j0, 17 * i + 8)
+                if not (keys[e, 0] == lo and keys[e, 1] == hi and (not check_ns or nss[e] == ns)):
+                    out[i] = _find1(words, nslots, seed, lo, hi, numba.uint16(ns), keys, nss)  # a false tag match
+        params[2] = touch
+        return 1
 
     @numba.njit(cache=True, nogil=True)
     def insert_rows(  # type: ignore[no-untyped-def]
@@ -169,7 +228,7 @@ if AVAILABLE:
                 pos += 1
         return found
 else:  # pragma: no cover
-    find = find_one = find_keys = insert_rows = place = place_keys = remove = None
+    find = find_one = find_keys = find_joined = insert_rows = place = place_keys = remove = None
 
 
 def warm_up() -> None:
@@ -186,3 +245,5 @@ def warm_up() -> None:
     find_keys(words, 16, np.uint64(1), np.zeros((1, 2), dtype=np.uint64), 0, keys, nss, np.zeros(1, dtype=np.int64))
     place_keys(words, 16, np.uint64(1), np.zeros((1, 2), dtype=np.uint64), 0, ids, 48)
     remove(words, 16, np.uint64(1), z64, z64, z16, ids)
+    params = np.array([16, 1, 0], dtype=np.uint64)
+    find_joined(words, params, bytes(16), bytes(16), 1 << 16, keys, nss, np.zeros(1, dtype=np.int64))

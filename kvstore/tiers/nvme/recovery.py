@@ -204,9 +204,7 @@ def recover_log(data_dir: Path, backend: IoBackend) -> Recovered:
             seg.records.kill_pages(ckpt.dead[seg_id])
         if len(recs):
             out.next_seq = max(out.next_seq, int(recs.seqs.max()) + 1)
-            parts.append(
-                (seg_id, np.nonzero(np.asarray(seg.records.live_mask(), dtype=np.bool_)[: len(recs)])[0], recs)
-            )
+            parts.append((seg_id, np.nonzero(seg.records.live_flags()[: len(recs)])[0], recs))
     out.columns = _newest(parts, out.segments)
     for seg_id, seg in list(out.segments.items()):
         if seg.records.live_count == 0:
@@ -217,6 +215,38 @@ def recover_log(data_dir: Path, backend: IoBackend) -> Recovered:
             out.deleted += 1
     out.seconds = time.perf_counter() - t0
     return out
+
+
+_H1, _H2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F)
+
+
+def _newest_rows(keys: np.ndarray, seqs: np.ndarray, ns: np.ndarray) -> np.ndarray:
+    """Rows of the newest record of each (namespace, key): the highest sequence number, a tie to the later
+    row; in the order of each key's oldest record (its lowest sequence number, a tie to the earlier row).
+
+    Keys are hashes, so nearly all are unique: one sort of a 64-bit digest of (namespace, key) finds the
+    rows whose digest repeats, and only those go through the exact sort by (namespace, key, seq, row)."""
+    n = len(seqs)
+    with np.errstate(over="ignore"):
+        digest = keys[:, 0] ^ (keys[:, 1] * _H1) ^ (ns.astype(np.uint64) * _H2)
+    s = np.sort(digest)
+    repeated = np.unique(s[1:][s[1:] == s[:-1]])
+    if not len(repeated):
+        return np.arange(n)
+    at = np.minimum(np.searchsorted(repeated, digest), len(repeated) - 1)
+    sub = np.nonzero(repeated[at] == digest)[0]  # every row whose digest some other row shares
+    order = sub[np.lexsort((sub, seqs[sub], keys[sub, 1], keys[sub, 0], ns[sub]))]
+    k, g = keys[order], ns[order]
+    last = np.ones(len(order), dtype=np.bool_)  # the last row of each (namespace, key) run wins
+    last[:-1] = (g[1:] != g[:-1]) | (k[1:, 0] != k[:-1, 0]) | (k[1:, 1] != k[:-1, 1])
+    first = np.ones(len(order), dtype=np.bool_)
+    first[1:] = last[:-1]
+    rank = np.arange(n)  # where each winner goes: its own row, or the row of its key's oldest record
+    rank[order[last]] = order[first]
+    keep = np.ones(n, dtype=np.bool_)
+    keep[order[~last]] = False
+    rows = np.nonzero(keep)[0]
+    return rows[np.argsort(rank[rows], kind="stable")]
 
 
 def _newest(parts: list[tuple[int, np.ndarray, RecordColumns]], segments: dict[int, Segment]) -> Winners:
@@ -241,37 +271,34 @@ def _newest(parts: list[tuple[int, np.ndarray, RecordColumns]], segments: dict[i
     seg, idx, ns, dtype = (np.concatenate(cols[k]) for k in ("seg", "idx", "ns", "dtype"))
 
     def gather(name: str) -> np.ndarray:
-        return np.concatenate([getattr(r, name)[live] for (_, live, _), r in zip(parts, picked)])
+        arrays = [getattr(r, name) for r in picked]
+        return np.concatenate([c if len(live) == len(c) else c[live] for (_, live, _), c in zip(parts, arrays)])
 
     keys, seqs = gather("keys"), gather("seqs")
-    order = np.lexsort((np.arange(len(seqs)), seqs, keys[:, 1], keys[:, 0], ns))
-    k, n = keys[order], ns[order]
-    last = np.ones(len(order), dtype=np.bool_)  # the last row of each (namespace, hash) run wins
-    if len(order) > 1:
-        last[:-1] = (n[1:] != n[:-1]) | (k[1:, 0] != k[:-1, 0]) | (k[1:, 1] != k[:-1, 1])
-    for s_id, i in zip(seg[order[~last]].tolist(), idx[order[~last]].tolist()):
-        segments[s_id].records.kill_index(i)
-    first = np.ones(len(order), dtype=np.bool_)
-    first[1:] = last[:-1]
-    # in the order each key first appeared in the log (as a dict of keys would keep them): a parent
-    # before the children written after it, even when a compaction copy of it is the newer record
-    win = order[last][np.argsort(order[first], kind="stable")]
-    offsets = gather("offsets")[win]
-    locs = (seg[win] << OFFSET_BITS) | offsets
+    win = _newest_rows(keys, seqs, ns)
+    if len(win) < len(seqs):  # records of a key written again (or copied by compaction) lose to the newest
+        lost = np.ones(len(seqs), dtype=np.bool_)
+        lost[win] = False
+        for s_id, i in zip(seg[lost].tolist(), idx[lost].tolist()):
+            segments[s_id].records.kill_index(i)
+    # every record won (the common case): they stay in log order, with no copy of the columns
+    pick: np.ndarray | slice = slice(None) if len(win) == len(seqs) else win
+    offsets = gather("offsets")[pick]
+    locs = (seg[pick] << OFFSET_BITS) | offsets
     return Winners(
         RecordColumns(
             0,
             locs,
-            seqs[win],
-            keys[win],
-            gather("parents")[win],
-            gather("has_parent")[win],
-            gather("codec")[win],
-            dtype[win],
-            ns[win],
-            gather("raw_length")[win],
-            gather("stored_length")[win],
-            gather("raw_crc")[win],
+            seqs[pick],
+            keys[pick],
+            gather("parents")[pick],
+            gather("has_parent")[pick],
+            gather("codec")[pick],
+            dtype[pick],
+            ns[pick],
+            gather("raw_length")[pick],
+            gather("stored_length")[pick],
+            gather("raw_crc")[pick],
             list(namespaces),
             list(dtypes),
         )

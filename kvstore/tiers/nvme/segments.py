@@ -115,6 +115,10 @@ class RecordTable:
         live: list[bool] = self._live[: self.count].tolist()
         return live
 
+    def live_flags(self) -> np.ndarray:
+        """``live_mask`` as a numpy bool array (a copy)."""
+        return self._live[: self.count].copy()
+
     def extend(self, offsets: list[int], nbytes: list[int]) -> None:
         """Append records at ascending offsets, all at once."""
         n = len(offsets)
