@@ -286,8 +286,7 @@ class BlockStore(Cascade):
                     self.counters.tiers[rank].hits += int(np.count_nonzero(here))
                     locs[here] = t.locs(ids[here], rank)
             ids_l = ids.tolist()
-            for e in ids_l:
-                self._touch(e)
+            self._touch_many(ids)
             fields = zip(
                 ids_l,
                 t.column("codec").take(ids).tolist(),
@@ -503,6 +502,13 @@ class BlockStore(Cascade):
         for rank in self._ranks:
             if self.table.loc_of(e, rank) != NO_LOC:
                 self.policies[rank].touch(e)
+
+    def _touch_many(self, ids: np.ndarray) -> None:
+        """``_touch`` of a batch: one ``touch_many`` per tier holding any of them (each tier's in order)."""
+        for rank in self._ranks:
+            here = ids[self.table.locs(ids, rank) != NO_LOC]
+            if len(here):
+                self.policies[rank].touch_many(here.tolist())
 
     def _add_copy(self, e: int, rank: int, loc: int) -> None:
         t = self.table
