@@ -4,11 +4,14 @@ the priorities, the eviction order and (for ``freq``) the sketch's counters, dup
 from __future__ import annotations
 
 import hashlib
+import time
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.client import Client
 from kvstore.store import BlockStore
 from kvstore.store.policies import POLICY_NAMES, FrequencySketch, policy_factory
 from kvstore.tiers.accounting import AccountingDiskTier, AccountingMemoryTier
@@ -98,3 +101,21 @@ def test_sketch_add_many_vectorized_path_is_taken_and_exact():
         want = [a.add(int(f)) if c else a.estimate(int(f)) for f, c in zip(fps.tolist(), counted.tolist())]
         assert b.add_many(fps, counted) == want
     assert [bytes(r) for r in a._rows] == [bytes(r) for r in b._rows]
+
+
+@pytest.mark.parametrize("lane", ["shm", "tcp"])
+def test_a_lane_get_counts_as_an_access_once_its_reply_is_out(make_server, lane):
+    server = make_server(eviction_policy="freq", shm_direct=True)
+    keys = [_key(1000 + i) for i in range(8)]
+    with Client(f"127.0.0.1:{server.port}", timeout=30, lane=lane) as kv:
+        assert all(r.ok for r in kv.put("ns", keys, [np.full(4096, i, np.uint8) for i in range(8)], chained=False))
+        store = server.store
+        ids = store.table.find_many(store.table.namespace_id("ns"), keys).tolist()
+        policy = store.policies[store.top.rank]
+        before = [policy.uses(e) for e in ids]
+        got = kv.get("ns", keys, out=[np.zeros(4096, np.uint8) for _ in keys])
+        assert [int(g[0]) for g in got] == list(range(8))
+        deadline = time.monotonic() + 10
+        while int(np.asarray(store.table.leases).sum()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [policy.uses(e) for e in ids] == [u + 1 for u in before]

@@ -264,8 +264,12 @@ class BlockStore(Cascade):
                     self._unlease(e)
 
     # -- get ------------------------------------------------------------------------
-    def acquire(self, namespace: str, hashes: Sequence[bytes], allow_missing: bool = False) -> list[Lease | None]:
-        """Lease a prefix: one vectorized lookup, lease count and gather of the entries' fields."""
+    def acquire(
+        self, namespace: str, hashes: Sequence[bytes], allow_missing: bool = False, touch: bool = True
+    ) -> list[Lease | None]:
+        """Lease a prefix: one vectorized lookup, lease count and gather of the entries' fields. With
+        ``touch=False`` the eviction policies hear of the access only at ``release(leases, touch=True)``: a
+        lane sends its reply first (a leased block is no victim meanwhile, so the order cannot matter)."""
         t = self.table
         with self._lock:
             all_ids = t.find_many(t.namespace_id(namespace), hashes)
@@ -286,7 +290,8 @@ class BlockStore(Cascade):
                     self.counters.tiers[rank].hits += int(np.count_nonzero(here))
                     locs[here] = t.locs(ids[here], rank)
             ids_l = ids.tolist()
-            self._touch_many(ids)
+            if touch:
+                self._touch_many(ids)
             fields = zip(
                 ids_l,
                 t.column("codec").take(ids).tolist(),
@@ -401,11 +406,14 @@ class BlockStore(Cascade):
             if promoted and self.top.used_bytes > self.high * self.top.capacity_bytes:
                 self._wake.set()
 
-    def release(self, leases: Sequence[Lease | None]) -> None:
+    def release(self, leases: Sequence[Lease | None], touch: bool = False) -> None:
+        """End the leases; with ``touch`` the access an ``acquire(touch=False)`` left out is counted now."""
         ids = np.fromiter((x.entry for x in leases if x is not None), dtype=np.int64)
         if not len(ids):
             return
         with self._lock:
+            if touch:
+                self._touch_many(ids[np.asarray(self.table.live[ids], dtype=bool)])  # not a deleted one
             for lease in leases:
                 if lease is not None and lease.hold is not None:
                     self._let_go(lease)  # the staging or DRAM slot a cold read held

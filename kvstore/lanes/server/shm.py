@@ -22,8 +22,9 @@ Verbs of ``ShmServerLane`` (called by ``servicer.LaneServicer``):
 - ``get(request, release, crc_at_copy) -> iterator of LaneGetResponse``:
   lease the blocks, copy each into a range of the region (one copy; with
   ``crc_at_copy`` the CRC32C of the copied bytes is computed in the same pass
-  and sent for the client to compare with the header's), drop the lease as
-  soon as the copy is done, and stream descriptors (the first after
+  and sent for the client to compare with the header's), drop the lease
+  once the copy is done (the last message's just after it is sent, with the
+  eviction policies' touch of the Get's blocks), and stream descriptors (the first after
   ``FIRST_YIELD_BYTES``, then about every ``YIELD_BYTES``) so the client
   takes blocks while the server copies the next ones. Each message has
   its own get grant, which the client releases when it is done with those
@@ -247,7 +248,7 @@ class ShmServerLane(ServerLane):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"a direct Get names {len(outs)} destinations for {len(request.hashes)} hashes",
                 )
-        _, leases = self.ops.acquire(request, self.access)
+        _, leases = self.ops.acquire(request, self.access, touch=False)  # touched as released, after the copies
         grant: Grant | None
         grant = self.grants.grant_get()
         released = 0
@@ -287,7 +288,7 @@ class ShmServerLane(ServerLane):
                         due = YIELD_BYTES
                         self._copy_out(copies)
                         copies = []
-                        self.ops.release(leases[released:handled])
+                        self.ops.release(leases[released:handled], touch=True)
                         released = handled
                         yield pending
                         grant = self.grants.grant_get()  # one grant per message: released separately
@@ -305,16 +306,16 @@ class ShmServerLane(ServerLane):
             pending.handled, pending.last = handled, True
             self._copy_out(copies)
             copies = []
-            self.ops.release(leases[released:])
-            released = len(leases)
-            yield pending
+            yield pending  # the reply goes before the last leases end (their bytes are copied: nothing reads them)
             grant = None
+            self.ops.release(leases[released:], touch=True)
+            released = len(leases)
         finally:
             if grant is not None:  # its descriptors never reached the client: nobody would release it
                 self.grants.release([grant.id])
             if released < len(leases):
                 self._settle()  # no copy may still read a slot whose lease goes (copies not run: never started)
-            self.ops.release(leases[released:])
+            self.ops.release(leases[released:], touch=True)
             self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
             if outs:
                 self.ops.metrics.add("lane_shm_direct_get_bytes", sent)

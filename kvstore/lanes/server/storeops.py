@@ -165,11 +165,12 @@ class StoreOps:
         self.store.persist(entries)
 
     # -- get ------------------------------------------------------------------------------------
-    def acquire(self, request: pb.GetRequest, access: LaneAccess) -> tuple[str, list[Lease | None]]:
+    def acquire(self, request: pb.GetRequest, access: LaneAccess, touch: bool = True) -> tuple[str, list[Lease | None]]:
+        """``touch=False``: the policies' bookkeeping waits for ``release(leases, touch=True)``, after the reply."""
         ns = self.namespace(request.namespace, access)
         keys = self.hashes(request.hashes)
         try:
-            return ns, self.store.acquire(ns, keys, allow_missing=request.allow_missing)
+            return ns, self.store.acquire(ns, keys, allow_missing=request.allow_missing, touch=touch)
         except NotFoundError as err:
             raise LaneError(grpc.StatusCode.NOT_FOUND, str(err.args[0])) from None
 
@@ -195,8 +196,8 @@ class StoreOps:
         windows = list(lease_windows(list(leases)))
         return windows, ReadAhead(self.materialize, windows, self.readers)
 
-    def release(self, leases: Sequence[Lease | None]) -> None:
-        self.store.release(leases)
+    def release(self, leases: Sequence[Lease | None], touch: bool = False) -> None:
+        self.store.release(leases, touch)
 
     windows = staticmethod(lease_windows)
 
