@@ -283,11 +283,12 @@ class TcpLaneServer:
             for w, window in enumerate(windows):
                 payload: list[memoryview] = []
                 for j, lease in enumerate(window):
-                    if payload and not reads.ready(w, j):  # send what is verified while the rest is read
-                        framing.send_frame(conn, framing.DATA, b"", payload)
-                        sent += sum(len(p) for p in payload)
-                        payload = []
-                    try:
+                    try:  # ready() raises the window's error too: a status, never a dropped connection (which
+                        # the client would take for a broken lane and retry, to find the corrupt block gone)
+                        if payload and not reads.ready(w, j):  # send what is verified while the rest is read
+                            framing.send_frame(conn, framing.DATA, b"", payload)
+                            sent += sum(len(p) for p in payload)
+                            payload = []
                         reads.wait(w, j)
                     except LaneError as err:
                         self._status(conn, err.code, err.message)
