@@ -34,7 +34,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 import numpy as np
@@ -274,7 +274,7 @@ class ShmClientLane(Lane):
         for buf in out:
             if type(buf) is np.ndarray:  # the common case, in one step (host_view + address_of cost 3x this)
                 try:
-                    outs.append(((ctypes.addressof(ctypes.c_char.from_buffer(buf)), buf.nbytes),))
+                    outs.append(((ctypes.addressof(ctypes.c_char.from_buffer(cast(Any, buf))), buf.nbytes),))
                     continue
                 except (TypeError, ValueError):  # read-only or strided: the general path says what it is
                     pass
