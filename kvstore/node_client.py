@@ -303,18 +303,17 @@ class NodeClient:
             return []
         if out is not None and any(isinstance(x, Segments) for x in out):
             return self._get_segments(namespace, hashes, out, allow_missing, verify, codec, lossy_ok)
-        if (
-            out is not None
-            and any(is_device_tensor(x) for x in out)
-            and (codec or self._coding.codec) in ("none", "auto")
-        ):
-            on_device = self._device_lanes.run(
-                lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify)
-            )
-            if on_device is not None:
-                return on_device
+        on_device = out is not None and any(is_device_tensor(x) for x in out)
+        if on_device and (codec or self._coding.codec) in ("none", "auto"):
+            got = self._device_lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
+            if got is not None:
+                return got
         device_out, out = out, None
-        out, finish = stage_out(device_out)  # CUDA destinations are filled through pinned host buffers
+        finish: Callable[[], None] = _nothing
+        if on_device:  # CUDA destinations are filled through pinned host buffers
+            out, finish = stage_out(device_out)
+        else:
+            out = device_out
         accepted = self._accepted(codec, lossy_ok)
         result: list[Any] | None
         if accepted:  # coded blocks may come: the gRPC stream, decoded here
@@ -512,3 +511,7 @@ def _chunks(view: memoryview | Segments, chunk: int) -> Iterator[bytes]:
         return
     for start in range(0, len(view), chunk):
         yield bytes(view[start : start + chunk])
+
+
+def _nothing() -> None:
+    """The ``finish`` of a Get with no device buffers to fill."""

@@ -225,3 +225,31 @@ def test_a_client_killed_mid_get_leaks_no_lease_and_no_slot(make_server, tmp_pat
     with _client(server, lane) as kv:  # the store still serves those blocks
         got = _get(kv, lane, keys[:PREFIX])
         assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in data[0][1]]
+
+
+def test_a_corrupt_record_on_tcp_is_data_loss_even_when_the_read_ends_first(make_server, tmp_path, monkeypatch):
+    """The TCP sender checks whether the next block is ready before it flushes what it holds; when the window's
+    read has already failed by then, that check raises the read's error, which must reach the client as a
+    DATA_LOSS status and not as a dropped connection (the client retries a broken lane, and the retry finds the
+    dropped block gone: NOT_FOUND). A slow sender makes the read end first every time."""
+    import kvstore.lanes.server.tcp as tcp_server
+
+    slow = tcp_server._host_bytes  # the test slows the server's sender down through its private helper
+
+    def lagging(buf):
+        time.sleep(0.05)
+        return slow(buf)
+
+    monkeypatch.setattr(tcp_server, "_host_bytes", lagging)
+    server = _start(make_server, tmp_path, "tcp", promote=False)
+    with _client(server, "tcp") as kv:
+        data = _fill(kv, 8)
+        keys, blocks = data[0]
+        assert _nvme_only(server, keys) == PREFIX
+        _corrupt(server, keys[5])
+        with pytest.raises(KVStoreError) as err:
+            kv.get("t", keys, out=[aligned_buffer(BLOCK) for _ in keys])
+        assert "DATA_LOSS" in str(err.value.code), err.value
+        got = _get(kv, "tcp", keys[:5])
+        assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in blocks[:5]]
+    _quiet(server)

@@ -3,8 +3,8 @@
 
 ``CopyPool(threads).run(fn, items, weights) -> [fn(item) ...]`` splits ``items`` into at most ``threads``
 contiguous runs of about equal weight (bytes), runs the first on the calling thread and the others on the
-pool, and returns the results in order. Batches under ``SPLIT_BYTES`` stay on the calling thread: handing
-work to another thread costs tens of microseconds. ``fn`` must let go of the GIL for its bulk (numpy copies,
+pool, and returns the results in order. Batches under ``SPLIT_BYTES`` (or the caller's ``split_bytes``) stay on
+the calling thread: handing work to another thread costs tens of microseconds. ``fn`` must let go of the GIL for its bulk (numpy copies,
 CRC32C and process_vm_readv/writev all do).
 """
 
@@ -32,9 +32,11 @@ class CopyPool:
             ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvstore-copy") if self.threads > 1 else None
         )
 
-    def run(self, fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int]) -> list[R]:
+    def run(
+        self, fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int], split_bytes: int = SPLIT_BYTES
+    ) -> list[R]:
         total = sum(weights)
-        if self._pool is None or len(items) < 2 or total < SPLIT_BYTES:
+        if self._pool is None or len(items) < 2 or total < split_bytes:
             return [fn(item) for item in items]
         runs = _split(weights, min(self.threads, len(items)))
         futures = [self._pool.submit(_run_part, fn, items, r) for r in runs[1:]]

@@ -85,6 +85,7 @@ class Lease:
     rank: int  # tier the bytes come from
     buffer: Any = None  # filled for memory tiers at acquire, by materialize() otherwise
     hold: tuple[Any, int] | None = None  # (tier, or None: the staging arena; loc) freed at release
+    promote: int | None = None  # a top-tier slot holding the verified bytes read: becomes the copy at release
 
 
 GET_WINDOW_BYTES = 64 << 20  # NVMe reads of a Get are materialized this much at a time
@@ -264,8 +265,12 @@ class BlockStore(Cascade):
                     self._unlease(e)
 
     # -- get ------------------------------------------------------------------------
-    def acquire(self, namespace: str, hashes: Sequence[bytes], allow_missing: bool = False) -> list[Lease | None]:
-        """Lease a prefix: one vectorized lookup, lease count and gather of the entries' fields."""
+    def acquire(
+        self, namespace: str, hashes: Sequence[bytes], allow_missing: bool = False, touch: bool = True
+    ) -> list[Lease | None]:
+        """Lease a prefix: one vectorized lookup, lease count and gather of the entries' fields. With
+        ``touch=False`` the eviction policies hear of the access only at ``release(leases, touch=True)``: a
+        lane sends its reply first (a leased block is no victim meanwhile, so the order cannot matter)."""
         t = self.table
         with self._lock:
             all_ids = t.find_many(t.namespace_id(namespace), hashes)
@@ -286,8 +291,8 @@ class BlockStore(Cascade):
                     self.counters.tiers[rank].hits += int(np.count_nonzero(here))
                     locs[here] = t.locs(ids[here], rank)
             ids_l = ids.tolist()
-            for e in ids_l:
-                self._touch(e)
+            if touch:
+                self._touch_many(ids)
             fields = zip(
                 ids_l,
                 t.column("codec").take(ids).tolist(),
@@ -322,6 +327,7 @@ class BlockStore(Cascade):
         ``promote_on_hit``; no eviction is done for it), in ``dest_for(i)`` (a caller's buffer for
         ``leases[i]``, such as a lane's region range; None: no such buffer), or in a slot of the store's
         staging arena (so a full DRAM tier serves from NVMe without allocating), else in a fresh buffer.
+        A promoted block becomes the top tier's copy at ``release`` (after the Get's reply, off its path).
         Every payload is verified (CRC32C) before ``lease.buffer`` is usable; a raw (codec none) block's
         record must also carry the CRC32C of the index, so its bytes' CRC32C is ``lease.crc32c``. ``on_ready(positions)`` (called
         from reading threads) names the leases whose bytes are verified as each read completes, so the caller
@@ -360,8 +366,16 @@ class BlockStore(Cascade):
             ]
         verified: set[int] = set()  # positions handed on: their bytes stay readable until release, whatever fails
 
+        promoting = {id(lease): loc for lease, loc in promoted}
+
         def done(positions: list[int]) -> None:
             verified.update(positions)
+            for i in positions:  # verified in its top-tier slot: the block's copy there from its release on
+                lease = leases[i]
+                assert lease is not None
+                loc = promoting.get(id(lease))
+                if loc is not None:
+                    lease.promote = loc
             if on_ready is not None:
                 on_ready(positions)
 
@@ -386,36 +400,46 @@ class BlockStore(Cascade):
         except BaseException:
             with self._lock:  # every slot taken for this read is freed at release: a sender may still hold one
                 for lease, loc in promoted:
-                    lease.hold = (self.top, loc)
+                    lease.promote, lease.hold = None, (self.top, loc)
                 for i in cold:
                     if i not in verified:
                         leases[i].buffer = None  # type: ignore[union-attr]
             raise
-        with self._lock:
-            for lease, loc in promoted:
-                e = lease.entry
-                if self.table.live[e] and self.table.loc_of(e, self.top.rank) == NO_LOC:
-                    self._add_copy(e, self.top.rank, loc)
-                    self.counters.tiers[self.top.rank].promotions += 1
-                else:  # deleted, or promoted by a concurrent Get: the slot is ours until the lease ends
-                    lease.hold = (self.top, loc)
-            if promoted and self.top.used_bytes > self.high * self.top.capacity_bytes:
-                self._wake.set()
 
-    def release(self, leases: Sequence[Lease | None]) -> None:
+    def release(self, leases: Sequence[Lease | None], touch: bool = False) -> None:
+        """End the leases; with ``touch`` the access an ``acquire(touch=False)`` left out is counted now."""
         ids = np.fromiter((x.entry for x in leases if x is not None), dtype=np.int64)
         if not len(ids):
             return
         with self._lock:
+            promoted = self._promote([x for x in leases if x is not None and x.promote is not None])
+            if touch:
+                self._touch_many(ids[np.asarray(self.table.live[ids], dtype=bool)])  # not a deleted one
             for lease in leases:
                 if lease is not None and lease.hold is not None:
                     self._let_go(lease)  # the staging or DRAM slot a cold read held
+            if promoted and self.top.used_bytes > self.high * self.top.capacity_bytes:
+                self._wake.set()
             leases_col = self.table.column("leases")
             leases_col.add(ids, -1)
             if self._doomed:
                 for e in set(ids.tolist()) & self._doomed:
                     if leases_col.get(e) == 0:
                         self._destroy(e)
+
+    def _promote(self, leases: list[Lease]) -> bool:
+        """Make each lease's ``promote`` slot (verified bytes read from below) the block's top-tier copy, unless
+        it was deleted or a concurrent Get promoted it first: then the slot is freed (lock held)."""
+        for lease in leases:
+            loc, lease.promote = lease.promote, None
+            assert loc is not None
+            e = lease.entry
+            if self.table.live[e] and self.table.loc_of(e, self.top.rank) == NO_LOC:
+                self._add_copy(e, self.top.rank, loc)
+                self.counters.tiers[self.top.rank].promotions += 1
+            else:
+                self.top.free([loc])
+        return bool(leases)
 
     def _let_go(self, lease: Lease) -> None:
         """Free the slot a lease held only for its read (lock held)."""
@@ -503,6 +527,13 @@ class BlockStore(Cascade):
         for rank in self._ranks:
             if self.table.loc_of(e, rank) != NO_LOC:
                 self.policies[rank].touch(e)
+
+    def _touch_many(self, ids: np.ndarray) -> None:
+        """``_touch`` of a batch: one ``touch_many`` per tier holding any of them (each tier's in order)."""
+        for rank in self._ranks:
+            here = ids[self.table.locs(ids, rank) != NO_LOC]
+            if len(here):
+                self.policies[rank].touch_many(here.tolist())
 
     def _add_copy(self, e: int, rank: int, loc: int) -> None:
         t = self.table

@@ -7,11 +7,13 @@ kvstore/store/policies.py, which registers the policies by name. ``adaptive`` bu
 
 from __future__ import annotations
 
+import heapq
 import weakref
 from typing import Any
 
 import numpy as np
 
+from kvstore.store import sketch_jit
 from kvstore.store.policy import BULK_MIN, COLD_PENALTY, LeafLRU
 
 DEFAULT_POLICY = "freq"
@@ -103,6 +105,26 @@ class FrequencySketch:
         new = np.minimum(low + times, 255).astype(np.uint8)
         for row, s in zip(rows, slots):
             np.maximum.at(row, s, new)
+
+    def count_many(self, fps: np.ndarray, counted: np.ndarray) -> list[int]:
+        """For each fingerprint of ``fps`` (uint64) in order: ``add`` where ``counted`` is true, else
+        ``estimate``; the counts, exactly as those calls one by one give them (one compiled call when numba is
+        there: kvstore/store/sketch_jit.py)."""
+        if not sketch_jit.AVAILABLE:
+            return [self.add(fp) if c else self.estimate(fp) for fp, c in zip(fps.tolist(), counted.tolist())]
+        fps = np.ascontiguousarray(fps, dtype=np.uint64)
+        counted = np.ascontiguousarray(counted, dtype=np.bool_)
+        out = np.zeros(len(fps), dtype=np.int64)
+        start = 0
+        while start < len(fps):
+            rows = [np.frombuffer(row, dtype=np.uint8) for row in self._rows]
+            done = sketch_jit.count(*rows, 64 - self.width_bits, fps[start:], counted[start:], self._added, out[start:])
+            adds = int(np.count_nonzero(counted[start : start + done]))
+            self._added += adds
+            start += done
+            if adds and self._added & 1023 == 0 and self._maintain():
+                out[start - 1] = self.estimate(int(fps[start - 1]))
+        return out.tolist()
 
     def population(self) -> int:
         return max(sum(len(p) for p in self._owners), 1024)
@@ -222,6 +244,37 @@ class FrequencyLeafLRU(LeafLRU):
         self._prio[e] = self.priority(e, count)
         if e in self._leaf:
             self._push(e)
+
+    def touch_many(self, ids: Any) -> None:
+        """``touch`` of each entry of ``ids`` in order, with one vectorized pass over the sketch."""
+        if type(self).touch is not FrequencyLeafLRU.touch or type(self).priority is not FrequencyLeafLRU.priority:
+            super().touch_many(ids)
+            return
+        prio = self._prio
+        present = [e for e in ids if e in prio]
+        if not present:
+            return
+        if self.table is None:
+            fps = np.asarray(present, dtype=np.uint64)
+            counted = np.ones(len(present), dtype=bool)
+        else:
+            arr = np.asarray(present, dtype=np.int64)
+            fps = np.asarray(self.table.fp[arr], dtype=np.uint64)
+            counted = np.ones(len(present), dtype=bool)
+            if self._upper:
+                locs = self.table.loc[arr]
+                for r in self._upper:
+                    counted &= locs[:, r] == _NO_LOC
+        counts = self.sketch.count_many(fps, counted)
+        bonus = self.protect * max(len(prio), 64)
+        leaf, heap, clock, threshold = self._leaf, self._heap, self._clock, self.reuse_threshold
+        for e, count in zip(present, counts):
+            clock += 1
+            prio[e] = p = float(clock) + (bonus if count >= threshold else 0.0)
+            if e in leaf:
+                heapq.heappush(heap, (p, e))
+        self._clock = clock
+        self._trim_heap()
 
     def uses(self, e: int) -> int:
         return self.sketch.estimate(self._fingerprint(e))

@@ -12,7 +12,8 @@ Verbs (all O(log n), called with the store lock held):
   arrays; entries new to this tier), in a few vectorized passes: what recovery
   of millions of blocks and ``commit_puts`` call (a subclass that overrides
   ``insert`` or ``priority`` gets the per-entry loop unless it overrides this too);
-- ``touch(e)`` e was read or written: its priority rises;
+- ``touch(e)`` e was read or written: its priority rises; ``touch_many(ids)``
+  the same for a batch, in order (one call for a Get's blocks);
 - ``set_leaf(e, is_leaf)`` e's leaf status in this tier changed;
 - ``remove(e)`` the copy left the tier;
 - ``pop_victim(evictable) -> e | None`` the lowest-priority leaf with
@@ -113,6 +114,23 @@ class LeafLRU:
             if e in self._leaf:
                 self._push(e)
 
+    def touch_many(self, ids: Any) -> None:
+        """``touch`` of each entry of ``ids`` (ints, in order); a policy with its own ``touch`` keeps it."""
+        if type(self).touch is not LeafLRU.touch or type(self).priority is not LeafLRU.priority:
+            for e in ids:
+                self.touch(e)
+            return
+        prio, leaf, heap = self._prio, self._leaf, self._heap
+        clock = self._clock
+        for e in ids:
+            if e in prio:
+                clock += 1
+                prio[e] = p = float(clock)
+                if e in leaf:
+                    heapq.heappush(heap, (p, e))
+        self._clock = clock
+        self._trim_heap()
+
     def set_leaf(self, e: int, is_leaf: bool) -> None:
         if e not in self._prio:
             return
@@ -145,6 +163,10 @@ class LeafLRU:
 
     def _push(self, e: int) -> None:
         heapq.heappush(self._heap, (self._prio[e], e))
+        self._trim_heap()
+
+    def _trim_heap(self) -> None:
+        """Drop the heap's stale rows once they outnumber the live ones."""
         if len(self._heap) > 4 * len(self._prio) + 64:
             self._heap = [(p, x) for x, p in self._prio.items() if x in self._leaf]
             heapq.heapify(self._heap)

@@ -22,7 +22,8 @@ Verbs (``StoreOps``, thread-safe like the BlockStore under it):
 - ``acquire / materialize / release``: leases for reading, as the gRPC Get,
   with NOT_FOUND and DATA_LOSS mapped to ``LaneError``; ``read_ahead(leases)``:
   the windows with their NVMe reads running in the background (``ReadAhead``); ``servable(lease,
-  accepted)`` decodes a block stored with a codec the reader does not accept.
+  accepted)`` decodes a block stored with a codec the reader does not accept (``serve_into`` the same, setting
+  the fields of a header inside the reply being built).
 """
 
 from __future__ import annotations
@@ -164,11 +165,12 @@ class StoreOps:
         self.store.persist(entries)
 
     # -- get ------------------------------------------------------------------------------------
-    def acquire(self, request: pb.GetRequest, access: LaneAccess) -> tuple[str, list[Lease | None]]:
+    def acquire(self, request: pb.GetRequest, access: LaneAccess, touch: bool = True) -> tuple[str, list[Lease | None]]:
+        """``touch=False``: the policies' bookkeeping waits for ``release(leases, touch=True)``, after the reply."""
         ns = self.namespace(request.namespace, access)
         keys = self.hashes(request.hashes)
         try:
-            return ns, self.store.acquire(ns, keys, allow_missing=request.allow_missing)
+            return ns, self.store.acquire(ns, keys, allow_missing=request.allow_missing, touch=touch)
         except NotFoundError as err:
             raise LaneError(grpc.StatusCode.NOT_FOUND, str(err.args[0])) from None
 
@@ -194,8 +196,8 @@ class StoreOps:
         windows = list(lease_windows(list(leases)))
         return windows, ReadAhead(self.materialize, windows, self.readers)
 
-    def release(self, leases: Sequence[Lease | None]) -> None:
-        self.store.release(leases)
+    def release(self, leases: Sequence[Lease | None], touch: bool = False) -> None:
+        self.store.release(leases, touch)
 
     windows = staticmethod(lease_windows)
 
@@ -217,6 +219,25 @@ class StoreOps:
             dtype=lease.dtype,
         )
         return header, buf
+
+    @staticmethod
+    def serve_into(header: pb.BlockHeader, lease: Lease, accepted: set[int]) -> Any:
+        """``servable`` for a reply being built: the fields are set on ``header`` (a message's own field, so
+        nothing is built and copied per block); returns the bytes to send."""
+        codec, stored, buf = lease.codec, lease.stored_length, lease.buffer
+        if codec not in accepted:
+            from kvstore.codecs import decode
+
+            buf = memoryview(decode(codec, buf, lease.dtype, lease.raw_length))
+            codec, stored = pb.CODEC_NONE, lease.raw_length
+        header.hash = lease.hash
+        if codec:
+            header.codec = codec  # type: ignore[assignment]  # protoc's .pyi: Codec | str; an int is what it takes
+        header.raw_length = lease.raw_length
+        header.stored_length = stored
+        header.crc32c = lease.crc32c
+        header.dtype = lease.dtype
+        return buf
 
     @staticmethod
     def header_of(lease: Lease | None, accepted: set[int]) -> pb.BlockHeader:

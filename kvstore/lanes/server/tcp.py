@@ -269,7 +269,7 @@ class TcpLaneServer:
         ops = self.ops
         try:
             request = _parse(pb.GetRequest, frame.meta, "get")
-            _, leases = ops.acquire(request, access)
+            _, leases = ops.acquire(request, access, touch=False)  # the policies' touch waits for each window's send
         except LaneError as err:
             self._status(conn, err.code, err.message)
             return
@@ -283,11 +283,12 @@ class TcpLaneServer:
             for w, window in enumerate(windows):
                 payload: list[memoryview] = []
                 for j, lease in enumerate(window):
-                    if payload and not reads.ready(w, j):  # send what is verified while the rest is read
-                        framing.send_frame(conn, framing.DATA, b"", payload)
-                        sent += sum(len(p) for p in payload)
-                        payload = []
-                    try:
+                    try:  # ready() raises the window's error too: a status, never a dropped connection (which
+                        # the client would take for a broken lane and retry, to find the corrupt block gone)
+                        if payload and not reads.ready(w, j):  # send what is verified while the rest is read
+                            framing.send_frame(conn, framing.DATA, b"", payload)
+                            sent += sum(len(p) for p in payload)
+                            payload = []
                         reads.wait(w, j)
                     except LaneError as err:
                         self._status(conn, err.code, err.message)
@@ -297,11 +298,11 @@ class TcpLaneServer:
                 if payload:
                     framing.send_frame(conn, framing.DATA, b"", payload)
                     sent += sum(len(p) for p in payload)
-                ops.release(window)  # sent: the kernel holds the bytes now
+                ops.release(window, touch=True)  # sent: the kernel holds the bytes now
                 released += len(window)
         finally:
             reads.close()
-            ops.release(leases[released:])
+            ops.release(leases[released:], touch=True)
             ops.metrics.add("lane_tcp_get_bytes", sent)
             ops.metrics.bytes_out(sent)
 

@@ -1,0 +1,61 @@
+"""A compiled loop for the frequency sketch (numba, optional): a Get's 32 counts in one call, not 32.
+
+``count(r0, r1, r2, r3, shift, fps, counted, added, out) -> done`` walks ``fps`` in order exactly as
+``FrequencySketch.add`` (where ``counted``) and ``estimate`` (elsewhere) would, one at a time: the four
+multiply-shift slots, the minimum, the conservative update of the minimal counters; ``out[i]`` is the count
+each returns. It stops after the addition that brings ``added`` (the sketch's running count) to a multiple
+of 1024, where the sketch's aging is due, and returns how many it did (the caller ages the sketch, fixes that
+one count and calls again for the rest). ``AVAILABLE`` says whether numba is importable (``kvstore[fast]``);
+kvstore/store/frequency.py runs the same steps in Python otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+try:  # pragma: no cover - depends on the environment
+    if os.environ.get("KVSTORE_NO_JIT"):
+        raise ImportError("KVSTORE_NO_JIT is set")
+    import numba
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover
+    numba = None
+    AVAILABLE = False
+
+count: Any = None
+
+if AVAILABLE:
+    _U = numba.uint64
+    _M = (_U(0x9E3779B97F4A7C15), _U(0xC2B2AE3D27D4EB4F), _U(0x165667B19E3779F9), _U(0xD6E8FEB86659FD93))
+    M0, M1, M2, M3 = _M
+
+    @numba.njit(cache=True, nogil=True)
+    def _count(r0, r1, r2, r3, shift, fps, counted, added, out):  # type: ignore[no-untyped-def]
+        sh = numba.uint64(shift)
+        for i in range(len(fps)):
+            fp = numba.uint64(fps[i])
+            s0, s1, s2, s3 = (fp * M0) >> sh, (fp * M1) >> sh, (fp * M2) >> sh, (fp * M3) >> sh
+            c0, c1, c2, c3 = r0[s0], r1[s1], r2[s2], r3[s3]
+            low = min(min(c0, c1), min(c2, c3))
+            if not counted[i]:
+                out[i] = low
+                continue
+            if low < 255:
+                up = numba.uint8(low + 1)
+                if c0 == low:
+                    r0[s0] = up
+                if c1 == low:
+                    r1[s1] = up
+                if c2 == low:
+                    r2[s2] = up
+                if c3 == low:
+                    r3[s3] = up
+            out[i] = min(numba.int64(low) + 1, 255)
+            added += 1
+            if added & 1023 == 0:
+                return i + 1
+        return len(fps)
+
+    count = _count
