@@ -11,18 +11,10 @@ kvstore/store/frequency.py runs the same steps in Python otherwise.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-try:  # pragma: no cover - depends on the environment
-    if os.environ.get("KVSTORE_NO_JIT"):
-        raise ImportError("KVSTORE_NO_JIT is set")
-    import numba
-
-    AVAILABLE = True
-except ImportError:  # pragma: no cover
-    numba = None
-    AVAILABLE = False
+from kvstore.store.jit import AVAILABLE as AVAILABLE  # re-exported: callers ask the kernel module
+from kvstore.store.jit import numba
 
 count: Any = None
 

@@ -21,20 +21,12 @@ Kernels (all take the slot words, ``nslots`` and the table's ``seed``):
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
-try:  # pragma: no cover - depends on the environment
-    if os.environ.get("KVSTORE_NO_JIT"):
-        raise ImportError("KVSTORE_NO_JIT is set")
-    import numba
-
-    AVAILABLE = True
-except ImportError:  # pragma: no cover
-    numba = None
-    AVAILABLE = False
+from kvstore.store.jit import AVAILABLE as AVAILABLE  # re-exported: callers ask the kernel module
+from kvstore.store.jit import numba
 
 ID_BITS = 28
 _LOW = (1 << ID_BITS) - 1
