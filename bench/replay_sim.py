@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.replay_hints import future_hints
-from kvstore.store.blockstore import BlockStore, Lease
+from kvstore.store.blockstore import BlockStore
+from kvstore.store.leases import Lease
 from kvstore.store.policies import policy_factory
 from kvstore.tiers.accounting import AccountingDiskTier, AccountingMemoryTier
 from kvstore.tiers.base import DRAM, NVME, BlockMeta

@@ -34,8 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -43,6 +42,7 @@ import numpy as np
 from kvstore.store.cascade import CapacityError, Cascade
 from kvstore.store.counters import StoreCounters, TierCounters
 from kvstore.store.index import DTYPES, NO_LOC, EntryTable, dtype_id
+from kvstore.store.leases import GET_WINDOW_BYTES, DataLossError, Lease, NotFoundError, PutTicket
 from kvstore.store.policy import LeafLRU
 from kvstore.store.staging import Staging
 from kvstore.tiers.base import BlockMeta, CorruptBlock, MemoryTier, Tier
@@ -52,57 +52,6 @@ log = logging.getLogger(__name__)
 
 STORED, ALREADY_PRESENT = 1, 2  # kvstore.v1.PutStatus values
 CODEC_NONE = 0  # kvstore.v1.Codec: stored bytes are the raw bytes, so both CRC32Cs are the same
-
-
-class NotFoundError(KeyError):
-    def __init__(self, index: int, key: bytes):
-        super().__init__(f"block {index} ({key.hex()}) is not in the store")
-        self.index, self.key = index, key
-
-
-class DataLossError(Exception):
-    """A stored copy failed its checksum; it was dropped and is never served."""
-
-
-@dataclass(slots=True)
-class PutTicket:
-    ns: int
-    meta: BlockMeta
-    dtype: int
-    loc: int
-    buffer: Any
-
-
-@dataclass(slots=True)
-class Lease:
-    entry: int
-    hash: bytes
-    codec: int
-    dtype: str
-    raw_length: int
-    stored_length: int
-    crc32c: int
-    rank: int  # tier the bytes come from
-    buffer: Any = None  # filled for memory tiers at acquire, by materialize() otherwise
-    hold: tuple[Any, int] | None = None  # (tier, or None: the staging arena; loc) freed at release
-    promote: int | None = None  # a top-tier slot holding the verified bytes read: becomes the copy at release
-
-
-GET_WINDOW_BYTES = 64 << 20  # NVMe reads of a Get are materialized this much at a time
-
-
-def lease_windows(leases: list[Lease | None], budget: int = GET_WINDOW_BYTES) -> Iterator[list[Lease | None]]:
-    """Consecutive runs of leases of about `budget` stored bytes: a Get materializes and sends one at a time."""
-    window: list[Lease | None] = []
-    size = 0
-    for lease in leases:
-        window.append(lease)
-        size += lease.stored_length if lease is not None else 0
-        if size >= budget:
-            yield window
-            window, size = [], 0
-    if window:
-        yield window
 
 
 class BlockStore(Cascade):

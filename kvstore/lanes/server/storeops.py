@@ -43,7 +43,8 @@ from kvstore.server import validate
 from kvstore.server.metrics import Metrics
 from kvstore.server.validate import InvalidRequest, Limits
 from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFoundError, PutTicket
-from kvstore.store.blockstore import ALREADY_PRESENT, lease_windows
+from kvstore.store.blockstore import ALREADY_PRESENT
+from kvstore.store.leases import lease_windows
 from kvstore.store.readahead import ReadAhead
 from kvstore.tiers.base import BlockMeta, TierFault
 from kvstore.v1 import kvstore_pb2 as pb
