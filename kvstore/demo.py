@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from kvstore.chat_script import SYSTEM
+from kvstore.chat_script import TURNS as ALL_TURNS
 from kvstore.hashing import block_hashes, model_fingerprint
 
 
@@ -70,17 +72,7 @@ def store_demo(blocks: int, rounds: int) -> int:
     return 0
 
 
-SYSTEM = (
-    "You are a concise assistant for a team that runs a large language model service. "
-    "The service splits inference into prefill workers, which read the whole prompt, and decode "
-    "workers, which write the answer one token at a time. Between them sits a key-value cache store "
-    "that keeps the attention keys and values of every prompt prefix it has seen, in GPU memory, host "
-    "memory and on NVMe drives, so that a later request sharing the prefix does not recompute it. "
-)
-TURNS = (
-    "In one sentence: why does a shared system prompt make the cache store useful?",
-    "And what happens when the store is full?",
-)
+TURNS = ALL_TURNS[:2]  # the built-in workers play two turns (the vLLM demo all three)
 
 
 def chatml(turns: list[tuple[str, str]]) -> str:
