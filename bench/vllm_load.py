@@ -1,12 +1,15 @@
 """The vLLM connector's load path alone: ``WorkerSide.load`` of a prompt's blocks into a KV cache laid out as
 vLLM's CPU backend lays it out (30 layers, LBHNC, SmolLM2's 1,474,560-byte blocks), from a ``kvstore serve``.
 
-    python -m bench.vllm_load [--quick] [--out FILE.json] [--blocks 62,109] [--streams 1,2]
+    python -m bench.vllm_load [--quick] [--out FILE.json] [--blocks 62,109] [--streams 1,2] [--verify 1,0]
 
-Per lane (shm, tcp) and ``load_streams``: the median seconds of a load (every block lands in place in the
-cache's 30 per-layer pages, CRC32C checked), and in the same run the baseline: one ``torch`` copy of the
-same bytes from one contiguous buffer into the cache's pages (what an in-process cache hit would cost).
-Rows: ``lane``, ``streams``, ``blocks``, ``load_s``, ``gbps``, ``memcpy_s``, ``vs_memcpy`` (memcpy / load).
+Per store (``copy``: the store copies each block into the cache itself, ``process_vm_writev`` on shm;
+``shared``: ``serve --share-dram``, the client copies DRAM hits from the mapped arena), lane (shm, tcp; tcp
+only against ``copy``), ``load_streams`` and ``verify_loads``: the median seconds of a load (every block
+lands in place in the cache's 30 per-layer pages), and in the same run the baseline: one ``torch`` copy of
+the same bytes from one contiguous buffer into the cache's pages (what an in-process cache hit would cost).
+Rows: ``store``, ``lane``, ``streams``, ``verify``, ``blocks``, ``load_s``, ``gbps``, ``memcpy_s``,
+``vs_memcpy`` (memcpy / load).
 """
 
 from __future__ import annotations
@@ -53,19 +56,18 @@ def _memcpy_s(cache: dict[str, torch.Tensor], blocks: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
-    def configure(p: Any) -> None:
-        p.add_argument("--blocks", default="", help="blocks per load (default 62,109: 2k and 3.5k tokens)")
-        p.add_argument("--streams", default="1,2", help="load_streams values")
-        p.add_argument("--reps", type=int, default=0, help="loads per case (default 9; quick 3)")
-
-    args = parse_args("The vLLM connector's load path: WorkerSide.load against memcpy", argv, configure)
-    sizes = [int(x) for x in args.blocks.split(",")] if args.blocks else ([62] if args.quick else [62, 109])
-    reps = args.reps or (3 if args.quick else 9)
-    streams = [int(x) for x in args.streams.split(",")]
+def _store_rows(
+    store: str,
+    extra: list[str],
+    lanes: tuple[str, ...],
+    streams: list[int],
+    verifies: list[bool],
+    sizes: list[int],
+    top: int,
+    reps: int,
+) -> list[Row]:
     rows: list[Row] = []
-    top = max(sizes)
-    with store_process("--dram", "2GiB") as (target, _):
+    with store_process("--dram", "2GiB", *extra) as (target, _):
         producer = WorkerSide(lambda: Client(target, lane="shm"), dtype="float32", saves=True)
         src = _cache(top + 1)
         for t in src.values():
@@ -78,39 +80,69 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError("the blocks were not stored in 120 s")
             time.sleep(0.05)
         producer.close()
-        for lane in ("shm", "tcp"):
+        for lane in lanes:
             for n in streams:
-                side = WorkerSide(lambda lane=lane: Client(target, lane=lane), dtype="float32", load_streams=n)
-                cache = _cache(top + 1)
-                side.register(cache)
-                for blocks in sizes:
-                    run = BlockRun("q", "bench", _keys(blocks), tuple(range(1, blocks + 1)))
-                    side.load(StepPlan(loads=[run]))  # lanes opened, pages touched
-                    times = []
-                    for _ in range(reps):
-                        t0 = time.perf_counter()
-                        side.load(StepPlan(loads=[run]))
-                        times.append(time.perf_counter() - t0)
-                    assert side.take_load_errors() == set()
-                    for name in cache:
-                        assert torch.equal(cache[name][1 : blocks + 1], src[name][:blocks])
-                    load_s = statistics.median(times)
-                    memcpy_s = _memcpy_s(cache, blocks, reps)
-                    nbytes = blocks * side.counters.block_bytes
-                    rows.append(
-                        {
-                            "lane": lane,
-                            "streams": n,
-                            "blocks": blocks,
-                            "mb": round(nbytes / 1e6, 1),
-                            "load_s": round(load_s, 4),
-                            "gbps": round(nbytes / load_s / 1e9, 2),
-                            "memcpy_s": round(memcpy_s, 4),
-                            "vs_memcpy": round(memcpy_s / load_s, 2),
-                        }
+                for verify in verifies:
+                    side = WorkerSide(
+                        lambda lane=lane: Client(target, lane=lane),
+                        dtype="float32",
+                        load_streams=n,
+                        verify_loads=verify,
                     )
-                    print(f"[vllm_load] {rows[-1]}", file=sys.stderr, flush=True)
-                side.close()
+                    cache = _cache(top + 1)
+                    side.register(cache)
+                    for blocks in sizes:
+                        run = BlockRun("q", "bench", _keys(blocks), tuple(range(1, blocks + 1)))
+                        side.load(StepPlan(loads=[run]))  # lanes opened, pages touched
+                        times = []
+                        for _ in range(reps):
+                            t0 = time.perf_counter()
+                            side.load(StepPlan(loads=[run]))
+                            times.append(time.perf_counter() - t0)
+                        assert side.take_load_errors() == set()
+                        for name in cache:
+                            assert torch.equal(cache[name][1 : blocks + 1], src[name][:blocks])
+                        load_s = statistics.median(times)
+                        memcpy_s = _memcpy_s(cache, blocks, reps)
+                        nbytes = blocks * side.counters.block_bytes
+                        rows.append(
+                            {
+                                "store": store,
+                                "lane": lane,
+                                "streams": n,
+                                "verify": verify,
+                                "blocks": blocks,
+                                "mb": round(nbytes / 1e6, 1),
+                                "load_s": round(load_s, 4),
+                                "gbps": round(nbytes / load_s / 1e9, 2),
+                                "memcpy_s": round(memcpy_s, 4),
+                                "vs_memcpy": round(memcpy_s / load_s, 2),
+                            }
+                        )
+                        print(f"[vllm_load] {rows[-1]}", file=sys.stderr, flush=True)
+                    side.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    def configure(p: Any) -> None:
+        p.add_argument("--blocks", default="", help="blocks per load (default 62,109: 2k and 3.5k tokens)")
+        p.add_argument("--streams", default="1,2", help="load_streams values")
+        p.add_argument("--reps", type=int, default=0, help="loads per case (default 9; quick 3)")
+        p.add_argument("--verify", default="1,0", help="verify_loads values (1: CRC32C every block on load)")
+        p.add_argument("--stores", default="copy,shared", help="store modes: copy, shared (serve --share-dram)")
+
+    args = parse_args("The vLLM connector's load path: WorkerSide.load against memcpy", argv, configure)
+    sizes = [int(x) for x in args.blocks.split(",")] if args.blocks else ([62] if args.quick else [62, 109])
+    reps = args.reps or (3 if args.quick else 9)
+    streams = [int(x) for x in args.streams.split(",")]
+    rows: list[Row] = []
+    top = max(sizes)
+    verifies = [bool(int(x)) for x in args.verify.split(",")]
+    for store in args.stores.split(","):
+        extra = ["--share-dram", "true"] if store == "shared" else []
+        lanes = ("shm",) if store == "shared" else ("shm", "tcp")
+        rows += _store_rows(store, extra, lanes, streams, verifies, sizes, top, reps)
     report(rows, args, title="vLLM connector load path (30 x 49,152-byte pages a block)", bench="vllm_load")
     return 0
 

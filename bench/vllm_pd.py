@@ -14,7 +14,8 @@ own, one phase at a time (memory), each prompt a fresh random one:
   ``posix_fadvise(DONTNEED)`` of every file, so they come from the disk.
 - ``kvstore_shm`` / ``kvstore_tcp``: ``KVStoreConnector`` (kv_both), two engines side by side, one per lane:
   the shm engine runs the prompt once (its blocks saved in the background); each engine drops vLLM's cache
-  and runs the prompt, loading its prefix from the store's DRAM.
+  and runs the prompt, loading its prefix from the store's DRAM (``--share-dram true``, the default: the shm
+  engine copies it from the store's mapped arena; ``false``: the store writes it into the engine's cache).
 - ``kvstore_nvme``: as ``kvstore_shm``, after the store restarted: a graceful stop writes every block to its
   NVMe tier, DRAM starts empty and ``--promote-on-hit false`` keeps the blocks on NVMe (``nvme_fraction``
   says how many were there: 1.0).
@@ -67,11 +68,11 @@ class StoreProc:
     """A ``kvstore serve`` on a loopback port; ``restart()`` stops it gracefully (DRAM's blocks go to NVMe) and
     starts it again on the same port and NVMe directory, with an empty DRAM."""
 
-    def __init__(self, nvme_dir: Path, dram: str):
+    def __init__(self, nvme_dir: Path, dram: str, share_dram: bool = True):
         self.target = f"127.0.0.1:{free_port()}"
         self.cmd = [sys.executable, "-m", "kvstore", "serve", "--listen", self.target, "--metrics-port", "0",
                     "--log-level", "error", "--dram", dram, "--nvme-dir", str(nvme_dir), "--nvme", "8GiB",
-                    "--promote-on-hit", "false"]  # fmt: skip
+                    "--promote-on-hit", "false", "--share-dram", str(share_dram).lower()]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -104,8 +105,8 @@ class StoreProc:
 
 
 @contextmanager
-def _store(nvme_dir: Path, dram: str) -> Iterator[StoreProc]:
-    store = StoreProc(nvme_dir, dram)
+def _store(nvme_dir: Path, dram: str, share_dram: bool) -> Iterator[StoreProc]:
+    store = StoreProc(nvme_dir, dram, share_dram)
     store.start()
     try:
         yield store
@@ -246,7 +247,8 @@ def _load_once(engine: EngineProcess, mode: str, size: int, prompt: list[int], c
 
 
 def phase_kvstore(
-    model: str, store: StoreProc, sizes: list[int], reps: int, out: Samples, rng: random.Random, tmp: Path
+    model: str, store: StoreProc, sizes: list[int], reps: int, out: Samples, rng: random.Random, tmp: Path,
+    verify_loads: bool = True,
 ) -> None:  # fmt: skip
     """Two kv_both engines side by side, one per lane; the shm one computes and saves each prompt, both load it
     from DRAM. Then the store restarts (a graceful stop writes every block to NVMe; DRAM starts empty, and
@@ -254,7 +256,7 @@ def phase_kvstore(
     from kvstore.client import Client
 
     def spec(lane: str) -> EngineSpec:
-        extra = {"target": store.target, "lane": lane, "stats_path": str(tmp / lane)}
+        extra = {"target": store.target, "lane": lane, "stats_path": str(tmp / lane), "verify_loads": verify_loads}
         return EngineSpec(model, "kvstore", "kv_both", extra)
 
     shape = EngineShape(model, "", "float32", 30, 3, 64, BLOCK, "vllm-LBHNC-tp1")
@@ -333,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(
             "--local-reps", type=int, default=0, help="prompts per size without a connector (default 2; quick 1)"
         )
+        p.add_argument(
+            "--share-dram",
+            default="true",
+            help="start the store with --share-dram (default true): the shm engine "
+            "copies DRAM hits from the mapped arena; false: the store writes them into the engine's cache",
+        )
+        p.add_argument("--verify-loads", default="true", help="the connector's verify_loads (default true)")
 
     args = parse_args("vLLM TTFT with the prompt prefix from kvstore, ExampleConnector or vLLM itself", argv, configure)
     sizes = (
@@ -354,9 +363,9 @@ def main(argv: list[str] | None = None) -> int:
             info = phase_local(model, sizes, local_reps, out, rng)
         if "example" in phases:
             phase_example(model, sizes, reps, out, rng, tmp)
-        with _store(tmp / "nvme", dram) as store:
+        with _store(tmp / "nvme", dram, args.share_dram == "true") as store:
             if "kvstore" in phases:
-                phase_kvstore(model, store, sizes, reps, out, rng, tmp)
+                phase_kvstore(model, store, sizes, reps, out, rng, tmp, args.verify_loads == "true")
         if "turns" in phases:
             phase_multi_turn_recompute(model, out, rng)
     rows = out.rows()

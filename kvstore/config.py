@@ -153,6 +153,14 @@ class ServeConfig:
         "and their Gets and Puts carried on the handshake's socket, not gRPC calls",
         _bool,
     )
+    share_dram: bool = _opt(
+        False,
+        "put the DRAM arena in a file of --shm-dir (mode 0600, reserved at start) that shm lane clients of this "
+        "user map read-only: a Get names DRAM blocks where they lie and the client copies them once, at memcpy "
+        "speed (the server copies nothing). Every local client of this user can then read every tenant's DRAM "
+        "blocks: for a store serving one trust domain",
+        _bool,
+    )
     cuda_lane_bytes: int = _opt(parse_size("256MiB"), "device memory region of each cuda_ipc lane", parse_size, "SIZE")
     cuda_lane_device: str = _opt(
         "",

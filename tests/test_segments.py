@@ -31,6 +31,7 @@ from tests.test_lanes_support import RawLanes, header, keys
 LANES = {  # name: (Client lane, server options)
     "shm-direct": ("shm", {"shm_direct": True}),
     "shm-region": ("shm", {"shm_direct": False}),
+    "shm-dram": ("shm", {"share_dram": True}),  # Gets copied by the client from the store's mapped DRAM arena
     "tcp": ("tcp", {}),
     "grpc": ("grpc", {}),
 }
@@ -90,6 +91,8 @@ def test_uneven_segments_round_trip_on_every_lane(lane_client):
         assert counters["lane_shm_direct_get_bytes"] == 4 * total
     if name == "shm-region":
         assert "lane_shm_direct_put_bytes" not in counters and counters["lane_shm_put_bytes"] == 4 * total
+    if name == "shm-dram":  # the store named the blocks in its arena; the client copied them across the parts
+        assert counters["lane_shm_dram_get_bytes"] == 4 * total
 
 
 def test_more_segments_than_iov_max_in_one_block(lane_client):

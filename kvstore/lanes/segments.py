@@ -9,7 +9,8 @@ gathering it into one buffer first. What they share:
   (Linux takes at most IOV_MAX = 1024 entries per call).
 - ``clip(spans, n)``: the first ``n`` bytes of a list of (address, length) spans.
 - ``gather(dst, views, crc)`` / ``scatter(views, src, crc)``: segments copied into or out of one contiguous
-  range (the shm lane's region), each copy with its CRC32C fused in (``memops.copy_crc``), chained.
+  range (the shm lane's region), with the CRC32C of the contiguous side taken in one call;
+  ``copy_to_spans(spans, address)``: the same out of host memory at a known address, into (address, length) spans.
 - On the wire (lanes.proto), a direct put names each block's memory in ``LaneReserve`` either as one address
   per block (``addresses``: old clients) or as ``segment_counts`` (one per block) over flattened
   ``segment_addresses``/``segment_lengths``; a direct Get names its destinations as ``out_addresses`` and
@@ -22,12 +23,14 @@ gathering it into one buffer first. What they share:
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator, Sequence
 
 import grpc
 
+from kvstore.checksum import crc32c
 from kvstore.lanes.base import LaneError
-from kvstore.memops import copy_crc, copy_into
+from kvstore.memops import copy_into
 from kvstore.v1 import lanes_pb2 as lpb
 
 IOV_MAX = 1024
@@ -162,31 +165,39 @@ def span_bytes(spans: Spans) -> int:
 
 
 def gather(dst: memoryview, views: Sequence[memoryview], crc: bool) -> int:
-    """Copy ``views`` one after the other into ``dst``; their CRC32C chained (each fused with its copy) when
-    asked, else 0."""
-    value, offset = 0, 0
+    """Copy ``views`` one after the other into ``dst``; the CRC32C of what landed in ``dst`` when asked, else 0.
+
+    The CRC32C runs over ``dst`` in one call after the copies, not fused with each (often small) copy: a
+    call on a large buffer lets go of the GIL, so other threads' copies run beside it (on 30 pages of 48 KiB
+    a block, fused per page took 32 ms for 91 MB in two threads as in one; this takes 19 ms in two)."""
+    offset = 0
     for view in views:
         n = len(view)
-        if n and crc:
-            value = copy_crc(dst[offset : offset + n], view, value)
-        elif n:
+        if n:
             copy_into(dst[offset : offset + n], view)
         offset += n
-    return value
+    return crc32c(dst[:offset]) if crc else 0
 
 
 def scatter(views: Sequence[memoryview], src: memoryview, crc: bool) -> int:
-    """Copy ``src`` across ``views`` in turn (they hold ``len(src)`` bytes in all); the CRC32C chained over the
-    copies (each fused with its copy) when asked, else 0."""
-    value, offset = 0, 0
+    """Copy ``src`` across ``views`` in turn (they hold ``len(src)`` bytes in all); the CRC32C of ``src`` when
+    asked, else 0 (in one call before the copies, for the reason ``gather`` gives)."""
+    value = crc32c(src) if crc else 0
+    offset = 0
     for view in views:
         n = len(view)
-        if crc:
-            value = copy_crc(view, src[offset : offset + n], value)
-        else:
-            copy_into(view, src[offset : offset + n])
+        copy_into(view, src[offset : offset + n])
         offset += n
     return value
+
+
+def copy_to_spans(spans: Spans, source: int) -> None:
+    """Copy the bytes at address ``source`` across ``spans`` (host memory) in turn: one ``memmove`` a span,
+    each letting go of the GIL (a memoryview assignment holds it: two threads scattering 30 pages of 48 KiB a
+    block took 15 ms for 91 MB, as one thread did; these took 12.6)."""
+    for address, length in spans:
+        ctypes.memmove(address, source, length)
+        source += length
 
 
 def _invalid(message: str) -> LaneError:

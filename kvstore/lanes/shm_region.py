@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 PREFIX = "kvstore-lane-"
+DRAM_PREFIX = "kvstore-dram-"  # a store's shared DRAM arena (kvstore/tiers/arena.py), mapped read-only
 
 
 class RegionError(OSError):
@@ -63,6 +64,11 @@ class ShmRegion:
         array = np.frombuffer(mapping, dtype=np.uint8)
         return cls(path, size, mapping, array, array.data)
 
+    @property
+    def address(self) -> int:
+        """Where the mapping starts in this process."""
+        return int(self.array.ctypes.data)
+
     def unlink(self) -> None:
         try:
             os.unlink(self.path)
@@ -72,6 +78,10 @@ class ShmRegion:
     def close(self) -> None:
         """Unlink and drop this side's references; the pages go when the last mapping does."""
         self.unlink()
+        self.detach()
+
+    def detach(self) -> None:
+        """Drop this side's mapping, leaving the name (a client's view of a store's shared DRAM arena)."""
         self.array = np.empty(0, np.uint8)
         try:
             self.view.release()
@@ -80,12 +90,13 @@ class ShmRegion:
             pass
 
 
-def attach(path: str, size: int) -> ShmRegion:
-    """Map a region the server announced; RegionError when it is not ours or not as announced."""
-    if not os.path.basename(path).startswith(PREFIX):
-        raise RegionError(errno.EINVAL, f"{path} is not a kvstore lane region")
+def attach(path: str, size: int, *, readonly: bool = False) -> ShmRegion:
+    """Map a region the server announced (``readonly``: a shared DRAM arena); RegionError when it is not ours
+    or not as announced."""
+    if not os.path.basename(path).startswith(DRAM_PREFIX if readonly else PREFIX):
+        raise RegionError(errno.EINVAL, f"{path} is not a kvstore {'DRAM arena' if readonly else 'lane region'}")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
         raise RegionError(err.errno, f"cannot open lane region {path}: {err.strerror}") from None
     try:
@@ -97,15 +108,17 @@ def attach(path: str, size: int) -> ShmRegion:
             or st.st_size != size
         ):
             raise RegionError(errno.EPERM, f"lane region {path} is not a {size}-byte file of this user with mode 0600")
-        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
     finally:
         os.close(fd)
     array = np.frombuffer(mapping, dtype=np.uint8)
     return ShmRegion(path, size, mapping, array, array.data)
 
 
-def sweep(directory: str, prefixes: tuple[str, ...] = (PREFIX, "kvstore-direct-")) -> int:
-    """Remove region files (and direct-put sockets) of this uid left by servers that are gone; how many."""
+def sweep(directory: str, prefixes: tuple[str, ...] = (PREFIX, "kvstore-direct-", DRAM_PREFIX)) -> int:
+    """Remove region files (direct-put sockets, shared DRAM arenas) of this uid left by servers that are gone;
+    how many."""
     removed = 0
     try:
         names = os.listdir(directory)

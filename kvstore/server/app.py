@@ -46,7 +46,12 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
     hbm = cfg.hbm or hbm_from_fraction(cfg.hbm_device, cfg.hbm_fraction)
     if hbm:
         tiers.append(ArenaTier(hbm, device=cfg.hbm_device, page_size=_page_size(cfg)))
-    tiers.append(ArenaTier(cfg.dram, device="cpu", page_size=_page_size(cfg)))
+    share_dir = cfg.shm_dir if cfg.share_dram else None
+    tiers.append(
+        ArenaTier(
+            cfg.dram, device="cpu", page_size=_page_size(cfg), pinned=False if share_dir else None, share_dir=share_dir
+        )
+    )
     if cfg.nvme_dir:
         from kvstore.tiers.nvme import NvmeTier
 

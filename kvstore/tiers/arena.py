@@ -5,13 +5,22 @@ the arena is host memory (pinned through torch when a CUDA device exists, so
 device copies can be asynchronous; pageable numpy memory otherwise, which the
 kernel faults in as it is first written); on ``cuda`` it is one torch tensor in
 device memory. No per-block allocation happens after start.
+
+``ArenaTier(..., share_dir=DIR)`` (host memory, not pinned) puts the arena in a
+file ``DIR/kvstore-dram-<pid>-<32 hex digits>`` (mode 0600, its pages reserved
+up front, mapped shared) that same-host clients of this user map read-only, so a
+Get can name a DRAM block where it lies instead of copying it
+(``shared``: path, size, base address; ``close()`` removes the file).
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import os
+import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,17 +55,56 @@ def _host_buffer(nbytes: int, pinned: bool) -> tuple[np.ndarray, Any]:
     return np.frombuffer(region, dtype=np.uint8, count=nbytes), region
 
 
+SHARED_PREFIX = "kvstore-dram-"
+
+
+@dataclass(frozen=True)
+class SharedArena:
+    """Where a shared host arena is: its file, its size and its first byte in this process."""
+
+    path: str
+    size: int
+    base: int
+
+    def offset_of(self, address: int, nbytes: int) -> int | None:
+        """The arena offset of ``nbytes`` at ``address``, or None when they are not all inside the arena."""
+        offset = address - self.base
+        return offset if 0 <= offset and offset + nbytes <= self.size else None
+
+
+def _shared_buffer(nbytes: int, directory: str) -> tuple[np.ndarray, mmap.mmap, str]:
+    path = os.path.join(directory, f"{SHARED_PREFIX}{os.getpid()}-{secrets.token_hex(16)}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.posix_fallocate(fd, 0, max(nbytes, 1))  # a full tmpfs fails here, never later as SIGBUS
+        region = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return np.frombuffer(region, dtype=np.uint8, count=nbytes), region, path
+
+
 class ArenaTier(MemoryTier):
     """A memory tier: ``device`` is "cpu" (DRAM) or "cuda[:N]" (HBM)."""
 
     def __init__(
-        self, capacity_bytes: int, *, device: str = "cpu", page_size: int = 8 << 20, pinned: bool | None = None
+        self,
+        capacity_bytes: int,
+        *,
+        device: str = "cpu",
+        page_size: int = 8 << 20,
+        pinned: bool | None = None,
+        share_dir: str | None = None,
     ):
         self.device = device
         self.rank = HBM if device.startswith("cuda") else DRAM
         self.name = TIER_NAMES[self.rank]
         page_size = min(page_size, max(capacity_bytes, 4096) // 4096 * 4096)
         self.slabs = SlabAllocator(capacity_bytes, page_size)
+        self.shared: SharedArena | None = None
         if self.rank == HBM:
             import torch
 
@@ -64,11 +112,16 @@ class ArenaTier(MemoryTier):
             self._host: np.ndarray | None = None
             self.backend = f"torch:{device}"
         else:
-            if pinned is None:
-                pinned = cuda_available()
-            self._host, self._keepalive = _host_buffer(self.slabs.capacity, pinned)
+            if share_dir is not None:
+                self._host, self._keepalive, path = _shared_buffer(self.slabs.capacity, share_dir)
+                self.shared = SharedArena(path, self.slabs.capacity, int(self._host.ctypes.data))
+                self.backend = "shared"
+            else:
+                if pinned is None:
+                    pinned = cuda_available()
+                self._host, self._keepalive = _host_buffer(self.slabs.capacity, pinned)
+                self.backend = "pinned" if pinned else "pageable"
             self._view = self._host.data
-            self.backend = "pinned" if pinned else "pageable"
         log.info(
             "%s arena: %d bytes (%s), %d pages of %d",
             self.name,
@@ -131,3 +184,11 @@ class ArenaTier(MemoryTier):
 
     def stats(self) -> TierStats:
         return TierStats(self.name, self.capacity_bytes, self.used_bytes, backend=self.backend)
+
+    def close(self) -> None:
+        """Remove a shared arena's file (the mappings keep the memory until they go)."""
+        if self.shared is not None:
+            try:
+                os.unlink(self.shared.path)
+            except FileNotFoundError:
+                pass

@@ -107,6 +107,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 dtype=self.shape.dtype if self.shape.dtype in _WIRE_DTYPES else "uint8",
                 load_chunk=self.settings.load_chunk,
                 load_streams=self.settings.load_streams,
+                verify_loads=self.settings.verify_loads,
                 save_chunk=self.settings.save_chunk,
                 saves=self.saves,
                 stats=StatsFile(stats[1]) if stats else None,

@@ -25,6 +25,8 @@ Keys (all optional except ``target``):
 ``stats_path``      a directory: each side rewrites its counters there (``scheduler.json``, ``worker.json``)
 ``on_load_error``   ``recompute`` (default: sets vLLM's ``kv_load_failure_policy`` so) or ``fail`` (vLLM's own)
 ``load_planner``    how many hit blocks to load: ``cost`` (default: from measured costs, ``planning``), ``all`` or ``module:name``
+``verify_loads``    ``true`` (default): CRC32C every loaded block here too; ``false``: trust the store's checks (on
+                    every write and every NVMe read), which leaves DRAM hits unchecked end to end
 ==================  ==========================================================================================
 """
 
@@ -58,6 +60,7 @@ class Settings:
     stats_path: str | None = None
     load_planner: str | None = "cost"
     on_load_error: str = "recompute"
+    verify_loads: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -79,6 +82,8 @@ class Settings:
                 values[name] = int(value)
             elif kind in ("float", float):
                 values[name] = float(value)
+            elif kind in ("bool", bool):
+                values[name] = _flag(name, value)
             else:
                 values[name] = str(value)
         settings = cls(**values)
@@ -127,3 +132,14 @@ class ClientSlot:
                 client.close()
             except Exception:
                 pass
+
+
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"kvstore connector: {name} must be true or false, not {value!r}")

@@ -98,11 +98,12 @@ class WorkerSide:
         dtype: str,
         load_chunk: int = 16,
         load_streams: int = 2,
+        verify_loads: bool = True,
         save_chunk: int = 16,
         saves: bool = True,
         stats: StatsFile | None = None,
     ):
-        self.dtype = dtype
+        self.dtype, self.verify_loads = dtype, verify_loads
         self.load_chunk, self.save_chunk = load_chunk, save_chunk
         self.counters = WorkerCounters()
         self._stats = stats
@@ -181,7 +182,11 @@ class WorkerSide:
         """Get blocks [lo, hi) of a run into ``out``; the number of leading blocks that arrived."""
         slot = self._slots.get()
         try:
-            got = slot.call(lambda c: c.get(run.namespace, list(run.hashes[lo:hi]), out=out, allow_missing=True))
+            got = slot.call(
+                lambda c: c.get(
+                    run.namespace, list(run.hashes[lo:hi]), out=out, allow_missing=True, verify=self.verify_loads
+                )
+            )
         finally:
             self._slots.put(slot)
         for i, block in enumerate(got):

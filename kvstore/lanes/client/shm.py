@@ -34,6 +34,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
@@ -48,8 +49,8 @@ from kvstore.lanes.client.loans import Lender, Loan
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import handshake
-from kvstore.lanes.segments import Spans, flatten, gather, scatter
-from kvstore.lanes.shm_region import ShmRegion, attach
+from kvstore.lanes.segments import Spans, clip, copy_to_spans, flatten, gather, scatter
+from kvstore.lanes.shm_region import RegionError, ShmRegion, attach
 from kvstore.memops import copy_crc, copy_into, host_view
 from kvstore.payload import Segments, as_bytes_view
 from kvstore.v1 import kvstore_pb2 as pb
@@ -69,6 +70,7 @@ class ShmClientLane(Lane):
     kind = "shm"
     commit_bytes = COMMIT_BYTES  # a commit is sent every this many bytes written
     _channel: ShmChannel | None = None  # Gets as frames on the direct handshake's socket, not gRPC calls
+    dram: ShmRegion | None = None  # the store's shared DRAM arena, mapped read-only (serve --share-dram)
 
     def __init__(
         self,
@@ -93,6 +95,11 @@ class ShmClientLane(Lane):
                 self._channel = ShmChannel(sock, timeout)
             if why_not:
                 log.info("shm lane %s: puts copy through the region (%s)", opened.lane_id, why_not)
+        if opened.dram_path:
+            try:
+                self.dram = attach(opened.dram_path, opened.dram_bytes, readonly=True)
+            except RegionError as err:
+                log.info("shm lane %s: Gets copy through the region (%s)", opened.lane_id, err)
 
     # -- put ------------------------------------------------------------------------------
     def put(
@@ -199,7 +206,8 @@ class ShmClientLane(Lane):
         self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None, allow_missing: bool, verify: bool
     ) -> list[Any]:
         results: list[Any] = [None] * len(hashes)
-        outs = self._direct_outs(out) if self.direct and out is not None else None
+        read_dram = self.dram is not None and out is not None  # DRAM hits copied once, by us, from the arena
+        outs = self._direct_outs(out) if self.direct and out is not None and not read_dram else None
         segmented = out is not None and any(isinstance(o, Segments) for o in out)
         start = 0
         while start < len(hashes):
@@ -208,6 +216,7 @@ class ShmClientLane(Lane):
                 release=self._take_release(),
                 request=pb.GetRequest(namespace=namespace, hashes=hashes[start:], allow_missing=allow_missing),
                 crc_at_copy=verify,
+                read_dram=read_dram,
             )
             if outs is not None and segmented:  # the server writes each block across our buffers itself
                 counts, addresses, lengths = flatten(outs[start:])
@@ -309,7 +318,7 @@ class ShmClientLane(Lane):
         for d in present:
             i = start + d.index
             check = verify and d.header.codec == pb.CODEC_NONE
-            if check and crcs_at_copy:
+            if check and crcs_at_copy and not d.in_dram:
                 if d.crc32c != d.header.crc32c:
                     raise corrupt_block(i, d.hash)
                 check = False
@@ -318,8 +327,18 @@ class ShmClientLane(Lane):
                 if check and crc32c(view) != d.header.crc32c:
                     raise corrupt_block(i, d.hash)
                 continue
-            dst = self._out_view(out, i, d.length) if out is not None else next(fresh)
-            copies.append((dst, self.region.view[d.offset : d.offset + d.length], check))
+            source = self.dram if d.in_dram else self.region
+            if source is None or d.offset + d.length > source.size:
+                raise KVStoreError(grpc.StatusCode.INTERNAL, f"block {i} is named outside the memory this lane maps")
+            src = source.view[d.offset : d.offset + d.length]
+            target = out[i] if out is not None else None
+            if isinstance(target, Segments) and target.on_host and isinstance(source, ShmRegion):
+                if target.nbytes < d.length:
+                    raise short_buffer(i, target.nbytes, d.length)
+                dst: Any = SpanCopy(clip(target.spans, d.length), source.address + d.offset)
+            else:
+                dst = self._out_view(out, i, d.length) if out is not None else next(fresh)
+            copies.append((dst, src, check))
             checked.append((i, d))
             results[i] = out[i] if out is not None else dst
         crcs = _copy_pool().run(_copy_out, copies, [len(c[1]) for c in copies])
@@ -349,6 +368,8 @@ class ShmClientLane(Lane):
         except grpc.RpcError:
             pass  # the server closes it at its idle timeout
         self.region.close()
+        if self.dram is not None:
+            self.dram.detach()  # the name is the store's: it stays
 
     def _give_back(self, grant_id: int) -> None:
         """A get grant the client is done with: released with the next request on the lane."""
@@ -381,8 +402,20 @@ def _copy_pool() -> CopyPool:
         return _pool
 
 
+@dataclass(frozen=True, slots=True)
+class SpanCopy:
+    """A copy out of mapped memory at ``source`` (an address) into host spans: a Segments of host parts."""
+
+    spans: Spans
+    source: int
+
+
 def _copy_out(c: tuple[Any, memoryview, bool]) -> int | None:
     dst, src, check = c
+    if isinstance(dst, SpanCopy):
+        crc = crc32c(src) if check else None  # the mapped bytes, in one call that lets go of the GIL
+        copy_to_spans(dst.spans, dst.source)
+        return crc
     if isinstance(dst, list):  # segments
         crc = scatter(dst, src, crc=check)
         return crc if check else None

@@ -148,7 +148,9 @@ def _answer(conn: socket.socket, request: lpb.LaneGetRequest, bound: _Bound) -> 
     with lane.ops.metrics.rpc("LaneGet"):
         replies = None
         try:
-            replies = lane.get(request.request, request.release, request.crc_at_copy, get_destinations(request))
+            replies = lane.get(
+                request.request, request.release, request.crc_at_copy, get_destinations(request), request.read_dram
+            )
             for msg in replies:
                 framing.send_frame(conn, framing.GET_REPLY, msg.SerializeToString())
         except LaneError as err:

@@ -102,6 +102,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             if opened is None:
                 return None
             lane, region = opened
+            dram = lane.pins.arena if lane.pins is not None else None
             return lpb.OpenLaneResponse(
                 kind=kind,
                 lane_id=lane.lane_id,
@@ -112,6 +113,8 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 direct_segments=bool(self.direct_socket),
                 host_id=self.host_id,
                 lease_seconds=self.registry.lease,
+                dram_path=dram.path if dram is not None else "",
+                dram_bytes=dram.size if dram is not None else 0,
             )
         if kind == lpb.LANE_CUDA_IPC:
             return self._open_cuda(request, reasons, access)
@@ -219,7 +222,9 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             outs = self._run(context, lambda: get_destinations(request))
             stream = self._run(
                 context,
-                lambda: self._shm(request.lane).get(request.request, request.release, request.crc_at_copy, outs),
+                lambda: self._shm(request.lane).get(
+                    request.request, request.release, request.crc_at_copy, outs, request.read_dram
+                ),
             )
             while True:
                 msg = self._run(context, lambda: next(stream, None))

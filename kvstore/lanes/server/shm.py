@@ -47,6 +47,7 @@ from kvstore.checksum import crc32c
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.direct import DirectPeer
 from kvstore.lanes.segments import Spans, clip, describe_source, descriptor_spans, reserve_sources, span_bytes
+from kvstore.lanes.server.dram_pins import DramPins
 from kvstore.lanes.server.grants import Grant, GrantTable, Slot
 from kvstore.lanes.server.lane import ServerLane
 from kvstore.lanes.server.storeops import Reservation, StoreOps, accepted_codecs
@@ -90,6 +91,8 @@ class ShmServerLane(ServerLane):
         self._created = self.last_used
         self.direct: DirectPeer | None = None  # set by the direct handshake: puts may name client addresses
         self._channel: socket.socket | None = None
+        dram = ops.shared_dram() if isinstance(region, ShmRegion) else None
+        self.pins = DramPins(dram, region.size) if dram is not None else None  # Gets named in the DRAM arena
 
     def bind_direct(self, peer: DirectPeer) -> None:
         if self.direct is not None:
@@ -112,7 +115,7 @@ class ShmServerLane(ServerLane):
 
     # -- put --------------------------------------------------------------------------
     def reserve(self, namespace: str, headers: Sequence[pb.BlockHeader], release: Sequence[int]) -> lpb.LaneGrant:
-        self.grants.release(release)
+        self._release_grants(release)
         ns = self.ops.namespace(namespace, self.access)
         metas = self.ops.headers(ns, headers)
         grant = self.grants.open_put()
@@ -234,10 +237,14 @@ class ShmServerLane(ServerLane):
         release: Sequence[int],
         crc_at_copy: bool = False,
         outs: Sequence[Spans] = (),
+        read_dram: bool = False,
     ) -> Iterator[lpb.LaneGetResponse]:
-        self.grants.release(release)
+        self._release_grants(release)
         accepted = accepted_codecs(request)
         crc_at_copy = crc_at_copy and self.crcs_at_copy
+        pins: list[int] | None = [] if read_dram and self.pins is not None and not outs else None
+        held: set[int] = set()  # leases of sent messages named in the DRAM arena: their grants end them
+        named = 0  # bytes named in the DRAM arena
         if outs:
             if self.direct is None:
                 raise LaneError(
@@ -259,6 +266,32 @@ class ShmServerLane(ServerLane):
         pending_bytes = 0
         copies: list[CopyOut] = []
         due = FIRST_YIELD_BYTES  # the first message goes early so the client starts checking while we copy
+
+        def hold_pins(grant: Grant) -> None:
+            nonlocal named
+            if pins:
+                assert self.pins is not None
+                pinned = [lease for k in pins if (lease := leases[k]) is not None]  # all of them: named in the arena
+                named += sum(lease.stored_length for lease in pinned)
+                self.pins.hold(grant.id, pinned)
+                held.update(pins)
+                pins.clear()
+
+        counted = False
+
+        def count() -> None:
+            nonlocal counted
+            counted = True
+            self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
+            if outs:
+                self.ops.metrics.add("lane_shm_direct_get_bytes", sent)
+            if named:
+                self.ops.metrics.add("lane_shm_dram_get_bytes", named)
+            self.ops.metrics.bytes_out(sent)
+
+        def unheld(lo: int, hi: int) -> list[Lease | None]:
+            return leases[lo:hi] if not held else [leases[k] for k in range(lo, hi) if k not in held]
+
         try:
             full = False
             for window in self.ops.windows(leases):
@@ -267,7 +300,9 @@ class ShmServerLane(ServerLane):
                 )
                 if streamed:  # NVMe blocks: read straight where they go, each moved on once verified
                     assert grant is not None
-                    n, placed = self._read_out(grant, handled, window, accepted, pending, crc_at_copy, copies, outs)
+                    n, placed = self._read_out(
+                        grant, handled, window, accepted, pending, crc_at_copy, copies, outs, pins
+                    )
                     handled += placed
                     sent += n
                     pending_bytes += n
@@ -277,7 +312,7 @@ class ShmServerLane(ServerLane):
                 for lease in [None] if streamed else window:
                     if not streamed:
                         assert grant is not None
-                        n = self._place_out(grant, handled, lease, accepted, pending, crc_at_copy, copies, outs)
+                        n = self._place_out(grant, handled, lease, accepted, pending, crc_at_copy, copies, outs, pins)
                         if n < 0:
                             full = True
                             break
@@ -288,7 +323,8 @@ class ShmServerLane(ServerLane):
                         due = YIELD_BYTES
                         self._copy_out(copies)
                         copies = []
-                        self.ops.release(leases[released:handled], touch=True)
+                        hold_pins(grant)
+                        self.ops.release(unheld(released, handled), touch=True)
                         released = handled
                         yield pending
                         grant = self.grants.grant_get()  # one grant per message: released separately
@@ -306,20 +342,22 @@ class ShmServerLane(ServerLane):
             pending.handled, pending.last = handled, True
             self._copy_out(copies)
             copies = []
+            hold_pins(grant)
+            count()  # before the reply: a caller that reads the counters after its Get sees this one
             yield pending  # the reply goes before the last leases end (their bytes are copied: nothing reads them)
             grant = None
-            self.ops.release(leases[released:], touch=True)
+            self.ops.release(unheld(released, len(leases)), touch=True)
             released = len(leases)
         finally:
             if grant is not None:  # its descriptors never reached the client: nobody would release it
-                self.grants.release([grant.id])
+                self._release_grants([grant.id])
+            if pins and self.pins is not None:  # named in a message that was never sent
+                self.pins.unpin([lease for k in pins if (lease := leases[k]) is not None])
             if released < len(leases):
                 self._settle()  # no copy may still read a slot whose lease goes (copies not run: never started)
-            self.ops.release(leases[released:], touch=True)
-            self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
-            if outs:
-                self.ops.metrics.add("lane_shm_direct_get_bytes", sent)
-            self.ops.metrics.bytes_out(sent)
+            self.ops.release(unheld(released, len(leases)), touch=True)
+            if not counted:
+                count()
 
     def _place_out(
         self,
@@ -331,8 +369,12 @@ class ShmServerLane(ServerLane):
         crc_at_copy: bool,
         copies: list[CopyOut],
         outs: Sequence[Spans] = (),
+        pins: list[int] | None = None,
     ) -> int:
         """Give one leased block a range of the region and describe it; -1 when the region is full.
+
+        With ``pins`` (the client maps the shared DRAM arena) a DRAM hit sent as stored is named where it
+        lies instead: no copy, its index goes in ``pins`` and its lease lasts until the message's grant ends.
 
         The copy itself is queued in ``copies`` and run with the rest of the message's (``_copy_out``).
         With ``crc_at_copy`` the descriptor gets the CRC32C of the bytes as they reached the region (computed
@@ -342,6 +384,15 @@ class ShmServerLane(ServerLane):
             return 0
         raw = lease.codec == pb.CODEC_NONE or lease.codec not in accepted  # sent as raw bytes: the header's CRC
         n = lease.stored_length if lease.codec in accepted else lease.raw_length
+        if pins is not None and lease.codec in accepted and self.pins is not None:
+            at = self.pins.offset_of(lease, n)
+            if at is not None:
+                d = reply.blocks.add(
+                    index=index, hash=lease.hash, offset=at, length=n, crc32c=lease.crc32c, in_dram=True
+                )
+                self.ops.serve_into(d.header, lease, accepted)
+                pins.append(index)
+                return n
         if outs:  # straight into the client's buffer: no region range
             capacity = span_bytes(outs[index])
             if n > capacity:
@@ -370,6 +421,7 @@ class ShmServerLane(ServerLane):
         crc_at_copy: bool,
         copies: list[CopyOut],
         outs: Sequence[Spans],
+        pins: list[int] | None = None,
     ) -> tuple[int, int]:
         """A window with NVMe-only blocks: place every block first (a region range, or the client's address),
         then read the NVMe ones straight where they go and move each on as its read is verified, while the
@@ -382,7 +434,7 @@ class ShmServerLane(ServerLane):
         n_bytes = placed = 0
         for j, lease in enumerate(window):
             cold_one = lease is not None and lease.buffer is None
-            n = self._place_out(grant, first + j, lease, accepted, reply, crc_at_copy, copies, outs)
+            n = self._place_out(grant, first + j, lease, accepted, reply, crc_at_copy, copies, outs, pins)
             if n < 0:
                 break
             placed += 1
@@ -484,6 +536,12 @@ class ShmServerLane(ServerLane):
         return crc32c(c.dst)
 
     # -- expiry -------------------------------------------------------------------------
+    def _release_grants(self, grant_ids: Sequence[int]) -> None:
+        """The client is done with these get grants: their region ranges and DRAM-arena leases end."""
+        self.grants.release(grant_ids)
+        if self.pins is not None and grant_ids:
+            self.ops.release(self.pins.release(grant_ids), touch=True)
+
     def expire(self, now: float) -> int:
         if not self._attached.is_set() and now - self._created > self.lease:
             self.region.unlink()  # never attached: do not leave the name behind
@@ -496,6 +554,8 @@ class ShmServerLane(ServerLane):
             return
         self.closed.set()
         self.ops.abort(self.grants.close())
+        if self.pins is not None:
+            self.ops.release(self.pins.close(), touch=True)
         self.region.close()
         if self.direct is not None:
             self.direct.close()

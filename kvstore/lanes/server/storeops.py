@@ -46,6 +46,7 @@ from kvstore.store import BlockStore, CapacityError, DataLossError, Lease, NotFo
 from kvstore.store.blockstore import ALREADY_PRESENT
 from kvstore.store.leases import lease_windows
 from kvstore.store.readahead import ReadAhead
+from kvstore.tiers.arena import ArenaTier, SharedArena
 from kvstore.tiers.base import BlockMeta, TierFault
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -199,6 +200,13 @@ class StoreOps:
 
     def release(self, leases: Sequence[Lease | None], touch: bool = False) -> None:
         self.store.release(leases, touch)
+
+    def shared_dram(self) -> SharedArena | None:
+        """The store's DRAM arena when clients may map it (``serve --share-dram``), else None."""
+        for tier in self.store.tiers:
+            if isinstance(tier, ArenaTier) and tier.shared is not None:
+                return tier.shared
+        return None
 
     windows = staticmethod(lease_windows)
 
