@@ -60,7 +60,9 @@ class ServeConfig:
         "process crash; segments fdatasync'ed within 1 s) or fdatasync (survives power loss)",
     )
     eviction_policy: str = _opt(
-        "freq", "eviction order inside a tier, always leaves first: freq (LRU that protects blocks seen twice) or lru"
+        "adaptive",
+        "eviction order inside a tier, always leaves first: adaptive (protects reused blocks for as long as "
+        "shadow caches find pays, from none, as LRU, up), freq (LRU that protects blocks seen twice) or lru",
     )
     promote_on_hit: bool = _opt(True, "copy blocks read from NVMe back into DRAM when there is room", _bool)
     nvme_admit_uses: int = _opt(
@@ -68,7 +70,7 @@ class ServeConfig:
         "demote a block evicted from DRAM to NVMe only once it was used (stored or read) "
         "this many times, else drop it (1: demote every block; 2 writes NVMe about 4x "
         "less on the bench trace at a lower hit rate: docs/nvme.md); needs "
-        "--eviction-policy freq",
+        "an --eviction-policy that counts uses (adaptive or freq)",
         int,
     )
     max_block: int = _opt(parse_size("8MiB"), "largest accepted block (stored bytes)", parse_size, "SIZE")
@@ -278,8 +280,8 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
         raise ValueError("option --write-policy: write-back or write-through")
     if cfg.nvme_admit_uses < 1:
         raise ValueError("option --nvme-admit-uses: 1 or more (1: demote every block)")
-    if cfg.nvme_admit_uses > 1 and cfg.eviction_policy != "freq":
-        raise ValueError("option --nvme-admit-uses above 1 needs --eviction-policy freq (it counts uses)")
+    if cfg.nvme_admit_uses > 1 and cfg.eviction_policy not in ("adaptive", "freq"):
+        raise ValueError("option --nvme-admit-uses above 1 needs --eviction-policy adaptive or freq (they count uses)")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     if cfg.get_codec != "auto":

@@ -232,7 +232,7 @@ def test_nvme_admission_needs_a_policy_that_counts_uses(tmp_path):
 
     with pytest.raises(ValueError, match="counts uses"):
         BlockStore([ArenaTier(1 << 20, page_size=1 << 20)], nvme_admit_uses=2)  # the default policy factory: lru
-    with pytest.raises(ValueError, match="--eviction-policy freq"):
+    with pytest.raises(ValueError, match="--eviction-policy adaptive or freq"):
         config.load(env={"KVSTORE_NVME_ADMIT_USES": "2", "KVSTORE_EVICTION_POLICY": "lru"})
     with pytest.raises(ValueError, match="1 or more"):
         config.load(env={"KVSTORE_NVME_ADMIT_USES": "0"})

@@ -45,7 +45,7 @@ def get(store: BlockStore, ids: list[int]) -> int:
 
 # -- selection by name ------------------------------------------------------------------
 def test_policies_by_name():
-    assert DEFAULT_POLICY == "freq" and set(POLICY_NAMES) >= {"lru", "freq"}
+    assert DEFAULT_POLICY == "adaptive" and set(POLICY_NAMES) >= {"lru", "freq", "adaptive"}
     assert type(make_policy("lru")) is LeafLRU
     assert isinstance(make_policy("freq", protect=2.0), FrequencyLeafLRU)
     factory = policy_factory("freq")

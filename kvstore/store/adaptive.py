@@ -25,11 +25,17 @@ Parts (each small, each measured by ``python -m bench.replay``):
    replayed into small directories (keys only, no bytes) that run this policy
    with each P of ``ladder`` on the same accesses and at the same size,
    leaf rule included, counting a hit only while the request's previous block
-   hit (the prefix rule). Their hits decay over about ``window`` turnovers;
-   the tier uses the P whose shadow scores best (switching needs a
-   ``margin``). With LRU on the ladder the policy tracks the better of LRU and
-   every other rung, lagging by about one window. This is set dueling (as in
-   CPU caches' adaptive insertion) with whole shadow caches instead of sets.
+   hit (the prefix rule). Their hits decay over about ``window`` turnovers.
+   The tier switches to the P whose shadow scores best only on a lead that
+   noise does not explain: more than ``margin`` of the current score plus
+   ``confidence`` x the square root of the (decayed) accesses where the two
+   shadows disagree, since their lead is a sum of +-1 over exactly those. A
+   test on the raw scores instead (their square root) switched too late on
+   one-shot documents, and too eagerly early in a trace without it; each
+   switch costs hits, since the tier's contents were chosen under the old P.
+   With LRU on the ladder the policy tracks the better of LRU and every other
+   rung. This is set dueling (as in CPU caches' adaptive insertion) with
+   whole shadow caches instead of sets.
 5. **Engine hints** (``hint(e, ReuseHint)``, kvstore.store.hints): "no reuse"
    sends a block to ``dead``; "reuse" (the conversation continues) or a TTL
    moves it to ``kept`` until its next access or the deadline; ``priority``
@@ -38,24 +44,35 @@ Parts (each small, each measured by ``python -m bench.replay``):
 Memory is bounded: per resident block a clock and a class (two dict slots)
 and heap rows compacted at 4x the residents; each shadow holds at most as
 many keys as the tier held blocks at its last access, and at most
-``max_shadow`` (beyond that, shadows see a hash-sampled 1/R of the keys at
-1/R of the size).
+``max_shadow``: beyond that, the shadows see a hash-sampled 1/R of the blocks
+(R a power of two) at 1/R of the size, and a sampled block's shadow parent is
+its nearest sampled ancestor, so a sampled shadow keeps the prefix tree
+(contracted) with its leaf and prefix rules; the scores carry over when R
+grows. ``insert_many`` (what ``commit_puts`` and recovery call) does the
+sketch, clocks, classes and heaps in vectorized passes and only the shadows'
+sampled share in Python.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from kvstore.store.frequency import FrequencyLeafLRU, FrequencySketch
 from kvstore.store.hints import ReuseHint
+from kvstore.store.policy import BULK_MIN
 
 DEAD, ONCE, REUSED, KEPT = 0, 1, 2, 3
 CLASS_NAMES = ("dead", "once", "reused", "kept")
 DEFAULT_LADDER = (0.0, 1.0, 4.0, 16.0)
 FREQ_PROTECT = 4.0  # FrequencyLeafLRU's default protection, in turnovers
+_NO_LOC = -1  # the index's "no copy in this tier"
+ANCESTOR_STEPS = 8  # how far (x the sample) a sampled block's shadow parent is looked for
 
 
 class Shadow:
@@ -78,8 +95,10 @@ class Shadow:
     def __len__(self) -> int:
         return len(self.key)
 
-    def access(self, fp: int, parent: int | None, count: int, capacity: int) -> None:
+    def access(self, fp: int, parent: int | None, count: int, capacity: int) -> bool:
+        """One access of ``fp`` (child of ``parent``), at ``capacity`` keys; whether it was a (prefix) hit."""
         self.clock += 1
+        hit = False
         cls = REUSED if count >= self.reuse_threshold else ONCE
         if fp in self.key:
             while len(self.key) > capacity and self._evict():  # the tier shrank: so does its shadow
@@ -88,6 +107,7 @@ class Shadow:
             if parent is None or parent == self.last_hit:
                 self.score += 1.0
                 self.last_hit = fp
+                hit = True
             else:
                 self.last_hit = -1
         else:
@@ -102,6 +122,7 @@ class Shadow:
         if not self.nchild.get(fp):
             heapq.heappush(self.heaps[cls - ONCE], (self.clock, fp))
         self._compact()
+        return hit
 
     def _head(self, cls: int) -> tuple[int, int] | None:
         heap = self.heaps[cls - ONCE]
@@ -154,10 +175,11 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         *,
         ladder: Sequence[float] = DEFAULT_LADDER,
         reuse_threshold: int = 2,
-        window: float = 4.0,
+        window: float = 32.0,
         margin: float = 0.01,
+        confidence: float = 3.0,
         hint_turnovers: float = 8.0,
-        max_shadow: int = 1 << 16,
+        max_shadow: int = 6144,
         now: Callable[[], float] = time.monotonic,
         sketch: FrequencySketch | None = None,
     ):
@@ -167,6 +189,7 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         self.ladder = tuple(float(p) for p in ladder)
         self.window = window
         self.margin = margin
+        self.confidence = confidence
         self.hint_turnovers = hint_turnovers
         self.max_shadow = max_shadow
         self.now = now
@@ -180,6 +203,8 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         self._expiry: list[tuple[float, int]] = []  # (deadline, e); stale rows skipped
         self._sample = 1  # shadows see fingerprints with fp % _sample == 0
         self._shadows = [Shadow(p, reuse_threshold) for p in self.ladder]
+        # [i][j]: accesses (decayed like the scores) that shadow i hit and j missed or the reverse
+        self._disagree = [[0.0] * len(self.ladder) for _ in self.ladder]
         self._accesses = 0
         self.parent_of: Callable[[int], int | None] = lambda e: None  # the parent entry (from the index once bound)
 
@@ -200,6 +225,43 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         if is_leaf:
             self._leaf.add(e)
             self._push(e)
+
+    def insert_many(self, ids: np.ndarray, is_leaf: np.ndarray, cold: np.ndarray) -> None:
+        """``insert`` of each new entry in order: the sketch, clocks, classes and heaps in vectorized passes
+        (the sketch counts the batch with ``add_many``, as ``freq`` does); only the shadows' sampled share of
+        the batch goes through Python, one access each, in order."""
+        ids_l = ids.tolist()
+        if (
+            len(ids_l) < BULK_MIN
+            or type(self).insert is not AdaptiveLeafPolicy.insert
+            or self.table is None
+            or any(map(self._prio.__contains__, ids_l))
+        ):
+            self._insert_each(ids_l, is_leaf, cold)
+            return
+        n, base = len(ids_l), len(self._prio)
+        is_leaf, cold = np.asarray(is_leaf, dtype=np.bool_), np.asarray(cold, dtype=np.bool_)
+        fps = np.asarray(self.table.fp[ids], dtype=np.uint64)
+        sole = np.ones(n, dtype=np.bool_)
+        for r in self._others:
+            sole &= self.table.locs(ids, r) == _NO_LOC
+        self.sketch.add_many(fps[sole])
+        counts = self.sketch.estimate_many(fps)
+        cls = np.where(cold, DEAD, np.where(counts >= self.reuse_threshold, REUSED, ONCE))
+        prio = np.arange(self._clock + 1, self._clock + n + 1, dtype=np.float64)
+        self._clock += n
+        prio_l, cls_l = prio.tolist(), cls.tolist()
+        self._prio.update(zip(ids_l, prio_l))
+        self._cls.update(zip(ids_l, cls_l))
+        self._leaf.update(ids[is_leaf].tolist())
+        for c in (DEAD, ONCE, REUSED):
+            pick = is_leaf & (cls == c)
+            if pick.any():
+                heap = self._heaps[c]
+                heap.extend(zip(prio[pick].tolist(), ids[pick].tolist()))
+                heapq.heapify(heap)
+        self._compact_heaps()
+        self._shadow_many(ids_l, fps, counts, base)
 
     def touch(self, e: int) -> None:
         if e not in self._prio:
@@ -298,9 +360,12 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         self._shadow(e, fp, count)
 
     def _push(self, e: int) -> None:
-        heap = self._heaps[self._cls[e]]
-        heapq.heappush(heap, (self._prio[e], e))
-        if len(heap) > 4 * len(self._prio) + 64:
+        heapq.heappush(self._heaps[self._cls[e]], (self._prio[e], e))
+        self._compact_heaps()
+
+    def _compact_heaps(self) -> None:
+        """Rebuild the heaps from the residents once any holds more than 4x their number in rows."""
+        if max(len(h) for h in self._heaps) > 4 * len(self._prio) + 64:
             for i, h in enumerate(self._heaps):
                 rows = [(p, x) for x, p in self._prio.items() if x in self._leaf and self._cls[x] == i]
                 heapq.heapify(rows)
@@ -341,34 +406,79 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         return best
 
     # -- the adaptation ------------------------------------------------------------------------
-    def _shadow(self, e: int, fp: int, count: int) -> None:
-        resident = len(self._prio)
+    def _shadow(self, e: int, fp: int, count: int, resident: int | None = None) -> None:
+        resident = len(self._prio) if resident is None else resident
         if resident > self.max_shadow * self._sample:
             while resident > self.max_shadow * self._sample:
                 self._sample *= 2
-            self._shadows = [Shadow(p, self.reuse_threshold) for p in self.ladder]  # restart, sampled
+            # restart, sampled; the scores carry on (halved: fewer accesses count from now on)
+            old = [s.score for s in self._shadows]
+            self._shadows = [Shadow(p, self.reuse_threshold) for p in self.ladder]
+            for s, score in zip(self._shadows, old):
+                s.score = score / 2
+            self._disagree = [[d / 2 for d in row] for row in self._disagree]
         if fp % self._sample:
             return
-        p = self.parent_of(e)
-        parent = None if p is None else self._fingerprint(p)
-        if parent is not None and parent % self._sample:
-            parent = None  # an unsampled parent: the shadow sees this block as a root
+        parent = self._sampled_ancestor(e)
         capacity = max(resident // self._sample, 1)
-        for s in self._shadows:
-            s.access(fp, parent, count, capacity)
+        hits = [s.access(fp, parent, count, capacity) for s in self._shadows]
+        if any(hits) and not all(hits):
+            for i, a in enumerate(hits):
+                row = self._disagree[i]
+                for j, b in enumerate(hits):
+                    if a != b:
+                        row[j] += 1.0
         self._accesses += 1
         if self._accesses % 64 == 0:
             self._choose(capacity)
 
+    def _sampled_ancestor(self, e: int) -> int | None:
+        """The fingerprint of e's nearest sampled ancestor: a shadow's parent link, so that a sampled shadow
+        keeps the prefix tree (contracted to the sampled blocks) with its leaf and prefix rules. None: a root,
+        or none within ``ANCESTOR_STEPS`` x the sample (the walk costs about one step per access)."""
+        p = self.parent_of(e)
+        for _ in range(ANCESTOR_STEPS * self._sample):
+            if p is None:
+                return None
+            fp = self._fingerprint(p)
+            if fp % self._sample == 0:
+                return fp
+            p = self.parent_of(p)
+        return None
+
+    def _shadow_many(self, ids: list[int], fps: np.ndarray, counts: np.ndarray, base: int) -> None:
+        """``_shadow`` of the i-th entry of a batch with ``base + i + 1`` residents, for every i in order:
+        only the sampled entries (and the one at which the sample coarsens) go through Python."""
+        fps_l, counts_l, n, i = fps.tolist(), counts.tolist(), len(ids), 0
+        while i < n:
+            coarsen = max(i, self.max_shadow * self._sample - base)  # first i with base + i + 1 above the limit
+            end = min(n, coarsen)
+            if self._sample == 1:
+                picked: Sequence[int] = range(i, end)
+            else:
+                picked = (np.nonzero(fps[i:end] % np.uint64(self._sample) == 0)[0] + i).tolist()
+            for j in picked:
+                self._shadow(ids[j], fps_l[j], counts_l[j], base + j + 1)
+            if end < n:  # this access coarsens the sample (and restarts the shadows), then counts as sampled
+                self._shadow(ids[end], fps_l[end], counts_l[end], base + end + 1)
+                end += 1
+            i = end
+
     def _choose(self, capacity: int) -> None:
         decay = (1.0 - 1.0 / (self.window * max(capacity, 64))) ** 64
-        current = None
         for s in self._shadows:
             s.score *= decay
-            if s.P == self.P:
-                current = s
-        best = max(self._shadows, key=lambda s: s.score)
-        if current is None or best.score > current.score * (1.0 + self.margin) + 1.0:
-            if best.P != self.P:
-                self.switches += 1
-            self.P = best.P
+        for row in self._disagree:
+            row[:] = [d * decay for d in row]
+        cur = next((i for i, s in enumerate(self._shadows) if s.P == self.P), None)
+        best = max(range(len(self._shadows)), key=lambda i: self._shadows[i].score)
+        if cur is None:
+            self.P = self._shadows[best].P
+            return
+        # switch on a lead that noise does not explain: the shadows see the same accesses, so the lead of
+        # one over the other is a sum over the accesses where they disagree, +-1 each: its noise is about
+        # the square root of their number
+        lead = self._shadows[best].score - self._shadows[cur].score * (1.0 + self.margin)
+        if best != cur and lead > self.confidence * math.sqrt(self._disagree[best][cur] + 1.0):
+            self.switches += 1
+            self.P = self._shadows[best].P

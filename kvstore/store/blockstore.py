@@ -84,7 +84,7 @@ class BlockStore(Cascade):
         if nvme_admit_uses < 1:
             raise ValueError("nvme_admit_uses must be >= 1 (1: every evicted block is demoted)")
         if nvme_admit_uses > 1 and not all(p.counts_uses for p in self.policies.values()):
-            raise ValueError(f"nvme_admit_uses={nvme_admit_uses} needs an eviction policy that counts uses (freq)")
+            raise ValueError(f"nvme_admit_uses={nvme_admit_uses} needs a policy that counts uses (adaptive, freq)")
         self.nvme_admit_uses = nvme_admit_uses
         self.counters = StoreCounters(tiers={t.rank: TierCounters() for t in self.tiers})
         self._lock = threading.RLock()

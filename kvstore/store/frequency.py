@@ -16,7 +16,6 @@ import numpy as np
 from kvstore.store import sketch_jit
 from kvstore.store.policy import BULK_MIN, COLD_PENALTY, LeafLRU
 
-DEFAULT_POLICY = "freq"
 _M64 = (1 << 64) - 1
 _MULTIPLIERS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
 _NO_LOC = -1

@@ -4,7 +4,12 @@ Every policy keeps the ``LeafLRU`` interface and its rule: only a *leaf* of a
 tier (no child holding a copy there) is ever a victim, so a parent always
 outlives its children. What a policy changes is ``priority(e)``.
 
-``freq`` (``FrequencyLeafLRU``, the recommended default): LRU in which a block
+``adaptive`` (``AdaptiveLeafPolicy``, kvstore/store/adaptive.py, the default): the classes below with
+how long reused blocks are protected chosen online by shadow caches, between leaf-first LRU (P = 0) and
+``freq`` (P = 4) and beyond; on the shared trace and five ``bench.tracegen`` traces it stays within 0.005 of
+the better of LRU and ``freq`` at every capacity from 2% to 50% (bench/results/replay_suite.json).
+
+``freq`` (``FrequencyLeafLRU``, the default before ``adaptive``): LRU in which a block
 seen at least twice is *protected* for a while. Its priority is the logical
 clock of its last access plus ``protect x N`` ticks when an aging frequency
 sketch has seen it at least ``reuse_threshold`` times (N: blocks resident in
@@ -47,7 +52,7 @@ __all__ = [
     "shared_sketch",
 ]
 
-DEFAULT_POLICY = "freq"
+DEFAULT_POLICY = "adaptive"
 
 
 @dataclass(frozen=True)
