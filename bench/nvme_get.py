@@ -74,12 +74,12 @@ KINDS = ("nvme-shm", "nvme-tcp", "dram-shm", "dram-tcp")
 class Worker:
     """The store processes and clients of one source tree (``nvme_get_worker.py`` run against it)."""
 
-    def __init__(self, tree: Path, block: int, count: int, root: Path, cold_dram: int):
+    def __init__(self, tree: Path, block: int, count: int, root: Path, cold_dram: int, extra: tuple[str, ...] = ()):
         root.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(tree)}
         self.proc = subprocess.Popen(
             [sys.executable, str(REPO / "bench" / "nvme_get_worker.py"), str(block), str(count), str(root)]
-            + [str(cold_dram)],
+            + [str(cold_dram), *extra],
             cwd=tree,
             env=env,
             stdin=subprocess.PIPE,
@@ -121,7 +121,9 @@ def export_tree(rev: str, dest: Path) -> Path:
     return dest
 
 
-def measure(block: int, count: int, root: Path, bar: tqdm, baseline: Path | None = None) -> dict:
+def measure(
+    block: int, count: int, root: Path, bar: tqdm, baseline: Path | None = None, extra: tuple[str, ...] = ()
+) -> dict:
     rng = np.random.default_rng(block)
     cold_dram = max(32 * MiB, 3 * PREFIX * block)
     sides = {"": REPO} | ({"old_": baseline} if baseline is not None else {})
@@ -129,7 +131,8 @@ def measure(block: int, count: int, root: Path, bar: tqdm, baseline: Path | None
     raw: RawExtents | None = None
     try:
         for tag, tree in sides.items():
-            workers[tag] = Worker(tree, block, count, root / f"{tag}store-{block}", cold_dram)
+            args = extra if tag == "" else ()  # store options of this tree only: an old one may not know them
+            workers[tag] = Worker(tree, block, count, root / f"{tag}store-{block}", cold_dram, args)
         raw = RawExtents(root / f"raw-{block}.bin", block, count, rng)
         steps = [(tag, kind) for tag in sides for kind in KINDS] + [("", "raw")]
         times: dict[str, list[float]] = {f"{tag}{kind}": [] for tag, kind in steps}
@@ -176,6 +179,11 @@ def main(argv: list[str] | None = None) -> None:
             help="also run the code of this git revision (exported to a temporary directory), step for step",
         )
         p.add_argument(
+            "--share-dram",
+            default="false",
+            help="true: this tree's stores run with --share-dram (shm Gets of DRAM blocks copied by the client)",
+        )
+        p.add_argument(
             "--dir",
             type=Path,
             default=Path("/var/tmp"),
@@ -189,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         baseline = export_tree(args.baseline, root / "baseline") if args.baseline else None
         with tqdm(total=sum(sizes.values()), unit="prefix", desc="nvme gets") as bar:
-            rows = [measure(block, count, root, bar, baseline) for block, count in sizes.items()]
+            extra = ("--share-dram", "true") if args.share_dram == "true" else ()
+            rows = [measure(block, count, root, bar, baseline, extra) for block, count in sizes.items()]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(

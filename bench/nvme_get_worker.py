@@ -42,17 +42,19 @@ def write_prefixes(kv: Client, block: int, count: int, rng: np.random.Generator)
     return prefixes
 
 
-def main(block: int, count: int, root: Path, cold_dram: int) -> None:
+def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -> None:
     rng = np.random.default_rng(block)
     warm_dram = 2 * WARM * PREFIX * block * 5 // 4 + (64 << 20)
     with contextlib.ExitStack() as stack:
         cold_target, _ = stack.enter_context(
             store_process(
                 *("--dram", f"{cold_dram >> 20}MiB", "--nvme-dir", str(root / "nvme"), "--nvme", "16GiB"),
-                *("--write-policy", "write-through", "--shm-direct", "true"),
+                *("--write-policy", "write-through", "--shm-direct", "true", *extra),
             )
         )
-        warm_target, _ = stack.enter_context(store_process("--dram", f"{warm_dram >> 20}MiB", "--shm-direct", "true"))
+        warm_target, _ = stack.enter_context(
+            store_process("--dram", f"{warm_dram >> 20}MiB", "--shm-direct", "true", *extra)
+        )
         clients = {
             kind: stack.enter_context(
                 Client(cold_target if kind.startswith("nvme") else warm_target, timeout=120, lane=kind.split("-")[1])
@@ -84,4 +86,4 @@ def main(block: int, count: int, root: Path, cold_dram: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])

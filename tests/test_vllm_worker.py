@@ -148,3 +148,36 @@ def test_preemption_waits_for_the_saves_reading_its_blocks(server, preempted: bo
     else:
         wait_idle(side, "r")
     side.close()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_loads_from_a_shared_dram_arena(make_server, verify: bool) -> None:
+    """``serve --share-dram``: the worker copies DRAM hits from the mapped arena into its pages. With
+    ``verify_loads`` a corrupt DRAM block is caught by the worker's own CRC32C and never loaded; without, the
+    store's checks (at write and on NVMe reads) are all there is, and a corrupt DRAM byte goes through."""
+    server = make_server(share_dram=True)
+    target = f"127.0.0.1:{server.port}"
+    producer, src = worker(target, "shm")
+    for t in src.values():
+        t.normal_()
+    producer.save(StepPlan(saves=[BlockRun("r", "ns", keys(5, 3), tuple(range(5)))]))
+    wait_idle(producer, "r")
+    consumer, dst = worker(target, "shm", saves=False, verify_loads=verify)
+    consumer.load(StepPlan(loads=[BlockRun("q", "ns", keys(5, 3), (20, 21, 22, 23, 24))]))
+    assert consumer.take_load_errors() == set()
+    for name in src:
+        assert torch.equal(dst[name][20:25], src[name][0:5])
+    assert server.metrics.counters()["lane_shm_dram_get_bytes"] == 5 * consumer.counters.block_bytes
+    leases = server.store.acquire("ns", [keys(5, 3)[1]])
+    leases[0].buffer[100] ^= 0xFF  # flip a stored byte in the arena
+    server.store.release(leases)
+    consumer.load(StepPlan(loads=[BlockRun("q2", "ns", keys(5, 3), (30, 31, 32, 33, 34))]))
+    errors = consumer.take_load_errors()
+    if verify:
+        assert 31 in errors and errors == set(range(min(errors), 35))
+        for name in src:
+            assert not dst[name][min(errors) : 35].any()
+    else:
+        assert errors == set()
+    producer.close()
+    consumer.close()

@@ -32,8 +32,9 @@ import grpc
 from kvstore.devices import Copier, CrcStaging
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.cuda_region import DeviceRegion
+from kvstore.lanes.server.copyout import CopyOut
 from kvstore.lanes.server.grants import Slot
-from kvstore.lanes.server.shm import CopyOut, ShmServerLane
+from kvstore.lanes.server.shm import ShmServerLane
 from kvstore.lanes.server.storeops import StoreOps
 from kvstore.v1 import lanes_pb2 as lpb
 

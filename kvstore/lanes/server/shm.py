@@ -38,15 +38,14 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from kvstore.checksum import crc32c
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.direct import DirectPeer
 from kvstore.lanes.segments import Spans, clip, describe_source, descriptor_spans, reserve_sources, span_bytes
+from kvstore.lanes.server.copyout import CopyOut, copy_one, copy_out, runnable
 from kvstore.lanes.server.dram_pins import DramPins
 from kvstore.lanes.server.grants import Grant, GrantTable, Slot
 from kvstore.lanes.server.lane import ServerLane
@@ -63,19 +62,6 @@ if TYPE_CHECKING:
 
 YIELD_BYTES = 16 << 20
 FIRST_YIELD_BYTES = 2 << 20
-WRITE_RUN_BYTES = 4 << 20  # direct Get writes: this much per process_vm_writev (and per copy thread's turn)
-SPLIT_WRITE_BYTES = 1 << 20  # direct Get writes of a message from this size on are spread over the copy threads
-
-
-@dataclass(slots=True)
-class CopyOut:
-    """One block of a Get on its way into the region."""
-
-    dst: memoryview | None  # the region range (None: written to the client's memory at spans)
-    src: Any  # the arena slot (host memory or an HBM tensor) or decoded bytes
-    descriptor: lpb.BlockDescriptor
-    crc: bool  # compute the CRC32C of the copied bytes into the descriptor
-    spans: Spans = ()  # direct Get: where the block goes in the client's memory ((address, length), in order)
 
 
 class ShmServerLane(ServerLane):
@@ -455,11 +441,11 @@ class ShmServerLane(ServerLane):
                 assert lease is not None
                 if c.dst is None or lease.buffer is not c.dst:  # not read in place: one copy, no CRC pass
                     c.src = lease.buffer
-                    if _runnable(c):
+                    if runnable(c):
                         run.append(c)
                     else:
                         verified, c.crc = c.crc, False
-                        self._copy_one(c)
+                        copy_one(c, self.direct)
                         c.crc = verified
                 if c.crc:
                     c.descriptor.crc32c = lease.crc32c
@@ -471,69 +457,8 @@ class ShmServerLane(ServerLane):
         return n_bytes, placed
 
     def _copy_out(self, copies: Sequence[CopyOut]) -> None:
-        """Run one message's copies into the region or the client's memory (spread over the copy threads) and
-        wait for them. Direct writes from host memory go in runs of up to ``WRITE_RUN_BYTES``, each run one
-        process_vm_writev (after the CRC32C of each block, when asked), not one syscall and check per block.
-        A block bound for several buffers (Segments) is written alone, by one vectored call per piece."""
-        runs: list[list[CopyOut]] = []
-        total = sum(c.descriptor.length for c in copies)
-        threads = self.ops.copies.threads
-        # one run per copy thread once the message is worth splitting: each run's CRC32Cs and process_vm_writev
-        # go on in parallel (a process_vm_writev moves about 4.5 GB/s here, a CRC32C about 6)
-        per_run = WRITE_RUN_BYTES if total < SPLIT_WRITE_BYTES else min(WRITE_RUN_BYTES, -(-total // threads))
-        size = per_run
-        for c in copies:
-            if _runnable(c):
-                if size >= per_run:
-                    runs.append([])
-                    size = 0
-                runs[-1].append(c)
-                size += c.descriptor.length
-            else:
-                runs.append([c])
-                size = per_run
-        weights = [sum(c.descriptor.length for c in run) for run in runs]
-        self.ops.copies.run(self._copy_run, runs, weights, SPLIT_WRITE_BYTES)
-
-    def _copy_run(self, run: list[CopyOut]) -> None:
-        if len(run) == 1 and not _runnable(run[0]):
-            crc = self._copy_one(run[0])
-            if crc is not None:
-                run[0].descriptor.crc32c = crc
-            return
-        assert self.direct is not None
-        pairs = []
-        for c in run:
-            src = host_view(c.src)
-            assert src is not None
-            src = src[: c.descriptor.length]
-            if c.crc:
-                c.descriptor.crc32c = crc32c(src)
-            pairs.append((c.spans[0][0], src))
-        self.direct.write_many(pairs)
-
-    def _copy_one(self, c: CopyOut) -> int | None:
-        if c.spans:
-            assert self.direct is not None
-            src = host_view(c.src)
-            if src is None:  # an HBM slot: through the host
-                src = memoryview(bytearray(c.descriptor.length))
-                copy_into(src, c.src)
-            src = src[: c.descriptor.length]
-            if len(c.spans) == 1:
-                crc = self.direct.write_from(c.spans[0][0], src, c.crc)
-            else:  # a destination in several buffers: one pass, many iovecs
-                crc = self.direct.write_spans(c.spans, src, c.crc)
-            return crc if c.crc else None
-        assert c.dst is not None
-        if not c.crc:
-            copy_into(c.dst, c.src)
-            return None
-        src = host_view(c.src)
-        if src is not None:
-            return copy_crc(c.dst, src)
-        copy_into(c.dst, c.src)  # an HBM slot: copy, then read the landed bytes
-        return crc32c(c.dst)
+        """Run one message's copies into the region or the client's memory and wait for them (``copyout``)."""
+        copy_out(copies, self.direct, self.ops.copies)
 
     # -- expiry -------------------------------------------------------------------------
     def _release_grants(self, grant_ids: Sequence[int]) -> None:
@@ -598,8 +523,3 @@ def put_conversation(
     finally:
         if lane is not None:
             lane.end_stream(grants)
-
-
-def _runnable(c: CopyOut) -> bool:
-    """A direct Get block that joins a ``write_many`` run: one destination buffer, the source in host memory."""
-    return len(c.spans) == 1 and host_view(c.src) is not None
