@@ -134,7 +134,8 @@ def test_nvme_and_dram_blocks_in_one_get(make_server, tmp_path):
         out = [np.zeros(512 << 10, np.uint8) for _ in data]
         kv.get("ns", keys(24), out=out)
         assert all(np.array_equal(a, b) for a, b in zip(out, data))
-        assert counter(server, "lane_shm_dram_get_bytes") > 0
+        assert counter(server, "lane_shm_dram_get_bytes") > 0  # DRAM hits named in the arena
+        assert counter(server, "lane_shm_direct_get_bytes") > 0  # NVMe reads written into our buffers by the store
     assert leased(server) == 0
 
 

@@ -207,7 +207,7 @@ class ShmClientLane(Lane):
     ) -> list[Any]:
         results: list[Any] = [None] * len(hashes)
         read_dram = self.dram is not None and out is not None  # DRAM hits copied once, by us, from the arena
-        outs = self._direct_outs(out) if self.direct and out is not None and not read_dram else None
+        outs = self._direct_outs(out) if self.direct and out is not None else None  # the rest written by the store
         segmented = out is not None and any(isinstance(o, Segments) for o in out)
         start = 0
         while start < len(hashes):
@@ -239,8 +239,11 @@ class ShmClientLane(Lane):
             lend = out is None and bool(present) and self._lender.can_lend(sum(d.length for d in present))
             loan = self._lender.open(msg.grant_id) if lend else None
             try:
-                if msg.written_direct:
-                    self._take_written(present, start, out, verify, results)
+                if msg.written_direct:  # blocks named in the DRAM arena are ours to copy; the store wrote the rest
+                    named = [d for d in present if d.in_dram]
+                    if named:
+                        self._take_blocks(named, start, out, verify, results, None, msg.crcs_at_copy)
+                    self._take_written([d for d in present if not d.in_dram], start, out, verify, results)
                 else:
                     self._take_blocks(present, start, out, verify, results, loan, msg.crcs_at_copy)
             finally:

@@ -228,7 +228,8 @@ class ShmServerLane(ServerLane):
         self._release_grants(release)
         accepted = accepted_codecs(request)
         crc_at_copy = crc_at_copy and self.crcs_at_copy
-        pins: list[int] | None = [] if read_dram and self.pins is not None and not outs else None
+        # DRAM hits named in the shared arena; the rest go into the region or, on a direct Get, the client's memory
+        pins: list[int] | None = [] if read_dram and self.pins is not None else None
         held: set[int] = set()  # leases of sent messages named in the DRAM arena: their grants end them
         named = 0  # bytes named in the DRAM arena
         if outs:
@@ -269,8 +270,8 @@ class ShmServerLane(ServerLane):
             nonlocal counted
             counted = True
             self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
-            if outs:
-                self.ops.metrics.add("lane_shm_direct_get_bytes", sent)
+            if outs and sent > named:  # written into the client's memory by this store
+                self.ops.metrics.add("lane_shm_direct_get_bytes", sent - named)
             if named:
                 self.ops.metrics.add("lane_shm_dram_get_bytes", named)
             self.ops.metrics.bytes_out(sent)
