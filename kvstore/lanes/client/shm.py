@@ -357,7 +357,7 @@ class ShmClientLane(Lane):
                 raise short_buffer(i, target.nbytes, n)
             views: list[memoryview] = target.head_views(n)
             return views
-        dst = as_bytes_view(out[i])[0]
+        dst = host_view(target) or as_bytes_view(target)[0]  # host_view: no dtype name worked out per block
         if len(dst) < n:
             raise short_buffer(i, len(dst), n)
         return dst[:n]

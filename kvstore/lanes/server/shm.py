@@ -225,7 +225,7 @@ class ShmServerLane(ServerLane):
         outs: Sequence[Spans] = (),
         read_dram: bool = False,
     ) -> Iterator[lpb.LaneGetResponse]:
-        self._release_grants(release)
+        ended = self._end_grants(release)  # their DRAM-arena leases end after this Get's reply, off its path
         accepted = accepted_codecs(request)
         crc_at_copy = crc_at_copy and self.crcs_at_copy
         # DRAM hits named in the shared arena; the rest go into the region or, on a direct Get, the client's memory
@@ -343,6 +343,7 @@ class ShmServerLane(ServerLane):
             if released < len(leases):
                 self._settle()  # no copy may still read a slot whose lease goes (copies not run: never started)
             self.ops.release(unheld(released, len(leases)), touch=True)
+            self.ops.release(ended, touch=True)
             if not counted:
                 count()
 
@@ -464,9 +465,13 @@ class ShmServerLane(ServerLane):
     # -- expiry -------------------------------------------------------------------------
     def _release_grants(self, grant_ids: Sequence[int]) -> None:
         """The client is done with these get grants: their region ranges and DRAM-arena leases end."""
+        self.ops.release(self._end_grants(grant_ids), touch=True)
+
+    def _end_grants(self, grant_ids: Sequence[int]) -> list[Lease]:
+        """Free these get grants' region ranges now; their DRAM-arena leases are returned for the caller to end
+        (a release counts the blocks' use in the eviction policy, which need not delay a reply)."""
         self.grants.release(grant_ids)
-        if self.pins is not None and grant_ids:
-            self.ops.release(self.pins.release(grant_ids), touch=True)
+        return self.pins.release(grant_ids) if self.pins is not None and grant_ids else []
 
     def expire(self, now: float) -> int:
         if not self._attached.is_set() and now - self._created > self.lease:
