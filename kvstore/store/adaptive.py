@@ -71,7 +71,6 @@ DEAD, ONCE, REUSED, KEPT = 0, 1, 2, 3
 CLASS_NAMES = ("dead", "once", "reused", "kept")
 DEFAULT_LADDER = (0.0, 1.0, 4.0, 16.0)
 FREQ_PROTECT = 4.0  # FrequencyLeafLRU's default protection, in turnovers
-_NO_LOC = -1  # the index's "no copy in this tier"
 ANCESTOR_STEPS = 8  # how far (x the sample) a sampled block's shadow parent is looked for
 
 
@@ -242,11 +241,7 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         n, base = len(ids_l), len(self._prio)
         is_leaf, cold = np.asarray(is_leaf, dtype=np.bool_), np.asarray(cold, dtype=np.bool_)
         fps = np.asarray(self.table.fp[ids], dtype=np.uint64)
-        sole = np.ones(n, dtype=np.bool_)
-        for r in self._others:
-            sole &= self.table.locs(ids, r) == _NO_LOC
-        self.sketch.add_many(fps[sole])
-        counts = self.sketch.estimate_many(fps)
+        counts = self._count_new(ids)
         cls = np.where(cold, DEAD, np.where(counts >= self.reuse_threshold, REUSED, ONCE))
         prio = np.arange(self._clock + 1, self._clock + n + 1, dtype=np.float64)
         self._clock += n

@@ -208,6 +208,17 @@ class FrequencyLeafLRU(LeafLRU):
             self.sketch.add(fp)
         super().insert(e, is_leaf, cold)
 
+    def _count_new(self, ids: np.ndarray) -> np.ndarray:
+        """A batch of new copies counted in the sketch (once: a block another tier holds was counted there)
+        and the use count of each after it."""
+        assert self.table is not None
+        fps = np.asarray(self.table.fp[ids], dtype=np.uint64)
+        sole = np.ones(len(fps), dtype=np.bool_)
+        for r in self._others:
+            sole &= self.table.locs(ids, r) == _NO_LOC
+        self.sketch.add_many(fps[sole])
+        return np.asarray(self.sketch.estimate_many(fps))
+
     def insert_many(self, ids: np.ndarray, is_leaf: np.ndarray, cold: np.ndarray) -> None:
         """``insert`` of each new entry in order, vectorized (the sketch counts the batch with ``add_many``)."""
         ids_l = ids.tolist()
@@ -221,12 +232,7 @@ class FrequencyLeafLRU(LeafLRU):
             self._insert_each(ids_l, is_leaf, cold)
             return
         n = len(ids_l)
-        fps = np.asarray(self.table.fp[ids], dtype=np.uint64)
-        sole = np.ones(n, dtype=np.bool_)
-        for r in self._others:
-            sole &= self.table.locs(ids, r) == _NO_LOC
-        self.sketch.add_many(fps[sole])
-        counts = self.sketch.estimate_many(fps)
+        counts = self._count_new(ids)
         # what priority() gives the i-th of them: its clock, plus protect x (entries already held, >= 64)
         prio = np.arange(self._clock + 1, self._clock + n + 1, dtype=np.float64)
         self._clock += n
