@@ -3,9 +3,9 @@
     python bench/nvme_get_worker.py BLOCK COUNT ROOT COLD_DRAM   (PYTHONPATH and cwd: the tree to measure)
 
 Starts a store with an NVMe tier (write-through, DRAM ``COLD_DRAM``) and one whose DRAM holds everything, both
-``kvstore serve`` processes of the tree on ``PYTHONPATH``, writes ``COUNT`` 32-block prefixes per NVMe kind
-(each such Get reads a prefix once: a repeated read could come from a cache) and ``WARM`` per DRAM kind, prints ``ready``, then answers lines on
-stdin: ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``dram-shm``,
+``kvstore serve`` processes of the tree on ``PYTHONPATH``, writes ``WARM`` 32-block prefixes per DRAM kind,
+prints ``ready``, then answers lines on stdin: ``write I`` writes prefix ``I`` of each NVMe kind (each such
+Get reads a prefix once: a repeated read could come from a cache); ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``dram-shm``,
 ``dram-tcp``) into page-aligned buffers and prints its seconds; ``stats`` prints the NVMe store's tier hits
 as JSON; ``quit`` stops. Only public names are used, so an older tree runs it too.
 """
@@ -29,17 +29,13 @@ KINDS = ("nvme-shm", "nvme-tcp", "dram-shm", "dram-tcp")
 WARM = 4  # prefixes of the all-DRAM store, taken in turn
 
 
-def write_prefixes(kv: Client, block: int, count: int, rng: np.random.Generator) -> list[list[bytes]]:
-    """``count`` unchained 32-block prefixes of ``block`` bytes (8 distinct payloads reused)."""
-    payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(8)]
-    prefixes = []
-    for p in range(count):
-        keys = [rng.bytes(16) for _ in range(PREFIX)]
-        results = kv.put("bench", keys, [payloads[(p + i) % 8] for i in range(PREFIX)], chained=False)
-        if not all(r.ok for r in results):
-            raise RuntimeError(f"put refused: {results[0].reason}")
-        prefixes.append(keys)
-    return prefixes
+def write_prefix(kv: Client, payloads: list[np.ndarray], p: int, rng: np.random.Generator) -> list[bytes]:
+    """One unchained 32-block prefix (the 8 distinct payloads reused in turn); its keys."""
+    keys = [rng.bytes(16) for _ in range(PREFIX)]
+    results = kv.put("bench", keys, [payloads[(p + i) % 8] for i in range(PREFIX)], chained=False)
+    if not all(r.ok for r in results):
+        raise RuntimeError(f"put refused: {results[0].reason}")
+    return keys
 
 
 def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -> None:
@@ -61,11 +57,13 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
             )
             for kind in KINDS
         }
-        # a DRAM hit may repeat a prefix (no disk under it): a few suffice
-        prefixes = {
-            kind: write_prefixes(kv, block, count if kind.startswith("nvme") else min(count, WARM), rng)
-            for kind, kv in clients.items()
-        }
+        payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(8)]
+        # a DRAM hit may repeat a prefix (no disk under it): a few suffice, written now; NVMe prefixes are
+        # written when told (``write I``), so the driver can interleave them with its other trees' and its raw
+        # file's writes: this disk reads recently written data faster, and an order would favour the last
+        prefixes: dict[str, list[list[bytes]]] = {kind: [] for kind in KINDS}
+        for kind in ("dram-shm", "dram-tcp"):
+            prefixes[kind] = [write_prefix(clients[kind], payloads, p, rng) for p in range(min(count, WARM))]
         out = [aligned_buffer(block) for _ in range(PREFIX)]
         for buf in out:
             buf[:] = 1  # faulted in before any Get
@@ -74,6 +72,12 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
             words = line.split()
             if not words or words[0] == "quit":
                 break
+            if words[0] == "write":
+                p = int(words[1])
+                for kind in ("nvme-shm", "nvme-tcp"):
+                    prefixes[kind].append(write_prefix(clients[kind], payloads, p, rng))
+                print("ok", flush=True)
+                continue
             if words[0] == "stats":
                 tiers = {t["name"]: t["hits"] for t in clients["nvme-shm"].stats()["tiers"]}
                 print(json.dumps(tiers), flush=True)
