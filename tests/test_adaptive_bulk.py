@@ -111,3 +111,32 @@ def test_insert_many_of_a_batch_with_a_resident_entry_takes_the_loop() -> None:
     p.insert(3)
     p.insert_many(np.arange(20, dtype=np.int64), np.ones(20, np.bool_), np.zeros(20, np.bool_))
     assert len(p) == 20 and p._clock == 20  # 3 kept its rank (inserted once), the other 19 came in order
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    seq=st.lists(st.integers(0, 299), min_size=1, max_size=120),  # repeats, and entries not held, included
+    held=st.integers(1, 150),
+    on_nvme=st.booleans(),
+    data=st.data(),
+)
+def test_touch_many_is_touch_one_by_one(seq: list[int], held: int, on_nvme: bool, data: st.DataObject) -> None:
+    above = data.draw(st.lists(st.booleans(), min_size=300, max_size=300))  # a DRAM copy above an NVMe one
+    policies = []
+    for _ in range(2):
+        p = AdaptiveLeafPolicy(max_shadow=64, ladder=(0.0, 4.0))
+        table = _table(300, [False] * 300)
+        if on_nvme:
+            for e, up in enumerate(above):
+                if up:
+                    table.set_loc(e, DRAM, 8 * e)  # not this tier's top copy: touched without counting
+        p.bind(table, NVME if on_nvme else DRAM)
+        for e in range(held):
+            p.insert(e, is_leaf=e % 3 != 0)
+        policies.append(p)
+    one, many = policies
+    for e in seq:
+        one.touch(e)
+    many.touch_many(seq)
+    assert _state(one) == _state(many)
+    assert _drain(copy.deepcopy(one)) == _drain(copy.deepcopy(many))

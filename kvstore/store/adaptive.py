@@ -268,6 +268,31 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         if e in self._leaf:
             self._push(e)
 
+    def touch_many(self, ids: Any) -> None:
+        """``touch`` of each entry of ``ids`` in order, the sketch's counts in one vectorized call (a Get's
+        blocks are touched at release: one by one, the sketch took most of a 32-block DRAM-hit Get's server
+        time)."""
+        present = [e for e in ids if e in self._prio]
+        if not present:
+            return
+        if self.table is None:
+            fps = np.asarray(present, dtype=np.uint64)
+            counted = np.ones(len(present), dtype=np.bool_)
+        else:
+            arr = np.asarray(present, dtype=np.int64)
+            fps = np.asarray(self.table.fp[arr], dtype=np.uint64)
+            counted = np.ones(len(present), dtype=np.bool_)
+            if self._upper:
+                locs = self.table.loc[arr]
+                for r in self._upper:
+                    counted &= locs[:, r] == -1
+        counts = self.sketch.count_many(fps, counted)
+        for e, fp, count in zip(present, fps.tolist(), counts):
+            self._deadline.pop(e, None)  # a hint lasts until the block's next access
+            self._access(e, fp, int(count), None)
+            if e in self._leaf:
+                self._push(e)
+
     def hint(self, e: int, hint: ReuseHint) -> None:
         if e not in self._prio:
             return
