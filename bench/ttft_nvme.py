@@ -48,6 +48,8 @@ def run_nvme(model: str, prompts: list[list[int]], new_tokens: int, root: Path) 
             kv = stack.enter_context(Client(store))
             raw = RawExtents(tmp / "raw.bin", EXTENT_BLOCK, len(prompts), rng)
             stack.callback(raw.close)
+            for j in range(len(prompts)):
+                raw.write(j)  # before any prompt: each read below is of data written minutes earlier
             filler = rng.integers(0, 256, FILLER_BLOCK, dtype=np.uint8)
             for i, prompt in enumerate(tqdm(prompts, desc="prompts, prefix on NVMe", unit="prompt")):
                 router.run("disaggregated", prompt, "chat", new_tokens)
