@@ -41,7 +41,12 @@ def counter(server, name: str, settle: float = 5.0) -> float:
     return server.metrics.counters().get(name, 0)
 
 
-def leased(server) -> int:
+def leased(server, expect: int | None = None, settle: float = 5.0) -> int:
+    """Leases held in the store; with ``expect``, once they reach it (leases a Get's request released end
+    after that Get's reply, so a moment after the client has it)."""
+    deadline = time.monotonic() + settle
+    while expect is not None and int(server.store.table.leases.sum()) != expect and time.monotonic() < deadline:
+        time.sleep(0.01)
     return int(server.store.table.leases.sum())
 
 
@@ -66,8 +71,21 @@ def test_dram_hits_are_named_in_the_arena_and_copied_once_by_the_client(shared):
         assert "lane_shm_direct_get_bytes" not in shared.metrics.counters()
         assert leased(shared) == 8  # held until the client releases the grant with its next request
         kv.get("ns", keys(1), out=out[:1])
-        assert leased(shared) == 1
-    assert leased(shared) == 0  # the client closed its lane: nothing stays pinned
+        assert leased(shared, 1) == 1
+    assert leased(shared, 0) == 0  # the client closed its lane: nothing stays pinned
+
+
+def test_a_refused_get_still_ends_the_leases_it_releases(shared):
+    data = blocks(4)
+    with Client(f"127.0.0.1:{shared.port}", lane="shm", timeout=30, retries=0) as kv:
+        kv.put("ns", keys(4), data)
+        out = [np.zeros(MiB, np.uint8) for _ in data]
+        kv.get("ns", keys(4), out=out)
+        assert leased(shared) == 4
+        with pytest.raises(KVStoreError) as err:
+            kv.get("ns", [b"short"], out=out[:1])  # refused: a hash is 16 bytes
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert leased(shared, 0) == 0  # the refused request carried the release of the first Get's grant
 
 
 def test_segments_are_filled_from_the_arena(shared):
@@ -136,7 +154,7 @@ def test_nvme_and_dram_blocks_in_one_get(make_server, tmp_path):
         assert all(np.array_equal(a, b) for a, b in zip(out, data))
         assert counter(server, "lane_shm_dram_get_bytes") > 0  # DRAM hits named in the arena
         assert counter(server, "lane_shm_direct_get_bytes") > 0  # NVMe reads written into our buffers by the store
-    assert leased(server) == 0
+    assert leased(server, 0) == 0
 
 
 def test_the_arena_file_goes_with_the_store(make_server):

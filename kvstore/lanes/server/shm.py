@@ -232,17 +232,22 @@ class ShmServerLane(ServerLane):
         pins: list[int] | None = [] if read_dram and self.pins is not None else None
         held: set[int] = set()  # leases of sent messages named in the DRAM arena: their grants end them
         named = 0  # bytes named in the DRAM arena
-        if outs:
-            if self.direct is None:
-                raise LaneError(
-                    grpc.StatusCode.PERMISSION_DENIED, "a Get names client memory on a lane without a direct handshake"
-                )
-            if len(outs) != len(request.hashes):
-                raise LaneError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"a direct Get names {len(outs)} destinations for {len(request.hashes)} hashes",
-                )
-        _, leases = self.ops.acquire(request, self.access, touch=False)  # touched as released, after the copies
+        try:
+            if outs:
+                if self.direct is None:
+                    raise LaneError(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        "a Get names client memory on a lane without a direct handshake",
+                    )
+                if len(outs) != len(request.hashes):
+                    raise LaneError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"a direct Get names {len(outs)} destinations for {len(request.hashes)} hashes",
+                    )
+            _, leases = self.ops.acquire(request, self.access, touch=False)  # touched as released, after the copies
+        except BaseException:
+            self.ops.release(ended, touch=True)  # a refused Get still ends what the client released with it
+            raise
         grant: Grant | None
         grant = self.grants.grant_get()
         released = 0
