@@ -23,14 +23,15 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import secrets
 import stat
 from dataclasses import dataclass
 
 import numpy as np
 
-PREFIX = "kvstore-lane-"
-DRAM_PREFIX = "kvstore-dram-"  # a store's shared DRAM arena (kvstore/tiers/arena.py), mapped read-only
+from kvstore import shmfile
+
+PREFIX = shmfile.LANE_PREFIX
+DRAM_PREFIX = shmfile.DRAM_PREFIX  # a store's shared DRAM arena (kvstore/tiers/arena.py), mapped read-only
 
 
 class RegionError(OSError):
@@ -47,20 +48,10 @@ class ShmRegion:
 
     @classmethod
     def create(cls, directory: str, size: int) -> ShmRegion:
-        path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.fchmod(fd, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as err:
-                raise RegionError(err.errno, f"cannot reserve {size} bytes in {directory}: {err.strerror}") from None
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
+            path, mapping = shmfile.create(directory, PREFIX, size)
+        except OSError as err:
+            raise RegionError(err.errno, f"cannot reserve {size} bytes in {directory}: {err.strerror}") from None
         array = np.frombuffer(mapping, dtype=np.uint8)
         return cls(path, size, mapping, array, array.data)
 

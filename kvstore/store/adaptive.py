@@ -275,18 +275,7 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         present = [e for e in ids if e in self._prio]
         if not present:
             return
-        if self.table is None:
-            fps = np.asarray(present, dtype=np.uint64)
-            counted = np.ones(len(present), dtype=np.bool_)
-        else:
-            arr = np.asarray(present, dtype=np.int64)
-            fps = np.asarray(self.table.fp[arr], dtype=np.uint64)
-            counted = np.ones(len(present), dtype=np.bool_)
-            if self._upper:
-                locs = self.table.loc[arr]
-                for r in self._upper:
-                    counted &= locs[:, r] == -1
-        counts = self.sketch.count_many(fps, counted)
+        fps, counts = self._touch_counts(present)
         for e, fp, count in zip(present, fps.tolist(), counts):
             self._deadline.pop(e, None)  # a hint lasts until the block's next access
             self._access(e, fp, int(count), None)

@@ -259,6 +259,20 @@ class FrequencyLeafLRU(LeafLRU):
         present = [e for e in ids if e in prio]
         if not present:
             return
+        _, counts = self._touch_counts(present)
+        bonus = self.protect * max(len(prio), 64)
+        leaf, heap, clock, threshold = self._leaf, self._heap, self._clock, self.reuse_threshold
+        for e, count in zip(present, counts):
+            clock += 1
+            prio[e] = p = float(clock) + (bonus if count >= threshold else 0.0)
+            if e in leaf:
+                heapq.heappush(heap, (p, e))
+        self._clock = clock
+        self._trim_heap()
+
+    def _touch_counts(self, present: list[int]) -> tuple[np.ndarray, list[int]]:
+        """Fingerprints of held entries being touched, in order, and each one's use count after its touch (a
+        touch counts only where no tier above holds the block: ``touch`` one by one gives the same)."""
         if self.table is None:
             fps = np.asarray(present, dtype=np.uint64)
             counted = np.ones(len(present), dtype=bool)
@@ -270,16 +284,7 @@ class FrequencyLeafLRU(LeafLRU):
                 locs = self.table.loc[arr]
                 for r in self._upper:
                     counted &= locs[:, r] == _NO_LOC
-        counts = self.sketch.count_many(fps, counted)
-        bonus = self.protect * max(len(prio), 64)
-        leaf, heap, clock, threshold = self._leaf, self._heap, self._clock, self.reuse_threshold
-        for e, count in zip(present, counts):
-            clock += 1
-            prio[e] = p = float(clock) + (bonus if count >= threshold else 0.0)
-            if e in leaf:
-                heapq.heappush(heap, (p, e))
-        self._clock = clock
-        self._trim_heap()
+        return fps, self.sketch.count_many(fps, counted)
 
     def uses(self, e: int) -> int:
         return self.sketch.estimate(self._fingerprint(e))

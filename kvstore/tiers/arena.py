@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kvstore import shmfile
 from kvstore.devices import Copier
 from kvstore.tiers.base import DRAM, HBM, TIER_NAMES, BlockMeta, MemoryTier, TierFull, TierStats
 from kvstore.tiers.slab import SlabAllocator
@@ -55,7 +55,7 @@ def _host_buffer(nbytes: int, pinned: bool) -> tuple[np.ndarray, Any]:
     return np.frombuffer(region, dtype=np.uint8, count=nbytes), region
 
 
-SHARED_PREFIX = "kvstore-dram-"
+SHARED_PREFIX = shmfile.DRAM_PREFIX
 
 
 @dataclass(frozen=True)
@@ -73,17 +73,7 @@ class SharedArena:
 
 
 def _shared_buffer(nbytes: int, directory: str) -> tuple[np.ndarray, mmap.mmap, str]:
-    path = os.path.join(directory, f"{SHARED_PREFIX}{os.getpid()}-{secrets.token_hex(16)}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.posix_fallocate(fd, 0, max(nbytes, 1))  # a full tmpfs fails here, never later as SIGBUS
-        region = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
+    path, region = shmfile.create(directory, SHARED_PREFIX, max(nbytes, 1))
     return np.frombuffer(region, dtype=np.uint8, count=nbytes), region, path
 
 

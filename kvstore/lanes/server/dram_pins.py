@@ -42,8 +42,8 @@ class DramPins:
         if buf is None or not isinstance(buf, memoryview):  # an HBM tensor, decoded bytes, nothing yet
             return None
         address, length = address_of(buf)
-        offset = self.arena.offset_of(address, min(n, length))
-        if offset is None or length < n:
+        offset = self.arena.offset_of(address, n) if length >= n else None
+        if offset is None:
             return None
         with self._lock:
             if self._bytes + n > self.budget:
@@ -59,14 +59,14 @@ class DramPins:
     def unpin(self, leases: Sequence[Lease]) -> None:
         """Leases ``offset_of`` counted that never reached a held grant (their message was not sent)."""
         with self._lock:
-            self._bytes -= sum(_nbytes(x) for x in leases)
+            self._bytes -= sum(x.stored_length for x in leases)
 
     def release(self, grant_ids: Sequence[int]) -> list[Lease]:
         out: list[Lease] = []
         with self._lock:
             for gid in grant_ids:
                 out.extend(self._held.pop(gid, ()))
-            self._bytes -= sum(_nbytes(x) for x in out)
+            self._bytes -= sum(x.stored_length for x in out)
         return out
 
     def close(self) -> list[Lease]:
@@ -75,7 +75,3 @@ class DramPins:
             self._held.clear()
             self._bytes = 0
         return out
-
-
-def _nbytes(lease: Lease) -> int:
-    return lease.stored_length

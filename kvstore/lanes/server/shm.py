@@ -230,7 +230,6 @@ class ShmServerLane(ServerLane):
         crc_at_copy = crc_at_copy and self.crcs_at_copy
         # DRAM hits named in the shared arena; the rest go into the region or, on a direct Get, the client's memory
         pins: list[int] | None = [] if read_dram and self.pins is not None else None
-        held: set[int] = set()  # leases of sent messages named in the DRAM arena: their grants end them
         named = 0  # bytes named in the DRAM arena
         try:
             if outs:
@@ -265,8 +264,9 @@ class ShmServerLane(ServerLane):
                 assert self.pins is not None
                 pinned = [lease for k in pins if (lease := leases[k]) is not None]  # all of them: named in the arena
                 named += sum(lease.stored_length for lease in pinned)
-                self.pins.hold(grant.id, pinned)
-                held.update(pins)
+                self.pins.hold(grant.id, pinned)  # the grant's release ends them, not this Get
+                for k in pins:
+                    leases[k] = None
                 pins.clear()
 
         counted = False
@@ -280,9 +280,6 @@ class ShmServerLane(ServerLane):
             if named:
                 self.ops.metrics.add("lane_shm_dram_get_bytes", named)
             self.ops.metrics.bytes_out(sent)
-
-        def unheld(lo: int, hi: int) -> list[Lease | None]:
-            return leases[lo:hi] if not held else [leases[k] for k in range(lo, hi) if k not in held]
 
         try:
             full = False
@@ -316,7 +313,7 @@ class ShmServerLane(ServerLane):
                         self._copy_out(copies)
                         copies = []
                         hold_pins(grant)
-                        self.ops.release(unheld(released, handled), touch=True)
+                        self.ops.release(leases[released:handled], touch=True)
                         released = handled
                         yield pending
                         grant = self.grants.grant_get()  # one grant per message: released separately
@@ -338,7 +335,7 @@ class ShmServerLane(ServerLane):
             count()  # before the reply: a caller that reads the counters after its Get sees this one
             yield pending  # the reply goes before the last leases end (their bytes are copied: nothing reads them)
             grant = None
-            self.ops.release(unheld(released, len(leases)), touch=True)
+            self.ops.release(leases[released:], touch=True)
             released = len(leases)
         finally:
             if grant is not None:  # its descriptors never reached the client: nobody would release it
@@ -347,7 +344,7 @@ class ShmServerLane(ServerLane):
                 self.pins.unpin([lease for k in pins if (lease := leases[k]) is not None])
             if released < len(leases):
                 self._settle()  # no copy may still read a slot whose lease goes (copies not run: never started)
-            self.ops.release(unheld(released, len(leases)), touch=True)
+            self.ops.release(leases[released:], touch=True)
             self.ops.release(ended, touch=True)
             if not counted:
                 count()
