@@ -343,3 +343,23 @@ def test_lost_permission_moves_the_client_to_region_copies(make_server, monkeypa
         assert [r.status for r in kv.put("ns", keys(3)[1:], data[1:])] == ["stored", "stored"]
         assert [bytes(b) for b in kv.get("ns", keys(3))] == data
     assert server.metrics.counters()["lane_shm_direct_put_bytes"] == direct_bytes  # the rest went by region
+
+
+def test_one_client_is_direct_with_two_store_processes():
+    """Where Yama is not loaded nothing limits how many stores may read a client; a second local store used to be
+    refused (its lane copied through the region: bench.nvme_get's NVMe store, opened second, measured that path)."""
+    from kvstore.server.process import store_process
+
+    yama = os.path.exists("/proc/sys/kernel/yama/ptrace_scope")
+    blocks = [np.full(1 << 20, i, dtype=np.uint8) for i in range(4)]
+    with store_process("--dram", "64MiB") as (first, _), store_process("--dram", "64MiB") as (second, _):
+        direct_bytes = []
+        for target in (first, second):
+            with Client(target, lane="shm") as kv:
+                assert all(r.ok for r in kv.put("ns", keys(4), blocks))
+                out = [np.zeros(1 << 20, dtype=np.uint8) for _ in range(4)]
+                kv.get("ns", keys(4), out=out)
+                assert all(np.array_equal(a, b) for a, b in zip(out, blocks))
+                direct_bytes.append(kv.stats()["counters"]["lane_shm_direct_get_bytes"])
+    assert direct_bytes[0] == 4 << 20
+    assert direct_bytes[1] == (0 if yama else 4 << 20)

@@ -20,8 +20,9 @@ user, and under Yama's ``ptrace_scope`` 1 only if the client named us with
   call, ``segments.pieces``), so the local side stays one pass with the CRC
   fused in, whatever the segments' sizes.
 - ``allow_reader(pid) -> bool`` (client): let process ``pid`` read our memory;
-  a process names one such reader at a time, so a second store is refused
-  (that lane then copies through its region as before).
+  where Yama is loaded a process names one such reader at a time, so a second
+  store is refused (that lane then copies through its region as before);
+  without Yama every store of the same user may.
 - ``peer_pid(sock)``: the pid the kernel vouches for on a connected unix
   socket (SO_PEERCRED): the one fact a client cannot forge.
 - ``available()``: Linux with the syscall present.
@@ -30,6 +31,7 @@ user, and under Yama's ``ptrace_scope`` 1 only if the client named us with
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import socket
 import struct
@@ -56,7 +58,8 @@ class DirectReadError(OSError):
 
 
 _libc: Any = None
-_allowed: int | None = None
+_allowed: int | None = None  # the store Yama lets read us
+_no_yama = False  # PR_SET_PTRACER said EINVAL: no Yama, any same-user store may read us
 _allowed_lock = threading.Lock()
 
 
@@ -181,13 +184,23 @@ def _transfer(syscall: Any, verb: str, pid: int, local_buf: memoryview, spans: S
 
 
 def allow_reader(pid: int) -> bool:
-    """Let ``pid`` read this process's memory (Yama); False if another store was allowed first."""
-    global _allowed
+    """Let ``pid`` read this process's memory; False if Yama holds another store's pid for it already.
+
+    Yama's PR_SET_PTRACER names one process at a time, so where Yama is loaded a client is direct with one
+    store. Without Yama (prctl says EINVAL) same-user reads need no permission and nothing limits the count:
+    a client of several local stores is direct with each (it was refused the second, so that lane copied
+    through its region)."""
+    global _allowed, _no_yama
     with _allowed_lock:
+        if _no_yama:
+            return True
         if _allowed not in (None, pid):
             return False
-        if _lib().prctl(PR_SET_PTRACER, pid, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
-            return False  # EINVAL: no Yama here, and same-user reads need no permission
+        if _lib().prctl(PR_SET_PTRACER, pid, 0, 0, 0) != 0:
+            if ctypes.get_errno() != errno.EINVAL:
+                return False
+            _no_yama = True
+            return True
         _allowed = pid
         return True
 
