@@ -2,25 +2,28 @@
 
     python -m bench.nvme_get [--quick] [--baseline REV] [--out bench/results/nvme_get.json]
 
-For each block size (64 KiB, 512 KiB, 2 MiB), 32-block prefixes are written to two store processes of this
+For each block size (64 KiB, 512 KiB, 2 MiB), 32-block prefixes are written to three store processes of this
 tree (``bench/nvme_get_worker.py``): one with an NVMe tier (write-through, so every block has an NVMe copy;
 DRAM holds three prefixes, at least 32 MiB: room to promote what a Get reads while most prefixes are only on
-NVMe) and one whose DRAM holds everything. Each prefix is then fetched once, into page-aligned buffers
+NVMe), the same with ``--share-nvme`` and one whose DRAM holds everything. Each prefix is then fetched once, into page-aligned buffers
 (``Client.get(out=...)``), and every kind of step is taken in turn, prefix by prefix, in a rotating order, so
 that all see the disk and the loaded host in the same state:
 
-- ``nvme_shm`` / ``nvme_tcp``: a Get of a prefix that NVMe holds, on the shared-memory lane (direct) and on
-  the TCP lane;
+- ``disk_shm``: a Get of a prefix that NVMe holds from the ``--share-nvme`` store, on the shared-memory lane:
+  the store names each block's file and offset and the client reads it into its buffers itself;
+- ``nvme_shm`` / ``nvme_tcp``: a Get of a prefix that NVMe holds, on the shared-memory lane (direct: the store
+  reads each block and writes it into the client's buffers) and on the TCP lane;
 - ``dram_shm`` / ``dram_tcp``: the same Get from the all-DRAM store (what the lane and server cost);
 - ``raw``: one O_DIRECT ``preadv`` of a prefix-sized extent (32 x (4 KiB + block), as the tier lays a prefix
   down) of a file written beside the stores' segments, each extent read once (the disk's speed at the same
   amount of data: the baseline of ``nvme_vs_raw``). Every side's prefixes and extents are written interleaved,
   prefix by prefix in a rotating order: this virtual disk reads recently written data faster (the host's cache),
-  and writing one side after the other made the last one look 1.2-1.7x faster (docs/nvme.md);
+  and writing one side after the other made the last one look 1.2-1.7x faster (docs/nvme.md); ``raw_crc``: that
+  read plus a CRC32C of the extent on one thread, after it (what a read costs that is checked, as the store's are);
 - with ``--baseline REV``: the same steps (``old_*``) run by the code of git revision ``REV``, exported to a
   temporary directory, with store processes of its own: today's code against that one, in the same run.
 
-Rows: p50 ms of each step, ``shm_nvme_vs_raw`` and ``tcp_nvme_vs_raw`` (raw time / Get time, 1 = as fast
+Rows: p50 ms of each step, ``disk_nvme_vs_raw``, ``shm_nvme_vs_raw`` and ``tcp_nvme_vs_raw`` (raw time / Get time, 1 = as fast
 as the bare disk), ``dram_shm_speedup`` (old / new p50 of the DRAM-hit Get) and the like, GB/s of payload.
 Only this machine's disk is measured; a real NVMe drive changes the ``raw`` column, not what the store adds.
 """
@@ -41,6 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.common import format_table, parse_args, write_json
+from kvstore.checksum import crc32c
 from kvstore.tiers.nvme.format import record_bytes
 from kvstore.tiers.nvme.io import aligned_buffer
 
@@ -72,7 +76,8 @@ class RawExtents:
 
 
 REPO = Path(__file__).resolve().parent.parent
-KINDS = ("nvme-shm", "nvme-tcp", "dram-shm", "dram-tcp")
+KINDS = ("nvme-shm", "nvme-tcp", "dram-shm", "dram-tcp")  # what a --baseline tree's worker runs
+NEW_KINDS = (*KINDS, "disk-shm")
 
 
 class Worker:
@@ -146,8 +151,11 @@ def measure(
                     w.write(i)
                 elif w.ask(f"write {i}") != "ok":
                     raise RuntimeError("a bench worker failed to write a prefix")
-        steps = [(tag, kind) for tag in sides for kind in KINDS] + [("", "raw")]
+        if workers[""].ask("flush") != "ok":  # this tree's measured prefixes out of DRAM (an old worker cannot)
+            raise RuntimeError("a bench worker failed to flush its stores' DRAM")
+        steps = [(tag, kind) for tag in sides for kind in (NEW_KINDS if tag == "" else KINDS)] + [("", "raw")]
         times: dict[str, list[float]] = {f"{tag}{kind}": [] for tag, kind in steps}
+        times["raw_crc"] = []
         order = [int(i) for i in rng.permutation(count)]
         for r, p in enumerate(order):
             k = r % len(steps)
@@ -155,7 +163,10 @@ def measure(
                 if kind == "raw":
                     t0 = time.perf_counter()
                     raw.read(r)
-                    times["raw"].append(time.perf_counter() - t0)
+                    t1 = time.perf_counter()
+                    crc32c(raw.buf)  # what checking the bytes read adds, as every read of the store's must
+                    times["raw"].append(t1 - t0)
+                    times["raw_crc"].append(time.perf_counter() - t0)
                 else:
                     times[f"{tag}{kind}"].append(float(workers[tag].ask(f"{kind} {p}")))
             bar.update(1)
@@ -171,6 +182,8 @@ def measure(
     for name, ms in p50.items():
         row[f"{name.replace('-', '_')}_p50_ms"] = ms
     row["raw_extent_gbps"] = PREFIX * record_bytes(block) / p50["raw"] / 1e6
+    row["disk_nvme_vs_raw"] = p50["raw"] / p50["disk-shm"]
+    row["disk_nvme_gbps"] = payload / p50["disk-shm"] / 1e6
     for lane in ("shm", "tcp"):
         row[f"{lane}_nvme_vs_raw"] = p50["raw"] / p50[f"nvme-{lane}"]
         row[f"{lane}_nvme_gbps"] = payload / p50[f"nvme-{lane}"] / 1e6
@@ -179,6 +192,7 @@ def measure(
             row[f"{lane}_nvme_speedup"] = p50[f"old_nvme-{lane}"] / p50[f"nvme-{lane}"]
             row[f"{lane}_dram_speedup"] = p50[f"old_dram-{lane}"] / p50[f"dram-{lane}"]
     row["nvme_hits"], row["dram_hits"] = hits["nvme"], hits["dram"]
+    row["disk_named_bytes"] = hits.get("disk_named_bytes", 0)
     return row
 
 
@@ -217,13 +231,14 @@ def main(argv: list[str] | None = None) -> None:
         "Prefix Gets (32 blocks) through kvstore serve processes, p50 ms, each step taken in turn prefix by prefix "
         "with a raw O_DIRECT read of the same size" + (f"; old_ = the code of {args.baseline}" if args.baseline else "")
     )
-    cols = ["block_bytes", "prefixes", "raw_p50_ms", "nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_tcp_p50_ms"]
-    cols += ["tcp_nvme_vs_raw", "dram_shm_p50_ms", "dram_tcp_p50_ms"]
+    cols = ["block_bytes", "prefixes", "raw_p50_ms", "raw_crc_p50_ms", "disk_shm_p50_ms", "disk_nvme_vs_raw"]
+    cols += ["nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_tcp_p50_ms", "tcp_nvme_vs_raw", "dram_shm_p50_ms"]
+    cols += ["dram_tcp_p50_ms"]
     if args.baseline:
         cols += ["old_nvme_shm_p50_ms", "old_shm_nvme_vs_raw", "old_nvme_tcp_p50_ms", "old_tcp_nvme_vs_raw"]
         cols += ["old_dram_shm_p50_ms", "shm_dram_speedup", "old_dram_tcp_p50_ms", "tcp_dram_speedup"]
     print(format_table(rows, cols))
-    print(format_table(rows, ["block_bytes", "raw_extent_gbps", "shm_nvme_gbps", "tcp_nvme_gbps", "nvme_hits"]))
+    print(format_table(rows, ["block_bytes", "raw_extent_gbps", "disk_nvme_gbps", "shm_nvme_gbps", "tcp_nvme_gbps"]))
     if args.out:
         write_json(args.out, rows, args, bench="nvme_get")
         print(f"wrote {len(rows)} rows to {args.out}")

@@ -2,11 +2,14 @@
 
     python bench/nvme_get_worker.py BLOCK COUNT ROOT COLD_DRAM   (PYTHONPATH and cwd: the tree to measure)
 
-Starts a store with an NVMe tier (write-through, DRAM ``COLD_DRAM``) and one whose DRAM holds everything, both
+Starts a store with an NVMe tier (write-through, DRAM ``COLD_DRAM``), the same with ``--share-nvme`` (its
+clients read NVMe blocks from the tier's files themselves: kind ``disk-shm``) and one whose DRAM holds everything, all
 ``kvstore serve`` processes of the tree on ``PYTHONPATH``, writes ``WARM`` 32-block prefixes per DRAM kind,
 prints ``ready``, then answers lines on stdin: ``write I`` writes prefix ``I`` of each NVMe kind (each such
-Get reads a prefix once: a repeated read could come from a cache); ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``dram-shm``,
-``dram-tcp``) into page-aligned buffers and prints its seconds; ``stats`` prints the NVMe store's tier hits
+Get reads a prefix once: a repeated read could come from a cache); ``flush`` then writes more than DRAM holds
+of other prefixes to each NVMe store, which push the last measured ones out of DRAM (write-through keeps the newest
+blocks in DRAM: without it a Get of those was a DRAM hit); ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``dram-shm``,
+``dram-tcp``, ``disk-shm``) into page-aligned buffers and prints its seconds; ``stats`` prints the NVMe store's tier hits
 as JSON; ``quit`` stops. Only public names are used, so an older tree runs it too.
 """
 
@@ -25,7 +28,7 @@ from kvstore.server.process import store_process
 from kvstore.tiers.nvme.io import aligned_buffer
 
 PREFIX = 32
-KINDS = ("nvme-shm", "nvme-tcp", "dram-shm", "dram-tcp")
+KINDS = ("nvme-shm", "nvme-tcp", "dram-shm", "dram-tcp", "disk-shm")  # disk-shm: a --share-nvme store
 WARM = 4  # prefixes of the all-DRAM store, taken in turn
 
 
@@ -51,10 +54,15 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
         warm_target, _ = stack.enter_context(
             store_process("--dram", f"{warm_dram >> 20}MiB", "--shm-direct", "true", *extra)
         )
-        clients = {
-            kind: stack.enter_context(
-                Client(cold_target if kind.startswith("nvme") else warm_target, timeout=120, lane=kind.split("-")[1])
+        disk_target, _ = stack.enter_context(  # the client reads the NVMe blocks of this one from its files
+            store_process(
+                *("--dram", f"{cold_dram >> 20}MiB", "--nvme-dir", str(root / "nvme-shared"), "--nvme", "16GiB"),
+                *("--write-policy", "write-through", "--shm-direct", "true", "--share-nvme", "true", *extra),
             )
+        )
+        targets = {"nvme": cold_target, "dram": warm_target, "disk": disk_target}
+        clients = {
+            kind: stack.enter_context(Client(targets[kind.split("-")[0]], timeout=120, lane=kind.split("-")[1]))
             for kind in KINDS
         }
         payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(8)]
@@ -74,12 +82,20 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
                 break
             if words[0] == "write":
                 p = int(words[1])
-                for kind in ("nvme-shm", "nvme-tcp"):
+                for kind in ("nvme-shm", "nvme-tcp", "disk-shm"):
                     prefixes[kind].append(write_prefix(clients[kind], payloads, p, rng))
+                print("ok", flush=True)
+                continue
+            if words[0] == "flush":  # prefixes never read, past what DRAM holds: what was written is only on NVMe
+                for kind in ("nvme-shm", "disk-shm"):
+                    for f in range(cold_dram // (PREFIX * block) + 1):
+                        write_prefix(clients[kind], payloads, f, rng)
                 print("ok", flush=True)
                 continue
             if words[0] == "stats":
                 tiers = {t["name"]: t["hits"] for t in clients["nvme-shm"].stats()["tiers"]}
+                if "disk-shm" in clients:  # bytes its clients read from the NVMe files themselves
+                    tiers["disk_named_bytes"] = clients["disk-shm"].stats()["counters"]["lane_shm_disk_get_bytes"]
                 print(json.dumps(tiers), flush=True)
                 continue
             kind, i = words[0], int(words[1])

@@ -163,6 +163,14 @@ class ServeConfig:
         "blocks: for a store serving one trust domain",
         _bool,
     )
+    share_nvme: bool = _opt(
+        False,
+        "let shm lane clients of this user read the NVMe tier's segment files (mode 0600) themselves: a Get "
+        "names each NVMe-only block by file and offset and the client reads it straight into its buffers with "
+        "O_DIRECT (no copy on either side) and checks its CRC32C. Every local client of this user can then read "
+        "every tenant's NVMe blocks: for a store serving one trust domain",
+        _bool,
+    )
     cuda_lane_bytes: int = _opt(parse_size("256MiB"), "device memory region of each cuda_ipc lane", parse_size, "SIZE")
     cuda_lane_device: str = _opt(
         "",

@@ -24,7 +24,7 @@ from tests.conftest import ROOT
 
 BLOCK = 64 << 10
 PREFIX = 32
-LANES = ["shm-direct", "shm-region", "shm-loan", "tcp", "grpc"]
+LANES = ["shm-direct", "shm-disk", "shm-region", "shm-loan", "tcp", "grpc"]  # shm-disk: --share-nvme
 
 
 def _start(make_server, tmp_path: Path, lane: str, promote: bool, dram: int = 8 << 20):
@@ -35,7 +35,8 @@ def _start(make_server, tmp_path: Path, lane: str, promote: bool, dram: int = 8 
         nvme_segment=64 << 20,
         write_policy="write-through",
         promote_on_hit=promote,
-        shm_direct=lane == "shm-direct",
+        shm_direct=lane in ("shm-direct", "shm-disk"),
+        share_nvme=lane == "shm-disk",
     )
 
 
@@ -77,6 +78,8 @@ def _quiet(server, timeout: float = 10.0) -> None:
         time.sleep(0.05)
     assert int(np.asarray(store.table.leases).sum()) == 0
     assert store.staging.used_bytes == 0
+    nvme = store.tiers[-1]  # no segment is left pinned for a client's read of its file (--share-nvme)
+    assert all(seg.readers == 0 for seg in nvme._log.segments.values())  # the test reads the tier's own count
     store.check_invariants()
     top = store.top
     held = sum(
@@ -108,7 +111,11 @@ def test_nvme_only_blocks_come_back_exact_on_every_lane(make_server, tmp_path, l
     _quiet(server)
     tiers = {t["name"]: t for t in server.store.stats()["tiers"]}
     assert tiers["nvme"]["hits"] >= PREFIX
-    if promote:
+    counters = server.metrics.counters()
+    if lane == "shm-disk":  # read by the client from the segment files: the store read none of them
+        assert counters["lane_shm_disk_get_bytes"] >= 2 * PREFIX * BLOCK
+        assert server.store.tiers[-1].stats().extra["extents_lent"] >= 2 * PREFIX
+    elif promote:
         assert tiers["dram"]["promotions"] > 0
 
 
@@ -150,7 +157,7 @@ def test_a_corrupt_record_fails_alone_and_is_dropped(make_server, tmp_path, lane
     _quiet(server)
 
 
-@pytest.mark.parametrize("lane", ["shm-direct", "tcp", "grpc"])
+@pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "tcp", "grpc"])
 def test_concurrent_gets_of_the_same_nvme_blocks(make_server, tmp_path, lane):
     server = _start(make_server, tmp_path, lane, promote=True, dram=12 << 20)
     with _client(server, lane) as kv:
@@ -194,7 +201,7 @@ with Client(target, timeout=30, lane=lane) as kv:
 """
 
 
-@pytest.mark.parametrize("lane", ["shm-direct", "tcp"])
+@pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "tcp"])
 def test_a_client_killed_mid_get_leaks_no_lease_and_no_slot(make_server, tmp_path, lane):
     server = _start(make_server, tmp_path, lane, promote=False)
     with _client(server, lane) as kv:

@@ -33,6 +33,7 @@ import errno
 import logging
 import os
 import secrets
+import select
 import signal
 import socket
 import struct
@@ -63,11 +64,19 @@ class DirectPeer:
     _closed: bool = field(default=False, repr=False)
 
     def alive(self) -> bool:
+        if self.exited(0):
+            return False
         try:
             signal.pidfd_send_signal(self.pidfd, 0)
             return True
         except OSError:
             return False
+
+    def exited(self, timeout: float) -> bool:
+        """Whether the process has exited (a zombie too), waiting up to ``timeout`` seconds for it to."""
+        if self._closed:
+            return True
+        return bool(select.select([self.pidfd], [], [], timeout)[0])  # a pidfd turns readable at exit
 
     def read_into(self, dst: memoryview, address: int) -> int:
         """Copy a block of the client's memory into ``dst``; its CRC32C (LaneError if it cannot be read)."""

@@ -14,6 +14,8 @@ Verbs (thread-safe; the transport layers call only these):
   reading (a leased block is never freed, demoted away or compacted under the
   reader), then ``materialize(leases)`` loads any NVMe-only ones (promoting
   them to the top tier when there is free room), and ``release(leases)``.
+  ``disk_extents(leases)`` instead names where NVMe-only raw blocks lie in the tier's files, for a
+  reader that reads them itself (``release_extents`` when it is done; ``disk_dir()`` the directory).
 - ``delete(ns, hashes) -> n``: unmap now; bytes are freed when the last lease ends.
 - ``hint(ns, hashes, hint) -> n``: an engine's reuse hint for present blocks, to each tier's policy.
 - ``stats()``; ``start()`` / ``close()`` run the background demoter.
@@ -354,6 +356,41 @@ class BlockStore(Cascade):
                     if i not in verified:
                         leases[i].buffer = None  # type: ignore[union-attr]
             raise
+
+    def disk_dir(self) -> str | None:
+        """The directory of the tier whose records ``disk_extents`` names (the NVMe tier), or None."""
+        for tier in self.tiers:
+            if hasattr(tier, "extents"):
+                return str(cast(Any, tier).data_dir)
+        return None
+
+    def disk_extents(self, leases: Sequence[Lease | None]) -> tuple[list[tuple[str, int] | None], list[Any]]:
+        """Where the disk-resident raw blocks of ``leases`` (no buffer yet, codec none) lie in the NVMe tier's
+        files, for a reader that reads them itself: (file name, payload offset), None for every other lease.
+        The record's CRC32C is the index's (``lease.crc32c``), which the reader must check. The files stay
+        as they are (no segment retired) until ``release_extents`` of the handles; the leases keep the blocks."""
+        where: list[tuple[str, int] | None] = [None] * len(leases)
+        handles: list[Any] = []
+        by_rank: dict[int, list[int]] = {}
+        for i, lease in enumerate(leases):
+            if lease is not None and lease.buffer is None and lease.codec == CODEC_NONE:
+                by_rank.setdefault(lease.rank, []).append(i)
+        for rank, pos in by_rank.items():
+            tier = self._tier(rank)
+            if not hasattr(tier, "extents"):
+                continue
+            with self._lock:
+                locs = [self.table.loc_of(cast(Lease, leases[i]).entry, rank) for i in pos]
+            found, pins = cast(Any, tier).extents(locs)
+            handles.append((tier, pins))
+            for i, x in zip(pos, found):
+                where[i] = x
+        return where, handles
+
+    @staticmethod
+    def release_extents(handles: Sequence[Any]) -> None:
+        for tier, pins in handles:
+            tier.release_extents(pins)
 
     def release(self, leases: Sequence[Lease | None], touch: bool = False) -> None:
         """End the leases; with ``touch`` the access an ``acquire(touch=False)`` left out is counted now."""

@@ -30,7 +30,7 @@ class OpenLaneRequest(_message.Message):
     def __init__(self, kinds: _Optional[_Iterable[_Union[LaneKind, str]]] = ..., host_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class OpenLaneResponse(_message.Message):
-    __slots__ = ("kind", "lane_id", "token", "host_id", "lease_seconds", "shm_path", "shm_bytes", "tcp_host", "tcp_port", "reason", "cuda_region", "direct_socket", "direct_segments", "dram_path", "dram_bytes")
+    __slots__ = ("kind", "lane_id", "token", "host_id", "lease_seconds", "shm_path", "shm_bytes", "tcp_host", "tcp_port", "reason", "cuda_region", "direct_socket", "direct_segments", "dram_path", "dram_bytes", "nvme_dir")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LANE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class OpenLaneResponse(_message.Message):
     DIRECT_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     DRAM_PATH_FIELD_NUMBER: _ClassVar[int]
     DRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NVME_DIR_FIELD_NUMBER: _ClassVar[int]
     kind: LaneKind
     lane_id: str
     token: bytes
@@ -61,7 +62,8 @@ class OpenLaneResponse(_message.Message):
     direct_segments: bool
     dram_path: str
     dram_bytes: int
-    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., lane_id: _Optional[str] = ..., token: _Optional[bytes] = ..., host_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., tcp_host: _Optional[str] = ..., tcp_port: _Optional[int] = ..., reason: _Optional[str] = ..., cuda_region: _Optional[_Union[CudaIpcRegion, _Mapping]] = ..., direct_socket: _Optional[str] = ..., direct_segments: _Optional[bool] = ..., dram_path: _Optional[str] = ..., dram_bytes: _Optional[int] = ...) -> None: ...
+    nvme_dir: str
+    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., lane_id: _Optional[str] = ..., token: _Optional[bytes] = ..., host_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., tcp_host: _Optional[str] = ..., tcp_port: _Optional[int] = ..., reason: _Optional[str] = ..., cuda_region: _Optional[_Union[CudaIpcRegion, _Mapping]] = ..., direct_socket: _Optional[str] = ..., direct_segments: _Optional[bool] = ..., dram_path: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., nvme_dir: _Optional[str] = ...) -> None: ...
 
 class CudaIpcRegion(_message.Message):
     __slots__ = ("device_uuid", "device_index", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "host_path")
@@ -144,7 +146,7 @@ class LaneGrant(_message.Message):
     def __init__(self, grant_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ..., expires_in: _Optional[float] = ...) -> None: ...
 
 class BlockDescriptor(_message.Message):
-    __slots__ = ("index", "hash", "offset", "length", "crc32c", "header", "address", "segment_addresses", "segment_lengths", "in_dram")
+    __slots__ = ("index", "hash", "offset", "length", "crc32c", "header", "address", "segment_addresses", "segment_lengths", "in_dram", "disk_file", "disk_offset")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,8 @@ class BlockDescriptor(_message.Message):
     SEGMENT_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     IN_DRAM_FIELD_NUMBER: _ClassVar[int]
+    DISK_FILE_FIELD_NUMBER: _ClassVar[int]
+    DISK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     index: int
     hash: bytes
     offset: int
@@ -165,7 +169,9 @@ class BlockDescriptor(_message.Message):
     segment_addresses: _containers.RepeatedScalarFieldContainer[int]
     segment_lengths: _containers.RepeatedScalarFieldContainer[int]
     in_dram: bool
-    def __init__(self, index: _Optional[int] = ..., hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., crc32c: _Optional[int] = ..., header: _Optional[_Union[_kvstore_pb2.BlockHeader, _Mapping]] = ..., address: _Optional[int] = ..., segment_addresses: _Optional[_Iterable[int]] = ..., segment_lengths: _Optional[_Iterable[int]] = ..., in_dram: _Optional[bool] = ...) -> None: ...
+    disk_file: str
+    disk_offset: int
+    def __init__(self, index: _Optional[int] = ..., hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., crc32c: _Optional[int] = ..., header: _Optional[_Union[_kvstore_pb2.BlockHeader, _Mapping]] = ..., address: _Optional[int] = ..., segment_addresses: _Optional[_Iterable[int]] = ..., segment_lengths: _Optional[_Iterable[int]] = ..., in_dram: _Optional[bool] = ..., disk_file: _Optional[str] = ..., disk_offset: _Optional[int] = ...) -> None: ...
 
 class LaneCommit(_message.Message):
     __slots__ = ("grant_id", "blocks", "crc_from_server")
@@ -192,7 +198,7 @@ class LanePutResponse(_message.Message):
     def __init__(self, grant: _Optional[_Union[LaneGrant, _Mapping]] = ..., committed: _Optional[_Union[LaneCommitted, _Mapping]] = ...) -> None: ...
 
 class LaneGetRequest(_message.Message):
-    __slots__ = ("lane", "request", "release", "crc_at_copy", "out_addresses", "out_lengths", "out_segment_counts", "out_segment_addresses", "out_segment_lengths", "read_dram")
+    __slots__ = ("lane", "request", "release", "crc_at_copy", "out_addresses", "out_lengths", "out_segment_counts", "out_segment_addresses", "out_segment_lengths", "read_dram", "read_disk")
     LANE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +209,7 @@ class LaneGetRequest(_message.Message):
     OUT_SEGMENT_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     OUT_SEGMENT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     READ_DRAM_FIELD_NUMBER: _ClassVar[int]
+    READ_DISK_FIELD_NUMBER: _ClassVar[int]
     lane: LaneRef
     request: _kvstore_pb2.GetRequest
     release: _containers.RepeatedScalarFieldContainer[int]
@@ -213,7 +220,8 @@ class LaneGetRequest(_message.Message):
     out_segment_addresses: _containers.RepeatedScalarFieldContainer[int]
     out_segment_lengths: _containers.RepeatedScalarFieldContainer[int]
     read_dram: bool
-    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ..., out_addresses: _Optional[_Iterable[int]] = ..., out_lengths: _Optional[_Iterable[int]] = ..., out_segment_counts: _Optional[_Iterable[int]] = ..., out_segment_addresses: _Optional[_Iterable[int]] = ..., out_segment_lengths: _Optional[_Iterable[int]] = ..., read_dram: _Optional[bool] = ...) -> None: ...
+    read_disk: bool
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ..., out_addresses: _Optional[_Iterable[int]] = ..., out_lengths: _Optional[_Iterable[int]] = ..., out_segment_counts: _Optional[_Iterable[int]] = ..., out_segment_addresses: _Optional[_Iterable[int]] = ..., out_segment_lengths: _Optional[_Iterable[int]] = ..., read_dram: _Optional[bool] = ..., read_disk: _Optional[bool] = ...) -> None: ...
 
 class LaneGetResponse(_message.Message):
     __slots__ = ("grant_id", "blocks", "handled", "last", "crcs_at_copy", "written_direct")

@@ -45,11 +45,12 @@ from kvstore.errors import KVStoreError, corrupt_block, short_buffer
 from kvstore.lanes.base import Lane, LaneBroken, lane_failure
 from kvstore.lanes.buffers import alloc_blocks
 from kvstore.lanes.client.channel import ShmChannel
+from kvstore.lanes.client.disk import DiskBlock, DiskReader
 from kvstore.lanes.client.loans import Lender, Loan
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import handshake
-from kvstore.lanes.segments import Spans, clip, copy_to_spans, flatten, gather, scatter
+from kvstore.lanes.segments import Spans, clip, copy_to_spans, flatten, gather, scatter, span_bytes
 from kvstore.lanes.shm_region import RegionError, ShmRegion, attach
 from kvstore.memops import copy_crc, copy_into, host_view
 from kvstore.payload import Segments, as_bytes_view
@@ -71,6 +72,7 @@ class ShmClientLane(Lane):
     commit_bytes = COMMIT_BYTES  # a commit is sent every this many bytes written
     _channel: ShmChannel | None = None  # Gets as frames on the direct handshake's socket, not gRPC calls
     dram: ShmRegion | None = None  # the store's shared DRAM arena, mapped read-only (serve --share-dram)
+    disk: DiskReader | None = None  # reads the store's NVMe files itself (serve --share-nvme)
 
     def __init__(
         self,
@@ -95,6 +97,8 @@ class ShmClientLane(Lane):
                 self._channel = ShmChannel(sock, timeout)
             if why_not:
                 log.info("shm lane %s: puts copy through the region (%s)", opened.lane_id, why_not)
+        if opened.nvme_dir:
+            self.disk = DiskReader(opened.nvme_dir)
         if opened.dram_path:
             try:
                 self.dram = attach(opened.dram_path, opened.dram_bytes, readonly=True)
@@ -205,9 +209,33 @@ class ShmClientLane(Lane):
     def get(
         self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None, allow_missing: bool, verify: bool
     ) -> list[Any]:
+        spans = self._direct_outs(out) if out is not None and (self.direct or self.disk is not None) else None
+        read_disk = self.disk is not None and spans is not None  # NVMe blocks read by us, from the store's files
+        failed: list[int] = []  # read from disk but not readable or not matching their CRC32C
+        results = self._get(namespace, hashes, out, allow_missing, verify, spans, read_disk, failed)
+        if failed:  # the store reads these itself: a corrupt record is dropped there and reported as DATA_LOSS
+            again = self._get(
+                namespace, [hashes[i] for i in failed], [out[i] for i in failed] if out is not None else None,
+                allow_missing, verify, [spans[i] for i in failed] if spans is not None else None, False, [],
+            )  # fmt: skip
+            for i, result in zip(failed, again):
+                results[i] = result
+        return results
+
+    def _get(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        out: Sequence[Any] | None,
+        allow_missing: bool,
+        verify: bool,
+        spans: list[Spans] | None,
+        read_disk: bool,
+        failed: list[int],
+    ) -> list[Any]:
         results: list[Any] = [None] * len(hashes)
         read_dram = self.dram is not None and out is not None  # DRAM hits copied once, by us, from the arena
-        outs = self._direct_outs(out) if self.direct and out is not None else None  # the rest written by the store
+        outs = spans if self.direct else None  # the rest written by the store
         segmented = out is not None and any(isinstance(o, Segments) for o in out)
         start = 0
         while start < len(hashes):
@@ -217,6 +245,7 @@ class ShmClientLane(Lane):
                 request=pb.GetRequest(namespace=namespace, hashes=hashes[start:], allow_missing=allow_missing),
                 crc_at_copy=verify,
                 read_dram=read_dram,
+                read_disk=read_disk,
             )
             if outs is not None and segmented:  # the server writes each block across our buffers itself
                 counts, addresses, lengths = flatten(outs[start:])
@@ -226,16 +255,26 @@ class ShmClientLane(Lane):
             elif outs is not None:  # the server writes each block into our buffer itself
                 request.out_addresses.extend(spans[0][0] for spans in outs[start:])
                 request.out_lengths.extend(spans[0][1] for spans in outs[start:])
-            handled = self._call(lambda: self._receive(request, start, out, verify, results))
+            handled = self._call(lambda: self._receive(request, start, out, verify, results, spans, failed))
             start += handled
         return results
 
     def _receive(
-        self, request: lpb.LaneGetRequest, start: int, out: Sequence[Any] | None, verify: bool, results: list[Any]
+        self,
+        request: lpb.LaneGetRequest,
+        start: int,
+        out: Sequence[Any] | None,
+        verify: bool,
+        results: list[Any],
+        spans: list[Spans] | None = None,
+        failed: list[int] | None = None,
     ) -> int:
         handled = -1
         for msg in self._replies(request):
             present = [d for d in msg.blocks if not d.header.missing]
+            if any(d.disk_file for d in present):
+                self._take_disk([d for d in present if d.disk_file], start, out, spans, results, failed)
+                present = [d for d in present if not d.disk_file]
             lend = out is None and bool(present) and self._lender.can_lend(sum(d.length for d in present))
             loan = self._lender.open(msg.grant_id) if lend else None
             try:
@@ -263,6 +302,28 @@ class ShmClientLane(Lane):
             yield from self._channel.get(request)
         else:
             yield from self._stub.LaneGet(request, timeout=self._timeout, metadata=self._metadata)
+
+    def _take_disk(
+        self,
+        named: list[lpb.BlockDescriptor],
+        start: int,
+        out: Sequence[Any] | None,
+        spans: list[Spans] | None,
+        results: list[Any],
+        failed: list[int] | None,
+    ) -> None:
+        """Blocks the store named in its NVMe files: read each straight into our buffer and check its CRC32C
+        (the store read nothing); those that fail go in ``failed``, for the store to read itself."""
+        if self.disk is None or out is None or spans is None or failed is None:
+            raise KVStoreError(grpc.StatusCode.INTERNAL, "the store named blocks on disk for a Get that did not ask")
+        blocks = []
+        for d in named:
+            i = start + d.index
+            if span_bytes(spans[i]) < d.length:
+                raise short_buffer(i, span_bytes(spans[i]), d.length)
+            blocks.append(DiskBlock(i, d.disk_file, d.disk_offset, d.length, d.crc32c, clip(spans[i], d.length)))
+            results[i] = out[i]
+        failed.extend(self.disk.read(blocks))
 
     @staticmethod
     def _take_written(
@@ -373,6 +434,8 @@ class ShmClientLane(Lane):
         self.region.close()
         if self.dram is not None:
             self.dram.detach()  # the name is the store's: it stays
+        if self.disk is not None:
+            self.disk.close()
 
     def _give_back(self, grant_id: int) -> None:
         """A get grant the client is done with: released with the next request on the lane."""

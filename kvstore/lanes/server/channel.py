@@ -41,15 +41,31 @@ from kvstore.v1 import lanes_pb2 as lpb
 
 log = logging.getLogger(__name__)
 
+GONE_SECONDS = 1.0  # how long a channel's end waits to learn whether its client process exited
 REPLY_SECONDS = 30.0  # a client that stops reading for this long loses the channel (and the Get's leases)
 
 
-def start(lookup: Callable[[str, bytes], Any]) -> Callable[[socket.socket, str, bytes], None]:
-    """What ``DirectListener(on_bound=...)`` takes: serve each bound connection on a thread of its own."""
+def start(
+    lookup: Callable[[str, bytes], Any], close: Callable[[str, bytes], None] | None = None
+) -> Callable[[socket.socket, str, bytes], None]:
+    """What ``DirectListener(on_bound=...)`` takes: serve each bound connection on a thread of its own. When a
+    channel ends because its client process is gone (killed), ``close`` closes the lane at once: the blocks it
+    named in the DRAM arena or the NVMe files and its grants end now, not at the lane's idle timeout."""
+
+    def run(conn: socket.socket, lane_id: str, token: bytes) -> None:
+        serve(conn, lane_id, token, lookup)
+        if close is not None:
+            try:
+                lane = lookup(lane_id, token)
+            except LaneError:
+                return  # closed already
+            peer = getattr(lane, "direct", None)
+            if peer is not None and peer.exited(GONE_SECONDS):  # its sockets close a moment before it is gone
+                close(lane_id, token)
 
     def on_bound(conn: socket.socket, lane_id: str, token: bytes) -> None:
         threading.Thread(
-            target=serve, args=(conn, lane_id, token, lookup), name=f"kvstore-shm-channel-{lane_id}", daemon=True
+            target=run, args=(conn, lane_id, token), name=f"kvstore-shm-channel-{lane_id}", daemon=True
         ).start()
 
     return on_bound
@@ -149,7 +165,12 @@ def _answer(conn: socket.socket, request: lpb.LaneGetRequest, bound: _Bound) -> 
         replies = None
         try:
             replies = lane.get(
-                request.request, request.release, request.crc_at_copy, get_destinations(request), request.read_dram
+                request.request,
+                request.release,
+                request.crc_at_copy,
+                get_destinations(request),
+                request.read_dram,
+                request.read_disk,
             )
             for msg in replies:
                 framing.send_frame(conn, framing.GET_REPLY, msg.SerializeToString())

@@ -115,6 +115,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 lease_seconds=self.registry.lease,
                 dram_path=dram.path if dram is not None else "",
                 dram_bytes=dram.size if dram is not None else 0,
+                nvme_dir=(self.ops.disk_dir() or "") if lane.disk is not None else "",
             )
         if kind == lpb.LANE_CUDA_IPC:
             return self._open_cuda(request, reasons, access)
@@ -223,7 +224,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             stream = self._run(
                 context,
                 lambda: self._shm(request.lane).get(
-                    request.request, request.release, request.crc_at_copy, outs, request.read_dram
+                    request.request, request.release, request.crc_at_copy, outs, request.read_dram, request.read_disk
                 ),
             )
             while True:

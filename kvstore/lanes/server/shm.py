@@ -46,6 +46,7 @@ from kvstore.lanes.base import LaneError
 from kvstore.lanes.direct import DirectPeer
 from kvstore.lanes.segments import Spans, clip, describe_source, descriptor_spans, reserve_sources, span_bytes
 from kvstore.lanes.server.copyout import CopyOut, copy_one, copy_out, runnable
+from kvstore.lanes.server.disk_names import DiskBatch, DiskNames
 from kvstore.lanes.server.dram_pins import DramPins
 from kvstore.lanes.server.grants import Grant, GrantTable, Slot
 from kvstore.lanes.server.lane import ServerLane
@@ -79,6 +80,8 @@ class ShmServerLane(ServerLane):
         self._channel: socket.socket | None = None
         dram = ops.shared_dram() if isinstance(region, ShmRegion) else None
         self.pins = DramPins(dram, region.size) if dram is not None else None  # Gets named in the DRAM arena
+        shares_disk = isinstance(region, ShmRegion) and ops.disk_dir() is not None
+        self.disk = DiskNames(ops.store, region.size) if shares_disk else None  # Gets named in NVMe files
 
     def bind_direct(self, peer: DirectPeer) -> None:
         if self.direct is not None:
@@ -224,6 +227,7 @@ class ShmServerLane(ServerLane):
         crc_at_copy: bool = False,
         outs: Sequence[Spans] = (),
         read_dram: bool = False,
+        read_disk: bool = False,
     ) -> Iterator[lpb.LaneGetResponse]:
         ended = self._end_grants(release)  # their DRAM-arena leases end after this Get's reply, off its path
         accepted = accepted_codecs(request)
@@ -231,6 +235,9 @@ class ShmServerLane(ServerLane):
         # DRAM hits named in the shared arena; the rest go into the region or, on a direct Get, the client's memory
         pins: list[int] | None = [] if read_dram and self.pins is not None else None
         named = 0  # bytes named in the DRAM arena
+        on_disk: list[int] | None = [] if read_disk and self.disk is not None else None  # named in NVMe files
+        batches: list[DiskBatch] = []  # their segment pins, until a sent message's grant holds them
+        disk_bytes = 0
         try:
             if outs:
                 if self.direct is None:
@@ -259,7 +266,15 @@ class ShmServerLane(ServerLane):
         due = FIRST_YIELD_BYTES  # the first message goes early so the client starts checking while we copy
 
         def hold_pins(grant: Grant) -> None:
-            nonlocal named
+            nonlocal named, disk_bytes
+            if on_disk is not None and self.disk is not None:
+                disk_bytes += self.disk.hold(
+                    grant.id, [lease for k in on_disk if (lease := leases[k]) is not None], batches
+                )
+                for k in on_disk:
+                    leases[k] = None
+                on_disk.clear()
+            batches.clear()
             if pins:
                 assert self.pins is not None
                 pinned = [lease for k in pins if (lease := leases[k]) is not None]  # all of them: named in the arena
@@ -275,10 +290,12 @@ class ShmServerLane(ServerLane):
             nonlocal counted
             counted = True
             self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
-            if outs and sent > named:  # written into the client's memory by this store
-                self.ops.metrics.add("lane_shm_direct_get_bytes", sent - named)
+            if outs and sent > named + disk_bytes:  # written into the client's memory by this store
+                self.ops.metrics.add("lane_shm_direct_get_bytes", sent - named - disk_bytes)
             if named:
                 self.ops.metrics.add("lane_shm_dram_get_bytes", named)
+            if disk_bytes:
+                self.ops.metrics.add("lane_shm_disk_get_bytes", disk_bytes)
             self.ops.metrics.bytes_out(sent)
 
         try:
@@ -290,7 +307,7 @@ class ShmServerLane(ServerLane):
                 if streamed:  # NVMe blocks: read straight where they go, each moved on once verified
                     assert grant is not None
                     n, placed = self._read_out(
-                        grant, handled, window, accepted, pending, crc_at_copy, copies, outs, pins
+                        grant, handled, window, accepted, pending, crc_at_copy, copies, outs, pins, on_disk, batches
                     )
                     handled += placed
                     sent += n
@@ -342,6 +359,9 @@ class ShmServerLane(ServerLane):
                 self._release_grants([grant.id])
             if pins and self.pins is not None:  # named in a message that was never sent
                 self.pins.unpin([lease for k in pins if (lease := leases[k]) is not None])
+            if self.disk is not None:
+                for batch in batches:  # named in a message that was never sent: their leases end below
+                    self.disk.drop(batch)
             if released < len(leases):
                 self._settle()  # no copy may still read a slot whose lease goes (copies not run: never started)
             self.ops.release(leases[released:], touch=True)
@@ -412,17 +432,38 @@ class ShmServerLane(ServerLane):
         copies: list[CopyOut],
         outs: Sequence[Spans],
         pins: list[int] | None = None,
+        on_disk: list[int] | None = None,
+        batches: list[DiskBatch] | None = None,
     ) -> tuple[int, int]:
         """A window with NVMe-only blocks: place every block first (a region range, or the client's address),
         then read the NVMe ones straight where they go and move each on as its read is verified, while the
         disk reads the next ones: into its region range in place (nothing to copy) unless a DRAM slot took it
         (a promotion: copied from there), or written into the client's buffer (direct). Their CRC32C is the
         index's, which the tier checked the record against, so it is not computed again. The DRAM hits of
-        the window are queued in ``copies`` as usual. Returns (bytes, blocks placed): fewer blocks than the
-        window when the region is full."""
+        the window are queued in ``copies`` as usual. With ``on_disk`` (the client reads the NVMe tier's files)
+        its NVMe-only raw blocks are named by file and offset instead (their positions go in ``on_disk``, their
+        segment pins in ``batches``) and nothing is read for them. Returns (bytes, blocks placed): fewer blocks
+        than the window when the region is full."""
         cold: dict[int, CopyOut] = {}
         n_bytes = placed = 0
+        where: list[tuple[str, int] | None] = []
+        if on_disk is not None and batches is not None and self.disk is not None:
+            batch = self.disk.name(window)
+            batches.append(batch)
+            where = batch.where
         for j, lease in enumerate(window):
+            if where and (at := where[j]) is not None:
+                assert lease is not None
+                d = reply.blocks.add(
+                    index=first + j, hash=lease.hash, length=lease.stored_length, crc32c=lease.crc32c,
+                    disk_file=at[0], disk_offset=at[1],
+                )  # fmt: skip
+                self.ops.serve_into(d.header, lease, accepted)
+                assert on_disk is not None
+                on_disk.append(first + j)
+                placed += 1
+                n_bytes += lease.stored_length
+                continue
             cold_one = lease is not None and lease.buffer is None
             n = self._place_out(grant, first + j, lease, accepted, reply, crc_at_copy, copies, outs, pins)
             if n < 0:
@@ -457,7 +498,9 @@ class ShmServerLane(ServerLane):
                 assert self.direct is not None
                 self.direct.write_many([(c.spans[0][0], host_view(c.src)[: c.descriptor.length]) for c in run])  # type: ignore[index]
 
-        self.ops.materialize(window[:placed], on_ready, dest_for)
+        self.ops.materialize(
+            [None if where and where[j] is not None else x for j, x in enumerate(window[:placed])], on_ready, dest_for
+        )
         return n_bytes, placed
 
     def _copy_out(self, copies: Sequence[CopyOut]) -> None:
@@ -473,7 +516,10 @@ class ShmServerLane(ServerLane):
         """Free these get grants' region ranges now; their DRAM-arena leases are returned for the caller to end
         (a release counts the blocks' use in the eviction policy, which need not delay a reply)."""
         self.grants.release(grant_ids)
-        return self.pins.release(grant_ids) if self.pins is not None and grant_ids else []
+        if not grant_ids:
+            return []
+        ended = self.pins.release(grant_ids) if self.pins is not None else []
+        return ended + self.disk.release(grant_ids) if self.disk is not None else ended
 
     def expire(self, now: float) -> int:
         if not self._attached.is_set() and now - self._created > self.lease:
@@ -489,6 +535,8 @@ class ShmServerLane(ServerLane):
         self.ops.abort(self.grants.close())
         if self.pins is not None:
             self.ops.release(self.pins.close(), touch=True)
+        if self.disk is not None:
+            self.ops.release(self.disk.close(), touch=True)
         self.region.close()
         if self.direct is not None:
             self.direct.close()

@@ -63,8 +63,16 @@ class Reservation:
 
 
 class StoreOps:
-    def __init__(self, store: BlockStore, limits: Limits, metrics: Metrics, copies: CopyPool | None = None):
+    def __init__(
+        self,
+        store: BlockStore,
+        limits: Limits,
+        metrics: Metrics,
+        copies: CopyPool | None = None,
+        share_nvme: bool = False,
+    ):
         self.store, self.limits, self.metrics = store, limits, metrics
+        self.share_nvme = share_nvme  # shm clients may read the NVMe tier's files (serve --share-nvme)
         self.copies = copies or CopyPool()  # the region lanes' bulk copies, a few threads wide
         self.readers = ThreadPoolExecutor(4, thread_name_prefix="kvstore-get-read")  # ReadAhead's window reads
 
@@ -207,6 +215,10 @@ class StoreOps:
             if isinstance(tier, ArenaTier) and tier.shared is not None:
                 return tier.shared
         return None
+
+    def disk_dir(self) -> str | None:
+        """The NVMe tier's directory when shm clients may read its files (``serve --share-nvme``), else None."""
+        return self.store.disk_dir() if self.share_nvme else None
 
     windows = staticmethod(lease_windows)
 

@@ -49,7 +49,7 @@ class LaneServer:
         kinds = lane_kinds(cfg.lanes)
         if "shm" in kinds and cfg.shm_lane_bytes < cfg.max_block:
             raise ValueError(f"--shm-lane-bytes ({cfg.shm_lane_bytes}) must hold the largest block ({cfg.max_block})")
-        self.ops = StoreOps(node.store, node.limits, node.metrics)
+        self.ops = StoreOps(node.store, node.limits, node.metrics, share_nvme=cfg.share_nvme)
         self.registry = LaneRegistry(
             node.metrics,
             lease_seconds=cfg.lane_lease,
@@ -75,7 +75,7 @@ class LaneServer:
             def lookup(lane_id: str, token: bytes) -> ServerLane:
                 return registry.get(lane_id, token, "shm")
 
-            self.direct = DirectListener(shm_dir, lookup, on_bound=shm_channel.start(lookup))
+            self.direct = DirectListener(shm_dir, lookup, on_bound=shm_channel.start(lookup, registry.close))
         cuda_device = _cuda_lane_device(cfg) if "cuda_ipc" in kinds else None
         if cuda_device is not None and cfg.cuda_lane_bytes < cfg.max_block:
             raise ValueError(f"--cuda-lane-bytes ({cfg.cuda_lane_bytes}) must hold the largest block ({cfg.max_block})")

@@ -114,14 +114,15 @@ def _rest(views: list[memoryview], skip: int) -> list[memoryview]:
 
 
 def _open_fd(path: str, flags: int, direct: bool) -> tuple[int, bool]:
+    # 0600: a segment holds every tenant's blocks; only the store's user (and --share-nvme clients of it) reads them
     if direct:
         try:
-            return os.open(path, flags | os.O_DIRECT, 0o644), True
+            return os.open(path, flags | os.O_DIRECT, 0o600), True
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             log.warning("O_DIRECT refused on %s (%s): buffered I/O + fdatasync for this file", path, e)
-    return os.open(path, flags, 0o644), False
+    return os.open(path, flags, 0o600), False
 
 
 def preallocate(fd: int, size: int) -> None:
@@ -270,7 +271,7 @@ class KvikioBackend(IoBackend):
         return FileHandle(path, fd, True, f)
 
     def create(self, path: str, size: int) -> FileHandle:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             preallocate(fd, size)
             os.fsync(fd)

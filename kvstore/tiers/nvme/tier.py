@@ -20,6 +20,8 @@
   ``on_relocate``. ``wait=False`` returns at once (``stopped`` says so) when
   another compaction is running: a caller that holds a lock ``on_relocate``
   takes (the store's, while it makes room for a Put) must not wait for it.
+- ``extents(locs) -> (where, pins)`` / ``release_extents(pins)``: where each payload lies in its segment
+  file, for a process that reads it itself (a shm lane client of ``--share-nvme``), the segments pinned.
 - ``recover()``: the blocks found on disk at open, once.
 - ``reclaimable() -> ReclaimInfo``, ``stats()``, ``checkpoint()``, ``close()``.
 """
@@ -46,7 +48,7 @@ from kvstore.tiers.nvme.gds import is_device_dest, read_split
 from kvstore.tiers.nvme.io import IoBackend, select_backend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
 from kvstore.tiers.nvme.reader import BufferPool, Wanted, plan_pieces, read_pipelined
-from kvstore.tiers.nvme.segments import SegmentState
+from kvstore.tiers.nvme.segments import Segment, SegmentState
 from kvstore.tiers.nvme.sidecar import RecordColumns
 
 log = logging.getLogger("kvstore.nvme")
@@ -67,6 +69,13 @@ class ReclaimInfo:
     empty_segments: int  # sealed with nothing live: compact() deletes them without copying
     compactable_segments: int  # sealed with live fraction below the threshold
     compactable_gain_bytes: int  # disk bytes compacting those would release (net of the copies)
+
+
+@dataclass
+class ExtentPins:
+    """Segments pinned for readers outside the process (``NvmeTier.extents``); ended once, by ``release_extents``."""
+
+    segments: list[Segment]
 
 
 def as_source(src: Any) -> np.ndarray:
@@ -159,6 +168,7 @@ class NvmeTier(Tier):
             write_faults=0,
             compactions=0,
             relocated=0,
+            extents_lent=0,
         )
         self._read_bytes, self._read_seconds = 0, 0.0  # for the load planner's NVMe speed prior (Stats)
         rec = self._log.recovered
@@ -311,6 +321,23 @@ class NvmeTier(Tier):
                 f"{len(bad)} of {len(locs)} nvme records failed verification (first: loc {first[0]:#x}: {first[1]})",
                 list(bad),
             )
+
+    def extents(self, locs: Sequence[int]) -> tuple[list[tuple[str, int] | None], ExtentPins]:
+        """Where each record's payload lies in its segment file, for a reader outside this process: (file name in
+        ``data_dir``, byte offset of the payload; page aligned), None where the location is gone. The segments
+        are pinned (never retired, so their bytes are not rewritten) until ``release_extents`` of the second
+        item. The reader must check the payload's CRC32C itself: nothing here read it."""
+        resolved, pinned = self._log.pin(locs)
+        out: list[tuple[str, int] | None] = [
+            None if seg is None else (seg.path.name, (loc & OFFSET_MASK) + HEADER_BYTES) for loc, seg in resolved
+        ]
+        self._counts["extents_lent"] += sum(x is not None for x in out)
+        return out, ExtentPins(pinned)
+
+    def release_extents(self, pins: ExtentPins) -> None:
+        segments, pins.segments = pins.segments, []
+        if segments:
+            self._log.unpin(segments)
 
     # -- free, compaction ---------------------------------------------------------------
     def free(self, locs: Sequence[int]) -> None:

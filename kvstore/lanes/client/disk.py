@@ -1,0 +1,296 @@
+"""Reading NVMe-resident blocks straight out of the store's segment files (``kvstore serve --share-nvme``).
+
+A Get with ``read_disk`` names each NVMe-only block by file and payload offset (``BlockDescriptor.disk_file``,
+``disk_offset``) instead of the store reading and copying it: the client reads it itself, with O_DIRECT,
+straight into the caller's buffers (one DMA and no copy on either side) and checks its CRC32C, as the store
+would have. The store keeps the file as it is until the client releases the message's grant.
+
+``DiskReader(directory, threads=4)`` (one per lane; files opened on first use, kept open):
+
+- ``read(blocks) -> failed``: read every ``DiskBlock`` into its spans; returns the positions of those that could
+  not be read or failed their CRC32C (the caller asks the store for them: it reads them itself, finds a corrupt
+  record and drops it, so a bad copy is reported and never served).
+
+How: the blocks are sorted by file and offset; neighbours at most ``GAP_BYTES`` apart (a record's 4 KiB header
+and padding) are read in one ``preadv``, whose iovec list puts each payload's page-aligned part straight in its
+destination when that is page-aligned host memory and the rest (headers, gaps, tails, unaligned destinations)
+in scratch; runs are cut into pieces of at most ``MAX_PIECE_BYTES`` (at least ``threads`` pieces when large),
+read and checked by a few threads at once, so one piece's CRC32C overlaps other pieces' I/O.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import re
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.checksum import crc32c
+from kvstore.lanes.segments import Spans
+
+PAGE = 4096  # O_DIRECT alignment that suits every device here (logical blocks of 512 B or 4 KiB)
+GAP_BYTES = 128 << 10  # neighbours this close are read through in one preadv (a record's header is 4 KiB)
+MAX_PIECE_BYTES = 4 << 20
+DEPTH = 1  # preadvs in flight: one sequential stream read fastest here (see docs/nvme.md); more suit a real NVMe
+MIN_PIECE_BYTES = 256 << 10  # pieces are not cut smaller than this for parallelism
+MAX_IOVECS = 1024
+MAX_OPEN_FILES = 64
+SEGMENT_NAME = re.compile(r"seg-[0-9]+\.log")
+
+
+@dataclass(slots=True)
+class DiskBlock:
+    position: int  # the caller's index of the block
+    file: str  # segment file name in the store's NVMe directory
+    offset: int  # of the payload in that file, page aligned
+    length: int
+    crc32c: int
+    spans: Spans  # where its bytes go: (address, length) of host memory, in order
+
+
+@dataclass(slots=True)
+class _Planned:
+    iov: list[memoryview]
+    tails: list[tuple[DiskBlock, int, int]]  # (block, scratch position, bytes from there to copy in at the tail)
+    scratch: mmap.mmap | None
+
+
+class DiskReader:
+    def __init__(self, directory: str, threads: int = 4, depth: int = DEPTH):
+        self.directory = directory
+        self.threads = max(1, threads)
+        self.depth = max(1, depth)
+        self._files: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def read(self, blocks: Sequence[DiskBlock]) -> list[int]:
+        todo = deque(self._pieces(blocks))
+        if not todo:
+            return []
+        gate = threading.Semaphore(self.depth)  # preadvs in flight, issued in file order; checks run outside it
+
+        def work() -> list[int]:
+            failed: list[int] = []
+            while True:
+                with gate:
+                    try:
+                        piece = todo.popleft()
+                    except IndexError:
+                        return failed
+                    read = self._read(piece)
+                failed.extend(self._check(piece, read))
+
+        helpers = min(self.threads, len(todo)) - 1
+        jobs = [self._executor().submit(work) for _ in range(helpers)] if helpers > 0 else []
+        failed = work()
+        for job in jobs:
+            failed.extend(job.result())
+        return failed
+
+    def close(self) -> None:
+        with self._lock:
+            files, self._files = self._files, {}
+        for fd in files.values():
+            os.close(fd)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # -- planning ------------------------------------------------------------------------
+    def _pieces(self, blocks: Sequence[DiskBlock]) -> list[list[DiskBlock]]:
+        runs: list[list[DiskBlock]] = []
+        for b in sorted(blocks, key=lambda b: (b.file, b.offset)):
+            last = runs[-1][-1] if runs else None
+            if last is not None and last.file == b.file and 0 <= b.offset - (last.offset + last.length) <= GAP_BYTES:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        pieces: list[list[DiskBlock]] = []
+        for run in runs:
+            total = run[-1].offset + run[-1].length - run[0].offset
+            k = max(-(-total // MAX_PIECE_BYTES), min(self.threads, total // MIN_PIECE_BYTES), 1)
+            target = -(-total // k)
+            cur: list[DiskBlock] | None = None
+            for b in run:
+                if cur is not None and b.offset - cur[0].offset < target:
+                    cur.append(b)
+                else:
+                    cur = [b]
+                    pieces.append(cur)
+        return pieces
+
+    @staticmethod
+    def _plan(piece: list[DiskBlock]) -> _Planned:
+        """One preadv from the first payload's offset to the last one's end (rounded up to a page)."""
+        scratch_bytes = 0
+        direct: list[bool] = []
+        pos = piece[0].offset
+        for b in piece:
+            gap = b.offset - pos
+            aligned = b.length // PAGE * PAGE
+            ok = aligned > 0 and _aligned_spans(b.spans, aligned)
+            direct.append(ok)
+            scratch_bytes += gap + (_round_up(b.length) - aligned if ok else _round_up(b.length))
+            pos = b.offset + _round_up(b.length)
+        scratch = mmap.mmap(-1, scratch_bytes) if scratch_bytes else None
+        whole = memoryview(scratch) if scratch is not None else memoryview(b"")
+        iov: list[memoryview] = []
+        tails: list[tuple[DiskBlock, int, int]] = []
+        sp = 0  # scratch position
+        pos = piece[0].offset
+        for b, ok in zip(piece, direct):
+            gap = b.offset - pos
+            if gap:
+                iov.append(whole[sp : sp + gap])
+                sp += gap
+            padded = _round_up(b.length)
+            if ok:
+                aligned = b.length // PAGE * PAGE
+                iov.extend(_span_views(b.spans, aligned))
+                rest = padded - aligned
+                if rest:
+                    iov.append(whole[sp : sp + rest])
+                    tails.append((b, sp, b.length - aligned))
+                    sp += rest
+            else:
+                iov.append(whole[sp : sp + padded])
+                tails.append((b, sp, -1))  # the whole payload lies in scratch
+                sp += padded
+            pos = b.offset + padded
+        return _Planned(iov, tails, scratch)
+
+    # -- reading -------------------------------------------------------------------------
+    def _read(self, piece: list[DiskBlock]) -> tuple[_Planned, int] | None:
+        """The piece's preadv: its plan and the bytes read, None when it could not be read."""
+        try:
+            fd = self._fd(piece[0].file)
+            planned = self._plan(piece)
+            if len(planned.iov) > MAX_IOVECS:  # too many spans for one call: the store reads these blocks
+                return None
+            return planned, os.preadv(fd, planned.iov, piece[0].offset)
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _check(piece: list[DiskBlock], read: tuple[_Planned, int] | None) -> list[int]:
+        """CRC32C of every block of a piece read (tails moved in from scratch); the positions that failed."""
+        if read is None:
+            return [b.position for b in piece]
+        planned, got = read
+        scratch = planned.scratch
+        tails = {id(b): (at, n) for b, at, n in planned.tails}
+        failed: list[int] = []
+        for b in piece:
+            if b.offset + b.length > piece[0].offset + got:
+                failed.append(b.position)
+                continue
+            value = 0
+            at, n = tails.get(id(b), (0, 0))
+            if n < 0:  # all in scratch: check there, then scatter into the destination
+                assert scratch is not None
+                src = np.frombuffer(scratch, dtype=np.uint8, count=b.length, offset=at)
+                value = crc32c(src)
+                if value == b.crc32c:
+                    _scatter(b.spans, src)
+            else:
+                aligned = b.length - n
+                for view in _span_views(b.spans, aligned):
+                    value = crc32c(view, value)
+                if n:
+                    assert scratch is not None
+                    src = np.frombuffer(scratch, dtype=np.uint8, count=n, offset=at)
+                    value = crc32c(src, value)
+                    if value == b.crc32c:
+                        _scatter(_skip(b.spans, aligned), src)
+            if value != b.crc32c:
+                failed.append(b.position)
+        return failed  # the scratch mapping goes with its last view
+
+    def _fd(self, name: str) -> int:
+        if not SEGMENT_NAME.fullmatch(name):
+            raise ValueError(f"not a segment file name: {name!r}")
+        with self._lock:
+            fd = self._files.get(name)
+            if fd is not None:
+                return fd
+        path = os.path.join(self.directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            fd = os.open(path, os.O_RDONLY)  # a file system without O_DIRECT (tmpfs): buffered reads
+        with self._lock:
+            if name in self._files:
+                os.close(fd)
+                return self._files[name]
+            if len(self._files) >= MAX_OPEN_FILES:  # segment ids only grow: the oldest is the least likely
+                os.close(self._files.pop(next(iter(self._files))))
+            self._files[name] = fd
+        return fd
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvstore-disk-read")
+            return self._pool
+
+
+def _round_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def _aligned_spans(spans: Spans, n: int) -> bool:
+    """Whether the first ``n`` bytes of ``spans`` (n a multiple of PAGE) lie in page-aligned, page-sized spans."""
+    left = n
+    for address, length in spans:
+        if left <= 0:
+            break
+        take = min(length, left)
+        if address % PAGE or take % PAGE:
+            return False
+        left -= take
+    return left <= 0
+
+
+def _span_views(spans: Spans, n: int) -> list[memoryview]:
+    """Writable views of the first ``n`` bytes of ``spans``."""
+    out: list[memoryview] = []
+    for address, length in spans:
+        if n <= 0:
+            break
+        take = min(length, n)
+        out.append(memoryview((ctypes.c_char * take).from_address(address)).cast("B"))
+        n -= take
+    return out
+
+
+def _skip(spans: Spans, n: int) -> Spans:
+    """``spans`` without their first ``n`` bytes."""
+    out: list[tuple[int, int]] = []
+    for address, length in spans:
+        if n >= length:
+            n -= length
+            continue
+        out.append((address + n, length - n))
+        n = 0
+    return tuple(out)
+
+
+def _scatter(spans: Spans, src: np.ndarray) -> None:
+    source, left = int(src.ctypes.data), len(src)
+    for address, length in spans:
+        if left <= 0:
+            break
+        take = min(length, left)
+        ctypes.memmove(address, source, take)
+        source += take
+        left -= take

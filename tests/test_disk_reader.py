@@ -1,0 +1,123 @@
+"""The shm client's own reads of NVMe records (``--share-nvme``): kvstore/lanes/client/disk.py against real
+segment files written by the NVMe tier. Exact bytes into every kind of destination (page-aligned, unaligned,
+split in several spans, lengths that are not a multiple of a page), records read through gaps, and every
+failure (a corrupt payload, a bad file name, a location past the end) reported by position, never served."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.checksum import crc32c
+from kvstore.lanes.client.disk import DiskBlock, DiskReader
+from kvstore.tiers.base import BlockMeta
+from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.nvme.io import aligned_buffer
+
+
+def _address(a: np.ndarray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(a))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> tuple[Path, list[tuple[str, int]], list[np.ndarray]]:
+    """40 records of assorted sizes in one tier directory; where each payload lies and its bytes."""
+    root = tmp_path_factory.mktemp("nvme")
+    tier = NvmeTier(root, 1 << 30, segment_bytes=64 << 20)
+    rng = np.random.default_rng(7)
+    sizes = [4096, 65536, 1, 5000, 12288, 100_000, 131072, 8191] * 5
+    payloads = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    metas = [BlockMeta("t", rng.bytes(16), b"", 0, "uint8", len(p), len(p), crc32c(p)) for p in payloads]
+    locs = tier.write(metas, payloads)
+    where, pins = tier.extents(locs)
+    tier.release_extents(pins)
+    tier.close()  # the files stay; nothing rewrites them now
+    assert all(w is not None for w in where)
+    return root, [w for w in where if w is not None], payloads
+
+
+def _block(i: int, where: tuple[str, int], payload: np.ndarray, spans: tuple[tuple[int, int], ...]) -> DiskBlock:
+    return DiskBlock(i, where[0], where[1], len(payload), crc32c(payload), spans)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("dest", ["aligned", "unaligned", "spans"])
+def test_every_record_comes_back_exact(written, threads, dest):
+    root, where, payloads = written
+    reader = DiskReader(str(root), threads=threads)
+    keep: list[np.ndarray] = []
+    blocks = []
+    for i, (w, p) in enumerate(zip(where, payloads)):
+        if dest == "aligned":
+            buf = aligned_buffer(len(p))
+            spans: tuple[tuple[int, int], ...] = ((_address(buf), len(p)),)
+            keep.append(buf)
+        elif dest == "unaligned":
+            buf = np.zeros(len(p) + 3, dtype=np.uint8)[3:]
+            spans = ((_address(buf), len(p)),)
+            keep.append(buf)
+        else:  # a block in several buffers, as a vLLM block is one slice per layer: page-sized parts, then the rest
+            cut = min(len(p), 4096)
+            a, b = aligned_buffer(cut), aligned_buffer(max(len(p) - cut, 1))
+            spans = ((_address(a), cut),) + (((_address(b), len(p) - cut),) if len(p) > cut else ())
+            keep += [a, b]
+        blocks.append(_block(i, w, p, spans))
+    assert reader.read(blocks) == []
+    for blk, p in zip(blocks, payloads):
+        got = b"".join(ctypes.string_at(addr, n) for addr, n in blk.spans)
+        assert got == p.tobytes()
+    reader.close()
+
+
+def test_records_far_apart_and_in_any_order(written):
+    """Every third record, in reverse: runs break at gaps larger than GAP_BYTES and pieces are still right."""
+    root, where, payloads = written
+    reader = DiskReader(str(root), threads=3)
+    pick = list(range(0, len(where), 3))[::-1]
+    bufs = [aligned_buffer(len(payloads[i])) for i in pick]
+    blocks = [_block(k, where[i], payloads[i], ((_address(b), len(b)),)) for k, (i, b) in enumerate(zip(pick, bufs))]
+    assert reader.read(blocks) == []
+    assert all(b.tobytes() == payloads[i].tobytes() for i, b in zip(pick, bufs))
+
+
+def test_failures_are_reported_by_position_and_the_rest_is_read(written):
+    root, where, payloads = written
+    reader = DiskReader(str(root))
+    bufs = [aligned_buffer(len(p)) for p in payloads[:6]]
+    blocks = [_block(i, where[i], payloads[i], ((_address(b), len(b)),)) for i, b in enumerate(bufs)]
+    blocks[1].crc32c ^= 1  # as if the record on disk were corrupt
+    blocks[3] = DiskBlock(3, "../etc/passwd", blocks[3].offset, blocks[3].length, blocks[3].crc32c, blocks[3].spans)
+    blocks[4].offset = 1 << 40  # past the end of the file: a short read
+    assert sorted(reader.read(blocks)) == [1, 3, 4]
+    for i in (0, 2, 5):
+        assert bufs[i].tobytes() == payloads[i].tobytes()
+
+
+def test_a_missing_file_fails_its_blocks(written):
+    root, where, payloads = written
+    reader = DiskReader(str(root))
+    buf = aligned_buffer(len(payloads[0]))
+    assert reader.read(
+        [DiskBlock(9, "seg-0000009999.log", where[0][1], len(buf), 0, ((_address(buf), len(buf)),))]
+    ) == [9]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    picks=st.lists(st.integers(0, 39), min_size=1, max_size=12, unique=True),
+    shifts=st.lists(st.sampled_from([0, 0, 1, 512, 4096]), min_size=12, max_size=12),
+    threads=st.integers(1, 4),
+)
+def test_any_subset_into_any_alignment(written, picks, shifts, threads):
+    root, where, payloads = written
+    reader = DiskReader(str(root), threads=threads)
+    bufs = [aligned_buffer(len(payloads[i]) + 4096)[s : s + len(payloads[i])] for i, s in zip(picks, shifts)]
+    blocks = [_block(k, where[i], payloads[i], ((_address(b), len(b)),)) for k, (i, b) in enumerate(zip(picks, bufs))]
+    assert reader.read(blocks) == []
+    assert all(b.tobytes() == payloads[i].tobytes() for i, b in zip(picks, bufs))
+    reader.close()
