@@ -140,7 +140,7 @@ def measure(
     raw: RawExtents | None = None
     try:
         for tag, tree in sides.items():
-            args = extra if tag == "" else ()  # store options of this tree only: an old one may not know them
+            args = (*extra, "--with-disk-store") if tag == "" else ()  # an old tree may know neither
             workers[tag] = Worker(tree, block, count, root / f"{tag}store-{block}", cold_dram, args)
         raw = RawExtents(root / f"raw-{block}.bin", block, count, rng)
         writers = list(workers.values()) + [raw]
@@ -151,8 +151,9 @@ def measure(
                     w.write(i)
                 elif w.ask(f"write {i}") != "ok":
                     raise RuntimeError("a bench worker failed to write a prefix")
-        if workers[""].ask("flush") != "ok":  # this tree's measured prefixes out of DRAM (an old worker cannot)
-            raise RuntimeError("a bench worker failed to flush its stores' DRAM")
+        for w in workers.values():  # the measured prefixes out of DRAM (the worker script is this tree's on all sides)
+            if w.ask("flush") != "ok":
+                raise RuntimeError("a bench worker failed to flush its stores' DRAM")
         steps = [(tag, kind) for tag in sides for kind in (NEW_KINDS if tag == "" else KINDS)] + [("", "raw")]
         times: dict[str, list[float]] = {f"{tag}{kind}": [] for tag, kind in steps}
         times["raw_crc"] = []

@@ -1,9 +1,10 @@
 """One side of ``bench.nvme_get``: store processes and clients of one source tree, driven step by step.
 
-    python bench/nvme_get_worker.py BLOCK COUNT ROOT COLD_DRAM   (PYTHONPATH and cwd: the tree to measure)
+    python bench/nvme_get_worker.py BLOCK COUNT ROOT COLD_DRAM [--with-disk-store] [STORE OPTION...]
+    (PYTHONPATH and cwd: the tree to measure)
 
-Starts a store with an NVMe tier (write-through, DRAM ``COLD_DRAM``), the same with ``--share-nvme`` (its
-clients read NVMe blocks from the tier's files themselves: kind ``disk-shm``) and one whose DRAM holds everything, all
+Starts a store with an NVMe tier (write-through, DRAM ``COLD_DRAM``), with ``--with-disk-store`` the same with
+``--share-nvme`` (its clients read NVMe blocks from the tier's files themselves: kind ``disk-shm``), and one whose DRAM holds everything, all
 ``kvstore serve`` processes of the tree on ``PYTHONPATH``, writes ``WARM`` 32-block prefixes per DRAM kind,
 prints ``ready``, then answers lines on stdin: ``write I`` writes prefix ``I`` of each NVMe kind (each such
 Get reads a prefix once: a repeated read could come from a cache); ``flush`` then writes more than DRAM holds
@@ -29,6 +30,7 @@ from kvstore.tiers.nvme.io import aligned_buffer
 
 PREFIX = 32
 KINDS = ("nvme-shm", "nvme-tcp", "dram-shm", "dram-tcp", "disk-shm")  # disk-shm: a --share-nvme store
+DISK_FLAG = "--with-disk-store"  # start the disk-shm store (the tree must know --share-nvme)
 WARM = 4  # prefixes of the all-DRAM store, taken in turn
 
 
@@ -42,6 +44,8 @@ def write_prefix(kv: Client, payloads: list[np.ndarray], p: int, rng: np.random.
 
 
 def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -> None:
+    disk_store = DISK_FLAG in extra
+    extra = [a for a in extra if a != DISK_FLAG]
     rng = np.random.default_rng(block)
     warm_dram = 2 * WARM * PREFIX * block * 5 // 4 + (64 << 20)
     with contextlib.ExitStack() as stack:
@@ -54,16 +58,18 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
         warm_target, _ = stack.enter_context(
             store_process("--dram", f"{warm_dram >> 20}MiB", "--shm-direct", "true", *extra)
         )
-        disk_target, _ = stack.enter_context(  # the client reads the NVMe blocks of this one from its files
-            store_process(
-                *("--dram", f"{cold_dram >> 20}MiB", "--nvme-dir", str(root / "nvme-shared"), "--nvme", "16GiB"),
-                *("--write-policy", "write-through", "--shm-direct", "true", "--share-nvme", "true", *extra),
+        targets = {"nvme": cold_target, "dram": warm_target}
+        if disk_store:  # the client reads the NVMe blocks of this one from its files (a tree with --share-nvme)
+            targets["disk"], _ = stack.enter_context(
+                store_process(
+                    *("--dram", f"{cold_dram >> 20}MiB", "--nvme-dir", str(root / "nvme-shared"), "--nvme", "16GiB"),
+                    *("--write-policy", "write-through", "--shm-direct", "true", "--share-nvme", "true", *extra),
+                )
             )
-        )
-        targets = {"nvme": cold_target, "dram": warm_target, "disk": disk_target}
         clients = {
             kind: stack.enter_context(Client(targets[kind.split("-")[0]], timeout=120, lane=kind.split("-")[1]))
             for kind in KINDS
+            if kind.split("-")[0] in targets
         }
         payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(8)]
         # a DRAM hit may repeat a prefix (no disk under it): a few suffice, written now; NVMe prefixes are
@@ -82,12 +88,12 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
                 break
             if words[0] == "write":
                 p = int(words[1])
-                for kind in ("nvme-shm", "nvme-tcp", "disk-shm"):
+                for kind in ("nvme-shm", "nvme-tcp", "disk-shm")[: 3 if disk_store else 2]:
                     prefixes[kind].append(write_prefix(clients[kind], payloads, p, rng))
                 print("ok", flush=True)
                 continue
             if words[0] == "flush":  # prefixes never read, past what DRAM holds: what was written is only on NVMe
-                for kind in ("nvme-shm", "disk-shm"):
+                for kind in ("nvme-shm", "disk-shm")[: 2 if disk_store else 1]:
                     for f in range(cold_dram // (PREFIX * block) + 1):
                         write_prefix(clients[kind], payloads, f, rng)
                 print("ok", flush=True)

@@ -203,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         "--nvme", action="store_true", help="chat: also a mode with the prefix only on NVMe (bench/ttft_nvme)"
     )
     p.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="--nvme: where its store keeps its NVMe tier")
+    p.add_argument(
+        "--share-nvme",
+        choices=["true", "false"],
+        default="true",
+        help="--nvme: the store runs with --share-nvme (the decode worker reads the NVMe blocks from its files)",
+    )
     args = p.parse_args(argv)
     nvme_results: list = []  # --nvme (bench/ttft_nvme.py)
 
@@ -221,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.nvme:
                 from bench.ttft_nvme import run_nvme
 
-                nvme_results, disk_speeds = run_nvme(args.model, prompts, args.new_tokens, args.dir)
+                nvme_results, disk_speeds = run_nvme(
+                    args.model, prompts, args.new_tokens, args.dir, args.share_nvme == "true"
+                )
                 results += nvme_results
         else:
             n = min(args.requests, 12) if args.quick else args.requests

@@ -30,8 +30,11 @@ FILLER_BLOCK = 256 << 10
 EXTENT_BLOCK = 2 << 20  # raw extents of 32 x (4 KiB + 2 MiB): about one prompt's KV
 
 
-def run_nvme(model: str, prompts: list[list[int]], new_tokens: int, root: Path) -> tuple[list[Result], list[float]]:
-    """The ``store_nvme`` results (mode renamed) and the disk's read speed (bytes/s) measured before each."""
+def run_nvme(
+    model: str, prompts: list[list[int]], new_tokens: int, root: Path, share_nvme: bool = True
+) -> tuple[list[Result], list[float]]:
+    """The ``store_nvme`` results (mode renamed) and the disk's read speed (bytes/s) measured before each.
+    ``share_nvme``: the store runs with ``--share-nvme`` (the decode worker reads the NVMe blocks itself)."""
     results: list[Result] = []
     speeds: list[float] = []
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-ttft-nvme-", dir=root))
@@ -39,7 +42,7 @@ def run_nvme(model: str, prompts: list[list[int]], new_tokens: int, root: Path) 
     try:
         with ExitStack() as stack:
             store_args = ("--nvme-dir", str(tmp / "nvme"), "--write-policy", "write-through")
-            store_args += ("--promote-on-hit", "false")
+            store_args += ("--promote-on-hit", "false", "--share-nvme", "true" if share_nvme else "false")
             store, prefill, decode = stack.enter_context(
                 local_stack(model, dram=f"{DRAM >> 20}MiB", store_args=store_args)
             )
