@@ -64,8 +64,10 @@ def run_nvme(
                 r = router.run("store", prompt, "chat", new_tokens)
                 r.mode = "store_nvme"
                 results.append(r)
-            nvme = {t["name"]: t["hits"] for t in kv.stats()["tiers"]}
-            print(f"prefix-on-NVMe store: hits per tier {nvme}")
+            stats = kv.stats()
+            nvme = {t["name"]: t["hits"] for t in stats["tiers"]}
+            own = stats["counters"].get("lane_shm_disk_get_bytes", 0) / 2**20  # read by the workers themselves
+            print(f"prefix-on-NVMe store: hits per tier {nvme}; {own:.0f} MiB read from its files by the clients")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return results, speeds

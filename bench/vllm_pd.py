@@ -18,7 +18,8 @@ own, one phase at a time (memory), each prompt a fresh random one:
   engine copies it from the store's mapped arena; ``false``: the store writes it into the engine's cache).
 - ``kvstore_nvme``: as ``kvstore_shm``, after the store restarted: a graceful stop writes every block to its
   NVMe tier, DRAM starts empty and ``--promote-on-hit false`` keeps the blocks on NVMe (``nvme_fraction``
-  says how many were there: 1.0).
+  says how many were there: 1.0); with ``--share-nvme true`` (the default) the engine reads them from the
+  store's segment files itself.
 - ``multi_turn:*``: chats over one shared system prompt, each turn on a dropped vLLM cache (as if another
   replica served it); its prefix can come only from the connector. ``hit_rate``: cached / prompt tokens.
 
@@ -68,11 +69,12 @@ class StoreProc:
     """A ``kvstore serve`` on a loopback port; ``restart()`` stops it gracefully (DRAM's blocks go to NVMe) and
     starts it again on the same port and NVMe directory, with an empty DRAM."""
 
-    def __init__(self, nvme_dir: Path, dram: str, share_dram: bool = True):
+    def __init__(self, nvme_dir: Path, dram: str, share_dram: bool = True, share_nvme: bool = True):
         self.target = f"127.0.0.1:{free_port()}"
         self.cmd = [sys.executable, "-m", "kvstore", "serve", "--listen", self.target, "--metrics-port", "0",
                     "--log-level", "error", "--dram", dram, "--nvme-dir", str(nvme_dir), "--nvme", "8GiB",
-                    "--promote-on-hit", "false", "--share-dram", str(share_dram).lower()]  # fmt: skip
+                    "--promote-on-hit", "false", "--share-dram", str(share_dram).lower(),
+                    "--share-nvme", str(share_nvme).lower()]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -105,8 +107,8 @@ class StoreProc:
 
 
 @contextmanager
-def _store(nvme_dir: Path, dram: str, share_dram: bool) -> Iterator[StoreProc]:
-    store = StoreProc(nvme_dir, dram, share_dram)
+def _store(nvme_dir: Path, dram: str, share_dram: bool, share_nvme: bool) -> Iterator[StoreProc]:
+    store = StoreProc(nvme_dir, dram, share_dram, share_nvme)
     store.start()
     try:
         yield store
@@ -341,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
             help="start the store with --share-dram (default true): the shm engine "
             "copies DRAM hits from the mapped arena; false: the store writes them into the engine's cache",
         )
+        p.add_argument(
+            "--share-nvme",
+            default="true",
+            help="start the store with --share-nvme (default true): kvstore_nvme's engine reads the blocks from the "
+            "store's NVMe files itself; false: the store reads them and writes them into the engine's cache",
+        )
         p.add_argument("--verify-loads", default="true", help="the connector's verify_loads (default true)")
 
     args = parse_args("vLLM TTFT with the prompt prefix from kvstore, ExampleConnector or vLLM itself", argv, configure)
@@ -363,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             info = phase_local(model, sizes, local_reps, out, rng)
         if "example" in phases:
             phase_example(model, sizes, reps, out, rng, tmp)
-        with _store(tmp / "nvme", dram, args.share_dram == "true") as store:
+        with _store(tmp / "nvme", dram, args.share_dram == "true", args.share_nvme == "true") as store:
             if "kvstore" in phases:
                 phase_kvstore(model, store, sizes, reps, out, rng, tmp, args.verify_loads == "true")
         if "turns" in phases:
