@@ -260,3 +260,25 @@ def test_a_corrupt_record_on_tcp_is_data_loss_even_when_the_read_ends_first(make
         got = _get(kv, "tcp", keys[:5])
         assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in blocks[:5]]
     _quiet(server)
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["page-aligned", "unaligned"])
+def test_share_nvme_fills_segments_as_a_vllm_block_is_laid_out(make_server, tmp_path, aligned):
+    """A block as one slice per layer (Segments), as the vLLM connector loads it: the client's own reads of the
+    NVMe files land straight in page-aligned slices, or through scratch when the slices are not aligned."""
+    from kvstore.payload import Segments
+
+    server = _start(make_server, tmp_path, "shm-disk", promote=False)
+    with _client(server, "shm-disk") as kv:
+        data = _fill(kv, 8)
+        keys, blocks = data[0]
+        assert _nvme_only(server, keys) == PREFIX
+        layers, part = 4, BLOCK // 4
+        pool = aligned_buffer(PREFIX * BLOCK + 4096)
+        base = 0 if aligned else 64  # torch's allocations are 64-byte aligned, not page aligned
+        rows = [[pool[base + (k * PREFIX + b) * part :][:part] for k in range(layers)] for b in range(PREFIX)]
+        kv.get("t", keys, out=[Segments(r) for r in rows])
+        for r, b in zip(rows, blocks):
+            assert np.concatenate(r).tobytes() == b.tobytes()
+    assert server.metrics.counters()["lane_shm_disk_get_bytes"] == PREFIX * BLOCK
+    _quiet(server)
