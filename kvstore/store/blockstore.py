@@ -379,8 +379,9 @@ class BlockStore(Cascade):
             tier = self._tier(rank)
             if not hasattr(tier, "extents"):
                 continue
+            entries = np.fromiter((cast(Lease, leases[i]).entry for i in pos), dtype=np.int64, count=len(pos))
             with self._lock:
-                locs = [self.table.loc_of(cast(Lease, leases[i]).entry, rank) for i in pos]
+                locs = self.table.locs(entries, rank).tolist()
             found, pins = cast(Any, tier).extents(locs)
             handles.append((tier, pins))
             for i, x in zip(pos, found):
