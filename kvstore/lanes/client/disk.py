@@ -10,6 +10,8 @@ would have. The store keeps the file as it is until the client releases the mess
 - ``read(blocks) -> failed``: read every ``DiskBlock`` into its spans; returns the positions of those that could
   not be read or failed their CRC32C (the caller asks the store for them: it reads them itself, finds a corrupt
   record and drops it, so a bad copy is reported and never served).
+- ``unusable``: why this process cannot open the store's files at all (the directory is not there, as in a
+  container that does not mount it, or not readable), or "": the lane then stops asking for disk reads.
 
 How: the blocks are sorted by file and offset; neighbours at most ``GAP_BYTES`` apart (a record's 4 KiB header
 and padding) are read in one ``preadv``, whose iovec list puts each payload's page-aligned part straight in its
@@ -69,6 +71,7 @@ class DiskReader:
         self._files: dict[str, int] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self.unusable = ""  # why this process cannot open the store's files (another mount namespace, say)
 
     def read(self, blocks: Sequence[DiskBlock]) -> list[int]:
         todo = deque(self._pieces(blocks))
@@ -220,11 +223,16 @@ class DiskReader:
                 return fd
         path = os.path.join(self.directory, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise
+                fd = os.open(path, os.O_RDONLY)  # a file system without O_DIRECT (tmpfs): buffered reads
         except OSError as err:
-            if err.errno != errno.EINVAL:
-                raise
-            fd = os.open(path, os.O_RDONLY)  # a file system without O_DIRECT (tmpfs): buffered reads
+            if err.errno in (errno.EACCES, errno.EPERM) or not os.path.isdir(self.directory):
+                self.unusable = f"cannot read the store's NVMe files in {self.directory}: {err.strerror}"
+            raise
         with self._lock:
             if name in self._files:
                 os.close(fd)

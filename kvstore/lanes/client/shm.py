@@ -213,6 +213,10 @@ class ShmClientLane(Lane):
         read_disk = self.disk is not None and spans is not None  # NVMe blocks read by us, from the store's files
         failed: list[int] = []  # read from disk but not readable or not matching their CRC32C
         results = self._get(namespace, hashes, out, allow_missing, verify, spans, read_disk, failed)
+        if self.disk is not None and self.disk.unusable:  # another mount namespace, say: the store reads them
+            log.info("shm lane %s: %s; Gets of NVMe blocks go through the store", self.ref.lane_id, self.disk.unusable)
+            self.disk.close()
+            self.disk = None
         if failed:  # the store reads these itself: a corrupt record is dropped there and reported as DATA_LOSS
             again = self._get(
                 namespace, [hashes[i] for i in failed], [out[i] for i in failed] if out is not None else None,
