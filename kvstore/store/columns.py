@@ -84,3 +84,50 @@ class Column:
 
     def head(self, n: int) -> np.ndarray:
         return self.base[: max(n, 0)].copy()
+
+
+class Field:
+    """A bit field of a Column (``bits`` wide at ``shift``): two small fields share one byte of a row.
+
+    The Column verbs (``get``, ``set``, ``take``, ``put``, ``head``) in the field's own values; a value that
+    does not fit in ``bits`` raises ValueError instead of spilling into its neighbour.
+    """
+
+    __slots__ = ("col", "shift", "mask", "dtype")
+
+    def __init__(self, col: Column, shift: int, bits: int):
+        self.col, self.shift, self.mask = col, shift, (1 << bits) - 1
+        self.dtype = col.dtype
+
+    @property
+    def limit(self) -> int:
+        """The largest value the field holds."""
+        return self.mask
+
+    def check(self, values: Any) -> None:
+        a = np.asarray(values)
+        if a.size and (int(a.max()) > self.mask or int(a.min()) < 0):
+            raise ValueError(f"a value of {a.max()} does not fit the index's {self.mask.bit_length()}-bit field")
+
+    def get(self, e: int) -> int:
+        return (self.col.base.item(e) >> self.shift) & self.mask
+
+    def set(self, e: int, v: int) -> None:
+        self.check(v)
+        base = self.col.base
+        base[e] = (base.item(e) & ~(self.mask << self.shift) & 0xFF) | (int(v) << self.shift)
+
+    def _unpack(self, raw: np.ndarray) -> np.ndarray:
+        return (raw >> self.dtype.type(self.shift)) & self.dtype.type(self.mask)
+
+    def take(self, ids: np.ndarray) -> np.ndarray:
+        return self._unpack(self.col.take(ids))
+
+    def head(self, n: int) -> np.ndarray:
+        return self._unpack(self.col.head(n))
+
+    def put(self, ids: Any, values: Any) -> None:
+        self.check(values)
+        base = self.col.base
+        keep = self.dtype.type(~(self.mask << self.shift) & 0xFF)
+        base[ids] = (base[ids] & keep) | (np.asarray(values).astype(self.dtype) << self.dtype.type(self.shift))
