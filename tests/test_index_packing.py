@@ -116,3 +116,63 @@ def test_two_fields_of_one_byte_never_disturb_each_other(a: int, b: int, c: int,
     with pytest.raises(ValueError):
         low.set(3, 16)
     assert col.base[3] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("many"), st.lists(st.tuples(st.integers(0, 5), st.integers(1, 40000)), max_size=4)),
+            st.tuples(st.just("one"), st.integers(0, 5), st.integers(-3, 3)),
+            st.tuples(st.just("renew"), st.integers(0, 5)),
+        ),
+        max_size=25,
+    )
+)
+def test_child_counts_stay_exact_past_the_16_bit_column(ops) -> None:
+    """Children per tier are a uint16 column with the rare counts of 65535 or more kept aside: against a
+    dict model, through add_children (repeats), nchild_add across the boundary both ways, and ids reused."""
+    t = EntryTable(ranks={DRAM: 32})
+    ns = t.namespace_id("ns", create=True)
+    assert ns is not None
+    ids = t.insert_many(ns, [meta(i) for i in range(6)], [1] * 6).tolist()
+    model = dict.fromkeys(ids, 0)
+    for op in ops:
+        if op[0] == "many":
+            parents = np.concatenate([np.full(k, ids[p], dtype=np.int64) for p, k in op[1]] + [np.zeros(0, np.int64)])
+            was_leaf = t.add_children(np.concatenate([parents, np.full(3, -1)]), DRAM)  # -1: no parent
+            assert sorted(was_leaf.tolist()) == sorted({ids[p] for p, _ in op[1] if model[ids[p]] == 0})
+            for p, k in op[1]:
+                model[ids[p]] += k
+        elif op[0] == "one":
+            e, delta = ids[op[1]], op[2]
+            if model[e] + delta < 0:
+                continue
+            model[e] += delta
+            assert t.nchild_add(e, DRAM, delta) == model[e]
+        else:  # the entry leaves and its id comes back for a new block: it starts with no children
+            i = op[1]
+            t.release_id(ids[i])
+            ids[i] = int(t.insert_many(ns, [meta(1000 + len(model) + i)], [1])[0])
+            model.pop(ids[i], None)
+            model = {e: c for e, c in model.items() if e in ids}
+            model[ids[i]] = 0
+        arr = np.asarray(ids)
+        want = [model[e] for e in ids]
+        assert [t.nchild[e, DRAM] for e in ids] == want
+        assert t.nchild[arr][:, DRAM].tolist() == want and t.nchild[arr, DRAM].tolist() == want
+        assert np.asarray(t.nchild)[arr, DRAM].tolist() == want and t.nchild[:, DRAM][arr].tolist() == want
+    assert t.bytes_per_entry() == 53  # one tier: a 4-byte location and a 2-byte child count
+
+
+def test_a_shared_prefix_with_more_children_than_16_bits_count() -> None:
+    t = EntryTable(ranks={DRAM: 32})
+    ns = t.namespace_id("ns", create=True)
+    assert ns is not None
+    root, other = t.insert_many(ns, [meta(0), meta(1)], [1, 1]).tolist()
+    assert t.add_children(np.full(70_000, root), DRAM).tolist() == [root]
+    assert t.nchild[root, DRAM] == 70_000 and t.column_of_loc(DRAM).base[root] == 0
+    assert t.nchild_add(root, DRAM, -4_466) == 65_534 and t.nchild[root, DRAM] == 65_534  # back in the column
+    assert t.nchild_add(root, DRAM, 1) == 65_535 and t.nchild[[root, other], DRAM].tolist() == [65_535, 0]
+    t.nchild[root, DRAM] = 0
+    assert t.nchild[root, DRAM] == 0 and not t._nchild[DRAM].big

@@ -5,12 +5,16 @@ copying (kvstore/store/columns.py: zeroed reservations whose untouched pages
 cost nothing) and keys are found through an open-addressing table of uint32
 slots (kvstore/store/slots.py, probed by compiled loops when numba is there,
 kvstore/store/slots_jit.py, else by numpy). An entry of a store with one memory
-tier costs 57 bytes of columns plus 4.7-6.7 bytes of slots (measured by
-``python -m bench.index_scale``):
+tier costs 53 bytes of columns plus 4.7-6.8 bytes of slots (``python -m
+bench.index_scale``; figures in README.md):
 
-    key 16 (two uint64)  ns 2  per tier: loc 4 or 8 (+1, 0 = none), nchild 4
-    stored_len 4  raw_len 4  crc 4  codec 1  dtype 1  parent 4 (+1)  gen 4
-    parent_gen 4  depth 2 (saturating)  leases 2  flags 1 (live, rooted, mapped)
+    key 16 (two uint64)  ns 2  per tier: loc 4 or 8 (+1, 0 = none), nchild 2
+    (uint16; the rare counts of 65535 or more in a dict beside it: a shared prefix may have any number)
+    stored_len 4  raw_len 4  crc 4  form 1 (codec id 4 bits, dtype id 4 bits)
+    parent 4 (+1)  gen 4  parent_gen 4  depth 1 (saturating at 255: a hint for
+    policies, nothing reads it as an address)  leases 2  flags 1 (live, rooted, mapped)
+
+A codec id above 15 or a dtype id above 15 does not fit and is refused (ValueError, nothing inserted).
 
 Only the ranks of the store's tiers get loc/nchild columns, each as wide as the
 tier's ``loc_bits`` (64 unless the tier says less). Entry ids are stable for
@@ -46,8 +50,16 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import numpy as np
 
 from kvstore.store import slots_jit
-from kvstore.store.columns import Column, Field
-from kvstore.store.index_views import FieldView, FingerprintView, FlagView, HashView, RankedView, ScalarView
+from kvstore.store.columns import Column, CountColumn, Field
+from kvstore.store.index_views import (
+    CountView,
+    FieldView,
+    FingerprintView,
+    FlagView,
+    HashView,
+    RankedView,
+    ScalarView,
+)
 from kvstore.store.slots import SlotIndex
 from kvstore.tiers.base import BlockMeta
 
@@ -124,7 +136,7 @@ class EntryTable:
             "flags": Column(np.uint8),
         }
         self._loc = {r: Column(np.uint32 if bits <= 32 else np.uint64) for r, bits in ranks.items()}  # loc + 1
-        self._nchild = {r: Column(np.uint32) for r in ranks}  # children holding a copy in each tier
+        self._nchild = {r: CountColumn() for r in ranks}  # children holding a copy in each tier (uint16 + wide)
         self._cols = list(c.values()) + list(self._loc.values()) + list(self._nchild.values())
         self._keys, self._ns, self._flags = c["key"], c["ns"], c["flags"]
         self._fields = {"codec": Field(c["form"], 0, CODEC_BITS), "dtype": Field(c["form"], CODEC_BITS, DTYPE_BITS)}
@@ -135,7 +147,7 @@ class EntryTable:
         self._ensure(max(initial, 1))
         size = self._count
         self.loc = RankedView(self._loc, size, offset=1)
-        self.nchild = RankedView(self._nchild, size)
+        self.nchild = CountView(self._nchild, size)
         for name in ("stored_len", "raw_len", "crc", "ns", "parent_gen", "gen", "depth", "leases"):
             setattr(self, name, ScalarView(c[name], size))
         self.codec = FieldView(self._fields["codec"], size)
@@ -251,8 +263,8 @@ class EntryTable:
         c["leases"].base[e] = 0
         for col in self._loc.values():
             col.base[e] = 0
-        for col in self._nchild.values():
-            col.base[e] = 0
+        for count in self._nchild.values():
+            count.set(e, 0)
         parent = self.find(ns, meta.parent) if meta.parent else None
         if parent is None:
             c["parent"].base[e] = 0
@@ -416,10 +428,10 @@ class EntryTable:
         if not len(parents):
             return parents
         col = self._nchild[rank]
-        uniq = np.unique(parents)
-        was_leaf = uniq[col.take(uniq) == 0]
-        col.add(parents, 1)
-        return was_leaf
+        uniq, times = np.unique(parents, return_counts=True)
+        count = col.take(uniq)
+        col.put(uniq, count + times)
+        return uniq[count == 0]
 
     def is_mapped(self, e: int) -> bool:
         return bool(self._flags.get(e) & MAPPED)
@@ -471,9 +483,9 @@ class EntryTable:
 
     def nchild_add(self, e: int, rank: int, delta: int) -> int:
         """Add ``delta`` to e's count of children with a copy in ``rank``; returns the new count."""
-        base = self._nchild[rank].base
-        v = base.item(e) + delta
-        base[e] = v
+        col = self._nchild[rank]
+        v = col.get(e) + delta
+        col.set(e, v)
         return v
 
     def locs(self, ids: np.ndarray, rank: int) -> np.ndarray:
