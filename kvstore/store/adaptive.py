@@ -191,10 +191,14 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         self._leaf.update(ids[is_leaf].tolist())
         for c in (DEAD, ONCE, REUSED):
             pick = is_leaf & (cls == c)
-            if pick.any():
-                heap = self._heaps[c]
-                heap.extend(zip(prio[pick].tolist(), ids[pick].tolist()))
-                heapq.heapify(heap)
+            if pick.any():  # as LeafLRU._add_new: re-heapify only for a batch that is large beside the heap
+                heap, rows = self._heaps[c], list(zip(prio[pick].tolist(), ids[pick].tolist()))
+                if len(rows) > len(heap) // 8:
+                    heap.extend(rows)
+                    heapq.heapify(heap)
+                else:
+                    for row in rows:
+                        heapq.heappush(heap, row)
         self._compact_heaps()
         self._shadow_many(ids_l, fps, counts, base)
 
