@@ -49,8 +49,12 @@ many keys as the tier held blocks at its last access, and at most
 its nearest sampled ancestor, so a sampled shadow keeps the prefix tree
 (contracted) with its leaf and prefix rules; the scores carry over when R
 grows. ``insert_many`` (what ``commit_puts`` and recovery call) does the
-sketch, clocks, classes and heaps in vectorized passes and only the shadows'
-sampled share in Python.
+sketch, clocks, classes and heaps in vectorized passes; ``touch_many`` (a
+Get's release) counts the sketch in one compiled call and updates clocks,
+classes and heaps in one loop. Both replay the shadows' sampled share of the
+batch in one compiled call (kvstore/store/shadow_jit.py, with numba; the
+same accesses as ``Shadow`` objects one by one, which ``jit=False`` or no
+numba uses: tests/test_adaptive_jit.py checks they decide alike).
 """
 
 from __future__ import annotations
@@ -63,104 +67,18 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.store import shadow_jit
 from kvstore.store.frequency import FrequencyLeafLRU, FrequencySketch
 from kvstore.store.hints import ReuseHint
 from kvstore.store.policy import BULK_MIN
+from kvstore.store.shadows import PyShadows
+from kvstore.store.shadows import Shadow as Shadow  # re-exported: the reference rung the tests drive
 
 DEAD, ONCE, REUSED, KEPT = 0, 1, 2, 3
 CLASS_NAMES = ("dead", "once", "reused", "kept")
 DEFAULT_LADDER = (0.0, 1.0, 4.0, 16.0)
 FREQ_PROTECT = 4.0  # FrequencyLeafLRU's default protection, in turnovers
 ANCESTOR_STEPS = 8  # how far (x the sample) a sampled block's shadow parent is looked for
-
-
-class Shadow:
-    """A key-only cache running the class order with a fixed P: the leaf rule, LRU clocks, no bytes."""
-
-    __slots__ = ("P", "reuse_threshold", "clock", "key", "cls", "parent", "nchild", "heaps", "score", "last_hit")
-
-    def __init__(self, P: float, reuse_threshold: int):
-        self.P = P
-        self.reuse_threshold = reuse_threshold
-        self.clock = 0
-        self.key: dict[int, int] = {}  # resident fp -> clock of its last access
-        self.cls: dict[int, int] = {}  # resident fp -> ONCE or REUSED
-        self.parent: dict[int, int] = {}  # resident fp -> resident parent fp
-        self.nchild: dict[int, int] = {}  # resident fp -> resident children (absent: 0)
-        self.heaps: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])  # (clock, fp) of leaves
-        self.score = 0.0
-        self.last_hit = -1  # the fp of the previous access when it was a (prefix) hit
-
-    def __len__(self) -> int:
-        return len(self.key)
-
-    def access(self, fp: int, parent: int | None, count: int, capacity: int) -> bool:
-        """One access of ``fp`` (child of ``parent``), at ``capacity`` keys; whether it was a (prefix) hit."""
-        self.clock += 1
-        hit = False
-        cls = REUSED if count >= self.reuse_threshold else ONCE
-        if fp in self.key:
-            while len(self.key) > capacity and self._evict():  # the tier shrank: so does its shadow
-                pass
-        if fp in self.key:
-            if parent is None or parent == self.last_hit:
-                self.score += 1.0
-                self.last_hit = fp
-                hit = True
-            else:
-                self.last_hit = -1
-        else:
-            self.last_hit = -1
-            while len(self.key) >= capacity and self._evict():
-                pass
-            if parent is not None and parent in self.key:
-                self.parent[fp] = parent
-                self.nchild[parent] = self.nchild.get(parent, 0) + 1
-        self.key[fp] = self.clock
-        self.cls[fp] = cls
-        if not self.nchild.get(fp):
-            heapq.heappush(self.heaps[cls - ONCE], (self.clock, fp))
-        self._compact()
-        return hit
-
-    def _head(self, cls: int) -> tuple[int, int] | None:
-        heap = self.heaps[cls - ONCE]
-        while heap:
-            clock, fp = heap[0]
-            if self.key.get(fp) == clock and self.cls[fp] == cls and not self.nchild.get(fp):
-                return heap[0]
-            heapq.heappop(heap)
-        return None
-
-    def _evict(self) -> bool:
-        once, reused = self._head(ONCE), self._head(REUSED)
-        if once is None and reused is None:
-            return False
-        offset = self.P * max(len(self.key), 64)
-        cls = ONCE if reused is None or (once is not None and once[0] <= reused[0] + offset) else REUSED
-        _, fp = heapq.heappop(self.heaps[cls - ONCE])
-        del self.key[fp], self.cls[fp]
-        self.nchild.pop(fp, None)
-        p = self.parent.pop(fp, None)
-        if p is not None and p in self.key:
-            left = self.nchild[p] - 1
-            if left:
-                self.nchild[p] = left
-            else:
-                del self.nchild[p]
-                heapq.heappush(self.heaps[self.cls[p] - ONCE], (self.key[p], p))
-        return True
-
-    def _compact(self) -> None:
-        for i, heap in enumerate(self.heaps):
-            if len(heap) > 4 * len(self.key) + 64:
-                cls = ONCE + i
-                rows = [(c, fp) for fp, c in self.key.items() if self.cls[fp] == cls and not self.nchild.get(fp)]
-                heapq.heapify(rows)
-                self.heaps[i][:] = rows
-
-    def heap_rows(self) -> int:
-        return sum(len(h) for h in self.heaps)
 
 
 class AdaptiveLeafPolicy(FrequencyLeafLRU):
@@ -181,6 +99,7 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         max_shadow: int = 6144,
         now: Callable[[], float] = time.monotonic,
         sketch: FrequencySketch | None = None,
+        jit: bool = True,
     ):
         if not ladder or any(p < 0 for p in ladder) or window <= 0 or margin < 0 or max_shadow < 64:
             raise ValueError("ladder must be non-empty and >= 0; window > 0; margin >= 0; max_shadow >= 64")
@@ -201,15 +120,36 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         self._deadline: dict[int, float] = {}  # e in KEPT by a TTL hint -> when it runs out
         self._expiry: list[tuple[float, int]] = []  # (deadline, e); stale rows skipped
         self._sample = 1  # shadows see fingerprints with fp % _sample == 0
-        self._shadows = [Shadow(p, reuse_threshold) for p in self.ladder]
-        # [i][j]: accesses (decayed like the scores) that shadow i hit and j missed or the reverse
-        self._disagree = [[0.0] * len(self.ladder) for _ in self.ladder]
+        self._jit = jit and shadow_jit.AVAILABLE  # the shadows in one compiled call per batch, not per rung
+        self._bank: Any = self._new_bank()
         self._accesses = 0
         self.parent_of: Callable[[int], int | None] = lambda e: None  # the parent entry (from the index once bound)
 
     def bind(self, table: Any, rank: int) -> None:
         super().bind(table, rank)
         self.parent_of = table.parent_of
+
+    @property
+    def _shadows(self) -> list[Any]:
+        """One shadow per rung of the ladder (``Shadow``, or a view of the compiled bank's arrays)."""
+        return self._bank.rungs
+
+    @property
+    def _disagree(self) -> Any:
+        """[i][j]: accesses (decayed like the scores) that shadow i hit and j missed or the reverse."""
+        return self._bank.disagree
+
+    @_disagree.setter
+    def _disagree(self, value: Any) -> None:
+        if isinstance(self._bank.disagree, np.ndarray):
+            self._bank.disagree[:] = np.asarray(value, dtype=np.float64)
+        else:
+            self._bank.disagree = [list(row) for row in value]
+
+    def _new_bank(self) -> Any:
+        if self._jit:
+            return shadow_jit.JitShadows(self.ladder, self.reuse_threshold, self.max_shadow)
+        return PyShadows(self.ladder, self.reuse_threshold)
 
     # -- verbs -----------------------------------------------------------------------------
     def insert(self, e: int, is_leaf: bool = True, cold: bool = False) -> None:
@@ -227,8 +167,8 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
 
     def insert_many(self, ids: np.ndarray, is_leaf: np.ndarray, cold: np.ndarray) -> None:
         """``insert`` of each new entry in order: the sketch, clocks, classes and heaps in vectorized passes
-        (the sketch counts the batch with ``add_many``, as ``freq`` does); only the shadows' sampled share of
-        the batch goes through Python, one access each, in order."""
+        (the sketch counts the batch with ``add_many``, as ``freq`` does); the shadows' sampled share of the
+        batch in order, one compiled call per run between changes of the sample."""
         ids_l = ids.tolist()
         if (
             len(ids_l) < BULK_MIN
@@ -251,10 +191,14 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         self._leaf.update(ids[is_leaf].tolist())
         for c in (DEAD, ONCE, REUSED):
             pick = is_leaf & (cls == c)
-            if pick.any():
-                heap = self._heaps[c]
-                heap.extend(zip(prio[pick].tolist(), ids[pick].tolist()))
-                heapq.heapify(heap)
+            if pick.any():  # as LeafLRU._add_new: re-heapify only for a batch that is large beside the heap
+                heap, rows = self._heaps[c], list(zip(prio[pick].tolist(), ids[pick].tolist()))
+                if len(rows) > len(heap) // 8:
+                    heap.extend(rows)
+                    heapq.heapify(heap)
+                else:
+                    for row in rows:
+                        heapq.heappush(heap, row)
         self._compact_heaps()
         self._shadow_many(ids_l, fps, counts, base)
 
@@ -272,15 +216,37 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         """``touch`` of each entry of ``ids`` in order, the sketch's counts in one vectorized call (a Get's
         blocks are touched at release: one by one, the sketch took most of a 32-block DRAM-hit Get's server
         time)."""
-        present = [e for e in ids if e in self._prio]
+        prio = self._prio
+        present = [e for e in ids if e in prio]
         if not present:
             return
         fps, counts = self._touch_counts(present)
-        for e, fp, count in zip(present, fps.tolist(), counts):
-            self._deadline.pop(e, None)  # a hint lasts until the block's next access
-            self._access(e, fp, int(count), None)
-            if e in self._leaf:
-                self._push(e)
+        # what _access and _push do for each, in order; the shadows after, in one batch (they read nothing
+        # of this, and this nothing of them but P, read at eviction)
+        cls_of, leaf, heaps, boost, deadline = self._cls, self._leaf, self._heaps, self._boost, self._deadline
+        n, threshold, clock = max(len(prio), 64), self.reuse_threshold, self._clock
+        limit = 4 * len(prio) + 64
+        self._compact_heaps()
+        if deadline:
+            for e in present:
+                deadline.pop(e, None)  # a hint lasts until the block's next access
+        for e, count in zip(present, counts):
+            clock += 1
+            cls_of[e] = c = REUSED if count >= threshold else ONCE
+            prio[e] = p = float(clock) + boost.get(e, 0.0) * n if boost else float(clock)
+            if e in leaf:
+                heap = heaps[c]
+                heapq.heappush(heap, (p, e))
+                if len(heap) > limit:
+                    self._compact_heaps()
+        self._clock = clock
+        resident = len(prio)
+        self._coarsen(resident)
+        arr, counts_a = np.asarray(present, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+        if self._sample > 1:
+            pick = np.nonzero(fps % np.uint64(self._sample) == 0)[0]
+            arr, fps, counts_a = arr[pick], fps[pick], counts_a[pick]
+        self._shadow_batch(arr, fps, counts_a, np.full(len(arr), resident, dtype=np.int64))
 
     def hint(self, e: int, hint: ReuseHint) -> None:
         if e not in self._prio:
@@ -416,30 +382,75 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
 
     # -- the adaptation ------------------------------------------------------------------------
     def _shadow(self, e: int, fp: int, count: int, resident: int | None = None) -> None:
+        """One access into the shadows, with ``resident`` blocks in the tier (default: those held now)."""
         resident = len(self._prio) if resident is None else resident
+        self._coarsen(resident)
+        if fp % self._sample:
+            return
+        parent = self._sampled_ancestor(e)
+        self._replay(
+            np.array([fp], dtype=np.uint64),
+            np.array([0 if parent is None else parent], dtype=np.uint64),
+            np.array([parent is not None]),
+            np.array([count], dtype=np.int64),
+            np.array([max(resident // self._sample, 1)], dtype=np.int64),
+        )
+
+    def _coarsen(self, resident: int) -> None:
+        """Sample the shadows more coarsely while ``resident`` is over ``max_shadow`` x the sample."""
         if resident > self.max_shadow * self._sample:
             while resident > self.max_shadow * self._sample:
                 self._sample *= 2
             # restart, sampled; the scores carry on (halved: fewer accesses count from now on)
-            old = [s.score for s in self._shadows]
-            self._shadows = [Shadow(p, self.reuse_threshold) for p in self.ladder]
+            old, disagree = [s.score for s in self._shadows], [[d / 2 for d in row] for row in self._disagree]
+            self._bank = self._new_bank()
             for s, score in zip(self._shadows, old):
                 s.score = score / 2
-            self._disagree = [[d / 2 for d in row] for row in self._disagree]
-        if fp % self._sample:
-            return
-        parent = self._sampled_ancestor(e)
-        capacity = max(resident // self._sample, 1)
-        hits = [s.access(fp, parent, count, capacity) for s in self._shadows]
-        if any(hits) and not all(hits):
-            for i, a in enumerate(hits):
-                row = self._disagree[i]
-                for j, b in enumerate(hits):
-                    if a != b:
-                        row[j] += 1.0
-        self._accesses += 1
-        if self._accesses % 64 == 0:
-            self._choose(capacity)
+            self._disagree = disagree
+
+    def _shadow_batch(self, ids: np.ndarray, fps: np.ndarray, counts: np.ndarray, residents: np.ndarray) -> None:
+        """``_shadow`` of sampled entries in order, the i-th with ``residents[i]`` blocks in the tier (none
+        of them above the sample's limit)."""
+        if len(ids):
+            parents, has = self._sampled_ancestors(ids)
+            self._replay(fps, parents, has, counts, np.maximum(residents // self._sample, 1))
+
+    def _replay(self, fps: np.ndarray, parents: np.ndarray, has: np.ndarray, counts: np.ndarray,
+                caps: np.ndarray) -> None:  # fmt: skip
+        """Sampled accesses into every shadow, P re-chosen after each 64th (at that access's capacity)."""
+        i, n = 0, len(fps)
+        while i < n:
+            done = self._bank.run(fps[i:], parents[i:], has[i:], counts[i:], caps[i:], self._accesses)
+            i += done
+            self._accesses += done
+            if self._accesses % 64 == 0:
+                self._choose(int(caps[i - 1]))
+
+    def _sampled_ancestors(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``_sampled_ancestor`` of each entry: fingerprints (uint64) and whether each has one; one compiled
+        walk over the index's columns when the policy reads its parents and fingerprints from the index."""
+        out, has = np.zeros(len(ids), dtype=np.uint64), np.zeros(len(ids), dtype=np.bool_)
+        t = self.table
+        if (
+            self._jit
+            and t is not None
+            and hasattr(t, "column")
+            and self.parent_of == t.parent_of
+            and "_fingerprint" not in self.__dict__
+            and type(self)._fingerprint is FrequencyLeafLRU._fingerprint
+        ):
+            c = t.column
+            shadow_jit.ancestors(
+                c("parent").base, c("parent_gen").base, c("gen").base, c("flags").base, c("key").base,
+                c("ns").base, np.ascontiguousarray(ids, dtype=np.int64), self._sample,
+                ANCESTOR_STEPS * self._sample, out, has,
+            )  # fmt: skip
+            return out, has
+        for i, e in enumerate(ids.tolist()):
+            fp = self._sampled_ancestor(e)
+            if fp is not None:
+                out[i], has[i] = fp, True
+        return out, has
 
     def _sampled_ancestor(self, e: int) -> int | None:
         """The fingerprint of e's nearest sampled ancestor: a shadow's parent link, so that a sampled shadow
@@ -459,15 +470,15 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         """``_shadow`` of the i-th entry of a batch with ``base + i + 1`` residents, for every i in order:
         only the sampled entries (and the one at which the sample coarsens) go through Python."""
         fps_l, counts_l, n, i = fps.tolist(), counts.tolist(), len(ids), 0
+        ids_a, counts_a = np.asarray(ids, dtype=np.int64), np.asarray(counts, dtype=np.int64)
         while i < n:
             coarsen = max(i, self.max_shadow * self._sample - base)  # first i with base + i + 1 above the limit
             end = min(n, coarsen)
             if self._sample == 1:
-                picked: Sequence[int] = range(i, end)
+                picked = np.arange(i, end)
             else:
-                picked = (np.nonzero(fps[i:end] % np.uint64(self._sample) == 0)[0] + i).tolist()
-            for j in picked:
-                self._shadow(ids[j], fps_l[j], counts_l[j], base + j + 1)
+                picked = np.nonzero(fps[i:end] % np.uint64(self._sample) == 0)[0] + i
+            self._shadow_batch(ids_a[picked], fps[picked], counts_a[picked], base + picked + 1)
             if end < n:  # this access coarsens the sample (and restarts the shadows), then counts as sampled
                 self._shadow(ids[end], fps_l[end], counts_l[end], base + end + 1)
                 end += 1
@@ -475,19 +486,26 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
 
     def _choose(self, capacity: int) -> None:
         decay = (1.0 - 1.0 / (self.window * max(capacity, 64))) ** 64
-        for s in self._shadows:
-            s.score *= decay
-        for row in self._disagree:
-            row[:] = [d * decay for d in row]
-        cur = next((i for i, s in enumerate(self._shadows) if s.P == self.P), None)
-        best = max(range(len(self._shadows)), key=lambda i: self._shadows[i].score)
+        bank = self._bank
+        if isinstance(bank.disagree, np.ndarray):  # the compiled bank's arrays: the same products, at once
+            bank.score *= decay
+            bank.disagree *= decay
+        else:
+            for s in self._shadows:
+                s.score *= decay
+            for row in self._disagree:
+                row[:] = [d * decay for d in row]
+        rungs = self._shadows
+        scores = [s.score for s in rungs]
+        cur = next((i for i, s in enumerate(rungs) if s.P == self.P), None)
+        best = max(range(len(rungs)), key=scores.__getitem__)
         if cur is None:
-            self.P = self._shadows[best].P
+            self.P = rungs[best].P
             return
         # switch on a lead that noise does not explain: the shadows see the same accesses, so the lead of
         # one over the other is a sum over the accesses where they disagree, +-1 each: its noise is about
         # the square root of their number
-        lead = self._shadows[best].score - self._shadows[cur].score * (1.0 + self.margin)
+        lead = scores[best] - scores[cur] * (1.0 + self.margin)
         if best != cur and lead > self.confidence * math.sqrt(self._disagree[best][cur] + 1.0):
             self.switches += 1
-            self.P = self._shadows[best].P
+            self.P = rungs[best].P

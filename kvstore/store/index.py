@@ -5,12 +5,16 @@ copying (kvstore/store/columns.py: zeroed reservations whose untouched pages
 cost nothing) and keys are found through an open-addressing table of uint32
 slots (kvstore/store/slots.py, probed by compiled loops when numba is there,
 kvstore/store/slots_jit.py, else by numpy). An entry of a store with one memory
-tier costs 57 bytes of columns plus 4.7-6.7 bytes of slots (measured by
-``python -m bench.index_scale``):
+tier costs 53 bytes of columns plus 4.7-6.8 bytes of slots (``python -m
+bench.index_scale``; figures in README.md):
 
-    key 16 (two uint64)  ns 2  per tier: loc 4 or 8 (+1, 0 = none), nchild 4
-    stored_len 4  raw_len 4  crc 4  codec 1  dtype 1  parent 4 (+1)  gen 4
-    parent_gen 4  depth 2 (saturating)  leases 2  flags 1 (live, rooted, mapped)
+    key 16 (two uint64)  ns 2  per tier: loc 4 or 8 (+1, 0 = none), nchild 2
+    (uint16; the rare counts of 65535 or more in a dict beside it: a shared prefix may have any number)
+    stored_len 4  raw_len 4  crc 4  form 1 (codec id 4 bits, dtype id 4 bits)
+    parent 4 (+1)  gen 4  parent_gen 4  depth 1 (saturating at 255: a hint for
+    policies, nothing reads it as an address)  leases 2  flags 1 (live, rooted, mapped)
+
+A codec id above 15 or a dtype id above 15 does not fit and is refused (ValueError, nothing inserted).
 
 Only the ranks of the store's tiers get loc/nchild columns, each as wide as the
 tier's ``loc_bits`` (64 unless the tier says less). Entry ids are stable for
@@ -41,13 +45,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
 from kvstore.store import slots_jit
-from kvstore.store.columns import Column
-from kvstore.store.index_views import FingerprintView, FlagView, HashView, RankedView, ScalarView
+from kvstore.store.columns import Column, CountColumn, Field
+from kvstore.store.index_views import (
+    CountView,
+    FieldView,
+    FingerprintView,
+    FlagView,
+    HashView,
+    RankedView,
+    ScalarView,
+)
 from kvstore.store.slots import SlotIndex
 from kvstore.tiers.base import BlockMeta
 
@@ -58,8 +70,11 @@ DTYPES = ["", "bfloat16", "float16", "float32", "float8_e4m3fn", "uint8", "int8"
 _DTYPE_ID = {name: i for i, name in enumerate(DTYPES)}
 
 LIVE, ROOTED, MAPPED = 1, 2, 4
-MAX_DEPTH = 0xFFFF
+MAX_DEPTH = slots_jit.MAX_DEPTH  # depth saturates here (it is a hint for policies, not an address)
 MAX_LEASES = 0xFFFF
+CODEC_BITS = DTYPE_BITS = 4  # codec wire id and dtype id share one byte ("form"): codec low, dtype high
+MAX_CODEC = (1 << CODEC_BITS) - 1
+assert len(DTYPES) <= 1 << DTYPE_BITS
 
 _M64 = (1 << 64) - 1
 _FP_MIX = 0x9E3779B97F4A7C15
@@ -112,19 +127,19 @@ class EntryTable:
             "stored_len": Column(np.uint32),
             "raw_len": Column(np.uint32),
             "crc": Column(np.uint32),
-            "codec": Column(np.uint8),
-            "dtype": Column(np.uint8),
+            "form": Column(np.uint8),  # codec | dtype << CODEC_BITS
             "parent": Column(np.uint32),  # parent id + 1; 0: none
             "parent_gen": Column(np.uint32),
             "gen": Column(np.uint32),
-            "depth": Column(np.uint16),
+            "depth": Column(np.uint8),
             "leases": Column(np.uint16),
             "flags": Column(np.uint8),
         }
         self._loc = {r: Column(np.uint32 if bits <= 32 else np.uint64) for r, bits in ranks.items()}  # loc + 1
-        self._nchild = {r: Column(np.uint32) for r in ranks}  # children holding a copy in each tier
+        self._nchild = {r: CountColumn() for r in ranks}  # children holding a copy in each tier (uint16 + wide)
         self._cols = list(c.values()) + list(self._loc.values()) + list(self._nchild.values())
         self._keys, self._ns, self._flags = c["key"], c["ns"], c["flags"]
+        self._fields = {"codec": Field(c["form"], 0, CODEC_BITS), "dtype": Field(c["form"], CODEC_BITS, DTYPE_BITS)}
         self._rows = 0  # every column has room for this many entries
         self._row_bases: tuple[np.ndarray, ...] = ()
         self.slots = SlotIndex(self._keys_of, self._key_at, jit_keys=(self._keys, self._ns) if jit else None)
@@ -132,9 +147,11 @@ class EntryTable:
         self._ensure(max(initial, 1))
         size = self._count
         self.loc = RankedView(self._loc, size, offset=1)
-        self.nchild = RankedView(self._nchild, size)
-        for name in ("stored_len", "raw_len", "crc", "codec", "dtype", "ns", "parent_gen", "gen", "depth", "leases"):
+        self.nchild = CountView(self._nchild, size)
+        for name in ("stored_len", "raw_len", "crc", "ns", "parent_gen", "gen", "depth", "leases"):
             setattr(self, name, ScalarView(c[name], size))
+        self.codec = FieldView(self._fields["codec"], size)
+        self.dtype = FieldView(self._fields["dtype"], size)
         self.parent = ScalarView(c["parent"], size, offset=1)
         self.live = FlagView(self._flags, LIVE, size)
         self.rooted = FlagView(self._flags, ROOTED, size)
@@ -225,6 +242,8 @@ class EntryTable:
     def insert(self, ns: int, key: bytes, meta: BlockMeta, dtype: int) -> int:
         if len(key) != 16:
             raise ValueError(f"block hash must be 16 bytes, got {len(key)}")
+        if not (0 <= meta.codec <= MAX_CODEC and 0 <= dtype < len(DTYPES)):
+            raise ValueError(f"codec id {meta.codec} or dtype id {dtype} does not fit the index")
         if self._nfree:
             self._nfree -= 1
             e = int(self._free[self._nfree])
@@ -240,13 +259,12 @@ class EntryTable:
         c["stored_len"].base[e] = meta.stored_length
         c["raw_len"].base[e] = meta.raw_length
         c["crc"].base[e] = meta.crc32c
-        c["codec"].base[e] = meta.codec
-        c["dtype"].base[e] = dtype
+        c["form"].base[e] = meta.codec | dtype << CODEC_BITS
         c["leases"].base[e] = 0
         for col in self._loc.values():
             col.base[e] = 0
-        for col in self._nchild.values():
-            col.base[e] = 0
+        for count in self._nchild.values():
+            count.set(e, 0)
         parent = self.find(ns, meta.parent) if meta.parent else None
         if parent is None:
             c["parent"].base[e] = 0
@@ -298,17 +316,18 @@ class EntryTable:
         """``insert_many`` from arrays: keys and parent keys as (n, 2) uint64 words, ``fields`` as
         (n, 4) ints (stored_len, raw_len, crc, codec), ``has_parent`` as bools."""
         n = len(keys)
-        ids = self._new_ids(n)
         if self.slots.jit_keys is not None:
-            return self._insert_compiled(ns, ids, keys, fields, dtypes, parents, has_parent)
+            return self._insert_compiled(ns, self._new_ids(n), keys, fields, dtypes, parents, has_parent)
+        self._fields["codec"].check(fields[:, 3])
+        self._fields["dtype"].check(dtypes)
+        ids = self._new_ids(n)
         c = self._c
         c["key"].put(ids, keys)
         c["ns"].put(ids, ns)
         c["stored_len"].put(ids, fields[:, 0])
         c["raw_len"].put(ids, fields[:, 1])
         c["crc"].put(ids, fields[:, 2])
-        c["codec"].put(ids, fields[:, 3])
-        c["dtype"].put(ids, dtypes)
+        c["form"].put(ids, np.asarray(fields[:, 3], dtype=np.uint8) | np.asarray(dtypes, dtype=np.uint8) << CODEC_BITS)
         for col in (c["leases"], *self._loc.values(), *self._nchild.values()):
             col.put(ids, 0)
         # parents: most often the block just before (a chain), else in the index, rarely elsewhere in the batch
@@ -333,7 +352,7 @@ class EntryTable:
         rooted = ~has_parent
         if known.any():
             q = pid[known]
-            depth[known] = c["depth"].take(q) + 1
+            depth[known] = c["depth"].take(q).astype(np.int64) + 1
             rooted[known] = (self._flags.take(q) & ROOTED) != 0
         if prev.any():  # along a run of links to the block before: depth counts up, rootedness is the run's
             idx = np.arange(n)
@@ -358,8 +377,8 @@ class EntryTable:
         return ids
 
     _ROW_COLUMNS = (
-        "key", "ns", "stored_len", "raw_len", "crc", "codec", "dtype", "leases", "parent", "parent_gen", "gen",
-        "depth", "flags",
+        "key", "ns", "stored_len", "raw_len", "crc", "form", "leases", "parent", "parent_gen", "gen", "depth",
+        "flags",
     )  # fmt: skip
 
     def reserve(self, n: int) -> None:
@@ -373,11 +392,15 @@ class EntryTable:
             col.put(ids, 0)
         sl = self.slots
         keys = np.ascontiguousarray(keys, dtype=np.uint64)
-        slots_jit.insert_rows(
+        fits = slots_jit.insert_rows(
             sl.words, sl.nslots, sl.seed, ids, keys, np.ascontiguousarray(fields, dtype=np.int64),
-            np.ascontiguousarray(dtypes, dtype=np.uint8), np.ascontiguousarray(parents, dtype=np.uint64),
+            np.ascontiguousarray(dtypes, dtype=np.int64), np.ascontiguousarray(parents, dtype=np.uint64),
             np.ascontiguousarray(has_parent, dtype=np.bool_), ns, self._row_bases,
         )  # fmt: skip
+        if not fits:  # nothing was written: the ids go back
+            for e in ids.tolist():
+                self.release_id(e)
+            raise ValueError(f"a codec id above {MAX_CODEC} or a dtype id above {len(DTYPES) - 1}: does not fit")
         self._live += len(ids)
         sl.add_keys(keys, ns, ids)
         return ids
@@ -405,10 +428,10 @@ class EntryTable:
         if not len(parents):
             return parents
         col = self._nchild[rank]
-        uniq = np.unique(parents)
-        was_leaf = uniq[col.take(uniq) == 0]
-        col.add(parents, 1)
-        return was_leaf
+        uniq, times = np.unique(parents, return_counts=True)
+        count = col.take(uniq)
+        col.put(uniq, count + times)
+        return uniq[count == 0]
 
     def is_mapped(self, e: int) -> bool:
         return bool(self._flags.get(e) & MAPPED)
@@ -443,8 +466,8 @@ class EntryTable:
             namespace=self._ns_names[self._ns.get(e)],
             hash=self.key(e),
             parent=self.key(p) if p is not None else b"",
-            codec=c["codec"].get(e),
-            dtype=DTYPES[c["dtype"].get(e)],
+            codec=self._fields["codec"].get(e),
+            dtype=DTYPES[self._fields["dtype"].get(e)],
             raw_length=c["raw_len"].get(e),
             stored_length=c["stored_len"].get(e),
             crc32c=c["crc"].get(e),
@@ -460,9 +483,9 @@ class EntryTable:
 
     def nchild_add(self, e: int, rank: int, delta: int) -> int:
         """Add ``delta`` to e's count of children with a copy in ``rank``; returns the new count."""
-        base = self._nchild[rank].base
-        v = base.item(e) + delta
-        base[e] = v
+        col = self._nchild[rank]
+        v = col.get(e) + delta
+        col.set(e, v)
         return v
 
     def locs(self, ids: np.ndarray, rank: int) -> np.ndarray:
@@ -510,8 +533,13 @@ class EntryTable:
             raise OverflowError(f"more than {MAX_LEASES} concurrent leases of one block")
         leases.add(ids, 1)
 
-    def column(self, name: str) -> Column:
-        return self._c[name]
+    @overload
+    def column(self, name: Literal["codec", "dtype"]) -> Field: ...  # type: ignore[overload-overlap]
+    @overload
+    def column(self, name: str) -> Column: ...
+    def column(self, name: str) -> Column | Field:
+        """A column by name; ``codec`` and ``dtype`` are bit fields of the ``form`` column."""
+        return self._fields[name] if name in self._fields else self._c[name]
 
     def column_of_loc(self, rank: int) -> Column:
         """The raw location column of ``rank`` (it stores location + 1; 0: no copy)."""

@@ -13,6 +13,8 @@ these views let code written against plain numpy columns keep working:
   after the offset (no location) or 0;
 - ``HashView``: ``v[e]`` / ``v[ids]`` as 16 uint8 per row;
 - ``FingerprintView``: ``v[e]`` / ``v[ids]``: ``block_fingerprint`` of each entry, computed.
+- ``FieldView``: a bit field of a column (codec and dtype share one byte), as a ``ScalarView``.
+- ``CountView``: a ``RankedView`` of count columns (children per tier) whose rare wide counts live aside.
 
 Every read past the highest id handed out raises IndexError, as numpy would.
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.store.columns import Column
+from kvstore.store.columns import Column, CountColumn, Field
 
 N_RANKS = 4
 _FP_MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -235,3 +237,66 @@ class FingerprintView(_View):
             return self._slice(k)
         ids = _ids(k)
         return self._fp(self.keys.take(ids), self.ns.take(ids))
+
+
+class FieldView(_View):
+    """A bit field of a column (kvstore/store/columns.py ``Field``), read and written as a ScalarView is."""
+
+    def __init__(self, field: Field, size: Callable[[], int]):
+        super().__init__(size)
+        self.field = field
+        self.dtype = field.dtype
+
+    def _all(self) -> np.ndarray:
+        return self.field.head(self._size())
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, (int, np.integer)):
+            return self.field.get(self._check(int(k)))
+        if isinstance(k, slice):
+            return self._slice(k)
+        return self.field.take(_ids(k))
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        if isinstance(k, (int, np.integer)):
+            self.field.set(self._check(int(k)), int(v))
+            return
+        self.field.put(_ids(k), v)
+
+
+class CountView(RankedView):
+    """A RankedView of per-rank CountColumns (kvstore/store/columns.py): exact counts, the wide ones included."""
+
+    def __init__(self, cols: dict[int, CountColumn], size: Callable[[], int]):
+        super().__init__(dict(cols), size)
+        self.counts = cols
+
+    def _rank_all(self, rank: int, n: int) -> np.ndarray:
+        col = self.counts.get(rank)
+        return np.zeros(n, dtype=np.int64) if col is None else col.head(n)
+
+    def __getitem__(self, k: Any) -> Any:
+        if k.__class__ is tuple:
+            e, rank = k
+            if isinstance(e, (int, np.integer)):
+                e = self._check(int(e))
+                col = self.counts.get(rank)
+                return 0 if col is None else col.get(e)
+            if isinstance(e, slice):
+                a = self._rank_all(rank, self._size())[e]
+                a.flags.writeable = False
+                return a
+            return self[_ids(e)][:, rank]
+        if isinstance(k, (int, np.integer)):
+            return self[np.asarray([int(k)])][0]
+        if isinstance(k, slice):
+            return self._slice(k)
+        ids = _ids(k)
+        out = np.zeros((len(ids), N_RANKS), dtype=np.int64)
+        for rank, col in self.counts.items():
+            out[:, rank] = col.take(ids)
+        return out
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        e, rank = k
+        self.counts[rank].set(self._check(int(e)), int(v))

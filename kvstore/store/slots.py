@@ -28,6 +28,8 @@ chosen by a client cannot be aimed at one probe run without knowing the seed.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +62,25 @@ _TAG = np.uint64(0xF)
 _STEPS = np.arange(WINDOW, dtype=np.int64)
 _TOMB, _LOW = int(TOMB), (1 << ID_BITS) - 1
 _HIGH = 0xFFFFFFFF ^ _LOW
+
+
+def _libc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_TRIM = _libc_trim()
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the kernel (glibc ``malloc_trim``). A rebuild frees its scratch
+    arrays (26 bytes per entry) and the old table; below glibc's mmap threshold (raised to up to 32 MiB by
+    the first large free) they were carved from the heap, where freed pages stay resident: measured at
+    10M entries, 1.6 bytes per entry of RSS that the index no longer used."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 class SlotIndex:
@@ -319,6 +340,8 @@ class SlotIndex:
         assert self.all_keys is not None, "the owner must set all_keys before the table can grow"
         lo, hi, ns, ids = self.all_keys()
         self.rebuild(lo, hi, ns, ids, self.nslots if nslots is None else nslots)
+        del lo, hi, ns, ids
+        release_free_heap()
 
     def rebuild(self, lo: np.ndarray, hi: np.ndarray, ns: np.ndarray, ids: np.ndarray, nslots: int) -> None:
         while True:

@@ -29,6 +29,8 @@ from kvstore.store.jit import AVAILABLE as AVAILABLE  # re-exported: callers ask
 from kvstore.store.jit import numba
 
 ID_BITS = 28
+MAX_DEPTH = 0xFF  # the index's depth column is one byte, saturating
+FORM_LIMIT = 16  # codec ids and dtype ids below this share the index's one-byte form column
 _LOW = (1 << ID_BITS) - 1
 _TOMB = 0xFFFFFFFF
 
@@ -136,14 +138,18 @@ if AVAILABLE:
         words, nslots, seed, ids, q, fields, dtypes, parents, has_parent, ns, cols
     ):
         """Write the rows of new entries ``ids`` (keys ``q``) and link each to its parent: the entry just
-        before when its key matches, else one in the index (``words``), else an earlier one of the batch."""
-        keys, nss, stored, raw, crc, codec, dtype, leases, parent, pgen, gen, depth, flags = cols
+        before when its key matches, else one in the index (``words``), else an earlier one of the batch.
+        False, and nothing written, when a codec or dtype id does not fit the form byte."""
+        keys, nss, stored, raw, crc, form, leases, parent, pgen, gen, depth, flags = cols
+        for i in range(len(ids)):
+            if not (0 <= fields[i, 3] < FORM_LIMIT and 0 <= dtypes[i] < FORM_LIMIT):
+                return False
         for i in range(len(ids)):
             e = ids[i]
             keys[e, 0], keys[e, 1] = q[i, 0], q[i, 1]
             nss[e] = ns
-            stored[e], raw[e], crc[e], codec[e] = fields[i, 0], fields[i, 1], fields[i, 2], fields[i, 3]
-            dtype[e] = dtypes[i]
+            stored[e], raw[e], crc[e] = fields[i, 0], fields[i, 1], fields[i, 2]
+            form[e] = fields[i, 3] | dtypes[i] << 4
             leases[e] = 0
             pid = -1
             if has_parent[i]:
@@ -160,13 +166,14 @@ if AVAILABLE:
             if pid >= 0:
                 parent[e] = pid + 1
                 pgen[e] = gen[pid]
-                depth[e] = min(numba.int64(depth[pid]) + 1, 0xFFFF)
+                depth[e] = min(numba.int64(depth[pid]) + 1, MAX_DEPTH)
                 flags[e] = 1 | 4 | (flags[pid] & 2)
             else:
                 parent[e] = 0
                 pgen[e] = 0
                 depth[e] = 0
                 flags[e] = 1 | 4 | (0 if has_parent[i] else 2)
+        return True
 
     @numba.njit(cache=True, nogil=True)
     def place(words, nslots, seed, lo, hi, ns, ids, limit):  # type: ignore[no-untyped-def]
