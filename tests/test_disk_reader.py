@@ -121,3 +121,14 @@ def test_any_subset_into_any_alignment(written, picks, shifts, threads):
     assert reader.read(blocks) == []
     assert all(b.tobytes() == payloads[i].tobytes() for i, b in zip(picks, bufs))
     reader.close()
+
+
+def test_a_directory_this_process_cannot_see_makes_the_reader_unusable(tmp_path, written):
+    """As in a container that does not mount the store's NVMe directory: every block fails (the store then reads
+    them) and ``unusable`` says why, so the lane stops asking for disk reads."""
+    _, where, payloads = written
+    reader = DiskReader(str(tmp_path / "not-mounted"))
+    buf = aligned_buffer(len(payloads[0]))
+    assert reader.read([_block(0, where[0], payloads[0], ((_address(buf), len(buf)),))]) == [0]
+    assert "not-mounted" in reader.unusable
+    assert DiskReader(str(tmp_path)).unusable == ""
