@@ -290,6 +290,8 @@ def phase_kvstore(
                 _, tiers = probe.lookup_tiers("vllm", hashes)
                 frac = sum(t == "nvme" for t in tiers) / max(len(hashes), 1)
                 _load_once(shm, "kvstore_nvme", size, prompt, cold, out, nvme_fraction=round(frac, 3))
+            own = probe.stats()["counters"].get("lane_shm_disk_get_bytes", 0)  # since the restart
+            print(f"[vllm_pd] kvstore_nvme: the engine read {own / 2**20:.0f} MiB from the store's NVMe files itself")
         multi_turn(shm, "multi_turn:kvstore_shm", out, rng, wait=shm.wait_saves)
 
 
