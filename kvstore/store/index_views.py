@@ -157,18 +157,20 @@ class RankedView(_View):
             out[:, rank] = self._rank_all(rank, n)
         return out
 
+    def _one(self, rank: int, e: int) -> int:
+        col = self.cols.get(rank)
+        return -self.offset if col is None else col.base.item(e) - self.offset
+
+    def _take(self, rank: int, ids: np.ndarray) -> np.ndarray:
+        return self.cols[rank].take(ids).astype(np.int64) - self.offset
+
     def __getitem__(self, k: Any) -> Any:
         if k.__class__ is tuple:
             e, rank = k
             if e.__class__ is int and 0 <= e < self._size():
-                col = self.cols.get(rank)
-                return -self.offset if col is None else col.base.item(e) - self.offset
+                return self._one(rank, e)
             if isinstance(e, (int, np.integer)):
-                e = self._check(int(e))
-                col = self.cols.get(rank)
-                if col is None:
-                    return -self.offset
-                return col.base.item(e) - self.offset
+                return self._one(rank, self._check(int(e)))
             if isinstance(e, slice):
                 a = self._rank_all(rank, self._size())[e]
                 a.flags.writeable = False
@@ -180,8 +182,8 @@ class RankedView(_View):
             return self._slice(k)
         ids = _ids(k)
         out = np.full((len(ids), N_RANKS), -self.offset, dtype=np.int64)
-        for rank, col in self.cols.items():
-            out[:, rank] = col.take(ids).astype(np.int64) - self.offset
+        for rank in self.cols:
+            out[:, rank] = self._take(rank, ids)
         return out
 
     def __setitem__(self, k: Any, v: Any) -> None:
@@ -275,27 +277,12 @@ class CountView(RankedView):
         col = self.counts.get(rank)
         return np.zeros(n, dtype=np.int64) if col is None else col.head(n)
 
-    def __getitem__(self, k: Any) -> Any:
-        if k.__class__ is tuple:
-            e, rank = k
-            if isinstance(e, (int, np.integer)):
-                e = self._check(int(e))
-                col = self.counts.get(rank)
-                return 0 if col is None else col.get(e)
-            if isinstance(e, slice):
-                a = self._rank_all(rank, self._size())[e]
-                a.flags.writeable = False
-                return a
-            return self[_ids(e)][:, rank]
-        if isinstance(k, (int, np.integer)):
-            return self[np.asarray([int(k)])][0]
-        if isinstance(k, slice):
-            return self._slice(k)
-        ids = _ids(k)
-        out = np.zeros((len(ids), N_RANKS), dtype=np.int64)
-        for rank, col in self.counts.items():
-            out[:, rank] = col.take(ids)
-        return out
+    def _one(self, rank: int, e: int) -> int:
+        col = self.counts.get(rank)
+        return 0 if col is None else col.get(e)
+
+    def _take(self, rank: int, ids: np.ndarray) -> np.ndarray:
+        return self.counts[rank].take(ids)
 
     def __setitem__(self, k: Any, v: Any) -> None:
         e, rank = k
