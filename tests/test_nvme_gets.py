@@ -282,3 +282,28 @@ def test_share_nvme_fills_segments_as_a_vllm_block_is_laid_out(make_server, tmp_
             assert np.concatenate(r).tobytes() == b.tobytes()
     assert server.metrics.counters()["lane_shm_disk_get_bytes"] == PREFIX * BLOCK
     _quiet(server)
+
+
+def test_share_nvme_names_at_most_the_lanes_budget_and_the_store_reads_the_rest(make_server, tmp_path):
+    """A lane names at most its region's size of NVMe blocks at once (what one client can keep pinned): past it
+    the store reads the blocks itself, in the same Get."""
+    server = make_server(
+        dram=8 << 20,
+        nvme_dir=str(tmp_path / "nvme"),
+        nvme=1 << 30,
+        nvme_segment=64 << 20,
+        write_policy="write-through",
+        promote_on_hit=False,
+        share_nvme=True,
+        shm_lane_bytes=1 << 20,
+        max_block=BLOCK,
+    )
+    with _client(server, "shm-disk") as kv:
+        data = _fill(kv, 8)
+        keys, blocks = data[0]
+        assert _nvme_only(server, keys) == PREFIX
+        got = _get(kv, "shm-disk", keys)
+        assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in blocks]
+    named = server.metrics.counters()["lane_shm_disk_get_bytes"]
+    assert 0 < named < PREFIX * BLOCK and named % BLOCK == 0
+    _quiet(server)
