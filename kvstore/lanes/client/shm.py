@@ -29,16 +29,13 @@ The lane is used by one call at a time (``negotiate.LanePool``).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-import numpy as np
 
 from kvstore.checksum import crc32c
 from kvstore.errors import KVStoreError, corrupt_block, short_buffer
@@ -47,10 +44,10 @@ from kvstore.lanes.buffers import alloc_blocks
 from kvstore.lanes.client.channel import ShmChannel
 from kvstore.lanes.client.disk import DiskBlock, DiskReader
 from kvstore.lanes.client.loans import Lender, Loan
+from kvstore.lanes.client.outputs import SpanCopy, copy_out, copy_pool, direct_outs
 from kvstore.lanes.cma import address_of
-from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import handshake
-from kvstore.lanes.segments import Spans, clip, copy_to_spans, flatten, gather, scatter, span_bytes
+from kvstore.lanes.segments import Spans, clip, flatten, gather, span_bytes
 from kvstore.lanes.shm_region import RegionError, ShmRegion, attach
 from kvstore.memops import copy_crc, copy_into, host_view
 from kvstore.payload import Segments, as_bytes_view
@@ -209,7 +206,7 @@ class ShmClientLane(Lane):
     def get(
         self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None, allow_missing: bool, verify: bool
     ) -> list[Any]:
-        spans = self._direct_outs(out) if out is not None and (self.direct or self.disk is not None) else None
+        spans = direct_outs(out) if out is not None and (self.direct or self.disk is not None) else None
         read_disk = self.disk is not None and spans is not None  # NVMe blocks read by us, from the store's files
         failed: list[int] = []  # read from disk but not readable or not matching their CRC32C
         results = self._get(namespace, hashes, out, allow_missing, verify, spans, read_disk, failed)
@@ -343,29 +340,6 @@ class ShmClientLane(Lane):
                     raise corrupt_block(i, d.hash)
             results[i] = out[i]
 
-    @staticmethod
-    def _direct_outs(out: Sequence[Any]) -> list[Spans] | None:
-        """((address, bytes), ...) of each output buffer (its segments' for ``Segments``), or None when one is
-        not plain host memory."""
-        outs: list[Spans] = []
-        for buf in out:
-            if type(buf) is np.ndarray:  # the common case, in one step (host_view + address_of cost 3x this)
-                try:
-                    outs.append(((ctypes.addressof(ctypes.c_char.from_buffer(cast(Any, buf))), buf.nbytes),))
-                    continue
-                except (TypeError, ValueError):  # read-only or strided: the general path says what it is
-                    pass
-            if isinstance(buf, Segments):
-                if not buf.on_host:
-                    return None
-                outs.append(buf.spans)
-                continue
-            view = host_view(buf)
-            if view is None:
-                return None
-            outs.append((address_of(view),))
-        return outs
-
     def _take_blocks(
         self,
         present: list[lpb.BlockDescriptor],
@@ -409,7 +383,7 @@ class ShmClientLane(Lane):
             copies.append((dst, src, check))
             checked.append((i, d))
             results[i] = out[i] if out is not None else dst
-        crcs = _copy_pool().run(_copy_out, copies, [len(c[1]) for c in copies])
+        crcs = copy_pool().run(copy_out, copies, [len(c[1]) for c in copies])
         for (i, d), (_, _, check), crc in zip(checked, copies, crcs):
             if check and crc != d.header.crc32c:
                 raise corrupt_block(i, d.hash)
@@ -457,42 +431,6 @@ class ShmClientLane(Lane):
             return fn()
         except grpc.RpcError as err:
             raise _from_rpc(err) from None
-
-
-_pool: CopyPool | None = None
-_pool_lock = threading.Lock()
-
-
-def _copy_pool() -> CopyPool:
-    """Copies out of the region, spread over a few threads (one pool per process)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = CopyPool()
-        return _pool
-
-
-@dataclass(frozen=True, slots=True)
-class SpanCopy:
-    """A copy out of mapped memory at ``source`` (an address) into host spans: a Segments of host parts."""
-
-    spans: Spans
-    source: int
-
-
-def _copy_out(c: tuple[Any, memoryview, bool]) -> int | None:
-    dst, src, check = c
-    if isinstance(dst, SpanCopy):
-        crc = crc32c(src) if check else None  # the mapped bytes, in one call that lets go of the GIL
-        copy_to_spans(dst.spans, dst.source)
-        return crc
-    if isinstance(dst, list):  # segments
-        crc = scatter(dst, src, crc=check)
-        return crc if check else None
-    if check:
-        return copy_crc(dst, src)
-    copy_into(dst, src)
-    return None
 
 
 def _spans_of(payload: memoryview | Segments) -> Spans:

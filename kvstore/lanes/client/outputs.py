@@ -1,0 +1,86 @@
+"""Where a shm lane Get's blocks go in the caller's memory, and the copies that put them there.
+
+- ``direct_outs(out) -> spans | None``: the (address, bytes) spans of each output buffer (a ``Segments``'s
+  parts in order), or None when one is not plain host memory: what a direct Get names for the store to write
+  and a ``--share-nvme`` Get reads into.
+- ``SpanCopy(spans, source)``: a copy out of mapped memory at an address into host spans.
+- ``copy_out((dst, src, check)) -> crc | None``: one block out of the region or the DRAM arena into its
+  destination (a view, a list of segment views, or a ``SpanCopy``), with its CRC32C when ``check``;
+  ``copy_pool()`` the process's threads that run them side by side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+
+from kvstore.checksum import crc32c
+from kvstore.lanes.cma import address_of
+from kvstore.lanes.copypool import CopyPool
+from kvstore.lanes.segments import Spans, copy_to_spans, scatter
+from kvstore.memops import copy_crc, copy_into, host_view
+from kvstore.payload import Segments
+
+
+def direct_outs(out: Sequence[Any]) -> list[Spans] | None:
+    """((address, bytes), ...) of each output buffer (its segments' for ``Segments``), or None when one is
+    not plain host memory."""
+    outs: list[Spans] = []
+    for buf in out:
+        if type(buf) is np.ndarray:  # the common case, in one step (host_view + address_of cost 3x this)
+            try:
+                outs.append(((ctypes.addressof(ctypes.c_char.from_buffer(cast(Any, buf))), buf.nbytes),))
+                continue
+            except (TypeError, ValueError):  # read-only or strided: the general path says what it is
+                pass
+        if isinstance(buf, Segments):
+            if not buf.on_host:
+                return None
+            outs.append(buf.spans)
+            continue
+        view = host_view(buf)
+        if view is None:
+            return None
+        outs.append((address_of(view),))
+    return outs
+
+
+_pool: CopyPool | None = None
+_pool_lock = threading.Lock()
+
+
+def copy_pool() -> CopyPool:
+    """Copies out of the region, spread over a few threads (one pool per process)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = CopyPool()
+        return _pool
+
+
+@dataclass(frozen=True, slots=True)
+class SpanCopy:
+    """A copy out of mapped memory at ``source`` (an address) into host spans: a Segments of host parts."""
+
+    spans: Spans
+    source: int
+
+
+def copy_out(c: tuple[Any, memoryview, bool]) -> int | None:
+    dst, src, check = c
+    if isinstance(dst, SpanCopy):
+        crc = crc32c(src) if check else None  # the mapped bytes, in one call that lets go of the GIL
+        copy_to_spans(dst.spans, dst.source)
+        return crc
+    if isinstance(dst, list):  # segments
+        crc = scatter(dst, src, crc=check)
+        return crc if check else None
+    if check:
+        return copy_crc(dst, src)
+    copy_into(dst, src)
+    return None
