@@ -45,10 +45,6 @@ class DiskNames:
         self._bytes = 0  # named by sent messages plus those being built
         self._lock = threading.Lock()
 
-    @property
-    def named_bytes(self) -> int:
-        return self._bytes
-
     def name(self, window: Sequence[Lease | None]) -> DiskBatch:
         candidates: list[Lease | None] = [None] * len(window)
         n = 0
