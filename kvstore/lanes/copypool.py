@@ -3,16 +3,17 @@
 
 ``CopyPool(threads).run(fn, items, weights) -> [fn(item) ...]`` splits ``items`` into at most ``threads``
 contiguous runs of about equal weight (bytes), runs the first on the calling thread and the others on the
-pool, and returns the results in order. Batches under ``SPLIT_BYTES`` (or the caller's ``split_bytes``) stay on
+pool, and returns the results in order; ``side_by_side(jobs)`` runs different jobs at once, the first here. Batches under ``SPLIT_BYTES`` (or the caller's ``split_bytes``) stay on
 the calling thread: handing work to another thread costs tens of microseconds. ``fn`` must let go of the GIL for its bulk (numpy copies,
-CRC32C and process_vm_readv/writev all do).
+CRC32C and process_vm_readv/writev all do). When one run fails, ``run`` still waits for the others before it
+raises: none of them may touch the caller's buffers once it returns.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -40,10 +41,25 @@ class CopyPool:
             return [fn(item) for item in items]
         runs = _split(weights, min(self.threads, len(items)))
         futures = [self._pool.submit(_run_part, fn, items, r) for r in runs[1:]]
-        results = [fn(items[i]) for i in runs[0]]
+        try:
+            results = [fn(items[i]) for i in runs[0]]
+        finally:  # the others' copies may still read or write the caller's buffers: never return before them
+            wait(futures)
         for f in futures:
             results.extend(f.result())
         return results
+
+    def side_by_side(self, jobs: Sequence[Callable[[], R]]) -> list[R]:
+        """Run ``jobs[0]`` on the calling thread and the others on the pool (on this thread after it where the
+        pool has no thread); their results in order. Waits for all of them even when one fails."""
+        if self._pool is None:
+            return [job() for job in jobs]
+        futures = [self._pool.submit(job) for job in jobs[1:]]
+        try:
+            first = jobs[0]()
+        finally:
+            wait(futures)
+        return [first, *(f.result() for f in futures)]
 
     def close(self) -> None:
         if self._pool is not None:

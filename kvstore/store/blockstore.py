@@ -98,6 +98,7 @@ class BlockStore(Cascade):
         self._demoter: threading.Thread | None = None
         self._listeners: list[Callable[[str, str, bytes, int], None]] = []
         self.max_block_bytes: int = min(getattr(t, "max_block_bytes") for t in self.tiers if isinstance(t, MemoryTier))  # noqa: B009 - arenas have it
+        self._memory = {t.rank: t for t in self.tiers if isinstance(t, MemoryTier)}  # where acquire finds bytes
         self.staging = Staging(staging_bytes if len(self.tiers) > 1 else 0)  # NVMe reads DRAM cannot take
         for tier in self.tiers[1:]:
             self._recover(tier)
@@ -225,44 +226,59 @@ class BlockStore(Cascade):
         t = self.table
         with self._lock:
             all_ids = t.find_many(t.namespace_id(namespace), hashes)
-            missing = np.nonzero(all_ids < 0)[0]
-            if len(missing) and not allow_missing:
-                i = int(missing[0])
-                raise NotFoundError(i, hashes[i])
-            pos = np.nonzero(all_ids >= 0)[0] if len(missing) else None
-            ids = all_ids if pos is None else all_ids[pos]
-            if not len(ids):
-                return [None] * len(hashes)
+            found = all_ids >= 0
+            pos = None
+            ids = all_ids
+            if not found.all():
+                if not allow_missing:
+                    i = int(np.argmin(found))
+                    raise NotFoundError(i, hashes[i])
+                pos = np.nonzero(found)[0]
+                ids = all_ids[pos]
+                if not len(ids):
+                    return [None] * len(hashes)
             t.lease_many(ids)
-            ranks = t.top_ranks(ids, self._ranks)
-            locs = np.zeros(len(ids), dtype=np.int64)
-            for rank in self._ranks:
-                here = ranks == rank
-                if here.any():
-                    self.counters.tiers[rank].hits += int(np.count_nonzero(here))
-                    locs[here] = t.locs(ids[here], rank)
-            ids_l = ids.tolist()
+            if len(self._ranks) == 1:  # one tier: every copy is there
+                rank = self._ranks[0]
+                ranks_l = [rank] * len(ids)
+                locs = t.locs(ids, rank)
+                self.counters.tiers[rank].hits += len(ids)
+            else:
+                ranks = t.top_ranks(ids, self._ranks)
+                locs = np.zeros(len(ids), dtype=np.int64)
+                for rank in self._ranks:
+                    here = ranks == rank
+                    hits = int(np.count_nonzero(here))
+                    if hits:
+                        self.counters.tiers[rank].hits += hits
+                        locs[here] = t.locs(ids[here], rank)
+                ranks_l = ranks.tolist()
             if touch:
                 self._touch_many(ids)
-            fields = zip(
-                ids_l,
-                t.column("codec").take(ids).tolist(),
-                t.column("dtype").take(ids).tolist(),
-                t.column("raw_len").take(ids).tolist(),
-                t.column("stored_len").take(ids).tolist(),
-                t.column("crc").take(ids).tolist(),
-                ranks.tolist(),
-                locs.tolist(),
-                range(len(hashes)) if pos is None else pos.tolist(),
+            stored = t.column("stored_len").take(ids).tolist()
+            leases = list(
+                map(
+                    Lease,
+                    ids.tolist(),
+                    hashes if pos is None else [hashes[i] for i in pos.tolist()],
+                    t.column("codec").take(ids).tolist(),
+                    [DTYPES[d] for d in t.column("dtype").take(ids).tolist()],
+                    t.column("raw_len").take(ids).tolist(),
+                    stored,
+                    t.column("crc").take(ids).tolist(),
+                    ranks_l,
+                )
             )
-            memory = {tier.rank: tier for tier in self.tiers if isinstance(tier, MemoryTier)}
-            out: list[Lease | None] = [None] * len(hashes)
-            for e, codec, dtype, raw_len, stored_len, crc, rank, loc, i in fields:
-                lease = Lease(e, hashes[i], codec, DTYPES[dtype], raw_len, stored_len, crc, rank)
-                tier = memory.get(rank)
-                if tier is not None:
-                    lease.buffer = tier.view(loc, stored_len)
-                out[i] = lease
+            locs_l = locs.tolist()
+            for rank, tier in self._memory.items():  # the bytes of memory-tier copies, one call per tier
+                here = range(len(leases)) if len(self._ranks) == 1 else [k for k, r in enumerate(ranks_l) if r == rank]
+                for k, view in zip(here, tier.views([locs_l[k] for k in here], [stored[k] for k in here])):
+                    leases[k].buffer = view
+        if pos is None:
+            return leases  # type: ignore[return-value]  # list is invariant: no None among them here
+        out: list[Lease | None] = [None] * len(hashes)
+        for i, lease in zip(pos.tolist(), leases):
+            out[i] = lease
         return out
 
     # -- reads from lower tiers (issue 19): straight into where the bytes go, handed on piece by piece ------
@@ -395,15 +411,16 @@ class BlockStore(Cascade):
 
     def release(self, leases: Sequence[Lease | None], touch: bool = False) -> None:
         """End the leases; with ``touch`` the access an ``acquire(touch=False)`` left out is counted now."""
-        ids = np.fromiter((x.entry for x in leases if x is not None), dtype=np.int64)
-        if not len(ids):
+        held = [x for x in leases if x is not None]
+        if not held:
             return
+        ids = np.array([x.entry for x in held], dtype=np.int64)
         with self._lock:
-            promoted = self._promote([x for x in leases if x is not None and x.promote is not None])
+            promoted = self._promote([x for x in held if x.promote is not None])
             if touch:
                 self._touch_many(ids[np.asarray(self.table.live[ids], dtype=bool)])  # not a deleted one
-            for lease in leases:
-                if lease is not None and lease.hold is not None:
+            for lease in held:
+                if lease.hold is not None:
                     self._let_go(lease)  # the staging or DRAM slot a cold read held
             if promoted and self.top.used_bytes > self.high * self.top.capacity_bytes:
                 self._wake.set()

@@ -144,6 +144,13 @@ class ArenaTier(MemoryTier):
             return self._tensor[loc : loc + nbytes]
         return self._view[loc : loc + nbytes]
 
+    def views(self, locs: Sequence[int], lengths: Sequence[int]) -> list[Any]:
+        if self._host is None:
+            tensor = self._tensor
+            return [tensor[loc : loc + n] for loc, n in zip(locs, lengths)]
+        view = self._view
+        return [view[loc : loc + n] for loc, n in zip(locs, lengths)]
+
     def free(self, locs: Sequence[int]) -> None:
         for loc in locs:
             self.slabs.free(loc)

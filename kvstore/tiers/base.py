@@ -121,3 +121,7 @@ class MemoryTier(Tier):
 
     @abstractmethod
     def view(self, loc: int, nbytes: int) -> Any: ...
+
+    def views(self, locs: Sequence[int], lengths: Sequence[int]) -> list[Any]:
+        """``view`` of each (loc, nbytes) pair: a Get's blocks in one call."""
+        return [self.view(loc, n) for loc, n in zip(locs, lengths)]
