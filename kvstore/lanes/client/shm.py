@@ -247,6 +247,7 @@ class ShmClientLane(Lane):
                 crc_at_copy=verify,
                 read_dram=read_dram,
                 read_disk=read_disk,
+                written_columns=outs is not None,
             )
             if outs is not None and segmented:  # the server writes each block across our buffers itself
                 counts, addresses, lengths = flatten(outs[start:])
@@ -272,6 +273,8 @@ class ShmClientLane(Lane):
     ) -> int:
         handled = -1
         for msg in self._replies(request):
+            if msg.HasField("written"):
+                self._take_columns(msg.written, request.request.hashes, start, out, verify, results)
             present = [d for d in msg.blocks if not d.header.missing]
             if any(d.disk_file for d in present):
                 self._take_disk([d for d in present if d.disk_file], start, out, spans, results, failed)
@@ -325,6 +328,26 @@ class ShmClientLane(Lane):
             blocks.append(DiskBlock(i, d.disk_file, d.disk_offset, d.length, d.crc32c, clip(spans[i], d.length)))
             results[i] = out[i]
         failed.extend(self.disk.read(blocks))
+
+    @staticmethod
+    def _take_columns(
+        written: lpb.WrittenBlocks,
+        hashes: Sequence[bytes],
+        start: int,
+        out: Sequence[Any] | None,
+        verify: bool,
+        results: list[Any],
+    ) -> None:
+        """Raw blocks the server wrote into our buffers, as columns: compare each CRC32C it took with the
+        block's own (``hashes`` are the request's, from ``start``)."""
+        if out is None:
+            raise KVStoreError(grpc.StatusCode.INTERNAL, "the store wrote blocks into buffers a Get did not name")
+        index = list(written.index)
+        if verify and list(written.crc32c) != list(written.stored_crc32c):
+            k = next(k for k, (a, b) in enumerate(zip(written.crc32c, written.stored_crc32c)) if a != b)
+            raise corrupt_block(start + index[k], hashes[index[k]])
+        for i in index:
+            results[start + i] = out[start + i]
 
     @staticmethod
     def _take_written(

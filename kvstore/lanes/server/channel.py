@@ -171,6 +171,7 @@ def _answer(conn: socket.socket, request: lpb.LaneGetRequest, bound: _Bound) -> 
                 get_destinations(request),
                 request.read_dram,
                 request.read_disk,
+                request.written_columns,
             )
             for msg in replies:
                 framing.send_frame(conn, framing.GET_REPLY, msg.SerializeToString())

@@ -224,7 +224,13 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             stream = self._run(
                 context,
                 lambda: self._shm(request.lane).get(
-                    request.request, request.release, request.crc_at_copy, outs, request.read_dram, request.read_disk
+                    request.request,
+                    request.release,
+                    request.crc_at_copy,
+                    outs,
+                    request.read_dram,
+                    request.read_disk,
+                    request.written_columns,
                 ),
             )
             while True:

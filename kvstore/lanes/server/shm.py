@@ -51,6 +51,7 @@ from kvstore.lanes.server.dram_pins import DramPins
 from kvstore.lanes.server.grants import Grant, GrantTable, Slot
 from kvstore.lanes.server.lane import ServerLane
 from kvstore.lanes.server.storeops import Reservation, StoreOps, accepted_codecs
+from kvstore.lanes.server.written import host_sources, write_reply
 from kvstore.lanes.shm_region import ShmRegion
 from kvstore.memops import copy_crc, copy_into, host_view
 from kvstore.store import Lease
@@ -228,6 +229,7 @@ class ShmServerLane(ServerLane):
         outs: Sequence[Spans] = (),
         read_dram: bool = False,
         read_disk: bool = False,
+        columns: bool = False,
     ) -> Iterator[lpb.LaneGetResponse]:
         ended = self._end_grants(release)  # their DRAM-arena leases end after this Get's reply, off its path
         accepted = accepted_codecs(request)
@@ -254,6 +256,11 @@ class ShmServerLane(ServerLane):
         except BaseException:
             self.ops.release(ended, touch=True)  # a refused Get still ends what the client released with it
             raise
+        if columns and outs and pins is None and self.direct is not None:
+            sources = host_sources(leases)
+            if sources is not None:  # all raw DRAM hits: one message of columns (``written``)
+                yield from self._get_written(leases, sources, ended, outs, crc_at_copy)  # type: ignore[arg-type]
+                return
         grant: Grant | None
         grant = self.grants.grant_get()
         released = 0
@@ -368,6 +375,33 @@ class ShmServerLane(ServerLane):
             self.ops.release(ended, touch=True)
             if not counted:
                 count()
+
+    def _get_written(
+        self,
+        leases: list[Lease],
+        sources: list[memoryview],
+        ended: list[Lease],
+        outs: Sequence[Spans],
+        crc_at_copy: bool,
+    ) -> Iterator[lpb.LaneGetResponse]:
+        """``get`` of raw DRAM hits into the client's memory, described as columns (``written``)."""
+        assert self.direct is not None
+        grant: Grant | None = self.grants.grant_get()
+        try:
+            reply = write_reply(leases, sources, outs, self.direct, self.ops.copies, crc_at_copy)
+            assert grant is not None
+            reply.grant_id = grant.id
+            sent = sum(reply.written.length)
+            self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
+            self.ops.metrics.add("lane_shm_direct_get_bytes", sent)
+            self.ops.metrics.bytes_out(sent)
+            yield reply
+            grant = None  # the client releases it
+        finally:
+            if grant is not None:
+                self._release_grants([grant.id])
+            self.ops.release(leases, touch=True)  # after the reply: the policies' bookkeeping is off its path
+            self.ops.release(ended, touch=True)
 
     def _place_out(
         self,

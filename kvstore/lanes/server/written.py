@@ -1,0 +1,80 @@
+"""A direct Get of raw blocks in host memory (DRAM hits): written into the client's buffers, described as columns.
+
+The general Get path (``ShmServerLane.get``) builds a BlockDescriptor, a copy record and a few calls per
+block; at 64 KiB that cost more than the block's bytes. When every block of a direct Get is present, raw
+(CODEC_NONE) and in host memory, and the client reads columns (``LaneGetRequest.written_columns``), the
+store answers in one message whose ``WrittenBlocks`` columns say it all:
+
+- ``host_sources(leases) -> [memoryview] | None``: each block's bytes, or None when one is missing, coded or
+  not in host memory (an HBM slot, an NVMe-only block): the general path serves those.
+- ``write_reply(leases, sources, outs, direct, pool, crc_at_copy) -> LaneGetResponse``: check every
+  destination holds its block (INVALID_ARGUMENT naming the first that does not), write them
+  (``copyout.write_blocks``: one process_vm_writev per run, spread over the copy threads, each CRC32C taken
+  just before its block moves) and fill the columns. The caller owns the grant and the leases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from kvstore.lanes.base import LaneError
+from kvstore.lanes.copypool import CopyPool
+from kvstore.lanes.direct import DirectPeer
+from kvstore.lanes.segments import Spans, clip
+from kvstore.lanes.server.copyout import write_blocks
+from kvstore.memops import host_view
+from kvstore.store import Lease
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import lanes_pb2 as lpb
+
+
+def host_sources(leases: Sequence[Lease | None]) -> list[memoryview] | None:
+    """The bytes of each block when all are present, raw and in host memory; else None."""
+    sources: list[memoryview] = []
+    for lease in leases:
+        if lease is None or lease.codec != pb.CODEC_NONE or lease.buffer is None:
+            return None
+        buf = lease.buffer
+        view = buf if type(buf) is memoryview else host_view(buf)  # an arena slot is one already
+        if view is None:  # device memory
+            return None
+        sources.append(view[: lease.stored_length])
+    return sources
+
+
+def write_reply(
+    leases: Sequence[Lease],
+    sources: Sequence[memoryview],
+    outs: Sequence[Spans],
+    direct: DirectPeer,
+    pool: CopyPool,
+    crc_at_copy: bool,
+) -> lpb.LaneGetResponse:
+    """Write every block into the client's memory and describe them all in one message's columns."""
+    lengths = [len(s) for s in sources]
+    targets: list[Spans] = []
+    for i, (spans, n) in enumerate(zip(outs, lengths)):
+        if len(spans) == 1:
+            if spans[0][1] < n:
+                raise _short(i, spans[0][1], n)
+            targets.append(spans)
+        else:  # several buffers: the write covers exactly the block's bytes
+            held = sum(length for _, length in spans)
+            if held < n:
+                raise _short(i, held, n)
+            targets.append(clip(spans, n))
+    crcs = write_blocks(targets, sources, direct, pool, crc_at_copy)
+    stored = [lease.crc32c for lease in leases]
+    reply = lpb.LaneGetResponse(crcs_at_copy=crc_at_copy, written_direct=True, handled=len(leases), last=True)
+    written = reply.written
+    written.index.extend(range(len(leases)))
+    written.length.extend(lengths)
+    written.crc32c.extend(crcs if crc_at_copy else stored)
+    written.stored_crc32c.extend(stored)
+    return reply
+
+
+def _short(i: int, capacity: int, n: int) -> LaneError:
+    return LaneError(grpc.StatusCode.INVALID_ARGUMENT, f"output buffer {i} holds {capacity} bytes; block is {n}")

@@ -1,0 +1,119 @@
+"""A direct Get of raw DRAM hits on the shm lane answers in one message of columns (``WrittenBlocks``).
+
+The columns replace a BlockDescriptor per block; these tests pin what they must keep of the general path:
+the bytes land in the caller's buffers with each block's CRC32C checked against its own, a corrupt DRAM
+block still fails the Get, a bad destination is refused before anything is written and leaves no lease,
+and a request that does not ask for columns (an older client) still gets descriptors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.client import Client
+from kvstore.errors import KVStoreError
+from kvstore.lanes import cma
+from kvstore.lanes.cma import address_of
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import lanes_pb2 as lpb
+from tests.test_lanes_support import RawLanes, keys
+
+pytestmark = pytest.mark.skipif(not cma.available(), reason="process_vm_writev is Linux-only")
+
+SIZE = 65536
+
+
+def _no_leases(server, hashes: list[bytes]) -> bool:
+    ids = server.store.table.find_many(server.store.table.namespace_id("ns"), hashes)
+    return int(server.store.table.column("leases").take(ids[ids >= 0]).sum()) == 0
+
+
+def _request(ref: lpb.LaneRef, hashes: list[bytes], outs: list[np.ndarray], columns: bool) -> lpb.LaneGetRequest:
+    return lpb.LaneGetRequest(
+        lane=ref,
+        request=pb.GetRequest(namespace="ns", hashes=hashes),
+        crc_at_copy=True,
+        out_addresses=[address_of(o)[0] for o in outs],
+        out_lengths=[o.nbytes for o in outs],
+        written_columns=columns,
+    )
+
+
+def test_dram_hits_come_as_columns_and_an_older_request_gets_descriptors(make_server):
+    server = make_server()
+    blocks = [os.urandom(SIZE) for _ in range(4)]
+    with Client(f"127.0.0.1:{server.port}", lane="grpc") as kv:
+        kv.put("ns", keys(4), blocks)
+    raw = RawLanes(server)
+    shm = raw.shm()  # its direct handshake names this process's memory
+    try:
+        outs = [np.zeros(SIZE + 100, dtype=np.uint8) for _ in range(4)]
+        (reply,) = list(raw.stub.LaneGet(_request(shm.ref, keys(4), outs, True), timeout=10))
+        assert reply.HasField("written") and not reply.blocks and reply.last and reply.handled == 4
+        assert list(reply.written.index) == [0, 1, 2, 3] and list(reply.written.length) == [SIZE] * 4
+        assert list(reply.written.crc32c) == list(reply.written.stored_crc32c)
+        assert [o[:SIZE].tobytes() for o in outs] == blocks and not outs[0][SIZE:].any()
+        shm._give_back(reply.grant_id)
+
+        outs = [np.zeros(SIZE, dtype=np.uint8) for _ in range(4)]
+        replies = list(raw.stub.LaneGet(_request(shm.ref, keys(4), outs, False), timeout=10))
+        assert not any(r.HasField("written") for r in replies)
+        assert sum(len(r.blocks) for r in replies) == 4 and all(r.written_direct for r in replies)
+        assert [o.tobytes() for o in outs] == blocks
+        for r in replies:
+            shm._give_back(r.grant_id)
+    finally:
+        shm.close()
+        raw.close()
+    assert _no_leases(server, keys(4))
+
+
+def test_the_client_takes_columns_and_checks_each_crc(make_server):
+    server = make_server()
+    blocks = [os.urandom(SIZE) for _ in range(40)]  # over 1 MiB: the CRC32Cs go on the copy threads
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        kv.put("ns", keys(40), blocks)
+        outs = [np.empty(SIZE, dtype=np.uint8) for _ in range(40)]
+        got = kv.get("ns", keys(40), out=outs)
+        assert all(g is o for g, o in zip(got, outs)) and [o.tobytes() for o in outs] == blocks
+        (lease,) = server.store.acquire("ns", keys(40)[33:34])
+        try:
+            np.frombuffer(lease.buffer, dtype=np.uint8)[1234] ^= 0x40  # rot in DRAM, after the Put's check
+        finally:
+            server.store.release([lease])
+        with pytest.raises(KVStoreError) as err:
+            kv.get("ns", keys(40), out=outs)
+        assert err.value.code == grpc.StatusCode.DATA_LOSS and "block 33 " in err.value.message
+        assert kv.get("ns", keys(40)[:33], out=outs[:33])[0] is outs[0]  # the others are still served
+    assert _no_leases(server, keys(40))
+
+
+def test_a_short_buffer_is_refused_before_any_write_and_leaves_no_lease(make_server):
+    server = make_server()
+    blocks = [os.urandom(SIZE) for _ in range(3)]
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        kv.put("ns", keys(3), blocks)
+        outs = [np.zeros(SIZE, dtype=np.uint8), np.zeros(SIZE - 1, dtype=np.uint8), np.zeros(SIZE, dtype=np.uint8)]
+        with pytest.raises(KVStoreError) as err:
+            kv.get("ns", keys(3), out=outs)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "output buffer 1" in err.value.message
+        assert not any(o.any() for o in outs)  # checked before the first write
+        assert _no_leases(server, keys(3))
+        outs[1] = np.zeros(SIZE, dtype=np.uint8)
+        assert [g.tobytes() for g in kv.get("ns", keys(3), out=outs)] == blocks
+
+
+def test_a_missing_block_takes_the_descriptor_path(make_server):
+    server = make_server()
+    blocks = [os.urandom(SIZE) for _ in range(3)]
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        kv.put("ns", keys(3), blocks)
+        hashes = [keys(3)[0], b"\x09" * 16, keys(3)[2]]
+        outs = [np.zeros(SIZE, dtype=np.uint8) for _ in range(3)]
+        got = kv.get("ns", hashes, out=outs, allow_missing=True)
+        assert got[1] is None and got[0].tobytes() == blocks[0] and got[2].tobytes() == blocks[2]
+    assert _no_leases(server, keys(3))
