@@ -179,9 +179,9 @@ def test_server_stop_ends_lanes(make_server):
 def test_get_results_lent_in_place_are_returned_when_dropped(make_server, monkeypatch):
     import gc
 
-    from kvstore.lanes.server import shm as shm_server
+    from kvstore.lanes.server import shm_get
 
-    monkeypatch.setattr(shm_server, "FIRST_YIELD_BYTES", shm_server.YIELD_BYTES)  # one message per get here
+    monkeypatch.setattr(shm_get, "FIRST_YIELD_BYTES", shm_get.YIELD_BYTES)  # one message per get here
     server = make_server(shm_lane_bytes=8 << 20)
     blocks = [bytes([i]) * (1 << 20) for i in range(3)]
     with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
