@@ -118,9 +118,11 @@ def write_blocks(
 ) -> list[int]:
     """Write ``sources[k]`` at ``spans[k]`` in the client's memory for every k; each block's CRC32C (0 without
     ``crc``), in order. The writes go on the calling thread, single-buffer blocks one process_vm_writev per
-    ``IOV_BATCH``; from ``SPLIT_WRITE_BYTES`` on the CRC32Cs go on the copy threads meanwhile (measured here:
-    2 MiB of 64 KiB blocks took 0.56 ms that way, 0.84 ms in series and 0.9 ms with each thread doing both for
-    half the blocks: process_vm_writev calls into one process do not run faster side by side)."""
+    ``IOV_BATCH``; from ``SPLIT_WRITE_BYTES`` on the CRC32Cs go on the copy threads meanwhile. Measured here
+    on an idle machine, 2 MiB of 64 KiB blocks into another process: 0.56 ms that way, 0.84 ms in series and
+    0.9 ms with each thread doing both for half the blocks (two process_vm_writev calls into one process do
+    not run faster side by side); through a store process, with another process busy on the other core, the
+    split by role and the split by halves came out even (1.69-1.73 ms a 32-block Get, noise as large)."""
 
     def write_all() -> None:
         pairs: list[tuple[int, memoryview]] = []
