@@ -65,6 +65,12 @@ class ServeConfig:
         "shadow caches find pays, from none, as LRU, up), freq (LRU that protects blocks seen twice) or lru",
     )
     promote_on_hit: bool = _opt(True, "copy blocks read from NVMe back into DRAM when there is room", _bool)
+    warm_up: bool = _opt(
+        True,
+        "compile the index's and eviction policy's kernels on a background thread at start, so the first "
+        "requests do not wait for it (about 16 s on 2 cores with nothing cached yet; 0.5 s from the cache)",
+        _bool,
+    )
     nvme_admit_uses: int = _opt(
         1,
         "demote a block evicted from DRAM to NVMe only once it was used (stored or read) "

@@ -46,6 +46,7 @@ def make_server() -> Iterator[Callable[..., StoreServer]]:
                 "metrics_port": 0,
                 "drain_seconds": 1.0,
                 "cuda_lane_device": "cpu",
+                "warm_up": False,  # in-process: the kernels are this process's, compiled by the first test's use
                 **overrides,
             }
         )

@@ -146,6 +146,18 @@ class StoreServer:
             ("grpc.keepalive_permit_without_calls", 1),
         ]
 
+    def _warm_up(self) -> None:
+        from kvstore.store.policies import policy_factory
+        from kvstore.store.warmup import warm_up
+
+        try:
+            seconds = warm_up(policy_factory(self.cfg.eviction_policy))
+        except Exception:  # noqa: BLE001 - a failed warm-up leaves compiling to the first requests, no more
+            log.exception("warming up the store's kernels failed; the first requests compile them")
+            return
+        self.metrics.set("warm_up_seconds", seconds)
+        log.info("store kernels warmed up in %.2f s", seconds)
+
     def start(self) -> StoreServer:
         token = metrics_token(self.cfg) if self.cfg.metrics_port else None  # a bad token file fails before binding
         server = grpc.server(
@@ -174,6 +186,8 @@ class StoreServer:
         self.server = server
         self.gate.start()
         self.store.start()
+        if self.cfg.warm_up:  # the kernels compile (or load from their cache) before the first requests need them
+            threading.Thread(target=self._warm_up, name="kvstore-warm-up", daemon=True).start()
         if self.cfg.redis:  # cluster mode: membership heartbeats and the global index, on background threads
             from kvstore.cluster.node import ClusterNode
 
