@@ -20,10 +20,13 @@ that all see the disk and the loaded host in the same state:
   prefix by prefix in a rotating order: this virtual disk reads recently written data faster (the host's cache),
   and writing one side after the other made the last one look 1.2-1.7x faster (docs/nvme.md); ``raw_crc``: that
   read plus a CRC32C of the extent on one thread, after it (what a read costs that is checked, as the store's are);
+- ``dram_floor``: what a checked DRAM hit costs at the least, in this process: each of 32 blocks taken from a
+  256 MiB buffer at a rotating place (not in the CPU's caches, as the stores' blocks are not between steps)
+  gets its CRC32C and one copy into a page-aligned buffer, on one thread (the baseline of ``shm_dram_vs_floor``);
 - with ``--baseline REV``: the same steps (``old_*``) run by the code of git revision ``REV``, exported to a
   temporary directory, with store processes of its own: today's code against that one, in the same run.
 
-Rows: p50 ms of each step, ``disk_nvme_vs_raw``, ``shm_nvme_vs_raw`` and ``tcp_nvme_vs_raw`` (raw time / Get time, 1 = as fast
+Rows: p50 ms of each step, ``shm_dram_vs_floor`` (floor / DRAM-hit Get), ``disk_nvme_vs_raw``, ``shm_nvme_vs_raw`` and ``tcp_nvme_vs_raw`` (raw time / Get time, 1 = as fast
 as the bare disk), ``dram_shm_speedup`` (old / new p50 of the DRAM-hit Get) and the like, GB/s of payload.
 Only this machine's disk is measured; a real NVMe drive changes the ``raw`` column, not what the store adds.
 """
@@ -50,6 +53,23 @@ from kvstore.tiers.nvme.io import aligned_buffer
 
 PREFIX = 32
 MiB = 1 << 20
+
+
+class DramFloor:
+    """A checked copy of 32 blocks out of a large buffer (``run(i)``), each time from another part of it."""
+
+    def __init__(self, block: int):
+        self.block = block
+        self.src = np.ones(max(256 * MiB, 4 * PREFIX * block), dtype=np.uint8)  # written: every page backed
+        self.dst = [np.frombuffer(aligned_buffer(block), dtype=np.uint8) for _ in range(PREFIX)]
+        self.span = PREFIX * block
+
+    def run(self, i: int) -> None:
+        at = (i * self.span) % (len(self.src) - self.span + 1)
+        for k, dst in enumerate(self.dst):
+            src = self.src[at + k * self.block : at + (k + 1) * self.block]
+            crc32c(src)
+            np.copyto(dst, src)
 
 
 class RawExtents:
@@ -154,14 +174,20 @@ def measure(
         for w in workers.values():  # the measured prefixes out of DRAM (the worker script is this tree's on all sides)
             if w.ask("flush") != "ok":
                 raise RuntimeError("a bench worker failed to flush its stores' DRAM")
-        steps = [(tag, kind) for tag in sides for kind in (NEW_KINDS if tag == "" else KINDS)] + [("", "raw")]
+        floor = DramFloor(block)
+        steps = [(tag, kind) for tag in sides for kind in (NEW_KINDS if tag == "" else KINDS)]
+        steps += [("", "raw"), ("", "dram_floor")]
         times: dict[str, list[float]] = {f"{tag}{kind}": [] for tag, kind in steps}
         times["raw_crc"] = []
         order = [int(i) for i in rng.permutation(count)]
         for r, p in enumerate(order):
             k = r % len(steps)
             for tag, kind in steps[k:] + steps[:k]:
-                if kind == "raw":
+                if kind == "dram_floor":
+                    t0 = time.perf_counter()
+                    floor.run(r)
+                    times["dram_floor"].append(time.perf_counter() - t0)
+                elif kind == "raw":
                     t0 = time.perf_counter()
                     raw.read(r)
                     t1 = time.perf_counter()
@@ -192,6 +218,7 @@ def measure(
             row[f"old_{lane}_nvme_vs_raw"] = p50["raw"] / p50[f"old_nvme-{lane}"]
             row[f"{lane}_nvme_speedup"] = p50[f"old_nvme-{lane}"] / p50[f"nvme-{lane}"]
             row[f"{lane}_dram_speedup"] = p50[f"old_dram-{lane}"] / p50[f"dram-{lane}"]
+    row["shm_dram_vs_floor"] = p50["dram_floor"] / p50["dram-shm"]
     row["nvme_hits"], row["dram_hits"] = hits["nvme"], hits["dram"]
     row["disk_named_bytes"] = hits.get("disk_named_bytes", 0)
     return row
@@ -234,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     cols = ["block_bytes", "prefixes", "raw_p50_ms", "raw_crc_p50_ms", "disk_shm_p50_ms", "disk_nvme_vs_raw"]
     cols += ["nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_tcp_p50_ms", "tcp_nvme_vs_raw", "dram_shm_p50_ms"]
-    cols += ["dram_tcp_p50_ms"]
+    cols += ["dram_floor_p50_ms", "shm_dram_vs_floor", "dram_tcp_p50_ms"]
     if args.baseline:
         cols += ["old_nvme_shm_p50_ms", "old_shm_nvme_vs_raw", "old_nvme_tcp_p50_ms", "old_tcp_nvme_vs_raw"]
         cols += ["old_dram_shm_p50_ms", "shm_dram_speedup", "old_dram_tcp_p50_ms", "tcp_dram_speedup"]
