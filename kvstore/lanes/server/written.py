@@ -6,7 +6,8 @@ block; at 64 KiB that cost more than the block's bytes. When every block of a di
 store answers in one message whose ``WrittenBlocks`` columns say it all:
 
 - ``host_sources(leases) -> [memoryview] | None``: each block's bytes, or None when one is missing, coded or
-  not in host memory (an HBM slot, an NVMe-only block): the general path serves those.
+  not in host memory (an HBM slot, an NVMe-only block): the general path serves those. It never raises
+  (the caller holds the leases).
 - ``write_reply(leases, sources, outs, direct, pool, crc_at_copy) -> LaneGetResponse``: check every
   destination holds its block (INVALID_ARGUMENT naming the first that does not), write them
   (``copyout.write_blocks``: one process_vm_writev per run, spread over the copy threads, each CRC32C taken
@@ -37,7 +38,10 @@ def host_sources(leases: Sequence[Lease | None]) -> list[memoryview] | None:
         if lease is None or lease.codec != pb.CODEC_NONE or lease.buffer is None:
             return None
         buf = lease.buffer
-        view = buf if type(buf) is memoryview else host_view(buf)  # an arena slot is one already
+        try:
+            view = buf if type(buf) is memoryview else host_view(buf)  # an arena slot is one already
+        except ValueError:  # not one flat host buffer: the general path says what it is
+            return None
         if view is None:  # device memory
             return None
         sources.append(view[: lease.stored_length])
