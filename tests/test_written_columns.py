@@ -117,3 +117,58 @@ def test_a_missing_block_takes_the_descriptor_path(make_server):
         got = kv.get("ns", hashes, out=outs, allow_missing=True)
         assert got[1] is None and got[0].tobytes() == blocks[0] and got[2].tobytes() == blocks[2]
     assert _no_leases(server, keys(3))
+
+
+CHILD = r"""
+import sys, numpy as np
+from kvstore.client import Client
+target, keys = sys.argv[1], [bytes.fromhex(k) for k in sys.argv[2].split(",")]
+with Client(target, timeout=30, lane="shm") as kv:
+    out = [np.empty(65536, dtype=np.uint8) for _ in keys]
+    print("ready", flush=True)
+    while True:
+        kv.get("ns", keys, out=out)
+"""
+
+
+def test_a_client_killed_mid_get_leaves_no_lease(make_server):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    server = make_server()
+    blocks = [os.urandom(SIZE) for _ in range(64)]
+    hashes = keys(64)
+    with Client(f"127.0.0.1:{server.port}", lane="grpc") as kv:
+        kv.put("ns", hashes, blocks)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, f"127.0.0.1:{server.port}", ",".join(k.hex() for k in hashes)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 20
+        while server.metrics.counters().get("lane_shm_direct_get_bytes", 0) < 20 * 64 * SIZE:
+            assert time.monotonic() < deadline, "the child's Gets did not come"
+            time.sleep(0.01)
+        for _ in range(500):  # kill it while the server is inside a Get
+            if not _no_leases(server, hashes):
+                break
+            time.sleep(0.001)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    deadline = time.monotonic() + 20
+    while not _no_leases(server, hashes):
+        assert time.monotonic() < deadline, "a killed client's Get left leases behind"
+        time.sleep(0.02)
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        outs = [np.empty(SIZE, dtype=np.uint8) for _ in range(64)]
+        assert [o.tobytes() for o in kv.get("ns", hashes, out=outs)] == blocks
