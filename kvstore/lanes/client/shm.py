@@ -11,18 +11,9 @@ collected at the end of the round. Closing the stream takes back anything
 reserved and not committed. (``write`` still fuses a CRC into the copy, for
 commits that vouch for their CRCs.)
 
-``get`` sends LaneGet (over the lane's channel, ``shm_channel``, when the
-direct handshake opened one; else as a gRPC call) with ``crc_at_copy`` when verifying: the server
-computes each block's CRC32C in the same pass as its copy into the region
-and the client compares it with the header's, so the check reads no byte
-twice. With ``out`` buffers the client copies each block into its buffer and
-releases the grant with its next request on the lane. Without them the
-blocks are lent in place (``shm_loans``: no copy on the client) while at most
-half the region is on loan, and copied into fresh memory beyond that; a
-loan's grant is released once the caller drops its views. A region smaller
-than the batch means more rounds. Only this client and the server map the
-region (0600, unlinked once mapped), so a CRC taken on either side of it
-checks the same bytes.
+``get`` (kvstore/lanes/client/shm_get.py) sends LaneGet and takes the blocks the replies describe: written
+into ``out`` by the store (as columns, or descriptors), copied out of the region or the store's shared DRAM
+arena, read from the store's NVMe files, or lent in place.
 
 The lane is used by one call at a time (``negotiate.LanePool``).
 """
@@ -37,20 +28,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from kvstore.checksum import crc32c
-from kvstore.errors import KVStoreError, corrupt_block, short_buffer
 from kvstore.lanes.base import Lane, LaneBroken, lane_failure
-from kvstore.lanes.buffers import alloc_blocks
 from kvstore.lanes.client.channel import ShmChannel
-from kvstore.lanes.client.disk import DiskBlock, DiskReader
-from kvstore.lanes.client.loans import Lender, Loan
-from kvstore.lanes.client.outputs import SpanCopy, copy_out, copy_pool, direct_outs
+from kvstore.lanes.client.disk import DiskReader
+from kvstore.lanes.client.loans import Lender
+from kvstore.lanes.client.shm_get import ShmGets
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.direct import handshake
-from kvstore.lanes.segments import Spans, clip, flatten, gather, span_bytes
+from kvstore.lanes.segments import Spans, flatten, gather
 from kvstore.lanes.shm_region import RegionError, ShmRegion, attach
-from kvstore.memops import copy_crc, copy_into, host_view
-from kvstore.payload import Segments, as_bytes_view
+from kvstore.memops import copy_crc, copy_into
+from kvstore.payload import Segments
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
@@ -64,7 +52,7 @@ COMMIT_BYTES = 16 << 20
 T = TypeVar("T")
 
 
-class ShmClientLane(Lane):
+class ShmClientLane(ShmGets, Lane):
     kind = "shm"
     commit_bytes = COMMIT_BYTES  # a commit is sent every this many bytes written
     _channel: ShmChannel | None = None  # Gets as frames on the direct handshake's socket, not gRPC calls
@@ -201,228 +189,6 @@ class ShmClientLane(Lane):
             gather(dst, payload.views, crc=False)
         else:
             copy_into(dst, payload)
-
-    # -- get ------------------------------------------------------------------------------
-    def get(
-        self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None, allow_missing: bool, verify: bool
-    ) -> list[Any]:
-        spans = direct_outs(out) if out is not None and (self.direct or self.disk is not None) else None
-        read_disk = self.disk is not None and spans is not None  # NVMe blocks read by us, from the store's files
-        failed: list[int] = []  # read from disk but not readable or not matching their CRC32C
-        results = self._get(namespace, hashes, out, allow_missing, verify, spans, read_disk, failed)
-        if self.disk is not None and self.disk.unusable:  # another mount namespace, say: the store reads them
-            log.info("shm lane %s: %s; Gets of NVMe blocks go through the store", self.ref.lane_id, self.disk.unusable)
-            self.disk.close()
-            self.disk = None
-        if failed:  # the store reads these itself: a corrupt record is dropped there and reported as DATA_LOSS
-            again = self._get(
-                namespace, [hashes[i] for i in failed], [out[i] for i in failed] if out is not None else None,
-                allow_missing, verify, [spans[i] for i in failed] if spans is not None else None, False, [],
-            )  # fmt: skip
-            for i, result in zip(failed, again):
-                results[i] = result
-        return results
-
-    def _get(
-        self,
-        namespace: str,
-        hashes: Sequence[bytes],
-        out: Sequence[Any] | None,
-        allow_missing: bool,
-        verify: bool,
-        spans: list[Spans] | None,
-        read_disk: bool,
-        failed: list[int],
-    ) -> list[Any]:
-        results: list[Any] = [None] * len(hashes)
-        read_dram = self.dram is not None and out is not None  # DRAM hits copied once, by us, from the arena
-        outs = spans if self.direct else None  # the rest written by the store
-        segmented = out is not None and any(isinstance(o, Segments) for o in out)
-        start = 0
-        while start < len(hashes):
-            request = lpb.LaneGetRequest(
-                lane=self.ref,
-                release=self._take_release(),
-                request=pb.GetRequest(namespace=namespace, hashes=hashes[start:], allow_missing=allow_missing),
-                crc_at_copy=verify,
-                read_dram=read_dram,
-                read_disk=read_disk,
-                written_columns=outs is not None,
-            )
-            if outs is not None and segmented:  # the server writes each block across our buffers itself
-                counts, addresses, lengths = flatten(outs[start:])
-                request.out_segment_counts.extend(counts)
-                request.out_segment_addresses.extend(addresses)
-                request.out_segment_lengths.extend(lengths)
-            elif outs is not None:  # the server writes each block into our buffer itself
-                request.out_addresses.extend(spans[0][0] for spans in outs[start:])
-                request.out_lengths.extend(spans[0][1] for spans in outs[start:])
-            handled = self._call(lambda: self._receive(request, start, out, verify, results, spans, failed))
-            start += handled
-        return results
-
-    def _receive(
-        self,
-        request: lpb.LaneGetRequest,
-        start: int,
-        out: Sequence[Any] | None,
-        verify: bool,
-        results: list[Any],
-        spans: list[Spans] | None = None,
-        failed: list[int] | None = None,
-    ) -> int:
-        handled = -1
-        for msg in self._replies(request):
-            if msg.HasField("written"):
-                self._take_columns(msg.written, request.request.hashes, start, out, verify, results)
-            present = [d for d in msg.blocks if not d.header.missing]
-            if any(d.disk_file for d in present):
-                self._take_disk([d for d in present if d.disk_file], start, out, spans, results, failed)
-                present = [d for d in present if not d.disk_file]
-            lend = out is None and bool(present) and self._lender.can_lend(sum(d.length for d in present))
-            loan = self._lender.open(msg.grant_id) if lend else None
-            try:
-                if msg.written_direct:  # blocks named in the DRAM arena are ours to copy; the store wrote the rest
-                    named = [d for d in present if d.in_dram]
-                    if named:
-                        self._take_blocks(named, start, out, verify, results, None, msg.crcs_at_copy)
-                    self._take_written([d for d in present if not d.in_dram], start, out, verify, results)
-                else:
-                    self._take_blocks(present, start, out, verify, results, loan, msg.crcs_at_copy)
-            finally:
-                if loan is not None:
-                    loan.close()  # its grant is released once the caller drops the lent views
-                else:
-                    self._give_back(msg.grant_id)
-            if msg.last:
-                handled = msg.handled
-        if handled <= 0:
-            raise KVStoreError(grpc.StatusCode.DATA_LOSS, "lane Get stream ended without its last message")
-        return handled
-
-    def _replies(self, request: lpb.LaneGetRequest) -> Iterator[lpb.LaneGetResponse]:
-        """The Get's replies: over the lane's channel while it is open, else one LaneGet call."""
-        if self._channel is not None and self._channel.claim():  # claimed only once iterated: a generator
-            yield from self._channel.get(request)
-        else:
-            yield from self._stub.LaneGet(request, timeout=self._timeout, metadata=self._metadata)
-
-    def _take_disk(
-        self,
-        named: list[lpb.BlockDescriptor],
-        start: int,
-        out: Sequence[Any] | None,
-        spans: list[Spans] | None,
-        results: list[Any],
-        failed: list[int] | None,
-    ) -> None:
-        """Blocks the store named in its NVMe files: read each straight into our buffer and check its CRC32C
-        (the store read nothing); those that fail go in ``failed``, for the store to read itself."""
-        if self.disk is None or out is None or spans is None or failed is None:
-            raise KVStoreError(grpc.StatusCode.INTERNAL, "the store named blocks on disk for a Get that did not ask")
-        blocks = []
-        for d in named:
-            i = start + d.index
-            if span_bytes(spans[i]) < d.length:
-                raise short_buffer(i, span_bytes(spans[i]), d.length)
-            blocks.append(DiskBlock(i, d.disk_file, d.disk_offset, d.length, d.crc32c, clip(spans[i], d.length)))
-            results[i] = out[i]
-        failed.extend(self.disk.read(blocks))
-
-    @staticmethod
-    def _take_columns(
-        written: lpb.WrittenBlocks,
-        hashes: Sequence[bytes],
-        start: int,
-        out: Sequence[Any] | None,
-        verify: bool,
-        results: list[Any],
-    ) -> None:
-        """Raw blocks the server wrote into our buffers, as columns: compare each CRC32C it took with the
-        block's own (``hashes`` are the request's, from ``start``)."""
-        if out is None:
-            raise KVStoreError(grpc.StatusCode.INTERNAL, "the store wrote blocks into buffers a Get did not name")
-        index = list(written.index)
-        if verify and list(written.crc32c) != list(written.stored_crc32c):
-            k = next(k for k, (a, b) in enumerate(zip(written.crc32c, written.stored_crc32c)) if a != b)
-            raise corrupt_block(start + index[k], hashes[index[k]])
-        for i in index:
-            results[start + i] = out[start + i]
-
-    @staticmethod
-    def _take_written(
-        present: list[lpb.BlockDescriptor], start: int, out: Sequence[Any] | None, verify: bool, results: list[Any]
-    ) -> None:
-        """Blocks the server wrote into our buffers: check each CRC32C it took of what it wrote."""
-        assert out is not None
-        for d in present:
-            i = start + d.index
-            if verify:
-                h = d.header
-                if h.codec == pb.CODEC_NONE and d.crc32c != h.crc32c:
-                    raise corrupt_block(i, d.hash)
-            results[i] = out[i]
-
-    def _take_blocks(
-        self,
-        present: list[lpb.BlockDescriptor],
-        start: int,
-        out: Sequence[Any] | None,
-        verify: bool,
-        results: list[Any],
-        loan: Loan | None,
-        crcs_at_copy: bool,
-    ) -> None:
-        """Lend (no copy) or copy out the blocks of one LaneGet message, checking each CRC32C.
-
-        With ``crcs_at_copy`` the server computed each CRC32C as it copied the block into the region, which
-        only it and this client map: comparing that with the header's checks the block without reading it."""
-        fresh = iter(alloc_blocks([d.length for d in present]) if out is None and loan is None else ())
-        copies: list[tuple[Any, memoryview, bool]] = []  # (destination, region range, compute its CRC)
-        checked: list[tuple[int, lpb.BlockDescriptor]] = []
-        for d in present:
-            i = start + d.index
-            check = verify and d.header.codec == pb.CODEC_NONE
-            if check and crcs_at_copy and not d.in_dram:
-                if d.crc32c != d.header.crc32c:
-                    raise corrupt_block(i, d.hash)
-                check = False
-            if loan is not None:
-                results[i] = view = loan.view(d.offset, d.length)  # the bytes stay where the server put them
-                if check and crc32c(view) != d.header.crc32c:
-                    raise corrupt_block(i, d.hash)
-                continue
-            source = self.dram if d.in_dram else self.region
-            if source is None or d.offset + d.length > source.size:
-                raise KVStoreError(grpc.StatusCode.INTERNAL, f"block {i} is named outside the memory this lane maps")
-            src = source.view[d.offset : d.offset + d.length]
-            target = out[i] if out is not None else None
-            if isinstance(target, Segments) and target.on_host and isinstance(source, ShmRegion):
-                if target.nbytes < d.length:
-                    raise short_buffer(i, target.nbytes, d.length)
-                dst: Any = SpanCopy(clip(target.spans, d.length), source.address + d.offset)
-            else:
-                dst = self._out_view(out, i, d.length) if out is not None else next(fresh)
-            copies.append((dst, src, check))
-            checked.append((i, d))
-            results[i] = out[i] if out is not None else dst
-        crcs = copy_pool().run(copy_out, copies, [len(c[1]) for c in copies])
-        for (i, d), (_, _, check), crc in zip(checked, copies, crcs):
-            if check and crc != d.header.crc32c:
-                raise corrupt_block(i, d.hash)
-
-    @staticmethod
-    def _out_view(out: Sequence[Any], i: int, n: int) -> memoryview | list[memoryview]:
-        target = out[i]
-        if isinstance(target, Segments):  # scattered across its segments
-            if target.nbytes < n:
-                raise short_buffer(i, target.nbytes, n)
-            views: list[memoryview] = target.head_views(n)
-            return views
-        dst = host_view(target) or as_bytes_view(target)[0]  # host_view: no dtype name worked out per block
-        if len(dst) < n:
-            raise short_buffer(i, len(dst), n)
-        return dst[:n]
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
