@@ -67,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.store import shadow_jit
+from kvstore.store import policy_jit, shadow_jit
 from kvstore.store.frequency import FrequencyLeafLRU, FrequencySketch
 from kvstore.store.hints import ReuseHint
 from kvstore.store.policy import BULK_MIN
@@ -122,7 +122,8 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
         self._sample = 1  # shadows see fingerprints with fp % _sample == 0
         self._jit = jit and shadow_jit.AVAILABLE  # the shadows in one compiled call per batch, not per rung
         self._bank: Any = self._new_bank()
-        self._accesses = 0
+        self._replayed = 0  # shadow accesses replayed
+        self._queue = policy_jit.ShadowQueue()  # and those waiting (touch_many's, until P could change)
         self.parent_of: Callable[[int], int | None] = lambda e: None  # the parent entry (from the index once bound)
 
     def bind(self, table: Any, rank: int) -> None:
@@ -132,15 +133,24 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
     @property
     def _shadows(self) -> list[Any]:
         """One shadow per rung of the ladder (``Shadow``, or a view of the compiled bank's arrays)."""
+        self._flush()
         return self._bank.rungs
 
     @property
     def _disagree(self) -> Any:
         """[i][j]: accesses (decayed like the scores) that shadow i hit and j missed or the reverse."""
+        self._flush()
         return self._bank.disagree
+
+    @property
+    def _accesses(self) -> int:
+        """Accesses the shadows saw."""
+        self._flush()
+        return self._replayed
 
     @_disagree.setter
     def _disagree(self, value: Any) -> None:
+        self._flush()
         if isinstance(self._bank.disagree, np.ndarray):
             self._bank.disagree[:] = np.asarray(value, dtype=np.float64)
         else:
@@ -213,38 +223,56 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
             self._push(e)
 
     def touch_many(self, ids: Any) -> None:
-        """``touch`` of each entry of ``ids`` in order, the sketch's counts in one vectorized call (a Get's
-        blocks are touched at release: one by one, the sketch took most of a 32-block DRAM-hit Get's server
-        time)."""
+        """``touch`` of each entry of ``ids`` in order: the sketch's counts, clocks, classes and the shadows'
+        sample in one compiled call where numba is there (kvstore/store/policy_jit.py), the dicts in bulk, a
+        heap row per leaf; the shadows replay the queued sample once P could change (every 64th access)."""
         prio = self._prio
-        present = [e for e in ids if e in prio]
+        present = ids if all(map(prio.__contains__, ids)) else [e for e in ids if e in prio]
         if not present:
             return
-        fps, counts = self._touch_counts(present)
         # what _access and _push do for each, in order; the shadows after, in one batch (they read nothing
         # of this, and this nothing of them but P, read at eviction)
-        cls_of, leaf, heaps, boost, deadline = self._cls, self._leaf, self._heaps, self._boost, self._deadline
-        n, threshold, clock = max(len(prio), 64), self.reuse_threshold, self._clock
-        limit = 4 * len(prio) + 64
-        self._compact_heaps()
+        resident, k, clock = len(prio), len(present), self._clock
+        self._coarsen(resident)  # (what the shadows' sample is: nothing here changes it)
+        q, queue = self._sample, self._queue if self._walks_index() else None
+        cap = max(resident // q, 1)
+        if queue is None:
+            buf = self._touch_fused(present, 0.0)
+        else:
+            buf = self._touch_fused(present, 0.0, q, ANCESTOR_STEPS * q, cap, queue)
+        if buf is None:
+            fps, counts = self._touch_counts(present)
+            new = list(map(float, range(clock + 1, clock + 1 + k)))
+            classes = [REUSED if c >= self.reuse_threshold else ONCE for c in counts]
+        else:
+            new, classes = buf.prio[:k].tolist(), buf.cls[:k].tolist()
+        boost, deadline, cls_of, heaps = self._boost, self._deadline, self._cls, self._heaps
+        if boost:
+            n = max(resident, 64)
+            new = [c + boost.get(e, 0.0) * n for c, e in zip(new, present)]
         if deadline:
             for e in present:
                 deadline.pop(e, None)  # a hint lasts until the block's next access
-        for e, count in zip(present, counts):
-            clock += 1
-            cls_of[e] = c = REUSED if count >= threshold else ONCE
-            prio[e] = p = float(clock) + boost.get(e, 0.0) * n if boost else float(clock)
-            if e in leaf:
-                heap = heaps[c]
-                heapq.heappush(heap, (p, e))
-                if len(heap) > limit:
-                    self._compact_heaps()
-        self._clock = clock
-        resident = len(prio)
-        self._coarsen(resident)
-        arr, counts_a = np.asarray(present, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-        if self._sample > 1:
-            pick = np.nonzero(fps % np.uint64(self._sample) == 0)[0]
+        cls_of.update(zip(present, classes))
+        prio.update(zip(present, new))
+        self._clock = clock + k
+        self._compact_heaps()
+        limit = 4 * resident + 64  # a compaction reads the final clocks: the same rows, each once
+        for e in self._leaf.intersection(present):  # its last row: an earlier one of a repeat would be stale
+            heap = heaps[cls_of[e]]
+            heapq.heappush(heap, (prio[e], e))
+            if len(heap) > limit:
+                self._compact_heaps()
+        if buf is None:
+            arr, counts_a = np.asarray(present, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+        elif queue is not None:  # queued (with their ancestors) by the compiled call
+            if self._replayed % 64 + queue.n >= 64:
+                self._flush()
+            return
+        else:
+            arr, fps, counts_a = np.asarray(present, dtype=np.int64), buf.fps[:k], buf.counts[:k]
+        if q > 1:
+            pick = np.nonzero(fps % np.uint64(q) == 0)[0]
             arr, fps, counts_a = arr[pick], fps[pick], counts_a[pick]
         self._shadow_batch(arr, fps, counts_a, np.full(len(arr), resident, dtype=np.int64))
 
@@ -417,28 +445,28 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
 
     def _replay(self, fps: np.ndarray, parents: np.ndarray, has: np.ndarray, counts: np.ndarray,
                 caps: np.ndarray) -> None:  # fmt: skip
-        """Sampled accesses into every shadow, P re-chosen after each 64th (at that access's capacity)."""
+        """Sampled accesses into every shadow (after the queued ones), P re-chosen after each 64th (at that
+        access's capacity)."""
+        self._flush()
         i, n = 0, len(fps)
         while i < n:
-            done = self._bank.run(fps[i:], parents[i:], has[i:], counts[i:], caps[i:], self._accesses)
+            done = self._bank.run(fps[i:], parents[i:], has[i:], counts[i:], caps[i:], self._replayed)
             i += done
-            self._accesses += done
-            if self._accesses % 64 == 0:
+            self._replayed += done
+            if self._replayed % 64 == 0:
                 self._choose(int(caps[i - 1]))
+
+    def _flush(self) -> None:
+        """The queued shadow accesses replayed."""
+        if self._queue.n:
+            self._replay(*self._queue.take())
 
     def _sampled_ancestors(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``_sampled_ancestor`` of each entry: fingerprints (uint64) and whether each has one; one compiled
         walk over the index's columns when the policy reads its parents and fingerprints from the index."""
         out, has = np.zeros(len(ids), dtype=np.uint64), np.zeros(len(ids), dtype=np.bool_)
         t = self.table
-        if (
-            self._jit
-            and t is not None
-            and hasattr(t, "column")
-            and self.parent_of == t.parent_of
-            and "_fingerprint" not in self.__dict__
-            and type(self)._fingerprint is FrequencyLeafLRU._fingerprint
-        ):
+        if self._walks_index():
             c = t.column
             shadow_jit.ancestors(
                 c("parent").base, c("parent_gen").base, c("gen").base, c("flags").base, c("key").base,
@@ -451,6 +479,18 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
             if fp is not None:
                 out[i], has[i] = fp, True
         return out, has
+
+    def _walks_index(self) -> bool:
+        """Whether the ancestors are walked in the index's columns, compiled (else ``_sampled_ancestor``)."""
+        t = self.table
+        return bool(
+            self._jit
+            and t is not None
+            and hasattr(t, "column")
+            and self.parent_of == t.parent_of
+            and "_fingerprint" not in self.__dict__
+            and type(self)._fingerprint is FrequencyLeafLRU._fingerprint
+        )
 
     def _sampled_ancestor(self, e: int) -> int | None:
         """The fingerprint of e's nearest sampled ancestor: a shadow's parent link, so that a sampled shadow
