@@ -306,9 +306,9 @@ class FrequencyLeafLRU(LeafLRU):
         return fps, self.sketch.count_many(fps, counted)
 
     def _fused_columns(self) -> tuple[Any, ...] | None:
-        """The index columns ``policy_jit.counts`` reads (key, ns, the location columns of the ranks above,
-        then parent, parent_gen, gen, flags); None where it does not apply (no numba, no index, a policy
-        with its own fingerprints or more than two ranks above)."""
+        """How many ranks are above and the index columns ``policy_jit.touch`` reads (key, ns, the location
+        columns of the ranks above, then parent, parent_gen, gen, flags); None where it does not apply (no
+        numba, no index, a policy with its own fingerprints or more than two ranks above)."""
         t = self.table
         if "_fingerprint" in self.__dict__:
             return None
@@ -329,7 +329,8 @@ class FrequencyLeafLRU(LeafLRU):
                 except KeyError:  # no such tier: no copy there
                     continue
             if len(ups) <= 2:
-                cols = (t.column("key"), t.column("ns"), tuple(ups), *map(t.column, _WALK))
+                absent = [policy_jit.NO_UPPER] * (2 - len(ups))
+                cols = (len(ups), (t.column("key"), t.column("ns"), *ups, *absent, *map(t.column, _WALK)))
         self._fused = (t, cols)
         return cols
 
@@ -341,19 +342,17 @@ class FrequencyLeafLRU(LeafLRU):
         cols = self._fused_columns()
         if cols is None:
             return None
-        arr = np.array(present, dtype=np.int64)
-        n, sk, threshold, clock = len(arr), self.sketch, self.reuse_threshold, self._clock
-        buf = self._buffers = self._buffers.for_size(n)
+        n, sk, threshold, clock, buf = len(present), self.sketch, self.reuse_threshold, self._clock, self._buffers
+        if n > buf.rows:
+            buf = self._buffers = policy_jit.TouchBuffers(2 * n)
         if sample:
             queue.reserve(n)
-        keys, ns, ups, walk = cols[0].base, cols[1].base, [c.base for c in cols[2]], [c.base for c in cols[3:]]
-        up0, up1 = (ups + [policy_jit.NO_UPPER] * 2)[:2]
+        arr, nup, columns = np.array(present, dtype=np.int64), cols[0], [c.base for c in cols[1]]
         start, m = 0, -1
         while m < 0:
             before = sk._added
-            start, sk._added, m = policy_jit.touch(keys, ns, up0, up1, len(ups), sk.views(), 64 - sk.width_bits,
-                                                   arr, start, before, clock, bonus, threshold, walk, sample,
-                                                   steps, cap, buf, queue)  # fmt: skip
+            start, sk._added, m = policy_jit.touch(columns, nup, sk.views(), 64 - sk.width_bits, arr, start, before,
+                                                   clock, bonus, threshold, sample, steps, cap, buf, queue)  # fmt: skip
             if sk._added != before and sk._added & 1023 == 0 and sk._maintain():
                 j = start - 1  # the count that set off the aging, read after it
                 buf.counts[j] = count = sk.estimate(int(buf.fps[j]))

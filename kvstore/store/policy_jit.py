@@ -18,8 +18,8 @@ fixes that one count (and its priority and class) and calls again from there. On
 to ``queue`` (a ``ShadowQueue``: the adaptive policy's shadow accesses not replayed yet) each entry whose
 fingerprint is a multiple of ``sample`` (none when ``sample`` is 0), in order, with its count, the capacity
 ``cap`` and its nearest sampled ancestor within ``steps`` (what ``shadow_jit.ancestors`` finds), and
-returns the queue's new length. ``buf`` is a ``TouchBuffers`` (``for_size(n)``: arrays of at least ``n``
-rows, reused from call to call).
+returns the queue's new length. ``buf`` is a ``TouchBuffers`` (arrays of ``rows`` rows, reused from call
+to call: a policy makes new ones, twice as long, for a longer batch).
 
 ``AVAILABLE`` says whether numba is importable; kvstore/store/frequency.py keeps the numpy path otherwise.
 """
@@ -35,7 +35,15 @@ from kvstore.store.jit import numba
 
 LIVE = 1  # the index's live flag (kvstore/store/index.py)
 ONCE, REUSED = 1, 2  # the adaptive policy's classes (kvstore/store/adaptive.py)
-NO_UPPER = np.zeros(1, dtype=np.uint32)  # stands for an absent rank above (``nup`` says it is not read)
+
+
+class Absent:
+    """Stands for the location column of an absent rank above (``nup`` says it is not read)."""
+
+    base = np.zeros(1, dtype=np.uint32)
+
+
+NO_UPPER = Absent()
 
 
 class TouchBuffers:
@@ -47,10 +55,6 @@ class TouchBuffers:
         self.rows = rows
         self.fps, self.prio = np.zeros(rows, dtype=np.uint64), np.zeros(rows, dtype=np.float64)
         self.counts, self.cls = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
-
-    def for_size(self, n: int) -> TouchBuffers:
-        """These buffers, or new ones (twice as long) when they hold fewer than ``n`` rows."""
-        return self if n <= self.rows else TouchBuffers(2 * n)
 
 
 class ShadowQueue:
@@ -67,7 +71,7 @@ class ShadowQueue:
 
     def reserve(self, more: int) -> None:
         """Room for ``more`` rows after the ``n`` held (the arrays grow, copying, when short)."""
-        if self.n + more > len(self.fps):
+        if self.n + more > self.fps.shape[0]:
             rows, n = 2 * (self.n + more), self.n
             for name in self.__slots__[1:]:
                 old = getattr(self, name)
@@ -85,13 +89,13 @@ NO_QUEUE = ShadowQueue(1)  # for a policy without shadows (``sample`` 0: never w
 _kernel: Any = None
 
 
-def touch(keys: Any, nss: Any, up0: Any, up1: Any, nup: int, rows: list[Any], shift: int, ids: Any, start: int,
-          added: int, clock: int, bonus: float, threshold: int, walk: list[Any], sample: int, steps: int,
-          cap: int, buf: TouchBuffers, queue: ShadowQueue) -> tuple[int, int, int]:  # fmt: skip
-    """The compiled pass of the module doc (``rows``: the sketch's four; ``walk``: the index's parent,
-    parent_gen, gen and flags columns)."""
+def touch(columns: list[Any], nup: int, rows: list[Any], shift: int, ids: Any, start: int, added: int, clock: int,
+          bonus: float, threshold: int, sample: int, steps: int, cap: int, buf: TouchBuffers,
+          queue: ShadowQueue) -> tuple[int, int, int]:  # fmt: skip
+    """The compiled pass of the module doc (``columns``: the index's key, ns, the two location columns above,
+    parent, parent_gen, gen and flags; ``rows``: the sketch's four)."""
+    keys, nss, up0, up1, parent, parent_gen, gen, flags = columns
     r0, r1, r2, r3 = rows
-    parent, parent_gen, gen, flags = walk
     q = queue
     return _kernel(keys, nss, up0, up1, nup, r0, r1, r2, r3, shift, ids, start, added, clock, bonus, threshold,
                    parent, parent_gen, gen, flags, sample, steps, cap, buf.fps, buf.counts, buf.prio, buf.cls,
