@@ -132,9 +132,19 @@ class ShadowDueling(FrequencyLeafLRU):
                 self._choose(int(caps[i - 1]))
 
     def _flush(self) -> None:
-        """The queued shadow accesses replayed."""
-        if self._queue.n:
-            self._replay(*self._queue.take())
+        """The queued shadow accesses replayed (``_replay`` of them; they are in the compiled bank's types)."""
+        queue = self._queue
+        if not queue.n:
+            return
+        cap_max, bank = queue.cap_max, self._bank
+        fps, parents, has, counts, caps = queue.take()
+        i, n = 0, len(fps)
+        while i < n:
+            done = bank.run_typed(fps[i:], parents[i:], has[i:], counts[i:], caps[i:], cap_max, self._replayed)
+            i += done
+            self._replayed += done
+            if self._replayed % 64 == 0:
+                self._choose(int(caps[i - 1]))
 
     def _sampled_ancestors(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``_sampled_ancestor`` of each entry: fingerprints (uint64) and whether each has one; one compiled

@@ -192,7 +192,10 @@ class AdaptiveLeafPolicy(ShadowDueling):
         if queue is None:
             buf = self._touch_fused(present, 0.0)
         else:
+            queued = queue.n
             buf = self._touch_fused(present, 0.0, q, ANCESTOR_STEPS * q, cap, queue)
+            if queue.n > queued:
+                queue.cap_max = max(queue.cap_max, cap)
         if buf is None:
             fps, counts = self._touch_counts(present)
             new = list(map(float, range(clock + 1, clock + 1 + k)))

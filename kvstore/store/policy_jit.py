@@ -61,10 +61,10 @@ class ShadowQueue:
     """Shadow accesses waiting to be replayed, in order: ``n`` rows of fingerprint, ancestor's fingerprint,
     whether there is one, count and capacity (the arguments of ``JitShadows.run``)."""
 
-    __slots__ = ("n", "fps", "anc", "has", "counts", "caps")
+    __slots__ = ("n", "cap_max", "fps", "anc", "has", "counts", "caps")
 
     def __init__(self, rows: int = 256):
-        self.n = 0
+        self.n = self.cap_max = 0  # rows held, and the largest capacity among them
         self.fps, self.anc = np.zeros(rows, dtype=np.uint64), np.zeros(rows, dtype=np.uint64)
         self.has = np.zeros(rows, dtype=np.bool_)
         self.counts, self.caps = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
@@ -73,7 +73,7 @@ class ShadowQueue:
         """Room for ``more`` rows after the ``n`` held (the arrays grow, copying, when short)."""
         if self.n + more > self.fps.shape[0]:
             rows, n = 2 * (self.n + more), self.n
-            for name in self.__slots__[1:]:
+            for name in self.__slots__[2:]:
                 old = getattr(self, name)
                 new = np.zeros(rows, dtype=old.dtype)
                 new[:n] = old[:n]
@@ -81,7 +81,7 @@ class ShadowQueue:
 
     def take(self) -> tuple[np.ndarray, ...]:
         """The rows held (views), the queue emptied."""
-        n, self.n = self.n, 0
+        n, self.n, self.cap_max = self.n, 0, 0
         return self.fps[:n], self.anc[:n], self.has[:n], self.counts[:n], self.caps[:n]
 
 
