@@ -158,12 +158,12 @@ def _drive(
             for c in copies:
                 c.p.hint(op[1], HINTS[op[2]])
         elif op[0] == "above":  # copies in the tiers above appear (odd) or go (even)
-            ids = np.array(op[1], dtype=np.int64)
-            locs = np.where(ids % 2 == 1, ids + 1, 0).astype(np.uint32)
+            where = np.array(op[1], dtype=np.int64)
+            locs = np.where(where % 2 == 1, where + 1, 0).astype(np.uint32)
             for c in copies:
                 for r in (HBM, DRAM, NVME):
                     if r < rank and (op[2] >> (r - 1)) & 1:
-                        c.table.column_of_loc(r).put(ids, locs)
+                        c.table.column_of_loc(r).put(where, locs)
         elif op[0] == "age":  # the sketch's next aging check comes within that many additions
             for c in copies:
                 c.p.sketch._added = (c.p.sketch._added | 1023) - op[1]
