@@ -171,7 +171,7 @@ if AVAILABLE:
         clock = scal[r, S_CLOCK]
         hit = False
         x = _find(fpa, table, scal, r, fp)
-        if x >= 0:
+        if x >= 0 and scal[r, S_SIZE] > capacity:  # (found again only after evictions: one may have been x)
             while scal[r, S_SIZE] > capacity and _evict(fpa, node, free, table, heap, scal, P, r):
                 pass
             x = _find(fpa, table, scal, r, fp)
