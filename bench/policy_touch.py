@@ -1,18 +1,23 @@
 """What a Get's touch costs each eviction policy: ``touch_many`` of 32 chained entries, microseconds per call.
 
-    python -m bench.policy_touch [--quick] [--residents 2048,65536] [--out FILE.json]
+    python -m bench.policy_touch [--quick] [--residents 2048,65536] [--baseline FILE.json] [--out FILE.json]
 
 A policy bound to a real EntryTable holding ``residents`` blocks in chains of 32 (all resident in one DRAM
 tier, inserted with ``insert_many``), then ``touch_many`` of a random whole chain, as a Get's release does.
 Rows: ``freq`` (the baseline: one compiled sketch call), ``adaptive`` with its shadows in Python
 (``jit=False``: what the default did per block before kvstore/store/shadow_jit.py) and ``adaptive`` (the
 default, compiled shadows). Below 6,144 residents the shadows see every access; above, a hash-sampled share.
+``vs_freq`` is each row against ``freq`` measured in the same run; with ``--baseline`` (an earlier run's
+JSON, e.g. bench/results/policy_touch_before.json: the code before kvstore/store/policy_jit.py, run on the same
+machine the same day) each row also shows that run's figure (``before_us``) and ``speedup`` = before / now.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,20 +71,25 @@ POLICIES: dict[str, Callable[[], LeafLRU]] = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(
-        "touch_many of 32 chained entries per policy, us per call",
-        argv,
-        lambda p: p.add_argument("--residents", default="2048,65536", help="blocks held by the tier, comma-separated"),
-    )
+    def configure(p: Any) -> None:
+        p.add_argument("--residents", default="2048,65536", help="blocks held by the tier, comma-separated")
+        p.add_argument("--baseline", type=Path, default=None, metavar="FILE.json", help="an earlier run to compare")
+
+    args = parse_args("touch_many of 32 chained entries per policy, us per call", argv, configure)
+    before: dict[tuple[int, str], float] = {}
+    if args.baseline is not None:
+        rows0 = json.loads(args.baseline.read_text())["rows"]
+        before = {(r["residents"], r["policy"]): r["us_per_touch_many"] for r in rows0}
     reps = 300 if args.quick else 3000
     rows: list[dict[str, Any]] = []
     for n in (int(float(x)) for x in args.residents.split(",")):
         base = measure(POLICIES["freq"], n, reps)
         for name, make in POLICIES.items():
             us = base if name == "freq" else measure(make, n, reps)
-            rows.append(
-                {"residents": n, "policy": name, "us_per_touch_many": round(us, 1), "vs_freq": round(us / base, 2)}
-            )
+            row = {"residents": n, "policy": name, "us_per_touch_many": round(us, 1), "vs_freq": round(us / base, 2)}
+            if (n, name) in before:
+                row |= {"before_us": before[n, name], "speedup": round(before[n, name] / us, 2)}
+            rows.append(row)
     report(rows, args, title=f"touch_many of {CHAIN} chained ids ({reps} reps)", bench="policy_touch")
 
 

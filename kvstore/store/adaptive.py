@@ -50,38 +50,38 @@ its nearest sampled ancestor, so a sampled shadow keeps the prefix tree
 (contracted) with its leaf and prefix rules; the scores carry over when R
 grows. ``insert_many`` (what ``commit_puts`` and recovery call) does the
 sketch, clocks, classes and heaps in vectorized passes; ``touch_many`` (a
-Get's release) counts the sketch in one compiled call and updates clocks,
-classes and heaps in one loop. Both replay the shadows' sampled share of the
-batch in one compiled call (kvstore/store/shadow_jit.py, with numba; the
-same accesses as ``Shadow`` objects one by one, which ``jit=False`` or no
-numba uses: tests/test_adaptive_jit.py checks they decide alike).
+Get's release) counts the sketch, computes clocks and classes and picks the
+shadows' sample with its ancestors in one compiled call
+(kvstore/store/policy_jit.py), then updates the dicts in bulk and pushes a
+heap row per leaf. Both replay the shadows' sampled share of the batch in one
+compiled call (kvstore/store/shadow_jit.py, with numba; the same accesses as
+``Shadow`` objects one by one, which ``jit=False`` or no numba uses:
+tests/test_adaptive_jit.py checks they decide alike); ``touch_many``'s wait
+in a queue until P could change (every 64th access: kvstore/store/adaptation.py,
+which holds the shadows' part of the policy).
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvstore.store import shadow_jit
-from kvstore.store.frequency import FrequencyLeafLRU, FrequencySketch
+from kvstore.store.adaptation import ANCESTOR_STEPS, ShadowDueling
+from kvstore.store.frequency import FrequencySketch
 from kvstore.store.hints import ReuseHint
 from kvstore.store.policy import BULK_MIN
-from kvstore.store.shadows import PyShadows
 from kvstore.store.shadows import Shadow as Shadow  # re-exported: the reference rung the tests drive
 
 DEAD, ONCE, REUSED, KEPT = 0, 1, 2, 3
 CLASS_NAMES = ("dead", "once", "reused", "kept")
 DEFAULT_LADDER = (0.0, 1.0, 4.0, 16.0)
-FREQ_PROTECT = 4.0  # FrequencyLeafLRU's default protection, in turnovers
-ANCESTOR_STEPS = 8  # how far (x the sample) a sampled block's shadow parent is looked for
 
 
-class AdaptiveLeafPolicy(FrequencyLeafLRU):
+class AdaptiveLeafPolicy(ShadowDueling):
     """Leaf-first classes (dead, once, reused, kept) with the reused offset P chosen by shadow caches."""
 
     name = "adaptive"
@@ -103,53 +103,15 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
     ):
         if not ladder or any(p < 0 for p in ladder) or window <= 0 or margin < 0 or max_shadow < 64:
             raise ValueError("ladder must be non-empty and >= 0; window > 0; margin >= 0; max_shadow >= 64")
-        super().__init__(protect=0.0, reuse_threshold=reuse_threshold, sketch=sketch)
-        self.ladder = tuple(float(p) for p in ladder)
-        self.window = window
-        self.margin = margin
-        self.confidence = confidence
+        super().__init__(ladder=ladder, reuse_threshold=reuse_threshold, window=window, margin=margin,
+                         confidence=confidence, max_shadow=max_shadow, sketch=sketch, jit=jit)  # fmt: skip
         self.hint_turnovers = hint_turnovers
-        self.max_shadow = max_shadow
         self.now = now
-        # start where freq is (what worked before), until the shadows have seen a window of accesses
-        self.P = min(self.ladder, key=lambda p: abs(p - FREQ_PROTECT))
-        self.switches = 0
         self._cls: dict[int, int] = {}  # resident e -> its class
         self._heaps: tuple[list[tuple[float, int]], ...] = ([], [], [], [])  # per class: (clock, e) of leaves
         self._boost: dict[int, float] = {}  # e -> priority hint, in turnovers
         self._deadline: dict[int, float] = {}  # e in KEPT by a TTL hint -> when it runs out
         self._expiry: list[tuple[float, int]] = []  # (deadline, e); stale rows skipped
-        self._sample = 1  # shadows see fingerprints with fp % _sample == 0
-        self._jit = jit and shadow_jit.AVAILABLE  # the shadows in one compiled call per batch, not per rung
-        self._bank: Any = self._new_bank()
-        self._accesses = 0
-        self.parent_of: Callable[[int], int | None] = lambda e: None  # the parent entry (from the index once bound)
-
-    def bind(self, table: Any, rank: int) -> None:
-        super().bind(table, rank)
-        self.parent_of = table.parent_of
-
-    @property
-    def _shadows(self) -> list[Any]:
-        """One shadow per rung of the ladder (``Shadow``, or a view of the compiled bank's arrays)."""
-        return self._bank.rungs
-
-    @property
-    def _disagree(self) -> Any:
-        """[i][j]: accesses (decayed like the scores) that shadow i hit and j missed or the reverse."""
-        return self._bank.disagree
-
-    @_disagree.setter
-    def _disagree(self, value: Any) -> None:
-        if isinstance(self._bank.disagree, np.ndarray):
-            self._bank.disagree[:] = np.asarray(value, dtype=np.float64)
-        else:
-            self._bank.disagree = [list(row) for row in value]
-
-    def _new_bank(self) -> Any:
-        if self._jit:
-            return shadow_jit.JitShadows(self.ladder, self.reuse_threshold, self.max_shadow)
-        return PyShadows(self.ladder, self.reuse_threshold)
 
     # -- verbs -----------------------------------------------------------------------------
     def insert(self, e: int, is_leaf: bool = True, cold: bool = False) -> None:
@@ -213,38 +175,57 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
             self._push(e)
 
     def touch_many(self, ids: Any) -> None:
-        """``touch`` of each entry of ``ids`` in order, the sketch's counts in one vectorized call (a Get's
-        blocks are touched at release: one by one, the sketch took most of a 32-block DRAM-hit Get's server
-        time)."""
+        """``touch`` of each entry of ``ids`` in order: the sketch's counts, clocks, classes and the shadows'
+        sample in one compiled call where numba is there (kvstore/store/policy_jit.py), the dicts in bulk, a
+        heap row per leaf; the shadows replay the queued sample once P could change (every 64th access)."""
         prio = self._prio
-        present = [e for e in ids if e in prio]
+        present = ids if all(map(prio.__contains__, ids)) else [e for e in ids if e in prio]
         if not present:
             return
-        fps, counts = self._touch_counts(present)
         # what _access and _push do for each, in order; the shadows after, in one batch (they read nothing
         # of this, and this nothing of them but P, read at eviction)
-        cls_of, leaf, heaps, boost, deadline = self._cls, self._leaf, self._heaps, self._boost, self._deadline
-        n, threshold, clock = max(len(prio), 64), self.reuse_threshold, self._clock
-        limit = 4 * len(prio) + 64
-        self._compact_heaps()
+        resident, k, clock = len(prio), len(present), self._clock
+        if resident > self.max_shadow * self._sample:
+            self._coarsen(resident)  # (what the shadows' sample is: nothing here changes it)
+        q, queue = self._sample, self._queue if self._walks_index() else None
+        cap = max(resident // q, 1)
+        if queue is None:
+            buf = self._touch_fused(present, 0.0)
+        else:
+            queued = queue.n
+            buf = self._touch_fused(present, 0.0, q, ANCESTOR_STEPS * q, cap, queue)
+            if queue.n > queued:
+                queue.cap_max = max(queue.cap_max, cap)
+        if buf is None:
+            fps, counts = self._touch_counts(present)
+            new = list(map(float, range(clock + 1, clock + 1 + k)))
+            classes = [REUSED if c >= self.reuse_threshold else ONCE for c in counts]
+        else:
+            new, classes = buf.prio[:k].tolist(), buf.cls[:k].tolist()
+        boost, deadline, cls_of, heaps = self._boost, self._deadline, self._cls, self._heaps
+        if boost:
+            n = max(resident, 64)
+            new = [c + boost.get(e, 0.0) * n for c, e in zip(new, present)]
         if deadline:
             for e in present:
                 deadline.pop(e, None)  # a hint lasts until the block's next access
-        for e, count in zip(present, counts):
-            clock += 1
-            cls_of[e] = c = REUSED if count >= threshold else ONCE
-            prio[e] = p = float(clock) + boost.get(e, 0.0) * n if boost else float(clock)
-            if e in leaf:
-                heap = heaps[c]
-                heapq.heappush(heap, (p, e))
-                if len(heap) > limit:
-                    self._compact_heaps()
-        self._clock = clock
-        resident = len(prio)
-        self._coarsen(resident)
-        arr, counts_a = np.asarray(present, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-        if self._sample > 1:
-            pick = np.nonzero(fps % np.uint64(self._sample) == 0)[0]
+        cls_of.update(zip(present, classes))
+        prio.update(zip(present, new))
+        self._clock = clock + k
+        for e in self._leaf.intersection(present):  # its last row: an earlier one of a repeat would be stale
+            heapq.heappush(heaps[cls_of[e]], (prio[e], e))
+        if max(map(len, heaps)) > 4 * resident + 64:  # (compacted once, after: the same rows stay valid)
+            self._compact_heaps()
+        if buf is None:
+            arr, counts_a = np.asarray(present, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+        elif queue is not None:  # queued (with their ancestors) by the compiled call
+            if self._replayed % 64 + queue.n >= 64:
+                self._flush()
+            return
+        else:
+            arr, fps, counts_a = np.asarray(present, dtype=np.int64), buf.fps[:k], buf.counts[:k]
+        if q > 1:
+            pick = np.nonzero(fps % np.uint64(q) == 0)[0]
             arr, fps, counts_a = arr[pick], fps[pick], counts_a[pick]
         self._shadow_batch(arr, fps, counts_a, np.full(len(arr), resident, dtype=np.int64))
 
@@ -379,133 +360,3 @@ class AdaptiveLeafPolicy(FrequencyLeafLRU):
             if head is not None and (best is None or head[0] + offsets[cls] < best_key):
                 best, best_key = cls, head[0] + offsets[cls]
         return best
-
-    # -- the adaptation ------------------------------------------------------------------------
-    def _shadow(self, e: int, fp: int, count: int, resident: int | None = None) -> None:
-        """One access into the shadows, with ``resident`` blocks in the tier (default: those held now)."""
-        resident = len(self._prio) if resident is None else resident
-        self._coarsen(resident)
-        if fp % self._sample:
-            return
-        parent = self._sampled_ancestor(e)
-        self._replay(
-            np.array([fp], dtype=np.uint64),
-            np.array([0 if parent is None else parent], dtype=np.uint64),
-            np.array([parent is not None]),
-            np.array([count], dtype=np.int64),
-            np.array([max(resident // self._sample, 1)], dtype=np.int64),
-        )
-
-    def _coarsen(self, resident: int) -> None:
-        """Sample the shadows more coarsely while ``resident`` is over ``max_shadow`` x the sample."""
-        if resident > self.max_shadow * self._sample:
-            while resident > self.max_shadow * self._sample:
-                self._sample *= 2
-            # restart, sampled; the scores carry on (halved: fewer accesses count from now on)
-            old, disagree = [s.score for s in self._shadows], [[d / 2 for d in row] for row in self._disagree]
-            self._bank = self._new_bank()
-            for s, score in zip(self._shadows, old):
-                s.score = score / 2
-            self._disagree = disagree
-
-    def _shadow_batch(self, ids: np.ndarray, fps: np.ndarray, counts: np.ndarray, residents: np.ndarray) -> None:
-        """``_shadow`` of sampled entries in order, the i-th with ``residents[i]`` blocks in the tier (none
-        of them above the sample's limit)."""
-        if len(ids):
-            parents, has = self._sampled_ancestors(ids)
-            self._replay(fps, parents, has, counts, np.maximum(residents // self._sample, 1))
-
-    def _replay(self, fps: np.ndarray, parents: np.ndarray, has: np.ndarray, counts: np.ndarray,
-                caps: np.ndarray) -> None:  # fmt: skip
-        """Sampled accesses into every shadow, P re-chosen after each 64th (at that access's capacity)."""
-        i, n = 0, len(fps)
-        while i < n:
-            done = self._bank.run(fps[i:], parents[i:], has[i:], counts[i:], caps[i:], self._accesses)
-            i += done
-            self._accesses += done
-            if self._accesses % 64 == 0:
-                self._choose(int(caps[i - 1]))
-
-    def _sampled_ancestors(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``_sampled_ancestor`` of each entry: fingerprints (uint64) and whether each has one; one compiled
-        walk over the index's columns when the policy reads its parents and fingerprints from the index."""
-        out, has = np.zeros(len(ids), dtype=np.uint64), np.zeros(len(ids), dtype=np.bool_)
-        t = self.table
-        if (
-            self._jit
-            and t is not None
-            and hasattr(t, "column")
-            and self.parent_of == t.parent_of
-            and "_fingerprint" not in self.__dict__
-            and type(self)._fingerprint is FrequencyLeafLRU._fingerprint
-        ):
-            c = t.column
-            shadow_jit.ancestors(
-                c("parent").base, c("parent_gen").base, c("gen").base, c("flags").base, c("key").base,
-                c("ns").base, np.ascontiguousarray(ids, dtype=np.int64), self._sample,
-                ANCESTOR_STEPS * self._sample, out, has,
-            )  # fmt: skip
-            return out, has
-        for i, e in enumerate(ids.tolist()):
-            fp = self._sampled_ancestor(e)
-            if fp is not None:
-                out[i], has[i] = fp, True
-        return out, has
-
-    def _sampled_ancestor(self, e: int) -> int | None:
-        """The fingerprint of e's nearest sampled ancestor: a shadow's parent link, so that a sampled shadow
-        keeps the prefix tree (contracted to the sampled blocks) with its leaf and prefix rules. None: a root,
-        or none within ``ANCESTOR_STEPS`` x the sample (the walk costs about one step per access)."""
-        p = self.parent_of(e)
-        for _ in range(ANCESTOR_STEPS * self._sample):
-            if p is None:
-                return None
-            fp = self._fingerprint(p)
-            if fp % self._sample == 0:
-                return fp
-            p = self.parent_of(p)
-        return None
-
-    def _shadow_many(self, ids: list[int], fps: np.ndarray, counts: np.ndarray, base: int) -> None:
-        """``_shadow`` of the i-th entry of a batch with ``base + i + 1`` residents, for every i in order:
-        only the sampled entries (and the one at which the sample coarsens) go through Python."""
-        fps_l, counts_l, n, i = fps.tolist(), counts.tolist(), len(ids), 0
-        ids_a, counts_a = np.asarray(ids, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-        while i < n:
-            coarsen = max(i, self.max_shadow * self._sample - base)  # first i with base + i + 1 above the limit
-            end = min(n, coarsen)
-            if self._sample == 1:
-                picked = np.arange(i, end)
-            else:
-                picked = np.nonzero(fps[i:end] % np.uint64(self._sample) == 0)[0] + i
-            self._shadow_batch(ids_a[picked], fps[picked], counts_a[picked], base + picked + 1)
-            if end < n:  # this access coarsens the sample (and restarts the shadows), then counts as sampled
-                self._shadow(ids[end], fps_l[end], counts_l[end], base + end + 1)
-                end += 1
-            i = end
-
-    def _choose(self, capacity: int) -> None:
-        decay = (1.0 - 1.0 / (self.window * max(capacity, 64))) ** 64
-        bank = self._bank
-        if isinstance(bank.disagree, np.ndarray):  # the compiled bank's arrays: the same products, at once
-            bank.score *= decay
-            bank.disagree *= decay
-        else:
-            for s in self._shadows:
-                s.score *= decay
-            for row in self._disagree:
-                row[:] = [d * decay for d in row]
-        rungs = self._shadows
-        scores = [s.score for s in rungs]
-        cur = next((i for i, s in enumerate(rungs) if s.P == self.P), None)
-        best = max(range(len(rungs)), key=scores.__getitem__)
-        if cur is None:
-            self.P = rungs[best].P
-            return
-        # switch on a lead that noise does not explain: the shadows see the same accesses, so the lead of
-        # one over the other is a sum over the accesses where they disagree, +-1 each: its noise is about
-        # the square root of their number
-        lead = scores[best] - scores[cur] * (1.0 + self.margin)
-        if best != cur and lead > self.confidence * math.sqrt(self._disagree[best][cur] + 1.0):
-            self.switches += 1
-            self.P = rungs[best].P

@@ -13,12 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.store import sketch_jit
+from kvstore.store import policy_jit, sketch_jit
 from kvstore.store.policy import BULK_MIN, COLD_PENALTY, LeafLRU
 
 _M64 = (1 << 64) - 1
 _MULTIPLIERS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
 _NO_LOC = -1
+_WALK = ("parent", "parent_gen", "gen", "flags")  # the index columns a walk to an ancestor reads
 
 
 class FrequencySketch:
@@ -40,6 +41,7 @@ class FrequencySketch:
         self._rows = [bytearray(1 << width_bits) for _ in _MULTIPLIERS]
         self._added = 0
         self.halvings = 0
+        self._views: tuple[list[bytearray], list[np.ndarray]] = (self._rows, self._row_arrays())
         self._owners: weakref.WeakSet[LeafLRU] = weakref.WeakSet()
         self._first: weakref.ref[LeafLRU] | None = None
 
@@ -52,6 +54,15 @@ class FrequencySketch:
     def reported_by(self, policy: LeafLRU) -> bool:
         """Whether ``policy`` reports the sketch's bytes (one policy per sketch does)."""
         return self._first is not None and self._first() is policy
+
+    def _row_arrays(self) -> list[np.ndarray]:
+        return [np.frombuffer(row, dtype=np.uint8) for row in self._rows]
+
+    def views(self) -> list[np.ndarray]:
+        """The rows as uint8 arrays sharing their memory (made again only after the rows were replaced)."""
+        if self._views[0] is not self._rows:
+            self._views = (self._rows, self._row_arrays())
+        return self._views[1]
 
     def _slots(self, fp: int) -> list[int]:
         shift = 64 - self.width_bits
@@ -116,7 +127,7 @@ class FrequencySketch:
         out = np.zeros(len(fps), dtype=np.int64)
         start = 0
         while start < len(fps):
-            rows = [np.frombuffer(row, dtype=np.uint8) for row in self._rows]
+            rows = self.views()
             done = sketch_jit.count(*rows, 64 - self.width_bits, fps[start:], counted[start:], self._added, out[start:])
             adds = int(np.count_nonzero(counted[start : start + done]))
             self._added += adds
@@ -176,6 +187,8 @@ class FrequencyLeafLRU(LeafLRU):
         self.sketch = sketch if sketch is not None else FrequencySketch()
         self.sketch.attach(self)
         self._upper: tuple[int, ...] = ()  # ranks above this tier's
+        self._fused: tuple[Any, tuple[Any, ...] | None] = (None, None)  # (table, _fused_columns() of it)
+        self._buffers = policy_jit.TouchBuffers(64)
         self._others: tuple[int, ...] = ()  # every other rank
 
     def bind(self, table: Any, rank: int) -> None:
@@ -185,6 +198,7 @@ class FrequencyLeafLRU(LeafLRU):
         ranks = range(1, table.loc.shape[1])
         self._upper = tuple(r for r in ranks if r < rank)
         self._others = tuple(r for r in ranks if r != rank)
+        self._fused = (None, None)
 
     # -- the hook ----------------------------------------------------------------
     def priority(self, e: int, count: int | None = None) -> float:
@@ -256,18 +270,23 @@ class FrequencyLeafLRU(LeafLRU):
             super().touch_many(ids)
             return
         prio = self._prio
-        present = [e for e in ids if e in prio]
+        present = ids if all(map(prio.__contains__, ids)) else [e for e in ids if e in prio]
         if not present:
             return
-        _, counts = self._touch_counts(present)
-        bonus = self.protect * max(len(prio), 64)
-        leaf, heap, clock, threshold = self._leaf, self._heap, self._clock, self.reuse_threshold
-        for e, count in zip(present, counts):
-            clock += 1
-            prio[e] = p = float(clock) + (bonus if count >= threshold else 0.0)
-            if e in leaf:
-                heapq.heappush(heap, (p, e))
-        self._clock = clock
+        # what priority() gives each in turn: its clock, plus the bonus where it was used often enough
+        bonus, threshold, clock = self.protect * max(len(prio), 64), self.reuse_threshold, self._clock
+        fused = self._touch_fused(present, bonus)
+        if fused is None:
+            _, counts = self._touch_counts(present)
+            clocks = map(float, range(clock + 1, clock + 1 + len(present)))
+            new = [c + bonus if k >= threshold else c for c, k in zip(clocks, counts)]
+        else:
+            new = fused.prio[: len(present)].tolist()
+        prio.update(zip(present, new))
+        self._clock = clock + len(present)
+        heap = self._heap
+        for e in self._leaf.intersection(present):  # its last row: an earlier one of a repeat would be stale
+            heapq.heappush(heap, (prio[e], e))
         self._trim_heap()
 
     def _touch_counts(self, present: list[int]) -> tuple[np.ndarray, list[int]]:
@@ -285,6 +304,63 @@ class FrequencyLeafLRU(LeafLRU):
                 for r in self._upper:
                     counted &= locs[:, r] == _NO_LOC
         return fps, self.sketch.count_many(fps, counted)
+
+    def _fused_columns(self) -> tuple[Any, ...] | None:
+        """How many ranks are above and the index columns ``policy_jit.touch`` reads (key, ns, the location
+        columns of the ranks above, then parent, parent_gen, gen, flags); None where it does not apply (no
+        numba, no index, a policy with its own fingerprints or more than two ranks above)."""
+        t = self.table
+        if "_fingerprint" in self.__dict__:
+            return None
+        if self._fused[0] is t:
+            return self._fused[1]
+        cols: tuple[Any, ...] | None = None
+        if (
+            policy_jit.AVAILABLE
+            and t is not None
+            and hasattr(t, "column")
+            and type(self)._fingerprint is FrequencyLeafLRU._fingerprint
+            and type(self.sketch) is FrequencySketch
+        ):
+            ups = []
+            for r in self._upper:
+                try:
+                    ups.append(t.column_of_loc(r))
+                except KeyError:  # no such tier: no copy there
+                    continue
+            if len(ups) <= 2:
+                absent = [policy_jit.NO_UPPER] * (2 - len(ups))
+                cols = (len(ups), (t.column("key"), t.column("ns"), *ups, *absent, *map(t.column, _WALK)))
+        self._fused = (t, cols)
+        return cols
+
+    def _touch_fused(self, present: list[int], bonus: float, sample: int = 0, steps: int = 0, cap: int = 0,
+                     queue: policy_jit.ShadowQueue = policy_jit.NO_QUEUE) -> policy_jit.TouchBuffers | None:  # fmt: skip
+        """``policy_jit.touch`` of the held entries being touched (the sketch aged where due, as ``count_many``
+        does it; the sampled ones queued for the shadows when ``sample``): the buffers it filled (fingerprints,
+        counts, and the priority and class each gets with ``bonus``); None where ``_fused_columns`` is."""
+        cols = self._fused_columns()
+        if cols is None:
+            return None
+        n, sk, threshold, clock, buf = len(present), self.sketch, self.reuse_threshold, self._clock, self._buffers
+        if n > buf.rows:
+            buf = self._buffers = policy_jit.TouchBuffers(2 * n)
+        if sample:
+            queue.reserve(n)
+        arr, nup, columns = np.array(present, dtype=np.int64), cols[0], [c.base for c in cols[1]]
+        start, m = 0, -1
+        while m < 0:
+            before = sk._added
+            start, sk._added, m = policy_jit.touch(columns, nup, sk.views(), 64 - sk.width_bits, arr, start, before,
+                                                   clock, bonus, threshold, sample, steps, cap, buf, queue)  # fmt: skip
+            if sk._added != before and sk._added & 1023 == 0 and sk._maintain():
+                j = start - 1  # the count that set off the aging, read after it
+                buf.counts[j] = count = sk.estimate(int(buf.fps[j]))
+                reused = count >= threshold
+                buf.prio[j] = float(clock + j + 1) + bonus if reused else float(clock + j + 1)
+                buf.cls[j] = 2 if reused else 1
+        queue.n = m
+        return buf
 
     def uses(self, e: int) -> int:
         return self.sketch.estimate(self._fingerprint(e))

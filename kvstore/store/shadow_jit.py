@@ -8,7 +8,7 @@ class of (clock, node) rows of leaves, stale rows skipped and compacted at the s
 Valid rows have distinct clocks (one per access), so the victim (the oldest valid leaf of the class chosen
 with the rung's offset) is the one ``Shadow`` picks whatever the heaps' order of ties.
 
-Verbs (the same as ``PyShadows``): ``run(...) -> done`` and ``rungs`` (views with the attributes of a
+Verbs (the same as ``PyShadows``): ``run(...) -> done`` (``run_typed``: the same without the conversions) and ``rungs`` (views with the attributes of a
 ``Shadow``: ``P``, ``score`` (settable), ``key``, ``cls``, ``parent``, ``nchild``, ``clock``, ``last_hit``,
 ``len``, ``heap_rows``) and ``disagree`` (a rungs x rungs float64 array). The node arrays hold
 ``max_keys + 1`` keys and grow (copying) if a capacity above that is asked for.
@@ -171,7 +171,7 @@ if AVAILABLE:
         clock = scal[r, S_CLOCK]
         hit = False
         x = _find(fpa, table, scal, r, fp)
-        if x >= 0:
+        if x >= 0 and scal[r, S_SIZE] > capacity:  # (found again only after evictions: one may have been x)
             while scal[r, S_SIZE] > capacity and _evict(fpa, node, free, table, heap, scal, P, r):
                 pass
             x = _find(fpa, table, scal, r, fp)
@@ -366,11 +366,20 @@ class JitShadows:
 
     def run(self, fps: Any, parents: Any, has_parent: Any, counts: Any, capacities: Any, accesses: int) -> int:
         caps = np.ascontiguousarray(capacities, dtype=np.int64)
-        if len(caps) and int(caps.max()) >= self.nodes:
-            self._grow(2 * int(caps.max()) + 1)
+        return self.run_typed(np.ascontiguousarray(fps, dtype=np.uint64),
+                              np.ascontiguousarray(parents, dtype=np.uint64),
+                              np.ascontiguousarray(has_parent, dtype=np.bool_),
+                              np.ascontiguousarray(counts, dtype=np.int64), caps,
+                              int(caps.max()) if len(caps) else 0, accesses)  # fmt: skip
+
+    def run_typed(self, fps: np.ndarray, parents: np.ndarray, has_parent: np.ndarray, counts: np.ndarray,
+                  caps: np.ndarray, cap_max: int, accesses: int) -> int:  # fmt: skip
+        """``run`` of contiguous arrays already of its types (uint64, uint64, bool, int64, int64), the largest
+        capacity among ``caps`` given: what a caller that keeps them so (the adaptive policy's queue) calls."""
+        if cap_max >= self.nodes:
+            self._grow(2 * cap_max + 1)
         return int(
             run_kernel(self.fpa, self.node, self.free, self.table, self.heap, self.scal, self.last, self.score,
-                       self.P, self.disagree, self._hits, np.ascontiguousarray(fps, dtype=np.uint64),
-                       np.ascontiguousarray(parents, dtype=np.uint64), np.ascontiguousarray(has_parent, dtype=np.bool_),
-                       np.ascontiguousarray(counts, dtype=np.int64), caps, self.threshold, accesses)
+                       self.P, self.disagree, self._hits, fps, parents, has_parent, counts, caps, self.threshold,
+                       accesses)
         )  # fmt: skip
