@@ -136,7 +136,8 @@ def write_blocks(
         if size >= per_part and len(runs) < parts - 1:
             runs.append(range(start, k + 1))
             start, size = k + 1, 0
-    runs.append(range(start, len(sizes)))
+    if start < len(sizes) or not runs:  # no empty run: it would cost a thread handoff for nothing
+        runs.append(range(start, len(sizes)))
 
     def write_run(run: range) -> list[int]:
         crcs: list[int] = []
