@@ -105,7 +105,7 @@ def touch(columns: list[Any], nup: int, rows: list[Any], shift: int, ids: Any, s
 if AVAILABLE:
     _U = numba.uint64
     _FP = _U(0x9E3779B97F4A7C15)  # the fingerprint's namespace multiplier (kvstore/store/index_views.py)
-    M0, M1, M2, M3 = _U(0x9E3779B97F4A7C15), _U(0xC2B2AE3D27D4EB4F), _U(0x165667B19E3779F9), _U(0xD6E8FEB86659FD93)
+    from kvstore.store.sketch_jit import bump  # the sketch's counting step, inlined here
 
     @numba.njit(cache=True, nogil=True)
     def _touch(keys, nss, up0, up1, nup, r0, r1, r2, r3, shift, ids, start, added, clock, bonus, threshold,  # type: ignore[no-untyped-def]
@@ -116,22 +116,9 @@ if AVAILABLE:
             e = ids[i]
             fp = (keys[e, 0] ^ keys[e, 1]) + numba.uint64(nss[e]) * _FP
             fps[i] = fp
-            s0, s1, s2, s3 = (fp * M0) >> sh, (fp * M1) >> sh, (fp * M2) >> sh, (fp * M3) >> sh
-            c0, c1, c2, c3 = r0[s0], r1[s1], r2[s2], r3[s3]
-            low = min(min(c0, c1), min(c2, c3))
             counted = not ((nup > 0 and up0[e] != 0) or (nup > 1 and up1[e] != 0))  # else counted above
-            count = numba.int64(low)
+            count = bump(r0, r1, r2, r3, sh, fp, counted)
             if counted:
-                if low < 255:
-                    up = numba.uint8(low + 1)
-                    if c0 == low:
-                        r0[s0] = up
-                    if c1 == low:
-                        r1[s1] = up
-                    if c2 == low:
-                        r2[s2] = up
-                    if c3 == low:
-                        r3[s3] = up
                 count = min(count + 1, 255)
             out[i] = count
             reused = count >= threshold
