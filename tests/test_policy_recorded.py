@@ -10,7 +10,6 @@ everything. To record again (only where a change of decisions is intended):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -22,34 +21,19 @@ import pytest
 from kvstore.store.adaptive import AdaptiveLeafPolicy
 from kvstore.store.frequency import FrequencyLeafLRU
 from kvstore.store.hints import ReuseHint
-from kvstore.store.index import EntryTable
-from kvstore.tiers.base import DRAM, HBM, NVME
+from kvstore.tiers.base import DRAM, HBM
+from tests.policy_tables import chained_table
 
 DATA = Path(__file__).parent / "data" / "policy_victims.json"
 CASES = [("freq", 0, 900, 700, 6144), ("freq", 1, 900, 700, 6144), ("adaptive", 0, 900, 700, 64),
          ("adaptive", 1, 500, 900, 6144), ("jumpy", 0, 500, 900, 6144), ("jumpy", 1, 900, 700, 64)]  # fmt: skip
 
 
-def _table(n: int, chain: int) -> EntryTable:
-    t = EntryTable(ranks={HBM: 32, DRAM: 32, NVME: 40})
-    ns = t.namespace_id("ns", create=True)
-    assert ns is not None
-    digest = b"".join(hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(n))
-    keys = np.frombuffer(digest, "<u8").reshape(n, 2).copy()
-    has_parent = np.arange(n) % chain != 0
-    parents = np.zeros_like(keys)
-    parents[1:] = keys[:-1]
-    parents[~has_parent] = 0
-    fields = np.tile(np.array([4096, 4096, 0, 0], dtype=np.int64), (n, 1))
-    t.insert_arrays(ns, keys, fields, np.ones(n, np.uint8), parents, has_parent)
-    return t
-
-
 def run(kind: str, seed: int, n: int, steps: int, max_shadow: int) -> list[Any]:
     """The record of one sequence: victims (ints), ``["P", P, switches]`` every 50 steps, the end state."""
     rng = np.random.default_rng(seed)
     chain = int(rng.integers(4, 40))
-    t, now = _table(n, chain), [0.0]
+    t, now = chained_table(n, chain), [0.0]
     p: Any
     if kind == "adaptive":
         p = AdaptiveLeafPolicy(max_shadow=max_shadow, now=lambda: now[0])

@@ -13,7 +13,6 @@ aging lands inside batches.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
@@ -25,34 +24,19 @@ from kvstore.store import policy_jit
 from kvstore.store.adaptive import AdaptiveLeafPolicy
 from kvstore.store.frequency import FrequencyLeafLRU
 from kvstore.store.hints import ReuseHint
-from kvstore.store.index import EntryTable
 from kvstore.tiers.base import DRAM, HBM, NVME
+from tests.policy_tables import chained_table
 
 pytestmark = pytest.mark.skipif(not policy_jit.AVAILABLE, reason="numba is not installed")
 
 N = 300
 
 
-def _table(chain: int) -> EntryTable:
-    t = EntryTable(ranks={HBM: 32, DRAM: 32, NVME: 40})
-    ns = t.namespace_id("ns", create=True)
-    assert ns is not None
-    digest = b"".join(hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(N))
-    keys = np.frombuffer(digest, "<u8").reshape(N, 2).copy()
-    has_parent = np.arange(N) % chain != 0
-    parents = np.zeros_like(keys)
-    parents[1:] = keys[:-1]
-    parents[~has_parent] = 0
-    fields = np.tile(np.array([4096, 4096, 0, 0], dtype=np.int64), (N, 1))
-    t.insert_arrays(ns, keys, fields, np.ones(N, np.uint8), parents, has_parent)
-    return t
-
-
 class Copy:
     """One policy on its own index; ``mode``: how a Get reaches it ("fused", "numpy" or "each")."""
 
     def __init__(self, kind: str, rank: int, chain: int, mode: str, now: list[float], max_shadow: int):
-        self.table, self.mode = _table(chain), mode
+        self.table, self.mode = chained_table(N, chain), mode
         if kind == "freq":
             self.p: Any = FrequencyLeafLRU()
         else:  # eager switching; with max_shadow 64 the shadows sample once more than 64 blocks are held
