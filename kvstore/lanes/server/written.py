@@ -1,7 +1,8 @@
 """A direct Get of raw blocks in host memory (DRAM hits): written into the client's buffers, described as columns.
 
 The general Get path (``ShmServerLane.get``) builds a BlockDescriptor, a copy record and a few calls per
-block; at 64 KiB that cost more than the block's bytes. When every block of a direct Get is present, raw
+block: about 10 us of Python a block here (3.7 us for the descriptor and its header alone), against about 25 us
+to check and move 64 KiB. When every block of a direct Get is present, raw
 (CODEC_NONE) and in host memory, and the client reads columns (``LaneGetRequest.written_columns``), the
 store answers in one message whose ``WrittenBlocks`` columns say it all:
 
