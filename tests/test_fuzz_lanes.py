@@ -1,4 +1,4 @@
-"""Fuzzing the data-lane service KVStoreLanes and the bulk TCP lane's framing against a live `kvstore serve`.
+"""Fuzzing the data-lane service KVStoreLanes against a live `kvstore serve`.
 
 Part 1, gRPC: every KVStoreLanes RPC (OpenLane, LanePut, LaneGet, CloseLane) gets request messages built
 from random fields (unknown lane kinds, host ids, lane refs that are real, forged or carry a wrong token,
@@ -15,195 +15,34 @@ token, descriptors that do not match a grant); FAILED_PRECONDITION (unknown or c
 not fit the region, unknown grant); RESOURCE_EXHAUSTED (lane_max reached, block over --max-block); NOT_FOUND
 (LaneGet of missing blocks without allow_missing).
 
-Part 2, TCP framing: for each case a real tcp lane is opened (valid token) and a connection sends random,
-mutated or structurally broken frames (garbage, truncated headers, huge declared metadata/payload lengths,
-wrong CRCs, unknown kinds, payload length mismatches), or opens with a forged/garbled hello. Promises: the
-server closes every connection (EOF) within a short timeout after the client stops sending, any STATUS frame
-it sends carries a code from the expected set, no hash of a block whose frame was broken becomes visible
-(checked with a normal Client lookup), and the node stays healthy (`kvstore health`).
-
-``KVSTORE_FUZZ_LANE_INPUTS`` sets the inputs per RPC (default 10,000) and ``KVSTORE_FUZZ_FRAMES`` the framing
-cases (default 1,000); hypothesis runs derandomized, so runs are deterministic.
+``KVSTORE_FUZZ_LANE_INPUTS`` sets the inputs per RPC (default 10,000); hypothesis runs derandomized, so runs
+are deterministic. The server: tests/fuzz_lanes_node.py; the TCP lane's framing: tests/test_fuzz_tcp_framing.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import random
-import socket
-import subprocess
-import sys
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import grpc
 import pytest
-import yaml
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.checksum import crc32c
 from kvstore.client import Client
-from kvstore.lanes import framing
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
-from tests.conftest import ROOT, ServerProcess
-from tests.test_fuzz import _metadata, enum_values, mutate, mutations, random_ops, seeds
+from tests.fuzz_lanes_node import BASE, CALL_TIMEOUT, KNOWN, NS, SETTINGS, TOKEN, C, Node, healthy, node
+from tests.test_fuzz import enum_values, mutate, mutations, random_ops, seeds
 
 INPUTS = int(os.environ.get("KVSTORE_FUZZ_LANE_INPUTS", "10000"))
-FRAMES = int(os.environ.get("KVSTORE_FUZZ_FRAMES", "1000"))
 CASES, VARIANTS = 20, 5
-FRAME_CASES = 25
-CONCURRENCY = 16
-CALL_TIMEOUT = 10.0
-SOCK_TIMEOUT = 8.0
-TOKEN = "fuzzing-lanes-token-000000000"
-NS = "fzl"
-KNOWN = [bytes([0x80 | i]) * 16 for i in range(8)]
-C = grpc.StatusCode
-BASE = {C.OK, C.INVALID_ARGUMENT, C.UNAUTHENTICATED, C.PERMISSION_DENIED, C.FAILED_PRECONDITION, C.RESOURCE_EXHAUSTED}
 EXPECTED = {"OpenLane": BASE, "CloseLane": BASE, "LanePut": BASE, "LaneGet": BASE | {C.NOT_FOUND}}
-FRAME_CODES = {c.value[0] for c in BASE | {C.NOT_FOUND}} - {0}
 COUNTS: dict[str, Counter] = {}
-SETTINGS = dict(
-    deadline=None, database=None, derandomize=True, phases=[Phase.generate], suppress_health_check=list(HealthCheck)
-)
-
-
-# -- the live server ------------------------------------------------------------------------------------
-class Node:
-    def __init__(self, proc: ServerProcess):
-        self.proc = proc
-        self.loop = asyncio.new_event_loop()
-        self.channel = self.loop.run_until_complete(self._open())
-        self.sync_channel = grpc.insecure_channel(proc.target)
-        self.pool = ThreadPoolExecutor(CONCURRENCY)
-        self.sem = asyncio.Semaphore(CONCURRENCY)
-        opened = self.open(lpb.LANE_TCP)
-        self.host_id = opened.host_id
-        self.close_lane(opened)
-
-    async def _open(self) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(self.proc.target)
-
-    def open(self, kind: int, host_id: str = "") -> lpb.OpenLaneResponse:
-        raw = self.sync_channel.unary_unary("/kvstore.v1.KVStoreLanes/OpenLane")(
-            lpb.OpenLaneRequest(kinds=[kind], host_id=host_id).SerializeToString(),
-            timeout=CALL_TIMEOUT,
-            metadata=_metadata(TOKEN),
-        )
-        return lpb.OpenLaneResponse.FromString(raw)
-
-    def close_lane(self, opened: lpb.OpenLaneResponse) -> None:
-        if not opened.lane_id:
-            return
-        try:
-            self.sync_channel.unary_unary("/kvstore.v1.KVStoreLanes/CloseLane")(
-                lpb.CloseLaneRequest(lane=lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)).SerializeToString(),
-                timeout=CALL_TIMEOUT,
-                metadata=_metadata(TOKEN),
-            )
-        except grpc.RpcError as err:  # already closed by a fuzzed CloseLane, or reaped
-            assert err.code() in (C.FAILED_PRECONDITION, C.PERMISSION_DENIED), err
-
-    def run(self, method: str, cases: list[tuple[Any, str | None]]) -> list[tuple[C, str, list[bytes]]]:
-        path = f"/kvstore.v1.KVStoreLanes/{method}"
-        if method == "LanePut":
-            call = self.sync_channel.stream_stream(path)
-
-            def stream(case: tuple[Any, str | None]) -> tuple[C, str, list[bytes]]:
-                try:
-                    out = list(call(iter(case[0]), timeout=CALL_TIMEOUT, metadata=_metadata(case[1])))
-                    return C.OK, "", out
-                except grpc.RpcError as err:
-                    return err.code(), err.details() or "", []
-
-            return list(self.pool.map(stream, cases))
-
-        async def one(payload: bytes, token: str | None) -> tuple[C, str, list[bytes]]:
-            async with self.sem:
-                try:
-                    md = _metadata(token)
-                    if method == "LaneGet":
-                        out = [
-                            m async for m in self.channel.unary_stream(path)(payload, timeout=CALL_TIMEOUT, metadata=md)
-                        ]
-                    else:
-                        out = [await self.channel.unary_unary(path)(payload, timeout=CALL_TIMEOUT, metadata=md)]
-                    return C.OK, "", out
-                except grpc.aio.AioRpcError as err:
-                    return err.code(), err.details() or "", []
-
-        async def batch() -> list[tuple[C, str, list[bytes]]]:
-            return await asyncio.gather(*(one(p, t) for p, t in cases))
-
-        return self.loop.run_until_complete(batch())
-
-    def close(self) -> None:
-        self.pool.shutdown()
-        self.sync_channel.close()
-        self.loop.run_until_complete(self.channel.close())
-        self.loop.close()
-
-
-def healthy(target: str) -> bool:
-    return (
-        subprocess.run(
-            [sys.executable, "-m", "kvstore", "health", "--target", target, "--timeout", "5"],
-            capture_output=True,
-            cwd=ROOT,
-        ).returncode
-        == 0
-    )
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    tenants = tmp_path_factory.mktemp("fuzzlanes") / "tenants.yaml"
-    tenants.write_text(
-        yaml.safe_dump([{"name": "fuzz", "token": TOKEN, "namespaces": ["*"], "admin": True, "max_streams": 0}])
-    )
-    proc = ServerProcess(
-        "--dram",
-        "64MiB",
-        "--max-hashes",
-        "32",
-        "--max-block",
-        "64KiB",
-        "--max-message",
-        "256KiB",
-        "--max-stream",
-        "1MiB",
-        "--max-rpc-seconds",
-        "8",
-        "--workers",
-        "16",
-        "--tenants",
-        str(tenants),
-        "--log-level",
-        "error",
-        "--lanes",
-        "shm,tcp",
-        "--shm-lane-bytes",
-        "1MiB",
-        "--lane-max",
-        "512",
-        "--lane-lease",
-        "5",
-    )
-    with Client(proc.target, token=TOKEN) as kv:
-        kv.put(NS, KNOWN, [k * 64 for k in KNOWN], chained=False)
-    n = Node(proc)
-    yield n
-    n.close()
-    proc.kill9()
-    logged = proc.output()
-    print(f"\nserver logged {logged.count('Traceback')} tracebacks")
-    assert "Traceback" not in logged, "malformed input must be a status, not a server traceback:\n" + logged[-3000:]
+_ = node  # the fixture, imported for pytest
 
 
 # -- strategies -----------------------------------------------------------------------------------------
@@ -374,223 +213,6 @@ def test_fuzz_lane_rpcs(node, method):
     fuzz(node, method)
 
 
-# -- TCP lane framing -------------------------------------------------------------------------------------
-def frame(
-    kind: int,
-    meta: bytes = b"",
-    payload: bytes = b"",
-    *,
-    meta_len: int | None = None,
-    data_len: int | None = None,
-    magic: bytes = framing.MAGIC,
-) -> bytes:
-    return (
-        framing.HEADER.pack(
-            magic, kind, len(meta) if meta_len is None else meta_len, len(payload) if data_len is None else data_len
-        )
-        + meta
-        + payload
-    )
-
-
-def put_frame(rng: random.Random, fault: str) -> tuple[bytes, list[bytes]]:
-    """A PUT frame with one structural fault; returns it and the hashes that must never become visible."""
-    n_blocks = rng.randint(1, 4)
-    hashes = [rng.randbytes(16) for _ in range(n_blocks)]
-    blocks = [rng.randbytes(rng.randrange(1, 2048)) for _ in range(n_blocks)]
-    hdrs = [
-        pb.BlockHeader(hash=h, raw_length=len(d), stored_length=len(d), dtype="uint8") for h, d in zip(hashes, blocks)
-    ]
-    bad = rng.randrange(n_blocks)
-    crcs = [crc32c(d) for d in blocks]
-    meta = lpb.TcpPut(namespace=NS, headers=hdrs).SerializeToString()
-    if fault == "crc":
-        crcs[bad] ^= 1 << rng.randrange(32)
-    payload = b"".join(d + framing.CRC.pack(c) for d, c in zip(blocks, crcs))
-    if fault == "crc":
-        return frame(framing.PUT, meta, payload), hashes[bad : bad + 1]  # only the bad block is refused
-    if fault == "length":  # declared payload length differs from what the headers announce: nothing stored
-        delta = rng.choice([1, -1, 4, -4, 1 << 40, 2**64 - 1 - len(payload)])
-        return frame(framing.PUT, meta, payload, data_len=(len(payload) + delta) % 2**64), hashes
-    # "truncate": the connection ends in the middle of the payload: the cut block and later ones never show
-    offset = sum(len(d) + 4 for d in blocks[:bad])
-    cut = offset + rng.randrange(len(blocks[bad]) + 4)
-    return frame(framing.PUT, meta, payload)[: framing.HEADER.size + len(meta) + cut], hashes[bad:]
-
-
-def frame_case(seed: int, fault: str, ops: list[tuple[int, int, int]]) -> tuple[bytes | None, bytes, list[bytes]]:
-    """(hello override or None for the real hello, bytes after it, hashes that must stay invisible)."""
-    rng = random.Random(f"{fault}:{seed}")  # per fault: equal seeds of two faults must not share block hashes
-    if fault in ("crc", "length", "truncate"):
-        data, never = put_frame(rng, fault)
-        return None, data, never
-    if fault == "garbage":
-        return None, rng.randbytes(rng.randrange(200)), []
-    if fault == "header":  # truncated header
-        return None, frame(rng.choice([framing.PUT, framing.GET]), b"x" * 8)[: rng.randrange(framing.HEADER.size)], []
-    if fault == "magic":
-        return None, frame(framing.PUT, b"", magic=rng.randbytes(4)), []
-    if fault == "kind":
-        return (
-            None,
-            frame(
-                rng.choice(
-                    [0, framing.HELLO, framing.PUT_REPLY, framing.GET_REPLY, framing.DATA, framing.STATUS, 8, 255]
-                ),
-                rng.randbytes(rng.randrange(20)),
-            ),
-            [],
-        )
-    if fault == "huge":  # huge declared metadata or payload lengths, little or nothing behind them
-        kind = rng.choice([framing.PUT, framing.GET, framing.HELLO])
-        return (
-            None,
-            frame(
-                kind,
-                rng.randbytes(rng.randrange(16)),
-                meta_len=rng.choice([framing.MAX_META, framing.MAX_META + 1, 2**32 - 1, rng.randrange(1 << 16)]),
-                data_len=rng.choice([0, 2**63, 2**64 - 1, 1 << 30]),
-            ),
-            [],
-        )
-    if fault == "getmeta":  # GET with mutated GetRequest metadata or a payload it must not have
-        req = pb.GetRequest(
-            namespace=rng.choice([NS, "other", ""]),
-            hashes=[rng.choice(KNOWN), rng.randbytes(16)],
-            allow_missing=rng.random() < 0.5,
-        ).SerializeToString()
-        return None, frame(framing.GET, mutate(req, ops), b"p" * rng.randrange(2)), []
-    if fault == "mutated_put":  # a valid PUT, mutated anywhere: may or may not be valid afterwards
-        data, _ = put_frame(rng, "crc")
-        return None, mutate(data, ops), []
-    # forged hellos
-    good = lpb.TcpHello(lane=lpb.LaneRef(lane_id="LIVE", token=b"LIVE")).SerializeToString()
-    hello = {
-        "hello_token": None,
-        "hello_mutated": mutate(good, ops),
-        "hello_garbage": rng.randbytes(rng.randrange(64)),
-    }[fault]
-    tail = frame(framing.PUT, lpb.TcpPut(namespace=NS).SerializeToString())
-    return (hello if hello is not None else b"WRONGTOKEN"), tail, []
-
-
-FAULTS = [
-    "crc",
-    "length",
-    "truncate",
-    "garbage",
-    "header",
-    "magic",
-    "kind",
-    "huge",
-    "getmeta",
-    "mutated_put",
-    "hello_token",
-    "hello_mutated",
-    "hello_garbage",
-]
-
-
-def read_until_eof(sock: socket.socket) -> tuple[bool, list[int], str]:
-    """Read until the server closes; (closed in time, STATUS codes seen, error)."""
-    buf = bytearray()
-    deadline = time.monotonic() + SOCK_TIMEOUT
-    try:
-        while True:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                break
-            buf += chunk
-    except TimeoutError:
-        return False, [], "no EOF within the timeout"
-    except ConnectionResetError:
-        pass
-    codes, i = [], 0
-    while i + framing.HEADER.size <= len(buf):
-        magic, kind, meta_len, data_len = framing.HEADER.unpack_from(buf, i)
-        if magic != framing.MAGIC:
-            return True, codes, f"bad frame from the server at {i}"
-        meta = bytes(buf[i + framing.HEADER.size : i + framing.HEADER.size + meta_len])
-        if kind == framing.STATUS:
-            codes.append(lpb.LaneStatus.FromString(meta).code)
-        i += framing.HEADER.size + meta_len + data_len
-    return True, codes, ""
-
-
-def run_frame_case(node: Node, case: tuple[int, str, list[tuple[int, int, int]]]) -> tuple[str, list[int], str]:
-    seed, fault, ops = case
-    hello_override, tail, _ = frame_case(seed, fault, ops)
-    opened = node.open(lpb.LANE_TCP)
-    assert opened.kind == lpb.LANE_TCP, opened.reason
-    ref = lpb.LaneRef(lane_id=opened.lane_id, token=opened.token)
-    if hello_override == b"WRONGTOKEN":
-        hello = lpb.TcpHello(
-            lane=lpb.LaneRef(lane_id=opened.lane_id, token=bytes(len(opened.token)))
-        ).SerializeToString()
-    elif hello_override is not None:
-        hello = hello_override.replace(b"LIVE", opened.lane_id.encode()[:4])
-    else:
-        hello = lpb.TcpHello(lane=ref).SerializeToString()
-    with socket.create_connection(("127.0.0.1", opened.tcp_port), timeout=SOCK_TIMEOUT) as sock:
-        try:
-            sock.sendall(frame(framing.HELLO, hello))
-            if hello_override is None:  # the real hello: wait for its STATUS(OK) before the fuzzed bytes
-                head = sock.recv(framing.HEADER.size, socket.MSG_WAITALL)
-                _, kind, meta_len, _ = framing.HEADER.unpack(head)
-                status = lpb.LaneStatus.FromString(sock.recv(meta_len, socket.MSG_WAITALL) if meta_len else b"")
-                assert kind == framing.STATUS and status.code == 0, status
-            sock.sendall(tail)
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass  # the server already closed on us (broken pipe, reset, not connected)
-        closed, codes, err = read_until_eof(sock)
-    node.close_lane(opened)
-    if not closed or err:
-        return fault, codes, err or "hang"
-    if any(c not in FRAME_CODES for c in codes[:-1]) or (codes and codes[-1] not in FRAME_CODES | {0}):
-        return fault, codes, f"unexpected status codes {codes}"
-    return fault, codes, ""
-
-
-FRAME_COUNTS: Counter = Counter()
-FRAME_CODES_SEEN: Counter = Counter()
-
-
-def test_fuzz_tcp_lane_framing(node):
-    never: set[bytes] = set()
-    bad: list[str] = []
-
-    @settings(max_examples=math.ceil(FRAMES / FRAME_CASES), **SETTINGS)
-    @given(st.lists(st.tuples(seeds, st.sampled_from(FAULTS), mutations), min_size=FRAME_CASES, max_size=FRAME_CASES))
-    def batch(cases: list[tuple[int, str, list[tuple[int, int, int]]]]) -> None:
-        for case in cases:
-            never.update(frame_case(*case)[2])
-        for fault, codes, err in node.pool.map(lambda c: run_frame_case(node, c), cases):
-            FRAME_COUNTS[fault] += 1
-            FRAME_CODES_SEEN.update(
-                C(next(s for s in C if s.value[0] == c)).name for c in codes if any(s.value[0] == c for s in C)
-            )
-            if err:
-                bad.append(f"{fault}: {err}")
-
-    started = time.monotonic()
-    batch()
-    total = sum(FRAME_COUNTS.values())
-    print(
-        f"\nTCP framing: {total} cases in {time.monotonic() - started:.1f} s: {dict(FRAME_COUNTS)}; "
-        f"STATUS codes: {dict(FRAME_CODES_SEEN)}"
-    )
-    assert not bad, f"{len(bad)} bad cases: " + "\n".join(bad[:10])
-    assert total >= FRAMES
-    assert node.proc.proc.poll() is None, "the server died"
-    with Client(node.proc.target, token=TOKEN) as kv:
-        hashes = sorted(never)
-        visible = [h for h in hashes if kv.lookup(NS, [h])]  # prefix length 1: the block is stored
-    assert not visible, f"{len(visible)} blocks from broken frames became visible: {visible[:3]}"
-    print(f"checked {len(hashes)} hashes of broken frames: none visible")
-
-
 def test_node_still_healthy(node):
     """Runs last (file order): health check, normal reads and Stats still work."""
     assert node.proc.proc.poll() is None
@@ -598,4 +220,4 @@ def test_node_still_healthy(node):
     with Client(node.proc.target, token=TOKEN) as kv:
         assert kv.get(NS, KNOWN, allow_missing=True)
         kv.stats()
-    print(f"\ninputs: { ({m: sum(c.values()) for m, c in COUNTS.items()}) }, framing: {sum(FRAME_COUNTS.values())}")
+    print(f"\ninputs: { ({m: sum(c.values()) for m, c in COUNTS.items()}) }")
