@@ -5,16 +5,29 @@ takes any buffer without a copy; google-crc32c's C extension accepts only
 `bytes`, which would force a copy of every block. On this project's 2-core
 AMD EPYC VM both run at about 6 GB/s a core (1 MiB buffers, 2026-12-01; an
 earlier note said 16 GB/s, from another host): a Get's CRC32Cs cost about as
-much as its copy.
+much as its copy. Buffers of ``JIT_BYTES`` or more go through ``kvstore.memops_jit`` instead when its
+kernels are compiled (PCLMULQDQ folding: 9-10 GB/s a core here, against the package's 6-6.7).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from crc32c import crc32c as _crc32c
+
+from kvstore import memops_jit
+
+JIT_BYTES = 64 << 10  # below this the call's overhead is a large part of the package's time
 
 
 def crc32c(data: Any, value: int = 0) -> int:
     """CRC32C of `data`, continuing from `value` (the CRC of the bytes before it)."""
+    n = data.nbytes if isinstance(data, (memoryview, np.ndarray)) else len(data)
+    if n >= JIT_BYTES and memops_jit.ready():
+        try:
+            flat = np.frombuffer(data, dtype=np.uint8)  # no copy; refuses a strided buffer
+        except (TypeError, ValueError):
+            return _crc32c(data, value)
+        return memops_jit.crc_at(flat.ctypes.data, flat.nbytes, value)
     return _crc32c(data, value)

@@ -4,7 +4,10 @@
 CRC32C of each piece right after copying it, while it is still in cache: one
 pass over memory instead of two (measured here over 2 MiB blocks: 13.8 GB/s
 with 512 KiB pieces, 13.4 with 256 KiB, 12.4 for a copy then a CRC, against
-20.6 GB/s for the copy alone and 15.8 for the CRC alone).
+20.6 GB/s for the copy alone and 15.8 for the CRC alone). On this project's 2-core VM the package's CRC32C
+runs at 6 GB/s, so with ``kvstore.memops_jit``'s kernels compiled a copy of ``JIT_BYTES`` or more goes through
+its fused loop instead (each 64 bytes copied and folded into the CRC32C while in registers: 9.6 GB/s a core
+over 1 MiB, where the pieces here take 4.5).
 """
 
 from __future__ import annotations
@@ -13,15 +16,23 @@ from typing import Any
 
 import numpy as np
 
+from kvstore import memops_jit
 from kvstore.checksum import crc32c
 
 PIECE = 512 << 10
+JIT_BYTES = 32 << 10
 NUMPY_COPY_BYTES = 1 << 20
 
 
 def copy_crc(dst: memoryview, src: memoryview, crc: int = 0) -> int:
     """Copy ``src`` into ``dst`` (same length, both flat byte views); the CRC32C of the bytes copied."""
     n = len(src)
+    if n >= JIT_BYTES and memops_jit.ready():
+        if len(dst) != n:
+            raise ValueError(f"copy of {n} bytes into {len(dst)}")
+        d, s = np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
+        if d.flags.writeable:
+            return memops_jit.copy_crc_at(s.ctypes.data, d.ctypes.data, n, crc)
     if n < PIECE:
         dst[:] = src
         return crc32c(dst, crc)

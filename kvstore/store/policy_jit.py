@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.store.jit import AVAILABLE as AVAILABLE  # re-exported: callers ask the kernel module
-from kvstore.store.jit import numba
+from kvstore.jit import AVAILABLE as AVAILABLE  # re-exported: callers ask the kernel module
+from kvstore.jit import numba
 
 LIVE = 1  # the index's live flag (kvstore/store/index.py)
 ONCE, REUSED = 1, 2  # the adaptive policy's classes (kvstore/store/adaptive.py)

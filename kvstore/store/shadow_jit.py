@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.store.jit import AVAILABLE as AVAILABLE  # re-exported: callers ask the kernel module
-from kvstore.store.jit import numba
+from kvstore.jit import AVAILABLE as AVAILABLE  # re-exported: callers ask the kernel module
+from kvstore.jit import numba
 
 # node fields (rows of ``node``) and per-rung scalars (columns of ``scal``)
 CLOCK, CLS, PARENT, NCHILD = 0, 1, 2, 3

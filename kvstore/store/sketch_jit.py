@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.store.jit import AVAILABLE as AVAILABLE  # re-exported: callers ask the kernel module
-from kvstore.store.jit import numba
+from kvstore.jit import AVAILABLE as AVAILABLE  # re-exported: callers ask the kernel module
+from kvstore.jit import numba
 
 count: Any = None
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.store.jit import AVAILABLE as AVAILABLE  # re-exported: callers ask the kernel module
-from kvstore.store.jit import numba
+from kvstore.jit import AVAILABLE as AVAILABLE  # re-exported: callers ask the kernel module
+from kvstore.jit import numba
 
 ID_BITS = 28
 MAX_DEPTH = 0xFF  # the index's depth column is one byte, saturating

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from kvstore import memops_jit
 from kvstore.integrations.vllm.cache_blocks import CacheBlocks
 from kvstore.integrations.vllm.plan import BlockRun, LoadReport, StepPlan, StepReport
 from kvstore.integrations.vllm.settings import ClientSlot
@@ -129,6 +130,7 @@ class WorkerSide:
         self._report = StepReport()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        memops_jit.ready()  # starts compiling the copy and CRC32C kernels now, in the background, not at a load
         self.blocks = CacheBlocks.from_caches(kv_caches)
         self.counters.cross_layer_view = self.blocks.cross_layer_view
         self.counters.block_bytes = self.blocks.block_bytes

@@ -19,7 +19,6 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvstore.checksum import crc32c
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.segments import Spans, copy_to_spans, scatter
@@ -74,9 +73,8 @@ class SpanCopy:
 def copy_out(c: tuple[Any, memoryview, bool]) -> int | None:
     dst, src, check = c
     if isinstance(dst, SpanCopy):
-        crc = crc32c(src) if check else None  # the mapped bytes, in one call that lets go of the GIL
-        copy_to_spans(dst.spans, dst.source)
-        return crc
+        crc = copy_to_spans(dst.spans, dst.source, check)
+        return crc if check else None
     if isinstance(dst, list):  # segments
         crc = scatter(dst, src, crc=check)
         return crc if check else None

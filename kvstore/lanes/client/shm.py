@@ -179,14 +179,14 @@ class ShmClientLane(ShmGets, Lane):
         Segments are copied one after the other, each copy with its CRC32C fused in, chained."""
         dst = self.region.view[slot.offset : slot.offset + slot.length]
         if isinstance(payload, Segments):
-            return gather(dst, payload.views, crc=True)
+            return gather(dst, payload.views, crc=True, spans=payload.spans if payload.on_host else None)
         return copy_crc(dst, payload)
 
     def _place(self, slot: lpb.SlotGrant, payload: Any) -> None:
         """Copy one payload into its granted offset for a ``crc_from_server`` commit: no CRC here."""
         dst = self.region.view[slot.offset : slot.offset + slot.length]
         if isinstance(payload, Segments):
-            gather(dst, payload.views, crc=False)
+            gather(dst, payload.views, crc=False, spans=payload.spans if payload.on_host else None)
         else:
             copy_into(dst, payload)
 

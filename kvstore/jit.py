@@ -1,5 +1,5 @@
 """numba, when the extra ``fast`` installed it and ``KVSTORE_NO_JIT`` does not turn it off: ``numba`` (the
-module, or None) and ``AVAILABLE``. The compiled kernels (``slots_jit``, ``sketch_jit``) import it from here."""
+module, or None) and ``AVAILABLE``. The compiled kernels (the store's ``*_jit`` modules, ``memops_jit``) import it from here."""
 
 from __future__ import annotations
 
