@@ -28,11 +28,9 @@ def copy_crc(dst: memoryview, src: memoryview, crc: int = 0) -> int:
     """Copy ``src`` into ``dst`` (same length, both flat byte views); the CRC32C of the bytes copied."""
     n = len(src)
     if n >= JIT_BYTES and memops_jit.ready():
-        if len(dst) != n:
-            raise ValueError(f"copy of {n} bytes into {len(dst)}")
-        d, s = np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
+        d = np.frombuffer(dst, dtype=np.uint8)
         if d.flags.writeable:
-            return memops_jit.copy_crc_at(s.ctypes.data, d.ctypes.data, n, crc)
+            return memops_jit.copy_crc_of(d, np.frombuffer(src, dtype=np.uint8), crc)
     if n < PIECE:
         dst[:] = src
         return crc32c(dst, crc)

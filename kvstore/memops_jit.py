@@ -16,6 +16,8 @@ The tests check every length, alignment and starting value against the `crc32c` 
 - ``AVAILABLE``: numba is importable (``kvstore.jit``) and the CPU has SSE4.2 and PCLMULQDQ.
 - ``crc_at(address, n, crc) -> crc``: the CRC32C of ``n`` bytes at an address, continuing from ``crc``.
 - ``copy_crc_at(src, dst, n, crc) -> crc``: copy ``n`` bytes and return their CRC32C, one pass.
+- ``crc_of(array, crc)``, ``copy_crc_of(dst, src, crc)``: the same over uint8 arrays (numba takes an array's
+  address in 0.3 us; Python's ``.ctypes.data`` costs 3.4).
 - ``copy_to_spans(src, spans, check) -> crc``: contiguous bytes at ``src`` across ``spans`` (an int64
   array of (address, length) rows), with their chained CRC32C when ``check`` (else 0).
 - ``gather_spans(dst, spans, check) -> crc``: the reverse, spans into contiguous bytes at ``dst``.
@@ -318,6 +320,15 @@ if AVAILABLE:
             contiguous += n
         return crc if check else 0
 
+    @numba.njit(nogil=True, cache=True)
+    def _crc_of(data: Any, crc: int) -> Any:
+        return _copy_crc(data.ctypes.data, 0, data.size, crc, _READ)
+
+    @numba.njit(nogil=True, cache=True)
+    def _copy_crc_of(dst: Any, src: Any, crc: int, stream: bool) -> Any:
+        d = dst.ctypes.data
+        return _copy_crc(src.ctypes.data, d, src.size, crc, _STREAM if stream and d & 15 == 0 else _STORE)
+
 
 def crc_at(address: int, n: int, crc: int = 0) -> int:
     """CRC32C of the n bytes at ``address``, continuing from ``crc``."""
@@ -329,6 +340,18 @@ def copy_crc_at(src: int, dst: int, n: int, crc: int = 0) -> int:
     of ``STREAM_BYTES`` or more to a 16-byte aligned ``dst`` bypass the cache (non-temporal stores)."""
     mode = _STREAM if n >= STREAM_BYTES and dst & 15 == 0 else _STORE
     return int(_copy_crc(src, dst, n, crc, mode))
+
+
+def crc_of(data: np.ndarray, crc: int = 0) -> int:
+    """CRC32C of a contiguous uint8 array (for buffers whose address Python cannot take cheaply)."""
+    return int(_crc_of(data, crc))
+
+
+def copy_crc_of(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
+    """``copy_crc_at`` for contiguous uint8 arrays of the same size."""
+    if dst.size != src.size:
+        raise ValueError(f"copy of {src.size} bytes into {dst.size}")
+    return int(_copy_crc_of(dst, src, crc, src.size >= STREAM_BYTES))
 
 
 def copy_to_spans(src: int, spans: np.ndarray, check: bool) -> int:
@@ -372,6 +395,8 @@ def warm_up() -> None:
     base = int(buf.ctypes.data)
     crc_at(base, 200)
     copy_crc_at(base, base + 128, 100)
+    crc_of(buf, 0)
+    copy_crc_of(buf[128:], buf[:128])
     spans = np.array([[base + 128, 64], [base + 192, 64]], dtype=np.int64)
     copy_to_spans(base, spans, True)
     gather_spans(base, spans, False)
