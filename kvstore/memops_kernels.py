@@ -1,0 +1,306 @@
+"""The numba kernels behind ``kvstore.memops_jit`` (which says what they do and what they measured). Imported
+only once that module has found numba and a CPU with SSE4.2 and PCLMULQDQ, and only when the kernels are
+first wanted: importing numba at start broke vLLM 0.32's scan of every module's globals for Triton kernels
+(llvmlite's ``ffi.lib`` answers any attribute, ``__dict__`` too), so an engine never pays for it early.
+
+The CRC32C folds 64 bytes a step into four 128-bit remainders (``_fold_steps_of``: the loop written in LLVM IR so
+the remainders stay in vector registers), then into one, which two CRC32 instructions reduce. Folding a
+16-byte chunk forward by ``d`` bytes multiplies its low half by x^(8d+32) and its high half by x^(8d-32), both
+mod the CRC32C polynomial, bit-reflected and shifted left one bit (reflected products come out one bit short).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_POLY = 0x82F63B78  # CRC32C (Castagnoli), bit-reflected
+READ, STORE, STREAM = 0, 1, 2  # what copy_crc does with the bytes it reads: nothing, copy, copy past the cache
+
+
+def _reflected(value: int, bits: int) -> int:
+    return int(f"{value:0{bits}b}"[::-1], 2)
+
+
+def _x_pow_mod(exponent: int) -> int:
+    """x^exponent mod the CRC32C polynomial, in normal (unreflected) bit order."""
+    poly = (1 << 32) | _reflected(_POLY, 32)
+    r = 1
+    for _ in range(exponent):
+        r <<= 1
+        if r >> 32:
+            r ^= poly
+    return r
+
+
+def fold_constant(exponent: int) -> int:
+    """The PCLMULQDQ operand that multiplies by x^exponent mod P in the reflected domain."""
+    return _reflected(_x_pow_mod(exponent), 32) << 1
+
+
+FOLD64 = (fold_constant(64 * 8 + 32), fold_constant(64 * 8 - 32))  # onto the chunk 64 bytes later
+FOLD16 = (fold_constant(16 * 8 + 32), fold_constant(16 * 8 - 32))  # onto the next chunk
+
+
+_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_V2 = ir.VectorType(_I64, 2)
+
+
+def _function(builder: Any, name: str, ret: Any, args: list[Any]) -> Any:
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+@intrinsic
+def _crc64(typingctx: Any, crc: Any, word: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.call(_function(builder, "llvm.x86.sse42.crc32.64.64", _I64, [_I64, _I64]), args)
+
+    return types.uint64(types.uint64, types.uint64), codegen
+
+
+@intrinsic
+def _crc8(typingctx: Any, crc: Any, byte: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        fn = _function(builder, "llvm.x86.sse42.crc32.32.8", _I32, [_I32, _I8])
+        return builder.zext(builder.call(fn, [builder.trunc(args[0], _I32), builder.trunc(args[1], _I8)]), _I64)
+
+    return types.uint64(types.uint64, types.uint64), codegen
+
+
+@intrinsic
+def _load64(typingctx: Any, address: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.load(builder.inttoptr(args[0], _I64.as_pointer()), align=1)
+
+    return types.uint64(types.int64), codegen
+
+
+@intrinsic
+def _load8(typingctx: Any, address: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.zext(builder.load(builder.inttoptr(args[0], _I8.as_pointer()), align=1), _I64)
+
+    return types.uint64(types.int64), codegen
+
+
+@intrinsic
+def _store64(typingctx: Any, address: Any, word: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        builder.store(args[1], builder.inttoptr(args[0], _I64.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.uint64), codegen
+
+
+@intrinsic
+def _store8(typingctx: Any, address: Any, byte: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        builder.store(builder.trunc(args[1], _I8), builder.inttoptr(args[0], _I8.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.uint64), codegen
+
+
+@intrinsic
+def _memcpy(typingctx: Any, dst: Any, src: Any, n: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ptr = _I8.as_pointer()
+        d, s = builder.inttoptr(args[0], ptr), builder.inttoptr(args[1], ptr)
+        cgutils.raw_memcpy(builder, d, s, args[2], 1)
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _fold(typingctx: Any, lo: Any, hi: Any, k_lo: Any, k_hi: Any, next_lo: Any, next_hi: Any) -> Any:
+    """(lo, hi) folded onto (next_lo, next_hi): clmul(lo, k_lo) ^ clmul(hi, k_hi) ^ next."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        clmul = _function(builder, "llvm.x86.pclmulqdq", _V2, [_V2, _V2, _I8])
+        zero, one = ir.Constant(_I32, 0), ir.Constant(_I32, 1)
+
+        def vector(a: Any, b: Any) -> Any:
+            return builder.insert_element(builder.insert_element(ir.Constant(_V2, ir.Undefined), a, zero), b, one)
+
+        x, k = vector(args[0], args[1]), vector(args[2], args[3])
+        low = builder.call(clmul, [x, k, ir.Constant(_I8, 0x00)])
+        high = builder.call(clmul, [x, k, ir.Constant(_I8, 0x11)])
+        r = builder.xor(builder.xor(low, high), vector(args[4], args[5]))
+        parts = [builder.extract_element(r, zero), builder.extract_element(r, one)]
+        return context.make_tuple(builder, sig.return_type, parts)
+
+    u64 = types.uint64
+    return types.UniTuple(u64, 2)(u64, u64, u64, u64, u64, u64), codegen
+
+
+def _fold_steps_of(write: int) -> Any:
+    """An intrinsic that ``steps`` times folds the four 128-bit remainders (eight words) onto the next 64
+    bytes at ``src``, the remainders staying in vector registers across the loop; the bytes are copied
+    to ``dst`` unless ``write`` is ``READ``, with non-temporal stores when it is ``STREAM``."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        src, dst, steps, accs = args
+        clmul = _function(builder, "llvm.x86.pclmulqdq", _V2, [_V2, _V2, _I8])
+        zero, one = ir.Constant(_I32, 0), ir.Constant(_I32, 1)
+        k = ir.Constant(_V2, [ir.Constant(_I64, FOLD64[0]), ir.Constant(_I64, FOLD64[1])])
+        words = [builder.extract_value(accs, i) for i in range(8)]
+        start = []
+        for j in range(4):
+            v = builder.insert_element(ir.Constant(_V2, ir.Undefined), words[2 * j], zero)
+            start.append(builder.insert_element(v, words[2 * j + 1], one))
+        before = builder.block
+        loop, done = builder.append_basic_block("fold.loop"), builder.append_basic_block("fold.done")
+        builder.cbranch(builder.icmp_signed(">", steps, ir.Constant(_I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(_I64)
+        x = [builder.phi(_V2) for _ in range(4)]
+        offset = builder.mul(i, ir.Constant(_I64, 64))
+        s, d = builder.add(src, offset), builder.add(dst, offset)
+        loaded = [
+            builder.load(builder.inttoptr(builder.add(s, ir.Constant(_I64, 16 * j)), _V2.as_pointer()), align=1)
+            for j in range(4)
+        ]
+        for j in range(4 if write != READ else 0):
+            target = builder.inttoptr(builder.add(d, ir.Constant(_I64, 16 * j)), _V2.as_pointer())
+            if write == STREAM:  # non-temporal: the destination's lines are not read in first
+                store = builder.store(loaded[j], target, align=16)
+                store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
+            else:
+                builder.store(loaded[j], target, align=1)
+        folded = []
+        for j in range(4):
+            low = builder.call(clmul, [x[j], k, ir.Constant(_I8, 0x00)])
+            high = builder.call(clmul, [x[j], k, ir.Constant(_I8, 0x11)])
+            folded.append(builder.xor(builder.xor(low, high), loaded[j]))
+        following = builder.add(i, ir.Constant(_I64, 1))
+        last = builder.block
+        i.add_incoming(ir.Constant(_I64, 0), before)
+        i.add_incoming(following, last)
+        for j in range(4):
+            x[j].add_incoming(start[j], before)
+            x[j].add_incoming(folded[j], last)
+        builder.cbranch(builder.icmp_signed("<", following, steps), loop, done)
+        builder.position_at_end(done)
+        merged = [builder.phi(_V2) for _ in range(4)]  # phis first in the block, then the extracts
+        if write == STREAM:  # the streamed stores are visible to other threads before this returns
+            builder.call(_function(builder, "llvm.x86.sse.sfence", ir.VoidType(), []), [])
+        out = []
+        for j in range(4):
+            merged[j].add_incoming(start[j], before)
+            merged[j].add_incoming(folded[j], last)
+            out += [builder.extract_element(merged[j], zero), builder.extract_element(merged[j], one)]
+        return context.make_tuple(builder, sig.return_type, out)
+
+    def typer(typingctx: Any, src: Any, dst: Any, steps: Any, accumulators: Any) -> Any:
+        u64x8 = types.UniTuple(types.uint64, 8)
+        return u64x8(types.int64, types.int64, types.int64, u64x8), codegen
+
+    return intrinsic(typer)
+
+
+_fold_read, _fold_store, _fold_stream = (_fold_steps_of(w) for w in (READ, STORE, STREAM))
+
+_K64_LO, _K64_HI = np.uint64(FOLD64[0]), np.uint64(FOLD64[1])
+_K16_LO, _K16_HI = np.uint64(FOLD16[0]), np.uint64(FOLD16[1])
+
+_MASK32 = np.uint64(0xFFFFFFFF)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _store_line(dst: int, w0: int, w1: int, w2: int, w3: int, w4: int, w5: int, w6: int, w7: int) -> None:
+    _store64(dst, w0)
+    _store64(dst + 8, w1)
+    _store64(dst + 16, w2)
+    _store64(dst + 24, w3)
+    _store64(dst + 32, w4)
+    _store64(dst + 40, w5)
+    _store64(dst + 48, w6)
+    _store64(dst + 56, w7)
+
+
+@numba.njit(nogil=True, cache=True)
+def copy_crc(src: int, dst: int, n: int, crc: int, write: int) -> Any:
+    """The CRC32C of n bytes at src continuing from crc; copied to dst unless ``write`` is ``READ``
+    (``STREAM``: the 64-byte steps with non-temporal stores, dst 16-byte aligned)."""
+    c = np.uint64(crc) ^ _MASK32
+    end = src + n
+    if n >= 64:
+        w0, w1, w2, w3 = _load64(src), _load64(src + 8), _load64(src + 16), _load64(src + 24)
+        w4, w5, w6, w7 = _load64(src + 32), _load64(src + 40), _load64(src + 48), _load64(src + 56)
+        if write:
+            _store_line(dst, w0, w1, w2, w3, w4, w5, w6, w7)
+        a0, b0, a1, b1, a2, b2, a3, b3 = w0 ^ c, w1, w2, w3, w4, w5, w6, w7
+        src += 64
+        dst += 64
+        steps = (end - src) // 64
+        accumulators = (a0, b0, a1, b1, a2, b2, a3, b3)
+        if write == STREAM:
+            accumulators = _fold_stream(src, dst, steps, accumulators)
+        elif write == STORE:
+            accumulators = _fold_store(src, dst, steps, accumulators)
+        else:
+            accumulators = _fold_read(src, dst, steps, accumulators)
+        a0, b0, a1, b1, a2, b2, a3, b3 = accumulators
+        src += 64 * steps
+        dst += 64 * steps
+        a1, b1 = _fold(a0, b0, _K16_LO, _K16_HI, a1, b1)
+        a2, b2 = _fold(a1, b1, _K16_LO, _K16_HI, a2, b2)
+        lo, hi = _fold(a2, b2, _K16_LO, _K16_HI, a3, b3)
+        while end - src >= 16:
+            w0, w1 = _load64(src), _load64(src + 8)
+            if write:
+                _store64(dst, w0)
+                _store64(dst + 8, w1)
+            lo, hi = _fold(lo, hi, _K16_LO, _K16_HI, w0, w1)
+            src += 16
+            dst += 16
+        c = _crc64(_crc64(np.uint64(0), lo), hi)
+    while end - src >= 8:
+        w0 = _load64(src)
+        if write:
+            _store64(dst, w0)
+        c = _crc64(c, w0)
+        src += 8
+        dst += 8
+    while src < end:
+        w0 = _load8(src)
+        if write:
+            _store8(dst, w0)
+        c = _crc8(c, w0)
+        src += 1
+        dst += 1
+    return c ^ _MASK32
+
+
+@numba.njit(nogil=True, cache=True)
+def spans_copy(contiguous: int, spans: Any, check: bool, into_spans: bool, stream: bool) -> int:
+    crc = 0
+    for k in range(spans.shape[0]):
+        address, n = spans[k, 0], spans[k, 1]
+        src, dst = (contiguous, address) if into_spans else (address, contiguous)
+        if stream and dst & 15 == 0:  # faster than a memcpy even when the CRC32C is not wanted
+            crc = copy_crc(src, dst, n, crc, STREAM)
+        elif check:
+            crc = copy_crc(src, dst, n, crc, STORE)
+        else:
+            _memcpy(dst, src, n)
+        contiguous += n
+    return crc if check else 0
+
+
+@numba.njit(nogil=True, cache=True)
+def crc_of(data: Any, crc: int) -> Any:
+    return copy_crc(data.ctypes.data, 0, data.size, crc, READ)
+
+
+@numba.njit(nogil=True, cache=True)
+def copy_crc_of(dst: Any, src: Any, crc: int, stream: bool) -> Any:
+    d = dst.ctypes.data
+    return copy_crc(src.ctypes.data, d, src.size, crc, STREAM if stream and d & 15 == 0 else STORE)
