@@ -4,8 +4,10 @@ vLLM's CPU backend lays it out (30 layers, LBHNC, SmolLM2's 1,474,560-byte block
     python -m bench.vllm_load [--quick] [--out FILE.json] [--blocks 62,109] [--streams 1,2] [--verify 1,0]
 
 Per store (``copy``: the store copies each block into the cache itself, ``process_vm_writev`` on shm;
-``shared``: ``serve --share-dram``, the client copies DRAM hits from the mapped arena), lane (shm, tcp; tcp
-only against ``copy``), ``load_streams`` and ``verify_loads``: the median seconds of a load (every block
+``shared``: ``serve --share-dram``, the client copies DRAM hits from the mapped arena; ``nvme``: every block
+only on the store's NVMe tier (written by a graceful stop, read back by a restarted store with
+``--promote-on-hit false`` and ``--share-nvme true``: the client reads the files into the pages itself)),
+lane (shm, tcp; tcp only against ``copy``), ``load_streams`` and ``verify_loads``: the median seconds of a load (every block
 lands in place in the cache's 30 per-layer pages), and in the same run the baseline: one ``torch`` copy of
 the same bytes from one contiguous buffer into the cache's pages (what an in-process cache hit would cost).
 Rows: ``store``, ``lane``, ``streams``, ``verify``, ``blocks``, ``load_s``, ``gbps``, ``memcpy_s``,
@@ -16,7 +18,10 @@ from __future__ import annotations
 
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -56,6 +61,34 @@ def _memcpy_s(cache: dict[str, torch.Tensor], blocks: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def _fill(target: str, src: dict[str, torch.Tensor], top: int) -> None:
+    producer = WorkerSide(lambda: Client(target, lane="shm"), dtype="float32", saves=True)
+    producer.register(src)
+    producer.save(StepPlan(saves=[BlockRun("fill", "bench", _keys(top), tuple(range(top)))]))
+    deadline = time.monotonic() + 120
+    while not producer.finished_sending({"fill"}):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the blocks were not stored in 120 s")
+        time.sleep(0.05)
+    producer.close()
+
+
+@contextmanager
+def _filled_store(store: str, extra: list[str], src: dict[str, torch.Tensor], top: int) -> Iterator[str]:
+    """A store process holding the first ``top`` blocks of ``src``; for ``nvme``, only on its NVMe tier."""
+    if store != "nvme":
+        with store_process("--dram", "2GiB", *extra) as (target, _):
+            _fill(target, src, top)
+            yield target
+        return
+    with tempfile.TemporaryDirectory(prefix="kvstore-vllm-load-") as tmp:
+        tier = ["--nvme-dir", tmp, "--nvme", "4GiB"]
+        with store_process("--dram", "2GiB", *tier) as (target, _):
+            _fill(target, src, top)  # a graceful stop writes them to NVMe
+        with store_process("--dram", "2GiB", *tier, "--promote-on-hit", "false", *extra) as (target, _):
+            yield target
+
+
 def _store_rows(
     store: str,
     extra: list[str],
@@ -67,19 +100,10 @@ def _store_rows(
     reps: int,
 ) -> list[Row]:
     rows: list[Row] = []
-    with store_process("--dram", "2GiB", *extra) as (target, _):
-        producer = WorkerSide(lambda: Client(target, lane="shm"), dtype="float32", saves=True)
-        src = _cache(top + 1)
-        for t in src.values():
-            t.normal_()
-        producer.register(src)
-        producer.save(StepPlan(saves=[BlockRun("fill", "bench", _keys(top), tuple(range(top)))]))
-        deadline = time.monotonic() + 120
-        while not producer.finished_sending({"fill"}):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the blocks were not stored in 120 s")
-            time.sleep(0.05)
-        producer.close()
+    src = _cache(top + 1)
+    for t in src.values():
+        t.normal_()
+    with _filled_store(store, extra, src, top) as target:
         for lane in lanes:
             for n in streams:
                 for verify in verifies:
@@ -130,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--streams", default="1,2", help="load_streams values")
         p.add_argument("--reps", type=int, default=0, help="loads per case (default 9; quick 3)")
         p.add_argument("--verify", default="1,0", help="verify_loads values (1: CRC32C every block on load)")
-        p.add_argument("--stores", default="copy,shared", help="store modes: copy, shared (serve --share-dram)")
+        p.add_argument(
+            "--stores",
+            default="copy,shared",
+            help="store modes: copy, shared (serve --share-dram), nvme (on NVMe only)",
+        )
 
     args = parse_args("The vLLM connector's load path: WorkerSide.load against memcpy", argv, configure)
     sizes = [int(x) for x in args.blocks.split(",")] if args.blocks else ([62] if args.quick else [62, 109])
@@ -140,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     top = max(sizes)
     verifies = [bool(int(x)) for x in args.verify.split(",")]
     for store in args.stores.split(","):
-        extra = ["--share-dram", "true"] if store == "shared" else []
-        lanes = ("shm",) if store == "shared" else ("shm", "tcp")
+        extra = {"shared": ["--share-dram", "true"], "nvme": ["--share-nvme", "true"]}.get(store, [])
+        lanes = ("shm", "tcp") if store == "copy" else ("shm",)
         rows += _store_rows(store, extra, lanes, streams, verifies, sizes, top, reps)
     report(rows, args, title="vLLM connector load path (30 x 49,152-byte pages a block)", bench="vllm_load")
     return 0
