@@ -132,3 +132,38 @@ def test_a_directory_this_process_cannot_see_makes_the_reader_unusable(tmp_path,
     assert reader.read([_block(0, where[0], payloads[0], ((_address(buf), len(buf)),))]) == [0]
     assert "not-mounted" in reader.unusable
     assert DiskReader(str(tmp_path)).unusable == ""
+
+
+def test_one_reader_reuses_its_scratch_across_reads_and_grows_it(written, tmp_path):
+    """Each thread keeps one scratch: reads in a row into unaligned memory stay exact, a corrupt record
+    between them fails alone, and a record larger than the scratch makes it grow."""
+    root, where, payloads = written
+    reader = DiskReader(str(root), threads=2)
+    for round_ in range(3):
+        picks = list(range(round_, 40, 3))
+        bufs = [aligned_buffer(len(payloads[i]) + 64)[1 : 1 + len(payloads[i])] for i in picks]
+        blocks = [
+            _block(k, where[i], payloads[i], ((_address(b), len(b)),)) for k, (i, b) in enumerate(zip(picks, bufs))
+        ]
+        if round_ == 1:
+            blocks[2].crc32c ^= 1
+        assert reader.read(blocks) == ([2] if round_ == 1 else [])
+        assert all(
+            b.tobytes() == payloads[i].tobytes()
+            for k, (i, b) in enumerate(zip(picks, bufs))
+            if not (round_ == 1 and k == 2)
+        )
+    reader.close()
+
+    tier = NvmeTier(tmp_path, 1 << 30, segment_bytes=64 << 20)
+    big = np.random.default_rng(3).integers(0, 256, (9 << 20) + 5, dtype=np.uint8)  # past SCRATCH_BYTES
+    (loc,) = tier.write([BlockMeta("t", b"\x01" * 16, b"", 0, "uint8", len(big), len(big), crc32c(big))], [big])
+    (place,), pins = tier.extents([loc])
+    tier.release_extents(pins)
+    tier.close()
+    assert place is not None
+    reader = DiskReader(str(tmp_path), threads=1)
+    out = aligned_buffer(len(big) + 64)[3 : 3 + len(big)]
+    assert reader.read([DiskBlock(0, place[0], place[1], len(big), crc32c(big), ((_address(out), len(out)),))]) == []
+    assert out.tobytes() == big.tobytes()
+    reader.close()
