@@ -262,14 +262,7 @@ def copy_crc(src: int, dst: int, n: int, crc: int, write: int) -> Any:
             src += 16
             dst += 16
         c = _crc64(_crc64(np.uint64(0), lo), hi)
-    while end - src >= 8:
-        w0 = _load64(src)
-        if write:
-            _store64(dst, w0)
-        c = _crc64(c, w0)
-        src += 8
-        dst += 8
-    while src < end:
+    while src < end:  # the last 0-15 bytes (0-63 of a short buffer), a byte at a time
         w0 = _load8(src)
         if write:
             _store8(dst, w0)
