@@ -85,6 +85,53 @@ def test_spans_scatter_and_gather_round_trip(lengths: list[int], check: bool, sh
     assert np.array_equal(back, SOURCE[:total])
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    blocks=st.lists(
+        st.tuples(st.booleans(), st.lists(st.integers(0, 40_000), min_size=1, max_size=4)), min_size=1, max_size=8
+    ),
+    check=st.booleans(),
+    compiled=st.booleans(),
+)
+def test_rows_copy_or_read_and_chain_each_blocks_crc(
+    blocks: list[tuple[bool, list[int]]], check: bool, compiled: bool
+) -> None:
+    """``memops.run_rows`` (the compiled ``copy_rows`` and the fallback alike): a block's rows chain its CRC32C in
+    order, copying rows land exactly their bytes, reading rows write nothing; without ``check`` all are 0."""
+    total = sum(sum(lengths) for _, lengths in blocks)
+    dst = np.zeros(total + 64 * total // 1000 + 64, dtype=np.uint8)
+    rows, want, at, to = [], [], 0, 0
+    for k, (copies, lengths) in enumerate(blocks):
+        crc = 0
+        for n in lengths:
+            rows.append((_address(SOURCE) + at, _address(dst) + to + 3 if copies else 0, n, k))
+            crc = reference(memoryview(SOURCE)[at : at + n], crc)
+            at, to = at + n, to + n + 7
+        want.append(crc)
+    ready = memops_jit.ready
+    try:
+        memops_jit.ready = lambda: compiled  # type: ignore[assignment]
+        got = memops.run_rows(rows, len(blocks), check)
+    finally:
+        memops_jit.ready = ready  # type: ignore[assignment]
+    assert got == (want if check else [0] * len(blocks))
+    written = np.zeros_like(dst)
+    for src, address, n, _ in rows:
+        if address:
+            written[address - _address(dst) : address - _address(dst) + n] = SOURCE[src - _address(SOURCE) :][:n]
+    assert np.array_equal(dst, written)
+
+
+def test_batched_crcs_and_copies_agree_with_the_package() -> None:
+    views = [memoryview(SOURCE)[i * 70_001 : i * 70_001 + n] for i, n in enumerate((0, 1, 64, 65_536, 70_000))]
+    assert memops.crcs_of(views) == [reference(v) for v in views]
+    assert memops.crcs_of([bytes(v) for v in views]) == [reference(v) for v in views]  # read-only ones too
+    dsts = [memoryview(bytearray(len(v))) for v in views]
+    assert memops.copy_crcs(dsts, views) == [reference(v) for v in views] and dsts == views
+    with pytest.raises(ValueError):
+        memops.copy_crcs([memoryview(bytearray(3)), memoryview(bytearray(3))], [views[2], views[3]])
+
+
 def test_callers_use_the_kernels_and_agree_with_the_package() -> None:
     block = memoryview(SOURCE)[: 2 << 20]
     assert checksum.crc32c(block, 5) == reference(block, 5)

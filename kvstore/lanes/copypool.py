@@ -49,6 +49,27 @@ class CopyPool:
             results.extend(f.result())
         return results
 
+    def run_batches(
+        self,
+        fn: Callable[[Sequence[T]], list[R]],
+        items: Sequence[T],
+        weights: Sequence[int],
+        split_bytes: int = SPLIT_BYTES,
+    ) -> list[R]:
+        """``run`` for a ``fn`` that takes a whole contiguous run of items (one compiled call for many blocks)
+        and returns one result per item."""
+        if self._pool is None or len(items) < 2 or sum(weights) < split_bytes:
+            return fn(items)
+        runs = _split(weights, min(self.threads, len(items)))
+        futures = [self._pool.submit(fn, items[r.start : r.stop]) for r in runs[1:]]
+        try:
+            results = fn(items[runs[0].start : runs[0].stop])
+        finally:
+            wait(futures)
+        for f in futures:
+            results.extend(f.result())
+        return results
+
     def side_by_side(self, jobs: Sequence[Callable[[], R]]) -> list[R]:
         """Run ``jobs[0]`` on the calling thread and the others on the pool (on this thread after it where the
         pool has no thread); their results in order. Waits for all of them even when one fails."""

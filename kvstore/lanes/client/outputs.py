@@ -4,6 +4,8 @@
   parts in order), or None when one is not plain host memory: what a direct Get names for the store to write
   and a ``--share-nvme`` Get reads into.
 - ``SpanCopy(spans, source)``: a copy out of mapped memory at an address into host spans.
+- ``copy_outs(copies) -> [crc | None]``: ``copy_out`` of a batch over ``copy_pool()``, a thread's run of blocks in one
+  compiled call.
 - ``copy_out((dst, src, check)) -> crc | None``: one block out of the region or the DRAM arena into its
   destination (a view, a list of segment views, or a ``SpanCopy``), with its CRC32C when ``check``;
   ``copy_pool()`` the process's threads that run them side by side.
@@ -19,10 +21,11 @@ from typing import Any, cast
 
 import numpy as np
 
+from kvstore import memops_jit
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.segments import Spans, copy_to_spans, scatter
-from kvstore.memops import copy_crc, copy_into, host_view
+from kvstore.memops import copy_crc, copy_into, host_view, run_rows
 from kvstore.payload import Segments
 
 
@@ -68,6 +71,39 @@ class SpanCopy:
 
     spans: Spans
     source: int
+
+
+def copy_outs(copies: Sequence[tuple[Any, memoryview, bool]]) -> list[int | None]:
+    """``copy_out`` of each, in order, over the copy threads; with the kernels compiled, the views and
+    ``SpanCopy`` destinations of a thread's run go in one call (``memops.run_rows``) instead of one a block."""
+    pool = copy_pool()
+    weights = [len(c[1]) for c in copies]
+    if len(copies) < 2 or not memops_jit.ready():
+        return pool.run(copy_out, copies, weights)
+    return pool.run_batches(_copy_run, copies, weights)
+
+
+def _copy_run(copies: Sequence[tuple[Any, memoryview, bool]]) -> list[int | None]:
+    rows: list[tuple[int, int, int, int]] = []
+    results: list[int | None] = [None] * len(copies)
+    rowed: list[int] = []
+    for k, (dst, src, _) in enumerate(copies):
+        if isinstance(dst, SpanCopy):
+            source = dst.source
+            for address, length in dst.spans:
+                rows.append((source, address, length, k))
+                source += length
+        elif isinstance(dst, memoryview) and not dst.readonly and len(dst) == len(src) and len(src):
+            rows.append((address_of(src)[0], address_of(dst)[0], len(src), k))
+        else:
+            results[k] = copy_out(copies[k])
+            continue
+        rowed.append(k)
+    if rows:
+        crcs = run_rows(rows, len(copies), any(copies[k][2] for k in rowed))
+        for k in rowed:
+            results[k] = crcs[k] if copies[k][2] else None
+    return results
 
 
 def copy_out(c: tuple[Any, memoryview, bool]) -> int | None:

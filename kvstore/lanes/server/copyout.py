@@ -23,7 +23,7 @@ from kvstore.checksum import crc32c
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import DirectPeer
 from kvstore.lanes.segments import Spans
-from kvstore.memops import copy_crc, copy_into, host_view
+from kvstore.memops import copy_crc, copy_into, crcs_of, host_view
 from kvstore.v1 import lanes_pb2 as lpb
 
 WRITE_RUN_BYTES = 4 << 20  # direct Get writes: this much per process_vm_writev (and per copy thread's turn)
@@ -140,17 +140,16 @@ def write_blocks(
         runs.append(range(start, len(sizes)))
 
     def write_run(run: range) -> list[int]:
-        crcs: list[int] = []
-        pairs: list[tuple[int, memoryview]] = []
-        for k in run:
-            dst, src = spans[k], sources[k]
-            if len(dst) == 1:
-                crcs.append(crc32c(src) if crc else 0)
-                pairs.append((dst[0][0], src))
-            else:  # a block across several buffers: its own vectored call, its CRC32C in the same pass
-                crcs.append(direct.write_spans(dst, src, crc))
-        if pairs:
-            direct.write_many(pairs)
+        crcs: list[int] = [0] * len(run)
+        single = [j for j, k in enumerate(run) if len(spans[k]) == 1]
+        if crc and single:  # one compiled call for all of them (not one per block: see memops.crcs_of)
+            for j, value in zip(single, crcs_of([sources[run[j]] for j in single])):
+                crcs[j] = value
+        if single:
+            direct.write_many([(spans[run[j]][0][0], sources[run[j]]) for j in single])
+        for j, k in enumerate(run):
+            if len(spans[k]) != 1:  # a block across several buffers: its own vectored call, its CRC32C in the same pass
+                crcs[j] = direct.write_spans(spans[k], sources[k], crc)
         return crcs
 
     if len(runs) == 1:
