@@ -27,7 +27,10 @@ from kvstore.memops import copy_crc, copy_into, crcs_of, host_view
 from kvstore.v1 import lanes_pb2 as lpb
 
 WRITE_RUN_BYTES = 4 << 20  # direct Get writes: this much per process_vm_writev (and per copy thread's turn)
-SPLIT_WRITE_BYTES = 1 << 20  # direct Get writes of a message from this size on are spread over the copy threads
+# direct Get writes of a message from this size on are spread over the copy threads: waking an idle pool
+# thread costs 200-300 us on this VM after a pause (40 hot), so 32 x 64 KiB DRAM hits taken between other work
+# ran 2.3 ms on one thread against 2.6 split in two (bench.nvme_get, 2026-12-02)
+SPLIT_WRITE_BYTES = 4 << 20
 
 
 @dataclass(slots=True)
@@ -124,7 +127,7 @@ def write_blocks(
     Measured here (``bench.vllm_load``, 109 blocks of 30 x 48 KiB): 85 ms with every write on one thread and
     the CRC32Cs on the other, 69 ms split this way; without CRC32Cs 76 ms on one thread, 54 ms on two (the
     writes cost about 2.5x the CRC32Cs and run faster side by side at that size); 32 x 64 KiB DRAM hits
-    came out even either way."""
+    came out even either way back to back, and faster on one thread between other work (``SPLIT_WRITE_BYTES``)."""
     sizes = [len(s) for s in sources]
     total = sum(sizes)
     parts = pool.threads if total >= SPLIT_WRITE_BYTES else 1
