@@ -36,6 +36,28 @@ _TOMB = 0xFFFFFFFF
 
 
 if AVAILABLE:
+    from llvmlite import ir
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _prefetch(typingctx: Any, address: Any) -> Any:
+        """Start loading the cache line at ``address`` (a read, kept in every cache level); nothing waits."""
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            try:
+                fn = builder.module.get_global("llvm.prefetch.p0i8")
+            except KeyError:
+                fn = ir.Function(
+                    builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
+                )
+            builder.call(
+                fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+            )
+            return context.get_dummy_value()
+
+        return numba.types.void(numba.types.int64), codegen
+
     _U = numba.uint64
     M1, M2, M3, M4 = _U(0x9E3779B97F4A7C15), _U(0xC2B2AE3D27D4EB4F), _U(0x165667B19E3779F9), _U(0xD6E8FEB86659FD93)
 
@@ -90,13 +112,15 @@ if AVAILABLE:
         keys (``b"\\x00".join(keys)``, ``b"\\x01".join(keys)``), ``out`` one row per key: 1, or 0 with ``out``
         untouched unless every key is 16 bytes. (The check is exact: for n keys every position 17 i + 16
         must hold 0 in one join and 1 in the other, which only a separator can, and there are only n - 1.)
-        ``params``: the table's ``nslots`` and ``seed``, and a word this writes (the sum of what it
-        touched, so that no load is optimized away); ``nsq``: the namespace, plus 1 << 16 when namespaces must be compared (a table
-        of one namespace need not). Few arguments: each costs the dispatcher time on every call.
+        ``params``: the table's ``nslots`` and ``seed`` (and a spare word); ``nsq``: the namespace, plus 1 << 16
+        when namespaces must be compared (a table of one namespace need not). Few arguments: each costs the
+        dispatcher time on every call.
 
-        Passes that each issue independent loads (the memory system overlaps them): hash and touch every
-        key's first slots; find its first tag match (cache-hot) and touch that entry's row; compare, and
-        a false match probes again as ``find`` does."""
+        Passes that start every key's memory reads before any waits for one (a load that misses stalls the
+        core once enough of them queue up; a prefetch does not): hash every key and prefetch its first
+        slots; find its first tag match (cache-hot now) and prefetch that entry's key row (and namespace); compare, and a
+        false match probes again as ``find`` does. Against loads in the first two passes: 5.06-5.24M against
+        4.84-5.06M lookups/s at 100M entries, 5.8-5.9M against 5.25-5.3M at 10M (64-key prefixes, 2026-12-02)."""
         n = (len(j0) + 1) // 17
         if len(j0) != 17 * n - 1 or len(j1) != len(j0) or n != len(out):  # out: one row per key
             return 0
@@ -105,11 +129,11 @@ if AVAILABLE:
                 return 0
         nslots, seed = params[0], params[1]
         ns, check_ns = nsq & 0xFFFF, nsq >> 16
-        touch = numba.uint64(0)
+        slots, rows, spaces = words.ctypes.data, keys.ctypes.data, nss.ctypes.data
         for i in range(n):  # no scratch arrays: out holds each key's start, then its candidate
             pos = _hash(_word(j0, 17 * i), _word(j0, 17 * i + 8), ns, seed, nslots)[0]
             out[i] = pos
-            touch += words[pos] + words[pos + 4]  # the next cache line too when the run may cross into it
+            _prefetch(slots + 4 * pos)
         for i in range(n):
             lo, hi = _word(j0, 17 * i), _word(j0, 17 * i + 8)
             tag = _hash(lo, hi, ns, seed, nslots)[1]
@@ -120,7 +144,9 @@ if AVAILABLE:
                     break
                 if w != _TOMB and (w & numba.uint32(0xF0000000)) == tag:
                     e = numba.int64(w & numba.uint32(_LOW)) - 1
-                    touch += keys[e, 0] + (numba.uint64(nss[e]) if check_ns else numba.uint64(0))
+                    _prefetch(rows + 16 * e)
+                    if check_ns:
+                        _prefetch(spaces + nss.itemsize * e)
                     break
                 pos += 1
             out[i] = e
@@ -130,7 +156,6 @@ if AVAILABLE:
                 lo, hi = _word(j0, 17 * i), _word(j0, 17 * i + 8)
                 if not (keys[e, 0] == lo and keys[e, 1] == hi and (not check_ns or nss[e] == ns)):
                     out[i] = _find1(words, nslots, seed, lo, hi, numba.uint16(ns), keys, nss)  # a false tag match
-        params[2] = touch
         return 1
 
     @numba.njit(cache=True, nogil=True)
@@ -194,8 +219,12 @@ if AVAILABLE:
 
     @numba.njit(cache=True, nogil=True)
     def place_keys(words, nslots, seed, q, ns, ids, limit):  # type: ignore[no-untyped-def]
-        """``place`` of keys given as (n, 2) words, all in namespace ``ns``."""
+        """``place`` of keys given as (n, 2) words, all in namespace ``ns`` (every key's first slots prefetched
+        before any is placed, as ``find_joined`` does)."""
         reused = 0
+        slots = words.ctypes.data
+        for i in range(len(q)):
+            _prefetch(slots + 4 * _hash(q[i, 0], q[i, 1], ns, seed, nslots)[0])
         for i in range(len(q)):
             pos, tag = _hash(q[i, 0], q[i, 1], ns, seed, nslots)
             while pos < limit:
