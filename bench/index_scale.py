@@ -22,7 +22,8 @@ prefixes drawn at random from what it inserted. Two levels:
 Per row: ``rss_per_block`` (resident bytes the case added, over ``n``),
 ``index_bytes_per_block`` (``EntryTable.nbytes()``, or the store's
 ``stats()["index_bytes"]``, which adds the policies), ``insert_per_s`` and
-``lookup_per_s`` (hashes a second, wall clock; ``*_cpu_per_s`` in the child's
+``lookup_per_s`` (hashes a second, wall clock, the median of ``LOOKUP_PASSES`` passes over the same
+lookups; ``lookup_first_per_s`` the first pass; ``*_cpu_per_s`` in the child's
 CPU time, steadier while other jobs share the cores), and beside each compact
 row its ratio to the baseline of the same level and size. Targets (issue 18):
 <= 64 bytes per block at 10M and 100M, >= 1M inserts/s, >= 5M lookups/s.
@@ -53,6 +54,9 @@ PREFIX = 64
 # block of freed but resident memory in the RSS at 10M blocks
 KEY_CHUNK = 1 << 16
 LOOKUPS = 1 << 20
+# the lookups are timed this many times over and the median pass reported (``lookup_first_per_s``: the first):
+# one pass takes 0.2 s, and single passes of the same table ranged 4.7-5.3M/s at 100M blocks on this VM
+LOOKUP_PASSES = 5
 OLD_FILES = ("index", "blockstore", "cascade", "policy", "policies")
 TARGET_BYTES, TARGET_INSERTS, TARGET_LOOKUPS = 64, 1e6, 5e6
 
@@ -215,7 +219,8 @@ def run_child(case: dict[str, Any]) -> Row:
         index_bytes = lambda: store.stats()["index_bytes"]  # noqa: E731
     ins_wall, ins_cpu = _time(insert)
     rss = _rss() - rss0
-    look_wall, look_cpu = _time(lookup)
+    passes = [_time(lookup) for _ in range(LOOKUP_PASSES)]
+    look_wall, look_cpu = sorted(passes)[LOOKUP_PASSES // 2]
     hashes = len(lookups) * PREFIX
     return {
         "level": level,
@@ -227,6 +232,7 @@ def run_child(case: dict[str, Any]) -> Row:
         "insert_cpu_per_s": round(n / ins_cpu),
         "lookup_per_s": round(hashes / look_wall),
         "lookup_cpu_per_s": round(hashes / look_cpu),
+        "lookup_first_per_s": round(hashes / passes[0][0]),
         "insert_s": round(ins_wall, 2),
     }
 
@@ -327,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             "insert_cpu_per_s",
             "lookup_per_s",
             "lookup_cpu_per_s",
+            "lookup_first_per_s",
             "rss_vs_base",
             "insert_vs_base",
             "lookup_vs_base",

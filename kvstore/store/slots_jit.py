@@ -130,14 +130,12 @@ if AVAILABLE:
         nslots, seed = params[0], params[1]
         ns, check_ns = nsq & 0xFFFF, nsq >> 16
         slots, rows, spaces = words.ctypes.data, keys.ctypes.data, nss.ctypes.data
-        for i in range(n):  # no scratch arrays: out holds each key's start, then its candidate
-            pos = _hash(_word(j0, 17 * i), _word(j0, 17 * i + 8), ns, seed, nslots)[0]
-            out[i] = pos
+        for i in range(n):  # no scratch arrays: out holds each key's start and tag, then its candidate
+            pos, tag = _hash(_word(j0, 17 * i), _word(j0, 17 * i + 8), ns, seed, nslots)
+            out[i] = pos | numba.int64(tag) << 32  # pos < 2**32: a table holds at most 2**28 entries
             _prefetch(slots + 4 * pos)
         for i in range(n):
-            lo, hi = _word(j0, 17 * i), _word(j0, 17 * i + 8)
-            tag = _hash(lo, hi, ns, seed, nslots)[1]
-            pos, e = out[i], -1
+            pos, tag, e = out[i] & 0xFFFFFFFF, numba.uint32(out[i] >> 32), -1
             while True:
                 w = words[pos]
                 if w == 0:
