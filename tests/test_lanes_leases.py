@@ -76,8 +76,8 @@ def test_client_killed_mid_put_leaks_nothing(lane_server, lane):
         line = child.stdout.readline()
         assert line.strip() == "READY", child.stderr.read()
         hashes = [bytes([9, i]) * 8 for i in range(8)]
-        partial = 0 if lane != "tcp" else 3  # tcp commits whole blocks as they arrive; shm only on commit
-        # shm: 8 slots reserved, 4 written; tcp: 3 blocks stored and the 4th slot filling
+        partial = 0  # tcp commits the blocks of a frame 64 at a time (and at its end), shm on commit
+        # shm: 8 slots reserved, 4 written; tcp: 3 blocks received (not committed) and the 4th slot filling
         held = 8 * BLOCK if lane != "tcp" else 4 * BLOCK
         assert wait_until(lambda: lane_server.store.top.used_bytes == held)
         assert lane_server.store.lookup("ns", hashes)[0] == partial

@@ -131,12 +131,13 @@ class ShmServerLane(ShmGets, ServerLane):
         committed: list[int] = []
         done = direct = 0
         try:
+            blocks: list[tuple[Reservation, int, int]] = []
             for d, slot, computed in zip(descriptors, slots, self._land(slots, descriptors)):
-                res: Reservation = slot.item
                 claimed = computed if crc_from_server else self._claimed_crc(d, computed)
-                reply.results.append(self.ops.finish(res, claimed, computed, committed, self.access))
+                blocks.append((slot.item, claimed, computed))
                 done += slot.length
                 direct += slot.length if d.address or d.segment_addresses else 0
+            reply.results.extend(self.ops.finish_many(blocks, committed, self.access))  # one commit for them all
         except BaseException:
             self.ops.abort([s.item for s in slots])
             self.ops.abort(self.grants.fail(grant))

@@ -39,7 +39,7 @@ from kvstore.lanes.base import LaneError
 from kvstore.lanes.server.access import LaneAccess
 from kvstore.lanes.server.lane import ServerLane
 from kvstore.lanes.server.registry import LaneRegistry
-from kvstore.lanes.server.storeops import StoreOps, accepted_codecs
+from kvstore.lanes.server.storeops import Reservation, StoreOps, accepted_codecs
 from kvstore.memops import copy_into, host_view
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 HELLO_SECONDS = 10.0
 POLL_SECONDS = 0.5
+COMMIT_BATCH = 64  # a Put frame's blocks are committed this many at a time (StoreOps.finish_many), as they arrive
 
 
 class TcpServerLane(ServerLane):
@@ -218,33 +219,44 @@ class TcpLaneServer:
         error: LaneError | None = None
         stored = 0
         res = None
+        received: list[tuple[Reservation, int, int]] = []  # (reservation, claimed CRC32C, as landed), in order
+        landed = 0
         crc_bytes = memoryview(bytearray(framing.CRC.size))
         left = frame.data_len  # payload bytes of the frame not read yet
         try:
             for i, meta in enumerate(metas):
                 left -= meta.stored_length + framing.CRC.size
                 n = meta.stored_length
-                if error is not None:
+                if error is not None:  # the rest of the frame is read and dropped; the Put ends in the error
                     framing.drain(conn, n + framing.CRC.size)
                     continue
                 res = ops.reserve(ns, meta, i, access)
+                if res.full and any(r.ticket is not None for r, _, _ in received):
+                    # memory is held by this frame's uncommitted blocks: committed, they can be evicted
+                    error = self._finish(ops, received, reply, committed, access)
+                    stored, received = landed, []
+                    if error is None:
+                        res = ops.reserve(ns, meta, i, access)
                 if res.ticket is None:
                     framing.drain(conn, n + framing.CRC.size)
-                    assert res.result is not None  # final when there is no ticket
-                    reply.results.append(res.result)
+                    received.append((res, 0, 0))  # its result is final: already present, or refused
                     res = None
                     continue
                 computed = self._recv_block(conn, res.ticket.buffer, n, left + framing.CRC.size)
                 framing.recv_into(conn, crc_bytes)
-                try:
-                    reply.results.append(ops.finish(res, framing.CRC.unpack(crc_bytes)[0], computed, committed, access))
-                    stored += n
-                except LaneError as err:
-                    error = err
+                received.append((res, framing.CRC.unpack(crc_bytes)[0], computed))
+                landed += n
                 res = None
+                if len(received) >= COMMIT_BATCH:
+                    error = self._finish(ops, received, reply, committed, access)
+                    stored, received = landed, []
+            if error is None:
+                error = self._finish(ops, received, reply, committed, access)
+                stored, received = landed, []
         finally:
             if res is not None:
                 ops.abort([res])  # the connection died in the middle of this block
+            ops.abort([r for r, _, _ in received])  # those still holding a ticket: received, never committed
             ops.metrics.add("lane_tcp_put_bytes", stored)
             ops.metrics.bytes_in(stored)
         ops.persist(committed)
@@ -252,6 +264,21 @@ class TcpLaneServer:
             self._status(conn, error.code, error.message)
         else:
             framing.send_frame(conn, framing.PUT_REPLY, reply.SerializeToString())
+
+    @staticmethod
+    def _finish(
+        ops: StoreOps,
+        received: list[tuple[Reservation, int, int]],
+        reply: pb.PutResponse,
+        committed: list[int],
+        access: LaneAccess,
+    ) -> LaneError | None:
+        """Verify every received block alone and commit the good ones at once (``StoreOps.finish_many``)."""
+        try:
+            reply.results.extend(ops.finish_many(received, committed, access))
+        except LaneError as err:
+            return err
+        return None
 
     @staticmethod
     def _recv_block(conn: socket.socket, buffer: Any, n: int, after: int) -> int:
