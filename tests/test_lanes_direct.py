@@ -340,6 +340,7 @@ def test_lost_permission_moves_the_client_to_region_copies(make_server, monkeypa
             raise cma.DirectReadError(errno.EPERM, "Operation not permitted (as if the client named another store)")
 
         monkeypatch.setattr(cma, "read_into", refused)  # the lane's reads and any new handshake's nonce read
+        monkeypatch.setattr(cma, "read_many", refused)  # a commit's batch of one-buffer blocks
         assert [r.status for r in kv.put("ns", keys(3)[1:], data[1:])] == ["stored", "stored"]
         assert [bytes(b) for b in kv.get("ns", keys(3))] == data
     assert server.metrics.counters()["lane_shm_direct_put_bytes"] == direct_bytes  # the rest went by region

@@ -116,22 +116,32 @@ def write_from(pid: int, address: int, src: memoryview, crc: bool = True) -> int
 def write_many(pid: int, pairs: list[tuple[int, Any]]) -> None:
     """Copy each ``(address, src)`` of ``pairs`` to ``address`` in process ``pid``: one process_vm_writev per
     ``IOV_BATCH`` blocks instead of one per block (a Get of many small blocks pays a syscall, not 32)."""
+    _move_many(_lib().process_vm_writev, "wrote", pid, pairs)
+
+
+def read_many(pid: int, pairs: list[tuple[int, Any]]) -> None:
+    """Fill each ``(address, dst)`` of ``pairs`` from ``address`` in process ``pid`` (``len(dst)`` bytes): one
+    process_vm_readv per ``IOV_BATCH`` blocks, as ``write_many``."""
+    _move_many(_lib().process_vm_readv, "read", pid, pairs)
+
+
+def _move_many(syscall: Any, verb: str, pid: int, pairs: list[tuple[int, Any]]) -> None:
     for start in range(0, len(pairs), IOV_BATCH):
         batch = pairs[start : start + IOV_BATCH]
         n = len(batch)
         liov, riov = (_IoVec * n)(), (_IoVec * n)()
         total = 0
-        for k, (address, src) in enumerate(batch):
-            base, size = address_of(src)
+        for k, (address, local) in enumerate(batch):
+            base, size = address_of(local)
             liov[k].iov_base, liov[k].iov_len = base, size
             riov[k].iov_base, riov[k].iov_len = address, size
             total += size
-        got = _lib().process_vm_writev(pid, liov, n, riov, n, 0)
+        got = syscall(pid, liov, n, riov, n, 0)
         if got != total:
             err = ctypes.get_errno() if got < 0 else 0
             raise DirectReadError(
                 err,
-                f"wrote {max(got, 0)} of {total} bytes of {n} blocks (first at {batch[0][0]:#x}) in process "
+                f"{verb} {max(got, 0)} of {total} bytes of {n} blocks (first at {batch[0][0]:#x}) in process "
                 f"{pid}{': ' + os.strerror(err) if err else ''}",
             )
 

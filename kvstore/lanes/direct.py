@@ -95,6 +95,16 @@ class DirectPeer:
         except cma.DirectReadError as err:
             raise _refused("direct get", err) from None
 
+    def read_many(self, pairs: list[tuple[int, Any]]) -> None:
+        """Fill each ``(address, dst)`` from the client's memory, as few syscalls as IOV_MAX allows (no CRC32C:
+        the caller takes them of the landed bytes in one batch)."""
+        if not self.alive():
+            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"direct put: client process {self.pid} is gone")
+        try:
+            cma.read_many(self.pid, pairs)
+        except cma.DirectReadError as err:
+            raise _refused("direct put", err) from None
+
     def read_spans(self, dst: memoryview, spans: Spans) -> int:
         """Fill ``dst`` from a block in several pieces of the client's memory; its CRC32C."""
         return self._move("direct put", lambda pid, buf, at: cma.read_spans_into(pid, buf, at), dst, spans)

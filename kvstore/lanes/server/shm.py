@@ -31,7 +31,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import grpc
 
@@ -45,7 +45,7 @@ from kvstore.lanes.server.lane import ServerLane
 from kvstore.lanes.server.shm_get import ShmGets
 from kvstore.lanes.server.storeops import Reservation, StoreOps
 from kvstore.lanes.shm_region import ShmRegion
-from kvstore.memops import copy_crc, copy_into, host_view
+from kvstore.memops import copy_crc, copy_into, crcs_of, host_view
 from kvstore.store import Lease
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
@@ -177,10 +177,19 @@ class ShmServerLane(ShmGets, ServerLane):
             raise LaneError(
                 grpc.StatusCode.PERMISSION_DENIED, "a commit names client memory on a lane without a direct handshake"
             )
+        sources = [descriptor_spans(d) for d in descriptors]
+        targets = [host_view(slot.item.ticket.buffer) if slot.item.ticket is not None else None for slot in slots]
+        if self.direct is not None and all(len(src) == 1 for src in sources) and all(t is not None for t in targets):
+            direct = self.direct  # every block in one buffer of the client's, every slot in host memory
+
+            def read_run(run: Sequence[int]) -> list[int]:  # one process_vm_readv, then one batch of CRC32Cs
+                views = [cast(memoryview, targets[k])[: slots[k].length] for k in run]
+                direct.read_many([(sources[k][0][0], view) for k, view in zip(run, views)])
+                return crcs_of(views)
+
+            return self.ops.copies.run_batches(read_run, range(len(slots)), [s.length for s in slots])
         return self.ops.copies.run(
-            lambda pair: self._copy_in(pair[0], pair[0].item, descriptor_spans(pair[1])),
-            list(zip(slots, descriptors)),
-            [s.length for s in slots],
+            lambda k: self._copy_in(slots[k], slots[k].item, sources[k]), range(len(slots)), [s.length for s in slots]
         )
 
     @staticmethod
