@@ -88,22 +88,12 @@ class DirectPeer:
 
     def write_many(self, pairs: list[tuple[int, Any]]) -> None:
         """Copy each ``(address, src)`` into the client's memory, as few syscalls as IOV_MAX allows."""
-        if not self.alive():
-            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"direct get: client process {self.pid} is gone")
-        try:
-            cma.write_many(self.pid, pairs)
-        except cma.DirectReadError as err:
-            raise _refused("direct get", err) from None
+        self._move("direct get", _batch(cma.write_many), pairs, None)
 
     def read_many(self, pairs: list[tuple[int, Any]]) -> None:
         """Fill each ``(address, dst)`` from the client's memory, as few syscalls as IOV_MAX allows (no CRC32C:
         the caller takes them of the landed bytes in one batch)."""
-        if not self.alive():
-            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"direct put: client process {self.pid} is gone")
-        try:
-            cma.read_many(self.pid, pairs)
-        except cma.DirectReadError as err:
-            raise _refused("direct put", err) from None
+        self._move("direct put", _batch(cma.read_many), pairs, None)
 
     def read_spans(self, dst: memoryview, spans: Spans) -> int:
         """Fill ``dst`` from a block in several pieces of the client's memory; its CRC32C."""
@@ -113,7 +103,7 @@ class DirectPeer:
         """Copy ``src`` across several pieces of the client's memory; the CRC32C of ``src`` (0 without ``crc``)."""
         return self._move("direct get", lambda pid, buf, at: cma.write_spans_from(pid, at, buf, crc), src, spans)
 
-    def _move(self, what: str, fn: Callable[[int, memoryview, Any], int], buf: memoryview, address: Any) -> int:
+    def _move(self, what: str, fn: Callable[[int, Any, Any], int], buf: Any, address: Any) -> int:
         if not self.alive():
             raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: client process {self.pid} is gone")
         try:
@@ -127,6 +117,16 @@ class DirectPeer:
         if not self._closed:
             self._closed = True
             os.close(self.pidfd)
+
+
+def _batch(fn: Callable[[int, list[tuple[int, Any]]], None]) -> Callable[[int, Any, Any], int]:
+    """A batch move (``cma.write_many``, ``read_many``) in the shape ``DirectPeer._move`` runs."""
+
+    def move(pid: int, pairs: Any, _: Any) -> int:
+        fn(pid, pairs)
+        return 0
+
+    return move
 
 
 def _refused(what: str, err: OSError) -> LaneError:
