@@ -148,6 +148,12 @@ class NodeClient:
         return self._lanes.kind
 
     # -- lifecycle ----------------------------------------------------------------------
+    def connect(self) -> str:
+        """Open a data lane now (its negotiation, shared region and handshake), so that the first Get or Put
+        does not pay for it; the lane kind ("grpc" when none opened)."""
+        self._lanes.run(lambda lane: None)
+        return self.lane_kind
+
     def close(self) -> None:
         self._lanes.close()
         self._device_lanes.close()

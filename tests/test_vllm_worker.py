@@ -48,6 +48,17 @@ def wait_idle(side: WorkerSide, req: str) -> set[str]:
         time.sleep(0.01)
 
 
+@pytest.mark.parametrize("lane", ["shm", "tcp"])
+def test_register_opens_the_load_streams_lanes_before_any_load(server, lane: str) -> None:
+    """The first load used to pay for its client's connection and lane handshake (150-180 ms in ``make run``)."""
+    side, _ = worker(f"127.0.0.1:{server.port}", lane, load_streams=2)
+    deadline = time.monotonic() + 10
+    while server.metrics.counters().get(f"lane_{lane}_open", 0) < 2:  # one lane per load stream
+        assert time.monotonic() < deadline, server.metrics.counters()
+        time.sleep(0.01)
+    side.close()
+
+
 @pytest.mark.parametrize("lane", ["shm", "tcp", "grpc"])
 def test_save_then_load_into_other_blocks_of_another_engine(server, lane: str) -> None:
     target = f"127.0.0.1:{server.port}"

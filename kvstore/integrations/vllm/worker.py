@@ -50,6 +50,7 @@ from kvstore.integrations.vllm.cache_blocks import CacheBlocks
 from kvstore.integrations.vllm.plan import BlockRun, LoadReport, StepPlan, StepReport
 from kvstore.integrations.vllm.settings import ClientSlot
 from kvstore.integrations.vllm.stats import StatsFile
+from kvstore.node_client import NodeClient
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         memops_jit.ready()  # starts compiling the copy and CRC32C kernels now, in the background, not at a load
+        threading.Thread(target=self._connect_streams, name="kvstore-connect", daemon=True).start()
         self.blocks = CacheBlocks.from_caches(kv_caches)
         self.counters.cross_layer_view = self.blocks.cross_layer_view
         self.counters.block_bytes = self.blocks.block_bytes
@@ -144,6 +146,18 @@ class WorkerSide:
             self.blocks.block_bytes,
             "moved in place, one segment per layer" if self.blocks.host else "through a staging buffer",
         )
+
+    def _connect_streams(self) -> None:
+        """Open every load stream's client and lane now, off the engine's thread: the first load paid for them
+        (turn 1 of ``make run`` loaded 37 blocks in 150-180 ms, later turns 38-40 in 37-42)."""
+        for _ in self._all_slots:
+            slot = self._slots.get()  # not while a load holds it
+            try:
+                slot.call(_connect)
+            except Exception as err:  # the store may not be up yet: the first load connects, as before
+                log.info("kvstore connector: no store lane opened ahead of the first load (%s)", err)
+            finally:
+                self._slots.put(slot)
 
     # -- loads -------------------------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
@@ -413,3 +427,8 @@ class _Saver:
             if any(not r.ok for r in results):
                 break  # a refused block ends its chain: the blocks after it could never be found
         c.save_seconds += time.perf_counter() - start
+
+
+def _connect(client: Any) -> None:
+    if isinstance(client, NodeClient):  # a cluster's clients open each node's lanes as they first use them
+        client.connect()
