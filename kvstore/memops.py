@@ -9,9 +9,10 @@ runs at 6 GB/s, so with ``kvstore.memops_jit``'s kernels compiled a copy of ``JI
 its fused loop instead (each 64 bytes copied and folded into the CRC32C while in registers: 9.6 GB/s a core
 over 1 MiB, where the pieces here take 4.5).
 
-``crcs_of(views)``, ``copy_crcs(dsts, srcs)`` and ``run_rows(rows, blocks)`` (raw (src, dst, n, block) rows) do
-the same for a whole batch of blocks in one compiled call (``memops_jit.copy_rows``), where a call per block let two threads of one process reach only half the
-kernel's speed (they queue for the GIL between calls).
+``crcs_of(views)`` and ``run_rows(rows, blocks)`` (raw (src, dst, n, block) rows) do the same for a whole batch
+of blocks in one compiled call (``memops_jit.copy_rows``), where a call per block let two threads of one process
+reach only half the kernel's speed (the GIL, taken again after every call, is the likely cost).
+``address_of(buf)``: (address, length) of a host buffer.
 """
 
 from __future__ import annotations
@@ -70,35 +71,17 @@ def crcs_of(views: Sequence[memoryview]) -> list[int]:
     """The CRC32C of each flat byte view, in one compiled call when the kernels are ready."""
     if len(views) < 2 or not memops_jit.ready():
         return [crc32c(v) for v in views]
-    return run_rows([(_address(v), 0, len(v), k) for k, v in enumerate(views)], len(views))
+    return run_rows([(address_of(v)[0], 0, len(v), k) for k, v in enumerate(views)], len(views))
 
 
-def copy_crcs(dsts: Sequence[memoryview], srcs: Sequence[memoryview], check: bool = True) -> list[int]:
-    """Copy each ``srcs[k]`` into ``dsts[k]`` (flat byte views of the same length); each block's CRC32C
-    (zeros without ``check``), in one compiled call when the kernels are ready."""
-    if len(srcs) < 2 or not memops_jit.ready():
-        if not check:
-            for d, s in zip(dsts, srcs):
-                copy_into(d, s)
-            return [0] * len(srcs)
-        return [copy_crc(d, s) for d, s in zip(dsts, srcs)]
-    rows = []
-    for k, (d, s) in enumerate(zip(dsts, srcs)):
-        if len(d) != len(s):
-            raise ValueError(f"copy of {len(s)} bytes into {len(d)}")
-        rows.append((_address(s), _address(d, writable=True), len(s), k))
-    return run_rows(rows, len(srcs), check)
-
-
-def _address(view: memoryview, writable: bool = False) -> int:
-    if not len(view):
-        return 0  # a row of no bytes reads and writes nothing
-    try:  # a writable buffer's address in 0.8 us
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except TypeError:  # read-only (a mapped file, bytes): numpy takes its address
-        if writable:
-            raise ValueError("a copy's destination must be writable") from None
-        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+def address_of(buf: Any) -> tuple[int, int]:
+    """(address, length) of a contiguous host buffer (bytes, memoryview, numpy array, CPU tensor)."""
+    if hasattr(buf, "data_ptr"):  # torch tensor
+        return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+    if type(buf) is memoryview and buf.nbytes and not buf.readonly and buf.c_contiguous:  # ~4x cheaper than numpy
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf)), buf.nbytes
+    array = np.frombuffer(buf, dtype=np.uint8)
+    return int(array.ctypes.data), int(array.nbytes)
 
 
 def host_view(buf: Any) -> memoryview | None:

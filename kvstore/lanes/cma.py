@@ -43,6 +43,7 @@ import numpy as np
 
 from kvstore.checksum import crc32c
 from kvstore.lanes.segments import IOV_MAX, Spans, pieces
+from kvstore.memops import address_of as address_of  # re-exported: the addresses its calls take
 
 PIECE = 512 << 10
 IOV_BATCH = 1024  # Linux's IOV_MAX: the most blocks one process_vm_writev moves
@@ -90,16 +91,6 @@ def available() -> bool:
         return hasattr(_lib(), "process_vm_readv")
     except OSError:
         return False
-
-
-def address_of(buf: Any) -> tuple[int, int]:
-    """(address, length) of a contiguous host buffer (bytes, memoryview, numpy array, CPU tensor)."""
-    if hasattr(buf, "data_ptr"):  # torch tensor
-        return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
-    if type(buf) is memoryview and buf.nbytes and not buf.readonly and buf.c_contiguous:  # ~4x cheaper than numpy
-        return ctypes.addressof(ctypes.c_char.from_buffer(buf)), buf.nbytes
-    array = np.frombuffer(buf, dtype=np.uint8)
-    return int(array.ctypes.data), int(array.nbytes)
 
 
 def read_into(pid: int, dst: memoryview, address: int) -> int:

@@ -3,7 +3,8 @@
 
 ``CopyPool(threads).run(fn, items, weights) -> [fn(item) ...]`` splits ``items`` into at most ``threads``
 contiguous runs of about equal weight (bytes), runs the first on the calling thread and the others on the
-pool, and returns the results in order; ``side_by_side(jobs)`` runs different jobs at once, the first here. Batches under ``SPLIT_BYTES`` (or the caller's ``split_bytes``) stay on
+pool, and returns the results in order (``run_batches(fn, items, weights)`` hands each thread its whole run in
+one call); ``side_by_side(jobs)`` runs different jobs at once, the first here. Batches under ``SPLIT_BYTES`` (or the caller's ``split_bytes``) stay on
 the calling thread: handing work to another thread costs tens of microseconds. ``fn`` must let go of the GIL for its bulk (numpy copies,
 CRC32C and process_vm_readv/writev all do). When one run fails, ``run`` still waits for the others before it
 raises: none of them may touch the caller's buffers once it returns.
@@ -36,18 +37,7 @@ class CopyPool:
     def run(
         self, fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int], split_bytes: int = SPLIT_BYTES
     ) -> list[R]:
-        total = sum(weights)
-        if self._pool is None or len(items) < 2 or total < split_bytes:
-            return [fn(item) for item in items]
-        runs = _split(weights, min(self.threads, len(items)))
-        futures = [self._pool.submit(_run_part, fn, items, r) for r in runs[1:]]
-        try:
-            results = [fn(items[i]) for i in runs[0]]
-        finally:  # the others' copies may still read or write the caller's buffers: never return before them
-            wait(futures)
-        for f in futures:
-            results.extend(f.result())
-        return results
+        return self.run_batches(lambda part: [fn(item) for item in part], items, weights, split_bytes)
 
     def run_batches(
         self,
@@ -57,7 +47,8 @@ class CopyPool:
         split_bytes: int = SPLIT_BYTES,
     ) -> list[R]:
         """``run`` for a ``fn`` that takes a whole contiguous run of items (one compiled call for many blocks)
-        and returns one result per item."""
+        and returns one result per item. The first run goes on the calling thread; every run is waited for,
+        even when one fails."""
         if self._pool is None or len(items) < 2 or sum(weights) < split_bytes:
             return fn(items)
         runs = _split(weights, min(self.threads, len(items)))
@@ -85,10 +76,6 @@ class CopyPool:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-
-
-def _run_part(fn: Callable[[T], R], items: Sequence[T], run: range) -> list[R]:
-    return [fn(items[i]) for i in run]
 
 
 def _split(weights: Sequence[int], parts: int) -> list[range]:

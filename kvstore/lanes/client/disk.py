@@ -305,14 +305,9 @@ def _leading(spans: Spans, n: int) -> list[tuple[int, int]]:
 
 def _span_views(spans: Spans, n: int) -> list[memoryview]:
     """Writable views of the first ``n`` bytes of ``spans``."""
-    out: list[memoryview] = []
-    for address, length in spans:
-        if n <= 0:
-            break
-        take = min(length, n)
-        out.append(memoryview((ctypes.c_char * take).from_address(address)).cast("B"))
-        n -= take
-    return out
+    return [
+        memoryview((ctypes.c_char * length).from_address(address)).cast("B") for address, length in _leading(spans, n)
+    ]
 
 
 def _skip(spans: Spans, n: int) -> Spans:

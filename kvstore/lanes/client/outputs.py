@@ -74,8 +74,8 @@ class SpanCopy:
 
 
 def copy_outs(copies: Sequence[tuple[Any, memoryview, bool]]) -> list[int | None]:
-    """``copy_out`` of each, in order, over the copy threads; with the kernels compiled, the views and
-    ``SpanCopy`` destinations of a thread's run go in one call (``memops.run_rows``) instead of one a block."""
+    """``copy_out`` of each, in order, over the copy threads; with the kernels compiled, the ``SpanCopy``
+    destinations of a thread's run go in one call (``memops.run_rows``) instead of one a block."""
     pool = copy_pool()
     weights = [len(c[1]) for c in copies]
     if len(copies) < 2 or not memops_jit.ready():
@@ -87,17 +87,14 @@ def _copy_run(copies: Sequence[tuple[Any, memoryview, bool]]) -> list[int | None
     rows: list[tuple[int, int, int, int]] = []
     results: list[int | None] = [None] * len(copies)
     rowed: list[int] = []
-    for k, (dst, src, _) in enumerate(copies):
-        if isinstance(dst, SpanCopy):
-            source = dst.source
-            for address, length in dst.spans:
-                rows.append((source, address, length, k))
-                source += length
-        elif isinstance(dst, memoryview) and not dst.readonly and len(dst) == len(src) and len(src):
-            rows.append((address_of(src)[0], address_of(dst)[0], len(src), k))
-        else:
+    for k, (dst, _, _) in enumerate(copies):
+        if not isinstance(dst, SpanCopy):  # segment views, a tensor: copied alone
             results[k] = copy_out(copies[k])
             continue
+        source = dst.source
+        for address, length in dst.spans:
+            rows.append((source, address, length, k))
+            source += length
         rowed.append(k)
     if rows:
         crcs = run_rows(rows, len(copies), any(copies[k][2] for k in rowed))

@@ -10,12 +10,13 @@ Verbs (``StoreOps``, thread-safe like the BlockStore under it):
   then ``begin_put``: a reservation holds a ticket (a writable arena slot,
   invisible until committed) or a final result (already present; rejected
   with RESOURCE_EXHAUSTED over capacity or quota).
-- ``finish(res, crc, computed, committed, access) -> BlockResult``: ``crc`` is the CRC32C the
+- ``finish_many([(res, crc, computed)], committed, access) -> [BlockResult]``: ``crc`` is the CRC32C the
   client claims for the raw bytes, ``computed`` the CRC32C of the bytes that
-  landed in the slot (codec none). On a match the block is committed; on a
-  mismatch (or a payload that does not decode) the slot is given back and that
-  block alone is rejected (INVALID_ARGUMENT in its result, as on the gRPC Put);
-  the request goes on. A stored block is charged to the tenant's quota.
+  landed in the slot (codec none). On a match the block is committed (all the
+  matching ones of the batch in one ``commit_puts``); on a mismatch (or a
+  payload that does not decode) the slot is given back and that block alone is
+  rejected (INVALID_ARGUMENT in its result, as on the gRPC Put); the rest go on.
+  A stored block is charged to the tenant's quota.
 - ``abort(reservations)``: give back the slots of uncommitted reservations.
 - ``persist(entries)``: write-through to the durable tier before acknowledging.
 - ``copies``: the ``CopyPool`` the region lanes spread a batch's copies over.
@@ -134,16 +135,11 @@ class StoreOps:
             return Reservation(index, meta, None, pb.BlockResult(hash=meta.hash, status=pb.PUT_ALREADY_PRESENT))
         return Reservation(index, meta, ticket, None)
 
-    def finish(
-        self, res: Reservation, crc: int, computed: int, committed: list[int], access: LaneAccess
-    ) -> pb.BlockResult:
-        """Verify and commit one reserved block whose bytes are in ``res.ticket.buffer``."""
-        return self.finish_many([(res, crc, computed)], committed, access)[0]
-
     def finish_many(
         self, blocks: Sequence[tuple[Reservation, int, int]], committed: list[int], access: LaneAccess
     ) -> list[pb.BlockResult]:
-        """``finish`` of each (reservation, claimed CRC32C, CRC32C as landed), in order: every block verified
+        """Verify and commit each reserved block (reservation, claimed CRC32C, CRC32C as it landed in
+        ``res.ticket.buffer``), in order: every block verified
         alone (a bad one is refused and the rest go on), the good ones committed in one ``commit_puts`` (one
         index insert and one policy insert for the batch: committing 64 blocks one by one cost 3.7 ms with
         ``freq`` and 6.1 with ``adaptive`` here, in a batch 0.8 and 1.2)."""
