@@ -209,6 +209,24 @@ def test_hints_order_victims():
         ReuseHint(priority=9)
 
 
+def test_hinted_blocks_are_still_ranked_by_their_uses():
+    """Where every block carries a "reuse" hint, a hinted block used again outlives hinted blocks seen once
+    by P turnovers, as unhinted ones do (one class for all hinted blocks made that plain LRU: 0 went first)."""
+    policy = AdaptiveLeafPolicy(ladder=(4.0,))
+    policy.insert(0)
+    policy.touch(0)  # used twice, and then the oldest of all
+    for e in range(1, 8):
+        policy.insert(e)
+    for e in range(8):
+        policy.hint(e, ReuseHint(reuse=True))
+    assert policy.stats()["classes"] == {"dead": 0, "once": 0, "reused": 0, "kept": 1, "kept_once": 7}
+    order = [policy.pop_victim(lambda e: True) for _ in range(7)]
+    assert order == [1, 2, 3, 4, 5, 6, 7]
+    for e in order:
+        policy.remove(e)
+    assert policy.pop_victim(lambda e: True) == 0
+
+
 def test_store_hint_reaches_the_policy():
     store = BlockStore([AccountingMemoryTier(3 * BLOCK)], policy_factory=policy_factory("adaptive"))
     for i in range(3):

@@ -2,8 +2,9 @@
 
 tests/data/policy_victims.json holds, for seeded random operation sequences (``run``), every victim in order,
 P and the switches every 50 operations, and the end state, as the code at commit b57aec3 (before
-kvstore/store/policy_jit.py) produced them. This test replays the same sequences on today's code and compares
-everything. To record again (only where a change of decisions is intended):
+kvstore/store/policy_jit.py) produced them, recorded again when hinted blocks became ranked by their uses
+(``kept_once``, 2026-12-02: the adaptive sequences, which carry hints, changed; the freq ones did not). This test replays the same sequences on
+today's code and compares everything. To record again (only where a change of decisions is intended):
 
     PYTHONPATH=CHECKOUT python tests/test_policy_recorded.py tests/data/policy_victims.json
 """
