@@ -19,6 +19,7 @@ from kvstore.integrations.vllm.identity import EngineShape, lora_adapter_id, pro
 from kvstore.integrations.vllm.plan import BlockRun, StepPlan
 from kvstore.integrations.vllm.scheduler import LoadQuery, SchedulerSide
 from kvstore.integrations.vllm.settings import ClientSlot, Settings
+from kvstore.integrations.vllm.worker import MAX_LOAD_CHUNK, STAGED_LOAD_CHUNK, auto_load_chunk
 
 SHAPE = EngineShape("m", "", "float32", 30, 3, 64, 32, "vllm-LBHNC-tp1")
 B = SHAPE.block_size
@@ -122,6 +123,17 @@ def test_settings_check_their_keys() -> None:
         Settings.from_extra({"namespace": "x"})
     with pytest.raises(ValueError, match="on_load_error"):
         Settings.from_extra({"target": "x:1", "on_load_error": "ignore"})
+    assert Settings.from_extra({"target": "x:1"}).load_chunk == 0  # chosen from the block size
+    with pytest.raises(ValueError, match="load_chunk >= 0"):
+        Settings.from_extra({"target": "x:1", "load_chunk": "-1"})
+
+
+def test_load_chunk_of_0_takes_about_90_mib_a_get_on_a_host_cache() -> None:
+    smollm2 = 30 * 49_152  # bytes of a SmolLM2 block at 32 tokens, fp32
+    assert auto_load_chunk(smollm2, host=True) == 64
+    assert auto_load_chunk(smollm2, host=False) == STAGED_LOAD_CHUNK  # two staging buffers of it on a GPU
+    assert auto_load_chunk(64 << 20, host=True) == 1
+    assert auto_load_chunk(4096, host=True) == MAX_LOAD_CHUNK
 
 
 def test_client_slot_rebuilds_after_a_failure() -> None:

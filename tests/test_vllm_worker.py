@@ -10,7 +10,7 @@ import torch
 
 from kvstore.client import Client
 from kvstore.integrations.vllm.plan import BlockRun, StepPlan
-from kvstore.integrations.vllm.worker import WorkerSide
+from kvstore.integrations.vllm.worker import WorkerSide, auto_load_chunk
 
 LAYERS, BLOCKS, HEADS, TOKENS, WIDTH = 4, 40, 3, 32, 16
 
@@ -56,6 +56,14 @@ def test_register_opens_the_load_streams_lanes_before_any_load(server, lane: str
     while server.metrics.counters().get(f"lane_{lane}_open", 0) < 2:  # one lane per load stream
         assert time.monotonic() < deadline, server.metrics.counters()
         time.sleep(0.01)
+    side.close()
+
+
+def test_load_chunk_0_is_chosen_at_register(server) -> None:
+    side = WorkerSide(lambda: Client(f"127.0.0.1:{server.port}", timeout=10, retries=0), dtype="float32")
+    assert side.load_chunk == 0
+    side.register(cache())
+    assert side.blocks is not None and side.load_chunk == auto_load_chunk(side.blocks.block_bytes, host=True)
     side.close()
 
 

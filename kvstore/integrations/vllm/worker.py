@@ -5,12 +5,12 @@ Verbs and promises:
 - ``register(kv_caches)`` (vLLM's ``register_kv_caches``): views the cache as one store block per vLLM block
   (``cache_blocks.CacheBlocks``).
 - ``load(plan)`` (``start_load_kv``, before the forward pass, synchronous): each load run is fetched with
-  Gets of ``load_chunk`` blocks. A host cache (vLLM on the CPU) is the Get's destination itself: each block
-  is a ``Segments`` of its per-layer pages, which the lane fills in place, ``load_streams`` Gets at a time
-  (one client each). A device cache is filled through
-  a staging buffer and scattered, the next chunk's Get running on a helper thread meanwhile. A chunk that
-  fails (store unreachable, a block missing, a CRC32C mismatch, the store lost mid-load) fails the rest of
-  its run: those block ids are zeroed and reported by ``take_load_errors``
+  Gets of ``load_chunk`` blocks (0: about ``LOAD_CHUNK_BYTES`` a Get for a host cache, 16 for a device one).
+  A host cache (vLLM on the CPU) is the Get's destination itself: each block is a ``Segments`` of its
+  per-layer pages, which the lane fills in place, ``load_streams`` Gets at a time (one client each). A device
+  cache is filled through a staging buffer and scattered, the next chunk's Get running on a helper thread
+  meanwhile. A chunk that fails (store unreachable, a block missing, a CRC32C mismatch, the store lost
+  mid-load) fails the rest of its run: those block ids are zeroed and reported by ``take_load_errors``
   (``get_block_ids_with_load_errors``), so vLLM recomputes them; the blocks before stay loaded. Nothing
   wrong is ever left for the forward pass to read.
 - ``save(plan)`` (``wait_for_save``, after the forward pass): queues the step's save runs for the saver
@@ -92,13 +92,30 @@ class WorkerCounters:
     block_bytes: int = 0
 
 
+# Blocks per load Get when not set: about LOAD_CHUNK_BYTES of a host cache per Get. 16 blocks a Get (23.6 MB of
+# SmolLM2's 1.47 MB blocks) against 64 (94 MB), bench.vllm_load in turn, 109 blocks: shared DRAM 20-22 against
+# 13-16 ms, NVMe 90-116 against 62-69 ms, the TCP lane 52-57 against 44-56 (62 blocks: 12-13 / 8-12, 59-60 / 37-39,
+# 30-31 / 16-22); the store-copied shm Get even. 128 a Get was no better than 64. A device cache goes through
+# two staging buffers of the chunk each, so it keeps STAGED_LOAD_CHUNK.
+LOAD_CHUNK_BYTES = 90 << 20  # 64 of those blocks
+MAX_LOAD_CHUNK = 512
+STAGED_LOAD_CHUNK = 16
+
+
+def auto_load_chunk(block_bytes: int, host: bool) -> int:
+    """Blocks per load Get for a cache of ``block_bytes`` blocks (``load_chunk`` 0)."""
+    if not host:
+        return STAGED_LOAD_CHUNK
+    return max(1, min(MAX_LOAD_CHUNK, LOAD_CHUNK_BYTES // max(block_bytes, 1)))
+
+
 class WorkerSide:
     def __init__(
         self,
         client_factory: Callable[[], Any],
         *,
         dtype: str,
-        load_chunk: int = 16,
+        load_chunk: int = 0,
         load_streams: int = 2,
         verify_loads: bool = True,
         save_chunk: int = 16,
@@ -106,6 +123,8 @@ class WorkerSide:
         stats: StatsFile | None = None,
     ):
         self.dtype, self.verify_loads = dtype, verify_loads
+        if load_chunk < 0:
+            raise ValueError("load_chunk must be >= 0 (0: chosen from the block size at register)")
         self.load_chunk, self.save_chunk = load_chunk, save_chunk
         self.counters = WorkerCounters()
         self._stats = stats
@@ -136,6 +155,8 @@ class WorkerSide:
         self.blocks = CacheBlocks.from_caches(kv_caches)
         self.counters.cross_layer_view = self.blocks.cross_layer_view
         self.counters.block_bytes = self.blocks.block_bytes
+        if not self.load_chunk:
+            self.load_chunk = auto_load_chunk(self.blocks.block_bytes, self.blocks.host)
         if not self.blocks.host:
             # touched now: the first load would otherwise pay for faulting in tens of MB of fresh pages
             self._load_staging = [self.blocks.new_staging(self.load_chunk).zero_() for _ in range(2)]
