@@ -148,10 +148,13 @@ class WorkerSide:
         self._step_start = 0.0
         self._step_load_s = 0.0
         self._report = StepReport()
+        self._connector: threading.Thread | None = None  # opens the load streams' lanes (register)
+        self._closing = False
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         memops_jit.ready()  # starts compiling the copy and CRC32C kernels now, in the background, not at a load
-        threading.Thread(target=self._connect_streams, name="kvstore-connect", daemon=True).start()
+        self._connector = threading.Thread(target=self._connect_streams, name="kvstore-connect", daemon=True)
+        self._connector.start()
         self.blocks = CacheBlocks.from_caches(kv_caches)
         self.counters.cross_layer_view = self.blocks.cross_layer_view
         self.counters.block_bytes = self.blocks.block_bytes
@@ -172,6 +175,8 @@ class WorkerSide:
         """Open every load stream's client and lane now, off the engine's thread: the first load paid for them
         (turn 1 of ``make run`` loaded 37 blocks in 150-180 ms, later turns 38-40 in 37-42)."""
         for _ in self._all_slots:
+            if self._closing:
+                return
             slot = self._slots.get()  # not while a load holds it
             try:
                 slot.call(_connect)
@@ -329,6 +334,9 @@ class WorkerSide:
         return done or None
 
     def close(self, timeout: float = 30.0) -> None:
+        self._closing = True
+        if self._connector is not None:  # a client it is still opening would outlive the slots' close
+            self._connector.join(timeout)
         if self._saver is not None:
             self._saver.close(timeout)
         self._fetcher.shutdown(wait=True)
