@@ -138,7 +138,6 @@ class WorkerSide:
         self._all_slots = [ClientSlot(client_factory) for _ in range(load_streams)]
         for slot in self._all_slots:
             self._slots.put(slot)
-        self._load_client = self._all_slots[0]
         self._fetcher = ThreadPoolExecutor(load_streams, thread_name_prefix="kvstore-load")
         self._load_errors: set[int] = set()
         self._load_staging: list[torch.Tensor] = []
@@ -149,6 +148,9 @@ class WorkerSide:
         self._step_load_s = 0.0
         self._report = StepReport()
         self._connector: threading.Thread | None = None  # opens the load streams' lanes (register)
+        # the lane of the last load or save that completed: a client whose lane is still being opened (the
+        # connector thread's) reads "grpc" until it is, so asking a client before any call can mislead
+        self._used_lane = ""
         self._closing = False
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -214,11 +216,13 @@ class WorkerSide:
         return report if report.loads or report.spans else None
 
     def _lane(self) -> str:
-        client = self._load_client.client
+        return self._used_lane
+
+    def _note_lane(self, client: Any) -> None:
         try:
-            return str(client.lane_kind) if client is not None else ""
+            self._used_lane = str(client.lane_kind) if client is not None else self._used_lane
         except Exception:
-            return ""
+            pass
 
     def _fetch(self, run: BlockRun, lo: int, hi: int, out: list[Any]) -> int:
         """Get blocks [lo, hi) of a run into ``out``; the number of leading blocks that arrived."""
@@ -229,6 +233,7 @@ class WorkerSide:
                     run.namespace, list(run.hashes[lo:hi]), out=out, allow_missing=True, verify=self.verify_loads
                 )
             )
+            self._note_lane(slot.client)
         finally:
             self._slots.put(slot)
         for i, block in enumerate(got):
@@ -346,12 +351,7 @@ class WorkerSide:
 
     def _publish(self) -> None:
         c = self.counters
-        client = self._load_client.client or (self._saver.slot.client if self._saver is not None else None)
-        if client is not None and not c.lane:
-            try:
-                c.lane = str(client.lane_kind)
-            except Exception:
-                c.lane = "?"
+        c.lane = self._used_lane or c.lane
         if c.lane and self.blocks is not None:
             copies = COPIES if self.blocks.host else COPIES_STAGED
             c.copies_per_block_load = copies.get(f"load:{c.lane}", 0)
@@ -444,6 +444,7 @@ class _Saver:
                     run.namespace, list(run.hashes[lo:hi]), payloads, parent=parent, dtype=self._worker.dtype
                 )
             )
+            self._worker._note_lane(self.slot.client)
             c.save_blocks_sent += hi - lo
             c.save_bytes += (hi - lo) * blocks.block_bytes
             for r in results:
