@@ -191,15 +191,13 @@ class WorkerSide:
     def load(self, plan: StepPlan) -> None:
         if not plan.loads or self.blocks is None:
             return
-        lane = ""
         for run in plan.loads:
             start = time.perf_counter()
             loaded, calls = self._load_run(run)
             seconds = time.perf_counter() - start
             self._step_load_s += seconds
             self.counters.load_seconds += seconds
-            lane = lane or self._lane()
-            self._report.loads.append(LoadReport(run.req_id, len(run), loaded, seconds, calls, lane))
+            self._report.loads.append(LoadReport(run.req_id, len(run), loaded, seconds, calls, self._used_lane))
         self._publish()
 
     def begin_step(self) -> None:
@@ -214,9 +212,6 @@ class WorkerSide:
     def take_report(self) -> StepReport | None:
         report, self._report = self._report, StepReport()
         return report if report.loads or report.spans else None
-
-    def _lane(self) -> str:
-        return self._used_lane
 
     def _note_lane(self, client: Any) -> None:
         try:
