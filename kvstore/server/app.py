@@ -49,7 +49,12 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
     share_dir = cfg.shm_dir if cfg.share_dram else None
     tiers.append(
         ArenaTier(
-            cfg.dram, device="cpu", page_size=_page_size(cfg), pinned=False if share_dir else None, share_dir=share_dir
+            cfg.dram,
+            device="cpu",
+            page_size=_page_size(cfg),
+            pinned=False if share_dir else None,
+            share_dir=share_dir,
+            prefault=cfg.dram_prefault,
         )
     )
     if cfg.nvme_dir:

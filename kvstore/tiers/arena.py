@@ -11,6 +11,9 @@ file ``DIR/kvstore-dram-<pid>-<32 hex digits>`` (mode 0600, its pages reserved
 up front, mapped shared) that same-host clients of this user map read-only, so a
 Get can name a DRAM block where it lies instead of copying it
 (``shared``: path, size, base address; ``close()`` removes the file).
+
+``prefault=True`` (host memory): the arena's pages are made in the background from the start
+(``kvstore/prefault.py``), so Puts into slots not used yet pay no page fault and zero-fill in their copy.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 
 from kvstore import shmfile
 from kvstore.devices import Copier
+from kvstore.prefault import Prefaulter
 from kvstore.tiers.base import DRAM, HBM, TIER_NAMES, BlockMeta, MemoryTier, TierFull, TierStats
 from kvstore.tiers.slab import SlabAllocator
 
@@ -88,6 +92,7 @@ class ArenaTier(MemoryTier):
         page_size: int = 8 << 20,
         pinned: bool | None = None,
         share_dir: str | None = None,
+        prefault: bool = False,
     ):
         self.device = device
         self.rank = HBM if device.startswith("cuda") else DRAM
@@ -112,6 +117,9 @@ class ArenaTier(MemoryTier):
                 self._host, self._keepalive = _host_buffer(self.slabs.capacity, pinned)
                 self.backend = "pinned" if pinned else "pageable"
             self._view = self._host.data
+        self.prefaulter: Prefaulter | None = None  # making the pages (prefault=True)
+        if prefault and self._host is not None and self.backend != "pinned":  # pinned memory has its pages
+            self.prefaulter = Prefaulter(int(self._host.ctypes.data), self.slabs.capacity)
         log.info(
             "%s arena: %d bytes (%s), %d pages of %d",
             self.name,
@@ -184,6 +192,8 @@ class ArenaTier(MemoryTier):
 
     def close(self) -> None:
         """Remove a shared arena's file (the mappings keep the memory until they go)."""
+        if self.prefaulter is not None:
+            self.prefaulter.stop()
         if self.shared is not None:
             try:
                 os.unlink(self.shared.path)
