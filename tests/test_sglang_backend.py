@@ -1,0 +1,144 @@
+"""kvstore as SGLang's HiCache storage backend, against a real ``kvstore serve`` and SGLang's own
+``HiCacheStorage`` base class and backend factory (SGLang's serving stack needs CUDA kernels, so its host pool
+is stood in for by ``PageFirstPool``: the memory layout and ``get_page_buffer_meta`` of its MHA page_first pool).
+Skipped where ``sglang`` does not import; ``pages.py``'s logic is tested without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.integrations.sglang.pages import PageKeys, fingerprint, page_segments
+
+LAYERS, HEADS, DIM, PAGE = 4, 2, 16, 8
+
+
+class PageFirstPool:
+    """SGLang's MHA host pool with the page_first layout: ``kv_buffer[2, tokens, layers, heads, dim]``, a page's
+    K and V each one contiguous run of ``page * layers * heads * dim`` elements."""
+
+    layout, dtype, page_size, layer_num, head_num, head_dim = "page_first", torch.float16, PAGE, LAYERS, HEADS, DIM
+
+    def __init__(self, pages: int):
+        self.size = pages * PAGE
+        self.kv_buffer = torch.zeros((2, self.size, LAYERS, HEADS, DIM), dtype=self.dtype)
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        assert len(indices) % PAGE == 0
+        ptrs, sizes = [], []
+        for first in indices.tolist()[::PAGE]:
+            for kv in range(2):
+                page = self.kv_buffer[kv, first : first + PAGE]
+                ptrs.append(page.data_ptr())
+                sizes.append(page.nbytes)
+        return ptrs, sizes
+
+    def page(self, p: int) -> torch.Tensor:
+        return self.kv_buffer[:, p * PAGE : (p + 1) * PAGE]
+
+
+def indices(pages: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+
+
+def test_page_segments_split_the_parts_in_order():
+    bufs = [np.arange(8, dtype=np.uint8) + 8 * i for i in range(6)]
+    pages = page_segments([b.ctypes.data for b in bufs], [b.nbytes for b in bufs], 3)
+    assert [p.nbytes for p in pages] == [16, 16, 16]
+    assert bytes(pages[1].views[0]) + bytes(pages[1].views[1]) == bytes(range(16, 32))
+    with pytest.raises(ValueError, match="do not split"):
+        page_segments([b.ctypes.data for b in bufs], [8] * 6, 4)
+
+
+def test_page_keys_depend_on_the_fingerprint():
+    a, b = PageKeys("model=a"), PageKeys("model=b")
+    assert a.hash("ff00") == PageKeys("model=a").hash("ff00") != b.hash("ff00")
+    assert len(a.hash("ff00")) == 16
+
+
+def test_the_fingerprint_names_what_changes_the_bytes():
+    class Config:
+        model_name, tp_rank, tp_size, is_mla_model = "m", 0, 2, False
+
+    base = fingerprint(Config(), PageFirstPool(1))
+    other_rank = Config()
+    other_rank.tp_rank = 1
+    half = PageFirstPool(1)
+    half.dtype = torch.bfloat16
+    assert len({base, fingerprint(other_rank, PageFirstPool(1)), fingerprint(Config(), half)}) == 3
+
+
+def _config(model: str = "smollm2", **extra):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name=model, extra_config=extra,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def sglang_store(spawn_server):
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed")
+    return spawn_server("--dram", "64MiB")
+
+
+def _backend(store, pool, model="smollm2", **extra):
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    config = _config(
+        model, backend_name="kvstore", module_path="kvstore.integrations.sglang",
+        class_name="KVStoreHiCacheStorage", interface_v1=1, target=store.target, **extra,
+    )  # fmt: skip
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    backend.register_mem_pool_host(pool)  # as SGLang's cache controller does after creating it
+    return backend
+
+
+def test_pages_round_trip_through_the_store_into_another_pool(sglang_store):
+    from kvstore.integrations.sglang import KVStoreHiCacheStorage
+
+    writer_pool, reader_pool = PageFirstPool(8), PageFirstPool(8)
+    writer_pool.kv_buffer.copy_(torch.randn_like(writer_pool.kv_buffer))
+    writer, reader = _backend(sglang_store, writer_pool), _backend(sglang_store, reader_pool)
+    assert isinstance(writer, KVStoreHiCacheStorage)
+    keys = [f"{i:064x}" for i in range(1, 5)]
+    assert writer.batch_set_v1(keys, indices([0, 1, 2, 3])) == [True] * 4
+    assert writer.batch_set_v1(keys[:2], indices([0, 1])) == [True, True]  # already there: still True
+    assert reader.batch_exists(keys + ["ab" * 32]) == 4
+    assert reader.batch_get_v1(keys[:3], indices([5, 2, 7])) == [True] * 3
+    for src, dst in ((0, 5), (1, 2), (2, 7)):
+        assert torch.equal(reader_pool.page(dst), writer_pool.page(src))
+    assert reader.batch_get_v1(["cd" * 32, keys[3]], indices([4, 6])) == [False, True]
+    writer.clear()
+    reader.clear()
+
+
+def test_another_model_or_rank_gets_no_hit(sglang_store):
+    pool = PageFirstPool(2)
+    writer = _backend(sglang_store, pool)
+    keys = ["01" * 32]
+    assert writer.batch_set_v1(keys, indices([0])) == [True]
+    assert _backend(sglang_store, pool, model="other").batch_exists(keys) == 0
+    assert _backend(sglang_store, pool, namespace="tenant-b").batch_exists(keys) == 0
+    assert _backend(sglang_store, pool).batch_exists(keys) == 1
+
+
+def test_a_store_that_is_gone_is_a_miss_not_an_error(sglang_store):
+    pool = PageFirstPool(2)
+    backend = _backend(sglang_store, pool, timeout=2, retries=0)
+    keys = ["02" * 32]
+    assert backend.batch_set_v1(keys, indices([0])) == [True]
+    sglang_store.kill9()
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_get_v1(keys, indices([1])) == [False]
+    assert backend.batch_set_v1(keys, indices([1])) == [False]
+
+
+def test_a_backend_without_a_target_says_so():
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed")
+    from kvstore.integrations.sglang import KVStoreHiCacheStorage
+
+    with pytest.raises(ValueError, match="target"):
+        KVStoreHiCacheStorage(_config(), {})
