@@ -2,7 +2,9 @@
 Lookup and its load, once, on demand.
 
 The test writes the store's pid into the file named by ``KVSTORE_TEST_FAULT``; the next planned load in the
-engine (scheduler side, right after its Lookup found hits) kills that store, so the worker's Gets fail.
+engine (scheduler side, right after its Lookup found hits) kills that store, so the worker's Gets fail. While a
+file ``<KVSTORE_TEST_FAULT>.load-all`` exists, every hit is loaded whatever the cost planner chose (a test of a
+failing load needs a load: the planner may rightly recompute a short prompt whose blocks sit on NVMe).
 """
 
 from __future__ import annotations
@@ -24,4 +26,5 @@ class KillStoreAfterLookup(CostPlanner):
             os.unlink(path)
             os.kill(pid, signal.SIGKILL)
             time.sleep(0.5)  # its sockets close with it; the test process reaps it
-        return super().__call__(query)
+        chosen = super().__call__(query)
+        return query.hit_blocks if path and os.path.exists(path + ".load-all") else chosen
