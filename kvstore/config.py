@@ -165,7 +165,7 @@ class ServeConfig:
         False,
         "make the DRAM tier's pages from the start, in the background (the tier's whole capacity is resident "
         "soon after): without it each Put into a slot not used yet pays a page fault and zero-fill per 4 KiB "
-        "(Puts of 94 MB into a fresh store took about 3x as long until every slot had been used once)",
+        "(Puts of 94 MB into a fresh store took 2-4x as long until every slot had been used once)",
         _bool,
     )
     share_dram: bool = _opt(

@@ -2,8 +2,8 @@
 
 A store's DRAM arena is one anonymous mapping of the tier's capacity. The kernel gives it pages only as they are
 first written, so until every slot has been used once, each Put into a fresh slot pays a page fault and a
-zero-fill per 4 KiB inside its copy: 64 Puts of 94 MB (1.47 MB blocks) into a store fresh from its start
-took about 150 ms each, and 50 ms once the pages existed (``--dram-prefault``, kvstore/config.py). Pinned
+zero-fill per 4 KiB inside its copy: a Put of 64 blocks of 1.47 MB (94 MB) into a fresh store took 72-159 ms,
+and 38-43 ms with the pages made (``--dram-prefault``, kvstore/config.py; three runs of bench.sglang_hicache). Pinned
 arenas (a CUDA host) and the shared arena's file (``posix_fallocate``) already have their pages.
 
 ``Prefaulter(address, size)`` asks for them with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), 16 MiB a call
