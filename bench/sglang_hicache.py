@@ -30,21 +30,28 @@ STORES = {"copy": [], "prefault": ["--dram-prefault", "true"], "shared": ["--sha
 
 
 class PageFirstPool:
-    """The memory layout and ``get_page_buffer_meta`` of SGLang's MHA host pool, page_first."""
+    """The memory layout and ``get_page_buffer_meta`` of SGLang's MHA host pool, page_first:
+    ``kv_buffer[2, tokens, layers, heads, dim]``, a page's K and V each one contiguous run (also the tests')."""
 
-    layout, dtype, page_size, layer_num, head_num, head_dim = "page_first", torch.float16, PAGE, LAYERS, HEADS, DIM
+    layout, dtype = "page_first", torch.float16
 
-    def __init__(self, pages: int):
-        self.kv_buffer = torch.randn((2, pages * PAGE, LAYERS, HEADS, DIM)).to(torch.float16)
+    def __init__(self, pages: int, *, layers: int = LAYERS, heads: int = HEADS, dim: int = DIM, page: int = PAGE):
+        self.page_size, self.layer_num, self.head_num, self.head_dim = page, layers, heads, dim
+        self.kv_buffer = torch.randn((2, pages * page, layers, heads, dim)).to(self.dtype)
 
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        if len(indices) % self.page_size:
+            raise ValueError(f"{len(indices)} indices are not whole pages of {self.page_size}")
         ptrs, sizes = [], []
-        for first in indices.tolist()[::PAGE]:
+        for first in indices.tolist()[:: self.page_size]:
             for kv in range(2):
-                page = self.kv_buffer[kv, first : first + PAGE]
-                ptrs.append(page.data_ptr())
-                sizes.append(page.nbytes)
+                part = self.kv_buffer[kv, first : first + self.page_size]
+                ptrs.append(part.data_ptr())
+                sizes.append(part.nbytes)
         return ptrs, sizes
+
+    def page(self, p: int) -> torch.Tensor:
+        return self.kv_buffer[:, p * self.page_size : (p + 1) * self.page_size]
 
 
 def _backend(target: str, pool: PageFirstPool) -> Any:

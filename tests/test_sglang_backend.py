@@ -1,6 +1,7 @@
 """kvstore as SGLang's HiCache storage backend, against a real ``kvstore serve`` and SGLang's own
 ``HiCacheStorage`` base class and backend factory (SGLang's serving stack needs CUDA kernels, so its host pool
-is stood in for by ``PageFirstPool``: the memory layout and ``get_page_buffer_meta`` of its MHA page_first pool).
+is stood in for by ``bench.sglang_hicache.PageFirstPool``: the memory layout and ``get_page_buffer_meta`` of
+its MHA page_first pool).
 Skipped where ``sglang`` does not import; ``pages.py``'s logic is tested without it."""
 
 from __future__ import annotations
@@ -9,33 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from bench.sglang_hicache import PageFirstPool
 from kvstore.integrations.sglang.pages import PageKeys, fingerprint, page_segments
 
 LAYERS, HEADS, DIM, PAGE = 4, 2, 16, 8
 
 
-class PageFirstPool:
-    """SGLang's MHA host pool with the page_first layout: ``kv_buffer[2, tokens, layers, heads, dim]``, a page's
-    K and V each one contiguous run of ``page * layers * heads * dim`` elements."""
-
-    layout, dtype, page_size, layer_num, head_num, head_dim = "page_first", torch.float16, PAGE, LAYERS, HEADS, DIM
-
-    def __init__(self, pages: int):
-        self.size = pages * PAGE
-        self.kv_buffer = torch.zeros((2, self.size, LAYERS, HEADS, DIM), dtype=self.dtype)
-
-    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        assert len(indices) % PAGE == 0
-        ptrs, sizes = [], []
-        for first in indices.tolist()[::PAGE]:
-            for kv in range(2):
-                page = self.kv_buffer[kv, first : first + PAGE]
-                ptrs.append(page.data_ptr())
-                sizes.append(page.nbytes)
-        return ptrs, sizes
-
-    def page(self, p: int) -> torch.Tensor:
-        return self.kv_buffer[:, p * PAGE : (p + 1) * PAGE]
+def small_pool(pages: int) -> PageFirstPool:
+    return PageFirstPool(pages, layers=LAYERS, heads=HEADS, dim=DIM, page=PAGE)
 
 
 def indices(pages: list[int]) -> torch.Tensor:
@@ -61,12 +43,12 @@ def test_the_fingerprint_names_what_changes_the_bytes():
     class Config:
         model_name, tp_rank, tp_size, is_mla_model = "m", 0, 2, False
 
-    base = fingerprint(Config(), PageFirstPool(1))
+    base = fingerprint(Config(), small_pool(1))
     other_rank = Config()
     other_rank.tp_rank = 1
-    half = PageFirstPool(1)
+    half = small_pool(1)
     half.dtype = torch.bfloat16
-    assert len({base, fingerprint(other_rank, PageFirstPool(1)), fingerprint(Config(), half)}) == 3
+    assert len({base, fingerprint(other_rank, small_pool(1)), fingerprint(Config(), half)}) == 3
 
 
 def _config(model: str = "smollm2", **extra):
@@ -99,7 +81,7 @@ def _backend(store, pool, model="smollm2", **extra):
 def test_pages_round_trip_through_the_store_into_another_pool(sglang_store):
     from kvstore.integrations.sglang import KVStoreHiCacheStorage
 
-    writer_pool, reader_pool = PageFirstPool(8), PageFirstPool(8)
+    writer_pool, reader_pool = small_pool(8), small_pool(8)
     writer_pool.kv_buffer.copy_(torch.randn_like(writer_pool.kv_buffer))
     writer, reader = _backend(sglang_store, writer_pool), _backend(sglang_store, reader_pool)
     assert isinstance(writer, KVStoreHiCacheStorage)
@@ -116,7 +98,7 @@ def test_pages_round_trip_through_the_store_into_another_pool(sglang_store):
 
 
 def test_another_model_or_rank_gets_no_hit(sglang_store):
-    pool = PageFirstPool(2)
+    pool = small_pool(2)
     writer = _backend(sglang_store, pool)
     keys = ["01" * 32]
     assert writer.batch_set_v1(keys, indices([0])) == [True]
@@ -126,7 +108,7 @@ def test_another_model_or_rank_gets_no_hit(sglang_store):
 
 
 def test_a_store_that_is_gone_is_a_miss_not_an_error(sglang_store):
-    pool = PageFirstPool(2)
+    pool = small_pool(2)
     backend = _backend(sglang_store, pool, timeout=2, retries=0)
     keys = ["02" * 32]
     assert backend.batch_set_v1(keys, indices([0])) == [True]
