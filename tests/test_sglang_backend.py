@@ -49,6 +49,10 @@ def test_the_fingerprint_names_what_changes_the_bytes():
     half = small_pool(1)
     half.dtype = torch.bfloat16
     assert len({base, fingerprint(other_rank, small_pool(1)), fingerprint(Config(), half)}) == 3
+    mla, mla_rank1 = Config(), Config()
+    mla.is_mla_model = mla_rank1.is_mla_model = True
+    mla_rank1.tp_rank = 1
+    assert fingerprint(mla, small_pool(1)) == fingerprint(mla_rank1, small_pool(1)) != base  # replicated KV
 
 
 def _config(model: str = "smollm2", **extra):

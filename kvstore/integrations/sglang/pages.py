@@ -2,8 +2,8 @@
 
 - ``PageKeys(fingerprint)``: SGLang names each page by a hex SHA-256 chained over the prompt's pages (seeded by
   the request's ``cache_salt`` and extra key), so equal prefixes already share keys. ``hashes(keys)`` maps them to
-  the store's 16-byte block hashes, keyed by the model fingerprint (model, TP/PP rank, layout, dtype, page
-  geometry), so two deployments whose bytes differ never share a block.
+  the store's 16-byte block hashes, keyed by the model fingerprint (model, PP/CP rank, the TP rank for MHA,
+  layout, dtype, page geometry), so two deployments whose bytes differ never share a block.
 - ``fingerprint(...)``: that fingerprint, from SGLang's storage config and host pool.
 - ``page_segments(ptrs, sizes, pages)``: the flat (pointer, bytes) list of ``get_page_buffer_meta`` for
   ``pages`` pages, as one ``Segments`` per page over the pool's memory (no copy).
@@ -24,16 +24,19 @@ HASH_BYTES = 16
 
 
 def fingerprint(config: Any, pool: Any) -> str:
-    """The fields of SGLang's ``HiCacheStorageConfig`` and host pool that change a page's bytes."""
+    """The fields of SGLang's ``HiCacheStorageConfig`` and host pool that change a page's bytes. An MHA page
+    holds this TP rank's heads, so the rank is part of it; MLA's latent KV is the same on every TP rank, so
+    the ranks share its pages (as SGLang's own file backend keys them)."""
+    mla = bool(getattr(config, "is_mla_model", False))
     parts = [
         f"model={getattr(config, 'model_name', '')}",
-        f"tp={getattr(config, 'tp_rank', 0)}/{getattr(config, 'tp_size', 1)}",
         f"pp={getattr(config, 'pp_rank', 0)}/{getattr(config, 'pp_size', 1)}",
         f"cp={getattr(config, 'attn_cp_rank', 0)}/{getattr(config, 'attn_cp_size', 1)}",
-        f"mla={bool(getattr(config, 'is_mla_model', False))}",
+        f"dcp={getattr(config, 'dcp_rank', 0)}/{getattr(config, 'dcp_size', 1)}",
+        f"mla={mla}",
     ]
-    if not getattr(config, "is_mla_model", False) or not getattr(config, "is_storage_writer", True):
-        parts.append("shard=rank")  # MHA pages are this rank's heads only
+    if not mla:
+        parts.append(f"tp={getattr(config, 'tp_rank', 0)}/{getattr(config, 'tp_size', 1)}")
     for name in ("layout", "dtype", "page_size", "layer_num", "head_num", "head_dim", "start_layer", "end_layer"):
         parts.append(f"{name}={getattr(pool, name, '')}")
     return "sglang;" + ";".join(parts)
