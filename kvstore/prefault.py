@@ -4,7 +4,8 @@ A store's DRAM arena is one anonymous mapping of the tier's capacity. The kernel
 first written, so until every slot has been used once, each Put into a fresh slot pays a page fault and a
 zero-fill per 4 KiB inside its copy: a Put of 64 blocks of 1.47 MB (94 MB) into a fresh store took 72-159 ms,
 and 38-43 ms with the pages made (``--dram-prefault``, kvstore/config.py; three runs of bench.sglang_hicache). Pinned
-arenas (a CUDA host) and the shared arena's file (``posix_fallocate``) already have their pages.
+arenas (a CUDA host) already have their pages; the shared arena's file has them too (``posix_fallocate``), so
+there only the mapping's page tables are made.
 
 ``Prefaulter(address, size)`` asks for them with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), 16 MiB a call
 on a daemon thread that lets go of the GIL during each call, so serving starts at once and runs beside it. The
