@@ -28,7 +28,10 @@ the slowest), ``ratio_to_local`` (the median over samples of the TTFT over vLLM'
 in the same engine right after: this VM's load moves 2-10x within minutes, a paired ratio much less),
 ``local_p50_s`` (those local hits),
 ``tokens_match`` (the first token equals the cold run's), ``bytes_per_block``, ``copies_per_block``,
-``load_s_p50`` (the kvstore worker's own load time per request).
+``load_s`` (the kvstore worker's own load time per request), ``memcpy_s`` (one ``np.copyto`` of the bytes
+loaded, in this process into a buffer whose pages are made, best of 3, the engines idle) and
+``copy_floor_ratio``: (local hit + memcpy_s) / local hit, what a load of one copy that does not overlap the
+forward pass could reach at best.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from bench.common import Row, parse_args, report
 from kvstore.integrations.vllm.identity import EngineShape, prompt_hashes
@@ -174,6 +179,27 @@ class Samples:
         return rows
 
 
+class Memcpy:
+    """Seconds of one plain copy of ``n`` bytes between two buffers whose pages are already made (best of 3)."""
+
+    def __init__(self) -> None:
+        self._src = self._dst = np.zeros(0, np.uint8)
+
+    def seconds(self, n: int) -> float:
+        if n > self._src.size:
+            self._src, self._dst = np.ones(n, np.uint8), np.ones(n, np.uint8)
+        src, dst = self._src[:n], self._dst[:n]
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            np.copyto(dst, src)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+
+MEMCPY = Memcpy()
+
+
 def _warm(engine: EngineProcess, rng: random.Random) -> None:
     engine.generate([_prompt(rng, 500)], 1)  # the first request allocates and tunes: keep it out of the figures
 
@@ -232,14 +258,18 @@ def _load_once(engine: EngineProcess, mode: str, size: int, prompt: list[int], c
     warm = engine.generate([prompt], 1)
     after = engine.worker_stats()
     local = engine.generate([prompt], 1)["seconds"]
+    loaded = after["load_blocks"] - before.get("load_blocks", 0)
+    memcpy = MEMCPY.seconds(loaded * after["block_bytes"])
     out.add(
         mode,
         size,
         warm["seconds"],
         warm["outputs"][0]["tokens"] == cold,
         cached=warm["outputs"][0]["cached"],
-        loaded_blocks=after["load_blocks"] - before.get("load_blocks", 0),
+        loaded_blocks=loaded,
         load_s=after["load_seconds"] - before.get("load_seconds", 0.0),
+        memcpy_s=memcpy,
+        copy_floor_ratio=(local + memcpy) / local,
         bytes_per_block=after["block_bytes"],
         copies_per_block=after["copies_per_block_load"],
         lane=after["lane"],
@@ -381,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = out.rows()
     rows.sort(key=lambda r: (r["mode"].startswith("multi_turn"), r["prompt_tokens"], r["mode"]))
     columns = ["mode", "prompt_tokens", "n", "ttft_p50_s", "ttft_p99_s", "local_p50_s", "ratio_to_local", "tokens_match", "cached", "loaded_blocks",
-               "load_s", "copies_per_block", "bytes_per_block", "nvme_fraction", "hit_rate"]  # fmt: skip
+               "load_s", "memcpy_s", "copy_floor_ratio", "copies_per_block", "bytes_per_block", "nvme_fraction", "hit_rate"]  # fmt: skip
     report(rows, args, title=f"vLLM TTFT (SmolLM2-135M fp32, block 32; engine start {info.get('start_s', 0):.0f} s)",
            columns=columns, bench="vllm_pd")  # fmt: skip
     return 0
