@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,6 +112,56 @@ def test_namespace_and_hashes() -> None:
     lora = type("L", (), {"lora_name": "a", "lora_int_id": 3, "lora_path": "/x"})()
     assert lora_adapter_id(lora) == "lora:a:3:/x"
     assert prompt_hashes(toks, SHAPE, "team", "lora:a:3:/x") != prompt_hashes(toks, SHAPE, "team")
+
+
+def vllm_config(tp: int, pp: int = 1, rank: int = 0, dcp: int = 1) -> SimpleNamespace:
+    """The parts of a ``VllmConfig`` that ``EngineShape.from_vllm`` reads."""
+    model = SimpleNamespace(
+        model="m", revision=None, dtype="torch.float32",
+        get_num_layers=lambda parallel: 30 // pp, get_num_kv_heads=lambda parallel: 4 // tp, get_head_size=lambda: 64,
+    )  # fmt: skip
+    cache = SimpleNamespace(
+        cache_dtype="auto", block_size=32, get_resolved_kv_cache_layout=lambda: SimpleNamespace(name="LBHNC")
+    )
+    parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, rank=rank,
+                               decode_context_parallel_size=dcp)  # fmt: skip
+    return SimpleNamespace(model_config=model, cache_config=cache, parallel_config=parallel)
+
+
+def test_each_worker_rank_has_its_own_fingerprint() -> None:
+    one = EngineShape.from_vllm(vllm_config(1))
+    assert (one.layout, one.world, one.rank_layouts, one.for_rank(0)) == ("vllm-LBHNC-tp1", 1, (), one)
+    scheduler, second = EngineShape.from_vllm(vllm_config(2)), EngineShape.from_vllm(vllm_config(2, rank=1))
+    assert scheduler.layout == "vllm-LBHNC-tp0of2" and second.layout == "vllm-LBHNC-tp1of2"
+    assert scheduler.for_rank(1) == second and second.for_rank(0) == scheduler  # any process knows every rank
+    staged = EngineShape.from_vllm(vllm_config(2, pp=2, rank=3))
+    assert staged.rank_layouts == tuple(f"vllm-LBHNC-tp{t}of2-pp{p}of2" for p in (0, 1) for t in (0, 1))
+    prints = {staged.for_rank(r).fingerprint() for r in range(staged.world)} | {one.fingerprint()}
+    assert len(prints) == 5  # no two workers' parts of a block share a key
+    sharded = EngineShape.from_vllm(vllm_config(2, rank=1, dcp=2))  # decode context parallel: tokens sharded too
+    assert sharded.layout == "vllm-LBHNC-rank1of2-tp2-pp1-pcp1-dcp2" and sharded.fingerprint() != second.fingerprint()
+
+
+def test_several_workers_look_up_load_and_save_every_ranks_blocks() -> None:
+    """With tensor parallelism each worker holds other heads of a block: a rank moving rank 0's keys would
+    store its part where rank 0's is (the second Put refused as present) and load rank 0's part as its own."""
+    shape = EngineShape.from_vllm(vllm_config(2))
+    toks = tokens(200)  # 6 full blocks
+    chains = [prompt_hashes(toks, shape.for_rank(r), "ns") for r in range(2)]
+    assert not set(chains[0]) & set(chains[1])
+    store = FakeStore(set(chains[0][:5]) | set(chains[1][:3]))  # rank 1's part of blocks 3 and 4 is missing
+    s = SchedulerSide(shape, "ns", store, loads=True, saves=True, block_bytes=1 << 20)
+    req = Req("r", toks)
+    assert s.matched_tokens(req, 0) == 3 * B and store.calls == 2  # a block loads only if every rank has it
+    s.after_alloc(req, list(range(10, 17)), 3 * B)
+    plan = s.step_plan(Out([NewReq("r", (list(range(10, 17)),), 3 * B)], {"r": 200 - 3 * B}))
+    (load,), (save,) = plan.loads, plan.saves
+    assert load.for_rank(1) == BlockRun("r", "ns", tuple(chains[1][:3]), (10, 11, 12))
+    assert save.for_rank(0) == BlockRun("r", "ns", tuple(chains[0][3:6]), (13, 14, 15), chains[0][2])
+    assert save.for_rank(1) == BlockRun("r", "ns", tuple(chains[1][3:6]), (13, 14, 15), chains[1][2])
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    with pytest.raises(ValueError, match="every rank"):
+        BlockRun("r", "ns", (b"a",), (1,), b"", ((b"a",), ()), (b"", b""))
 
 
 # -- settings ------------------------------------------------------------------------------------------

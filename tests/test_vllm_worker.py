@@ -4,6 +4,7 @@ in-process store, real clients. Saves, loads, missing blocks, corrupt blocks and
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -95,6 +96,31 @@ def test_save_then_load_into_other_blocks_of_another_engine(server, lane: str) -
     assert consumer.finished_sending({"q"}) is None  # a consumer never holds blocks
     producer.close()
     consumer.close()
+
+
+def test_each_worker_rank_saves_and_loads_its_own_part_of_a_block(server) -> None:
+    """Two tensor-parallel ranks hold different bytes for the same blocks: each is stored under its rank's
+    hashes, and a rank loads its own part, not another rank's."""
+    target = f"127.0.0.1:{server.port}"
+    ranks = (keys(4, seed=1), keys(4, seed=2))
+    run = BlockRun("r", "ns", ranks[0], (3, 4, 5, 6), b"", ranks, (b"", b""))
+    sources = []
+    for rank in range(2):
+        producer, src = worker(target, rank=rank)
+        for t in src.values():
+            t.fill_(rank + 1)
+        producer.save(StepPlan(saves=[run]))
+        wait_idle(producer, "r")
+        assert producer.counters.save_blocks_stored == 4  # not refused as already present
+        producer.close()
+        sources.append(src)
+    for rank in (1, 0):
+        consumer, dst = worker(target, saves=False, rank=rank)
+        consumer.load(StepPlan(loads=[replace(run, block_ids=(20, 21, 22, 23), req_id="q")]))
+        assert consumer.take_load_errors() == set()
+        for name, src in sources[rank].items():
+            assert torch.equal(dst[name][20:24], src[3:7])
+        consumer.close()
 
 
 def test_a_missing_block_fails_the_rest_of_its_run(server) -> None:

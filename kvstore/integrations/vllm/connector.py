@@ -111,6 +111,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 save_chunk=self.settings.save_chunk,
                 saves=self.saves,
                 stats=StatsFile(stats[1]) if stats else None,
+                rank=self.shape.rank,
             )
         log.info(
             "KVStoreConnector %s: target %s, namespace %s, role %s, fingerprint %s",

@@ -1,8 +1,12 @@
 """Block identity for vLLM engines (DESIGN 2.1): fingerprint, namespace, hashes. Pure; imports no vLLM.
 
 - ``EngineShape``: everything about an engine that changes the bytes of its KV blocks (model and revision,
-  dtype, layers, kv heads, head size, block size, cache layout, tensor-parallel rank).
-  ``EngineShape.from_vllm(vllm_config, model_id=None)`` reads it from a ``VllmConfig``.
+  dtype, layers, kv heads, head size, block size, cache layout, the worker's tensor- and pipeline-parallel
+  rank). ``EngineShape.from_vllm(vllm_config, model_id=None)`` reads it from a ``VllmConfig``.
+- With several workers (tensor or pipeline parallel) each holds its own part of every block (its KV heads,
+  its layers), so each rank's part is a store block of its own, under its own fingerprint: ``rank`` is this
+  process's worker, ``rank_layouts`` every worker's layout, ``for_rank(r)`` worker r's shape, ``world`` how
+  many there are. The scheduler side hashes a prompt once per rank; each worker moves its own rank's blocks.
 - ``EngineShape.fingerprint(adapter="")``: the ``model_fingerprint`` string; ``adapter`` is a request's
   LoRA identity (``lora_adapter_id``), so two adapters never share a block.
 - ``request_namespace(base, cache_salt)``: the tenant's namespace, with vLLM's ``cache_salt`` (if any)
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.hashing import block_hashes, model_fingerprint
@@ -30,7 +34,19 @@ class EngineShape:
     kv_heads: int
     head_size: int
     block_size: int
-    layout: str
+    layout: str  # this worker's, e.g. "vllm-LBHNC-tp1" (one worker) or "vllm-LBHNC-tp1of2"
+    rank: int = 0  # this process's worker (vLLM's global rank: pipeline stage * tensor size + tensor rank)
+    rank_layouts: tuple[str, ...] = ()  # every worker's layout, in rank order, when there are several
+
+    @property
+    def world(self) -> int:
+        return max(1, len(self.rank_layouts))
+
+    def for_rank(self, rank: int) -> EngineShape:
+        """Worker ``rank``'s shape: the same engine, that worker's part of each block."""
+        if not self.rank_layouts:
+            return self
+        return replace(self, layout=self.rank_layouts[rank], rank=rank)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, model_id: str | None = None) -> EngineShape:
@@ -45,7 +61,21 @@ class EngineShape:
             layout = cache_config.get_resolved_kv_cache_layout().name
         except (AttributeError, RuntimeError, ValueError):
             layout = "LBHNC"  # the scheduler may ask before the engine core has resolved it; CPU's only layout
-        tp = f"tp{parallel.rank}of{parallel.tensor_parallel_size}" if parallel.tensor_parallel_size > 1 else "tp1"
+        tp, pp, pcp, dcp = (
+            int(getattr(parallel, name, 1) or 1)
+            for name in ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
+                         "decode_context_parallel_size")
+        )  # fmt: skip
+        world = tp * pp * pcp  # vLLM's workers of one engine; ranks run tensor fastest, then context, then stage
+
+        def worker_layout(rank: int) -> str:
+            if pcp == 1 and dcp == 1:
+                part = (f"tp{rank % tp}of{tp}" if tp > 1 else "tp1") + (f"-pp{rank // tp}of{pp}" if pp > 1 else "")
+            else:  # context parallel: ranks hold other tokens of a block too; the global rank names the worker
+                part = f"rank{rank}of{world}-tp{tp}-pp{pp}-pcp{pcp}-dcp{dcp}"
+            return f"vllm-{layout}-{part}"
+
+        rank = int(getattr(parallel, "rank", 0) or 0) % world  # the scheduler's config says 0
         return cls(
             model=model_id or str(model_config.model),
             revision=str(model_config.revision or ""),
@@ -54,7 +84,9 @@ class EngineShape:
             kv_heads=int(model_config.get_num_kv_heads(parallel)),
             head_size=int(model_config.get_head_size()),
             block_size=int(cache_config.block_size),
-            layout=f"vllm-{layout}-{tp}",
+            layout=worker_layout(rank),
+            rank=rank,
+            rank_layouts=tuple(worker_layout(r) for r in range(world)) if world > 1 else (),
         )
 
     def fingerprint(self, adapter: str = "") -> str:

@@ -1,7 +1,9 @@
 """The per-step plan the scheduler side hands the worker side: all the two sides share. Picklable.
 
 - ``BlockRun``: one request's run of consecutive blocks: namespace, their store hashes and the vLLM block ids
-  they occupy, plus the hash of the block before the first (the parent in the store's chain, or empty).
+  they occupy, plus the hash of the block before the first (the parent in the store's chain, or empty). An
+  engine of several workers carries every rank's hashes and parents too (``rank_hashes``, ``rank_parents``:
+  each worker's part of a block is a store block of its own); ``for_rank(r)`` is the run worker r moves.
 - ``StepPlan`` (vLLM's ``KVConnectorMetadata`` when vLLM is importable): ``loads`` to land in the KV cache
   before this step's forward pass, ``saves`` of full blocks this step computes (sent after it, in the
   background), ``preempted`` request ids whose blocks vLLM may reuse once this step starts, and ``spans``:
@@ -16,7 +18,7 @@ True from ``request_finished`` for it, so the worker reports exactly those ids a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 try:  # the plan travels inside vLLM's SchedulerOutput, the report in its ModelRunnerOutput: their base classes
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata as _MetadataBase
@@ -37,10 +39,21 @@ class BlockRun:
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     parent: bytes = b""
+    rank_hashes: tuple[tuple[bytes, ...], ...] = ()  # several workers: each rank's hashes of the same blocks
+    rank_parents: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.hashes) != len(self.block_ids):
             raise ValueError(f"{len(self.hashes)} hashes but {len(self.block_ids)} block ids")
+        if len(self.rank_parents) != len(self.rank_hashes) or any(len(h) != len(self.hashes) for h in self.rank_hashes):
+            raise ValueError("every rank needs a parent and one hash a block")
+
+    def for_rank(self, rank: int) -> BlockRun:
+        """The run as worker ``rank`` moves it: that rank's hashes (the run itself with one worker)."""
+        if not self.rank_hashes:
+            return self
+        return replace(self, hashes=self.rank_hashes[rank], parent=self.rank_parents[rank], rank_hashes=(),
+                       rank_parents=())  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.hashes)

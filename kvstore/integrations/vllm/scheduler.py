@@ -3,7 +3,8 @@
 Verbs and promises (vLLM calls them in this order for a request):
 
 - ``matched_tokens(request, num_computed) -> int`` (vLLM's ``get_num_new_matched_tokens``): one batched
-  Lookup of the prompt's full blocks; returns how many tokens beyond ``num_computed`` (vLLM's own,
+  Lookup of the prompt's full blocks (an engine of several workers: one per rank, each of what the ranks
+  before it hold, as every rank's part must be there); returns how many tokens beyond ``num_computed`` (vLLM's own,
   block-aligned prefix hit) will be loaded from the store. It leaves at least one prompt token to compute,
   never changes the store, and counts a failed Lookup (store down, timeout, denied) as 0 hits. vLLM may call
   it several times for a request; each call replaces the previous answer. A ``LoadPlanner`` may cap the
@@ -89,8 +90,9 @@ def planner_from_spec(spec: str | None) -> LoadPlanner:
 @dataclass
 class _Tracked:
     namespace: str
-    hashes: list[bytes]
+    hashes: list[bytes]  # rank 0's
     prompt_len: int
+    rank_hashes: list[list[bytes]] = field(default_factory=list)  # every rank's, with several workers
     store_hits: int = 0  # leading blocks the store reported at the last Lookup
     load_from: int = 0
     load_to: int = 0
@@ -139,7 +141,10 @@ class SchedulerSide:
             tokens = list(request.prompt_token_ids or [])
             namespace = request_namespace(self.namespace, getattr(request, "cache_salt", None))
             adapter = lora_adapter_id(getattr(request, "lora_request", None))
-            tracked = _Tracked(namespace, prompt_hashes(tokens, self.shape, namespace, adapter), len(tokens))
+            chains = [
+                prompt_hashes(tokens, self.shape.for_rank(r), namespace, adapter) for r in range(self.shape.world)
+            ]
+            tracked = _Tracked(namespace, chains[0], len(tokens), chains if len(chains) > 1 else [])
             self._requests[request.request_id] = tracked
         return tracked
 
@@ -176,6 +181,11 @@ class SchedulerSide:
         self.counters.lookup_blocks += len(tracked.hashes)
         try:
             hits, tiers = self._lookup(tracked.namespace, tracked.hashes)
+            for chain in tracked.rank_hashes[1:]:  # a block loads only if every rank's part of it is there
+                if hits <= 0:
+                    break
+                self.counters.lookups += 1
+                hits = min(int(hits), int(self._lookup(tracked.namespace, chain[:hits])[0]))
         except Exception as err:  # store down or refusing: recompute, never fail the request
             self.counters.lookup_failures += 1
             log.warning("kvstore Lookup failed (counted as 0 hits): %s", err)
@@ -194,13 +204,7 @@ class SchedulerSide:
             return
         first = tracked.load_from
         last = min(first - (-num_external // self.shape.block_size), tracked.load_to, len(tracked.block_ids))
-        tracked.pending_load = BlockRun(
-            request.request_id,
-            tracked.namespace,
-            tuple(tracked.hashes[first:last]),
-            tuple(tracked.block_ids[first:last]),
-            tracked.hashes[first - 1] if first else b"",
-        )
+        tracked.pending_load = _run(request.request_id, tracked, first, last)
         self.counters.planned_load_blocks += last - first
 
     # -- build_connector_meta ------------------------------------------------------------------------
@@ -248,15 +252,7 @@ class SchedulerSide:
             tracked.saved_upto = start
         if full <= start:
             return
-        plan.saves.append(
-            BlockRun(
-                req_id,
-                tracked.namespace,
-                tuple(tracked.hashes[start:full]),
-                tuple(tracked.block_ids[start:full]),
-                tracked.hashes[start - 1] if start else b"",
-            )
-        )
+        plan.saves.append(_run(req_id, tracked, start, full))
         tracked.saved_upto = full
         tracked.has_saves = True
         self.counters.planned_save_blocks += full - start
@@ -278,6 +274,23 @@ class SchedulerSide:
     def _write_stats(self) -> None:
         if self._stats is not None:
             self._stats.write(self.counters, **(self._learner.snapshot() if self._learner is not None else {}))
+
+
+def _run(req_id: str, tracked: _Tracked, start: int, end: int) -> BlockRun:
+    """Blocks [start, end) of a tracked request, with every rank's hashes when there are several."""
+
+    def parent(chain: list[bytes]) -> bytes:
+        return chain[start - 1] if start else b""
+
+    return BlockRun(
+        req_id,
+        tracked.namespace,
+        tuple(tracked.hashes[start:end]),
+        tuple(tracked.block_ids[start:end]),
+        parent(tracked.hashes),
+        tuple(tuple(chain[start:end]) for chain in tracked.rank_hashes),
+        tuple(parent(chain) for chain in tracked.rank_hashes),
+    )
 
 
 def _spans(so: Any) -> tuple[Span, ...]:

@@ -121,8 +121,10 @@ class WorkerSide:
         save_chunk: int = 16,
         saves: bool = True,
         stats: StatsFile | None = None,
+        rank: int = 0,
     ):
         self.dtype, self.verify_loads = dtype, verify_loads
+        self.rank = rank  # this worker's rank: its runs move that rank's blocks (``BlockRun.for_rank``)
         if load_chunk < 0:
             raise ValueError("load_chunk must be >= 0 (0: chosen from the block size at register)")
         self.load_chunk, self.save_chunk = load_chunk, save_chunk
@@ -191,7 +193,7 @@ class WorkerSide:
     def load(self, plan: StepPlan) -> None:
         if not plan.loads or self.blocks is None:
             return
-        for run in plan.loads:
+        for run in (r.for_rank(self.rank) for r in plan.loads):
             start = time.perf_counter()
             loaded, calls = self._load_run(run)
             seconds = time.perf_counter() - start
@@ -317,7 +319,7 @@ class WorkerSide:
             return
         for run in plan.saves:
             self._save_reqs.add(run.req_id)
-            self._saver.submit(run)
+            self._saver.submit(run.for_rank(self.rank))
         self._publish()  # saves_in_flight > 0 before the step's output reaches anyone waiting on it
 
     def preempting(self, plan: StepPlan) -> None:
