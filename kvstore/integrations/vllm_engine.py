@@ -55,6 +55,7 @@ class EngineSpec:
     prefix_caching: bool = True
     seed: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    tensor_parallel: int = 1  # workers (processes) sharing each layer's heads
 
 
 class EngineError(RuntimeError):
@@ -210,6 +211,7 @@ def _build(spec: EngineSpec) -> Any:
         max_num_batched_tokens=spec.max_model_len,
         dtype="float32",
         seed=spec.seed,
+        tensor_parallel_size=spec.tensor_parallel,
         enable_prefix_caching=spec.prefix_caching,
         kv_transfer_config=transfer,
         disable_log_stats=True,
