@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 
 from kvstore.client import Client  # noqa: E402
 from kvstore.integrations.vllm.identity import EngineShape, prompt_hashes  # noqa: E402
+from kvstore.integrations.vllm.stats import read_stats, stats_files  # noqa: E402
 from kvstore.integrations.vllm_engine import EngineProcess, EngineSpec  # noqa: E402
 from kvstore.server.process import store_process  # noqa: E402
 
@@ -38,7 +39,7 @@ def test_each_rank_loads_its_own_heads_in_a_new_engine(tmp_path) -> None:
     full = (PROMPT - 1) // BLOCK  # blocks a consumer can load: one token is always computed
 
     def engine(role: str) -> EngineProcess:
-        extra = {"target": target, "timeout": 20}
+        extra = {"target": target, "timeout": 20, "stats_path": str(tmp_path / role)}
         return EngineProcess(EngineSpec(model, "kvstore", role, extra, max_model_len=1024, tensor_parallel=TP, env=ENV))
 
     with store_process("--dram", "512MiB") as (target, _), Client(target) as probe:
@@ -53,3 +54,5 @@ def test_each_rank_loads_its_own_heads_in_a_new_engine(tmp_path) -> None:
             warm = consumer.generate([prompt], 4)["outputs"][0]
     assert warm["cached"] == full * BLOCK
     assert warm["tokens"] == cold["tokens"]
+    loaded = [read_stats(stats_files(tmp_path / "kv_consumer", r)[1]).get("load_blocks") for r in range(TP)]
+    assert loaded == [full] * TP  # each rank loaded its own part of every block (its own stats file)

@@ -74,7 +74,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.settings = Settings.from_extra(transfer.kv_connector_extra_config)
         self.shape = EngineShape.from_vllm(vllm_config, self.settings.model_id)
         self.loads, self.saves = bool(transfer.is_kv_consumer), bool(transfer.is_kv_producer)
-        stats = stats_files(self.settings.stats_path) if self.settings.stats_path else None
+        stats = stats_files(self.settings.stats_path, self.shape.rank) if self.settings.stats_path else None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

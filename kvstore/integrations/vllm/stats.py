@@ -3,7 +3,9 @@
 - ``StatsFile(path).write(counters)``: replaces ``path`` (JSON of the dataclass's fields plus ``pid`` and
   ``time``) atomically, so a reader never sees half a file. Each side writes its own file, because in
   vLLM's multiprocessing mode the two sides live in a process the user's code cannot reach.
-- ``stats_files(directory) -> (scheduler_path, worker_path)`` and ``read_stats(path) -> dict``.
+- ``stats_files(directory, rank=0) -> (scheduler_path, worker_path)``: a tensor/pipeline-parallel engine's
+  workers write one file each (``worker.json`` for rank 0, ``worker-rank<r>.json`` for the others).
+- ``read_stats(path) -> dict``.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 
-def stats_files(directory: str | Path) -> tuple[Path, Path]:
+def stats_files(directory: str | Path, rank: int = 0) -> tuple[Path, Path]:
     d = Path(directory)
-    return d / "scheduler.json", d / "worker.json"
+    return d / "scheduler.json", d / ("worker.json" if rank == 0 else f"worker-rank{rank}.json")
 
 
 def read_stats(path: str | Path) -> dict[str, Any]:
