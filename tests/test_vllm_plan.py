@@ -138,6 +138,10 @@ def test_each_worker_rank_has_its_own_fingerprint() -> None:
     assert staged.rank_layouts == tuple(f"vllm-LBHNC-tp{t}of2-pp{p}of2" for p in (0, 1) for t in (0, 1))
     prints = {staged.for_rank(r).fingerprint() for r in range(staged.world)} | {one.fingerprint()}
     assert len(prints) == 5  # no two workers' parts of a block share a key
+    groups = lambda n: SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[f"l{i}" for i in range(n)])])  # noqa: E731
+    assert EngineShape.from_vllm(vllm_config(1), kv_cache_config=groups(30)) == one  # the model's layers
+    drafted = EngineShape.from_vllm(vllm_config(1), kv_cache_config=groups(31))  # a draft model's layer too
+    assert drafted.layout == "vllm-LBHNC-tp1-kvlayers31" and drafted.fingerprint() != one.fingerprint()
     sharded = EngineShape.from_vllm(vllm_config(2, rank=1, dcp=2))  # decode context parallel: tokens sharded too
     assert sharded.layout == "vllm-LBHNC-rank1of2-tp2-pp1-pcp1-dcp2" and sharded.fingerprint() != second.fingerprint()
 

@@ -72,7 +72,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = Settings.from_extra(transfer.kv_connector_extra_config)
-        self.shape = EngineShape.from_vllm(vllm_config, self.settings.model_id)
+        self.shape = EngineShape.from_vllm(vllm_config, self.settings.model_id, kv_cache_config)
         self.loads, self.saves = bool(transfer.is_kv_consumer), bool(transfer.is_kv_producer)
         stats = stats_files(self.settings.stats_path, self.shape.rank) if self.settings.stats_path else None
         self._scheduler: SchedulerSide | None = None

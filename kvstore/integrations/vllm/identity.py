@@ -2,7 +2,9 @@
 
 - ``EngineShape``: everything about an engine that changes the bytes of its KV blocks (model and revision,
   dtype, layers, kv heads, head size, block size, cache layout, the worker's tensor- and pipeline-parallel
-  rank). ``EngineShape.from_vllm(vllm_config, model_id=None)`` reads it from a ``VllmConfig``.
+  rank). ``EngineShape.from_vllm(vllm_config, model_id=None, kv_cache_config=None)`` reads it from a
+  ``VllmConfig``; a KV cache of more or fewer layers than the model has (a speculative decoder's draft layers,
+  layers that share a cache) adds its layer count to the layout, so such blocks never meet a plain engine's.
 - With several workers (tensor or pipeline parallel) each holds its own part of every block (its KV heads,
   its layers), so each rank's part is a store block of its own, under its own fingerprint: ``rank`` is this
   process's worker, ``rank_layouts`` every worker's layout, ``for_rank(r)`` worker r's shape, ``world`` how
@@ -49,7 +51,7 @@ class EngineShape:
         return replace(self, layout=self.rank_layouts[rank], rank=rank)
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any, model_id: str | None = None) -> EngineShape:
+    def from_vllm(cls, vllm_config: Any, model_id: str | None = None, kv_cache_config: Any = None) -> EngineShape:
         model_config, cache_config, parallel = (
             vllm_config.model_config,
             vllm_config.cache_config,
@@ -73,14 +75,17 @@ class EngineShape:
                 part = (f"tp{rank % tp}of{tp}" if tp > 1 else "tp1") + (f"-pp{rank // tp}of{pp}" if pp > 1 else "")
             else:  # context parallel: ranks hold other tokens of a block too; the global rank names the worker
                 part = f"rank{rank}of{world}-tp{tp}-pp{pp}-pcp{pcp}-dcp{dcp}"
-            return f"vllm-{layout}-{part}"
+            return f"vllm-{layout}-{part}{extra}"
 
         rank = int(getattr(parallel, "rank", 0) or 0) % world  # the scheduler's config says 0
+        layers = int(model_config.get_num_layers(parallel))
+        cached = sum(len(g.layer_names) for g in getattr(kv_cache_config, "kv_cache_groups", None) or ())
+        extra = f"-kvlayers{cached}" if cached and cached != layers else ""
         return cls(
             model=model_id or str(model_config.model),
             revision=str(model_config.revision or ""),
             dtype=dtype,
-            layers=int(model_config.get_num_layers(parallel)),
+            layers=layers,
             kv_heads=int(model_config.get_num_kv_heads(parallel)),
             head_size=int(model_config.get_head_size()),
             block_size=int(cache_config.block_size),
