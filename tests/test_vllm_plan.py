@@ -114,11 +114,12 @@ def test_namespace_and_hashes() -> None:
     assert prompt_hashes(toks, SHAPE, "team", "lora:a:3:/x") != prompt_hashes(toks, SHAPE, "team")
 
 
-def vllm_config(tp: int, pp: int = 1, rank: int = 0, dcp: int = 1) -> SimpleNamespace:
+def vllm_config(tp: int, pp: int = 1, rank: int = 0, dcp: int = 1, mla: bool = False) -> SimpleNamespace:
     """The parts of a ``VllmConfig`` that ``EngineShape.from_vllm`` reads."""
     model = SimpleNamespace(
         model="m", revision=None, dtype="torch.float32",
         get_num_layers=lambda parallel: 30 // pp, get_num_kv_heads=lambda parallel: 4 // tp, get_head_size=lambda: 64,
+        use_mla=mla,
     )  # fmt: skip
     cache = SimpleNamespace(
         cache_dtype="auto", block_size=32, get_resolved_kv_cache_layout=lambda: SimpleNamespace(name="LBHNC")
@@ -166,6 +167,22 @@ def test_several_workers_look_up_load_and_save_every_ranks_blocks() -> None:
     assert pickle.loads(pickle.dumps(plan)) == plan
     with pytest.raises(ValueError, match="every rank"):
         BlockRun("r", "ns", (b"a",), (1,), b"", ((b"a",), ()), (b"", b""))
+
+
+def test_mla_tensor_parallel_ranks_share_one_copy_of_each_block() -> None:
+    """An MLA latent is the same on every TP rank: one chain, one Lookup, and only rank 0 Puts."""
+    ranks = [EngineShape.from_vllm(vllm_config(2, rank=r, mla=True)) for r in range(2)]
+    assert [s.layout for s in ranks] == ["vllm-LBHNC-tp1"] * 2 and [s.stores_saves for s in ranks] == [True, False]
+    assert EngineShape.from_vllm(vllm_config(2, rank=1)).stores_saves  # heads split: every rank stores its own
+    toks = tokens(200)
+    chain = prompt_hashes(toks, ranks[0], "ns")
+    store = FakeStore(set(chain))
+    s = SchedulerSide(ranks[0], "ns", store, loads=True, saves=False, block_bytes=1 << 20)
+    req = Req("r", toks)
+    assert s.matched_tokens(req, 0) == 6 * B and store.calls == 1
+    s.after_alloc(req, list(range(10, 17)), 6 * B)
+    (load,) = s.step_plan(Out([NewReq("r", (list(range(10, 17)),), 6 * B)], {"r": 200 - 6 * B})).loads
+    assert load.for_rank(0) == load.for_rank(1) == BlockRun("r", "ns", tuple(chain[:6]), tuple(range(10, 16)))
 
 
 # -- settings ------------------------------------------------------------------------------------------

@@ -123,6 +123,18 @@ def test_each_worker_rank_saves_and_loads_its_own_part_of_a_block(server) -> Non
         consumer.close()
 
 
+def test_a_rank_that_does_not_store_still_reports_its_saves_done(server) -> None:
+    """MLA's second TP rank holds the bytes rank 0 stores: it Puts nothing, and vLLM still hears the request's
+    saves are done (it frees the blocks only once every worker says so)."""
+    side, _ = worker(f"127.0.0.1:{server.port}", stores_saves=False)
+    side.save(StepPlan(saves=[BlockRun("m", "ns", keys(3, seed=9), (1, 2, 3))]))
+    assert side.finished_sending({"m"}) == {"m"}
+    assert side.counters.save_blocks_sent == 0
+    with Client(f"127.0.0.1:{server.port}") as kv:
+        assert kv.lookup("ns", list(keys(3, seed=9))) == 0
+    side.close()
+
+
 def test_a_missing_block_fails_the_rest_of_its_run(server) -> None:
     target = f"127.0.0.1:{server.port}"
     producer, src = worker(target)

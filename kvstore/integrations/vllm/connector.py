@@ -112,6 +112,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 saves=self.saves,
                 stats=StatsFile(stats[1]) if stats else None,
                 rank=self.shape.rank,
+                stores_saves=self.shape.stores_saves,
             )
         log.info(
             "KVStoreConnector %s: target %s, namespace %s, role %s, fingerprint %s",

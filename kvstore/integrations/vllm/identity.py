@@ -9,6 +9,9 @@
   its layers), so each rank's part is a store block of its own, under its own fingerprint: ``rank`` is this
   process's worker, ``rank_layouts`` every worker's layout, ``for_rank(r)`` worker r's shape, ``world`` how
   many there are. The scheduler side hashes a prompt once per rank; each worker moves its own rank's blocks.
+  An MLA model's latent KV is the same on every tensor-parallel rank (its projection is replicated): those
+  ranks share one layout (``tp1``, as an engine of one worker), and ``stores_saves`` is False on all but the
+  first of them, whose Puts store the bytes for all.
 - ``EngineShape.fingerprint(adapter="")``: the ``model_fingerprint`` string; ``adapter`` is a request's
   LoRA identity (``lora_adapter_id``), so two adapters never share a block.
 - ``request_namespace(base, cache_salt)``: the tenant's namespace, with vLLM's ``cache_salt`` (if any)
@@ -44,6 +47,11 @@ class EngineShape:
     def world(self) -> int:
         return max(1, len(self.rank_layouts))
 
+    @property
+    def stores_saves(self) -> bool:
+        """This worker Puts its saves: no lower rank holds the same bytes (MLA's tensor-parallel ranks do)."""
+        return not self.rank_layouts or self.rank_layouts.index(self.layout) == self.rank
+
     def for_rank(self, rank: int) -> EngineShape:
         """Worker ``rank``'s shape: the same engine, that worker's part of each block."""
         if not self.rank_layouts:
@@ -70,9 +78,13 @@ class EngineShape:
         )  # fmt: skip
         world = tp * pp * pcp  # vLLM's workers of one engine; ranks run tensor fastest, then context, then stage
 
+        mla = bool(getattr(model_config, "use_mla", False))  # one latent per token, the same on every TP rank
+
         def worker_layout(rank: int) -> str:
             if pcp == 1 and dcp == 1:
-                part = (f"tp{rank % tp}of{tp}" if tp > 1 else "tp1") + (f"-pp{rank // tp}of{pp}" if pp > 1 else "")
+                part = (f"tp{rank % tp}of{tp}" if tp > 1 and not mla else "tp1") + (
+                    f"-pp{rank // tp}of{pp}" if pp > 1 else ""
+                )
             else:  # context parallel: ranks hold other tokens of a block too; the global rank names the worker
                 part = f"rank{rank}of{world}-tp{tp}-pp{pp}-pcp{pcp}-dcp{dcp}"
             return f"vllm-{layout}-{part}{extra}"

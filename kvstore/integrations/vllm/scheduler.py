@@ -141,9 +141,13 @@ class SchedulerSide:
             tokens = list(request.prompt_token_ids or [])
             namespace = request_namespace(self.namespace, getattr(request, "cache_salt", None))
             adapter = lora_adapter_id(getattr(request, "lora_request", None))
-            chains = [
-                prompt_hashes(tokens, self.shape.for_rank(r), namespace, adapter) for r in range(self.shape.world)
-            ]
+            chains: list[list[bytes]] = []
+            by_layout: dict[str, list[bytes]] = {}  # ranks of one layout (MLA's TP ranks) share one chain
+            for rank in range(self.shape.world):
+                shape = self.shape.for_rank(rank)
+                if shape.layout not in by_layout:
+                    by_layout[shape.layout] = prompt_hashes(tokens, shape, namespace, adapter)
+                chains.append(by_layout[shape.layout])
             tracked = _Tracked(namespace, chains[0], len(tokens), chains if len(chains) > 1 else [])
             self._requests[request.request_id] = tracked
         return tracked
@@ -181,9 +185,13 @@ class SchedulerSide:
         self.counters.lookup_blocks += len(tracked.hashes)
         try:
             hits, tiers = self._lookup(tracked.namespace, tracked.hashes)
+            asked = [tracked.hashes]
             for chain in tracked.rank_hashes[1:]:  # a block loads only if every rank's part of it is there
                 if hits <= 0:
                     break
+                if any(chain is seen for seen in asked):
+                    continue
+                asked.append(chain)
                 self.counters.lookups += 1
                 hits = min(int(hits), int(self._lookup(tracked.namespace, chain[:hits])[0]))
         except Exception as err:  # store down or refusing: recompute, never fail the request

@@ -122,9 +122,12 @@ class WorkerSide:
         saves: bool = True,
         stats: StatsFile | None = None,
         rank: int = 0,
+        stores_saves: bool = True,
     ):
         self.dtype, self.verify_loads = dtype, verify_loads
         self.rank = rank  # this worker's rank: its runs move that rank's blocks (``BlockRun.for_rank``)
+        # False where a lower rank stores the same bytes (MLA's TP ranks): saves are only reported done
+        self.stores_saves = stores_saves
         if load_chunk < 0:
             raise ValueError("load_chunk must be >= 0 (0: chosen from the block size at register)")
         self.load_chunk, self.save_chunk = load_chunk, save_chunk
@@ -319,7 +322,8 @@ class WorkerSide:
             return
         for run in plan.saves:
             self._save_reqs.add(run.req_id)
-            self._saver.submit(run.for_rank(self.rank))
+            if self.stores_saves:
+                self._saver.submit(run.for_rank(self.rank))
         self._publish()  # saves_in_flight > 0 before the step's output reaches anyone waiting on it
 
     def preempting(self, plan: StepPlan) -> None:
