@@ -77,8 +77,10 @@ class EngineShape:
                          "decode_context_parallel_size")
         )  # fmt: skip
         world = tp * pp * pcp  # vLLM's workers of one engine; ranks run tensor fastest, then context, then stage
-
         mla = bool(getattr(model_config, "use_mla", False))  # one latent per token, the same on every TP rank
+        layers = int(model_config.get_num_layers(parallel))
+        cached = sum(len(g.layer_names) for g in getattr(kv_cache_config, "kv_cache_groups", None) or ())
+        extra = f"-kvlayers{cached}" if cached and cached != layers else ""
 
         def worker_layout(rank: int) -> str:
             if pcp == 1 and dcp == 1:
@@ -90,9 +92,6 @@ class EngineShape:
             return f"vllm-{layout}-{part}{extra}"
 
         rank = int(getattr(parallel, "rank", 0) or 0) % world  # the scheduler's config says 0
-        layers = int(model_config.get_num_layers(parallel))
-        cached = sum(len(g.layer_names) for g in getattr(kv_cache_config, "kv_cache_groups", None) or ())
-        extra = f"-kvlayers{cached}" if cached and cached != layers else ""
         return cls(
             model=model_id or str(model_config.model),
             revision=str(model_config.revision or ""),

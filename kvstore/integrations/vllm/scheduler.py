@@ -3,8 +3,8 @@
 Verbs and promises (vLLM calls them in this order for a request):
 
 - ``matched_tokens(request, num_computed) -> int`` (vLLM's ``get_num_new_matched_tokens``): one batched
-  Lookup of the prompt's full blocks (an engine of several workers: one per rank, each of what the ranks
-  before it hold, as every rank's part must be there); returns how many tokens beyond ``num_computed`` (vLLM's own,
+  Lookup of the prompt's full blocks (an engine of several workers: one per rank's layout, each asking only
+  for what the ranks before it hold, as every rank's part must be there); returns how many tokens beyond ``num_computed`` (vLLM's own,
   block-aligned prefix hit) will be loaded from the store. It leaves at least one prompt token to compute,
   never changes the store, and counts a failed Lookup (store down, timeout, denied) as 0 hits. vLLM may call
   it several times for a request; each call replaces the previous answer. A ``LoadPlanner`` may cap the
