@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import Row, parse_args, report
+from bench.common import Row, best_seconds, parse_args, report
 from kvstore.integrations.vllm.identity import EngineShape, prompt_hashes
 from kvstore.integrations.vllm_engine import EngineProcess, EngineSpec
 from kvstore.server.process import free_port
@@ -189,12 +189,7 @@ class Memcpy:
         if n > self._src.size:
             self._src, self._dst = np.ones(n, np.uint8), np.ones(n, np.uint8)
         src, dst = self._src[:n], self._dst[:n]
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            np.copyto(dst, src)
-            best = min(best, time.perf_counter() - start)
-        return best
+        return best_seconds(lambda: np.copyto(dst, src), 3, warmup=0)
 
 
 MEMCPY = Memcpy()

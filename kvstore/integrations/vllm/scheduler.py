@@ -185,13 +185,9 @@ class SchedulerSide:
         self.counters.lookup_blocks += len(tracked.hashes)
         try:
             hits, tiers = self._lookup(tracked.namespace, tracked.hashes)
-            asked = [tracked.hashes]
-            for chain in tracked.rank_hashes[1:]:  # a block loads only if every rank's part of it is there
+            for chain in _distinct(tracked.rank_hashes)[1:]:  # a block loads only if every rank's part is there
                 if hits <= 0:
                     break
-                if any(chain is seen for seen in asked):
-                    continue
-                asked.append(chain)
                 self.counters.lookups += 1
                 hits = min(int(hits), int(self._lookup(tracked.namespace, chain[:hits])[0]))
         except Exception as err:  # store down or refusing: recompute, never fail the request
@@ -282,6 +278,11 @@ class SchedulerSide:
     def _write_stats(self) -> None:
         if self._stats is not None:
             self._stats.write(self.counters, **(self._learner.snapshot() if self._learner is not None else {}))
+
+
+def _distinct(chains: list[list[bytes]]) -> list[list[bytes]]:
+    """Each rank layout's chain once, in rank order (ranks of one layout share one list: MLA's TP ranks)."""
+    return list({id(chain): chain for chain in chains}.values())
 
 
 def _run(req_id: str, tracked: _Tracked, start: int, end: int) -> BlockRun:
