@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 EXTRAS ?= test,model,cluster,bench,vllm
 NODE_CONFORMANCE := tests/conformance/node
 
-.PHONY: run test lint bench proto system-deps node-deps clean
+.PHONY: run test lint bench nixl proto system-deps node-deps clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -47,6 +47,12 @@ test: $(VENV)/.installed system-deps node-deps lint
 
 bench: $(VENV)/.installed system-deps
 	$(PY) -m bench.transfer --out bench/results/transfer.json
+
+# vLLM's NixlConnector, a peer that bench.vllm_pd measures (not the tests): NIXL's CUDA 12 build runs on the CPU
+# through UCX (68 MB); `nixl` itself without its deps, which would pull the CUDA 13 build beside it.
+nixl: $(VENV)/.installed
+	$(PY) -m pip install -q 'nixl-cu12==1.5.1'
+	$(PY) -m pip install -q --no-deps 'nixl==1.5.1'
 
 proto: $(VENV)/.installed
 	$(PY) -m kvstore.genproto

@@ -1,7 +1,7 @@
 """Time to first token of a real vLLM engine whose prompt prefix comes from elsewhere (issue 16).
 
     python -m bench.vllm_pd [--quick] [--out bench/results/vllm_pd.json] [--sizes 1000,2000] [--reps N]
-                            [--phases local,example,kvstore,turns]
+                            [--phases local,example,nixl,kvstore,turns]
 
 Every mode runs SmolLM2-135M (``kvstore export-model``, fp32, block size 32, eager) in an engine process of its
 own, one phase at a time (memory), each prompt a fresh random one:
@@ -20,6 +20,15 @@ own, one phase at a time (memory), each prompt a fresh random one:
   NVMe tier, DRAM starts empty and ``--promote-on-hit false`` keeps the blocks on NVMe (``nvme_fraction``
   says how many were there: 1.0); with ``--share-nvme true`` (the default) the engine reads them from the
   store's segment files itself.
+- ``nixl_connector``: vLLM's ``NixlConnector`` (kv_both, ``kv_buffer_device`` cpu), disaggregated the way it
+  is built to be: a prefill engine computes the prompt (``do_remote_decode``) and keeps its blocks, a decode
+  engine in another process pulls them with NIXL (UCX over shared memory on one host) and computes the first
+  token; its paired local hit is the decode engine's. The first prompt of each size is not measured (a new
+  size's first pull and first local hit took 1.2-1.4 s at 3.5k tokens, the next ones 0.3; vLLM counts no
+  pulled token in ``num_cached_tokens``, so ``cached`` stays empty). ``idle_cores``: CPU the two
+  engines burn while idle (each NIXL agent's progress thread polls a core; with it turned off, a NIXL agent option
+  vLLM does not expose, a pull never completed here), which the rest of the phase runs beside. Needs the
+  ``nixl`` package (``make nixl``); without it the phase is skipped with a note.
 - ``multi_turn:*``: chats over one shared system prompt, each turn on a dropped vLLM cache (as if another
   replica served it); its prefix can come only from the connector. ``hit_rate``: cached / prompt tokens.
 
@@ -245,6 +254,51 @@ def phase_example(model: str, sizes: list[int], reps: int, out: Samples, rng: ra
         multi_turn(engine, "multi_turn:example_connector", out, rng)
 
 
+def nixl_missing() -> str | None:
+    """Why vLLM's NixlConnector cannot run here, or None when it can."""
+    try:
+        import nixl._api  # noqa: F401  # what vLLM's NixlConnector imports
+    except ImportError as err:
+        return f"nixl is not installed ({err}); `make nixl` installs it"
+    return None
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _idle_cores(engines: list[EngineProcess], seconds: float = 2.0) -> float:
+    """Cores the engines burn together while no request runs."""
+    before = [_cpu_ticks(e.proc.pid) for e in engines]
+    time.sleep(seconds)
+    ticks = sum(_cpu_ticks(e.proc.pid) - b for e, b in zip(engines, before))
+    return round(ticks / os.sysconf("SC_CLK_TCK") / seconds, 2)
+
+
+def phase_nixl(model: str, sizes: list[int], reps: int, out: Samples, rng: random.Random) -> None:
+    def spec() -> EngineSpec:
+        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        return EngineSpec(model, "nixl", "kv_both", {}, env=env)
+
+    with EngineProcess(spec()) as prefill, EngineProcess(spec()) as decode:
+        idle = _idle_cores([prefill, decode])
+        print(f"[vllm_pd] nixl: the two idle engines burn {idle} cores", file=sys.stderr, flush=True)
+        _warm(prefill, rng)
+        for size in sizes:
+            for rep in range(reps + 1):  # the first of each size warms both engines up: not measured
+                prompt = _prompt(rng, size)
+                pre = prefill.generate([prompt], 1, kv_transfer_params=[{"do_remote_decode": True}])["outputs"][0]
+                if not pre["kv_transfer_params"]:
+                    raise RuntimeError("the NIXL prefill engine returned no kv_transfer_params")
+                dec = decode.generate([prompt], 1, kv_transfer_params=[pre["kv_transfer_params"]])
+                local = decode.generate([prompt], 1)["seconds"]
+                same = dec["outputs"][0]["tokens"] == pre["tokens"]
+                if rep == 0:
+                    continue
+                out.add("nixl_connector", size, dec["seconds"], same, local_s=local, idle_cores=idle)
+
+
 def _load_once(engine: EngineProcess, mode: str, size: int, prompt: list[int], cold: list[int], out: Samples,
                **extra: Any) -> None:  # fmt: skip
     """Drop vLLM's cache, run the prompt (its prefix from the store), then again (vLLM's own hit: the pair)."""
@@ -360,7 +414,11 @@ def main(argv: list[str] | None = None) -> int:
             "--sizes", default="", help="prompt tokens, comma list (default 1000,2000,3500; quick 1000,2000)"
         )
         p.add_argument("--reps", type=int, default=0, help="prompts per size and mode (default 5; quick 2)")
-        p.add_argument("--phases", default="local,example,kvstore,turns", help="phases to run (default: all)")
+        p.add_argument(
+            "--phases",
+            default="local,example,nixl,kvstore,turns",
+            help="phases to run (default: all; nixl skips with a note where the nixl package is missing)",
+        )
         p.add_argument(
             "--local-reps", type=int, default=0, help="prompts per size without a connector (default 2; quick 1)"
         )
@@ -398,6 +456,12 @@ def main(argv: list[str] | None = None) -> int:
             info = phase_local(model, sizes, local_reps, out, rng)
         if "example" in phases:
             phase_example(model, sizes, reps, out, rng, tmp)
+        if "nixl" in phases:
+            missing = nixl_missing()
+            if missing:
+                print(f"[vllm_pd] nixl_connector skipped: {missing}", file=sys.stderr, flush=True)
+            else:
+                phase_nixl(model, sizes, reps, out, rng)
         with _store(tmp / "nvme", dram, args.share_dram == "true", args.share_nvme == "true") as store:
             if "kvstore" in phases:
                 phase_kvstore(model, store, sizes, reps, out, rng, tmp, args.verify_loads == "true")
@@ -406,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = out.rows()
     rows.sort(key=lambda r: (r["mode"].startswith("multi_turn"), r["prompt_tokens"], r["mode"]))
     columns = ["mode", "prompt_tokens", "n", "ttft_p50_s", "ttft_p99_s", "local_p50_s", "ratio_to_local", "tokens_match", "cached", "loaded_blocks",
-               "load_s", "memcpy_s", "copy_floor_ratio", "copies_per_block", "bytes_per_block", "nvme_fraction", "hit_rate"]  # fmt: skip
+               "load_s", "memcpy_s", "copy_floor_ratio", "copies_per_block", "bytes_per_block", "nvme_fraction", "hit_rate", "idle_cores"]  # fmt: skip
     report(rows, args, title=f"vLLM TTFT (SmolLM2-135M fp32, block 32; engine start {info.get('start_s', 0):.0f} s)",
            columns=columns, bench="vllm_pd")  # fmt: skip
     return 0

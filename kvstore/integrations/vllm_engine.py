@@ -9,17 +9,20 @@ Verbs and promises:
 - ``EngineProcess(spec)`` starts ``python -m kvstore.integrations.vllm_engine SPEC_JSON`` and waits until the
   engine answers (``start_seconds``). One request at a time; a reply is one JSON line on stdout behind a
   marker, so vLLM's own logging on stdout never confuses it.
-- ``generate(prompts, max_tokens, cache_salt=None, ignore_eos=True)``: greedy generation of token-id prompts; per prompt the
-  tokens and ``num_cached_tokens`` (vLLM's own prefix hit plus the connector's), and the call's seconds
-  measured inside the engine process (with ``max_tokens=1``: the time to first token).
+- ``generate(prompts, max_tokens, cache_salt=None, ignore_eos=True, kv_transfer_params=None)``: greedy generation of
+  token-id prompts; per prompt the tokens, ``num_cached_tokens`` (vLLM's own prefix hit plus the connector's) and
+  the request's ``kv_transfer_params`` out, and the call's seconds measured inside the engine process (with
+  ``max_tokens=1``: the time to first token). ``kv_transfer_params``, one per prompt (or None), go in with each
+  request (``SamplingParams.extra_args``): what NixlConnector's prefill and decode requests carry.
 - ``reset_prefix_cache()``: drops vLLM's own prefix cache, so the next prompt can only hit the connector (runs
   one-token steps until vLLM agrees: blocks of finished requests whose saves completed are freed on a step).
 - ``wait_saves(timeout)``: with a kvstore connector and ``stats_path``, until its worker has no save in flight.
 - ``worker_stats()`` / ``scheduler_stats()``: the connector's counters (``stats.StatsFile``).
 - ``close()``: asks the engine to exit, then kills it if it does not.
 
-``EngineSpec.connector``: ``None`` (no connector), ``"kvstore"`` (``KVStoreConnector``) or ``"example"``
-(vLLM's ``ExampleConnector``; ``extra`` then holds ``shared_storage_path``). ``mp`` sets
+``EngineSpec.connector``: ``None`` (no connector), ``"kvstore"`` (``KVStoreConnector``), ``"example"``
+(vLLM's ``ExampleConnector``; ``extra`` then holds ``shared_storage_path``) or ``"nixl"`` (vLLM's
+``NixlConnector`` on the CPU; ``env`` sets its ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``PORT``, one port an engine). ``mp`` sets
 ``VLLM_ENABLE_V1_MULTIPROCESSING``.
 """
 
@@ -135,10 +138,12 @@ class EngineProcess:
         cache_salt: str | None = None,
         timeout: float = 300.0,
         ignore_eos: bool = True,
+        kv_transfer_params: list[dict[str, Any] | None] | None = None,
     ) -> dict[str, Any]:
         return self.call(
-            "generate", timeout, prompts=prompts, max_tokens=max_tokens, cache_salt=cache_salt, ignore_eos=ignore_eos
-        )
+            "generate", timeout, prompts=prompts, max_tokens=max_tokens, cache_salt=cache_salt, ignore_eos=ignore_eos,
+            kv_transfer_params=kv_transfer_params,
+        )  # fmt: skip
 
     def reset_prefix_cache(self) -> None:
         self.call("reset_prefix_cache")  # raises EngineError when vLLM could not drop it
@@ -201,6 +206,13 @@ def _build(spec: EngineSpec) -> Any:
         transfer = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role=cast(Any, spec.role), kv_connector_extra_config=spec.extra
         )
+    elif spec.connector == "nixl":  # vLLM's NixlConnector: the decode engine pulls the KV from the prefill engine
+        transfer = KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role=cast(Any, spec.role),
+            kv_buffer_device="cpu",
+            kv_connector_extra_config=spec.extra,
+        )
     elif spec.connector is not None:
         raise ValueError(f"unknown connector {spec.connector!r}")
     return LLM(
@@ -234,9 +246,16 @@ def _serve(spec: EngineSpec) -> None:
             if op == "quit":
                 break
             if op == "generate":
-                params = SamplingParams(
-                    max_tokens=int(cmd["max_tokens"]), temperature=0.0, ignore_eos=bool(cmd.get("ignore_eos", True))
-                )
+                transfers = cmd.get("kv_transfer_params") or [None] * len(cmd["prompts"])
+                params = [
+                    SamplingParams(
+                        max_tokens=int(cmd["max_tokens"]),
+                        temperature=0.0,
+                        ignore_eos=bool(cmd.get("ignore_eos", True)),
+                        extra_args={"kv_transfer_params": t} if t else None,
+                    )
+                    for t in transfers
+                ]
                 salt = cmd.get("cache_salt")
                 prompts = [{"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})} for p in cmd["prompts"]]
                 start = time.perf_counter()
@@ -246,7 +265,11 @@ def _serve(spec: EngineSpec) -> None:
                     {
                         "seconds": seconds,
                         "outputs": [
-                            {"tokens": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0)}
+                            {
+                                "tokens": list(o.outputs[0].token_ids),
+                                "cached": int(o.num_cached_tokens or 0),
+                                "kv_transfer_params": o.kv_transfer_params,
+                            }
                             for o in outs
                         ],
                     }
