@@ -247,6 +247,8 @@ def _serve(spec: EngineSpec) -> None:
                 break
             if op == "generate":
                 transfers = cmd.get("kv_transfer_params") or [None] * len(cmd["prompts"])
+                if len(transfers) != len(cmd["prompts"]):
+                    raise ValueError(f"{len(transfers)} kv_transfer_params for {len(cmd['prompts'])} prompts")
                 params = [
                     SamplingParams(
                         max_tokens=int(cmd["max_tokens"]),
