@@ -18,6 +18,7 @@ import pytest
 
 from kvstore.client import Client, KVStoreError, Segments
 from kvstore.lanes.server.shm import ShmServerLane
+from kvstore.lanes.server.shm_get import ShmGets
 from kvstore.tiers.arena import SHARED_PREFIX, ArenaTier
 from tests.test_lanes_support import keys
 
@@ -73,6 +74,34 @@ def test_dram_hits_are_named_in_the_arena_and_copied_once_by_the_client(shared):
         kv.get("ns", keys(1), out=out[:1])
         assert leased(shared, 1) == 1
     assert leased(shared, 0) == 0  # the client closed its lane: nothing stays pinned
+
+
+def named_gets(monkeypatch) -> list[int]:
+    """Counts the Gets the store answers with one message of ``NamedBlocks`` columns (their block counts)."""
+    seen: list[int] = []
+    original = ShmGets._get_named  # noqa: SLF001
+
+    def counted(self, leases, offsets, ended):
+        seen.append(len(leases))
+        return original(self, leases, offsets, ended)
+
+    monkeypatch.setattr(ShmGets, "_get_named", counted)
+    return seen
+
+
+def test_an_all_dram_get_is_named_as_columns_and_a_partial_one_by_descriptors(shared, monkeypatch):
+    seen = named_gets(monkeypatch)
+    data = blocks(6, 64 << 10)
+    with Client(f"127.0.0.1:{shared.port}", lane="shm", timeout=30) as kv:
+        kv.put("ns", keys(6), data)
+        out = [np.zeros(64 << 10, np.uint8) for _ in data]
+        kv.get("ns", keys(6), out=out)
+        assert seen == [6] and all(np.array_equal(a, b) for a, b in zip(out, data))
+        wanted = keys(6)[:3] + [b"\x07" * 16]  # one never stored: the general path names the rest
+        got = kv.get("ns", wanted, out=out[:4], allow_missing=True)
+        assert seen == [6] and got[3] is None and all(np.array_equal(a, b) for a, b in zip(out[:3], data))
+        kv.get("ns", keys(1), out=out[:1])
+        assert leased(shared, 1) == 1  # both earlier Gets' pins ended with the requests after them
 
 
 def test_a_refused_get_still_ends_the_leases_it_releases(shared):
@@ -138,6 +167,7 @@ def test_a_corrupt_dram_block_fails_the_clients_check(shared):
         view[at] ^= 0xFF
         kv.get("ns", keys(3), out=out)
         assert all(np.array_equal(a, b) for a, b in zip(out, data))
+        assert leased(shared, 3) == 3  # the failed Get's pins ended with the next request, not at the lane's close
 
 
 def test_nvme_and_dram_blocks_in_one_get(make_server, tmp_path):

@@ -198,7 +198,7 @@ class LanePutResponse(_message.Message):
     def __init__(self, grant: _Optional[_Union[LaneGrant, _Mapping]] = ..., committed: _Optional[_Union[LaneCommitted, _Mapping]] = ...) -> None: ...
 
 class LaneGetRequest(_message.Message):
-    __slots__ = ("lane", "request", "release", "crc_at_copy", "out_addresses", "out_lengths", "out_segment_counts", "out_segment_addresses", "out_segment_lengths", "read_dram", "read_disk", "written_columns")
+    __slots__ = ("lane", "request", "release", "crc_at_copy", "out_addresses", "out_lengths", "out_segment_counts", "out_segment_addresses", "out_segment_lengths", "read_dram", "read_disk", "written_columns", "named_columns")
     LANE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,7 @@ class LaneGetRequest(_message.Message):
     READ_DRAM_FIELD_NUMBER: _ClassVar[int]
     READ_DISK_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    NAMED_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     lane: LaneRef
     request: _kvstore_pb2.GetRequest
     release: _containers.RepeatedScalarFieldContainer[int]
@@ -223,7 +224,8 @@ class LaneGetRequest(_message.Message):
     read_dram: bool
     read_disk: bool
     written_columns: bool
-    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ..., out_addresses: _Optional[_Iterable[int]] = ..., out_lengths: _Optional[_Iterable[int]] = ..., out_segment_counts: _Optional[_Iterable[int]] = ..., out_segment_addresses: _Optional[_Iterable[int]] = ..., out_segment_lengths: _Optional[_Iterable[int]] = ..., read_dram: _Optional[bool] = ..., read_disk: _Optional[bool] = ..., written_columns: _Optional[bool] = ...) -> None: ...
+    named_columns: bool
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ..., out_addresses: _Optional[_Iterable[int]] = ..., out_lengths: _Optional[_Iterable[int]] = ..., out_segment_counts: _Optional[_Iterable[int]] = ..., out_segment_addresses: _Optional[_Iterable[int]] = ..., out_segment_lengths: _Optional[_Iterable[int]] = ..., read_dram: _Optional[bool] = ..., read_disk: _Optional[bool] = ..., written_columns: _Optional[bool] = ..., named_columns: _Optional[bool] = ...) -> None: ...
 
 class WrittenBlocks(_message.Message):
     __slots__ = ("index", "length", "crc32c", "stored_crc32c")
@@ -237,8 +239,20 @@ class WrittenBlocks(_message.Message):
     stored_crc32c: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, index: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., crc32c: _Optional[_Iterable[int]] = ..., stored_crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class NamedBlocks(_message.Message):
+    __slots__ = ("index", "offset", "length", "crc32c")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    index: _containers.RepeatedScalarFieldContainer[int]
+    offset: _containers.RepeatedScalarFieldContainer[int]
+    length: _containers.RepeatedScalarFieldContainer[int]
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class LaneGetResponse(_message.Message):
-    __slots__ = ("grant_id", "blocks", "handled", "last", "crcs_at_copy", "written_direct", "written")
+    __slots__ = ("grant_id", "blocks", "handled", "last", "crcs_at_copy", "written_direct", "written", "named")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HANDLED_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +260,7 @@ class LaneGetResponse(_message.Message):
     CRCS_AT_COPY_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_DIRECT_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    NAMED_FIELD_NUMBER: _ClassVar[int]
     grant_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockDescriptor]
     handled: int
@@ -253,7 +268,8 @@ class LaneGetResponse(_message.Message):
     crcs_at_copy: bool
     written_direct: bool
     written: WrittenBlocks
-    def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., handled: _Optional[int] = ..., last: _Optional[bool] = ..., crcs_at_copy: _Optional[bool] = ..., written_direct: _Optional[bool] = ..., written: _Optional[_Union[WrittenBlocks, _Mapping]] = ...) -> None: ...
+    named: NamedBlocks
+    def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., handled: _Optional[int] = ..., last: _Optional[bool] = ..., crcs_at_copy: _Optional[bool] = ..., written_direct: _Optional[bool] = ..., written: _Optional[_Union[WrittenBlocks, _Mapping]] = ..., named: _Optional[_Union[NamedBlocks, _Mapping]] = ...) -> None: ...
 
 class CloseLaneRequest(_message.Message):
     __slots__ = ("lane",)

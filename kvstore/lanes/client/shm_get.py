@@ -7,7 +7,8 @@ a gRPC call) with ``crc_at_copy`` when verifying, and takes each reply's blocks:
   CRC32C of what was written is compared with the block's own, or as descriptors;
 - named in the NVMe tier's files (``serve --share-nvme``): read into ``out`` by ``DiskReader`` and checked;
   those that fail are asked for again without ``read_disk``, so the store reads them (and drops a corrupt one);
-- named in the shared DRAM arena (``serve --share-dram``) or copied into the region: copied into ``out`` with
+- named in the shared DRAM arena (``serve --share-dram``; all of a Get's blocks as ``NamedBlocks`` columns when
+  every one is a raw DRAM hit, ``named_columns``) or copied into the region: copied into ``out`` with
   the CRC32C fused in (or compared with the one the server took as it copied into the region); without ``out``
   lent in place (``shm_loans``) while at most half the region is on loan, copied into fresh memory beyond that.
 
@@ -112,6 +113,7 @@ class ShmGets:
                 read_dram=read_dram,
                 read_disk=read_disk,
                 written_columns=outs is not None,
+                named_columns=read_dram,
             )
             if outs is not None and segmented:  # the server writes each block across our buffers itself
                 counts, addresses, lengths = flatten(outs[start:])
@@ -146,6 +148,8 @@ class ShmGets:
             lend = out is None and bool(present) and self._lender.can_lend(sum(d.length for d in present))
             loan = self._lender.open(msg.grant_id) if lend else None
             try:
+                if msg.HasField("named"):  # in the try: a failed check still gives the grant (its pins) back
+                    self._take_named(msg.named, request.request.hashes, start, out, verify, results)
                 if msg.written_direct:  # blocks named in the DRAM arena are ours to copy; the store wrote the rest
                     named = [d for d in present if d.in_dram]
                     if named:
@@ -212,6 +216,42 @@ class ShmGets:
             raise corrupt_block(start + index[k], hashes[index[k]])
         for i in index:
             results[start + i] = out[start + i]
+
+    def _take_named(
+        self,
+        named: lpb.NamedBlocks,
+        hashes: Sequence[bytes],
+        start: int,
+        out: Sequence[Any] | None,
+        verify: bool,
+        results: list[Any],
+    ) -> None:
+        """Raw DRAM hits named in the shared arena, as columns: copy each into its buffer with its CRC32C fused in
+        and compare that with the block's own (``hashes`` are the request's, from ``start``)."""
+        dram = self.dram
+        if dram is None or out is None:
+            raise KVStoreError(grpc.StatusCode.INTERNAL, "the store named arena blocks for a Get that did not ask")
+        index = list(named.index)
+        copies: list[tuple[Any, memoryview, bool]] = []
+        for j, offset, n in zip(index, named.offset, named.length):
+            i = start + j
+            if offset + n > dram.size:
+                raise KVStoreError(grpc.StatusCode.INTERNAL, f"block {i} is named outside the memory this lane maps")
+            target = out[i]
+            if isinstance(target, Segments) and target.on_host:
+                if target.nbytes < n:
+                    raise short_buffer(i, target.nbytes, n)
+                dst: Any = SpanCopy(clip(target.spans, n), dram.address + offset)
+            else:
+                dst = _by_address(self._out_view(out, i, n), dram, offset)
+            copies.append((dst, dram.view[offset : offset + n], verify))
+        crcs = copy_outs(copies)
+        if verify:
+            for j, crc, stored in zip(index, crcs, named.crc32c):
+                if crc != stored:
+                    raise corrupt_block(start + j, hashes[j])
+        for j in index:
+            results[start + j] = out[start + j]
 
     @staticmethod
     def _take_written(

@@ -231,6 +231,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                     request.read_dram,
                     request.read_disk,
                     request.written_columns,
+                    request.named_columns,
                 ),
             )
             while True:

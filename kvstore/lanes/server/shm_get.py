@@ -1,10 +1,12 @@
 """The Get half of the shared-memory lane (``ShmServerLane.get``; the lane and its Puts are in shm.py).
 
-``get(request, release, crc_at_copy, outs, read_dram, read_disk, columns) -> iterator of LaneGetResponse``:
-lease the blocks, then
+``get(request, release, crc_at_copy, outs, read_dram, read_disk, columns, named_columns) -> iterator of
+LaneGetResponse``: lease the blocks, then
 
 - all raw DRAM hits of a direct Get whose client reads columns: written into the client's memory and
   described in one message's ``WrittenBlocks`` (kvstore/lanes/server/written.py);
+- all raw DRAM hits in the shared arena of a ``read_dram`` Get whose client reads ``named_columns``: named
+  where they lie in one message's ``NamedBlocks``, pinned until the client releases its grant;
 - otherwise each block gets a descriptor: copied into a range of the region (one copy, its CRC32C in the
   same pass with ``crc_at_copy``), written into the client's memory (``outs``), named in the shared DRAM arena
   (``read_dram``) or in the NVMe tier's files (``read_disk``); NVMe-only blocks are read straight where they
@@ -75,6 +77,7 @@ class ShmGets:
         read_dram: bool = False,
         read_disk: bool = False,
         columns: bool = False,
+        named_columns: bool = False,
     ) -> Iterator[lpb.LaneGetResponse]:
         ended = self._end_grants(release)  # their DRAM-arena leases end after this Get's reply, off its path
         accepted = accepted_codecs(request)
@@ -105,6 +108,11 @@ class ShmGets:
             sources = host_sources(leases)
             if sources is not None:  # all raw DRAM hits: one message of columns (``written``)
                 yield from self._get_written(leases, sources, ended, outs, crc_at_copy)  # type: ignore[arg-type]
+                return
+        if named_columns and pins is not None and leases:
+            offsets = self._arena_offsets(leases)
+            if offsets is not None:  # all raw DRAM hits in the shared arena: one message of columns (``named``)
+                yield from self._get_named(leases, offsets, ended)  # type: ignore[arg-type]
                 return
         grant: Grant | None
         grant = self.grants.grant_get()
@@ -246,6 +254,52 @@ class ShmGets:
             if grant is not None:
                 self._release_grants([grant.id])
             self.ops.release(leases, touch=True)  # after the reply: the policies' bookkeeping is off its path
+            self.ops.release(ended, touch=True)
+
+    def _arena_offsets(self, leases: Sequence[Lease | None]) -> list[int] | None:
+        """Each block's offset in the shared arena when all are present, raw and pinned there (counted in the
+        pin budget); else None, with nothing left counted."""
+        assert self.pins is not None
+        offsets: list[int] = []
+        for k, lease in enumerate(leases):
+            at = None
+            if lease is not None and lease.codec == pb.CODEC_NONE:
+                at = self.pins.offset_of(lease, lease.stored_length)
+            if at is None:
+                self.pins.unpin([x for x in leases[:k] if x is not None])
+                return None
+            offsets.append(at)
+        return offsets
+
+    def _get_named(self, leases: list[Lease], offsets: list[int], ended: list[Lease]) -> Iterator[lpb.LaneGetResponse]:
+        """``get`` of raw DRAM hits named where they lie in the shared arena, described as columns (``named``).
+        Their leases go with the message's grant: the client's release of it ends them."""
+        assert self.pins is not None
+        issued = self.grants.grant_get()
+        grant: Grant | None = issued
+        held = False
+        try:
+            lengths = [lease.stored_length for lease in leases]
+            reply = lpb.LaneGetResponse(grant_id=issued.id, handled=len(leases), last=True)
+            named = reply.named
+            named.index.extend(range(len(leases)))
+            named.offset.extend(offsets)
+            named.length.extend(lengths)
+            named.crc32c.extend(lease.crc32c for lease in leases)
+            self.pins.hold(issued.id, leases)  # from here the grant's release ends them, sent or not
+            held = True
+            sent = sum(lengths)
+            self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
+            self.ops.metrics.add("lane_shm_dram_get_bytes", sent)
+            self.ops.metrics.bytes_out(sent)
+            yield reply
+            grant = None  # the client releases it
+        finally:
+            if grant is not None:  # never sent
+                if not held:  # counted in the pin budget only: nothing else ends them
+                    self.pins.unpin(leases)
+                    self.ops.release(leases)
+                self._release_grants([grant.id])  # ends the held ones' leases too
             self.ops.release(ended, touch=True)
 
     def _place_out(
