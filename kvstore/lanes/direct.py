@@ -76,7 +76,12 @@ class DirectPeer:
         """Whether the process has exited (a zombie too), waiting up to ``timeout`` seconds for it to."""
         if self._closed:
             return True
-        return bool(select.select([self.pidfd], [], [], timeout)[0])  # a pidfd turns readable at exit
+        try:
+            return bool(select.select([self.pidfd], [], [], timeout)[0])  # a pidfd turns readable at exit
+        except (OSError, ValueError):
+            if self._closed:  # the lane closed on another thread meanwhile (its close sets this first)
+                return True
+            raise
 
     def read_into(self, dst: memoryview, address: int) -> int:
         """Copy a block of the client's memory into ``dst``; its CRC32C (LaneError if it cannot be read)."""
