@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import time
 
@@ -11,18 +12,18 @@ from kvstore.client import Client
 from kvstore.prefault import Prefaulter
 from kvstore.tiers.arena import ArenaTier
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
-def _rss_of_mapping(address: int) -> int:
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("mapping not found")
+
+def _resident_bytes(address: int, size: int) -> int:
+    """Bytes of [address, address + size) in memory, by mincore: exactly that range (smaps' Rss is the whole
+    mapping, which the kernel may have merged with a neighbour that holds pages of its own)."""
+    page = mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+    if _libc.mincore(address, size, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(b & 1 for b in vec) * page
 
 
 def test_prefaulter_makes_every_page_and_keeps_what_they_hold():
@@ -31,10 +32,10 @@ def test_prefaulter_makes_every_page_and_keeps_what_they_hold():
     data = np.frombuffer(region, dtype=np.uint8)
     data[size // 2 : size // 2 + 7] = 7  # written before: kept
     address = int(data.ctypes.data)
-    assert _rss_of_mapping(address) <= 1 << 20
+    assert _resident_bytes(address, size) <= 1 << 20
     p = Prefaulter(address, size)
     p.join(30)
-    assert p.done == size and _rss_of_mapping(address) == size
+    assert p.done == size and _resident_bytes(address, size) == size
     assert data[size // 2 : size // 2 + 7].tolist() == [7] * 7 and not data[:4096].any()
     del data
     region.close()
