@@ -244,10 +244,7 @@ class ShmGets:
             reply = write_reply(leases, sources, outs, self.direct, self.ops.copies, crc_at_copy)
             assert grant is not None
             reply.grant_id = grant.id
-            sent = sum(reply.written.length)
-            self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
-            self.ops.metrics.add("lane_shm_direct_get_bytes", sent)
-            self.ops.metrics.bytes_out(sent)
+            self._count_sent(sum(reply.written.length), "lane_shm_direct_get_bytes")
             yield reply
             grant = None  # the client releases it
         finally:
@@ -255,6 +252,12 @@ class ShmGets:
                 self._release_grants([grant.id])
             self.ops.release(leases, touch=True)  # after the reply: the policies' bookkeeping is off its path
             self.ops.release(ended, touch=True)
+
+    def _count_sent(self, sent: int, path: str) -> None:
+        """A columns reply's bytes: the lane's, its path's (``path`` names the counter) and the store's out."""
+        self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
+        self.ops.metrics.add(path, sent)
+        self.ops.metrics.bytes_out(sent)
 
     def _arena_offsets(self, leases: Sequence[Lease | None]) -> list[int] | None:
         """Each block's offset in the shared arena when all are present, raw and pinned there (counted in the
@@ -288,10 +291,7 @@ class ShmGets:
             named.crc32c.extend(lease.crc32c for lease in leases)
             self.pins.hold(issued.id, leases)  # from here the grant's release ends them, sent or not
             held = True
-            sent = sum(lengths)
-            self.ops.metrics.add(f"lane_{self.kind}_get_bytes", sent)
-            self.ops.metrics.add("lane_shm_dram_get_bytes", sent)
-            self.ops.metrics.bytes_out(sent)
+            self._count_sent(sum(lengths), "lane_shm_dram_get_bytes")
             yield reply
             grant = None  # the client releases it
         finally:
