@@ -232,19 +232,10 @@ class ShmGets:
         if dram is None or out is None:
             raise KVStoreError(grpc.StatusCode.INTERNAL, "the store named arena blocks for a Get that did not ask")
         index = list(named.index)
-        copies: list[tuple[Any, memoryview, bool]] = []
-        for j, offset, n in zip(index, named.offset, named.length):
-            i = start + j
-            if offset + n > dram.size:
-                raise KVStoreError(grpc.StatusCode.INTERNAL, f"block {i} is named outside the memory this lane maps")
-            target = out[i]
-            if isinstance(target, Segments) and target.on_host:
-                if target.nbytes < n:
-                    raise short_buffer(i, target.nbytes, n)
-                dst: Any = SpanCopy(clip(target.spans, n), dram.address + offset)
-            else:
-                dst = _by_address(self._out_view(out, i, n), dram, offset)
-            copies.append((dst, dram.view[offset : offset + n], verify))
+        copies = [
+            (*self._copy_from(dram, offset, n, out, start + j, None), verify)
+            for j, offset, n in zip(index, named.offset, named.length)
+        ]
         crcs = copy_outs(copies)
         if verify:
             for j, crc, stored in zip(index, crcs, named.crc32c):
@@ -296,24 +287,37 @@ class ShmGets:
                 if check and crc32c(view) != d.header.crc32c:
                     raise corrupt_block(i, d.hash)
                 continue
+            spare = next(fresh) if out is None else None
             source = self.dram if d.in_dram else self.region
-            if source is None or d.offset + d.length > source.size:
-                raise KVStoreError(grpc.StatusCode.INTERNAL, f"block {i} is named outside the memory this lane maps")
-            src = source.view[d.offset : d.offset + d.length]
-            target = out[i] if out is not None else None
-            if isinstance(target, Segments) and target.on_host and isinstance(source, ShmRegion):
-                if target.nbytes < d.length:
-                    raise short_buffer(i, target.nbytes, d.length)
-                dst: Any = SpanCopy(clip(target.spans, d.length), source.address + d.offset)
-            else:
-                dst = self._out_view(out, i, d.length) if out is not None else next(fresh)
-            copies.append((_by_address(dst, source, d.offset), src, check))
+            copies.append((*self._copy_from(source, d.offset, d.length, out, i, spare), check))
             checked.append((i, d))
-            results[i] = out[i] if out is not None else dst
+            results[i] = out[i] if out is not None else spare
         crcs = copy_outs(copies)
         for (i, d), (_, _, check), crc in zip(checked, copies, crcs):
             if check and crc != d.header.crc32c:
                 raise corrupt_block(i, d.hash)
+
+    def _copy_from(
+        self,
+        source: ShmRegion | DeviceRegion | None,
+        offset: int,
+        n: int,
+        out: Sequence[Any] | None,
+        i: int,
+        spare: Any,
+    ) -> tuple[Any, memoryview]:
+        """The copy of block ``i``'s ``n`` bytes at ``offset`` of a mapped region (the lane's or the DRAM arena)
+        into ``out[i]``, or into ``spare`` without ``out``: (destination as ``copy_out`` takes it, source range)."""
+        if source is None or offset + n > source.size:
+            raise KVStoreError(grpc.StatusCode.INTERNAL, f"block {i} is named outside the memory this lane maps")
+        src = source.view[offset : offset + n]
+        target = out[i] if out is not None else None
+        if isinstance(target, Segments) and target.on_host and isinstance(source, ShmRegion):
+            if target.nbytes < n:
+                raise short_buffer(i, target.nbytes, n)
+            return SpanCopy(clip(target.spans, n), source.address + offset), src
+        dst = self._out_view(out, i, n) if out is not None else spare
+        return _by_address(dst, source, offset), src
 
     @staticmethod
     def _out_view(out: Sequence[Any], i: int, n: int) -> memoryview | list[memoryview]:
