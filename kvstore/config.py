@@ -176,6 +176,13 @@ class ServeConfig:
         "blocks: for a store serving one trust domain",
         _bool,
     )
+    dram_index: bool = _opt(
+        True,
+        "with --share-dram: also share a table of where each raw DRAM block lies (read-only for clients, kept "
+        "current by the store), so a client finds a Get's DRAM hits and copies them without asking the store "
+        "at all; it reports them afterwards, in batches, for the eviction policy (x86-64 only)",
+        _bool,
+    )
     share_nvme: bool = _opt(
         False,
         "let shm lane clients of this user read the NVMe tier's segment files (mode 0600) themselves: a Get "

@@ -57,7 +57,9 @@ def dram_arena(server) -> ArenaTier:
 
 @pytest.fixture
 def shared(make_server):
-    return make_server(share_dram=True)
+    return make_server(
+        share_dram=True, dram_index=False
+    )  # every Get asked of the store (tests/test_dram_index.py: the index)
 
 
 def test_dram_hits_are_named_in_the_arena_and_copied_once_by_the_client(shared):
@@ -137,7 +139,7 @@ def test_a_get_without_out_buffers_copies_through_the_region(shared):
 
 
 def test_past_the_pin_budget_blocks_go_through_the_region(make_server):
-    server = make_server(share_dram=True, shm_lane_bytes=4 * MiB, max_block=2 * MiB)
+    server = make_server(share_dram=True, dram_index=False, shm_lane_bytes=4 * MiB, max_block=2 * MiB)
     data = blocks(10)
     with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:
         kv.put("ns", keys(10), data)

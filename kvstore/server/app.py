@@ -55,6 +55,7 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
             pinned=False if share_dir else None,
             share_dir=share_dir,
             prefault=cfg.dram_prefault,
+            share_index=cfg.dram_index,
         )
     )
     if cfg.nvme_dir:

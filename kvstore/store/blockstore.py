@@ -19,6 +19,8 @@ Verbs (thread-safe; the transport layers call only these):
   Those reads live in kvstore/store/lower_reads.py (``LowerReads``), placement in cascade.py.
 - ``delete(ns, hashes) -> n``: unmap now; bytes are freed when the last lease ends.
 - ``hint(ns, hashes, hint) -> n``: an engine's reuse hint for present blocks, to each tier's policy.
+- ``touch(ns, hashes) -> n``: accesses made without a lease (a client's reads through a shared arena's
+  index, ``kvstore/arena_index.py``, which this store keeps current: ``store/published.py``).
 - ``stats()``; ``start()`` / ``close()`` run the background demoter.
 - ``subscribe(fn)``: ``fn(event, namespace, key, rank)`` is called (lock held:
   keep it to an append onto a queue) with event "add" when a copy of a block
@@ -48,6 +50,7 @@ from kvstore.store.index import DTYPES, NO_LOC, EntryTable, dtype_id
 from kvstore.store.leases import GET_WINDOW_BYTES, Lease, NotFoundError, PutTicket
 from kvstore.store.lower_reads import LowerReads
 from kvstore.store.policy import LeafLRU
+from kvstore.store.published import ArenaPublisher
 from kvstore.store.staging import Staging
 from kvstore.tiers.base import BlockMeta, MemoryTier, Tier
 
@@ -100,6 +103,8 @@ class BlockStore(Cascade, LowerReads):
         self.max_block_bytes: int = min(getattr(t, "max_block_bytes") for t in self.tiers if isinstance(t, MemoryTier))  # noqa: B009 - arenas have it
         self._memory = {t.rank: t for t in self.tiers if isinstance(t, MemoryTier)}  # where acquire finds bytes
         self.staging = Staging(staging_bytes if len(self.tiers) > 1 else 0)  # NVMe reads DRAM cannot take
+        index = getattr(self.top, "index", None)  # a shared arena's table of where raw blocks lie
+        self._published = ArenaPublisher(self.table, index, self.top.rank) if index is not None else None
         for tier in self.tiers[1:]:
             self._recover(tier)
 
@@ -303,6 +308,21 @@ class BlockStore(Cascade, LowerReads):
                     if leases_col.get(e) == 0:
                         self._destroy(e)
 
+    def touch(self, namespace: str, hashes: Sequence[bytes]) -> int:
+        """Count accesses a client made without a lease (DRAM hits it read through the arena's index, then
+        reported): the policies hear of them as of a Get's, and they count as the top tier's hits."""
+        t = self.table
+        with self._lock:
+            ns = t.namespace_id(namespace)
+            if ns is None or not hashes:
+                return 0
+            ids = t.find_many(ns, hashes)
+            ids = ids[ids >= 0]
+            if len(ids):
+                self._touch_many(ids)
+                self.counters.tiers[self.top.rank].hits += len(ids)
+        return len(ids)
+
     # -- delete ------------------------------------------------------------------------
     def delete(self, namespace: str, hashes: Sequence[bytes]) -> int:
         n = 0
@@ -333,6 +353,8 @@ class BlockStore(Cascade, LowerReads):
 
     def _unmap(self, e: int) -> None:
         """Invisible now; copies freed once no lease holds the entry."""
+        if self._published is not None and self.table.loc_of(e, self.top.rank) != NO_LOC:
+            self._published.removed(np.array([e], dtype=np.int64))
         self.table.unmap(e)
         if self.table.leases[e] == 0:
             self._destroy(e)
@@ -379,6 +401,8 @@ class BlockStore(Cascade, LowerReads):
     def _add_copy(self, e: int, rank: int, loc: int) -> None:
         t = self.table
         t.set_loc(e, rank, loc)
+        if self._published is not None and rank == self.top.rank:
+            self._published.added(np.array([e], dtype=np.int64))
         self._notify("add", e, rank)
         self.policies[rank].insert(e, is_leaf=t.nchild[e, rank] == 0, cold=not t.rooted[e])
         p = t.parent_of(e)
@@ -389,6 +413,8 @@ class BlockStore(Cascade, LowerReads):
         """``_add_copy`` of a batch of entries just inserted (none has a child yet; parents may be in the batch)."""
         t, policy = self.table, self.policies[rank]
         t.column_of_loc(rank).put(ids, np.asarray(locs, dtype=np.int64) + 1)
+        if self._published is not None and rank == self.top.rank:
+            self._published.added(ids)
         if self._listeners:
             for e in ids.tolist():
                 self._notify("add", e, rank)
@@ -402,6 +428,8 @@ class BlockStore(Cascade, LowerReads):
 
     def _remove_copy(self, e: int, rank: int) -> None:
         t = self.table
+        if self._published is not None and rank == self.top.rank:
+            self._published.removed(np.array([e], dtype=np.int64))  # before its slot can be written again
         self._tier(rank).free([t.loc_of(e, rank)])
         t.set_loc(e, rank, NO_LOC)
         self._notify("remove", e, rank)

@@ -10,7 +10,10 @@ device memory. No per-block allocation happens after start.
 file ``DIR/kvstore-dram-<pid>-<32 hex digits>`` (mode 0600, its pages reserved
 up front, mapped shared) that same-host clients of this user map read-only, so a
 Get can name a DRAM block where it lies instead of copying it
-(``shared``: path, size, base address; ``close()`` removes the file).
+(``shared``: path, size, base address; ``close()`` removes the file). With
+``share_index`` (the default) a second file, ``index``, names where each raw
+block lies (``kvstore/arena_index.py``), for clients that find DRAM hits
+without asking the store; the BlockStore keeps it current.
 
 ``prefault=True`` (host memory): the arena's pages are made in the background from the start
 (``kvstore/prefault.py``), so Puts into slots not used yet pay no page fault and zero-fill in their copy.
@@ -27,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore import shmfile
+from kvstore import arena_index, shmfile
+from kvstore.arena_index import ArenaIndex
 from kvstore.devices import Copier
 from kvstore.prefault import Prefaulter
 from kvstore.tiers.base import DRAM, HBM, TIER_NAMES, BlockMeta, MemoryTier, TierFull, TierStats
@@ -69,6 +73,8 @@ class SharedArena:
     path: str
     size: int
     base: int
+    index_path: str = ""  # the table of where its raw blocks lie (kvstore/arena_index.py), when there is one
+    index_bytes: int = 0
 
     def offset_of(self, address: int, nbytes: int) -> int | None:
         """The arena offset of ``nbytes`` at ``address``, or None when they are not all inside the arena."""
@@ -93,6 +99,7 @@ class ArenaTier(MemoryTier):
         pinned: bool | None = None,
         share_dir: str | None = None,
         prefault: bool = False,
+        share_index: bool = True,
     ):
         self.device = device
         self.rank = HBM if device.startswith("cuda") else DRAM
@@ -100,6 +107,7 @@ class ArenaTier(MemoryTier):
         page_size = min(page_size, max(capacity_bytes, 4096) // 4096 * 4096)
         self.slabs = SlabAllocator(capacity_bytes, page_size)
         self.shared: SharedArena | None = None
+        self.index: ArenaIndex | None = None  # published by the BlockStore, read by clients (share_index)
         if self.rank == HBM:
             import torch
 
@@ -109,7 +117,12 @@ class ArenaTier(MemoryTier):
         else:
             if share_dir is not None:
                 self._host, self._keepalive, path = _shared_buffer(self.slabs.capacity, share_dir)
-                self.shared = SharedArena(path, self.slabs.capacity, int(self._host.ctypes.data))
+                if share_index and arena_index.supported():
+                    self.index = ArenaIndex.create(share_dir, self.slabs.capacity)
+                index_path, index_bytes = (self.index.path, self.index.nbytes) if self.index is not None else ("", 0)
+                self.shared = SharedArena(
+                    path, self.slabs.capacity, int(self._host.ctypes.data), index_path, index_bytes
+                )
                 self.backend = "shared"
             else:
                 if pinned is None:
@@ -194,6 +207,8 @@ class ArenaTier(MemoryTier):
         """Remove a shared arena's file (the mappings keep the memory until they go)."""
         if self.prefaulter is not None:
             self.prefaulter.stop()
+        if self.index is not None:
+            self.index.close()
         if self.shared is not None:
             try:
                 os.unlink(self.shared.path)

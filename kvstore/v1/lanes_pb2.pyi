@@ -30,7 +30,7 @@ class OpenLaneRequest(_message.Message):
     def __init__(self, kinds: _Optional[_Iterable[_Union[LaneKind, str]]] = ..., host_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class OpenLaneResponse(_message.Message):
-    __slots__ = ("kind", "lane_id", "token", "host_id", "lease_seconds", "shm_path", "shm_bytes", "tcp_host", "tcp_port", "reason", "cuda_region", "direct_socket", "direct_segments", "dram_path", "dram_bytes", "nvme_dir")
+    __slots__ = ("kind", "lane_id", "token", "host_id", "lease_seconds", "shm_path", "shm_bytes", "tcp_host", "tcp_port", "reason", "cuda_region", "direct_socket", "direct_segments", "dram_path", "dram_bytes", "nvme_dir", "dram_index_path", "dram_index_bytes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LANE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,8 @@ class OpenLaneResponse(_message.Message):
     DRAM_PATH_FIELD_NUMBER: _ClassVar[int]
     DRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     NVME_DIR_FIELD_NUMBER: _ClassVar[int]
+    DRAM_INDEX_PATH_FIELD_NUMBER: _ClassVar[int]
+    DRAM_INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: LaneKind
     lane_id: str
     token: bytes
@@ -63,7 +65,9 @@ class OpenLaneResponse(_message.Message):
     dram_path: str
     dram_bytes: int
     nvme_dir: str
-    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., lane_id: _Optional[str] = ..., token: _Optional[bytes] = ..., host_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., tcp_host: _Optional[str] = ..., tcp_port: _Optional[int] = ..., reason: _Optional[str] = ..., cuda_region: _Optional[_Union[CudaIpcRegion, _Mapping]] = ..., direct_socket: _Optional[str] = ..., direct_segments: _Optional[bool] = ..., dram_path: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., nvme_dir: _Optional[str] = ...) -> None: ...
+    dram_index_path: str
+    dram_index_bytes: int
+    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., lane_id: _Optional[str] = ..., token: _Optional[bytes] = ..., host_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., tcp_host: _Optional[str] = ..., tcp_port: _Optional[int] = ..., reason: _Optional[str] = ..., cuda_region: _Optional[_Union[CudaIpcRegion, _Mapping]] = ..., direct_socket: _Optional[str] = ..., direct_segments: _Optional[bool] = ..., dram_path: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., nvme_dir: _Optional[str] = ..., dram_index_path: _Optional[str] = ..., dram_index_bytes: _Optional[int] = ...) -> None: ...
 
 class CudaIpcRegion(_message.Message):
     __slots__ = ("device_uuid", "device_index", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "host_path")
@@ -270,6 +274,24 @@ class LaneGetResponse(_message.Message):
     written: WrittenBlocks
     named: NamedBlocks
     def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., handled: _Optional[int] = ..., last: _Optional[bool] = ..., crcs_at_copy: _Optional[bool] = ..., written_direct: _Optional[bool] = ..., written: _Optional[_Union[WrittenBlocks, _Mapping]] = ..., named: _Optional[_Union[NamedBlocks, _Mapping]] = ...) -> None: ...
+
+class LaneTouch(_message.Message):
+    __slots__ = ("lane", "touched", "release")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    lane: LaneRef
+    touched: _containers.RepeatedCompositeFieldContainer[TouchedBlocks]
+    release: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., touched: _Optional[_Iterable[_Union[TouchedBlocks, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TouchedBlocks(_message.Message):
+    __slots__ = ("namespace", "hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CloseLaneRequest(_message.Message):
     __slots__ = ("lane",)

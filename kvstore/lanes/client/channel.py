@@ -66,6 +66,19 @@ class ShmChannel:
                 self.close()
             self.unclaim()
 
+    def send_touch(self, touch: lpb.LaneTouch) -> bool:
+        """One TOUCH frame (no reply); False when the channel is busy or closed (the caller keeps them)."""
+        if not self.claim():
+            return False
+        try:
+            framing.send_frame(self._usable(), framing.TOUCH, touch.SerializeToString())
+        except OSError:
+            self.close()
+            return False
+        finally:
+            self.unclaim()
+        return True
+
     # -- one LanePut conversation (``ChannelPut`` in client/shm.py drives it) ---------------------------
     def send_put(self, msg: lpb.LanePutRequest) -> None:
         sock = self._usable()

@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
+from kvstore.arena_index import ArenaIndexView
 from kvstore.lanes.base import Lane, LaneBroken, lane_failure
 from kvstore.lanes.client.channel import ShmChannel
 from kvstore.lanes.client.disk import DiskReader
+from kvstore.lanes.client.indexed import IndexedGets
 from kvstore.lanes.client.loans import Lender
 from kvstore.lanes.client.shm_get import ShmGets
 from kvstore.lanes.cma import address_of
@@ -58,6 +60,8 @@ class ShmClientLane(ShmGets, Lane):
     _channel: ShmChannel | None = None  # Gets as frames on the direct handshake's socket, not gRPC calls
     dram: ShmRegion | None = None  # the store's shared DRAM arena, mapped read-only (serve --share-dram)
     disk: DiskReader | None = None  # reads the store's NVMe files itself (serve --share-nvme)
+    indexed: IndexedGets | None = None  # finds DRAM hits in the store's index itself (serve --share-dram)
+    _index_region: ShmRegion | None = None
 
     def __init__(
         self,
@@ -89,6 +93,13 @@ class ShmClientLane(ShmGets, Lane):
                 self.dram = attach(opened.dram_path, opened.dram_bytes, readonly=True)
             except RegionError as err:
                 log.info("shm lane %s: Gets copy through the region (%s)", opened.lane_id, err)
+        if self.dram is not None and opened.dram_index_path and self._channel is not None:
+            try:  # its hits are reported on the channel: without one, every Get asks the store
+                index = attach(opened.dram_index_path, opened.dram_index_bytes, readonly=True)
+                self._index_region = index
+                self.indexed = IndexedGets(ArenaIndexView.attach(index.view))
+            except (RegionError, ValueError) as err:
+                log.info("shm lane %s: DRAM hits are asked of the store (%s)", opened.lane_id, err)
 
     # -- put ------------------------------------------------------------------------------
     def put(
@@ -192,6 +203,7 @@ class ShmClientLane(ShmGets, Lane):
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
+        self._send_touches(force=True)
         if self._channel is not None:
             self._channel.close()
         try:
@@ -201,6 +213,8 @@ class ShmClientLane(ShmGets, Lane):
         self.region.close()
         if self.dram is not None:
             self.dram.detach()  # the name is the store's: it stays
+        if self._index_region is not None:
+            self._index_region.detach()
         if self.disk is not None:
             self.disk.close()
 

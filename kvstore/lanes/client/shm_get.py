@@ -30,6 +30,7 @@ from kvstore.errors import KVStoreError, corrupt_block, short_buffer
 from kvstore.lanes.buffers import alloc_blocks
 from kvstore.lanes.client.channel import ShmChannel
 from kvstore.lanes.client.disk import DiskBlock, DiskReader
+from kvstore.lanes.client.indexed import IndexedGets
 from kvstore.lanes.client.loans import Lender, Loan
 from kvstore.lanes.client.outputs import SpanCopy, copy_outs, direct_outs
 from kvstore.lanes.cma import address_of
@@ -55,6 +56,7 @@ class ShmGets:
         region: ShmRegion | DeviceRegion
         dram: ShmRegion | None
         disk: DiskReader | None
+        indexed: IndexedGets | None
         direct: bool
         ref: lpb.LaneRef
         _stub: lpb_grpc.KVStoreLanesStub
@@ -71,6 +73,36 @@ class ShmGets:
     def get(
         self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None, allow_missing: bool, verify: bool
     ) -> list[Any]:
+        if self.indexed is not None and out is not None:
+            found = self.indexed.get(namespace, hashes, out, verify, self._copy_from_arena)
+            if found is not None:
+                self._send_touches()
+                return found
+        results = self._get_asked(namespace, hashes, out, allow_missing, verify)
+        if self.indexed is not None:
+            self.indexed.allow(namespace)  # the store served it: this lane's tenant may read the namespace
+        return results
+
+    def _copy_from_arena(self, offset: int, n: int, out: Sequence[Any], i: int) -> tuple[Any, memoryview]:
+        return self._copy_from(self.dram, offset, n, out, i, None)
+
+    def _send_touches(self, force: bool = False) -> None:
+        """Report the hits read through the index, when enough are pending (``IndexedGets.take_touches``)."""
+        if self.indexed is None or self._channel is None:
+            return
+        release = self._take_release()  # what the last asked Get held ends now, not at the next request
+        touched = self.indexed.take_touches(force or bool(release)) or []
+        if not (release or touched):
+            return
+        if not self._channel.send_touch(lpb.LaneTouch(lane=self.ref, touched=touched, release=release)):
+            self.indexed.put_back(touched)
+            for grant_id in release:
+                self._give_back(grant_id)
+
+    def _get_asked(
+        self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None, allow_missing: bool, verify: bool
+    ) -> list[Any]:
+        """A Get the store answers (the index did not serve it)."""
         spans = direct_outs(out) if out is not None and (self.direct or self.disk is not None) else None
         read_disk = self.disk is not None and spans is not None  # NVMe blocks read by us, from the store's files
         failed: list[int] = []  # read from disk but not readable or not matching their CRC32C

@@ -13,6 +13,8 @@ call at a time)::
                              | STATUS(LaneStatus) with the error, at any point
     PUT(LanePutRequest) ...  ->  PUT_REPLY(LanePutResponse) ... (grants, results)
     STATUS(OK) (client's end)  ->  STATUS(OK), or STATUS(error) at any point; the channel then closes
+    TOUCH(LaneTouch)     ->  nothing: DRAM hits the client read through the arena's index (its eviction
+                             policy hears of them; a malformed one is dropped)
 
 The messages are those of LaneGet and LanePut, so the region, grants,
 loans, direct writes and CRC checks are exactly those of the gRPC path. Every
@@ -88,6 +90,9 @@ def serve(conn: socket.socket, lane_id: str, token: bytes, lookup: Callable[[str
                 if frame.kind == framing.PUT and not frame.data_len:
                     if not _converse(conn, frame, bound):
                         return  # after an error the client may still be sending: the channel ends
+                    continue
+                if frame.kind == framing.TOUCH and not frame.data_len:
+                    _touch(frame.meta, bound)
                     continue
                 if frame.kind != framing.GET or frame.data_len:
                     _status(
@@ -181,6 +186,16 @@ def _answer(conn: socket.socket, request: lpb.LaneGetRequest, bound: _Bound) -> 
         finally:
             if replies is not None:
                 replies.close()  # now, not at garbage collection: its leases and current grant go back
+
+
+def _touch(meta: bytes, bound: _Bound) -> None:
+    """A TOUCH frame: hits the client read through the DRAM index. It has no reply, so nothing in it can fail
+    the channel: a malformed one, or one for another lane, is dropped."""
+    try:
+        touch = lpb.LaneTouch.FromString(meta)
+        bound.lane(touch.lane).touched(touch)
+    except (DecodeError, LaneError) as err:
+        log.debug("dropped a TOUCH frame: %s", err)
 
 
 def _status(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:

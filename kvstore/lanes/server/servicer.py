@@ -115,6 +115,8 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 lease_seconds=self.registry.lease,
                 dram_path=dram.path if dram is not None else "",
                 dram_bytes=dram.size if dram is not None else 0,
+                dram_index_path=dram.index_path if dram is not None else "",
+                dram_index_bytes=dram.index_bytes if dram is not None else 0,
                 nvme_dir=(self.ops.disk_dir() or "") if lane.disk is not None else "",
             )
         if kind == lpb.LANE_CUDA_IPC:

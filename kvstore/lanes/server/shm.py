@@ -91,6 +91,11 @@ class ShmServerLane(ShmGets, ServerLane):
             self._attached.set()
             self.region.unlink()
 
+    def touched(self, touch: lpb.LaneTouch) -> None:
+        """A TOUCH frame: the grants the client is done with, and the hits it read through the DRAM index."""
+        self._release_grants(touch.release)
+        self.ops.touch(touch.touched, self.access)
+
     # -- put --------------------------------------------------------------------------
     def reserve(self, namespace: str, headers: Sequence[pb.BlockHeader], release: Sequence[int]) -> lpb.LaneGrant:
         self._release_grants(release)

@@ -20,6 +20,7 @@ Verbs (``StoreOps``, thread-safe like the BlockStore under it):
 - ``abort(reservations)``: give back the slots of uncommitted reservations.
 - ``persist(entries)``: write-through to the durable tier before acknowledging.
 - ``copies``: the ``CopyPool`` the region lanes spread a batch's copies over.
+- ``touch(touched, access) -> n``: DRAM hits a client read through the arena's index, reported after.
 - ``acquire / materialize / release``: leases for reading, as the gRPC Get,
   with NOT_FOUND and DATA_LOSS mapped to ``LaneError``; ``read_ahead(leases)``:
   the windows with their NVMe reads running in the background (``ReadAhead``); ``servable(lease,
@@ -50,6 +51,7 @@ from kvstore.store.readahead import ReadAhead
 from kvstore.tiers.arena import ArenaTier, SharedArena
 from kvstore.tiers.base import BlockMeta, TierFault
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import lanes_pb2 as lpb
 
 R = TypeVar("R")
 
@@ -226,6 +228,20 @@ class StoreOps:
 
     def release(self, leases: Sequence[Lease | None], touch: bool = False) -> None:
         self.store.release(leases, touch)
+
+    def touch(self, touched: Sequence[lpb.TouchedBlocks], access: LaneAccess) -> int:
+        """Hits a client read through the DRAM index, reported afterwards (a TOUCH frame): counted, and told to
+        the eviction policies. A namespace the tenant may not read, or malformed, is skipped."""
+        n = 0
+        for blocks in touched:
+            try:
+                ns = self.namespace(blocks.namespace, access)
+                keys = self.hashes(blocks.hashes)
+            except LaneError:
+                continue
+            n += self.store.touch(ns, keys)
+        self.metrics.add("lane_shm_index_hits", n)
+        return n
 
     def shared_dram(self) -> SharedArena | None:
         """The store's DRAM arena when clients may map it (``serve --share-dram``), else None."""

@@ -1,0 +1,288 @@
+"""Where raw blocks lie in a shared DRAM arena, in a table that same-host clients map read-only and probe
+themselves: a Get of DRAM hits then needs no request to the store at all (``serve --share-dram``).
+
+The store is the only writer (``ArenaIndex``, under the BlockStore's lock); clients only read
+(``ArenaIndexView``). The table is a hint, never the truth: a block it does not name, or names while it
+changes, is asked of the store as before.
+
+Layout (one file of the shm directory, named and swept as the arena is, mode 0600): a header of ``HEADER_WORDS`` uint64
+(``MAGIC``, ``VERSION``, buckets, ways), then ``buckets x WAYS`` entries of ``ENTRY_WORDS`` uint64:
+
+    seq   even: stable; odd: being written. Every change adds 1 before and 1 after it (a seqlock).
+    key0, key1   the block's 16-byte hash XOR its namespace's mix (``namespace_mix``); 0, 0: a free way
+    offset       of the block's bytes in the arena
+    lencrc       stored length (low 32 bits) | CRC32C of the raw bytes << 32
+
+A key lives in bucket ``key0 % buckets``, in any of its ``WAYS`` ways; a key whose bucket is full is not
+published (its Gets go to the store). A reader takes each entry's ``seq``, then its fields, copies the bytes,
+then takes ``seq`` again: equal and even means nothing changed the entry meanwhile. The store withdraws an
+entry (its ``seq`` moves) before the block's slot can be freed and written again, so a copy that overlapped
+a reuse of the slot always sees another ``seq``. This relies on x86-64's ordering of loads with loads and
+stores with stores (numpy's separate calls, in program order); elsewhere ``supported()`` is False and no
+table is made.
+
+A client's ``find`` runs compiled (``kvstore/arena_index_kernels.py``, numba, compiled in the background from
+the first ``ready()``) or, until then or without numba, as numpy calls.
+
+Verbs: ``ArenaIndex.create(dir, arena_bytes)``, ``publish_many(keys, offsets, lengths, crcs) -> n``,
+``withdraw_many(keys)``, ``close()``; ``ArenaIndexView.attach(region)``, ``find(namespace, hashes) -> Found |
+None`` (None unless every hash is named), ``Found.unchanged()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import mmap
+import os
+import platform
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from types import ModuleType
+
+import numpy as np
+
+from kvstore import shmfile
+from kvstore.arena_index_layout import ENTRY_WORDS, HEADER_WORDS, KEY0, KEY1, LENCRC, MAGIC, OFFSET, SEQ, VERSION, WAYS
+
+MIN_BUCKETS, MAX_BUCKETS = 64, 1 << 17  # at most 1M entries (40 MiB)
+BYTES_PER_ENTRY_SIZED = 32 << 10  # one entry per 32 KiB of arena: 2x a full arena of 64 KiB blocks
+PREFIX = shmfile.DRAM_PREFIX  # swept like the arena after a kill; attached read-only like it
+
+
+def supported() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+@lru_cache(maxsize=4096)
+def namespace_mix(namespace: str) -> tuple[int, int]:
+    """Two uint64 XORed into a block's hash, so equal hashes of two namespaces are two keys."""
+    digest = hashlib.blake2b(namespace.encode(), digest_size=16, person=b"kvstore-dramidx").digest()
+    lo, hi = np.frombuffer(digest, dtype=np.uint64)
+    return int(lo), int(hi)
+
+
+def buckets_for(arena_bytes: int) -> int:
+    entries = max(1, arena_bytes // BYTES_PER_ENTRY_SIZED)
+    buckets = 1 << max(0, (entries // WAYS - 1).bit_length())
+    return min(MAX_BUCKETS, max(MIN_BUCKETS, buckets))
+
+
+def table_bytes(buckets: int) -> int:
+    return (HEADER_WORDS + buckets * WAYS * ENTRY_WORDS) * 8
+
+
+def keys_of(namespace: str, hashes: Sequence[bytes] | np.ndarray) -> np.ndarray | None:
+    """(n, 2) uint64 keys of ``hashes`` (16 bytes each) in ``namespace``; None when one is not 16 bytes."""
+    if isinstance(hashes, np.ndarray):
+        raw = np.ascontiguousarray(hashes, dtype=np.uint8).reshape(-1, 16).view(np.uint64)
+    else:
+        if any(len(h) != 16 for h in hashes):
+            return None
+        raw = np.frombuffer(b"".join(hashes), dtype=np.uint64).reshape(-1, 2)
+    lo, hi = namespace_mix(namespace)
+    keys = raw ^ np.array([lo, hi], dtype=np.uint64)
+    keys[(keys[:, 0] == 0) & (keys[:, 1] == 0), 1] = 1  # 0, 0 marks a free way (a 2^-128 chance)
+    return keys
+
+
+class ArenaIndex:
+    """The store's side: publishes and withdraws entries. Not thread-safe: the BlockStore's lock serialises it."""
+
+    def __init__(self, path: str, region: mmap.mmap, buckets: int):
+        self.path, self._region, self.buckets = path, region, buckets
+        words = np.frombuffer(region, dtype=np.uint64, count=table_bytes(buckets) // 8)
+        words[:4] = (MAGIC, VERSION, buckets, WAYS)
+        self._entries = words[HEADER_WORDS:].reshape(buckets * WAYS, ENTRY_WORDS)
+        self._where: dict[tuple[int, int], int] = {}  # key -> entry
+        self._used = np.zeros(buckets * WAYS, dtype=np.bool_)
+        self.published = 0
+        self.full = 0  # keys not published: their bucket had no free way
+
+    @classmethod
+    def create(cls, directory: str, arena_bytes: int) -> ArenaIndex:
+        buckets = buckets_for(arena_bytes)
+        path, region = shmfile.create(directory, PREFIX, table_bytes(buckets))
+        return cls(path, region, buckets)
+
+    @property
+    def nbytes(self) -> int:
+        return table_bytes(self.buckets)
+
+    def publish_many(self, keys: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, crcs: np.ndarray) -> int:
+        """Name these blocks (their bytes are in place and checked); the number published."""
+        n = 0
+        entries, used, mask = self._entries, self._used, self.buckets - 1
+        words = np.empty((len(keys), ENTRY_WORDS - 1), dtype=np.uint64)
+        words[:, 0:2] = keys
+        words[:, 2] = offsets
+        words[:, 3] = np.asarray(lengths, dtype=np.uint64) | (np.asarray(crcs, dtype=np.uint64) << np.uint64(32))
+        for k, (k0, k1) in enumerate(keys.tolist()):
+            if (k0, k1) in self._where:
+                self._withdraw(self._where.pop((k0, k1)))
+            base = (k0 & mask) * WAYS
+            ways = used[base : base + WAYS]
+            way = int(ways.argmin())
+            if ways[way]:
+                self.full += 1
+                continue
+            i = base + way
+            seq = int(entries[i, SEQ])
+            entries[i, SEQ] = seq + 1
+            entries[i, KEY0:] = words[k]
+            entries[i, SEQ] = seq + 2
+            used[i] = True
+            self._where[(k0, k1)] = i
+            n += 1
+        self.published += n
+        return n
+
+    def withdraw_many(self, keys: np.ndarray) -> None:
+        """Stop naming these blocks: called before their slots may be freed or written again."""
+        for k0, k1 in keys.tolist():
+            i = self._where.pop((k0, k1), None)
+            if i is not None:
+                self._withdraw(i)
+
+    def _withdraw(self, i: int) -> None:
+        entries = self._entries
+        seq = int(entries[i, SEQ])
+        entries[i, SEQ] = seq + 1
+        entries[i, KEY0:] = 0
+        entries[i, SEQ] = seq + 2
+        self._used[i] = False
+        self.published -= 1
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def close(self) -> None:
+        """Remove the file (the mappings keep the memory until they go)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+@dataclass
+class Found:
+    """Where every block of one ``find`` lies, and the ``seq`` each entry had when it was read."""
+
+    offsets: list[int]
+    lengths: list[int]
+    crcs: list[int]
+    _view: ArenaIndexView
+    _rows: np.ndarray  # (n, 4) uint64: offset, lencrc, entry, seq
+
+    def unchanged(self) -> bool:
+        """True when no entry changed since ``find``: the bytes copied meanwhile are the named blocks'."""
+        entries, rows = self._view.entries, self._rows
+        if ready():
+            return bool(_kernels().unchanged(entries, rows, len(rows)))
+        return bool(np.array_equal(entries[rows[:, 2].astype(np.int64), SEQ], rows[:, 3]))
+
+
+class ArenaIndexView:
+    """A client's read-only view of the store's table (``attach`` checks its header)."""
+
+    def __init__(self, words: np.ndarray):
+        if len(words) < HEADER_WORDS or int(words[0]) != MAGIC or int(words[1]) != VERSION:
+            raise ValueError("not a kvstore DRAM index of this version")
+        buckets, ways = int(words[2]), int(words[3])
+        if ways != WAYS or buckets & (buckets - 1) or len(words) < table_bytes(buckets) // 8:
+            raise ValueError(f"DRAM index of {buckets} buckets x {ways} ways does not fit its {len(words) * 8} bytes")
+        self.buckets = buckets
+        self.entries = words[HEADER_WORDS : HEADER_WORDS + buckets * WAYS * ENTRY_WORDS].reshape(-1, ENTRY_WORDS)
+        ready()
+
+    @classmethod
+    def attach(cls, buffer: memoryview) -> ArenaIndexView:
+        return cls(np.frombuffer(buffer, dtype=np.uint64))
+
+    def find(self, namespace: str, hashes: Sequence[bytes]) -> Found | None:
+        """Where each block lies, when the table names every one of them stable now; else None."""
+        if not hashes or any(len(h) != 16 for h in hashes):
+            return None
+        rows = self._find_compiled(namespace, hashes) if ready() else self._find_numpy(namespace, hashes)
+        if rows is None:
+            return None
+        lencrc = rows[:, 1]
+        return Found(
+            offsets=rows[:, 0].tolist(),
+            lengths=(lencrc & np.uint64(0xFFFFFFFF)).tolist(),
+            crcs=(lencrc >> np.uint64(32)).tolist(),
+            _view=self,
+            _rows=rows,
+        )
+
+    def _find_compiled(self, namespace: str, hashes: Sequence[bytes]) -> np.ndarray | None:
+        mix0, mix1 = namespace_mix(namespace)
+        rows = np.empty((len(hashes), 4), dtype=np.uint64)
+        joined = b"".join(hashes)
+        n = _kernels().find(self.entries, np.uint64(self.buckets - 1), joined, np.uint64(mix0), np.uint64(mix1), rows)
+        return rows if n == len(hashes) else None
+
+    def _find_numpy(self, namespace: str, hashes: Sequence[bytes]) -> np.ndarray | None:
+        keys = keys_of(namespace, hashes)
+        assert keys is not None
+        base = (keys[:, 0] & np.uint64(self.buckets - 1)).astype(np.int64) * WAYS
+        slots = base[:, None] + np.arange(WAYS)  # (n, WAYS) entry numbers
+        seqs = self.entries[slots, SEQ]  # a call of its own, before the fields: the seqlock's first read
+        fields = self.entries[slots]
+        match = (fields[:, :, KEY0] == keys[:, 0:1]) & (fields[:, :, KEY1] == keys[:, 1:2])
+        match &= seqs & np.uint64(1) == 0
+        if not match.any(axis=1).all():
+            return None
+        way = match.argmax(axis=1)
+        pick = np.arange(len(keys))
+        chosen = fields[pick, way]
+        rows = np.empty((len(keys), 4), dtype=np.uint64)
+        rows[:, 0], rows[:, 1] = chosen[:, OFFSET], chosen[:, LENCRC]
+        rows[:, 2], rows[:, 3] = slots[pick, way], seqs[pick, way]
+        return rows
+
+
+AVAILABLE = not os.environ.get("KVSTORE_NO_JIT") and importlib.util.find_spec("numba") is not None and supported()
+_kernels_module: ModuleType | None = None
+_ready = False
+_started = False
+_lock = threading.Lock()
+
+
+def _kernels() -> ModuleType:
+    global _kernels_module
+    if _kernels_module is None:
+        with _lock:
+            if _kernels_module is None:
+                from kvstore import arena_index_kernels
+
+                _kernels_module = arena_index_kernels
+    return _kernels_module
+
+
+def ready() -> bool:
+    """The compiled ``find`` is there; the first call starts compiling it in the background."""
+    global _started
+    if _ready or not AVAILABLE:
+        return _ready
+    with _lock:
+        if not _started:
+            _started = True
+            threading.Thread(target=warm_up, name="kvstore-arena-index-jit", daemon=True).start()
+    return _ready
+
+
+def warm_up() -> None:
+    """Compile the kernels (or load them from numba's cache) now, not on a caller's first Get."""
+    global _ready
+    if not AVAILABLE:
+        return
+    entries = np.zeros((WAYS * 2, ENTRY_WORDS), dtype=np.uint64)
+    entries.flags.writeable = False  # as a client maps the table: numba compiles for that type
+    rows = np.zeros((1, 4), dtype=np.uint64)
+    k = _kernels()
+    k.find(entries, np.uint64(1), bytes(16), np.uint64(0), np.uint64(0), rows)
+    k.unchanged(entries, rows, 0)
+    _ready = True

@@ -1,0 +1,101 @@
+"""Gets of DRAM hits that ask the store nothing: the client finds the blocks in the store's DRAM index
+(``kvstore/arena_index.py``, ``serve --share-dram``), copies them out of the mapped arena and checks that no
+entry changed meanwhile. The store hears of the hits afterwards, in batches (TOUCH frames on the channel).
+
+Verbs of ``IndexedGets`` (one per shm lane, thread-safe):
+
+- ``get(namespace, hashes, out, verify, copy_from) -> results | None``: every block copied into ``out`` and
+  checked, or None (one is not named, or its entry changed while it was copied): the caller asks the store,
+  as before. A block whose CRC32C does not match while its entry stayed put is corrupt: DATA_LOSS, as a
+  named block's would be.
+- ``allow(namespace)``: the store served this lane a Get in it (its tenant may read it); only such namespaces
+  are read through the index, so tenancy decides what an honest client reads, as it does over requests.
+- ``take_touches(force) -> [TouchedBlocks] | None``: the hits to report, once ``TOUCH_BLOCKS`` are pending or
+  the oldest has waited ``TOUCH_SECONDS`` (or ``force``); at most ``MAX_PENDING`` are kept when none can be sent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstore.arena_index import ArenaIndexView
+from kvstore.errors import corrupt_block
+from kvstore.lanes.client.outputs import copy_outs
+from kvstore.v1 import lanes_pb2 as lpb
+
+TOUCH_BLOCKS = 256
+TOUCH_SECONDS = 0.05
+MAX_PENDING = 1 << 16
+
+CopyFrom = Callable[[int, int, Sequence[Any], int], tuple[Any, memoryview]]
+
+
+class IndexedGets:
+    def __init__(self, view: ArenaIndexView):
+        self.view = view
+        self._namespaces: set[str] = set()
+        self._pending: dict[str, list[bytes]] = {}
+        self._count = 0
+        self._since = 0.0
+        self._lock = threading.Lock()
+        self.hits = 0  # blocks served through the index
+        self.fallbacks = 0  # Gets it could not serve (a block not named, or moved meanwhile)
+
+    def allow(self, namespace: str) -> None:
+        self._namespaces.add(namespace)
+
+    def get(
+        self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any], verify: bool, copy_from: CopyFrom
+    ) -> list[Any] | None:
+        if namespace not in self._namespaces or len(out) < len(hashes):
+            return None
+        found = self.view.find(namespace, hashes)
+        if found is None:
+            self.fallbacks += 1
+            return None
+        copies = [
+            (*copy_from(offset, n, out, i), verify) for i, (offset, n) in enumerate(zip(found.offsets, found.lengths))
+        ]
+        crcs = copy_outs(copies)
+        if not found.unchanged():  # moved, evicted or rewritten while we copied: the store answers instead
+            self.fallbacks += 1
+            return None
+        if verify:
+            for i, (crc, stored) in enumerate(zip(crcs, found.crcs)):
+                if crc != stored:
+                    raise corrupt_block(i, hashes[i])
+        self._note(namespace, hashes)
+        return list(out[: len(hashes)])
+
+    def _note(self, namespace: str, hashes: Sequence[bytes]) -> None:
+        with self._lock:
+            self.hits += len(hashes)
+            if self._count + len(hashes) > MAX_PENDING:
+                return  # nothing could be sent for a long while: these hits go uncounted
+            if not self._count:
+                self._since = time.monotonic()
+            self._pending.setdefault(namespace, []).extend(hashes)
+            self._count += len(hashes)
+
+    def take_touches(self, force: bool = False) -> list[lpb.TouchedBlocks] | None:
+        with self._lock:
+            if not self._count:
+                return None
+            if not force and self._count < TOUCH_BLOCKS and time.monotonic() - self._since < TOUCH_SECONDS:
+                return None
+            pending, self._pending, self._count = self._pending, {}, 0
+        return [lpb.TouchedBlocks(namespace=ns, hashes=hs) for ns, hs in pending.items()]
+
+    def put_back(self, touched: list[lpb.TouchedBlocks]) -> None:
+        """Touches that could not be sent now (the channel was busy): kept for the next try."""
+        with self._lock:
+            for blocks in touched:
+                if self._count + len(blocks.hashes) > MAX_PENDING:
+                    return
+                if not self._count:
+                    self._since = time.monotonic()
+                self._pending.setdefault(blocks.namespace, []).extend(blocks.hashes)
+                self._count += len(blocks.hashes)
