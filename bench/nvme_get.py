@@ -1,6 +1,7 @@
 """What a decode worker sees for a prefix cached on NVMe: client Gets through a `kvstore serve` process.
 
     python -m bench.nvme_get [--quick] [--baseline REV] [--out bench/results/nvme_get.json]
+                             [--share-dram true [--dram-index false]] [--baseline-share-dram true]
 
 For each block size (64 KiB, 512 KiB, 2 MiB), 32-block prefixes are written to three store processes of this
 tree (``bench/nvme_get_worker.py``): one with an NVMe tier (write-through, so every block has an NVMe copy;
@@ -24,7 +25,11 @@ that all see the disk and the loaded host in the same state:
   256 MiB buffer at a rotating place (not in the CPU's caches, as the stores' blocks are not between steps)
   gets its CRC32C and one copy into a page-aligned buffer, on one thread (the baseline of ``shm_dram_vs_floor``);
 - with ``--baseline REV``: the same steps (``old_*``) run by the code of git revision ``REV``, exported to a
-  temporary directory, with store processes of its own: today's code against that one, in the same run.
+  temporary directory, with store processes of its own: today's code against that one, in the same run
+  (``--baseline-share-dram true`` starts them with ``--share-dram`` too).
+
+With ``--share-dram true`` this tree's stores share their DRAM arena, and (unless ``--dram-index false``) their
+DRAM index: ``dram_shm`` Gets after a prefix's first are then served by the client from the index, unasked.
 
 Rows: p50 ms of each step, ``shm_dram_vs_floor`` (floor / DRAM-hit Get), ``disk_nvme_vs_raw``, ``shm_nvme_vs_raw`` and ``tcp_nvme_vs_raw`` (raw time / Get time, 1 = as fast
 as the bare disk), ``dram_shm_speedup`` (old / new p50 of the DRAM-hit Get) and the like, GB/s of payload.
@@ -151,7 +156,13 @@ def export_tree(rev: str, dest: Path) -> Path:
 
 
 def measure(
-    block: int, count: int, root: Path, bar: tqdm, baseline: Path | None = None, extra: tuple[str, ...] = ()
+    block: int,
+    count: int,
+    root: Path,
+    bar: tqdm,
+    baseline: Path | None = None,
+    extra: tuple[str, ...] = (),
+    old_extra: tuple[str, ...] = (),
 ) -> dict:
     rng = np.random.default_rng(block)
     cold_dram = max(32 * MiB, 3 * PREFIX * block)
@@ -160,7 +171,7 @@ def measure(
     raw: RawExtents | None = None
     try:
         for tag, tree in sides.items():
-            args = (*extra, "--with-disk-store") if tag == "" else ()  # an old tree may know neither
+            args = (*extra, "--with-disk-store") if tag == "" else old_extra  # an old tree may know neither
             workers[tag] = Worker(tree, block, count, root / f"{tag}store-{block}", cold_dram, args)
         raw = RawExtents(root / f"raw-{block}.bin", block, count, rng)
         writers = list(workers.values()) + [raw]
@@ -238,6 +249,17 @@ def main(argv: list[str] | None = None) -> None:
             help="true: this tree's stores run with --share-dram (shm Gets of DRAM blocks copied by the client)",
         )
         p.add_argument(
+            "--baseline-share-dram",
+            default="false",
+            help="true: the --baseline tree's stores run with --share-dram too (it must know the option): "
+            "what this tree adds to shared DRAM Gets, against that tree's",
+        )
+        p.add_argument(
+            "--dram-index",
+            default="true",
+            help="with --share-dram: this tree's stores share their DRAM index (false: every Get is asked)",
+        )
+        p.add_argument(
             "--dir",
             type=Path,
             default=Path("/var/tmp"),
@@ -251,8 +273,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         baseline = export_tree(args.baseline, root / "baseline") if args.baseline else None
         with tqdm(total=sum(sizes.values()), unit="prefix", desc="nvme gets") as bar:
-            extra = ("--share-dram", "true") if args.share_dram == "true" else ()
-            rows = [measure(block, count, root, bar, baseline, extra) for block, count in sizes.items()]
+            extra = ("--share-dram", "true", "--dram-index", args.dram_index) if args.share_dram == "true" else ()
+            old = ("--share-dram", "true") if args.baseline_share_dram == "true" else ()
+            rows = [measure(block, count, root, bar, baseline, extra, old) for block, count in sizes.items()]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(

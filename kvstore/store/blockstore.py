@@ -103,8 +103,9 @@ class BlockStore(Cascade, LowerReads):
         self.max_block_bytes: int = min(getattr(t, "max_block_bytes") for t in self.tiers if isinstance(t, MemoryTier))  # noqa: B009 - arenas have it
         self._memory = {t.rank: t for t in self.tiers if isinstance(t, MemoryTier)}  # where acquire finds bytes
         self.staging = Staging(staging_bytes if len(self.tiers) > 1 else 0)  # NVMe reads DRAM cannot take
-        index = getattr(self.top, "index", None)  # a shared arena's table of where raw blocks lie
-        self._published = ArenaPublisher(self.table, index, self.top.rank) if index is not None else None
+        # a shared DRAM arena's table of where its raw blocks lie (below an HBM tier too)
+        shared = [t for t in self.tiers if getattr(t, "index", None) is not None]
+        self._published = ArenaPublisher(self.table, shared[0].index, shared[0].rank) if shared else None  # type: ignore[attr-defined]
         for tier in self.tiers[1:]:
             self._recover(tier)
 
@@ -353,7 +354,7 @@ class BlockStore(Cascade, LowerReads):
 
     def _unmap(self, e: int) -> None:
         """Invisible now; copies freed once no lease holds the entry."""
-        if self._published is not None and self.table.loc_of(e, self.top.rank) != NO_LOC:
+        if self._published is not None and self.table.loc_of(e, self._published.rank) != NO_LOC:
             self._published.removed(np.array([e], dtype=np.int64))
         self.table.unmap(e)
         if self.table.leases[e] == 0:
@@ -401,7 +402,7 @@ class BlockStore(Cascade, LowerReads):
     def _add_copy(self, e: int, rank: int, loc: int) -> None:
         t = self.table
         t.set_loc(e, rank, loc)
-        if self._published is not None and rank == self.top.rank:
+        if self._published is not None and rank == self._published.rank:
             self._published.added(np.array([e], dtype=np.int64))
         self._notify("add", e, rank)
         self.policies[rank].insert(e, is_leaf=t.nchild[e, rank] == 0, cold=not t.rooted[e])
@@ -413,7 +414,7 @@ class BlockStore(Cascade, LowerReads):
         """``_add_copy`` of a batch of entries just inserted (none has a child yet; parents may be in the batch)."""
         t, policy = self.table, self.policies[rank]
         t.column_of_loc(rank).put(ids, np.asarray(locs, dtype=np.int64) + 1)
-        if self._published is not None and rank == self.top.rank:
+        if self._published is not None and rank == self._published.rank:
             self._published.added(ids)
         if self._listeners:
             for e in ids.tolist():
@@ -428,7 +429,7 @@ class BlockStore(Cascade, LowerReads):
 
     def _remove_copy(self, e: int, rank: int) -> None:
         t = self.table
-        if self._published is not None and rank == self.top.rank:
+        if self._published is not None and rank == self._published.rank:
             self._published.removed(np.array([e], dtype=np.int64))  # before its slot can be written again
         self._tier(rank).free([t.loc_of(e, rank)])
         t.set_loc(e, rank, NO_LOC)

@@ -1,9 +1,10 @@
-"""Keeps a shared DRAM arena's index (``kvstore/arena_index.py``) in step with the BlockStore's top tier.
+"""Keeps a shared DRAM arena's index (``kvstore/arena_index.py``) in step with the BlockStore's copies in that
+tier (``rank``).
 
 Verbs (the BlockStore calls them with its lock held):
 
-- ``added(ids)``: these entries' top-tier copies are in place and checked: name the raw ones.
-- ``removed(ids)``: their top-tier copies are about to go (freed, demoted away, or unmapped): stop naming
+- ``added(ids)``: these entries' copies in the tier are in place and checked: name the raw ones.
+- ``removed(ids)``: their copies in the tier are about to go (freed, demoted away, or unmapped): stop naming
   them, before the slot can be written again.
 
 Only raw blocks (codec none) are named: a client copies the bytes as they lie.
