@@ -31,7 +31,8 @@ from tests.test_lanes_support import RawLanes, header, keys
 LANES = {  # name: (Client lane, server options)
     "shm-direct": ("shm", {"shm_direct": True}),
     "shm-region": ("shm", {"shm_direct": False}),
-    "shm-dram": ("shm", {"share_dram": True}),  # Gets copied by the client from the store's mapped DRAM arena
+    "shm-dram": ("shm", {"share_dram": True, "dram_index": False}),  # the store names blocks in its mapped arena
+    "shm-index": ("shm", {"share_dram": True}),  # the client finds them in the store's DRAM index itself
     "tcp": ("tcp", {}),
     "grpc": ("grpc", {}),
 }
@@ -93,6 +94,9 @@ def test_uneven_segments_round_trip_on_every_lane(lane_client):
         assert "lane_shm_direct_put_bytes" not in counters and counters["lane_shm_put_bytes"] == 4 * total
     if name == "shm-dram":  # the store named the blocks in its arena; the client copied them across the parts
         assert counters["lane_shm_dram_get_bytes"] == 4 * total
+    if name == "shm-index":  # the first Get was asked; the second found every block in the index, unasked
+        assert "lane_shm_dram_get_bytes" not in counters
+        assert kv._lanes.run(lambda lane: lane.indexed.hits) == 4  # noqa: SLF001
 
 
 def test_more_segments_than_iov_max_in_one_block(lane_client):

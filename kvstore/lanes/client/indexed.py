@@ -73,12 +73,18 @@ class IndexedGets:
     def _note(self, namespace: str, hashes: Sequence[bytes]) -> None:
         with self._lock:
             self.hits += len(hashes)
-            if self._count + len(hashes) > MAX_PENDING:
-                return  # nothing could be sent for a long while: these hits go uncounted
-            if not self._count:
-                self._since = time.monotonic()
-            self._pending.setdefault(namespace, []).extend(hashes)
-            self._count += len(hashes)
+            self._pend(namespace, hashes)
+
+    def _pend(self, namespace: str, hashes: Sequence[bytes]) -> bool:
+        """Keep hits to report (lock held); False when ``MAX_PENDING`` are waiting already: nothing could be sent
+        for a long while, and these go uncounted."""
+        if self._count + len(hashes) > MAX_PENDING:
+            return False
+        if not self._count:
+            self._since = time.monotonic()
+        self._pending.setdefault(namespace, []).extend(hashes)
+        self._count += len(hashes)
+        return True
 
     def take_touches(self, force: bool = False) -> list[lpb.TouchedBlocks] | None:
         with self._lock:
@@ -93,9 +99,5 @@ class IndexedGets:
         """Touches that could not be sent now (the channel was busy): kept for the next try."""
         with self._lock:
             for blocks in touched:
-                if self._count + len(blocks.hashes) > MAX_PENDING:
+                if not self._pend(blocks.namespace, blocks.hashes):
                     return
-                if not self._count:
-                    self._since = time.monotonic()
-                self._pending.setdefault(blocks.namespace, []).extend(blocks.hashes)
-                self._count += len(blocks.hashes)
