@@ -46,6 +46,7 @@ import numpy as np
 
 from kvstore import shmfile
 from kvstore.arena_index_layout import ENTRY_WORDS, HEADER_WORDS, KEY0, KEY1, LENCRC, MAGIC, OFFSET, SEQ, VERSION, WAYS
+from kvstore.background_compile import BackgroundCompile
 
 MIN_BUCKETS, MAX_BUCKETS = 64, 1 << 17  # at most 1M entries (40 MiB)
 BYTES_PER_ENTRY_SIZED = 32 << 10  # one entry per 32 KiB of arena: 2x a full arena of 64 KiB blocks
@@ -246,8 +247,6 @@ class ArenaIndexView:
 
 AVAILABLE = not os.environ.get("KVSTORE_NO_JIT") and importlib.util.find_spec("numba") is not None and supported()
 _kernels_module: ModuleType | None = None
-_ready = False
-_started = False
 _lock = threading.Lock()
 
 
@@ -262,27 +261,23 @@ def _kernels() -> ModuleType:
     return _kernels_module
 
 
-def ready() -> bool:
-    """The compiled ``find`` is there; the first call starts compiling it in the background."""
-    global _started
-    if _ready or not AVAILABLE:
-        return _ready
-    with _lock:
-        if not _started:
-            _started = True
-            threading.Thread(target=warm_up, name="kvstore-arena-index-jit", daemon=True).start()
-    return _ready
-
-
-def warm_up() -> None:
-    """Compile the kernels (or load them from numba's cache) now, not on a caller's first Get."""
-    global _ready
-    if not AVAILABLE:
-        return
+def _compile() -> None:
     entries = np.zeros((WAYS * 2, ENTRY_WORDS), dtype=np.uint64)
     entries.flags.writeable = False  # as a client maps the table: numba compiles for that type
     rows = np.zeros((1, 4), dtype=np.uint64)
     k = _kernels()
     k.find(entries, np.uint64(1), bytes(16), np.uint64(0), np.uint64(0), rows)
     k.unchanged(entries, rows, 0)
-    _ready = True
+
+
+_compiled = BackgroundCompile("kvstore-arena-index-jit", AVAILABLE, _compile)
+
+
+def ready() -> bool:
+    """The compiled ``find`` is there; the first call starts compiling it in the background."""
+    return _compiled.ready()
+
+
+def warm_up() -> None:
+    """Compile the kernels (or load them from numba's cache) now, not on a caller's first Get."""
+    _compiled.warm_up()

@@ -19,6 +19,7 @@ from llvmlite import ir
 from numba.extending import intrinsic
 
 from kvstore.arena_index_layout import ENTRY_WORDS, KEY0, KEY1, LENCRC, OFFSET, SEQ, WAYS
+from kvstore.numba_words import word_at as _word
 
 
 @intrinsic
@@ -30,14 +31,6 @@ def _load_acquire(typingctx: Any, address: Any) -> Any:
         return builder.load_atomic(ptr, "acquire", 8)
 
     return numba.types.uint64(numba.types.int64), codegen
-
-
-@numba.njit(cache=True, inline="always")
-def _word(buf, at):  # type: ignore[no-untyped-def]
-    w = numba.uint64(0)
-    for k in range(8):
-        w |= numba.uint64(buf[at + k]) << numba.uint64(8 * k)
-    return w
 
 
 @numba.njit(cache=True, nogil=True)

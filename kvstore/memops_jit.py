@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.background_compile import BackgroundCompile
+
 STREAM_BYTES = 1 << 20  # copies this large, to a 16-byte aligned destination, bypass the cache
 
 
@@ -131,28 +133,7 @@ def _streams(spans: np.ndarray) -> bool:
     return bool(spans.shape[0]) and int(spans[:, 1].sum()) >= STREAM_BYTES
 
 
-_ready = False
-_started = False
-_start_lock = threading.Lock()
-
-
-def ready() -> bool:
-    """The kernels are compiled; the first call starts compiling them in the background (see above)."""
-    global _started
-    if _ready or not AVAILABLE:
-        return _ready
-    with _start_lock:
-        if not _started:
-            _started = True
-            threading.Thread(target=warm_up, name="kvstore-memops-jit", daemon=True).start()
-    return _ready
-
-
-def warm_up() -> None:
-    """Compile the kernels (or load them from numba's cache) now, not on a caller's first copy."""
-    global _ready
-    if not AVAILABLE:
-        return
+def _compile() -> None:
     buf = np.zeros(256, dtype=np.uint8)
     base = int(buf.ctypes.data)
     crc_at(base, 200)
@@ -163,4 +144,16 @@ def warm_up() -> None:
     copy_to_spans(base, spans, True)
     gather_spans(base, spans, False)
     copy_rows(np.array([[base, 0, 64, 0], [base, base + 128, 64, 1]], dtype=np.int64), 2, True)
-    _ready = True
+
+
+_compiled = BackgroundCompile("kvstore-memops-jit", AVAILABLE, _compile)
+
+
+def ready() -> bool:
+    """The kernels are compiled; the first call starts compiling them in the background (see above)."""
+    return _compiled.ready()
+
+
+def warm_up() -> None:
+    """Compile the kernels (or load them from numba's cache) now, not on a caller's first copy."""
+    _compiled.warm_up()

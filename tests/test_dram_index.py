@@ -70,8 +70,8 @@ def test_the_table_names_exactly_what_was_published(tmp_path_factory, compiled, 
             index.withdraw_many(keys)
             model.pop(pool[k], None)
     assert len(index) == len(model)
-    original = arena_index._ready  # noqa: SLF001
-    arena_index._ready = compiled  # noqa: SLF001 - take the path under test
+    original = arena_index.ready
+    arena_index.ready = lambda: compiled  # take the path under test
     try:
         for h in pool:
             found = view.find("ns", [h])
@@ -84,7 +84,7 @@ def test_the_table_names_exactly_what_was_published(tmp_path_factory, compiled, 
             found = view.find("ns", present)
             assert found is not None and found.offsets == [model[h] for h in present]
     finally:
-        arena_index._ready = original  # noqa: SLF001
+        arena_index.ready = original
     index.close()
 
 

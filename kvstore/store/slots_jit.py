@@ -98,13 +98,7 @@ if AVAILABLE:
         for i in range(len(q)):
             out[i] = _find1(words, nslots, seed, q[i, 0], q[i, 1], ns, keys, nss)
 
-    @numba.njit(cache=True, inline="always")
-    def _word(buf, at):  # type: ignore[no-untyped-def]
-        """The little-endian uint64 at byte ``at`` of a bytes object."""
-        w = numba.uint64(0)
-        for k in range(8):
-            w |= numba.uint64(buf[at + k]) << numba.uint64(8 * k)
-        return w
+    from kvstore.numba_words import word_at as _word
 
     @numba.njit(cache=True, nogil=True)
     def find_joined(words, params, j0, j1, nsq, keys, nss, out):  # type: ignore[no-untyped-def]

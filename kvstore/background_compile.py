@@ -1,0 +1,38 @@
+"""Compiled kernels that are never waited for: ``BackgroundCompile(name, available, compile)``.
+
+- ``ready() -> bool``: ``compile`` has run. The first call starts it (numba compiling, or loading from its
+  on-disk cache) on a daemon thread and says False until it is done, so callers take their uncompiled path
+  meanwhile and no request waits for a compiler. Always False when not ``available``.
+- ``warm_up()``: run ``compile`` now, on the calling thread (a store's start, tests).
+
+Used by ``kvstore.memops_jit`` (copies and CRC32Cs) and ``kvstore.arena_index`` (the DRAM index probe).
+Imports no numba itself: an engine process that never wants the kernels never loads it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+
+class BackgroundCompile:
+    def __init__(self, name: str, available: bool, compile: Callable[[], None]):
+        self.name, self.available, self._compile = name, available, compile
+        self._ready = False
+        self._started = False
+        self._lock = threading.Lock()
+
+    def ready(self) -> bool:
+        if self._ready or not self.available:
+            return self._ready
+        with self._lock:
+            if not self._started:
+                self._started = True
+                threading.Thread(target=self.warm_up, name=self.name, daemon=True).start()
+        return self._ready
+
+    def warm_up(self) -> None:
+        if not self.available:
+            return
+        self._compile()
+        self._ready = True
