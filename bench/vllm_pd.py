@@ -83,12 +83,14 @@ class StoreProc:
     """A ``kvstore serve`` on a loopback port; ``restart()`` stops it gracefully (DRAM's blocks go to NVMe) and
     starts it again on the same port and NVMe directory, with an empty DRAM."""
 
-    def __init__(self, nvme_dir: Path, dram: str, share_dram: bool = True, share_nvme: bool = True):
+    def __init__(
+        self, nvme_dir: Path, dram: str, share_dram: bool = True, share_nvme: bool = True, dram_index: bool = True
+    ):
         self.target = f"127.0.0.1:{free_port()}"
         self.cmd = [sys.executable, "-m", "kvstore", "serve", "--listen", self.target, "--metrics-port", "0",
                     "--log-level", "error", "--dram", dram, "--nvme-dir", str(nvme_dir), "--nvme", "8GiB",
                     "--promote-on-hit", "false", "--share-dram", str(share_dram).lower(),
-                    "--share-nvme", str(share_nvme).lower()]  # fmt: skip
+                    "--share-nvme", str(share_nvme).lower(), "--dram-index", str(dram_index).lower()]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -121,8 +123,8 @@ class StoreProc:
 
 
 @contextmanager
-def _store(nvme_dir: Path, dram: str, share_dram: bool, share_nvme: bool) -> Iterator[StoreProc]:
-    store = StoreProc(nvme_dir, dram, share_dram, share_nvme)
+def _store(nvme_dir: Path, dram: str, share_dram: bool, share_nvme: bool, dram_index: bool) -> Iterator[StoreProc]:
+    store = StoreProc(nvme_dir, dram, share_dram, share_nvme, dram_index)
     store.start()
     try:
         yield store
@@ -434,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
             help="start the store with --share-nvme (default true): kvstore_nvme's engine reads the blocks from the "
             "store's NVMe files itself; false: the store reads them and writes them into the engine's cache",
         )
+        p.add_argument(
+            "--dram-index",
+            default="true",
+            help="with --share-dram: the store shares its DRAM index (default true), so the shm engine finds DRAM "
+            "hits without asking it; false: every load is asked",
+        )
         p.add_argument("--verify-loads", default="true", help="the connector's verify_loads (default true)")
 
     args = parse_args("vLLM TTFT with the prompt prefix from kvstore, ExampleConnector or vLLM itself", argv, configure)
@@ -462,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[vllm_pd] nixl_connector skipped: {missing}", file=sys.stderr, flush=True)
             else:
                 phase_nixl(model, sizes, reps, out, rng)
-        with _store(tmp / "nvme", dram, args.share_dram == "true", args.share_nvme == "true") as store:
+        with _store(
+            tmp / "nvme", dram, args.share_dram == "true", args.share_nvme == "true", args.dram_index == "true"
+        ) as store:
             if "kvstore" in phases:
                 phase_kvstore(model, store, sizes, reps, out, rng, tmp, args.verify_loads == "true")
         if "turns" in phases:

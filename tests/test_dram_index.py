@@ -323,3 +323,42 @@ def test_the_index_file_goes_with_the_store(make_server):
     server.stop(0)
     server.store.close()
     assert not os.path.exists(path)
+
+
+def test_a_store_that_is_gone_is_not_read_through_its_index(server):
+    """The client still maps a stopped store's arena and index (unlinked, not unmapped): nothing may be served
+    from them. The lane's channel tells it the store is gone, and the Get is asked, and fails."""
+    data = blocks(4, 64 * KiB)
+    hs = hashes(4, seed=8)
+    with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=5, retries=0) as kv:
+        kv.put("ns", hs, data)
+        out = [np.zeros(64 * KiB, np.uint8) for _ in data]
+        kv.get("ns", hs, out=out)
+        kv.get("ns", hs, out=out)
+        assert lane_of(kv).indexed.hits == 4
+        server.stop(0)
+        with pytest.raises(KVStoreError) as err:
+            kv.get("ns", hs, out=out)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_killed_store_process_is_not_read_through_its_index(tmp_path):
+    import signal
+
+    from kvstore.server.process import store_process
+
+    data = blocks(4, 64 * KiB)
+    hs = hashes(4, seed=9)
+    with store_process("--dram", "64MiB", "--shm-dir", str(tmp_path), "--share-dram", "true") as (target, proc):
+        with Client(target, lane="shm", timeout=5, retries=0) as kv:
+            kv.put("ns", hs, data)
+            out = [np.zeros(64 * KiB, np.uint8) for _ in data]
+            kv.get("ns", hs, out=out)
+            kv.get("ns", hs, out=out)
+            assert lane_of(kv).indexed.hits == 4
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            with pytest.raises(KVStoreError) as err:
+                kv.get("ns", hs, out=out)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert kv._lanes._idle == []  # noqa: SLF001 - the broken lane (and its stale mappings) is gone

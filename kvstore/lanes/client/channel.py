@@ -5,6 +5,7 @@ socket of the direct handshake. The frames and the protocol are described with t
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ class ShmChannel:
     def __init__(self, sock: socket.socket, timeout: float | None):
         self._sock: socket.socket | None = sock
         self._busy = threading.Lock()
+        self._poll: select.poll | None = None
         sock.settimeout(timeout)
 
     @property
@@ -65,6 +67,20 @@ class ShmChannel:
             if not in_step:
                 self.close()
             self.unclaim()
+
+    def alive(self) -> bool:
+        """The store still holds its end: between requests it never sends, so anything to read (its close,
+        or its process's death) means the lane is gone. One non-blocking peek."""
+        sock = self._sock
+        if sock is None:
+            return False
+        if self._poll is None:  # poll, not recv: a socket with a timeout would wait for data first
+            self._poll = select.poll()
+            self._poll.register(sock, select.POLLIN | select.POLLPRI)
+        try:
+            return not self._poll.poll(0)
+        except OSError:
+            return False
 
     def send_touch(self, touch: lpb.LaneTouch) -> bool:
         """One TOUCH frame (no reply); False when the channel is busy or closed (the caller keeps them)."""

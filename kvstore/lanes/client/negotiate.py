@@ -86,24 +86,27 @@ class LanePool:
         first = self._acquire()
         if first is None:
             return None
-        lane: Lane = first
+        lane: Lane | None = first
         try:
             try:
-                result = fn(lane)
+                result = fn(first)
             except LaneBroken as err:
-                log.info("%s lane broke (%s); opening a fresh one", lane.kind, err)
-                self._discard(lane)
-                fresh = self._acquire(fresh=True)
-                if fresh is None:
+                log.info("%s lane broke (%s); opening a fresh one", first.kind, err)
+                lane = None  # discarded: never given back, even when opening the fresh one fails
+                self._discard(first)
+                lane = self._acquire(fresh=True)
+                if lane is None:
                     return None
-                lane = fresh
                 result = fn(lane)
         except LaneBroken as err:
+            assert lane is not None
             self._discard(lane)
             raise KVStoreError(grpc.StatusCode.UNAVAILABLE, f"{lane.kind} lane failed twice: {err}") from None
         except BaseException:
-            self._give_back(lane)
+            if lane is not None:
+                self._give_back(lane)
             raise
+        assert lane is not None  # the fresh one's failures returned or raised above
         self._give_back(lane)
         return result
 

@@ -27,6 +27,7 @@ import grpc
 
 from kvstore.checksum import crc32c
 from kvstore.errors import KVStoreError, corrupt_block, short_buffer
+from kvstore.lanes.base import LaneBroken
 from kvstore.lanes.buffers import alloc_blocks
 from kvstore.lanes.client.channel import ShmChannel
 from kvstore.lanes.client.disk import DiskBlock, DiskReader
@@ -74,6 +75,8 @@ class ShmGets:
         self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None, allow_missing: bool, verify: bool
     ) -> list[Any]:
         if self.indexed is not None and out is not None:
+            if self._channel is None or not self._channel.alive():  # a store that is gone keeps no index
+                raise LaneBroken("the store closed the lane's channel: its DRAM index is not kept any more")
             found = self.indexed.get(namespace, hashes, out, verify, self._copy_from_arena)
             if found is not None:
                 self._send_touches()
