@@ -234,6 +234,7 @@ def test_corrupted_block_is_recomputed(rig: Rig) -> None:
     assert flipped >= len(prompt) // BLOCK
     rig.store.start()  # recovers the index from the segments' summaries; payloads are checked on read
     before = rig.consumer.worker_stats()
+    planned_before = rig.consumer.scheduler_stats().get("planned_load_blocks", 0)
     load_all = Path(f"{rig.fault_file}.load-all")
     load_all.touch()  # the cost planner could choose to recompute 9 blocks on NVMe: this test needs the load
     try:
@@ -241,5 +242,11 @@ def test_corrupted_block_is_recomputed(rig: Rig) -> None:
     finally:
         load_all.unlink()
     assert out["tokens"] == ref
-    stats = rig.consumer.worker_stats()
-    assert stats["load_failures"] == before.get("load_failures", 0) + 1, (stats, rig.consumer.scheduler_stats())
+    stats, plans = rig.consumer.worker_stats(), rig.consumer.scheduler_stats()
+    failures = stats["load_failures"] - before.get("load_failures", 0)
+    planned = plans.get("planned_load_blocks", 0) - planned_before
+    # The corruption is caught either by the load (a failed load, recomputed) or, when the restarted store's
+    # compaction reads those segments first, by the store, which drops the records: then the Lookup finds
+    # none and nothing is loaded (seen in a clean-clone CI run: the log named each record compaction lost).
+    assert (failures == 1 and planned > 0) or (failures == 0 and planned == 0), (stats, plans)
+    assert stats["load_blocks"] - before.get("load_blocks", 0) <= planned  # nothing corrupt counted as loaded
