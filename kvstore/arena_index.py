@@ -10,8 +10,14 @@ Layout (one file of the shm directory, named and swept as the arena is, mode 060
 
     seq   even: stable; odd: being written. Every change adds 1 before and 1 after it (a seqlock).
     key0, key1   the block's 16-byte hash XOR its namespace's mix (``namespace_mix``); 0, 0: a free way
-    offset       of the block's bytes in the arena
+    offset       of the block's bytes in the arena; with ``ON_DISK`` set, a payload in the NVMe tier's files
+                 instead (segment id and file offset, ``arena_index_layout.segment_file``)
     lencrc       stored length (low 32 bits) | CRC32C of the raw bytes << 32
+
+A block in DRAM is named there; one only on NVMe is named in its segment file when the store shares those
+(``serve --share-nvme``): the client reads it with O_DIRECT (``kvstore/lanes/client/disk.py``). The store
+publishes a disk entry once the record is written, and withdraws it before the record can be freed, moved by
+compaction or its segment deleted, so the same seqlock covers a read of the file.
 
 A key lives in bucket ``key0 % buckets``, in any of its ``WAYS`` ways; a key whose bucket is full is not
 published (its Gets go to the store). A reader takes each entry's ``seq``, then its fields, copies the bytes,
@@ -24,7 +30,8 @@ table is made.
 A client's ``find`` runs compiled (``kvstore/arena_index_kernels.py``, numba, compiled in the background from
 the first ``ready()``) or, until then or without numba, as numpy calls.
 
-Verbs: ``ArenaIndex.create(dir, arena_bytes)``, ``publish_many(keys, offsets, lengths, crcs) -> n``,
+Verbs: ``ArenaIndex.create(dir, named_bytes)`` (sized for the blocks of that many bytes: the arena's, plus
+NVMe's when it names disk entries), ``publish_many(keys, offsets, lengths, crcs) -> n``,
 ``withdraw_many(keys)``, ``close()``; ``ArenaIndexView.attach(region)``, ``find(namespace, hashes) -> Found |
 None`` (None unless every hash is named), ``Found.unchanged()``.
 """
@@ -45,7 +52,20 @@ from types import ModuleType
 import numpy as np
 
 from kvstore import shmfile
-from kvstore.arena_index_layout import ENTRY_WORDS, HEADER_WORDS, KEY0, KEY1, LENCRC, MAGIC, OFFSET, SEQ, VERSION, WAYS
+from kvstore.arena_index_layout import (
+    ENTRY_WORDS,
+    HEADER_WORDS,
+    KEY0,
+    KEY1,
+    LENCRC,
+    MAGIC,
+    OFFSET,
+    ON_DISK,
+    SEQ,
+    VERSION,
+    WAYS,
+    segment_file,
+)
 from kvstore.background_compile import BackgroundCompile
 
 MIN_BUCKETS, MAX_BUCKETS = 64, 1 << 17  # at most 1M entries (40 MiB)
@@ -65,8 +85,8 @@ def namespace_mix(namespace: str) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
-def buckets_for(arena_bytes: int) -> int:
-    entries = max(1, arena_bytes // BYTES_PER_ENTRY_SIZED)
+def buckets_for(named_bytes: int) -> int:
+    entries = max(1, named_bytes // BYTES_PER_ENTRY_SIZED)
     buckets = 1 << max(0, (entries // WAYS - 1).bit_length())
     return min(MAX_BUCKETS, max(MIN_BUCKETS, buckets))
 
@@ -103,8 +123,8 @@ class ArenaIndex:
         self.full = 0  # keys not published: their bucket had no free way
 
     @classmethod
-    def create(cls, directory: str, arena_bytes: int) -> ArenaIndex:
-        buckets = buckets_for(arena_bytes)
+    def create(cls, directory: str, named_bytes: int) -> ArenaIndex:
+        buckets = buckets_for(named_bytes)
         path, region = shmfile.create(directory, PREFIX, table_bytes(buckets))
         return cls(path, region, buckets)
 
@@ -176,6 +196,10 @@ class Found:
     crcs: list[int]
     _view: ArenaIndexView
     _rows: np.ndarray  # (n, 4) uint64: offset, lencrc, entry, seq
+
+    def on_disk(self) -> list[tuple[int, str, int]]:
+        """(position, segment file, payload offset) of the blocks named in the NVMe tier's files."""
+        return [(i, *segment_file(word)) for i, word in enumerate(self.offsets) if word & ON_DISK]
 
     def unchanged(self) -> bool:
         """True when no entry changed since ``find``: the bytes copied meanwhile are the named blocks'."""

@@ -56,6 +56,7 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
             share_dir=share_dir,
             prefault=cfg.dram_prefault,
             share_index=cfg.dram_index,
+            index_disk_bytes=cfg.nvme if index_names_disk(cfg) else 0,
         )
     )
     if cfg.nvme_dir:
@@ -65,6 +66,11 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
             NvmeTier(cfg.nvme_dir, capacity_bytes=cfg.nvme, segment_bytes=cfg.nvme_segment, write_policy=cfg.nvme_sync)
         )
     return tiers
+
+
+def index_names_disk(cfg: ServeConfig) -> bool:
+    """Whether the DRAM index also names NVMe-only blocks in their segment files (clients may read those)."""
+    return bool(cfg.share_dram and cfg.dram_index and cfg.share_nvme and cfg.nvme_dir)
 
 
 def metrics_token(cfg: ServeConfig) -> str | None:
@@ -108,6 +114,7 @@ def build_store(cfg: ServeConfig, tiers: list[Tier] | None = None) -> BlockStore
         policy_factory=policy_factory(cfg.eviction_policy),
         write_through=cfg.write_policy == "write-through",
         nvme_admit_uses=cfg.nvme_admit_uses,
+        index_disk=index_names_disk(cfg),
     )
     for tier in store.tiers:
         if hasattr(tier, "on_relocate"):

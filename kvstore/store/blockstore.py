@@ -72,6 +72,7 @@ class BlockStore(Cascade, LowerReads):
         write_through: bool = False,
         nvme_admit_uses: int = 1,
         staging_bytes: int = 2 * GET_WINDOW_BYTES,
+        index_disk: bool = False,
     ):
         if not tiers or not isinstance(tiers[0], MemoryTier):
             raise ValueError("the top tier must be a memory tier (HBM or DRAM)")
@@ -105,7 +106,13 @@ class BlockStore(Cascade, LowerReads):
         self.staging = Staging(staging_bytes if len(self.tiers) > 1 else 0)  # NVMe reads DRAM cannot take
         # a shared DRAM arena's table of where its raw blocks lie (below an HBM tier too)
         shared = [t for t in self.tiers if getattr(t, "index", None) is not None]
-        self._published = ArenaPublisher(self.table, shared[0].index, shared[0].rank) if shared else None  # type: ignore[attr-defined]
+        # with index_disk, blocks only on NVMe are named there too, in their segment files (serve --share-nvme)
+        disk = self.tiers[-1] if index_disk and hasattr(self.tiers[-1], "payload_places") else None
+        self._published = (
+            ArenaPublisher(self.table, shared[0].index, shared[0].rank, disk)  # type: ignore[attr-defined]
+            if shared
+            else None
+        )
         for tier in self.tiers[1:]:
             self._recover(tier)
 
@@ -310,8 +317,9 @@ class BlockStore(Cascade, LowerReads):
                         self._destroy(e)
 
     def touch(self, namespace: str, hashes: Sequence[bytes]) -> int:
-        """Count accesses a client made without a lease (DRAM hits it read through the arena's index, then
-        reported): the policies hear of them as of a Get's, and they count as the top tier's hits."""
+        """Count accesses a client made without a lease (hits it read through the arena's index, then reported):
+        the policies hear of them as of a Get's, and each counts as a hit of the tier the index names it in
+        (the arena's, or NVMe's for a block only there)."""
         t = self.table
         with self._lock:
             ns = t.namespace_id(namespace)
@@ -321,7 +329,11 @@ class BlockStore(Cascade, LowerReads):
             ids = ids[ids >= 0]
             if len(ids):
                 self._touch_many(ids)
-                self.counters.tiers[self.top.rank].hits += len(ids)
+                named = self._published.rank if self._published is not None else self.top.rank
+                ranks, counts = np.unique(t.top_ranks(ids, [r for r in self._ranks if r >= named]), return_counts=True)
+                for rank, n in zip(ranks.tolist(), counts.tolist()):
+                    if rank in self.counters.tiers:
+                        self.counters.tiers[rank].hits += n
         return len(ids)
 
     # -- delete ------------------------------------------------------------------------
@@ -354,8 +366,8 @@ class BlockStore(Cascade, LowerReads):
 
     def _unmap(self, e: int) -> None:
         """Invisible now; copies freed once no lease holds the entry."""
-        if self._published is not None and self.table.loc_of(e, self._published.rank) != NO_LOC:
-            self._published.removed(np.array([e], dtype=np.int64))
+        if self._published is not None:
+            self._published.unmapped(np.array([e], dtype=np.int64))
         self.table.unmap(e)
         if self.table.leases[e] == 0:
             self._destroy(e)
@@ -402,8 +414,8 @@ class BlockStore(Cascade, LowerReads):
     def _add_copy(self, e: int, rank: int, loc: int) -> None:
         t = self.table
         t.set_loc(e, rank, loc)
-        if self._published is not None and rank == self._published.rank:
-            self._published.added(np.array([e], dtype=np.int64))
+        if self._published is not None:
+            self._published.added(np.array([e], dtype=np.int64), rank)
         self._notify("add", e, rank)
         self.policies[rank].insert(e, is_leaf=t.nchild[e, rank] == 0, cold=not t.rooted[e])
         p = t.parent_of(e)
@@ -414,8 +426,8 @@ class BlockStore(Cascade, LowerReads):
         """``_add_copy`` of a batch of entries just inserted (none has a child yet; parents may be in the batch)."""
         t, policy = self.table, self.policies[rank]
         t.column_of_loc(rank).put(ids, np.asarray(locs, dtype=np.int64) + 1)
-        if self._published is not None and rank == self._published.rank:
-            self._published.added(ids)
+        if self._published is not None:
+            self._published.added(ids, rank)
         if self._listeners:
             for e in ids.tolist():
                 self._notify("add", e, rank)
@@ -429,8 +441,8 @@ class BlockStore(Cascade, LowerReads):
 
     def _remove_copy(self, e: int, rank: int) -> None:
         t = self.table
-        if self._published is not None and rank == self._published.rank:
-            self._published.removed(np.array([e], dtype=np.int64))  # before its slot can be written again
+        if self._published is not None:
+            self._published.removed(np.array([e], dtype=np.int64), rank)  # before its slot can be written again
         self._tier(rank).free([t.loc_of(e, rank)])
         t.set_loc(e, rank, NO_LOC)
         self._notify("remove", e, rank)

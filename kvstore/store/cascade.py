@@ -29,6 +29,7 @@ import numpy as np
 from kvstore.store.counters import StoreCounters
 from kvstore.store.index import NO_LOC, EntryTable, dtype_id
 from kvstore.store.policy import LeafLRU
+from kvstore.store.published import ArenaPublisher
 from kvstore.tiers.base import BlockMeta, MemoryTier, Tier, TierFault, TierFull
 
 log = logging.getLogger("kvstore.store.blockstore")
@@ -56,6 +57,7 @@ class Cascade:
         _wake: threading.Event
         _stop: threading.Event
         _demoter: threading.Thread | None
+        _published: ArenaPublisher | None
 
         def _notify(self, event: str, e: int, rank: int) -> None: ...
         def _unmap(self, e: int) -> None: ...
@@ -339,8 +341,12 @@ class Cascade:
                 new = mapping[loc]
                 if new != NO_LOC:
                     t.set_loc(e, rank, new)
+                    if self._published is not None:
+                        self._published.moved(np.array([e], dtype=np.int64))  # before the old segment goes
                     continue
                 self.counters.corrupt += 1
+                if self._published is not None:
+                    self._published.removed(np.array([e], dtype=np.int64), rank)
                 t.set_loc(e, rank, NO_LOC)  # the record is already gone from the tier: no free()
                 self._notify("remove", e, rank)
                 self.policies[rank].remove(e)

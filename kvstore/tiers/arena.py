@@ -13,7 +13,9 @@ Get can name a DRAM block where it lies instead of copying it
 (``shared``: path, size, base address; ``close()`` removes the file). With
 ``share_index`` (the default) a second file, ``index``, names where each raw
 block lies (``kvstore/arena_index.py``), for clients that find DRAM hits
-without asking the store; the BlockStore keeps it current.
+without asking the store; the BlockStore keeps it current. ``index_disk_bytes``: the
+table also names that many bytes of NVMe blocks (``serve --share-nvme``), and is sized
+for them.
 
 ``prefault=True`` (host memory): the arena's pages are made in the background from the start
 (``kvstore/prefault.py``), so Puts into slots not used yet pay no page fault and zero-fill in their copy.
@@ -100,6 +102,7 @@ class ArenaTier(MemoryTier):
         share_dir: str | None = None,
         prefault: bool = False,
         share_index: bool = True,
+        index_disk_bytes: int = 0,
     ):
         self.device = device
         self.rank = HBM if device.startswith("cuda") else DRAM
@@ -118,7 +121,7 @@ class ArenaTier(MemoryTier):
             if share_dir is not None:
                 self._host, self._keepalive, path = _shared_buffer(self.slabs.capacity, share_dir)
                 if share_index and arena_index.supported():
-                    self.index = ArenaIndex.create(share_dir, self.slabs.capacity)
+                    self.index = ArenaIndex.create(share_dir, self.slabs.capacity + index_disk_bytes)
                 index_path, index_bytes = (self.index.path, self.index.nbytes) if self.index is not None else ("", 0)
                 self.shared = SharedArena(
                     path, self.slabs.capacity, int(self._host.ctypes.data), index_path, index_bytes

@@ -10,6 +10,8 @@ would have. The store keeps the file as it is until the client releases the mess
 - ``read(blocks) -> failed``: read every ``DiskBlock`` into its spans; returns the positions of those that could
   not be read or failed their CRC32C (the caller asks the store for them: it reads them itself, finds a corrupt
   record and drops it, so a bad copy is reported and never served).
+- files the store deleted (segments retired by compaction) are closed at the next read after a second, so an
+  open descriptor does not keep their disk space from the store.
 - ``unusable``: why this process cannot open the store's files at all (the directory is not there, as in a
   container that does not mount it, or not readable), or "": the lane then stops asking for disk reads.
 
@@ -36,6 +38,7 @@ import mmap
 import os
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +57,7 @@ MAX_IOVECS = 1024
 MAX_OPEN_FILES = 64
 SEGMENT_NAME = re.compile(r"seg-[0-9]+\.log")
 SCRATCH_BYTES = MAX_PIECE_BYTES + 2 * GAP_BYTES  # a thread's scratch, enough for any piece whose blocks fit
+SWEEP_SECONDS = 1.0  # how often open files are checked for having been deleted
 
 
 @dataclass(slots=True)
@@ -92,8 +96,12 @@ class DiskReader:
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()  # each reading thread's _Scratch
         self.unusable = ""  # why this process cannot open the store's files (another mount namespace, say)
+        self._swept = time.monotonic()
 
     def read(self, blocks: Sequence[DiskBlock]) -> list[int]:
+        """(One read at a time per reader: a lane serves one Get at a time.)"""
+        if time.monotonic() - self._swept >= SWEEP_SECONDS:
+            self._close_deleted()
         todo = deque(self._pieces(blocks))
         if not todo:
             return []
@@ -115,6 +123,19 @@ class DiskReader:
         for job in jobs:
             failed.extend(job.result())
         return failed
+
+    def _close_deleted(self) -> None:
+        """Close the files the store has deleted since they were opened: between reads, so no thread uses them."""
+        self._swept = time.monotonic()
+        with self._lock:
+            for name, fd in list(self._files.items()):
+                try:
+                    gone = os.fstat(fd).st_nlink == 0
+                except OSError:
+                    gone = True
+                if gone:
+                    del self._files[name]
+                    os.close(fd)
 
     def close(self) -> None:
         with self._lock:

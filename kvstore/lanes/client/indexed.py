@@ -1,13 +1,15 @@
-"""Gets of DRAM hits that ask the store nothing: the client finds the blocks in the store's DRAM index
-(``kvstore/arena_index.py``, ``serve --share-dram``), copies them out of the mapped arena and checks that no
-entry changed meanwhile. The store hears of the hits afterwards, in batches (TOUCH frames on the channel).
+"""Gets of hits that ask the store nothing: the client finds the blocks in the store's DRAM index
+(``kvstore/arena_index.py``, ``serve --share-dram``), copies them out of the mapped arena (or, for blocks the
+index names in the NVMe tier's files, ``--share-nvme``, reads them from there) and checks that no entry changed
+meanwhile. The store hears of the hits afterwards, in batches (TOUCH frames on the channel).
 
 Verbs of ``IndexedGets`` (one per shm lane, thread-safe):
 
-- ``get(namespace, hashes, out, verify, copy_from) -> results | None``: every block copied into ``out`` and
-  checked, or None (one is not named, or its entry changed while it was copied): the caller asks the store,
-  as before. A block whose CRC32C does not match while its entry stayed put is corrupt: DATA_LOSS, as a
-  named block's would be.
+- ``get(namespace, hashes, out, verify, copy_from, read_disk) -> results | None``: every block copied into
+  ``out`` and checked, or None (one is not named, or its entry changed while it was copied, or one named on
+  disk could not be read or failed its CRC32C): the caller asks the store, as before, which reads and drops a
+  corrupt record itself. A DRAM block whose CRC32C does not match while its entry stayed put is corrupt:
+  DATA_LOSS, as a named block's would be.
 - ``allow(namespace)``: the store served this lane a Get in it (its tenant may read it); only such namespaces
   are read through the index, so tenancy decides what an honest client reads, as it does over requests.
 - ``take_touches(force) -> [TouchedBlocks] | None``: the hits to report, once ``TOUCH_BLOCKS`` are pending or
@@ -31,6 +33,9 @@ TOUCH_SECONDS = 0.05
 MAX_PENDING = 1 << 16
 
 CopyFrom = Callable[[int, int, Sequence[Any], int], tuple[Any, memoryview]]
+# (position, segment file, payload offset, length, CRC32C) of each block named on disk, and the caller's buffers:
+# True when every one was read into its buffer and checked
+ReadDisk = Callable[[list[tuple[int, str, int, int, int]], Sequence[Any]], bool]
 
 
 class IndexedGets:
@@ -42,13 +47,20 @@ class IndexedGets:
         self._since = 0.0
         self._lock = threading.Lock()
         self.hits = 0  # blocks served through the index
+        self.disk_hits = 0  # of which read from the NVMe tier's files
         self.fallbacks = 0  # Gets it could not serve (a block not named, or moved meanwhile)
 
     def allow(self, namespace: str) -> None:
         self._namespaces.add(namespace)
 
     def get(
-        self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any], verify: bool, copy_from: CopyFrom
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        out: Sequence[Any],
+        verify: bool,
+        copy_from: CopyFrom,
+        read_disk: ReadDisk | None = None,
     ) -> list[Any] | None:
         if namespace not in self._namespaces or len(out) < len(hashes):
             return None
@@ -56,23 +68,32 @@ class IndexedGets:
         if found is None:
             self.fallbacks += 1
             return None
-        copies = [
-            (*copy_from(offset, n, out, i), verify) for i, (offset, n) in enumerate(zip(found.offsets, found.lengths))
-        ]
+        on_disk = found.on_disk()
+        if on_disk and read_disk is None:  # this lane may not read the store's files
+            self.fallbacks += 1
+            return None
+        disk_positions = {i for i, _, _ in on_disk}
+        in_dram = [i for i in range(len(hashes)) if i not in disk_positions] if on_disk else range(len(hashes))
+        copies = [(*copy_from(found.offsets[i], found.lengths[i], out, i), verify) for i in in_dram]
         crcs = copy_outs(copies)
-        if not found.unchanged():  # moved, evicted or rewritten while we copied: the store answers instead
+        read = not on_disk or (
+            read_disk is not None
+            and read_disk([(i, name, at, found.lengths[i], found.crcs[i]) for i, name, at in on_disk], out)
+        )
+        if not read or not found.unchanged():  # unreadable, or moved, evicted or rewritten meanwhile: ask instead
             self.fallbacks += 1
             return None
         if verify:
-            for i, (crc, stored) in enumerate(zip(crcs, found.crcs)):
-                if crc != stored:
+            for i, crc in zip(in_dram, crcs):
+                if crc != found.crcs[i]:
                     raise corrupt_block(i, hashes[i])
-        self._note(namespace, hashes)
+        self._note(namespace, hashes, len(on_disk))
         return list(out[: len(hashes)])
 
-    def _note(self, namespace: str, hashes: Sequence[bytes]) -> None:
+    def _note(self, namespace: str, hashes: Sequence[bytes], from_disk: int) -> None:
         with self._lock:
             self.hits += len(hashes)
+            self.disk_hits += from_disk
             self._pend(namespace, hashes)
 
     def _pend(self, namespace: str, hashes: Sequence[bytes]) -> bool:

@@ -77,7 +77,8 @@ class ShmGets:
         if self.indexed is not None and out is not None:
             if self._channel is None or not self._channel.alive():  # a store that is gone keeps no index
                 raise LaneBroken("the store closed the lane's channel: its DRAM index is not kept any more")
-            found = self.indexed.get(namespace, hashes, out, verify, self._copy_from_arena)
+            read_disk = self._read_named_on_disk if self.disk is not None and not self.disk.unusable else None
+            found = self.indexed.get(namespace, hashes, out, verify, self._copy_from_arena, read_disk)
             if found is not None:
                 self._send_touches()
                 return found
@@ -88,6 +89,20 @@ class ShmGets:
 
     def _copy_from_arena(self, offset: int, n: int, out: Sequence[Any], i: int) -> tuple[Any, memoryview]:
         return self._copy_from(self.dram, offset, n, out, i, None)
+
+    def _read_named_on_disk(self, blocks: list[tuple[int, str, int, int, int]], out: Sequence[Any]) -> bool:
+        """Blocks the DRAM index names in the NVMe tier's files, read straight into ``out`` and checked; False
+        when one could not be (the Get is then asked of the store)."""
+        assert self.disk is not None
+        spans = direct_outs(out)
+        if spans is None:
+            return False
+        todo = []
+        for i, name, offset, n, crc in blocks:
+            if span_bytes(spans[i]) < n:
+                return False  # asked, the store's reply says which buffer is short
+            todo.append(DiskBlock(i, name, offset, n, crc, clip(spans[i], n)))
+        return not self.disk.read(todo)
 
     def _send_touches(self, force: bool = False) -> None:
         """Report the hits read through the index, when enough are pending (``IndexedGets.take_touches``)."""

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore.arena_index_layout import SEGMENT_FILE
 from kvstore.tiers.nvme.format import PAGE, Header
 from kvstore.tiers.nvme.io import FileHandle
 
@@ -30,7 +31,7 @@ _SEG_RE = re.compile(r"^seg-(\d{10})\.log$")
 
 
 def segment_path(data_dir: Path, seg_id: int) -> Path:
-    return data_dir / f"seg-{seg_id:010d}.log"
+    return data_dir / SEGMENT_FILE.format(seg_id)  # the DRAM index names segments by id, the same way
 
 
 def summary_path(data_dir: Path, seg_id: int) -> Path:

@@ -43,7 +43,7 @@ import numpy as np
 
 from kvstore.tiers.base import NVME, BlockMeta, CorruptBlock, Tier, TierFault, TierFull, TierStats
 from kvstore.tiers.nvme.compaction import CompactionReport, RelocateHook, compact_log
-from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK, PAGE, record_bytes
+from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_BITS, OFFSET_MASK, PAGE, record_bytes
 from kvstore.tiers.nvme.gds import is_device_dest, read_split
 from kvstore.tiers.nvme.io import IoBackend, select_backend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
@@ -333,6 +333,13 @@ class NvmeTier(Tier):
         ]
         self._counts["extents_lent"] += sum(x is not None for x in out)
         return out, ExtentPins(pinned)
+
+    @staticmethod
+    def payload_places(locs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(segment ids, payload offsets in their files) of records, as ``extents`` names them, without pins:
+        for a table that names them while they live (the DRAM index's disk entries)."""
+        locs = np.asarray(locs, dtype=np.int64)
+        return locs >> OFFSET_BITS, (locs & OFFSET_MASK) + HEADER_BYTES
 
     def release_extents(self, pins: ExtentPins) -> None:
         segments, pins.segments = pins.segments, []

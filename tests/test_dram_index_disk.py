@@ -1,0 +1,264 @@
+"""The DRAM index's disk entries (``serve --share-dram --share-nvme``): a block only on NVMe is named in its
+segment file, and the client reads it from there without asking the store.
+
+The publisher against the BlockStore's own table (hypothesis: puts, deletes, evictions to NVMe, promotions,
+compactions; the table names exactly the raw blocks, in DRAM where they have a copy there, else in their
+segment file), then real in-process servers and shm clients: NVMe-only blocks are read through the index and
+their hits reach the NVMe tier's counters; a corrupt record is read by the store instead, which drops it
+(DATA_LOSS, then NOT_FOUND); a deleted block is never served; after a compaction the moved entries serve
+the same bytes and the client closes the files of the deleted segments.
+"""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore import arena_index
+from kvstore.arena_index import ArenaIndexView
+from kvstore.arena_index_layout import ON_DISK, segment_file
+from kvstore.checksum import crc32c
+from kvstore.client import Client, KVStoreError
+from kvstore.lanes.client import disk as client_disk
+from kvstore.store import BlockStore
+from kvstore.store.index import NO_LOC
+from kvstore.tiers.arena import ArenaTier
+from kvstore.tiers.base import BlockMeta
+from kvstore.tiers.nvme import NvmeTier
+
+MiB = 1 << 20
+KiB = 1 << 10
+BLOCK = 256 * KiB
+
+pytestmark = pytest.mark.skipif(not arena_index.supported(), reason="the index is built on x86-64 only")
+
+
+def hashes(n: int, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.bytes(16) for _ in range(n)]
+
+
+def blocks(n: int, size: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+
+
+# -- the publisher, against the store's table ----------------------------------------------------------------
+def index_store(root) -> BlockStore:
+    arena = ArenaTier(
+        4 * MiB, page_size=MiB, pinned=False, share_dir=str(root), index_disk_bytes=64 * MiB
+    )  # fmt: skip
+    nvme = NvmeTier(root / "nvme", 64 * MiB, segment_bytes=2 * MiB)
+    store = BlockStore([arena, nvme], index_disk=True)
+    nvme.on_relocate = lambda moves: store.relocate(nvme.rank, moves)
+    return store
+
+
+def put(store: BlockStore, key: bytes, seed: int) -> None:
+    data = np.random.default_rng(seed).integers(0, 256, BLOCK, dtype=np.uint8)
+    ticket = store.begin_put("ns", BlockMeta("ns", key, b"", 0, "uint8", BLOCK, BLOCK, crc32c(data)))
+    if ticket is not None:
+        ticket.buffer[:] = data
+        store.commit_put(ticket)
+
+
+def expected_entry(store: BlockStore, key: bytes) -> int | None:
+    """The offset word the index should hold for ``key``: its DRAM slot, else its NVMe payload, else none."""
+    t = store.table
+    e = t.find(t.namespace_id("ns"), key)
+    if e is None:
+        return None
+    dram, nvme = store.tiers[0], store.tiers[1]
+    if t.loc_of(e, dram.rank) != NO_LOC:
+        return int(t.loc_of(e, dram.rank))
+    loc = t.loc_of(e, nvme.rank)
+    if loc == NO_LOC:
+        return None
+    segments, offsets = nvme.payload_places(np.array([loc]))  # type: ignore[attr-defined]
+    return ON_DISK | int(segments[0]) << 40 | int(offsets[0])
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.integers(0, 23)),
+        st.tuples(st.just("delete"), st.integers(0, 23)),
+        st.tuples(st.just("read"), st.integers(0, 23)),
+        st.tuples(st.just("evict"), st.just(0)),
+        st.tuples(st.just("compact"), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_the_index_names_each_block_in_dram_else_in_its_segment_file(tmp_path_factory, ops):
+    root = tmp_path_factory.mktemp("store")
+    store = index_store(root)
+    try:
+        keys = hashes(24, seed=9)
+        for op, k in ops:
+            if op == "put":
+                put(store, keys[k], k)
+            elif op == "delete":
+                store.delete("ns", [keys[k]])
+            elif op == "read":  # a Get: promoted into DRAM where there is room
+                leases = store.acquire("ns", [keys[k]], allow_missing=True)
+                if leases[0] is not None:
+                    store.materialize(leases)
+                store.release(leases)
+            elif op == "evict":  # everything leaves DRAM (to NVMe, as a demotion)
+                store._evict(store.top, store.top.used_bytes)  # noqa: SLF001 - forces the demotions under test
+            else:
+                store.tiers[1].compact(threshold=1.0)  # type: ignore[attr-defined]
+        index = store.top.index  # type: ignore[attr-defined]
+        view = ArenaIndexView(np.frombuffer(index._region, dtype=np.uint64))  # noqa: SLF001 - the same memory
+        named = 0
+        for k, key in enumerate(keys):
+            want = expected_entry(store, key)
+            found = view.find("ns", [key])
+            assert (found is None) == (want is None), (k, want)
+            if found is not None:
+                named += 1
+                assert found.offsets == [want] and found.lengths == [BLOCK]
+                assert found.crcs[0] == crc32c(np.random.default_rng(k).integers(0, 256, BLOCK, dtype=np.uint8))
+        assert len(index) == named
+        store.check_invariants()
+    finally:
+        store.close(flush=False)
+
+
+def test_a_disk_entry_names_the_tiers_segment_file(tmp_path):
+    nvme = NvmeTier(tmp_path / "n", 16 * MiB, segment_bytes=2 * MiB)
+    try:
+        loc = nvme.write([BlockMeta("ns", b"k" * 16, b"", 0, "uint8", 4096, 4096, 0)], [np.ones(4096, np.uint8)])[0]
+        segments, offsets = nvme.payload_places(np.array([loc]))
+        name, at = segment_file(ON_DISK | int(segments[0]) << 40 | int(offsets[0]))
+        with open(tmp_path / "n" / name, "rb") as f:
+            f.seek(at)
+            assert f.read(4096) == bytes([1]) * 4096
+    finally:
+        nvme.close()
+
+
+# -- through a store -------------------------------------------------------------------------------------------
+def lane_of(kv: Client):
+    return kv._lanes.run(lambda lane: lane)  # noqa: SLF001 - the shm lane the client opened
+
+
+@pytest.fixture
+def server(make_server, tmp_path):
+    return make_server(
+        share_dram=True,
+        share_nvme=True,
+        dram=16 * MiB,
+        nvme_dir=str(tmp_path / "nvme"),
+        nvme=256 * MiB,
+        nvme_segment=16 * MiB,
+        eviction_policy="lru",
+        promote_on_hit=False,  # asked Gets leave the blocks on NVMe too
+    )
+
+
+def on_nvme_only(server, kv: Client, hs: list[bytes], data: list[np.ndarray]) -> None:
+    """Store ``hs``, then push them out of DRAM with other blocks: afterwards only NVMe holds them."""
+    kv.put("ns", hs, data)
+    for round_ in range(3):
+        kv.put("other", hashes(16, seed=50 + round_), blocks(16, MiB, seed=50 + round_))
+    dram = server.store.tiers[0].rank
+    n, ranks = server.store.lookup("ns", hs)
+    assert n == len(hs) and dram not in ranks
+
+
+def test_nvme_only_blocks_are_read_through_the_index(server):
+    hs, data = hashes(8, seed=1), blocks(8, MiB, seed=1)
+    with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:
+        on_nvme_only(server, kv, hs, data)
+        out = [np.zeros(MiB, np.uint8) for _ in hs]
+        kv.get("ns", hs, out=out)  # asked: the store serves the namespace to this lane
+        lane = lane_of(kv)
+        assert lane.indexed.disk_hits == 0
+        nvme = server.store.tiers[-1].rank
+        hits = server.store.counters.tiers[nvme].hits
+        for o in out:
+            o[:] = 0
+        got = kv.get("ns", hs, out=out)
+        assert all(g is o for g, o in zip(got, out)) and all(np.array_equal(a, b) for a, b in zip(out, data))
+        assert lane.indexed.disk_hits == 8
+        for _ in range(32):  # enough hits for a TOUCH frame: counted as the NVMe tier's
+            kv.get("ns", hs, out=out)
+        deadline = 50
+        while server.store.counters.tiers[nvme].hits < hits + 256 and deadline:
+            kv.get("ns", hs, out=out)  # a frame goes with a Get, once 50 ms passed
+            deadline -= 1
+        assert server.store.counters.tiers[nvme].hits >= hits + 256
+
+
+def test_a_corrupt_record_named_on_disk_is_dropped_by_the_store(server, tmp_path):
+    hs, data = hashes(4, seed=2), blocks(4, MiB, seed=2)
+    with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:
+        on_nvme_only(server, kv, hs, data)
+        out = [np.zeros(MiB, np.uint8) for _ in hs]
+        kv.get("ns", hs, out=out)
+        t, nvme = server.store.table, server.store.tiers[-1]
+        e = t.find(t.namespace_id("ns"), hs[2])
+        segments, offsets = nvme.payload_places(np.array([t.loc_of(e, nvme.rank)]))
+        name, at = segment_file(ON_DISK | int(segments[0]) << 40 | int(offsets[0]))
+        with open(tmp_path / "nvme" / name, "r+b") as f:
+            f.seek(at + 100)
+            byte = f.read(1)
+            f.seek(at + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(KVStoreError) as err:
+            kv.get("ns", hs, out=out)
+        assert err.value.code == grpc.StatusCode.DATA_LOSS  # the store read it again, and dropped it
+        assert lane_of(kv).indexed.disk_hits == 0
+        assert kv.get("ns", hs, out=out, allow_missing=True)[2] is None
+        got = kv.get("ns", hs[:2], out=out[:2])
+        assert all(np.array_equal(g, d) for g, d in zip(got, data[:2]))
+
+
+def test_deleted_nvme_blocks_are_never_served_from_the_index(server):
+    hs, data = hashes(4, seed=3), blocks(4, MiB, seed=3)
+    with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:
+        on_nvme_only(server, kv, hs, data)
+        out = [np.zeros(MiB, np.uint8) for _ in hs]
+        kv.get("ns", hs, out=out)
+        kv.get("ns", hs, out=out)
+        served = lane_of(kv).indexed.disk_hits
+        assert served == 4
+        kv.delete("ns", hs[1:2])
+        with pytest.raises(KVStoreError) as err:
+            kv.get("ns", hs, out=out)
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        assert lane_of(kv).indexed.disk_hits == served
+
+
+def test_after_compaction_moved_entries_serve_the_same_bytes_and_deleted_segments_are_closed(
+    server, monkeypatch
+):  # fmt: skip
+    monkeypatch.setattr(client_disk, "SWEEP_SECONDS", 0.0)
+    hs, data = hashes(16, seed=4), blocks(16, MiB, seed=4)
+    with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:
+        on_nvme_only(server, kv, hs, data)
+        out = [np.zeros(MiB, np.uint8) for _ in hs]
+        kv.get("ns", hs, out=out)
+        kv.get("ns", hs, out=out)  # the client opens the segment files
+        kv.delete("other", [h for r in range(3) for h in hashes(16, seed=50 + r)])  # most records die
+        nvme = server.store.tiers[-1]
+        report = nvme.compact(threshold=1.0)
+        assert report.records_moved > 0 and report.segments_compacted > 0
+        lane = lane_of(kv)
+        before = lane.indexed.disk_hits
+        for o in out:
+            o[:] = 0
+        got = kv.get("ns", hs, out=out)
+        assert all(np.array_equal(g, d) for g, d in zip(got, data))
+        assert lane.indexed.disk_hits == before + 16  # the moved entries, read through the index
+        opened = dict(lane.disk._files)  # noqa: SLF001 - the reader's open segment files
+        assert opened and all(os.fstat(fd).st_nlink > 0 for fd in opened.values())  # none the store deleted
