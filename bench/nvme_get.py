@@ -2,6 +2,7 @@
 
     python -m bench.nvme_get [--quick] [--baseline REV] [--out bench/results/nvme_get.json]
                              [--share-dram true [--dram-index false]] [--baseline-share-dram true]
+                             [--baseline-disk-store true]
 
 For each block size (64 KiB, 512 KiB, 2 MiB), 32-block prefixes are written to three store processes of this
 tree (``bench/nvme_get_worker.py``): one with an NVMe tier (write-through, so every block has an NVMe copy;
@@ -26,10 +27,13 @@ that all see the disk and the loaded host in the same state:
   gets its CRC32C and one copy into a page-aligned buffer, on one thread (the baseline of ``shm_dram_vs_floor``);
 - with ``--baseline REV``: the same steps (``old_*``) run by the code of git revision ``REV``, exported to a
   temporary directory, with store processes of its own: today's code against that one, in the same run
-  (``--baseline-share-dram true`` starts them with ``--share-dram`` too).
+  (``--baseline-share-dram true`` starts them with ``--share-dram`` too; ``--baseline-disk-store true`` adds its own
+  ``--share-nvme`` store, ``old_disk_shm``).
 
 With ``--share-dram true`` this tree's stores share their DRAM arena, and (unless ``--dram-index false``) their
-DRAM index: ``dram_shm`` Gets after a prefix's first are then served by the client from the index, unasked.
+DRAM index: ``dram_shm`` Gets after a prefix's first are then served by the client from the index, unasked. With both, the
+``--share-nvme`` store's index names its NVMe-only blocks too, and ``disk_shm`` Gets after the first read them
+unasked.
 
 Rows: p50 ms of each step, ``shm_dram_vs_floor`` (floor / DRAM-hit Get), ``disk_nvme_vs_raw``, ``shm_nvme_vs_raw`` and ``tcp_nvme_vs_raw`` (raw time / Get time, 1 = as fast
 as the bare disk), ``dram_shm_speedup`` (old / new p50 of the DRAM-hit Get) and the like, GB/s of payload.
@@ -171,7 +175,7 @@ def measure(
     raw: RawExtents | None = None
     try:
         for tag, tree in sides.items():
-            args = (*extra, "--with-disk-store") if tag == "" else old_extra  # an old tree may know neither
+            args = (*extra, "--with-disk-store") if tag == "" else old_extra  # an old tree may know neither option
             workers[tag] = Worker(tree, block, count, root / f"{tag}store-{block}", cold_dram, args)
         raw = RawExtents(root / f"raw-{block}.bin", block, count, rng)
         writers = list(workers.values()) + [raw]
@@ -186,7 +190,8 @@ def measure(
             if w.ask("flush") != "ok":
                 raise RuntimeError("a bench worker failed to flush its stores' DRAM")
         floor = DramFloor(block)
-        steps = [(tag, kind) for tag in sides for kind in (NEW_KINDS if tag == "" else KINDS)]
+        old_disk = "--with-disk-store" in old_extra
+        steps = [(tag, kind) for tag in sides for kind in (NEW_KINDS if tag == "" or old_disk else KINDS)]
         steps += [("", "raw"), ("", "dram_floor")]
         times: dict[str, list[float]] = {f"{tag}{kind}": [] for tag, kind in steps}
         times["raw_crc"] = []
@@ -229,6 +234,9 @@ def measure(
             row[f"old_{lane}_nvme_vs_raw"] = p50["raw"] / p50[f"old_nvme-{lane}"]
             row[f"{lane}_nvme_speedup"] = p50[f"old_nvme-{lane}"] / p50[f"nvme-{lane}"]
             row[f"{lane}_dram_speedup"] = p50[f"old_dram-{lane}"] / p50[f"dram-{lane}"]
+    if "old_disk-shm" in p50:
+        row["old_disk_nvme_vs_raw"] = p50["raw"] / p50["old_disk-shm"]
+        row["disk_nvme_speedup"] = p50["old_disk-shm"] / p50["disk-shm"]
     row["shm_dram_vs_floor"] = p50["dram_floor"] / p50["dram-shm"]
     row["nvme_hits"], row["dram_hits"] = hits["nvme"], hits["dram"]
     row["disk_named_bytes"] = hits.get("disk_named_bytes", 0)
@@ -255,6 +263,12 @@ def main(argv: list[str] | None = None) -> None:
             "what this tree adds to shared DRAM Gets, against that tree's",
         )
         p.add_argument(
+            "--baseline-disk-store",
+            default="false",
+            help="true: the --baseline tree runs a --share-nvme store too (it must know the option), measured as "
+            "old_disk-shm beside this tree's disk-shm",
+        )
+        p.add_argument(
             "--dram-index",
             default="true",
             help="with --share-dram: this tree's stores share their DRAM index (false: every Get is asked)",
@@ -275,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         with tqdm(total=sum(sizes.values()), unit="prefix", desc="nvme gets") as bar:
             extra = ("--share-dram", "true", "--dram-index", args.dram_index) if args.share_dram == "true" else ()
             old = ("--share-dram", "true") if args.baseline_share_dram == "true" else ()
+            old += ("--with-disk-store",) if args.baseline_disk_store == "true" else ()
             rows = [measure(block, count, root, bar, baseline, extra, old) for block, count in sizes.items()]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -288,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline:
         cols += ["old_nvme_shm_p50_ms", "old_shm_nvme_vs_raw", "old_nvme_tcp_p50_ms", "old_tcp_nvme_vs_raw"]
         cols += ["old_dram_shm_p50_ms", "shm_dram_speedup", "old_dram_tcp_p50_ms", "tcp_dram_speedup"]
+        if args.baseline_disk_store == "true":
+            cols += ["old_disk_shm_p50_ms", "old_disk_nvme_vs_raw", "disk_nvme_speedup"]
     print(format_table(rows, cols))
     print(format_table(rows, ["block_bytes", "raw_extent_gbps", "disk_nvme_gbps", "shm_nvme_gbps", "tcp_nvme_gbps"]))
     if args.out:

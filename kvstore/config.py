@@ -180,7 +180,8 @@ class ServeConfig:
         True,
         "with --share-dram: also share a table of where each raw DRAM block lies (read-only for clients, kept "
         "current by the store), so a client finds a Get's DRAM hits and copies them without asking the store "
-        "at all; it reports them afterwards, in batches, for the eviction policy (x86-64 only)",
+        "at all; it reports them afterwards, in batches, for the eviction policy (x86-64 only). With --share-nvme "
+        "too, the table also names NVMe-only blocks in their segment files, which the client then reads unasked",
         _bool,
     )
     share_nvme: bool = _opt(
