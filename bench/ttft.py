@@ -2,7 +2,7 @@
 
     python -m bench.ttft [--quick] [--out FILE.json] [--plot FILE.png (default: beside --out)]
                          [--prefill HOST:PORT --decode HOST:PORT --store HOST:PORT]
-                         [--workload chat|trace] [--trace FILE] [--rate R] [--nvme [--dir DIR]]
+                         [--workload chat|trace] [--trace FILE] [--rate R] [--nvme [--dir DIR] [--share-dram true]]
 
 Without addresses it starts a store, a prefill worker and a decode worker on
 loopback ports. Workloads:
@@ -209,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         default="true",
         help="--nvme: the store runs with --share-nvme (the decode worker reads the NVMe blocks from its files)",
     )
+    p.add_argument(
+        "--share-dram",
+        choices=["true", "false"],
+        default="false",
+        help="--nvme: the store also runs with --share-dram, so its DRAM index names the NVMe-only blocks and the "
+        "decode worker reads them without asking the store (with --share-nvme true)",
+    )
     args = p.parse_args(argv)
     nvme_results: list = []  # --nvme (bench/ttft_nvme.py)
 
@@ -228,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 from bench.ttft_nvme import run_nvme
 
                 nvme_results, disk_speeds = run_nvme(
-                    args.model, prompts, args.new_tokens, args.dir, args.share_nvme == "true"
+                    args.model, prompts, args.new_tokens, args.dir, args.share_nvme == "true", args.share_dram == "true"
                 )
                 results += nvme_results
         else:

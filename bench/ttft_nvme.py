@@ -31,10 +31,16 @@ EXTENT_BLOCK = 2 << 20  # raw extents of 32 x (4 KiB + 2 MiB): about one prompt'
 
 
 def run_nvme(
-    model: str, prompts: list[list[int]], new_tokens: int, root: Path, share_nvme: bool = True
+    model: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    root: Path,
+    share_nvme: bool = True,
+    share_dram: bool = False,
 ) -> tuple[list[Result], list[float]]:
     """The ``store_nvme`` results (mode renamed) and the disk's read speed (bytes/s) measured before each.
-    ``share_nvme``: the store runs with ``--share-nvme`` (the decode worker reads the NVMe blocks itself)."""
+    ``share_nvme``: the store runs with ``--share-nvme`` (the decode worker reads the NVMe blocks itself);
+    ``share_dram`` too: with ``--share-dram``, whose index names those blocks (read without a request)."""
     results: list[Result] = []
     speeds: list[float] = []
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-ttft-nvme-", dir=root))
@@ -43,6 +49,7 @@ def run_nvme(
         with ExitStack() as stack:
             store_args = ("--nvme-dir", str(tmp / "nvme"), "--write-policy", "write-through")
             store_args += ("--promote-on-hit", "false", "--share-nvme", "true" if share_nvme else "false")
+            store_args += ("--share-dram", "true" if share_dram else "false")
             store, prefill, decode = stack.enter_context(
                 local_stack(model, dram=f"{DRAM >> 20}MiB", store_args=store_args)
             )
@@ -67,7 +74,11 @@ def run_nvme(
             stats = kv.stats()
             nvme = {t["name"]: t["hits"] for t in stats["tiers"]}
             own = stats["counters"].get("lane_shm_disk_get_bytes", 0) / 2**20  # read by the workers themselves
-            print(f"prefix-on-NVMe store: hits per tier {nvme}; {own:.0f} MiB read from its files by the clients")
+            unasked = stats["counters"].get("lane_shm_index_hits", 0)  # of which found through the DRAM index
+            print(
+                f"prefix-on-NVMe store: hits per tier {nvme}; {own:.0f} MiB named to the clients in Get replies, "
+                f"{unasked:.0f} blocks found by them in the DRAM index"
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return results, speeds
