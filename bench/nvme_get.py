@@ -13,8 +13,9 @@ that all see the disk and the loaded host in the same state:
 
 - ``disk_shm``: a Get of a prefix that NVMe holds from the ``--share-nvme`` store, on the shared-memory lane:
   the store names each block's file and offset and the client reads it into its buffers itself;
-- ``nvme_shm`` / ``nvme_tcp``: a Get of a prefix that NVMe holds, on the shared-memory lane (direct: the store
-  reads each block and writes it into the client's buffers) and on the TCP lane;
+- ``nvme_shm`` / ``nvme_tcp`` / ``nvme_grpc``: a Get of a prefix that NVMe holds, on the shared-memory lane
+  (direct: the store reads each block and writes it into the client's buffers), on the TCP lane and on the gRPC
+  stream (``lane="grpc"``);
 - ``dram_shm`` / ``dram_tcp``: the same Get from the all-DRAM store (what the lane and server cost);
 - ``raw``: one O_DIRECT ``preadv`` of a prefix-sized extent (32 x (4 KiB + block), as the tier lays a prefix
   down) of a file written beside the stores' segments, each extent read once (the disk's speed at the same
@@ -35,8 +36,12 @@ DRAM index: ``dram_shm`` Gets after a prefix's first are then served by the clie
 ``--share-nvme`` store's index names its NVMe-only blocks too, and ``disk_shm`` Gets after the first read them
 unasked.
 
-Rows: p50 ms of each step, ``shm_dram_vs_floor`` (floor / DRAM-hit Get), ``disk_nvme_vs_raw``, ``shm_nvme_vs_raw`` and ``tcp_nvme_vs_raw`` (raw time / Get time, 1 = as fast
-as the bare disk), ``dram_shm_speedup`` (old / new p50 of the DRAM-hit Get) and the like, GB/s of payload.
+Rows: p50 ms of each step, ``shm_dram_vs_floor`` (floor / DRAM-hit Get), ``disk_nvme_vs_raw``,
+``shm_nvme_vs_raw``, ``tcp_nvme_vs_raw`` and ``grpc_nvme_vs_raw`` (raw time / Get time, 1 = as fast as the bare
+disk), ``socket_gbps`` (loopback TCP of a prefix's payload between two processes, distinct memory on both sides:
+``bench.baselines.raw_socket_gbps``) and ``tcp_ceiling_vs_raw`` (socket / raw speed, at most 1: what the tcp and
+gRPC lanes, which move every byte over a socket, could reach of the raw read), ``dram_shm_speedup`` (old / new
+p50 of the DRAM-hit Get) and the like, GB/s of payload.
 Only this machine's disk is measured; a real NVMe drive changes the ``raw`` column, not what the store adds.
 """
 
@@ -55,6 +60,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from bench.baselines import raw_socket_gbps
 from bench.common import format_table, parse_args, write_json
 from kvstore.checksum import crc32c
 from kvstore.tiers.nvme.format import record_bytes
@@ -105,7 +111,7 @@ class RawExtents:
 
 
 REPO = Path(__file__).resolve().parent.parent
-KINDS = ("nvme-shm", "nvme-tcp", "dram-shm", "dram-tcp")  # what a --baseline tree's worker runs
+KINDS = ("nvme-shm", "nvme-tcp", "nvme-grpc", "dram-shm", "dram-tcp")  # what a --baseline tree's worker runs
 NEW_KINDS = (*KINDS, "disk-shm")
 
 
@@ -227,17 +233,22 @@ def measure(
     row["raw_extent_gbps"] = PREFIX * record_bytes(block) / p50["raw"] / 1e6
     row["disk_nvme_vs_raw"] = p50["raw"] / p50["disk-shm"]
     row["disk_nvme_gbps"] = payload / p50["disk-shm"] / 1e6
-    for lane in ("shm", "tcp"):
+    for lane in ("shm", "tcp", "grpc"):
         row[f"{lane}_nvme_vs_raw"] = p50["raw"] / p50[f"nvme-{lane}"]
         row[f"{lane}_nvme_gbps"] = payload / p50[f"nvme-{lane}"] / 1e6
         if baseline is not None:
             row[f"old_{lane}_nvme_vs_raw"] = p50["raw"] / p50[f"old_nvme-{lane}"]
             row[f"{lane}_nvme_speedup"] = p50[f"old_nvme-{lane}"] / p50[f"nvme-{lane}"]
-            row[f"{lane}_dram_speedup"] = p50[f"old_dram-{lane}"] / p50[f"dram-{lane}"]
+            if lane != "grpc":
+                row[f"{lane}_dram_speedup"] = p50[f"old_dram-{lane}"] / p50[f"dram-{lane}"]
     if "old_disk-shm" in p50:
         row["old_disk_nvme_vs_raw"] = p50["raw"] / p50["old_disk-shm"]
         row["disk_nvme_speedup"] = p50["old_disk-shm"] / p50["disk-shm"]
     row["shm_dram_vs_floor"] = p50["dram_floor"] / p50["dram-shm"]
+    # a remote client's Get moves the bytes over a socket too: loopback TCP of a prefix's payload, distinct memory
+    # to distinct memory, bounds what the tcp and gRPC lanes can reach of the raw read
+    row["socket_gbps"] = raw_socket_gbps(payload, "get", reps=3, distinct=True)
+    row["tcp_ceiling_vs_raw"] = min(1.0, row["socket_gbps"] / row["raw_extent_gbps"])
     row["nvme_hits"], row["dram_hits"] = hits["nvme"], hits["dram"]
     row["disk_named_bytes"] = hits.get("disk_named_bytes", 0)
     return row
@@ -298,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         "with a raw O_DIRECT read of the same size" + (f"; old_ = the code of {args.baseline}" if args.baseline else "")
     )
     cols = ["block_bytes", "prefixes", "raw_p50_ms", "raw_crc_p50_ms", "disk_shm_p50_ms", "disk_nvme_vs_raw"]
-    cols += ["nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_tcp_p50_ms", "tcp_nvme_vs_raw", "dram_shm_p50_ms"]
+    cols += ["nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_tcp_p50_ms", "tcp_nvme_vs_raw", "nvme_grpc_p50_ms"]
+    cols += ["grpc_nvme_vs_raw", "tcp_ceiling_vs_raw", "dram_shm_p50_ms"]
     cols += ["dram_floor_p50_ms", "shm_dram_vs_floor", "dram_tcp_p50_ms"]
     if args.baseline:
         cols += ["old_nvme_shm_p50_ms", "old_shm_nvme_vs_raw", "old_nvme_tcp_p50_ms", "old_tcp_nvme_vs_raw"]
@@ -306,7 +318,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.baseline_disk_store == "true":
             cols += ["old_disk_shm_p50_ms", "old_disk_nvme_vs_raw", "disk_nvme_speedup"]
     print(format_table(rows, cols))
-    print(format_table(rows, ["block_bytes", "raw_extent_gbps", "disk_nvme_gbps", "shm_nvme_gbps", "tcp_nvme_gbps"]))
+    print(
+        format_table(
+            rows,
+            ["block_bytes", "raw_extent_gbps", "socket_gbps", "disk_nvme_gbps", "shm_nvme_gbps", "tcp_nvme_gbps"]
+            + ["grpc_nvme_gbps"],
+        )
+    )
     if args.out:
         write_json(args.out, rows, args, bench="nvme_get")
         print(f"wrote {len(rows)} rows to {args.out}")

@@ -9,7 +9,7 @@ Starts a store with an NVMe tier (write-through, DRAM ``COLD_DRAM``), with ``--w
 prints ``ready``, then answers lines on stdin: ``write I`` writes prefix ``I`` of each NVMe kind (each such
 Get reads a prefix once: a repeated read could come from a cache); ``flush`` then writes more than DRAM holds
 of other prefixes to each NVMe store, which push the last measured ones out of DRAM (write-through keeps the newest
-blocks in DRAM: without it a Get of those was a DRAM hit); ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``dram-shm``,
+blocks in DRAM: without it a Get of those was a DRAM hit); ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``nvme-grpc``, ``dram-shm``,
 ``dram-tcp``, ``disk-shm``) into page-aligned buffers and prints its seconds; ``stats`` prints the NVMe store's tier hits
 as JSON; ``quit`` stops. Only public names are used, so an older tree runs it too.
 """
@@ -29,7 +29,7 @@ from kvstore.server.process import store_process
 from kvstore.tiers.nvme.io import aligned_buffer
 
 PREFIX = 32
-KINDS = ("nvme-shm", "nvme-tcp", "dram-shm", "dram-tcp", "disk-shm")  # disk-shm: a --share-nvme store
+KINDS = ("nvme-shm", "nvme-tcp", "nvme-grpc", "dram-shm", "dram-tcp", "disk-shm")  # disk-shm: a --share-nvme store
 DISK_FLAG = "--with-disk-store"  # start the disk-shm store (the tree must know --share-nvme)
 WARM = 4  # prefixes of the all-DRAM store, taken in turn
 
@@ -88,7 +88,7 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
                 break
             if words[0] == "write":
                 p = int(words[1])
-                for kind in ("nvme-shm", "nvme-tcp", "disk-shm")[: 3 if disk_store else 2]:
+                for kind in ("nvme-shm", "nvme-tcp", "nvme-grpc", "disk-shm")[: 4 if disk_store else 3]:
                     prefixes[kind].append(write_prefix(clients[kind], payloads, p, rng))
                 print("ok", flush=True)
                 continue
