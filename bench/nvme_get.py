@@ -32,9 +32,11 @@ that all see the disk and the loaded host in the same state:
   ``--share-nvme`` store, ``old_disk_shm``).
 
 With ``--share-dram true`` this tree's stores share their DRAM arena, and (unless ``--dram-index false``) their
-DRAM index: ``dram_shm`` Gets after a prefix's first are then served by the client from the index, unasked. With both, the
-``--share-nvme`` store's index names its NVMe-only blocks too, and ``disk_shm`` Gets after the first read them
-unasked.
+DRAM index: ``dram_shm`` Gets after a prefix's first are then served by the client from the index, unasked. With
+both, the ``--share-nvme`` store's index names its NVMe-only blocks too, and ``disk_shm`` Gets after the first
+read them unasked; a second such store without the index (``diskasked_shm``, every Get asked) runs beside it in
+the same worker, and ``disk_index_speedup`` is its p50 over ``disk_shm``'s: what the index saves, measured
+without the bias between two trees' workers (docs/nvme.md).
 
 Rows: p50 ms of each step, ``shm_dram_vs_floor`` (floor / DRAM-hit Get), ``disk_nvme_vs_raw``,
 ``shm_nvme_vs_raw``, ``tcp_nvme_vs_raw`` and ``grpc_nvme_vs_raw`` (raw time / Get time, 1 = as fast as the bare
@@ -173,6 +175,7 @@ def measure(
     baseline: Path | None = None,
     extra: tuple[str, ...] = (),
     old_extra: tuple[str, ...] = (),
+    index_ab: bool = False,
 ) -> dict:
     rng = np.random.default_rng(block)
     cold_dram = max(32 * MiB, 3 * PREFIX * block)
@@ -182,6 +185,8 @@ def measure(
     try:
         for tag, tree in sides.items():
             args = (*extra, "--with-disk-store") if tag == "" else old_extra  # an old tree may know neither option
+            if tag == "" and index_ab:
+                args += ("--with-asked-disk-store",)
             workers[tag] = Worker(tree, block, count, root / f"{tag}store-{block}", cold_dram, args)
         raw = RawExtents(root / f"raw-{block}.bin", block, count, rng)
         writers = list(workers.values()) + [raw]
@@ -198,6 +203,7 @@ def measure(
         floor = DramFloor(block)
         old_disk = "--with-disk-store" in old_extra
         steps = [(tag, kind) for tag in sides for kind in (NEW_KINDS if tag == "" or old_disk else KINDS)]
+        steps += [("", "diskasked-shm")] if index_ab else []
         steps += [("", "raw"), ("", "dram_floor")]
         times: dict[str, list[float]] = {f"{tag}{kind}": [] for tag, kind in steps}
         times["raw_crc"] = []
@@ -241,6 +247,9 @@ def measure(
             row[f"{lane}_nvme_speedup"] = p50[f"old_nvme-{lane}"] / p50[f"nvme-{lane}"]
             if lane != "grpc":
                 row[f"{lane}_dram_speedup"] = p50[f"old_dram-{lane}"] / p50[f"dram-{lane}"]
+    if "diskasked-shm" in p50:  # the same --share-nvme Gets, asked of a store without the DRAM index
+        row["diskasked_nvme_vs_raw"] = p50["raw"] / p50["diskasked-shm"]
+        row["disk_index_speedup"] = p50["diskasked-shm"] / p50["disk-shm"]
     if "old_disk-shm" in p50:
         row["old_disk_nvme_vs_raw"] = p50["raw"] / p50["old_disk-shm"]
         row["disk_nvme_speedup"] = p50["old_disk-shm"] / p50["disk-shm"]
@@ -301,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
             extra = ("--share-dram", "true", "--dram-index", args.dram_index) if args.share_dram == "true" else ()
             old = ("--share-dram", "true") if args.baseline_share_dram == "true" else ()
             old += ("--with-disk-store",) if args.baseline_disk_store == "true" else ()
-            rows = [measure(block, count, root, bar, baseline, extra, old) for block, count in sizes.items()]
+            index_ab = args.share_dram == "true" and args.dram_index == "true"
+            rows = [measure(block, count, root, bar, baseline, extra, old, index_ab) for block, count in sizes.items()]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(
@@ -309,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
         "with a raw O_DIRECT read of the same size" + (f"; old_ = the code of {args.baseline}" if args.baseline else "")
     )
     cols = ["block_bytes", "prefixes", "raw_p50_ms", "raw_crc_p50_ms", "disk_shm_p50_ms", "disk_nvme_vs_raw"]
+    if args.share_dram == "true" and args.dram_index == "true":
+        cols += ["diskasked_shm_p50_ms", "diskasked_nvme_vs_raw", "disk_index_speedup"]
     cols += ["nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_tcp_p50_ms", "tcp_nvme_vs_raw", "nvme_grpc_p50_ms"]
     cols += ["grpc_nvme_vs_raw", "tcp_ceiling_vs_raw", "dram_shm_p50_ms"]
     cols += ["dram_floor_p50_ms", "shm_dram_vs_floor", "dram_tcp_p50_ms"]

@@ -1,16 +1,19 @@
 """One side of ``bench.nvme_get``: store processes and clients of one source tree, driven step by step.
 
-    python bench/nvme_get_worker.py BLOCK COUNT ROOT COLD_DRAM [--with-disk-store] [STORE OPTION...]
+    python bench/nvme_get_worker.py BLOCK COUNT ROOT COLD_DRAM [--with-disk-store [--with-asked-disk-store]]
+                                    [STORE OPTION...]
     (PYTHONPATH and cwd: the tree to measure)
 
 Starts a store with an NVMe tier (write-through, DRAM ``COLD_DRAM``), with ``--with-disk-store`` the same with
-``--share-nvme`` (its clients read NVMe blocks from the tier's files themselves: kind ``disk-shm``), and one whose DRAM holds everything, all
+``--share-nvme`` (its clients read NVMe blocks from the tier's files themselves: kind ``disk-shm``; with
+``--with-asked-disk-store`` a second such store with ``--dram-index false``, whose every Get is asked: kind
+``diskasked-shm``), and one whose DRAM holds everything, all
 ``kvstore serve`` processes of the tree on ``PYTHONPATH``, writes ``WARM`` 32-block prefixes per DRAM kind,
 prints ``ready``, then answers lines on stdin: ``write I`` writes prefix ``I`` of each NVMe kind (each such
 Get reads a prefix once: a repeated read could come from a cache); ``flush`` then writes more than DRAM holds
 of other prefixes to each NVMe store, which push the last measured ones out of DRAM (write-through keeps the newest
 blocks in DRAM: without it a Get of those was a DRAM hit); ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``nvme-grpc``, ``dram-shm``,
-``dram-tcp``, ``disk-shm``) into page-aligned buffers and prints its seconds; ``stats`` prints the NVMe store's tier hits
+``dram-tcp``, ``disk-shm``, ``diskasked-shm``) into page-aligned buffers and prints its seconds; ``stats`` prints the NVMe store's tier hits
 as JSON; ``quit`` stops. Only public names are used, so an older tree runs it too.
 """
 
@@ -29,8 +32,9 @@ from kvstore.server.process import store_process
 from kvstore.tiers.nvme.io import aligned_buffer
 
 PREFIX = 32
-KINDS = ("nvme-shm", "nvme-tcp", "nvme-grpc", "dram-shm", "dram-tcp", "disk-shm")  # disk-shm: a --share-nvme store
+KINDS = ("nvme-shm", "nvme-tcp", "nvme-grpc", "dram-shm", "dram-tcp", "disk-shm", "diskasked-shm")
 DISK_FLAG = "--with-disk-store"  # start the disk-shm store (the tree must know --share-nvme)
+ASKED_FLAG = "--with-asked-disk-store"  # and a second one without the DRAM index (kind diskasked-shm)
 WARM = 4  # prefixes of the all-DRAM store, taken in turn
 
 
@@ -45,7 +49,8 @@ def write_prefix(kv: Client, payloads: list[np.ndarray], p: int, rng: np.random.
 
 def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -> None:
     disk_store = DISK_FLAG in extra
-    extra = [a for a in extra if a != DISK_FLAG]
+    asked_store = ASKED_FLAG in extra
+    extra = [a for a in extra if a not in (DISK_FLAG, ASKED_FLAG)]
     rng = np.random.default_rng(block)
     warm_dram = 2 * WARM * PREFIX * block * 5 // 4 + (64 << 20)
     with contextlib.ExitStack() as stack:
@@ -64,6 +69,14 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
                 store_process(
                     *("--dram", f"{cold_dram >> 20}MiB", "--nvme-dir", str(root / "nvme-shared"), "--nvme", "16GiB"),
                     *("--write-policy", "write-through", "--shm-direct", "true", "--share-nvme", "true", *extra),
+                )
+            )
+        if asked_store:  # the same, every Get asked of the store: what the DRAM index's disk entries save
+            targets["diskasked"], _ = stack.enter_context(
+                store_process(
+                    *("--dram", f"{cold_dram >> 20}MiB", "--nvme-dir", str(root / "nvme-asked"), "--nvme", "16GiB"),
+                    *("--write-policy", "write-through", "--shm-direct", "true", "--share-nvme", "true", *extra),
+                    *("--dram-index", "false"),
                 )
             )
         clients = {
@@ -88,12 +101,15 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
                 break
             if words[0] == "write":
                 p = int(words[1])
-                for kind in ("nvme-shm", "nvme-tcp", "nvme-grpc", "disk-shm")[: 4 if disk_store else 3]:
-                    prefixes[kind].append(write_prefix(clients[kind], payloads, p, rng))
+                for kind in ("nvme-shm", "nvme-tcp", "nvme-grpc", "disk-shm", "diskasked-shm"):
+                    if kind in clients:
+                        prefixes[kind].append(write_prefix(clients[kind], payloads, p, rng))
                 print("ok", flush=True)
                 continue
             if words[0] == "flush":  # prefixes never read, past what DRAM holds: what was written is only on NVMe
-                for kind in ("nvme-shm", "disk-shm")[: 2 if disk_store else 1]:
+                for kind in ("nvme-shm", "disk-shm", "diskasked-shm"):
+                    if kind not in clients:
+                        continue
                     for f in range(cold_dram // (PREFIX * block) + 1):
                         write_prefix(clients[kind], payloads, f, rng)
                 print("ok", flush=True)
