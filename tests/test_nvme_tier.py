@@ -451,3 +451,41 @@ def test_a_writer_dropping_empty_segments_never_retires_the_one_being_compacted(
     moved = dict(owner.moves)[keep]
     assert read_all(tier, {moved: blocks[keep]}) == [blocks[keep]]
     tier.close()
+
+
+def test_compaction_never_waits_for_a_reader_outside_and_its_release_deletes_the_file(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """A segment lent to a reader outside the process (``extents``, an shm client reading the files itself) is
+    retired by compaction without waiting for it: the store's lock may be held by the compacting writer and be
+    needed by the reader's release (a lane closing did that, and the store hung). The file stays, readable,
+    until the pin ends; then it is deleted and its space counted free."""
+    owner = Owner()
+    tier = NvmeTier(tmp_path, 4 * MiB, segment_bytes=1 * MiB, on_relocate=owner.relocate)
+    blocks = write_blocks(tier, [60_000] * 20, rng)  # a full first segment, the rest in the second
+    locs = sorted(blocks)
+    first = [loc for loc in locs if split_loc(loc)[0] == split_loc(locs[0])[0]]
+    keep = first[0]
+    owner.loc, owner.data = {0: keep}, {0: blocks[keep]}
+    (place,), pins = tier.extents([keep])
+    assert place is not None
+    name, offset = place
+    tier.free(first[1:])
+    done = threading.Event()
+    reports: list[object] = []
+    compacting = threading.Thread(target=lambda: (reports.append(tier.compact(threshold=1.0)), done.set()), daemon=True)
+    compacting.start()
+    assert done.wait(30), "compaction waited for the pinned segment's outside reader"
+    compacting.join()
+    assert reports and reports[0].segments_compacted >= 1  # type: ignore[attr-defined]
+    held = tmp_path / name
+    assert held.exists()  # still the reader's: nothing rewrote it
+    with open(held, "rb") as f:
+        f.seek(offset)
+        assert f.read(60_000) == blocks[keep]
+    disk = tier.reclaimable().disk_bytes
+    tier.release_extents(pins)
+    assert not held.exists() and tier.reclaimable().disk_bytes == disk - 1 * MiB
+    moved = owner.loc[0]
+    assert moved != keep and read_all(tier, {moved: blocks[keep]}) == [blocks[keep]]
+    tier.close()

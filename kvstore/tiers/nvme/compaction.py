@@ -14,7 +14,8 @@ whatever its fraction), and for each:
    index to the new locations (``new == DROPPED`` means the record failed its
    CRC while being copied and is gone: drop it from the index);
 5. retires the segment: new reads of it are refused (they resolve through the
-   forwards anyway), reads already in flight finish, then the file is deleted.
+   forwards anyway); the last read in flight, or outside reader, to let go of
+   it deletes the file (at once when there is none). Retiring never waits.
 
 Forwards live ``forward_ttl_s`` after the move, long enough for any read that
 picked up an old location just before the owner switched.

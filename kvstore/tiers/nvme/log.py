@@ -95,7 +95,6 @@ class SegmentLog:
         self._dirty: dict[int, Segment] = {}  # written without fdatasync since the last sync
         self._last_sync = time.monotonic()
         self.lock = threading.Lock()  # segment table, accounting, forwards, pins
-        self._unpinned = threading.Condition(self.lock)
         self.write_lock = threading.Lock()  # one append at a time
         self._dir_lock = lock_dir(data_dir)
         try:
@@ -333,10 +332,12 @@ class SegmentLog:
             return True
 
     def unpin(self, segs: Sequence[Segment]) -> None:
+        """End reads of ``segs``; the last one of a segment being retired deletes it."""
         with self.lock:
             for seg in segs:
                 seg.readers -= 1
-            self._unpinned.notify_all()
+            gone = [self._forget(seg) for seg in segs if seg.readers == 0 and seg.state is SegmentState.RETIRING]
+        self._delete([seg for seg in gone if seg is not None])
 
     def live_records(self, seg: Segment) -> list[tuple[int, int]]:
         with self.lock:
@@ -363,22 +364,35 @@ class SegmentLog:
 
     # -- retirement ------------------------------------------------------------------
     def retire(self, seg: Segment) -> None:
-        """Delete a segment: new reads of it are refused at once, in-flight ones finish first. A segment
+        """Delete a segment: new reads of it are refused at once; reads in flight, and readers outside the process
+        (``NvmeTier.extents``), keep its file until the last of them unpins it, which deletes it then. Never
+        waits: a caller may hold the BlockStore's lock, which an outside reader's release can need (a lane
+        closing took it before giving back its segment pins: retire's wait for them hung the store). A segment
         another thread is retiring, or retired, is left to it."""
         with self.lock:
             if self.segments.get(seg.id) is not seg or seg.state is SegmentState.RETIRING:
                 return
-            seg.state = SegmentState.RETIRING
-            while seg.readers:
-                self._unpinned.wait()
-            del self.segments[seg.id]
-            self._dirty.pop(seg.id, None)
-            self.disk_bytes -= seg.size
-            self.live_bytes -= seg.live_bytes
-        self.backend.close(seg.fh)
-        seg.path.unlink(missing_ok=True)
-        summary_path(self.data_dir, seg.id).unlink(missing_ok=True)
-        fsync_dir(self.data_dir)
+            seg.state = SegmentState.RETIRING  # still in ``segments``: its file counts against the tier's room
+            gone = self._forget(seg) if seg.readers == 0 else None
+        self._delete([gone] if gone is not None else [])
+
+    def _forget(self, seg: Segment) -> Segment | None:
+        """Take a retiring segment nobody reads out of the table (lock held): the caller deletes its file."""
+        if self.segments.get(seg.id) is not seg:
+            return None  # another thread got there first
+        del self.segments[seg.id]
+        self._dirty.pop(seg.id, None)
+        self.disk_bytes -= seg.size
+        self.live_bytes -= seg.live_bytes
+        return seg
+
+    def _delete(self, segs: Sequence[Segment]) -> None:
+        for seg in segs:
+            self.backend.close(seg.fh)
+            seg.path.unlink(missing_ok=True)
+            summary_path(self.data_dir, seg.id).unlink(missing_ok=True)
+        if segs:
+            fsync_dir(self.data_dir)
 
     def drop_empty(self) -> int:
         """Delete sealed segments with nothing live and no read in flight; returns how many."""
@@ -406,6 +420,9 @@ class SegmentLog:
         if active is not None:
             self._seal(active)
         self.drop_empty()
+        with self.lock:  # retired, still pinned by a reader outside: its records were moved, nobody reads it now
+            retired = [self._forget(s) for s in list(self.segments.values()) if s.state is SegmentState.RETIRING]
+        self._delete([s for s in retired if s is not None])
         self.checkpoint()
         with self.lock:
             segs = list(self.segments.values())
