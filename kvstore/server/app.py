@@ -184,17 +184,23 @@ class StoreServer:
         reflection.enable(server, (SERVICE_NAME, LANES_SERVICE_NAME, health.SERVICE_NAME))  # v1 and v1alpha
         from kvstore.lanes.server.wiring import LaneServer  # fast data lanes (shm, tcp), negotiated over gRPC
 
-        try:
-            self.lanes = LaneServer(self).register(server)
-        except OSError as err:  # a --tcp-lane-listen port taken since the preflight (kvstore.server.ports)
-            raise ports.PortError("--tcp-lane-listen", self.cfg.tcp_lane_listen, ports.describe(err)) from None
+        # The asked-for ports first: a lane listening on port 0 (the tcp lane's default) could be handed one of
+        # them (a test's free port, picked and closed a moment before: seen in CI as "Address already in use").
         self.port = self._bind(server)
         if self.cfg.metrics_port:  # bound before serving starts, so a taken port stops the start, not a later step
             try:
                 self._metrics_http = self.metrics.start_http(self.cfg.metrics_port, token=token)
             except OSError as err:
-                self.lanes.close(0)
+                server.stop(None)
                 raise ports.PortError("--metrics-port", str(self.cfg.metrics_port), ports.describe(err)) from None
+        try:
+            self.lanes = LaneServer(self).register(server)
+        except OSError as err:  # a --tcp-lane-listen port taken since the preflight (kvstore.server.ports)
+            server.stop(None)
+            if self._metrics_http is not None:
+                self._metrics_http[0].shutdown()
+                self._metrics_http[0].server_close()
+            raise ports.PortError("--tcp-lane-listen", self.cfg.tcp_lane_listen, ports.describe(err)) from None
         server.start()
         self.server = server
         self.gate.start()
@@ -220,7 +226,6 @@ class StoreServer:
         try:
             port, self.tls = tls.bind(server, self.cfg)  # TLS/mTLS, or plaintext only where the rule allows it
         except RuntimeError as err:  # grpc: "Failed to bind to address ..."
-            self.lanes.close(0)
             raise ports.PortError("--listen", self.cfg.listen, f"gRPC could not bind it: {err}") from None
         return port
 
