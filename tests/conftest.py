@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import socket
@@ -19,6 +20,8 @@ from kvstore.config import ServeConfig
 from kvstore.server.app import StoreServer
 
 ROOT = Path(__file__).resolve().parent.parent
+STOP_SECONDS = 60.0  # an in-process store that takes longer to stop is hung (a deadlock): fail, do not wait
+_hung: list[str] = []
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +59,27 @@ def make_server() -> Iterator[Callable[..., StoreServer]]:
 
     yield start
     for server in servers:
-        server.stop(0)
+        stop_within(server, STOP_SECONDS)
+
+
+def stop_within(server: StoreServer, seconds: float) -> None:
+    """Stop ``server``, or fail the test with every thread's stack: pytest-timeout times a test's teardown only
+    until it has fired once, so a store hung in its stop would hold the whole run (CI) until its own limit."""
+    stopping = threading.Thread(target=server.stop, args=(0,), name="test-server-stop", daemon=True)
+    stopping.start()
+    stopping.join(seconds)
+    if stopping.is_alive():
+        faulthandler.dump_traceback(all_threads=True)
+        _hung.append(f"127.0.0.1:{server.port}")
+        pytest.fail(
+            f"the store did not stop within {seconds:.0f} s (a deadlock?): every thread's stack is in the captured stderr"
+        )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _hung:  # the hung store's threads would keep the interpreter from exiting: end now, the report is out
+        print(f"exiting: in-process stores that never stopped: {', '.join(_hung)}", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 @pytest.fixture
