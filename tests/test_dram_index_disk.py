@@ -88,6 +88,8 @@ OPS = st.lists(
         st.tuples(st.just("put"), st.integers(0, 23)),
         st.tuples(st.just("delete"), st.integers(0, 23)),
         st.tuples(st.just("read"), st.integers(0, 23)),
+        st.tuples(st.just("hold"), st.integers(0, 23)),
+        st.tuples(st.just("let_go"), st.just(0)),
         st.tuples(st.just("evict"), st.just(0)),
         st.tuples(st.just("compact"), st.just(0)),
     ),
@@ -100,12 +102,17 @@ OPS = st.lists(
 @example(  # NVMe-only records that compaction moves (few random examples do): their entries must follow them
     ops=[("put", k) for k in range(16)] + [("evict", 0)] + [("delete", k) for k in range(3)] + [("compact", 0)]
 )
+@example(  # a Get's lease outlives a delete and the block is put again: the new entry stays named, not the old
+    ops=[("put", 0), ("evict", 0), ("hold", 0), ("delete", 0), ("put", 0), ("let_go", 0)]
+)
+@example(ops=[("put", 0), ("hold", 0), ("delete", 0), ("put", 0), ("evict", 0), ("let_go", 0)])
 def test_the_index_names_each_block_in_dram_else_in_its_segment_file(tmp_path_factory, ops):
     root = tmp_path_factory.mktemp("store")
     store = index_store(root)
+    held: list = []  # leases of Gets still in flight ("hold"), ended by "let_go" or at the end
     try:
         keys = hashes(24, seed=9)
-        for op, k in ops:
+        for op, k in ops + [("let_go", 0)]:
             if op == "put":
                 put(store, keys[k], k)
             elif op == "delete":
@@ -115,6 +122,14 @@ def test_the_index_names_each_block_in_dram_else_in_its_segment_file(tmp_path_fa
                 if leases[0] is not None:
                     store.materialize(leases)
                 store.release(leases)
+            elif op == "hold":  # a Get whose reply is still being sent: its lease (and promotion slot) held
+                leases = store.acquire("ns", [keys[k]], allow_missing=True)
+                if leases[0] is not None:
+                    store.materialize(leases)
+                held.extend(leases)
+            elif op == "let_go":
+                store.release(held)
+                held.clear()
             elif op == "evict":  # everything leaves DRAM (to NVMe, as a demotion)
                 store._evict(store.top, store.top.used_bytes)  # noqa: SLF001 - forces the demotions under test
             else:

@@ -303,7 +303,7 @@ class BlockStore(Cascade, LowerReads):
         with self._lock:
             promoted = self._promote([x for x in held if x.promote is not None])
             if touch:
-                self._touch_many(ids[np.asarray(self.table.live[ids], dtype=bool)])  # not a deleted one
+                self._touch_many(ids[np.asarray(self.table.mapped[ids], dtype=bool)])  # not a deleted one
             for lease in held:
                 if lease.hold is not None:
                     self._let_go(lease)  # the staging or DRAM slot a cold read held

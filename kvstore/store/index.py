@@ -154,6 +154,7 @@ class EntryTable:
         self.dtype = FieldView(self._fields["dtype"], size)
         self.parent = ScalarView(c["parent"], size, offset=1)
         self.live = FlagView(self._flags, LIVE, size)
+        self.mapped = FlagView(self._flags, MAPPED, size)  # live and not deleted: lookups find it
         self.rooted = FlagView(self._flags, ROOTED, size)
         self.hashes = HashView(self._keys, size)
         self.fp = FingerprintView(self._keys, self._ns, size)

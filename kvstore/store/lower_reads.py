@@ -184,7 +184,7 @@ class LowerReads:
             loc, lease.promote = lease.promote, None
             assert loc is not None
             e = lease.entry
-            if self.table.live[e] and self.table.loc_of(e, self.top.rank) == NO_LOC:
+            if self.table.is_mapped(e) and self.table.loc_of(e, self.top.rank) == NO_LOC:  # deleted: live till released
                 self._add_copy(e, self.top.rank, loc)
                 self.counters.tiers[self.top.rank].promotions += 1
             else:

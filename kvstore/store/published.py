@@ -12,6 +12,11 @@ Verbs (the BlockStore calls them with its lock held; ``rank`` is the tier whose 
   readable until their segment is retired, which comes after this).
 - ``unmapped(ids)``: deleted: not named anywhere.
 
+An entry deleted while a Get still leases it keeps its copies until the lease ends, and the same hash may be
+put again meanwhile as a new entry under the same key: the verbs ignore such an entry (``unmapped`` withdrew
+it), so its copies going, a promotion or a write-back finishing never name it again nor take the key from
+the new one.
+
 Only raw blocks (codec none) are named: a client copies the bytes as they lie.
 """
 
@@ -41,12 +46,14 @@ class ArenaPublisher:
         self.table, self.index, self.rank, self.disk = table, index, rank, disk
 
     def added(self, ids: np.ndarray, rank: int) -> None:
+        ids = self._mapped(ids)
         if rank == self.rank:
             self._publish(ids, rank)
         elif self.disk is not None and rank == self.disk.rank:
             self._publish(self._not_in_dram(ids), rank)  # a DRAM copy keeps being the one named
 
     def removed(self, ids: np.ndarray, rank: int) -> None:
+        ids = self._mapped(ids)
         if rank == self.rank:
             if self.disk is not None:
                 on_disk = np.asarray(self.table.locs(ids, self.disk.rank)) != NO_LOC
@@ -58,10 +65,14 @@ class ArenaPublisher:
 
     def moved(self, ids: np.ndarray) -> None:
         if self.disk is not None:
-            self._publish(self._not_in_dram(ids), self.disk.rank)
+            self._publish(self._not_in_dram(self._mapped(ids)), self.disk.rank)
 
     def unmapped(self, ids: np.ndarray) -> None:
         self._withdraw(ids)
+
+    def _mapped(self, ids: np.ndarray) -> np.ndarray:
+        """Those not deleted (a deleted entry's key may name a new entry of the same hash by now)."""
+        return ids[np.asarray(self.table.mapped[ids], dtype=bool)]
 
     def _not_in_dram(self, ids: np.ndarray) -> np.ndarray:
         return ids[np.asarray(self.table.locs(ids, self.rank)) == NO_LOC]
