@@ -319,14 +319,16 @@ def test_concurrent_gets_of_the_same_nvme_blocks_racing_deletes_and_compactions(
         try:
             began, k = time.monotonic(), 0
             # 3 s of churn, and on until the readers were served through the index too (on a busy machine
-            # every Get of the first seconds can meet a change and be asked), at most 60 s
+            # every Get of the first seconds can meet a change and be asked), at most 60 s. (When this waited the
+            # 60 s in vain, the store had stopped naming a block put again while a Get still leased its deleted
+            # entry, whose release took the key: the publisher's hypothesis test now holds such leases.)
             while time.monotonic() - began < 3.0 or (not sum(served) and time.monotonic() - began < 60.0):
                 kv.delete("ns", hs[k % 8 : k % 8 + 1])
                 kv.put("ns", hs, data)  # the deleted one comes back
                 others = hashes(16, seed=200 + k)
                 kv.put("other", others, blocks(16, MiB, seed=200 + k))  # DRAM churns
-                # and they go again: the index stays sparse (a key whose 8-way bucket is full is never named, so
-                # with the tier full of others one of ``hs`` could stay asked for good), their records die
+                # and they go again: the index stays sparse (a key whose 8-way bucket is full is never named),
+                # their records die
                 kv.delete("other", others)
                 server.store.tiers[-1].compact(threshold=0.5)
                 time.sleep(0.02)  # a quiet moment for the readers' Gets
