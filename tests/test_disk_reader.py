@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.checksum import crc32c
+from kvstore.lanes.client import disk as client_disk
 from kvstore.lanes.client.disk import DiskBlock, DiskReader
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.nvme import NvmeTier
@@ -22,6 +23,14 @@ from kvstore.tiers.nvme.io import aligned_buffer
 
 def _address(a: np.ndarray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(a))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_pieces():
+    """Pieces of 64 KiB at least (1 MiB by default), so these files of 1.6 MB are cut across the threads too."""
+    default, client_disk.MIN_PIECE_BYTES = client_disk.MIN_PIECE_BYTES, 64 << 10
+    yield
+    client_disk.MIN_PIECE_BYTES = default
 
 
 @pytest.fixture(scope="module")
