@@ -27,10 +27,12 @@ def _address(a: np.ndarray) -> int:
 
 @pytest.fixture(scope="module", autouse=True)
 def small_pieces():
-    """Pieces of 64 KiB at least (1 MiB by default), so these files of 1.6 MB are cut across the threads too."""
-    default, client_disk.MIN_PIECE_BYTES = client_disk.MIN_PIECE_BYTES, 64 << 10
+    """Pieces of 64 KiB at least (1 MiB by default, and runs under 3 MiB not cut), so these files of 1.6 MB are cut
+    across the threads too."""
+    default = client_disk.MIN_PIECE_BYTES, client_disk.ALONE_BYTES
+    client_disk.MIN_PIECE_BYTES, client_disk.ALONE_BYTES = 64 << 10, 0
     yield
-    client_disk.MIN_PIECE_BYTES = default
+    client_disk.MIN_PIECE_BYTES, client_disk.ALONE_BYTES = default
 
 
 @pytest.fixture(scope="module")
