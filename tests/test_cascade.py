@@ -175,6 +175,41 @@ def put_blocks(store, keys, size):
             store.commit_put(ticket)
 
 
+def test_a_gets_promotions_are_one_dram_copy_each_and_keep_the_chain(tmp_path):
+    """A Get's NVMe-only blocks are promoted in one batch at its release: a block the Get names twice gets one
+    DRAM copy (the other slot is freed), parents and children promoted together keep the leaf structure, and a
+    block deleted while the Get held it is not promoted."""
+    from kvstore.checksum import crc32c
+    from kvstore.store import BlockStore
+    from kvstore.tiers.base import BlockMeta
+
+    size = 256 << 10
+    store = BlockStore(
+        [ArenaTier(8 << 20, page_size=1 << 20), NvmeTier(tmp_path / "n", 64 << 20, segment_bytes=8 << 20)]
+    )
+    keys = block_hashes(list(range(16 * 6)), 16, "ns", "chain")
+    for parent, k in zip([b""] + keys[:-1], keys):
+        data = payload(k, size)
+        ticket = store.begin_put("ns", BlockMeta("ns", k, parent, 0, "uint8", size, size, crc32c(data)))
+        assert ticket is not None
+        ticket.buffer[:] = data
+        store.commit_put(ticket)
+    for _ in keys:  # leaf first: each round demotes the chain's last block in DRAM
+        store._evict(store.top, store.top.used_bytes)  # noqa: SLF001 - as demotion does
+    assert set(store.lookup("ns", keys)[1]) == {store.tiers[1].rank}
+    leases = store.acquire("ns", keys + keys[:2])
+    store.materialize(leases)
+    assert all(bytes(x.buffer[:size]) == payload(k, size) for x, k in zip(leases, keys + keys[:2]))
+    store.delete("ns", keys[5:])
+    store.release(leases)
+    n, ranks = store.lookup("ns", keys)
+    assert n == 5 and set(ranks) == {store.top.rank}
+    assert store.top.used_bytes == 5 * size
+    assert next(t for t in store.stats()["tiers"] if t["name"] == "dram")["promotions"] == 5
+    store.check_invariants()
+    store.close()
+
+
 def test_nvme_admission_demotes_reused_blocks_and_drops_the_rest(tmp_path):
     from kvstore.store import BlockStore
     from kvstore.store.policies import policy_factory

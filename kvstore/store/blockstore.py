@@ -423,7 +423,8 @@ class BlockStore(Cascade, LowerReads):
             self.policies[rank].set_leaf(p, False)
 
     def _add_new_copies(self, ids: np.ndarray, rank: int, locs: Sequence[int] | np.ndarray) -> None:
-        """``_add_copy`` of a batch of entries just inserted (none has a child yet; parents may be in the batch)."""
+        """``_add_copy`` of a batch of distinct entries without a copy in ``rank`` (just put, recovered or promoted;
+        parents may be in the batch)."""
         t, policy = self.table, self.policies[rank]
         t.column_of_loc(rank).put(ids, np.asarray(locs, dtype=np.int64) + 1)
         if self._published is not None:
