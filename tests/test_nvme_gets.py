@@ -307,3 +307,56 @@ def test_share_nvme_names_at_most_the_lanes_budget_and_the_store_reads_the_rest(
     named = server.metrics.counters()["lane_shm_disk_get_bytes"]
     assert 0 < named < PREFIX * BLOCK and named % BLOCK == 0
     _quiet(server)
+
+
+class _FirstReadLate:
+    """The NVMe tier's backend with its next ``preadv`` held back ``seconds`` (a disk that serves a request late)."""
+
+    def __init__(self, inner, seconds: float):
+        self.inner, self.seconds, self.armed = inner, seconds, False
+        self._lock = threading.Lock()
+
+    def preadv(self, fh, bufs, offset):
+        with self._lock:
+            late, self.armed = self.armed, False
+        if late:
+            time.sleep(self.seconds)
+        return self.inner.preadv(fh, bufs, offset)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("asks", [True, False], ids=["named-frames", "old-client"])
+def test_tcp_sends_blocks_as_their_reads_complete(make_server, tmp_path, monkeypatch, asks):
+    """On the TCP lane a read the disk serves late no longer holds back the verified blocks behind it: with the
+    first read held back, the client (whose hello asks for DATA frames that name their blocks) gets the later
+    blocks first, every byte right. A client whose hello does not ask gets every block in the reply's order."""
+    from kvstore.lanes.client import tcp as client_tcp
+    from kvstore.v1 import lanes_pb2
+
+    if not asks:  # an older client: its hello has no unordered_data
+        old = type(client_tcp)("lanes_pb2_without_unordered")
+        old.__dict__.update(vars(lanes_pb2))
+        old.TcpHello = lambda **kw: lanes_pb2.TcpHello(**{**kw, "unordered_data": False})
+        monkeypatch.setattr(client_tcp, "lpb", old)
+    frames: list[list[int]] = []
+    named = client_tcp._named
+    monkeypatch.setattr(client_tcp, "_named", lambda *a: frames.append(named(*a)) or frames[-1])
+    server = _start(make_server, tmp_path, "tcp", promote=False)
+    nvme = server.store.tiers[-1]
+    nvme.backend = late = _FirstReadLate(nvme.backend, 0.3)
+    with _client(server, "tcp") as kv:
+        data = _fill(kv, 8)
+        keys, blocks = data[0]
+        assert _nvme_only(server, keys) == PREFIX
+        late.armed = True
+        got = _get(kv, "tcp", keys)
+        assert all(bytes(memoryview(g)) == b.tobytes() for g, b in zip(got, blocks))
+        assert not late.armed
+    _quiet(server)
+    order = [k for ks in frames for k in ks]
+    if asks:
+        assert sorted(order) == list(range(PREFIX)) and order != sorted(order)  # some came before a block ahead of them
+    else:
+        assert frames == []  # no frame named its blocks: all came in order

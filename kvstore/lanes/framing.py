@@ -11,7 +11,7 @@ Wire layout of one frame (little endian)::
 Conversation (client -> server, one request at a time per connection; many
 blocks per frame, so a batch costs one round trip)::
 
-    HELLO(TcpHello{lane_id, token})            -> STATUS(OK) | STATUS(error) and close
+    HELLO(TcpHello{lane_id, token, unordered_data}) -> STATUS(OK) | STATUS(error) and close
     PUT(TcpPut{ns, headers}) + payloads         -> PUT_REPLY(PutResponse) | STATUS(error)
     GET(GetRequest)                             -> GET_REPLY(TcpGetReply{headers})
                                                    DATA(payloads of the next blocks) ...
@@ -21,7 +21,10 @@ The payload of a PUT is, in header order, every block's stored bytes each
 followed by its CRC32C (u32; the headers' crc32c field is not used), so the
 sender checksums a block just before sending it and the receiver verifies and
 commits each block as soon as it has arrived; a DATA frame carries whole
-blocks, in request order, skipping missing ones. Errors are a STATUS frame with a grpc.StatusCode value and a message;
+blocks, in request order, skipping missing ones. When the client's hello set
+``unordered_data``, a DATA frame's metadata may name its blocks instead (a
+u32 header index each, little endian, in the frame's order), and the server
+sends blocks as their reads from NVMe complete, in any order. Errors are a STATUS frame with a grpc.StatusCode value and a message;
 after an error in the middle of a PUT the server still reads (and drops) the
 rest of the payload, so the connection stays usable.
 

@@ -6,6 +6,9 @@ store's ``materialize(leases, on_ready)``. Verbs:
 - ``wait(w, j)``: block until lease ``j`` of window ``w`` has its bytes verified in ``lease.buffer`` (a
   missing lease or a DRAM hit at once); raises what the window's read raised (``DataLossError``, ...).
 - ``ready(w, j) -> bool``: the same without blocking (a sender flushes what it has before it waits).
+- ``wait_new(w, seen) -> positions``: block until some lease of window ``w`` not in ``seen`` is ready, and
+  return every such one (a sender that may send blocks in any order takes them as their reads complete); a
+  window's read error is raised once nothing ready is left to hand out.
 - ``close()``: wait for every read still in flight; call it before the leases are released, since a read
   may still be landing in a slot they hold.
 
@@ -93,6 +96,21 @@ class ReadAhead:
         win = self._windows[w]
         with self._cond:
             while not self._now(win, j):
+                self._cond.wait()
+
+    def wait_new(self, w: int, seen: set[int]) -> list[int]:
+        self._start(w)
+        self._start(w + 1)
+        win = self._windows[w]
+        with self._cond:
+            while True:
+                new = [j for j in win.ready if j not in seen]
+                if new:
+                    return sorted(new)
+                if win.error is not None:
+                    raise win.error
+                if win.done:  # DRAM hits and missing blocks: nothing to read
+                    return [j for j in range(len(win.leases)) if j not in seen]
                 self._cond.wait()
 
     def close(self) -> None:

@@ -304,10 +304,12 @@ class CloseLaneResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TcpHello(_message.Message):
-    __slots__ = ("lane",)
+    __slots__ = ("lane", "unordered_data")
     LANE_FIELD_NUMBER: _ClassVar[int]
+    UNORDERED_DATA_FIELD_NUMBER: _ClassVar[int]
     lane: LaneRef
-    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ...) -> None: ...
+    unordered_data: bool
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., unordered_data: _Optional[bool] = ...) -> None: ...
 
 class TcpPut(_message.Message):
     __slots__ = ("namespace", "headers")

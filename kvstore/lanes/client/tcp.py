@@ -10,6 +10,8 @@
 - ``get``: one GET frame; the GET_REPLY lists every header, then DATA frames
   carry the blocks, received with ``recv_into`` straight into ``out`` (or new
   buffers carved from one mapping per batch), the CRC32C computed piece by piece as bytes arrive.
+  The hello asks for DATA frames that name their blocks (``TcpHello.unordered_data``), so the server sends
+  blocks as their reads complete; a frame without names holds the next blocks in the reply's order.
 
 A STATUS frame raises ``KVStoreError`` with its code; a broken connection
 raises ``LaneBroken`` (the pool opens a fresh lane and retries once).
@@ -18,6 +20,7 @@ raises ``LaneBroken`` (the pool opens a fresh lane and retries once).
 from __future__ import annotations
 
 import socket
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,7 +48,8 @@ class TcpClientLane(Lane):
             framing.tune(self.sock)
             self.sock.settimeout(None)  # blocking, so MSG_WAITALL fills a buffer in one call
             framing.set_timeouts(self.sock, timeout)
-            framing.send_frame(self.sock, framing.HELLO, lpb.TcpHello(lane=self.ref).SerializeToString())
+            hello = lpb.TcpHello(lane=self.ref, unordered_data=True)
+            framing.send_frame(self.sock, framing.HELLO, hello.SerializeToString())
             self._expect(framing.STATUS)
         except BaseException:
             self.sock.close()
@@ -100,14 +104,22 @@ class TcpClientLane(Lane):
                     raise short_buffer(i, len(dst), n)
                 dests.append(dst[:n])
         bad: int | None = None
-        k = 0
-        while k < len(present):
+        place = {i: k for k, i in enumerate(present)}  # header index -> position among the present blocks
+        received = [False] * len(present)
+        todo, cursor = len(present), 0
+        while todo:
             frame = self._expect(framing.DATA)
+            if frame.meta:  # the frame names its blocks (sent as their reads completed)
+                ks = _named(frame.meta, place, received)
+            else:  # the next blocks in the reply's order
+                ks = _following(headers, present, cursor, frame.data_len)
+                cursor = ks[-1] + 1
+            if sum(headers[present[k]].stored_length for k in ks) != frame.data_len:
+                raise framing.FrameError("a DATA frame does not end on a block boundary")
             left = frame.data_len
-            while left > 0:
-                h = headers[present[k]] if k < len(present) else None
-                if h is None or h.stored_length > left:
-                    raise framing.FrameError("a DATA frame does not end on a block boundary")
+            for k in ks:
+                received[k] = True
+                h = headers[present[k]]
                 n, dst = h.stored_length, dests[k]
                 if isinstance(dst, list):  # segments
                     crc = framing.recv_views_crc(self.sock, dst, after=left - n)
@@ -119,7 +131,7 @@ class TcpClientLane(Lane):
                 else:
                     framing.recv_into(self.sock, dst)
                 left -= n
-                k += 1
+            todo -= len(ks)
         if bad is not None:
             raise corrupt_block(bad, headers[bad].hash)
         for i, dst in zip(present, dests):
@@ -157,3 +169,26 @@ class TcpClientLane(Lane):
         except OSError:
             pass
         self.sock.close()
+
+
+def _named(meta: bytes, place: dict[int, int], received: list[bool]) -> list[int]:
+    """The positions (among the present blocks) of the header indices a DATA frame names, each new."""
+    if not meta or len(meta) % 4:
+        raise framing.FrameError("a DATA frame's block names are not whole uint32s")
+    ks = [place.get(i, -1) for i in struct.unpack(f"<{len(meta) // 4}I", meta)]
+    if any(k < 0 or received[k] for k in ks) or len(set(ks)) != len(ks):
+        raise framing.FrameError("a DATA frame names a block that is missing or was received already")
+    return ks
+
+
+def _following(headers: Sequence[pb.BlockHeader], present: list[int], cursor: int, data_len: int) -> list[int]:
+    """The present blocks from ``cursor`` on that an unnamed DATA frame of ``data_len`` bytes holds."""
+    ks: list[int] = []
+    left = data_len
+    while left > 0 and cursor + len(ks) < len(present):
+        k = cursor + len(ks)
+        ks.append(k)
+        left -= headers[present[k]].stored_length
+    if left != 0 or not ks:
+        raise framing.FrameError("a DATA frame does not end on a block boundary")
+    return ks
