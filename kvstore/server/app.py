@@ -16,6 +16,7 @@ import faulthandler
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.codecs.policy import LossyPolicy
 from kvstore.config import ServeConfig
-from kvstore.server import ports, reflection, tls
+from kvstore.server import drain, ports, reflection, tls
 from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import KVStoreService
@@ -140,6 +141,7 @@ class StoreServer:
         self.health = health.HealthServicer()
         tls.transport(cfg)  # refuse an unsafe transport before anything starts
         self.gate = Gatekeeper.from_config(cfg, self.store, self.metrics)  # tokens, tenants, quotas, deadlines
+        self.calls = drain.CallsInFlight()
         self.service = KVStoreService(
             self.store, self.limits, self.metrics, self.node_id, gate=self.gate, get_codec=cfg.get_codec
         )
@@ -177,7 +179,7 @@ class StoreServer:
             futures.ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="kvstore-rpc"),
             options=self.grpc_options(),
             maximum_concurrent_rpcs=self.cfg.workers * 4,
-            interceptors=self.gate.interceptors(),
+            interceptors=[self.calls, *self.gate.interceptors()],
         )
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -240,11 +242,13 @@ class StoreServer:
             return
         self._stopped.set()
         grace = self.cfg.drain_seconds if grace is None else grace
+        deadline = time.monotonic() + grace
         self.health.enter_graceful_shutdown()
         if self.cluster is not None:
             self.cluster.stop()  # deregister first: clients stop routing here while streams drain
         if self.server is not None:
-            self.server.stop(grace).wait()
+            self._drain(deadline)
+            self.server.stop(max(0.0, deadline - time.monotonic())).wait()
         if getattr(self, "lanes", None) is not None:
             self.lanes.close(grace)
         self.store.close()
@@ -253,6 +257,16 @@ class StoreServer:
             httpd.shutdown()
         self.gate.stop()
         log.info("stopped")
+
+    def _drain(self, deadline: float) -> None:
+        """Before grpc's stop: new calls refused, the calls in flight ended, their last bytes with the clients."""
+        start = time.monotonic()
+        if not self.calls.drain(deadline):
+            log.warning("drain: %d calls still in flight at the deadline; they are cancelled", self.calls.calls)
+        left = drain.wait_sent(lambda: drain.port_unsent(self.port), deadline)
+        if left:
+            log.warning("drain: %d bytes of replies not yet taken by their clients at the deadline", left)
+        log.info("drained in %.2f s", time.monotonic() - start)
 
     def wait(self) -> None:
         if self.server is not None:
