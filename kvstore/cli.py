@@ -26,7 +26,9 @@ EXIT_SECONDS = 10.0  # after a graceful stop, the process must be gone within th
 def _serve(args: argparse.Namespace) -> int:
     cfg = config.load(args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
+    from kvstore.server import stacks
+
+    stacks.install(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack to stderr
     from kvstore.server.app import StoreServer
     from kvstore.server.ports import preflight
 
