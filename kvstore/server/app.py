@@ -249,8 +249,8 @@ class StoreServer:
         if self.server is not None:
             self._drain(deadline)
             self.server.stop(max(0.0, deadline - time.monotonic())).wait()
-        if getattr(self, "lanes", None) is not None:
-            self.lanes.close(grace)
+        if getattr(self, "lanes", None) is not None:  # their frames ran beside the gRPC drain: what is left of it
+            self.lanes.close(max(0.0, deadline - time.monotonic()))
         self.store.close()
         if self._metrics_http is not None:
             httpd, thread = self._metrics_http
@@ -262,7 +262,7 @@ class StoreServer:
         """Before grpc's stop: new calls refused, the calls in flight ended, their last bytes with the clients."""
         start = time.monotonic()
         if not self.calls.drain(deadline):
-            log.warning("drain: %d calls still in flight at the deadline; they are cancelled", self.calls.calls)
+            log.warning("drain: calls still in flight at the deadline, cancelled: %s", self.calls.in_flight())
         left = drain.wait_sent(lambda: drain.port_unsent(self.port), deadline)
         if left:
             log.warning("drain: %d bytes of replies not yet taken by their clients at the deadline", left)

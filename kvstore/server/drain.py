@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,13 +38,13 @@ class CallsInFlight(_Interceptor):
     """Counts the RPCs in flight until each terminates; once ``drain`` starts, new ones get UNAVAILABLE."""
 
     def __init__(self) -> None:
-        self._calls = 0
+        self._calls: Counter[str] = Counter()  # method -> calls of it in flight
         self._draining = False
         self._idle = threading.Condition()
 
-    @property
-    def calls(self) -> int:
-        return self._calls
+    def in_flight(self) -> dict[str, int]:
+        with self._idle:
+            return {method: n for method, n in self._calls.items() if n}
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
@@ -51,29 +52,31 @@ class CallsInFlight(_Interceptor):
             return handler
         kind = next(k for k in _KINDS if getattr(handler, k) is not None)
         behavior = getattr(handler, kind)
+        method = details.method
+
+        def ended() -> None:
+            with self._idle:
+                self._calls[method] -= 1
+                if not self._calls[method]:
+                    self._idle.notify_all()
 
         def counted(request: Any, context: grpc.ServicerContext) -> Any:
             with self._idle:
                 if self._draining:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "this node is shutting down; retry on another node")
-                self._calls += 1
-            if not context.add_callback(self._ended):
-                self._ended()
+                self._calls[method] += 1
+            if not context.add_callback(ended):
+                ended()
             return behavior(request, context)
 
         return handler._replace(**{kind: counted})  # grpc's handlers are namedtuples; grpc-stubs leave it out
-
-    def _ended(self) -> None:
-        with self._idle:
-            self._calls -= 1
-            if self._calls == 0:
-                self._idle.notify_all()
 
     def drain(self, deadline: float) -> bool:
         """Refuse new calls and wait (until ``deadline``, monotonic) for those in flight; True if none is left."""
         with self._idle:
             self._draining = True
-            return self._idle.wait_for(lambda: self._calls == 0, timeout=max(0.0, deadline - time.monotonic()))
+            left = max(0.0, deadline - time.monotonic())
+            return self._idle.wait_for(lambda: not any(self._calls.values()), timeout=left)
 
 
 def port_unsent(port: int, proc_net: Path = Path("/proc/net")) -> int:

@@ -13,7 +13,6 @@ import sys
 import threading
 import traceback
 from types import FrameType
-from typing import TextIO
 
 
 def format_stacks() -> str:
@@ -26,10 +25,9 @@ def format_stacks() -> str:
     return "\n".join(lines)
 
 
-def dump_stacks(out: TextIO | None = None) -> None:
-    stream = out or sys.stderr
-    stream.write(format_stacks() + "\n")
-    stream.flush()
+def dump_stacks() -> None:
+    sys.stderr.write(format_stacks() + "\n")
+    sys.stderr.flush()
 
 
 def install(signum: int = signal.SIGUSR1) -> None:
