@@ -1,6 +1,8 @@
 """The words of the shared DRAM index's file (described in ``kvstore/arena_index.py``), for its writer, its
 readers and its compiled probe alike."""
 
+import functools
+
 MAGIC = 0x6B7673746F726569  # "kvstorei"
 VERSION = 2  # 2: an entry's offset may name a record of an NVMe segment file (ON_DISK)
 HEADER_WORDS = 8  # MAGIC, VERSION, buckets, ways, then spare words
@@ -23,6 +25,11 @@ def disk_word(segment_id: int, file_offset: int) -> int:
     return ON_DISK | segment_id << SEGMENT_SHIFT | file_offset
 
 
+@functools.lru_cache(maxsize=1024)
+def segment_name(segment_id: int) -> str:
+    return SEGMENT_FILE.format(segment_id)  # formatted once per segment, not once per block of every Get
+
+
 def segment_file(word: int) -> tuple[str, int]:
     """(file name, payload offset) of an ON_DISK offset word."""
-    return SEGMENT_FILE.format((word >> SEGMENT_SHIFT) & SEGMENT_IDS), word & FILE_OFFSETS
+    return segment_name((word >> SEGMENT_SHIFT) & SEGMENT_IDS), word & FILE_OFFSETS

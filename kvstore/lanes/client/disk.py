@@ -79,7 +79,7 @@ class DiskBlock:
 
 @dataclass(slots=True)
 class _Planned:
-    iov: list[memoryview]
+    iov: list[tuple[int, int]]  # (address, length) of each part of the read, in file order
     tails: list[tuple[DiskBlock, int, int]]  # (block, scratch position, bytes from there to copy in at the tail)
     scratch: _Scratch | None
 
@@ -90,7 +90,6 @@ class _Scratch:
     def __init__(self, size: int):
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
         self.map = mmap.mmap(-1, size, flags=flags)
-        self.view = memoryview(self.map)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
 
 
@@ -187,42 +186,41 @@ class DiskReader:
         return scratch
 
     def _plan(self, piece: list[DiskBlock]) -> _Planned:
-        """One preadv from the first payload's offset to the last one's end (rounded up to a page)."""
-        scratch_bytes = 0
-        direct: list[bool] = []
-        pos = piece[0].offset
-        for b in piece:
-            gap = b.offset - pos
-            aligned = b.length // PAGE * PAGE
-            ok = aligned > 0 and _aligned_spans(b.spans, aligned)
-            direct.append(ok)
-            scratch_bytes += gap + (_round_up(b.length) - aligned if ok else _round_up(b.length))
-            pos = b.offset + _round_up(b.length)
-        scratch = self._scratch(_round_up(scratch_bytes)) if scratch_bytes else None
-        whole = scratch.view if scratch is not None else memoryview(b"")
-        iov: list[memoryview] = []
+        """One preadv from the first payload's offset to the last one's end (rounded up to a page): (address,
+        length) pairs, those in scratch first as (-1 - scratch position, length), placed once its size is known."""
+        iov: list[tuple[int, int]] = []
         tails: list[tuple[DiskBlock, int, int]] = []
         sp = 0  # scratch position
         pos = piece[0].offset
-        for b, ok in zip(piece, direct):
-            gap = b.offset - pos
-            if gap:
-                iov.append(whole[sp : sp + gap])
-                sp += gap
-            padded = _round_up(b.length)
-            if ok:
-                aligned = b.length // PAGE * PAGE
-                iov.extend(_span_views(b.spans, aligned))
-                rest = padded - aligned
-                if rest:
-                    iov.append(whole[sp : sp + rest])
+        for b in piece:
+            if b.offset != pos:
+                iov.append((-1 - sp, b.offset - pos))
+                sp += b.offset - pos
+            padded = -(-b.length // PAGE) * PAGE
+            aligned = b.length - b.length % PAGE
+            spans = b.spans
+            if aligned and (
+                spans[0][0] % PAGE == 0 and spans[0][1] >= aligned
+                if len(spans) == 1
+                else _aligned_spans(spans, aligned)
+            ):
+                if len(spans) == 1:
+                    iov.append((spans[0][0], aligned))
+                else:
+                    iov.extend(_leading(spans, aligned))
+                if padded != aligned:
+                    iov.append((-1 - sp, padded - aligned))
                     tails.append((b, sp, b.length - aligned))
-                    sp += rest
+                    sp += padded - aligned
             else:
-                iov.append(whole[sp : sp + padded])
+                iov.append((-1 - sp, padded))
                 tails.append((b, sp, -1))  # the whole payload lies in scratch
                 sp += padded
             pos = b.offset + padded
+        scratch = self._scratch(sp) if sp else None
+        if scratch is not None:
+            base = scratch.address - 1
+            iov = [(base - a, n) if a < 0 else (a, n) for a, n in iov]
         return _Planned(iov, tails, scratch)
 
     # -- reading -------------------------------------------------------------------------
@@ -233,7 +231,7 @@ class DiskReader:
             planned = self._plan(piece)
             if len(planned.iov) > MAX_IOVECS:  # too many spans for one call: the store reads these blocks
                 return None
-            return planned, os.preadv(fd, planned.iov, piece[0].offset)
+            return planned, _preadv(fd, planned.iov, piece[0].offset)
         except (OSError, ValueError):
             return None
 
@@ -307,8 +305,19 @@ class DiskReader:
             return self._pool
 
 
-def _round_up(n: int) -> int:
-    return -(-n // PAGE) * PAGE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+_libc.preadv.restype = ctypes.c_ssize_t
+
+
+def _preadv(fd: int, iov: list[tuple[int, int]], offset: int) -> int:
+    """``os.preadv`` of raw (address, length) pairs, without a memoryview per part (it lets go of the GIL too)."""
+    vectors = np.array(iov, dtype=np.uint64)
+    got = _libc.preadv(fd, vectors.ctypes.data, len(iov), offset)
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(got)
 
 
 def _aligned_spans(spans: Spans, n: int) -> bool:
@@ -333,13 +342,6 @@ def _leading(spans: Spans, n: int) -> list[tuple[int, int]]:
         out.append((address, min(length, n)))
         n -= length
     return out
-
-
-def _span_views(spans: Spans, n: int) -> list[memoryview]:
-    """Writable views of the first ``n`` bytes of ``spans``."""
-    return [
-        memoryview((ctypes.c_char * length).from_address(address)).cast("B") for address, length in _leading(spans, n)
-    ]
 
 
 def _skip(spans: Spans, n: int) -> Spans:

@@ -99,9 +99,12 @@ class ShmGets:
             return False
         todo = []
         for i, name, offset, n, crc in blocks:
-            if span_bytes(spans[i]) < n:
-                return False  # asked, the store's reply says which buffer is short
-            todo.append(DiskBlock(i, name, offset, n, crc, clip(spans[i], n)))
+            where = spans[i]
+            if len(where) != 1 or where[0][1] != n:  # one buffer of the block's size, as a rule: nothing to clip
+                if span_bytes(where) < n:
+                    return False  # asked, the store's reply says which buffer is short
+                where = clip(where, n)
+            todo.append(DiskBlock(i, name, offset, n, crc, where))
         return not self.disk.read(todo)
 
     def _send_touches(self, force: bool = False) -> None:
