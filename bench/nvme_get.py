@@ -23,6 +23,9 @@ that all see the disk and the loaded host in the same state:
   prefix by prefix in a rotating order: this virtual disk reads recently written data faster (the host's cache),
   and writing one side after the other made the last one look 1.2-1.7x faster (docs/nvme.md); ``raw_crc``: that
   read plus a CRC32C of the extent on one thread, after it (what a read costs that is checked, as the store's are);
+- ``raw_dst``: the same read of another extent, by this tree's worker, into the very buffers its Gets fill (each
+  record header into a page of its own): on this VM where the bytes land moves an O_DIRECT read's time by up to
+  1.5x (docs/nvme.md), so a Get is also compared with the disk read into its own memory (``disk_nvme_vs_raw_dst``);
 - ``dram_floor``: what a checked DRAM hit costs at the least, in this process: each of 32 blocks taken from a
   256 MiB buffer at a rotating place (not in the CPU's caches, as the stores' blocks are not between steps)
   gets its CRC32C and one copy into a page-aligned buffer, on one thread (the baseline of ``shm_dram_vs_floor``);
@@ -38,7 +41,7 @@ read them unasked; a second such store without the index (``diskasked_shm``, eve
 the same worker, and ``disk_index_speedup`` is its p50 over ``disk_shm``'s: what the index saves, measured
 without the bias between two trees' workers (docs/nvme.md).
 
-Rows: p50 ms of each step, ``shm_dram_vs_floor`` (floor / DRAM-hit Get), ``disk_nvme_vs_raw``,
+Rows: p50 ms of each step, ``shm_dram_vs_floor`` (floor / DRAM-hit Get), ``disk_nvme_vs_raw``, ``disk_nvme_vs_raw_dst``,
 ``shm_nvme_vs_raw``, ``tcp_nvme_vs_raw`` and ``grpc_nvme_vs_raw`` (raw time / Get time, 1 = as fast as the bare
 disk), ``socket_gbps`` (loopback TCP of a prefix's payload between two processes, distinct memory on both sides:
 ``bench.baselines.raw_socket_gbps``) and ``tcp_ceiling_vs_raw`` (socket / raw speed, at most 1: what the tcp and
@@ -90,23 +93,31 @@ class DramFloor:
 
 
 class RawExtents:
-    """A file of ``count`` prefix-sized extents written with O_DIRECT (``write(j)``), beside the store's segments; ``read(i)``
-    reads the i-th of them in a shuffled order, each once (a repeated read could come from the host's cache; a
-    separate file, so that a Get and a raw read never read the same bytes)."""
+    """A file of ``2 * count`` prefix-sized extents written with O_DIRECT (``write(j)`` writes two), beside the
+    store's segments; ``read(i)`` reads the i-th of the first ``count`` in a shuffled order, each once, into one
+    buffer of this process (a repeated read could come from the host's cache; a separate file, so that a Get and
+    a raw read never read the same bytes); ``dst_offset(i)`` is where the i-th of the others lies, read once each
+    by the worker into its Gets' own buffers (``rawdst``)."""
 
     def __init__(self, path: Path, block: int, count: int, rng: np.random.Generator):
+        self.path = path
         self.extent = PREFIX * record_bytes(block)
+        self.count = count
         self.buf = aligned_buffer(self.extent)
         self.buf[:] = rng.integers(0, 256, self.extent, dtype=np.uint8)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         self.order = rng.permutation(count)
 
     def write(self, j: int) -> None:
-        """Write extent ``j`` (the driver interleaves these with the stores' writes)."""
+        """Write extents ``j`` and ``count + j`` (the driver interleaves these with the stores' writes)."""
         os.pwrite(self.fd, self.buf, j * self.extent)
+        os.pwrite(self.fd, self.buf, (self.count + j) * self.extent)
 
     def read(self, i: int) -> None:
-        os.preadv(self.fd, [self.buf], int(self.order[i % len(self.order)]) * self.extent)
+        os.preadv(self.fd, [self.buf], int(self.order[i % self.count]) * self.extent)
+
+    def dst_offset(self, i: int) -> int:
+        return (self.count + int(self.order[(i + self.count // 2) % self.count])) * self.extent
 
     def close(self) -> None:
         os.close(self.fd)
@@ -204,7 +215,7 @@ def measure(
         old_disk = "--with-disk-store" in old_extra
         steps = [(tag, kind) for tag in sides for kind in (NEW_KINDS if tag == "" or old_disk else KINDS)]
         steps += [("", "diskasked-shm")] if index_ab else []
-        steps += [("", "raw"), ("", "dram_floor")]
+        steps += [("", "raw"), ("", "raw_dst"), ("", "dram_floor")]
         times: dict[str, list[float]] = {f"{tag}{kind}": [] for tag, kind in steps}
         times["raw_crc"] = []
         order = [int(i) for i in rng.permutation(count)]
@@ -215,6 +226,8 @@ def measure(
                     t0 = time.perf_counter()
                     floor.run(r)
                     times["dram_floor"].append(time.perf_counter() - t0)
+                elif kind == "raw_dst":
+                    times["raw_dst"].append(float(workers[""].ask(f"rawdst {raw.path} {raw.dst_offset(r)}")))
                 elif kind == "raw":
                     t0 = time.perf_counter()
                     raw.read(r)
@@ -239,6 +252,9 @@ def measure(
     row["raw_extent_gbps"] = PREFIX * record_bytes(block) / p50["raw"] / 1e6
     row["disk_nvme_vs_raw"] = p50["raw"] / p50["disk-shm"]
     row["disk_nvme_gbps"] = payload / p50["disk-shm"] / 1e6
+    # the same read into the memory the Get fills: on this VM where the bytes land moves an O_DIRECT read's time
+    # by up to 1.5x (docs/nvme.md), so this ratio is what the store adds to the disk, free of that
+    row["disk_nvme_vs_raw_dst"] = p50["raw_dst"] / p50["disk-shm"]
     for lane in ("shm", "tcp", "grpc"):
         row[f"{lane}_nvme_vs_raw"] = p50["raw"] / p50[f"nvme-{lane}"]
         row[f"{lane}_nvme_gbps"] = payload / p50[f"nvme-{lane}"] / 1e6
@@ -318,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
         "Prefix Gets (32 blocks) through kvstore serve processes, p50 ms, each step taken in turn prefix by prefix "
         "with a raw O_DIRECT read of the same size" + (f"; old_ = the code of {args.baseline}" if args.baseline else "")
     )
-    cols = ["block_bytes", "prefixes", "raw_p50_ms", "raw_crc_p50_ms", "disk_shm_p50_ms", "disk_nvme_vs_raw"]
+    cols = ["block_bytes", "prefixes", "raw_p50_ms", "raw_crc_p50_ms", "raw_dst_p50_ms", "disk_shm_p50_ms"]
+    cols += ["disk_nvme_vs_raw", "disk_nvme_vs_raw_dst"]
     if args.share_dram == "true" and args.dram_index == "true":
         cols += ["diskasked_shm_p50_ms", "diskasked_nvme_vs_raw", "disk_index_speedup"]
     cols += ["nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_tcp_p50_ms", "tcp_nvme_vs_raw", "nvme_grpc_p50_ms"]

@@ -13,14 +13,17 @@ prints ``ready``, then answers lines on stdin: ``write I`` writes prefix ``I`` o
 Get reads a prefix once: a repeated read could come from a cache); ``flush`` then writes more than DRAM holds
 of other prefixes to each NVMe store, which push the last measured ones out of DRAM (write-through keeps the newest
 blocks in DRAM: without it a Get of those was a DRAM hit); ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``nvme-grpc``, ``dram-shm``,
-``dram-tcp``, ``disk-shm``, ``diskasked-shm``) into page-aligned buffers and prints its seconds; ``stats`` prints the NVMe store's tier hits
-as JSON; ``quit`` stops. Only public names are used, so an older tree runs it too.
+``dram-tcp``, ``disk-shm``, ``diskasked-shm``) into page-aligned buffers and prints its seconds; ``rawdst PATH
+OFFSET`` reads a prefix-sized extent of ``PATH`` with one O_DIRECT ``preadv`` into those same buffers (each 4 KiB
+record header into a page of its own) and prints its seconds: the disk's speed into the very memory the Gets
+fill; ``stats`` prints the NVMe store's tier hits as JSON; ``quit`` stops. Only public names are used, so an older tree runs it too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -94,6 +97,9 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
         out = [aligned_buffer(block) for _ in range(PREFIX)]
         for buf in out:
             buf[:] = 1  # faulted in before any Get
+        headers = aligned_buffer(PREFIX * 4096)
+        raw_iov = [part for k in range(PREFIX) for part in (memoryview(headers)[k * 4096 : (k + 1) * 4096], out[k])]
+        raw_files: dict[str, int] = {}
         print("ready", flush=True)
         for line in sys.stdin:
             words = line.split()
@@ -119,6 +125,14 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
                 if "disk-shm" in clients:  # bytes its clients read from the NVMe files themselves
                     tiers["disk_named_bytes"] = clients["disk-shm"].stats()["counters"]["lane_shm_disk_get_bytes"]
                 print(json.dumps(tiers), flush=True)
+                continue
+            if words[0] == "rawdst":  # as the tier lays a prefix down: header page, payload, header page, ...
+                fd = raw_files.get(words[1])
+                if fd is None:
+                    fd = raw_files[words[1]] = os.open(words[1], os.O_RDONLY | os.O_DIRECT)
+                t0 = time.perf_counter()
+                os.preadv(fd, raw_iov, int(words[2]))
+                print(time.perf_counter() - t0, flush=True)
                 continue
             kind, i = words[0], int(words[1])
             keys = prefixes[kind][i % len(prefixes[kind])]
