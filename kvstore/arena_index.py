@@ -11,7 +11,7 @@ Layout (one file of the shm directory, named and swept as the arena is, mode 060
     seq   even: stable; odd: being written. Every change adds 1 before and 1 after it (a seqlock).
     key0, key1   the block's 16-byte hash XOR its namespace's mix (``namespace_mix``); 0, 0: a free way
     offset       of the block's bytes in the arena; with ``ON_DISK`` set, a payload in the NVMe tier's files
-                 instead (segment id and file offset, ``arena_index_layout.segment_file``)
+                 instead (segment id and file offset, ``Found.on_disk``)
     lencrc       stored length (low 32 bits) | CRC32C of the raw bytes << 32
 
 A block in DRAM is named there; one only on NVMe is named in its segment file when the store shares those
@@ -54,6 +54,7 @@ import numpy as np
 from kvstore import shmfile
 from kvstore.arena_index_layout import (
     ENTRY_WORDS,
+    FILE_OFFSETS,
     HEADER_WORDS,
     KEY0,
     KEY1,
@@ -61,10 +62,11 @@ from kvstore.arena_index_layout import (
     MAGIC,
     OFFSET,
     ON_DISK,
+    SEGMENT_IDS,
+    SEGMENT_SHIFT,
     SEQ,
     VERSION,
     WAYS,
-    segment_file,
 )
 from kvstore.background_compile import BackgroundCompile
 
@@ -187,6 +189,24 @@ class ArenaIndex:
             pass
 
 
+@dataclass(frozen=True)
+class OnDisk:
+    """The blocks of a ``find`` that lie in the NVMe tier's files: int64 arrays of one entry per block."""
+
+    positions: np.ndarray  # the blocks' places in the ``find``
+    segments: np.ndarray  # segment ids (file names: ``arena_index_layout.segment_name``)
+    offsets: np.ndarray  # of the payloads in those files
+    lengths: np.ndarray
+    crcs: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+NOT_ON_DISK = OnDisk(_NONE, _NONE, _NONE, _NONE, _NONE)
+
+
 @dataclass
 class Found:
     """Where every block of one ``find`` lies, and the ``seq`` each entry had when it was read."""
@@ -197,9 +217,20 @@ class Found:
     _view: ArenaIndexView
     _rows: np.ndarray  # (n, 4) uint64: offset, lencrc, entry, seq
 
-    def on_disk(self) -> list[tuple[int, str, int]]:
-        """(position, segment file, payload offset) of the blocks named in the NVMe tier's files."""
-        return [(i, *segment_file(word)) for i, word in enumerate(self.offsets) if word & ON_DISK]
+    def on_disk(self) -> OnDisk:
+        """The blocks named in the NVMe tier's files, as arrays (a Get's worth at once, not a tuple per block)."""
+        words = self._rows[:, 0]
+        positions = np.flatnonzero(words & np.uint64(ON_DISK))
+        if not len(positions):
+            return NOT_ON_DISK
+        named, lencrc = words[positions], self._rows[positions, 1]
+        return OnDisk(
+            positions=positions,
+            segments=((named >> np.uint64(SEGMENT_SHIFT)) & np.uint64(SEGMENT_IDS)).astype(np.int64),
+            offsets=(named & np.uint64(FILE_OFFSETS)).astype(np.int64),
+            lengths=(lencrc & np.uint64(0xFFFFFFFF)).astype(np.int64),
+            crcs=(lencrc >> np.uint64(32)).astype(np.int64),
+        )
 
     def unchanged(self) -> bool:
         """True when no entry changed since ``find``: the bytes copied meanwhile are the named blocks'."""

@@ -49,17 +49,17 @@ def copy_crc(dst: memoryview, src: memoryview, crc: int = 0) -> int:
     return crc
 
 
-def run_rows(rows: Sequence[tuple[int, int, int, int]], blocks: int, check: bool = True) -> list[int]:
+def run_rows(rows: Sequence[tuple[int, int, int, int]] | np.ndarray, blocks: int, check: bool = True) -> list[int]:
     """Each (src, dst, n, block) row in order: n bytes at address src copied to dst (dst 0: only read), their
     CRC32C chained onto that block's; the ``blocks`` CRC32Cs (zeros without ``check``: then only copies). One
     compiled call when the kernels are ready (``memops_jit.copy_rows``), else a memmove and a CRC32C a row."""
-    if not rows:
+    if not len(rows):
         return [0] * blocks
     if memops_jit.ready():
-        crcs = memops_jit.copy_rows(np.array(rows, dtype=np.int64).reshape(-1, 4), blocks, check)
+        crcs = memops_jit.copy_rows(np.asarray(rows, dtype=np.int64).reshape(-1, 4), blocks, check)
         return crcs.tolist() if check else [0] * blocks
     values = [0] * blocks
-    for src, dst, n, block in rows:
+    for src, dst, n, block in rows.tolist() if isinstance(rows, np.ndarray) else rows:
         if dst:
             ctypes.memmove(dst, src, n)  # lets go of the GIL
         if check:

@@ -78,6 +78,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from kvstore.checksum import crc32c
 from kvstore.codecs.transfer import DecodeTally, TransferPlan
@@ -307,9 +308,10 @@ class NodeClient:
             raise ValueError(f"{len(hashes)} hashes but {len(out)} output buffers")
         if not hashes:
             return []
-        if out is not None and any(isinstance(x, Segments) for x in out):
+        mixed = out is not None and not all(type(x) is np.ndarray for x in out)  # numpy buffers: neither case below
+        if out is not None and mixed and any(isinstance(x, Segments) for x in out):
             return self._get_segments(namespace, hashes, out, allow_missing, verify, codec, lossy_ok)
-        on_device = out is not None and any(is_device_tensor(x) for x in out)
+        on_device = out is not None and mixed and any(is_device_tensor(x) for x in out)
         if on_device and (codec or self._coding.codec) in ("none", "auto"):
             got = self._device_lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
             if got is not None:

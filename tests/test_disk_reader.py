@@ -178,3 +178,79 @@ def test_one_reader_reuses_its_scratch_across_reads_and_grows_it(written, tmp_pa
     assert reader.read([DiskBlock(0, place[0], place[1], len(big), crc32c(big), ((_address(out), len(out)),))]) == []
     assert out.tobytes() == big.tobytes()
     reader.close()
+
+
+# -- read_run: the common Get (whole-page payloads of one file into page-aligned buffers) as array operations ---
+def _run_args(where, payloads, picks, bufs, crcs=None):
+    return (
+        where[picks[0]][0],
+        np.arange(len(picks), dtype=np.int64),
+        np.array([where[i][1] for i in picks], dtype=np.int64),
+        np.array([len(payloads[i]) for i in picks], dtype=np.int64),
+        np.array(crcs if crcs is not None else [crc32c(payloads[i]) for i in picks], dtype=np.int64),
+        np.array([_address(b) for b in bufs], dtype=np.int64),
+    )
+
+
+WHOLE_PAGES = [i for i in range(40) if [4096, 65536, 1, 5000, 12288, 100_000, 131072, 8191][i % 8] % 4096 == 0]
+
+
+@pytest.fixture
+def runs_allowed(monkeypatch):
+    monkeypatch.setattr(client_disk, "ALONE_BYTES", 3 << 20)  # the module's fixture turns single pieces off
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(picks=st.lists(st.sampled_from(WHOLE_PAGES), min_size=1, max_size=10, unique=True), bad=st.integers(-1, 9))
+def test_a_run_comes_back_exact_in_any_order_and_a_corrupt_block_fails_alone(written, runs_allowed, picks, bad):
+    """Positions are the caller's order, the file's order may differ; records of other sizes between the picked
+    ones are read through into scratch (or, past GAP_BYTES, the run is not one: ``read`` takes it)."""
+    root, where, payloads = written
+    reader = DiskReader(str(root))
+    bufs = [aligned_buffer(len(payloads[i])) for i in picks]
+    crcs = [crc32c(payloads[i]) ^ (1 if k == bad else 0) for k, i in enumerate(picks)]
+    failed = reader.read_run(*_run_args(where, payloads, picks, bufs, crcs))
+    offsets = sorted(where[i][1] for i in picks)
+    ends = {where[i][1]: where[i][1] + len(payloads[i]) for i in picks}
+    gaps = [b - ends[a] for a, b in zip(offsets, offsets[1:])]
+    if gaps and max(gaps) > client_disk.GAP_BYTES:
+        assert failed is None
+        return
+    assert failed == ([bad] if 0 <= bad < len(picks) else [])
+    assert all(b.tobytes() == payloads[i].tobytes() for k, (i, b) in enumerate(zip(picks, bufs)) if k != bad)
+    reader.close()
+
+
+def test_blocks_that_are_not_such_a_run_are_left_to_read(written, runs_allowed):
+    root, where, payloads = written
+    reader = DiskReader(str(root))
+    picks = [0, 1]
+    aligned = [aligned_buffer(len(payloads[i])) for i in picks]
+    assert reader.read_run(*_run_args(where, payloads, picks, aligned)) == []
+    unaligned = [aligned_buffer(len(payloads[i]) + 64)[16 : 16 + len(payloads[i])] for i in picks]
+    assert reader.read_run(*_run_args(where, payloads, picks, unaligned)) is None  # into scratch: read()
+    odd = [2, 3]  # 1 and 5000 bytes: tails in scratch
+    assert reader.read_run(*_run_args(where, payloads, odd, [aligned_buffer(8192) for _ in odd])) is None
+    far = [0, 32]  # records apart by more than GAP_BYTES
+    assert reader.read_run(*_run_args(where, payloads, far, [aligned_buffer(len(payloads[i])) for i in far])) is None
+    client_disk.ALONE_BYTES = 4096
+    try:  # longer than one piece on the caller's thread
+        assert reader.read_run(*_run_args(where, payloads, picks, aligned)) is None
+    finally:
+        client_disk.ALONE_BYTES = 3 << 20
+
+
+def test_a_run_past_the_files_end_or_in_a_missing_file_fails_by_position(written, runs_allowed, tmp_path):
+    root, where, payloads = written
+    picks = [0, 1, 4]  # 4 KiB, 64 KiB, 12 KiB payloads
+    name = where[0][0]
+    cut = where[1][1] + 8192  # the file ends inside the second payload
+    (tmp_path / name).write_bytes((root / name).read_bytes()[:cut])
+    reader = DiskReader(str(tmp_path))
+    bufs = [aligned_buffer(len(payloads[i])) for i in picks]
+    assert reader.read_run(*_run_args(where, payloads, picks, bufs)) == [1, 2]
+    assert bufs[0].tobytes() == payloads[0].tobytes()
+    args = list(_run_args(where, payloads, picks, bufs))
+    args[0] = "seg-0000009999.log"
+    assert reader.read_run(*args) == [0, 1, 2]
+    reader.close()

@@ -30,6 +30,7 @@ from kvstore.store.index import NO_LOC
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.nvme.io import aligned_buffer
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -239,6 +240,37 @@ def test_a_corrupt_record_named_on_disk_is_dropped_by_the_store(server, tmp_path
         assert kv.get("ns", hs, out=out, allow_missing=True)[2] is None
         got = kv.get("ns", hs[:2], out=out[:2])
         assert all(np.array_equal(g, d) for g, d in zip(got, data[:2]))
+
+
+def test_a_prefix_of_small_blocks_into_page_aligned_buffers_is_read_as_one_run(server, tmp_path):
+    """The common Get (``DiskReader.read_run``: one preadv, one batch of CRC32Cs): exact bytes, and a corrupt
+    record among them is not served: the Get is asked, the store drops the record and says DATA_LOSS."""
+    hs, data = hashes(16, seed=6), blocks(16, 64 << 10, seed=6)
+    with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:
+        on_nvme_only(server, kv, hs, data)
+        out = [aligned_buffer(64 << 10) for _ in hs]
+        kv.get("ns", hs, out=out)  # asked: the store serves the namespace to this lane
+        lane = lane_of(kv)
+        runs: list[list[int] | None] = []
+        read_run = lane.disk.read_run
+        lane.disk.read_run = lambda *a: runs.append(read_run(*a)) or runs[-1]
+        for o in out:
+            o[:] = 0
+        got = kv.get("ns", hs, out=out)
+        assert all(np.array_equal(g, d) for g, d in zip(got, data))
+        assert runs == [[]] and lane.indexed.disk_hits == 16
+        t, nvme = server.store.table, server.store.tiers[-1]
+        segments, offsets = nvme.payload_places(np.array([t.loc_of(t.find(t.namespace_id("ns"), hs[5]), nvme.rank)]))
+        name, at = segment_file(ON_DISK | int(segments[0]) << 40 | int(offsets[0]))
+        with open(tmp_path / "nvme" / name, "r+b") as f:
+            f.seek(at + 7)
+            byte = f.read(1)
+            f.seek(at + 7)
+            f.write(bytes([byte[0] ^ 0x01]))
+        with pytest.raises(KVStoreError) as err:
+            kv.get("ns", hs, out=out)
+        assert err.value.code == grpc.StatusCode.DATA_LOSS and runs[-1] == [5]
+        assert kv.get("ns", hs, out=out, allow_missing=True)[5] is None
 
 
 def test_deleted_nvme_blocks_are_never_served_from_the_index(server):

@@ -130,6 +130,53 @@ class DiskReader:
             failed.extend(job.result())
         return failed
 
+    def read_run(
+        self,
+        name: str,
+        positions: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        crcs: np.ndarray,
+        addresses: np.ndarray,
+    ) -> list[int] | None:
+        """``read`` of the common Get, as array operations: whole-page payloads of one file, close together and
+        short enough for one piece, each into a page-aligned buffer (int64 arrays, one entry per block). One
+        preadv on the caller's thread, the record headers between them into scratch, and one batch of CRC32Cs;
+        the positions that failed, or None when the blocks are not such a run (``read`` takes them then).
+        Where a 32 x 64 KiB Get read through ``read`` spent more on per-block Python than on its CRC32Cs."""
+        n = len(offsets)
+        if not n or 2 * n > MAX_IOVECS:
+            return None
+        order = np.argsort(offsets, kind="stable")
+        start, length, address = offsets[order], lengths[order], addresses[order]
+        end = start + length
+        gap = np.empty(n, dtype=np.int64)
+        gap[0] = 0
+        gap[1:] = start[1:] - end[:-1]
+        if (
+            int(end[-1] - start[0]) >= ALONE_BYTES
+            or ((length | address) % PAGE).any()
+            or not length.all()
+            or int(gap.min()) < 0
+            or int(gap.max()) > GAP_BYTES
+        ):
+            return None
+        if time.monotonic() - self._swept >= SWEEP_SECONDS:
+            self._close_deleted()
+        vectors = np.empty((2 * n, 2), dtype=np.int64)  # (gap before the payload, payload) per block
+        held = int(gap.sum())
+        vectors[0::2, 0] = self._scratch(held).address + np.cumsum(gap) - gap if held else 0
+        vectors[0::2, 1], vectors[1::2, 0], vectors[1::2, 1] = gap, address, length
+        try:
+            got = _preadv(self._fd(name), vectors[vectors[:, 1] > 0], int(start[0]))
+        except (OSError, ValueError):
+            return _ints(positions)
+        rows = np.zeros((n, 4), dtype=np.int64)  # (payload, 0: only read, length, block): CRC32Cs, no copies
+        rows[:, 0], rows[:, 2], rows[:, 3] = address, length, np.arange(n)
+        values = np.array(run_rows(rows, n), dtype=np.int64)
+        bad = (end - start[0] > got) | (values != crcs[order])
+        return _ints(positions[order][bad])
+
     def _close_deleted(self) -> None:
         """Close the files the store has deleted since they were opened: between reads, so no thread uses them."""
         self._swept = time.monotonic()
@@ -231,7 +278,7 @@ class DiskReader:
             planned = self._plan(piece)
             if len(planned.iov) > MAX_IOVECS:  # too many spans for one call: the store reads these blocks
                 return None
-            return planned, _preadv(fd, planned.iov, piece[0].offset)
+            return planned, _preadv(fd, np.array(planned.iov, dtype=np.int64), piece[0].offset)
         except (OSError, ValueError):
             return None
 
@@ -310,14 +357,19 @@ _libc.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_i
 _libc.preadv.restype = ctypes.c_ssize_t
 
 
-def _preadv(fd: int, iov: list[tuple[int, int]], offset: int) -> int:
-    """``os.preadv`` of raw (address, length) pairs, without a memoryview per part (it lets go of the GIL too)."""
-    vectors = np.array(iov, dtype=np.uint64)
-    got = _libc.preadv(fd, vectors.ctypes.data, len(iov), offset)
+def _preadv(fd: int, vectors: np.ndarray, offset: int) -> int:
+    """``os.preadv`` of (address, length) rows (int64, C order: ``struct iovec``), without a memoryview per part
+    (it lets go of the GIL too)."""
+    vectors = np.ascontiguousarray(vectors, dtype=np.int64)
+    got = _libc.preadv(fd, vectors.ctypes.data, len(vectors), offset)
     if got < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return int(got)
+
+
+def _ints(values: np.ndarray) -> list[int]:
+    return [int(v) for v in values.tolist()]
 
 
 def _aligned_spans(spans: Spans, n: int) -> bool:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.arena_index import ArenaIndexView
+from kvstore.arena_index import ArenaIndexView, OnDisk
 from kvstore.errors import corrupt_block
 from kvstore.lanes.client.outputs import copy_outs
 from kvstore.v1 import lanes_pb2 as lpb
@@ -33,9 +33,8 @@ TOUCH_SECONDS = 0.05
 MAX_PENDING = 1 << 16
 
 CopyFrom = Callable[[int, int, Sequence[Any], int], tuple[Any, memoryview]]
-# (position, segment file, payload offset, length, CRC32C) of each block named on disk, and the caller's buffers:
-# True when every one was read into its buffer and checked
-ReadDisk = Callable[[list[tuple[int, str, int, int, int]], Sequence[Any]], bool]
+# the blocks named on disk and the caller's buffers: True when every one was read into its buffer and checked
+ReadDisk = Callable[[OnDisk, Sequence[Any]], bool]
 
 
 class IndexedGets:
@@ -72,14 +71,15 @@ class IndexedGets:
         if on_disk and read_disk is None:  # this lane may not read the store's files
             self.fallbacks += 1
             return None
-        disk_positions = {i for i, _, _ in on_disk}
-        in_dram = [i for i in range(len(hashes)) if i not in disk_positions] if on_disk else range(len(hashes))
+        in_dram: Sequence[int] = range(len(hashes))
+        if len(on_disk) == len(hashes):  # a prefix demoted whole: nothing to copy out of the arena
+            in_dram = ()
+        elif on_disk:
+            disk_positions = set(on_disk.positions.tolist())
+            in_dram = [i for i in in_dram if i not in disk_positions]
         copies = [(*copy_from(found.offsets[i], found.lengths[i], out, i), verify) for i in in_dram]
-        crcs = copy_outs(copies)
-        read = not on_disk or (
-            read_disk is not None
-            and read_disk([(i, name, at, found.lengths[i], found.crcs[i]) for i, name, at in on_disk], out)
-        )
+        crcs = copy_outs(copies) if copies else []
+        read = not on_disk or (read_disk is not None and read_disk(on_disk, out))
         if not read or not found.unchanged():  # unreadable, or moved, evicted or rewritten meanwhile: ask instead
             self.fallbacks += 1
             return None

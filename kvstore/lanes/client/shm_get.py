@@ -24,7 +24,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+import numpy as np
 
+from kvstore.arena_index import OnDisk
+from kvstore.arena_index_layout import segment_name
 from kvstore.checksum import crc32c
 from kvstore.errors import KVStoreError, corrupt_block, short_buffer
 from kvstore.lanes.base import LaneBroken
@@ -90,21 +93,35 @@ class ShmGets:
     def _copy_from_arena(self, offset: int, n: int, out: Sequence[Any], i: int) -> tuple[Any, memoryview]:
         return self._copy_from(self.dram, offset, n, out, i, None)
 
-    def _read_named_on_disk(self, blocks: list[tuple[int, str, int, int, int]], out: Sequence[Any]) -> bool:
+    def _read_named_on_disk(self, named: OnDisk, out: Sequence[Any]) -> bool:
         """Blocks the DRAM index names in the NVMe tier's files, read straight into ``out`` and checked; False
         when one could not be (the Get is then asked of the store)."""
         assert self.disk is not None
         spans = direct_outs(out)
         if spans is None:
             return False
+        positions, lengths = named.positions.tolist(), named.lengths.tolist()
+        if (named.segments == named.segments[0]).all():  # one file, as a prefix demoted together: as arrays
+            addresses = [
+                spans[i][0][0] for i, n in zip(positions, lengths) if len(spans[i]) == 1 and spans[i][0][1] >= n
+            ]
+            if len(addresses) == len(positions):
+                failed = self.disk.read_run(
+                    segment_name(int(named.segments[0])), named.positions, named.offsets, named.lengths, named.crcs,
+                    np.array(addresses, dtype=np.int64),
+                )  # fmt: skip
+                if failed is not None:
+                    return not failed
         todo = []
-        for i, name, offset, n, crc in blocks:
+        for i, segment, offset, n, crc in zip(
+            positions, named.segments.tolist(), named.offsets.tolist(), lengths, named.crcs.tolist()
+        ):
             where = spans[i]
             if len(where) != 1 or where[0][1] != n:  # one buffer of the block's size, as a rule: nothing to clip
                 if span_bytes(where) < n:
                     return False  # asked, the store's reply says which buffer is short
                 where = clip(where, n)
-            todo.append(DiskBlock(i, name, offset, n, crc, where))
+            todo.append(DiskBlock(i, segment_name(segment), offset, n, crc, where))
         return not self.disk.read(todo)
 
     def _send_touches(self, force: bool = False) -> None:
