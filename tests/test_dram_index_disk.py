@@ -12,6 +12,7 @@ the same bytes and the client closes the files of the deleted segments.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -31,6 +32,7 @@ from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.nvme.io import aligned_buffer
+from tests.test_nvme_tier import flip_byte
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -194,6 +196,14 @@ def on_nvme_only(server, kv: Client, hs: list[bytes], data: list[np.ndarray]) ->
     assert n == len(hs) and dram not in ranks
 
 
+def corrupt_on_disk(server, directory: Path, h: bytes, at: int) -> None:
+    """Flip byte ``at`` of block ``h``'s payload (namespace "ns") in its NVMe segment file."""
+    t, nvme = server.store.table, server.store.tiers[-1]
+    segments, offsets = nvme.payload_places(np.array([t.loc_of(t.find(t.namespace_id("ns"), h), nvme.rank)]))
+    name, start = segment_file(ON_DISK | int(segments[0]) << 40 | int(offsets[0]))
+    flip_byte(directory / name, start + at)
+
+
 def test_nvme_only_blocks_are_read_through_the_index(server):
     hs, data = hashes(8, seed=1), blocks(8, MiB, seed=1)
     with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:
@@ -224,15 +234,7 @@ def test_a_corrupt_record_named_on_disk_is_dropped_by_the_store(server, tmp_path
         on_nvme_only(server, kv, hs, data)
         out = [np.zeros(MiB, np.uint8) for _ in hs]
         kv.get("ns", hs, out=out)
-        t, nvme = server.store.table, server.store.tiers[-1]
-        e = t.find(t.namespace_id("ns"), hs[2])
-        segments, offsets = nvme.payload_places(np.array([t.loc_of(e, nvme.rank)]))
-        name, at = segment_file(ON_DISK | int(segments[0]) << 40 | int(offsets[0]))
-        with open(tmp_path / "nvme" / name, "r+b") as f:
-            f.seek(at + 100)
-            byte = f.read(1)
-            f.seek(at + 100)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        corrupt_on_disk(server, tmp_path / "nvme", hs[2], 100)
         with pytest.raises(KVStoreError) as err:
             kv.get("ns", hs, out=out)
         assert err.value.code == grpc.StatusCode.DATA_LOSS  # the store read it again, and dropped it
@@ -259,14 +261,7 @@ def test_a_prefix_of_small_blocks_into_page_aligned_buffers_is_read_as_one_run(s
         got = kv.get("ns", hs, out=out)
         assert all(np.array_equal(g, d) for g, d in zip(got, data))
         assert runs == [[]] and lane.indexed.disk_hits == 16
-        t, nvme = server.store.table, server.store.tiers[-1]
-        segments, offsets = nvme.payload_places(np.array([t.loc_of(t.find(t.namespace_id("ns"), hs[5]), nvme.rank)]))
-        name, at = segment_file(ON_DISK | int(segments[0]) << 40 | int(offsets[0]))
-        with open(tmp_path / "nvme" / name, "r+b") as f:
-            f.seek(at + 7)
-            byte = f.read(1)
-            f.seek(at + 7)
-            f.write(bytes([byte[0] ^ 0x01]))
+        corrupt_on_disk(server, tmp_path / "nvme", hs[5], 7)
         with pytest.raises(KVStoreError) as err:
             kv.get("ns", hs, out=out)
         assert err.value.code == grpc.StatusCode.DATA_LOSS and runs[-1] == [5]
