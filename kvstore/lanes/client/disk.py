@@ -10,6 +10,10 @@ would have. The store keeps the file as it is until the client releases the mess
 - ``read(blocks) -> failed``: read every ``DiskBlock`` into its spans; returns the positions of those that could
   not be read or failed their CRC32C (the caller asks the store for them: it reads them itself, finds a corrupt
   record and drops it, so a bad copy is reported and never served).
+- ``read_run(name, positions, offsets, lengths, crcs, addresses) -> failed | None``: the same for the common Get
+  (whole-page payloads of one file, close together, each into a page-aligned buffer, one piece's worth) as array
+  operations: one ``preadv`` on the caller's thread and one batch of CRC32Cs; None when the blocks are not such
+  a run (``read`` takes them then).
 - files the store deleted (segments retired by compaction) are closed at the next read after a second, so an
   open descriptor does not keep their disk space from the store.
 - ``unusable``: why this process cannot open the store's files at all (the directory is not there, as in a
