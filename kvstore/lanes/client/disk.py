@@ -47,6 +47,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -253,16 +254,8 @@ class DiskReader:
                 sp += b.offset - pos
             padded = -(-b.length // PAGE) * PAGE
             aligned = b.length - b.length % PAGE
-            spans = b.spans
-            if aligned and (
-                spans[0][0] % PAGE == 0 and spans[0][1] >= aligned
-                if len(spans) == 1
-                else _aligned_spans(spans, aligned)
-            ):
-                if len(spans) == 1:
-                    iov.append((spans[0][0], aligned))
-                else:
-                    iov.extend(_leading(spans, aligned))
+            if aligned and _aligned_spans(b.spans, aligned):
+                iov.extend(_leading(b.spans, aligned))
                 if padded != aligned:
                     iov.append((-1 - sp, padded - aligned))
                     tails.append((b, sp, b.length - aligned))
@@ -377,7 +370,7 @@ def _preadv(fd: int, vectors: np.ndarray, offset: int) -> int:
 
 
 def _ints(values: np.ndarray) -> list[int]:
-    return [int(v) for v in values.tolist()]
+    return cast(list[int], values.tolist())  # Python ints already: numpy's stubs say Any
 
 
 def _aligned_spans(spans: Spans, n: int) -> bool:
