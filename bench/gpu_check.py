@@ -20,7 +20,11 @@ It runs, in order, and prints one table (every row also as JSON):
    and gets 2 MiB bf16 blocks that live on the GPU (device to device through
    the lane's region), beside the same through the shm lane (pinned staging on
    the host) and a device-to-device copy in one process; p50/p99 of a single
-   2 MiB Get.
+   2 MiB Get;
+5. the vLLM connector on a CUDA KV cache (`bench.vllm_load --device cuda`): loads of 62 SmolLM2-shaped blocks
+   (91 MB) from a `kvstore serve` (the store copying, `--share-dram`, only on NVMe with `--share-nvme`) through
+   pinned host staging and through device staging (the cuda_ipc lane, and the shm lane's own pinned buffers),
+   every load checked bit-exact, beside one pinned host -> device `copy_` of the same bytes.
 `--dry-run` prints this plan and what this machine has (torch, CUDA, kvikio)
 without touching a device.
 """
@@ -46,6 +50,7 @@ TEST_FILES = [
     "tests/test_nvme_kvikio.py",
     "tests/test_gds.py",
     "tests/test_lanes_roundtrip.py",
+    "tests/test_vllm_worker_staged.py",
 ]
 
 
@@ -325,6 +330,17 @@ def cuda_ipc_lane(n: int, block: int, reps: int) -> list[dict]:
     return rows
 
 
+def vllm_connector(quick: bool) -> list[dict]:
+    from bench import vllm_load
+
+    rows = vllm_load.measure(
+        ["copy", "shared", "nvme"], [62], reps=3 if quick else 5, streams=[1], verifies=[True, False], device="cuda"
+    )
+    return [
+        {"check": f"vllm connector load {r['store']} {r['staging']} staging lane {r['lane_used']}", **r} for r in rows
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="print the plan and this machine's GPU stack; run nothing")
@@ -355,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         ("hbm_dram", lambda: hbm_dram(n, block, reps)),
         ("nvme", lambda: nvme(n, block, reps)),
         ("cuda_ipc", lambda: cuda_ipc_lane(n, block, reps)),
+        ("vllm_connector", lambda: vllm_connector(args.quick)),
     ]
     for name, fn in steps:
         t0 = time.perf_counter()

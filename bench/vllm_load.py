@@ -2,6 +2,7 @@
 vLLM's CPU backend lays it out (30 layers, LBHNC, SmolLM2's 1,474,560-byte blocks), from a ``kvstore serve``.
 
     python -m bench.vllm_load [--quick] [--out FILE.json] [--blocks 62,109] [--streams 1,2] [--verify 1,0]
+                              [--device cuda --staging host,device]
 
 Per store (``copy``: the store copies each block into the cache itself, ``process_vm_writev`` on shm;
 ``shared``: ``serve --share-dram``, the client copies DRAM hits from the mapped arena; ``nvme``: every block
@@ -12,6 +13,12 @@ lands in place in the cache's 30 per-layer pages), and in the same run the basel
 the same bytes from one contiguous buffer into the cache's pages (what an in-process cache hit would cost).
 Rows: ``store``, ``lane``, ``streams``, ``verify``, ``blocks``, ``load_s``, ``gbps``, ``memcpy_s``,
 ``vs_memcpy`` (memcpy / load).
+
+``--device cuda`` (a GPU host: ``bench.gpu_check`` runs it) puts the cache on the GPU, as vLLM's CUDA backend
+does, and loads it through the connector's staging buffers (``--staging``: pinned host buffers over the host
+lanes, or device buffers over the cuda_ipc lane (``auto``) or the shm lane's pinned staging); the baseline is one
+``copy_`` of the same bytes from one pinned host buffer into the pages, and a load is timed until its copies
+have landed (``torch.cuda.synchronize``). Rows then add ``device``, ``staging`` and ``lane_used``.
 """
 
 from __future__ import annotations
@@ -36,9 +43,9 @@ from kvstore.server.process import store_process
 LAYERS, HEADS, TOKENS, WIDTH = 30, 3, 32, 128  # SmolLM2-135M at block 32, fp32: 49,152 bytes a layer page
 
 
-def _cache(blocks: int) -> dict[str, torch.Tensor]:
+def _cache(blocks: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     per = blocks * HEADS * TOKENS * WIDTH
-    buf = torch.zeros(LAYERS * per)
+    buf = torch.zeros(LAYERS * per, device=device)
     return {
         f"model.layers.{i}.self_attn.attn": buf[i * per : (i + 1) * per].view(blocks, HEADS, TOKENS, WIDTH)
         for i in range(LAYERS)
@@ -50,16 +57,26 @@ def _keys(n: int) -> tuple[bytes, ...]:
 
 
 def _memcpy_s(cache: dict[str, torch.Tensor], blocks: int, reps: int) -> float:
-    """One copy of the same bytes from one contiguous host buffer into each layer's pages."""
+    """One copy of the same bytes from one contiguous host buffer (pinned for a device cache) into each layer's
+    pages."""
     layers = [t[:blocks].reshape(-1) for t in cache.values()]
+    on_device = layers[0].is_cuda
     src = torch.randn(len(layers), layers[0].numel())
+    if on_device:
+        src = src.pin_memory()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for layer, row in zip(layers, src):
-            layer.copy_(row)
+            layer.copy_(row, non_blocking=on_device)
+        _settle(on_device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _settle(on_device: bool) -> None:
+    if on_device:
+        torch.cuda.synchronize()
 
 
 def _kernels_ready(timeout: float = 60.0) -> None:
@@ -108,11 +125,14 @@ def _store_rows(
     sizes: list[int],
     top: int,
     reps: int,
+    device: str = "cpu",
+    staging: str = "auto",
 ) -> list[Row]:
     rows: list[Row] = []
     src = _cache(top + 1)
     for t in src.values():
         t.normal_()
+    on_device = device != "cpu"
     with _filled_store(store, extra, src, top) as target:
         for lane in lanes:
             for n in streams:
@@ -122,27 +142,36 @@ def _store_rows(
                         dtype="float32",
                         load_streams=n,
                         verify_loads=verify,
+                        staging=staging,
                     )
-                    cache = _cache(top + 1)
+                    cache = _cache(top + 1, device)
                     side.register(cache)
                     _kernels_ready()
                     for blocks in sizes:
                         run = BlockRun("q", "bench", _keys(blocks), tuple(range(1, blocks + 1)))
                         side.load(StepPlan(loads=[run]))  # lanes opened, pages touched
+                        _settle(on_device)
                         times = []
                         for _ in range(reps):
                             t0 = time.perf_counter()
                             side.load(StepPlan(loads=[run]))
+                            _settle(on_device)
                             times.append(time.perf_counter() - t0)
                         assert side.take_load_errors() == set()
                         for name in cache:
-                            assert torch.equal(cache[name][1 : blocks + 1], src[name][:blocks])
+                            assert torch.equal(cache[name][1 : blocks + 1].cpu(), src[name][:blocks])
                         load_s = statistics.median(times)
                         memcpy_s = _memcpy_s(cache, blocks, reps)
                         nbytes = blocks * side.counters.block_bytes
+                        device_cells = (
+                            {"device": device, "staging": side.staging_place, "lane_used": side.counters.lane}
+                            if on_device
+                            else {}
+                        )
                         rows.append(
                             {
                                 "store": store,
+                                **device_cells,
                                 "lane": lane,
                                 "streams": n,
                                 "verify": verify,
@@ -159,6 +188,32 @@ def _store_rows(
     return rows
 
 
+def measure(
+    stores: list[str],
+    sizes: list[int],
+    *,
+    reps: int,
+    streams: list[int],
+    verifies: list[bool],
+    device: str = "cpu",
+    stagings: list[str] | None = None,
+) -> list[Row]:
+    """Every case's rows (``bench.gpu_check`` calls this with ``device="cuda"``)."""
+    rows: list[Row] = []
+    top = max(sizes)
+    for store in stores:
+        extra = {"shared": ["--share-dram", "true"], "nvme": ["--share-nvme", "true"]}.get(store, [])
+        if device == "cpu":
+            lanes = ("shm", "tcp") if store == "copy" else ("shm",)
+            rows += _store_rows(store, extra, lanes, streams, verifies, sizes, top, reps)
+            continue
+        for staging in stagings or ["host", "device"]:
+            # auto: device staging takes the cuda_ipc lane where the store offers it; shm: its pinned staging
+            lanes = ("auto", "shm") if staging == "device" and store == "copy" else ("auto",)
+            rows += _store_rows(store, extra, lanes, [1], verifies, sizes, top, reps, device, staging)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     def configure(p: Any) -> None:
         p.add_argument("--blocks", default="", help="blocks per load (default 62,109: 2k and 3.5k tokens)")
@@ -170,18 +225,24 @@ def main(argv: list[str] | None = None) -> int:
             default="copy,shared",
             help="store modes: copy, shared (serve --share-dram), nvme (on NVMe only)",
         )
+        p.add_argument("--device", default="cpu", help="the KV cache's device: cpu (vLLM's CPU backend) or cuda")
+        p.add_argument(
+            "--staging",
+            default="host,device",
+            help="with --device cuda: the connector's staging buffers, host (pinned) and/or device",
+        )
 
     args = parse_args("The vLLM connector's load path: WorkerSide.load against memcpy", argv, configure)
     sizes = [int(x) for x in args.blocks.split(",")] if args.blocks else ([62] if args.quick else [62, 109])
-    reps = args.reps or (3 if args.quick else 9)
-    streams = [int(x) for x in args.streams.split(",")]
-    rows: list[Row] = []
-    top = max(sizes)
-    verifies = [bool(int(x)) for x in args.verify.split(",")]
-    for store in args.stores.split(","):
-        extra = {"shared": ["--share-dram", "true"], "nvme": ["--share-nvme", "true"]}.get(store, [])
-        lanes = ("shm", "tcp") if store == "copy" else ("shm",)
-        rows += _store_rows(store, extra, lanes, streams, verifies, sizes, top, reps)
+    rows = measure(
+        args.stores.split(","),
+        sizes,
+        reps=args.reps or (3 if args.quick else 9),
+        streams=[int(x) for x in args.streams.split(",")],
+        verifies=[bool(int(x)) for x in args.verify.split(",")],
+        device=args.device,
+        stagings=args.staging.split(","),
+    )
     report(rows, args, title="vLLM connector load path (30 x 49,152-byte pages a block)", bench="vllm_load")
     return 0
 

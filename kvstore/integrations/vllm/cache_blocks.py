@@ -12,13 +12,19 @@ Verbs and promises:
 - ``CacheBlocks.from_caches(kv_caches)``: layers ordered by their index in the layer name (``...layers.7...``),
   so two engines of the same model order them alike; all layers must share shape, dtype and device.
 - ``gather(block_ids, out)``: block ``block_ids[i]`` of every layer into ``out[i]`` (a flat
-  ``[n, block_bytes]`` uint8 tensor: layer 0's page, then layer 1's, ...). One copy of each byte.
-- ``scatter(block_ids, src)``: the reverse. One copy of each byte.
+  ``[n, block_bytes]`` uint8 tensor: layer 0's page, then layer 1's, ...). One copy of each byte, one copy call
+  per run of consecutive block ids (with the cross-layer view). ``out`` may sit on the host when the cache is on
+  a device: the copy is then device to host, and it has landed when ``gather`` returns.
+- ``scatter(block_ids, src)``: the reverse, ``src`` on the cache's device or in (pinned) host memory. From the
+  host the copies are only issued on the current CUDA stream (``non_blocking``): work queued on that stream
+  after it sees the blocks; a caller that reuses ``src`` waits for ``scatter``'s returned event first.
 - ``zero(block_ids)``: blocks a failed load may have half-written, zeroed in every layer.
 - ``segments(block_ids)``: each block as a ``Segments`` of its per-layer pages (host caches only; ``host``
   says which), so a Get writes the store's bytes straight into the KV cache and a Put reads them there:
   no gather or scatter copy at all.
-- ``new_staging(n)``: an ``[n, block_bytes]`` buffer on the cache's device, for device caches (gather/scatter).
+- ``new_staging(n, on_host)``: an ``[n, block_bytes]`` buffer for device caches (gather/scatter): on the cache's
+  device, or ``on_host`` in pinned host memory (so a Get writes it over the host lanes and one DMA per run of
+  blocks takes it to the device).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ class CacheBlocks:
     page_bytes: int
     device: torch.device
     dtype: torch.dtype
-    _per_block: tuple[torch.Tensor, ...] | None  # strided [layers, page_bytes] views, one per block
+    _cross: _CrossLayout | None  # every layer in one storage at a fixed distance: blocks as strided views
     _per_layer: list[torch.Tensor]  # [num_blocks, page_bytes] uint8 views, one per layer
     _rows: SegmentRows | None = None  # host caches: block b as the Segments of row b of every layer
 
@@ -66,7 +72,7 @@ class CacheBlocks:
     @property
     def cross_layer_view(self) -> bool:
         """True when each block is one strided tensor (one copy call per block), not one per layer."""
-        return self._per_block is not None
+        return self._cross is not None
 
     @property
     def host(self) -> bool:
@@ -89,7 +95,7 @@ class CacheBlocks:
         page = first[0].numel() * first.element_size()
         per_layer = [t.view(torch.uint8).reshape(num_blocks, page) for t in tensors]
         rows = SegmentRows(per_layer) if first.device.type == "cpu" else None
-        cross = _cross_view(tensors, num_blocks, page)
+        cross = _CrossLayout.of(tensors, num_blocks, page)
         return cls(names, num_blocks, page, first.device, first.dtype, cross, per_layer, rows)
 
     def segments(self, block_ids: Sequence[int]) -> list[Segments]:
@@ -97,30 +103,42 @@ class CacheBlocks:
             raise ValueError(f"a {self.device.type} cache has no host segments: use new_staging and gather/scatter")
         return [self._rows.block(b) for b in block_ids]
 
-    def new_staging(self, n: int) -> torch.Tensor:
+    def new_staging(self, n: int, on_host: bool = False) -> torch.Tensor:
+        if on_host and self.device.type != "cpu":
+            return torch.empty((n, self.block_bytes), dtype=torch.uint8, pin_memory=True)
         return torch.empty((n, self.block_bytes), dtype=torch.uint8, device=self.device)
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         self._check(block_ids, out)
-        if self._per_block is not None:
-            for i, b in enumerate(block_ids):
-                out[i].view(self.layers, self.page_bytes).copy_(self._per_block[b])
-            return
-        for i, b in enumerate(block_ids):
-            row = out[i].view(self.layers, self.page_bytes)
+        to_host = out.device.type == "cpu" and self.device.type != "cpu"
+        for i, b, n in consecutive_runs(block_ids):
+            rows = out[i : i + n].view(n, self.layers, self.page_bytes)
+            if self._cross is not None:
+                rows.copy_(self._cross.blocks(b, n, self.layers, self.page_bytes), non_blocking=to_host)
+                continue
             for layer, cache in enumerate(self._per_layer):
-                row[layer].copy_(cache[b])
+                rows[:, layer].copy_(cache[b : b + n], non_blocking=to_host)
+        if to_host:  # the caller reads ``out`` next (a Put): the copies must have landed
+            torch.cuda.current_stream(self.device).synchronize()
 
-    def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
+    def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> torch.cuda.Event | None:
+        """Copies ``src``'s rows into the blocks; from the host onto a device, the event that marks their end on
+        the current stream (``src`` must not be rewritten before it has passed), else None."""
         self._check(block_ids, src)
-        if self._per_block is not None:
-            for i, b in enumerate(block_ids):
-                self._per_block[b].copy_(src[i].view(self.layers, self.page_bytes))
-            return
-        for i, b in enumerate(block_ids):
-            row = src[i].view(self.layers, self.page_bytes)
-            for layer, cache in enumerate(self._per_layer):
-                cache[b].copy_(row[layer])
+        from_host = src.device.type == "cpu" and self.device.type != "cpu"
+        for i, b, n in consecutive_runs(block_ids):
+            rows = src[i : i + n].view(n, self.layers, self.page_bytes)
+            if self._cross is not None:
+                self._cross.blocks(b, n, self.layers, self.page_bytes).copy_(rows, non_blocking=from_host)
+                continue
+            for i_block in range(n):
+                for layer, cache in enumerate(self._per_layer):
+                    cache[b + i_block].copy_(rows[i_block, layer], non_blocking=from_host)
+        if not from_host:
+            return None
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return done
 
     def zero(self, block_ids: Sequence[int]) -> None:
         for b in block_ids:
@@ -134,18 +152,41 @@ class CacheBlocks:
             raise ValueError(f"buffer holds {buf.shape[0]} blocks, {len(block_ids)} asked")
 
 
-def _cross_view(tensors: list[torch.Tensor], num_blocks: int, page: int) -> tuple[torch.Tensor, ...] | None:
-    """Per-block ``[layers, page]`` views when all layers sit in one storage at a fixed distance apart."""
-    storage = tensors[0].untyped_storage()
-    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
-        return None
-    size = tensors[0].element_size()
-    offsets = [t.storage_offset() * size for t in tensors]
-    step = offsets[1] - offsets[0] if len(offsets) > 1 else num_blocks * page
-    if step < num_blocks * page and len(offsets) > 1:
-        return None  # layers overlap: not LBHNC packing
-    if any(o != offsets[0] + i * step for i, o in enumerate(offsets)):
-        return None
-    flat = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(storage)
-    cross = flat.as_strided((num_blocks, len(tensors), page), (page, step, 1), offsets[0])
-    return tuple(cross.unbind(0))
+def consecutive_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(index, first block id, count)`` of each run of consecutive ids: one copy call each."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
+
+
+@dataclass(frozen=True)
+class _CrossLayout:
+    """Every layer in one storage, ``step`` bytes apart: blocks ``b .. b+n`` of all layers are one strided view."""
+
+    flat: torch.Tensor  # the whole storage as uint8
+    offset: int  # of layer 0's block 0, in bytes
+    step: int  # from one layer's block 0 to the next layer's
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor], num_blocks: int, page: int) -> _CrossLayout | None:
+        storage = tensors[0].untyped_storage()
+        if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
+            return None
+        size = tensors[0].element_size()
+        offsets = [t.storage_offset() * size for t in tensors]
+        step = offsets[1] - offsets[0] if len(offsets) > 1 else num_blocks * page
+        if step < num_blocks * page and len(offsets) > 1:
+            return None  # layers overlap: not LBHNC packing
+        if any(o != offsets[0] + i * step for i, o in enumerate(offsets)):
+            return None
+        flat = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(storage)
+        return cls(flat, offsets[0], step)
+
+    def blocks(self, first: int, n: int, layers: int, page: int) -> torch.Tensor:
+        """Blocks ``first .. first+n`` as an ``[n, layers, page]`` view of the cache itself."""
+        return self.flat.as_strided((n, layers, page), (page, self.step, 1), self.offset + first * page)

@@ -8,8 +8,9 @@ Verbs and promises:
   Gets of ``load_chunk`` blocks (0: about ``LOAD_CHUNK_BYTES`` a Get for a host cache, 16 for a device one).
   A host cache (vLLM on the CPU) is the Get's destination itself: each block is a ``Segments`` of its
   per-layer pages, which the lane fills in place, ``load_streams`` Gets at a time (one client each). A device
-  cache is filled through a staging buffer and scattered, the next chunk's Get running on a helper thread
-  meanwhile. A chunk that fails (store unreachable, a block missing, a CRC32C mismatch, the store lost
+  cache is filled through two staging buffers (``staging``: pinned host memory by default) and scattered, one
+  copy call per run of consecutive blocks, the next chunk's Get running on a helper thread meanwhile; a Get
+  into a buffer waits for the copies still reading it (a CUDA event), not for the whole device. A chunk that fails (store unreachable, a block missing, a CRC32C mismatch, the store lost
   mid-load) fails the rest of its run: those block ids are zeroed and reported by ``take_load_errors``
   (``get_block_ids_with_load_errors``), so vLLM recomputes them; the blocks before stay loaded. Nothing
   wrong is ever left for the forward pass to read.
@@ -27,8 +28,9 @@ Verbs and promises:
   and whose saves are all done (stored, refused or failed: a save is best effort).
 - ``close()`` (``shutdown``): drains the saver (bounded), closes the clients.
 
-Copies per block between the store's memory and the KV cache, per path: ``COPIES`` (host caches) and
-``COPIES_STAGED`` (device caches, one more: the staging buffer).
+Copies per block between the store's memory and the KV cache, per path: ``COPIES`` (host caches); staged, one
+more on a host cache (tests) and two on a device one (the DMA into a contiguous device buffer, then the copy into
+the cache's strided pages: torch's way to land a strided destination).
 """
 
 from __future__ import annotations
@@ -64,8 +66,6 @@ COPIES = {
     "save:tcp": 2,  # cache -> socket (sendmsg of the pages), socket -> arena (server)
     "save:grpc": 3,
 }
-# A device cache (CUDA) goes through a host staging buffer: one copy more on every path.
-COPIES_STAGED = {path: n + 1 for path, n in COPIES.items()}
 
 
 @dataclass
@@ -100,6 +100,13 @@ class WorkerCounters:
 LOAD_CHUNK_BYTES = 90 << 20  # 64 of those blocks
 MAX_LOAD_CHUNK = 512
 STAGED_LOAD_CHUNK = 16
+# Where a device cache's blocks wait between the store and the cache (``staging``): "host" (pinned host buffers:
+# a Get fills them over the shm or tcp lane, DRAM-index and NVMe reads land in them, and one DMA per run of
+# consecutive blocks takes them to the device), "device" (device buffers: a Get moves them device to device over
+# the cuda_ipc lane where the store offers it, else through a pinned buffer of its own, then a copy per run into
+# the cache); "auto": host. On a host cache "auto" moves blocks in place; "host" or "device" stage them through a
+# host buffer (the staged path without a GPU, for tests).
+STAGINGS = ("auto", "host", "device")
 
 
 def auto_load_chunk(block_bytes: int, host: bool) -> int:
@@ -123,8 +130,11 @@ class WorkerSide:
         stats: StatsFile | None = None,
         rank: int = 0,
         stores_saves: bool = True,
+        staging: str = "auto",
     ):
-        self.dtype, self.verify_loads = dtype, verify_loads
+        if staging not in STAGINGS:
+            raise ValueError(f"staging must be one of {', '.join(STAGINGS)}, not {staging!r}")
+        self.dtype, self.verify_loads, self.staging = dtype, verify_loads, staging
         self.rank = rank  # this worker's rank: its runs move that rank's blocks (``BlockRun.for_rank``)
         # False where a lower rank stores the same bytes (MLA's TP ranks): saves are only reported done
         self.stores_saves = stores_saves
@@ -145,7 +155,10 @@ class WorkerSide:
             self._slots.put(slot)
         self._fetcher = ThreadPoolExecutor(load_streams, thread_name_prefix="kvstore-load")
         self._load_errors: set[int] = set()
+        self.staged = False  # set at register: blocks go through staging buffers (a device cache, or asked)
         self._load_staging: list[torch.Tensor] = []
+        self._load_rows: list[list[Any]] = []  # the Gets' destinations: rows of each staging buffer
+        self._staging_free: list[torch.cuda.Event | None] = [None, None]  # host -> device copies still reading
         self._saver = _Saver(self, save_chunk, client_factory) if saves else None
         self._save_reqs: set[str] = set()
         self._finished: set[str] = set()
@@ -165,18 +178,30 @@ class WorkerSide:
         self.blocks = CacheBlocks.from_caches(kv_caches)
         self.counters.cross_layer_view = self.blocks.cross_layer_view
         self.counters.block_bytes = self.blocks.block_bytes
+        self.staged = not self.blocks.host or self.staging != "auto"
         if not self.load_chunk:
-            self.load_chunk = auto_load_chunk(self.blocks.block_bytes, self.blocks.host)
-        if not self.blocks.host:
+            self.load_chunk = auto_load_chunk(self.blocks.block_bytes, not self.staged)
+        if self.staged:
             # touched now: the first load would otherwise pay for faulting in tens of MB of fresh pages
-            self._load_staging = [self.blocks.new_staging(self.load_chunk).zero_() for _ in range(2)]
+            self._load_staging = [self.new_staging(self.load_chunk) for _ in range(2)]
+            self._load_rows = [_rows(s) for s in self._load_staging]
         log.info(
             "kvstore connector: %d layers, %d blocks of %d bytes (%s)",
             self.blocks.layers,
             self.blocks.num_blocks,
             self.blocks.block_bytes,
-            "moved in place, one segment per layer" if self.blocks.host else "through a staging buffer",
+            f"through {self.staging_place} staging buffers" if self.staged else "moved in place, one segment per layer",
         )
+
+    @property
+    def staging_place(self) -> str:
+        """Where a staged block waits between the store and the cache: "host" (pinned) or "device"."""
+        assert self.blocks is not None
+        return "device" if self.staging == "device" and not self.blocks.host else "host"
+
+    def new_staging(self, n: int) -> torch.Tensor:
+        assert self.blocks is not None
+        return self.blocks.new_staging(n, on_host=self.staging_place == "host").zero_()
 
     def _connect_streams(self) -> None:
         """Open every load stream's client and lane now, off the engine's thread: the first load paid for them
@@ -224,8 +249,11 @@ class WorkerSide:
         except Exception:
             pass
 
-    def _fetch(self, run: BlockRun, lo: int, hi: int, out: list[Any]) -> int:
-        """Get blocks [lo, hi) of a run into ``out``; the number of leading blocks that arrived."""
+    def _fetch(self, run: BlockRun, lo: int, hi: int, out: list[Any], free: torch.cuda.Event | None = None) -> int:
+        """Get blocks [lo, hi) of a run into ``out`` (once ``free`` has passed: the copies still reading it); the
+        number of leading blocks that arrived."""
+        if free is not None:
+            free.synchronize()
         slot = self._slots.get()
         try:
             got = slot.call(
@@ -246,7 +274,7 @@ class WorkerSide:
         assert self.blocks is not None
         self.counters.load_runs += 1
         chunks = [(lo, min(lo + self.load_chunk, len(run))) for lo in range(0, len(run), self.load_chunk)]
-        loaded = self._load_in_place(run, chunks) if self.blocks.host else self._load_staged(run, chunks)
+        loaded = self._load_staged(run, chunks) if self.staged else self._load_in_place(run, chunks)
         self.counters.load_blocks += loaded
         self.counters.load_bytes += loaded * self.blocks.block_bytes
         if loaded < len(run):
@@ -255,7 +283,7 @@ class WorkerSide:
             self._load_errors.update(failed)
             self.counters.load_failures += 1
             self.counters.load_failed_blocks += len(failed)
-        calls = len(chunks) if self.blocks.host else min(len(chunks), loaded // self.load_chunk + 1)
+        calls = min(len(chunks), loaded // self.load_chunk + 1) if self.staged else len(chunks)
         return loaded, calls
 
     def _load_in_place(self, run: BlockRun, chunks: list[tuple[int, int]]) -> int:
@@ -286,8 +314,8 @@ class WorkerSide:
 
         def fetch(k: int) -> Future[int]:
             lo, hi = chunks[k]
-            staging = self._load_staging[k % 2]
-            return self._fetcher.submit(self._fetch, run, lo, hi, [staging[i] for i in range(hi - lo)])
+            free = self._staging_free[k % 2]  # the copies out of this buffer that the last scatter issued
+            return self._fetcher.submit(self._fetch, run, lo, hi, self._load_rows[k % 2][: hi - lo], free)
 
         pending: Future[int] | None = fetch(0)
         loaded = len(run)
@@ -300,7 +328,7 @@ class WorkerSide:
                 loaded, pending = lo, None
                 break
             pending = fetch(k + 1) if arrived == hi - lo and k + 1 < len(chunks) else None
-            self.blocks.scatter(run.block_ids[lo : lo + arrived], self._load_staging[k % 2])
+            self._staging_free[k % 2] = self.blocks.scatter(run.block_ids[lo : lo + arrived], self._load_staging[k % 2])
             if arrived < hi - lo:
                 log.warning("kvstore load of %s: block %d is no longer in the store", run.req_id, lo + arrived)
                 loaded = lo + arrived
@@ -354,9 +382,11 @@ class WorkerSide:
         c = self.counters
         c.lane = self._used_lane or c.lane
         if c.lane and self.blocks is not None:
-            copies = COPIES if self.blocks.host else COPIES_STAGED
-            c.copies_per_block_load = copies.get(f"load:{c.lane}", 0)
-            c.copies_per_block_save = copies.get(f"save:{c.lane}", 0)
+            # staged: one copy into or out of the staging buffer on a host cache; on a device one the DMA and the
+            # device-side copy between a contiguous buffer and the cache's strided pages
+            extra = 0 if not self.staged else 1 if self.blocks.host else 2
+            c.copies_per_block_load = COPIES.get(f"load:{c.lane}", -extra) + extra
+            c.copies_per_block_save = COPIES.get(f"save:{c.lane}", -extra) + extra
         if self._saver is not None:
             c.saves_in_flight = self._saver.in_flight()
         if self._stats is not None:
@@ -374,6 +404,7 @@ class _Saver:
         self._cond = threading.Condition()
         self.slot = ClientSlot(client_factory)
         self._staging: torch.Tensor | None = None
+        self._rows: list[Any] = []
         self._thread = threading.Thread(target=self._loop, name="kvstore-save", daemon=True)
         self._thread.start()
 
@@ -428,8 +459,9 @@ class _Saver:
         assert blocks is not None
         c = self._worker.counters
         start = time.perf_counter()
-        if self._staging is None and not blocks.host:
-            self._staging = blocks.new_staging(self._chunk).zero_()
+        if self._staging is None and self._worker.staged:
+            self._staging = self._worker.new_staging(self._chunk)
+            self._rows = _rows(self._staging)
         c.save_runs += 1
         for lo in range(0, len(run), self._chunk):
             hi = min(lo + self._chunk, len(run))
@@ -438,7 +470,7 @@ class _Saver:
                 payloads = list(blocks.segments(run.block_ids[lo:hi]))
             else:
                 blocks.gather(run.block_ids[lo:hi], self._staging)
-                payloads = [self._staging[i] for i in range(hi - lo)]
+                payloads = self._rows[: hi - lo]
             parent = run.hashes[lo - 1] if lo else (run.parent or None)
             results = self.slot.call(
                 lambda c: c.put(
@@ -458,6 +490,15 @@ class _Saver:
             if any(not r.ok for r in results):
                 break  # a refused block ends its chain: the blocks after it could never be found
         c.save_seconds += time.perf_counter() - start
+
+
+def _rows(staging: torch.Tensor) -> list[Any]:
+    """A staging buffer's rows as the buffers a Get fills or a Put reads: numpy views of host memory (the
+    client's fastest path), the tensors themselves on a device."""
+    if staging.device.type == "cpu":
+        flat = staging.numpy()
+        return [flat[i] for i in range(flat.shape[0])]
+    return [staging[i] for i in range(staging.shape[0])]
 
 
 def _connect(client: Any) -> None:
