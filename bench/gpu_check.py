@@ -334,7 +334,7 @@ def vllm_connector(quick: bool) -> list[dict]:
     from bench import vllm_load
 
     rows = vllm_load.measure(
-        ["copy", "shared", "nvme"], [62], reps=3 if quick else 5, streams=[1], verifies=[True, False], device="cuda"
+        ["copy", "shared", "nvme"], [62], reps=3 if quick else 5, streams=[1, 2], verifies=[True], device="cuda"
     )
     return [
         {"check": f"vllm connector load {r['store']} {r['staging']} staging lane {r['lane_used']}", **r} for r in rows

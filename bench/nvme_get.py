@@ -135,7 +135,11 @@ class Worker:
 
     def __init__(self, tree: Path, block: int, count: int, root: Path, cold_dram: int, extra: tuple[str, ...] = ()):
         root.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(tree)}
+        # this tree first, then whatever the caller's path holds (packages installed beside, e.g. with --target)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p),
+        }
         self.proc = subprocess.Popen(
             [sys.executable, str(REPO / "bench" / "nvme_get_worker.py"), str(block), str(count), str(root)]
             + [str(cold_dram), *extra],

@@ -210,7 +210,7 @@ def measure(
         for staging in stagings or ["host", "device"]:
             # auto: device staging takes the cuda_ipc lane where the store offers it; shm: its pinned staging
             lanes = ("auto", "shm") if staging == "device" and store == "copy" else ("auto",)
-            rows += _store_rows(store, extra, lanes, [1], verifies, sizes, top, reps, device, staging)
+            rows += _store_rows(store, extra, lanes, streams, verifies, sizes, top, reps, device, staging)
     return rows
 
 

@@ -13,14 +13,16 @@ verbs. This module sits at the top of the client side: it imports both clients, 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvstore.cluster.client import ClusterClient
-from kvstore.cluster.connect import is_redis_url
+from kvstore.cluster.urls import is_redis_url
 from kvstore.errors import KVStoreError
 from kvstore.node_client import NodeClient
 from kvstore.payload import SegmentRows, Segments, as_bytes_view
 from kvstore.wire import CHUNK_BYTES, TIER_NAMES, PutResult
+
+if TYPE_CHECKING:
+    from kvstore.cluster.client import ClusterClient
 
 __all__ = [
     "CHUNK_BYTES",
@@ -40,10 +42,19 @@ class Client(NodeClient):
 
     def __new__(cls, target: str, *args: Any, **kwargs: Any) -> Any:
         if cls is Client and is_redis_url(target):
-            return ClusterClient(target, *args, **kwargs)
+            return _cluster_client(target, *args, **kwargs)
         return super().__new__(cls)
 
 
 def connect(target: str, **options: Any) -> NodeClient | ClusterClient:
     """The client for ``target``: a ClusterClient for redis:// targets, else a NodeClient."""
-    return ClusterClient(target, **options) if is_redis_url(target) else NodeClient(target, **options)
+    return _cluster_client(target, **options) if is_redis_url(target) else NodeClient(target, **options)
+
+
+def _cluster_client(target: str, *args: Any, **kwargs: Any) -> ClusterClient:
+    """Imported here: the cluster client needs redis (the ``cluster`` extra), a single node does not."""
+    try:
+        from kvstore.cluster.client import ClusterClient
+    except ImportError as err:
+        raise ImportError(f"{target}: a cluster target needs redis-py: pip install 'kvstore[cluster]' ({err})") from err
+    return ClusterClient(target, *args, **kwargs)

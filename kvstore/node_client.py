@@ -142,11 +142,18 @@ class NodeClient:
         )
         self._coding = ClientCoding(codec)
         self._lossy_allowed: dict[str, bool] = {}
+        self._last_lane = ""
 
     @property
     def lane_kind(self) -> str:
         """The data lane in use: "shm", "tcp", "cuda_ipc" or "grpc"."""
         return self._lanes.kind
+
+    @property
+    def last_lane(self) -> str:
+        """The lane the last Get or Put moved its bytes on ("" before any): ``lane_kind``, or "cuda_ipc" for CUDA
+        tensors the device lane took, or "grpc" for a coded or fallen-back call."""
+        return self._last_lane
 
     # -- lifecycle ----------------------------------------------------------------------
     def connect(self) -> str:
@@ -202,15 +209,18 @@ class NodeClient:
         if (codec or self._coding.codec) in ("none", "auto") and any(is_device_tensor(p) for p in payloads):
             on_device = self._put_device(namespace, hashes, payloads, parent, dtype, chained)
             if on_device is not None:
+                self._last_lane = self._device_lanes.kind
                 return on_device
         views = [(p, p.dtype) if isinstance(p, Segments) else as_bytes_view(p) for p in payloads]
         headers = _headers(hashes, [(_nbytes(v), kind) for v, kind in views], parent, dtype, chained)
         plan = self._put_plan(namespace, {dtype or kind for _, kind in views}, codec, lossy_ok)
+        self._last_lane = "grpc"
         if plan is not None:  # the codec reads each block whole: segments are joined once
             blocks = [v.join() if isinstance(v, Segments) else v for v, _ in views]
             return self._put_coded(namespace, list(hashes), [h.parent for h in headers], blocks, plan)
         on_lane = self._lanes.run(lambda lane: lane.put(namespace, headers, [v for v, _ in views]))
         if on_lane is not None:
+            self._last_lane = self._lanes.kind
             return on_lane
         for header, (view, _) in zip(headers, views):
             # C implementation; accepts any buffer (chained over the segments of a Segments)
@@ -315,6 +325,7 @@ class NodeClient:
         if on_device and (codec or self._coding.codec) in ("none", "auto"):
             got = self._device_lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
             if got is not None:
+                self._last_lane = self._device_lanes.kind
                 return got
         device_out, out = out, None
         finish: Callable[[], None] = _nothing
@@ -339,6 +350,7 @@ class NodeClient:
             )
         else:
             result = self._lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
+        self._last_lane = self._lanes.kind if result is not None and not accepted else "grpc"
         if result is None:
             request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing)
             result = self._call(lambda: self._receive(request, out, verify))
@@ -374,6 +386,7 @@ class NodeClient:
         )
         if not staged:
             result = self._lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
+            self._last_lane = self._lanes.kind if result is not None else "grpc"
             if result is None:
                 request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing)
                 result = self._call(lambda: self._receive(request, out, verify))

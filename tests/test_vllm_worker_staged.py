@@ -160,3 +160,25 @@ def test_cuda_cache_against_a_store_process(staging: str) -> None:
         print(f"staging={staging}: lane {consumer.counters.lane}")
         producer.close()
         consumer.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("streams", [1, 4])
+def test_staged_loads_with_several_gets_in_flight(server, device: str, streams: int) -> None:
+    """``load_streams`` Gets at once into ``load_streams + 1`` buffers, each reused within a load and across
+    loads: every block lands where its run says."""
+    target = f"127.0.0.1:{server.port}"
+    producer, src = staged_worker(target, device, "host")
+    for t in src.values():
+        t.normal_()
+    producer.save(StepPlan(saves=[BlockRun("r", "ns", keys(17, 7), tuple(range(17)))]))
+    wait_idle(producer, "r")
+    consumer, dst = staged_worker(target, device, "host", saves=False, load_streams=streams)
+    assert len(consumer._load_staging) == streams + 1
+    for shift in (20, 21):  # the second load overwrites the first, shifted by one block
+        consumer.load(StepPlan(loads=[BlockRun(f"q{shift}", "ns", keys(17, 7), tuple(range(shift, shift + 17)))]))
+        assert consumer.take_load_errors() == set()
+    for name in src:
+        assert torch.equal(settled(dst)[name][21:38], src[name][0:17])
+    producer.close()
+    consumer.close()

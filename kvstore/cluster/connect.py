@@ -34,18 +34,16 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
+from kvstore.cluster.urls import CLUSTER_SCHEMES, SCHEMES, is_redis_url
+
+__all__ = ["REDIS_ERRORS", "RedisClient", "RedisConnector", "RedisUnavailable", "is_redis_url"]
+
 RedisClient = redis.Redis | RedisCluster
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-SCHEMES = ("redis", "rediss", *CLUSTER_SCHEMES)
 REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, RedisClusterException, OSError)
 
 
 class RedisUnavailable(redis.ConnectionError):
     """Redis could not be reached (or was unreachable a moment ago: backing off)."""
-
-
-def is_redis_url(target: str) -> bool:
-    return target.split("://", 1)[0].lower() in SCHEMES if "://" in target else False
 
 
 class RedisConnector:

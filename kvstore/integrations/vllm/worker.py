@@ -8,9 +8,10 @@ Verbs and promises:
   Gets of ``load_chunk`` blocks (0: about ``LOAD_CHUNK_BYTES`` a Get for a host cache, 16 for a device one).
   A host cache (vLLM on the CPU) is the Get's destination itself: each block is a ``Segments`` of its
   per-layer pages, which the lane fills in place, ``load_streams`` Gets at a time (one client each). A device
-  cache is filled through two staging buffers (``staging``: pinned host memory by default) and scattered, one
-  copy call per run of consecutive blocks, the next chunk's Get running on a helper thread meanwhile; a Get
-  into a buffer waits for the copies still reading it (a CUDA event), not for the whole device. A chunk that fails (store unreachable, a block missing, a CRC32C mismatch, the store lost
+  cache is filled through ``load_streams + 1`` staging buffers (``staging``: pinned host memory by default),
+  ``load_streams`` Gets at a time, each buffer scattered as its Get returns (one copy call per run of
+  consecutive blocks) while the later Gets run; a Get into a buffer waits for the copies still reading it (a
+  CUDA event), not for the whole device. A chunk that fails (store unreachable, a block missing, a CRC32C mismatch, the store lost
   mid-load) fails the rest of its run: those block ids are zeroed and reported by ``take_load_errors``
   (``get_block_ids_with_load_errors``), so vLLM recomputes them; the blocks before stay loaded. Nothing
   wrong is ever left for the forward pass to read.
@@ -39,7 +40,7 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -96,7 +97,7 @@ class WorkerCounters:
 # SmolLM2's 1.47 MB blocks) against 64 (94 MB), bench.vllm_load in turn, 109 blocks: shared DRAM 20-22 against
 # 13-16 ms, NVMe 90-116 against 62-69 ms, the TCP lane 52-57 against 44-56 (62 blocks: 12-13 / 8-12, 59-60 / 37-39,
 # 30-31 / 16-22); the store-copied shm Get even. 128 a Get was no better than 64. A device cache goes through
-# two staging buffers of the chunk each, so it keeps STAGED_LOAD_CHUNK.
+# load_streams + 1 staging buffers of the chunk each, so it keeps STAGED_LOAD_CHUNK.
 LOAD_CHUNK_BYTES = 90 << 20  # 64 of those blocks
 MAX_LOAD_CHUNK = 512
 STAGED_LOAD_CHUNK = 16
@@ -147,6 +148,7 @@ class WorkerSide:
         self.blocks: CacheBlocks | None = None
         if load_streams < 1:
             raise ValueError("load_streams must be >= 1")
+        self.load_streams = load_streams
         # one client per stream: a host cache's chunks are fetched by up to load_streams Gets at once (the
         # store copies one while the next is requested and this side checks the last one's CRC32C)
         self._slots: queue.SimpleQueue[ClientSlot] = queue.SimpleQueue()
@@ -158,7 +160,7 @@ class WorkerSide:
         self.staged = False  # set at register: blocks go through staging buffers (a device cache, or asked)
         self._load_staging: list[torch.Tensor] = []
         self._load_rows: list[list[Any]] = []  # the Gets' destinations: rows of each staging buffer
-        self._staging_free: list[torch.cuda.Event | None] = [None, None]  # host -> device copies still reading
+        self._staging_free: list[torch.cuda.Event | None] = []  # per buffer: host -> device copies still reading
         self._saver = _Saver(self, save_chunk, client_factory) if saves else None
         self._save_reqs: set[str] = set()
         self._finished: set[str] = set()
@@ -183,7 +185,9 @@ class WorkerSide:
             self.load_chunk = auto_load_chunk(self.blocks.block_bytes, not self.staged)
         if self.staged:
             # touched now: the first load would otherwise pay for faulting in tens of MB of fresh pages
-            self._load_staging = [self.new_staging(self.load_chunk) for _ in range(2)]
+            # one buffer more than Gets in flight: the one being scattered while the others are filled
+            self._load_staging = [self.new_staging(self.load_chunk) for _ in range(self.load_streams + 1)]
+            self._staging_free = [None] * len(self._load_staging)
             self._load_rows = [_rows(s) for s in self._load_staging]
         log.info(
             "kvstore connector: %d layers, %d blocks of %d bytes (%s)",
@@ -245,7 +249,8 @@ class WorkerSide:
 
     def _note_lane(self, client: Any) -> None:
         try:
-            self._used_lane = str(client.lane_kind) if client is not None else self._used_lane
+            if client is not None:  # the lane the call took (a device staging buffer's Get: cuda_ipc), else the pool's
+                self._used_lane = str(getattr(client, "last_lane", "") or client.lane_kind)
         except Exception:
             pass
 
@@ -309,33 +314,36 @@ class WorkerSide:
         return len(run) if loaded is None else loaded
 
     def _load_staged(self, run: BlockRun, chunks: list[tuple[int, int]]) -> int:
-        """Gets into two staging buffers in turn, each scattered while the next chunk's Get runs."""
+        """Gets into ``load_streams + 1`` staging buffers in turn, up to ``load_streams`` at once, each buffer
+        scattered into the cache as its Get returns while the later Gets run."""
         assert self.blocks is not None
+        buffers = len(self._load_staging)
 
         def fetch(k: int) -> Future[int]:
             lo, hi = chunks[k]
-            free = self._staging_free[k % 2]  # the copies out of this buffer that the last scatter issued
-            return self._fetcher.submit(self._fetch, run, lo, hi, self._load_rows[k % 2][: hi - lo], free)
+            free = self._staging_free[k % buffers]  # the copies out of this buffer that its last scatter issued
+            return self._fetcher.submit(self._fetch, run, lo, hi, self._load_rows[k % buffers][: hi - lo], free)
 
-        pending: Future[int] | None = fetch(0)
+        pending = deque(fetch(k) for k in range(min(buffers - 1, len(chunks))))
         loaded = len(run)
         for k, (lo, hi) in enumerate(chunks):
-            assert pending is not None
             try:
-                arrived = pending.result()
+                arrived = pending.popleft().result()
             except Exception as err:
                 log.warning("kvstore load of %s failed at block %d: %s", run.req_id, lo, err)
-                loaded, pending = lo, None
+                loaded = lo
                 break
-            pending = fetch(k + 1) if arrived == hi - lo and k + 1 < len(chunks) else None
-            self._staging_free[k % 2] = self.blocks.scatter(run.block_ids[lo : lo + arrived], self._load_staging[k % 2])
+            if arrived == hi - lo and k + buffers - 1 < len(chunks):
+                pending.append(fetch(k + buffers - 1))  # into the buffer scattered last round
+            staged = self._load_staging[k % buffers]
+            self._staging_free[k % buffers] = self.blocks.scatter(run.block_ids[lo : lo + arrived], staged)
             if arrived < hi - lo:
                 log.warning("kvstore load of %s: block %d is no longer in the store", run.req_id, lo + arrived)
                 loaded = lo + arrived
                 break
-        if pending is not None:  # never leave a Get writing into a staging buffer the next run reuses
+        for future in pending:  # never leave a Get writing into a staging buffer the next run reuses
             try:
-                pending.result()
+                future.result()
             except Exception:
                 pass
         return loaded
