@@ -225,6 +225,7 @@ def nvme(n: int, block: int, reps: int) -> list[dict]:
             outs = [torch.empty(block, dtype=torch.uint8, device="cuda") for _ in range(n)]
 
             def read() -> None:
+                _drop_page_cache(d)  # kvikio's compatibility path reads through it: a read must reach the disk
                 if name == "kvikio":
                     tier.read(locs, [block] * n, outs)
                 else:  # file -> pinned host -> device
@@ -240,6 +241,19 @@ def nvme(n: int, block: int, reps: int) -> list[dict]:
             ]
             tier.close()
     return rows
+
+
+def _drop_page_cache(directory: str) -> None:
+    """Ask the kernel to drop the cached pages of every file here: on a VM without real GPUDirect Storage kvikio
+    read a file just written at 36 GB/s (16 threads) where O_DIRECT read it at 1.4-1.9."""
+    for entry in os.scandir(directory):
+        if entry.is_file():
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def _latency(fn: Callable[[], Any], n: int = 50) -> dict[str, float]:
