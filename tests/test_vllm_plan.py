@@ -198,6 +198,9 @@ def test_settings_check_their_keys() -> None:
     assert Settings.from_extra({"target": "x:1"}).load_chunk == 0  # chosen from the block size
     with pytest.raises(ValueError, match="load_chunk >= 0"):
         Settings.from_extra({"target": "x:1", "load_chunk": "-1"})
+    assert Settings.from_extra({"target": "x:1", "staging": "device"}).staging == "device"
+    with pytest.raises(ValueError, match="staging must be one of auto, host, device"):
+        Settings.from_extra({"target": "x:1", "staging": "gpu"})
 
 
 def test_load_chunk_of_0_takes_about_90_mib_a_get_on_a_host_cache() -> None:

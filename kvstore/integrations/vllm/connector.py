@@ -113,6 +113,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 stats=StatsFile(stats[1]) if stats else None,
                 rank=self.shape.rank,
                 stores_saves=self.shape.stores_saves,
+                staging=self.settings.staging,
             )
         log.info(
             "KVStoreConnector %s: target %s, namespace %s, role %s, fingerprint %s",

@@ -21,6 +21,9 @@ Keys (all optional except ``target``):
 ``load_chunk``      blocks per Get while loading (default 0: about 90 MiB a Get on a CPU cache, 16 on a GPU one)
 ``load_streams``    Gets in flight while loading, one client each (default 2)
 ``save_chunk``      blocks per Put while saving (default 16)
+``staging``         a GPU cache's staging buffers: ``auto``/``host`` (default: pinned host memory, filled over the
+                    host lanes) or ``device`` (device memory: device to device over the cuda_ipc lane where the
+                    store shares the GPU); docs/vllm.md, "A CUDA KV cache"
 ``model_id``        name of the model in the fingerprint (default: vLLM's ``model``)
 ``stats_path``      a directory: each side rewrites its counters there (``scheduler.json``, ``worker.json``)
 ``on_load_error``   ``recompute`` (default: sets vLLM's ``kv_load_failure_policy`` so) or ``fail`` (vLLM's own)
@@ -39,6 +42,9 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _ALIASES = {"tls_ca_file": "tls_ca", "tls_cert_file": "tls_cert", "tls_key_file": "tls_key"}
+# Where a device cache's blocks wait between the store and the cache ("auto" is "host"; on a host cache "auto" moves
+# blocks in place and "host"/"device" stage them through host memory, the staged path without a GPU, for tests).
+STAGINGS = ("auto", "host", "device")
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class Settings:
     load_planner: str | None = "cost"
     on_load_error: str = "recompute"
     verify_loads: bool = True
+    staging: str = "auto"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -90,6 +97,10 @@ class Settings:
         if settings.on_load_error not in ("recompute", "fail"):
             raise ValueError(
                 f"kvstore connector: on_load_error must be recompute or fail, not {settings.on_load_error!r}"
+            )
+        if settings.staging not in STAGINGS:
+            raise ValueError(
+                f"kvstore connector: staging must be one of {', '.join(STAGINGS)}, not {settings.staging!r}"
             )
         if settings.load_chunk < 0 or settings.save_chunk < 1 or settings.load_streams < 1:
             raise ValueError("kvstore connector: load_streams and save_chunk must be >= 1, load_chunk >= 0 (0: auto)")
