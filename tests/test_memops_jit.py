@@ -92,12 +92,14 @@ def test_spans_scatter_and_gather_round_trip(lengths: list[int], check: bool, sh
     ),
     check=st.booleans(),
     compiled=st.booleans(),
+    library=st.booleans(),
 )
 def test_rows_copy_or_read_and_chain_each_blocks_crc(
-    blocks: list[tuple[bool, list[int]]], check: bool, compiled: bool
+    blocks: list[tuple[bool, list[int]]], check: bool, compiled: bool, library: bool
 ) -> None:
-    """``memops.run_rows`` (the compiled ``copy_rows`` and the fallback alike): a block's rows chain its CRC32C in
-    order, copying rows land exactly their bytes, reading rows write nothing; without ``check`` all are 0."""
+    """``memops.run_rows`` (the compiled ``copy_rows``, the package a row where it is the faster CRC32C, and the
+    fallback alike): a block's rows chain its CRC32C in order, copying rows land exactly their bytes, reading rows
+    write nothing; without ``check`` all are 0."""
     total = sum(sum(lengths) for _, lengths in blocks)
     dst = np.zeros(total + 64 * total // 1000 + 64, dtype=np.uint8)
     rows, want, at, to = [], [], 0, 0
@@ -108,18 +110,25 @@ def test_rows_copy_or_read_and_chain_each_blocks_crc(
             crc = reference(memoryview(SOURCE)[at : at + n], crc)
             at, to = at + n, to + n + 7
         want.append(crc)
-    ready = memops_jit.ready
+    ready, faster = memops_jit.ready, memops_jit._library_faster
     try:
         memops_jit.ready = lambda: compiled  # type: ignore[assignment]
+        memops_jit._library_faster = library
         got = memops.run_rows(rows, len(blocks), check)
     finally:
-        memops_jit.ready = ready  # type: ignore[assignment]
+        memops_jit.ready, memops_jit._library_faster = ready, faster  # type: ignore[assignment]
     assert got == (want if check else [0] * len(blocks))
     written = np.zeros_like(dst)
     for src, address, n, _ in rows:
         if address:
             written[address - _address(dst) : address - _address(dst) + n] = SOURCE[src - _address(SOURCE) :][:n]
     assert np.array_equal(dst, written)
+
+
+def test_the_faster_crc32c_is_measured_once_the_kernels_are_ready() -> None:
+    memops_jit.warm_up()
+    faster = memops_jit.library_crc_faster()
+    assert isinstance(faster, bool) and memops_jit.library_crc_faster() is faster  # measured once, kept
 
 
 def test_batched_crcs_agree_with_the_package() -> None:
