@@ -11,19 +11,8 @@ from kvstore.client import Client
 from kvstore.integrations.vllm.cache_blocks import consecutive_runs
 from kvstore.integrations.vllm.plan import BlockRun, StepPlan
 from kvstore.integrations.vllm.worker import WorkerSide
+from tests.test_devices import DEVICES, HAS_CUDA
 from tests.test_vllm_worker import BLOCKS, HEADS, LAYERS, TOKENS, WIDTH, keys, wait_idle
-
-HAS_CUDA = torch.cuda.is_available()
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.cuda,
-            pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device on this machine (run bench/gpu_check.py there)"),
-        ],
-    ),
-]
 
 
 def cache(device: str) -> dict[str, torch.Tensor]:
