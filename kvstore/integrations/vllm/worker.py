@@ -11,10 +11,10 @@ Verbs and promises:
   cache is filled through ``load_streams + 1`` staging buffers (``staging``: pinned host memory by default),
   ``load_streams`` Gets at a time, each buffer scattered as its Get returns (one copy call per run of
   consecutive blocks) while the later Gets run; a Get into a buffer waits for the copies still reading it (a
-  CUDA event), not for the whole device. A chunk that fails (store unreachable, a block missing, a CRC32C mismatch, the store lost
-  mid-load) fails the rest of its run: those block ids are zeroed and reported by ``take_load_errors``
-  (``get_block_ids_with_load_errors``), so vLLM recomputes them; the blocks before stay loaded. Nothing
-  wrong is ever left for the forward pass to read.
+  CUDA event), not for the whole device. A chunk that fails (store unreachable, a block missing, a CRC32C
+  mismatch, the store lost mid-load) fails the rest of its run: those block ids are zeroed and reported by
+  ``take_load_errors`` (``get_block_ids_with_load_errors``), so vLLM recomputes them; the blocks before stay
+  loaded. Nothing wrong is ever left for the forward pass to read.
 - ``save(plan)`` (``wait_for_save``, after the forward pass): queues the step's save runs for the saver
   thread and returns at once. The saver Puts each chunk of blocks, read in place from a host cache (or
   gathered into its own staging buffer from a device cache); the store answers ``already_present`` for
