@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvstore import memops_jit
 from kvstore.checksum import crc32c
 from kvstore.lanes.client import disk as client_disk
 from kvstore.lanes.client.disk import DiskBlock, DiskReader
@@ -195,9 +196,24 @@ def _run_args(where, payloads, picks, bufs, crcs=None):
 WHOLE_PAGES = [i for i in range(40) if [4096, 65536, 1, 5000, 12288, 100_000, 131072, 8191][i % 8] % 4096 == 0]
 
 
-@pytest.fixture
-def runs_allowed(monkeypatch):
+class _Ready:
+    def __init__(self, ready: bool):
+        self.value = ready
+
+    def ready(self) -> bool:
+        return self.value
+
+
+@pytest.fixture(params=["compiled", "arrays"])
+def runs_allowed(request, monkeypatch):
+    """Both ways of reading a run: the compiled kernel (``disk_kernels.read_run``) and numpy's array operations."""
     monkeypatch.setattr(client_disk, "ALONE_BYTES", 3 << 20)  # the module's fixture turns single pieces off
+    compiled = request.param == "compiled"
+    if compiled:
+        if not memops_jit.AVAILABLE:
+            pytest.skip("the compiled kernels need numba and a CPU with SSE4.2 and PCLMULQDQ")
+        client_disk._compiled.warm_up()
+    monkeypatch.setattr(client_disk, "_compiled", _Ready(compiled))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
