@@ -4,8 +4,8 @@
   a contiguous tensor's bytes as a flat uint8 tensor (no copy).
 - ``stage_out(out)``: host lanes move host bytes, so CUDA destinations of a Get
   that no cuda_ipc lane serves are filled through one pinned host staging
-  buffer per call (device <- host copies issued asynchronously, synchronized
-  once at the end).
+  buffer per call, reused across calls (device <- host copies issued together
+  on a side stream, which alone is waited for at the end).
 - ``Copier``: ``copy(dst, src)`` between host buffers and tensors of any
   device; copies that touch a CUDA device are issued together at ``settle()``,
   non-blocking on one side stream per device (truly asynchronous where the
@@ -46,27 +46,67 @@ def flat_bytes(tensor: Any) -> Any:
 
 
 def stage_out(out: Sequence[Any] | None) -> tuple[Sequence[Any] | None, Callable[[], None]]:
-    """Host buffers to receive into, and a finish() that copies them into the device tensors of `out`."""
+    """Host buffers to receive into, and a finish() that copies them into the device tensors of `out`.
+
+    One pinned buffer for the call (kept for the next: ``_pinned``), sliced per device tensor; finish() issues
+    the copies on the devices' side streams (``Copier``) and waits for those streams only, not for the whole
+    device as ``torch.cuda.synchronize()`` would (which also waited for an engine's forward pass)."""
     if out is None or not any(is_device_tensor(x) for x in out):
         return out, lambda: None
-    import torch
-
+    sizes = []
+    for x in out:
+        if is_device_tensor(x) and not x.is_contiguous():
+            raise ValueError("a tensor buffer must be contiguous")  # a reshape would copy: writes would be lost
+        sizes.append(x.numel() * x.element_size() if is_device_tensor(x) else 0)
+    host = _pinned.take(sum(sizes))
     staged: list[Any] = []
     pairs: list[tuple[Any, Any]] = []
-    for x in out:
+    at = 0
+    for x, n in zip(out, sizes):
         if is_device_tensor(x):
-            host = torch.empty(x.numel() * x.element_size(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            staged.append(host)
-            pairs.append((x, host))
+            view = host[at : at + n]
+            at += n
+            staged.append(view)
+            pairs.append((x, view))
         else:
             staged.append(x)
 
     def finish() -> None:
-        for dev, host in pairs:
-            dev.view(-1).view(torch.uint8).copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
+        copier = Copier()
+        for device_tensor, view in pairs:
+            copier.copy(device_tensor, view)
+        copier.settle()
+        _pinned.give(host)
 
     return staged, finish
+
+
+class _PinnedBuffers:
+    """Pinned host buffers kept between calls (a pinned allocation costs far more than pageable memory): ``take(n)``
+    one of at least n bytes, ``give`` it back once done; at most ``keep`` are kept, the largest; thread-safe."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._free: list[Any] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> Any:
+        import torch
+
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= n:
+                    return self._free.pop(i)
+        return torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    def give(self, buf: Any) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=lambda b: -b.numel())
+            del self._free[self.keep :]
+
+
+_pinned = _PinnedBuffers()
 
 
 _streams: dict[Any, Any] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -91,6 +92,29 @@ def test_client_takes_and_fills_device_tensors(device):
             out = torch.empty_like(kv_block)
             kv.get("ns", [b"d" * 16], out=[out])
         assert out.device == kv_block.device and torch.equal(out, kv_block)
+    finally:
+        server.stop(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_get_fills_many_device_tensors_beside_host_buffers_call_after_call(device):
+    """Without a cuda_ipc lane, CUDA destinations are filled through one pinned buffer per call, kept for the
+    next (``devices.stage_out``): tensors of several sizes, host buffers between them, and a second Get into
+    other tensors that reuses the buffer."""
+    cfg = ServeConfig(listen="127.0.0.1:0", metrics_port=0, dram=64 << 20)
+    server = StoreServer(cfg).start()
+    try:
+        blocks = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4096, 100_000, 1 << 20, 12_345)]
+        keys = [bytes([k]) * 16 for k in range(len(blocks))]
+        with Client(f"127.0.0.1:{server.port}") as kv:
+            assert all(r.status == "stored" for r in kv.put("ns", keys, blocks, chained=False))
+            for _ in range(2):
+                out = [torch.zeros_like(b, device=device) if k != 1 else np.zeros(len(b), np.uint8) for k, b in
+                       enumerate(blocks)]  # fmt: skip
+                got = kv.get("ns", keys, out=out)
+                assert all(g is o for g, o in zip(got, out))
+                for b, o in zip(blocks, out):
+                    assert bytes(o.cpu().numpy() if hasattr(o, "cpu") else o) == bytes(b.numpy())
     finally:
         server.stop(0)
 
