@@ -248,22 +248,3 @@ def test_redis_memory_per_indexed_block_is_small(local_redis):
         member.stop()
         store.close(flush=False)
         r.close()
-
-
-def test_a_single_node_client_needs_no_redis() -> None:
-    """redis-py comes with the ``cluster`` extra: without it a single node's client and the store still import,
-    and a redis:// target says what is missing."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys; sys.modules['redis'] = None\n"
-        "import kvstore.client, kvstore.server.app, kvstore.integrations.vllm.worker\n"
-        "try:\n"
-        "    kvstore.client.Client('redis://127.0.0.1:1')\n"
-        "except ImportError as err:\n"
-        "    print(err)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "pip install 'kvstore[cluster]'" in out.stdout
