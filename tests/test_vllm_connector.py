@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,33 +101,31 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     store.start()
     fault = tmp / "fault"
     common = {"target": store.target, "timeout": 20}
+    specs = [
+        EngineSpec(model, "kvstore", "kv_both", {**common, "stats_path": str(tmp / "p")}, mp=False, max_model_len=2048),
+        EngineSpec(
+            model,
+            "kvstore",
+            "kv_consumer",
+            {**common, "stats_path": str(tmp / "c"), "load_planner": "tests.vllm_fault_planner:KillStoreAfterLookup"},
+            mp=True,
+            max_model_len=2048,
+            env={"KVSTORE_TEST_FAULT": str(fault)},
+        ),
+    ]
     producer = consumer = None
     try:
-        producer = EngineProcess(
-            EngineSpec(
-                model, "kvstore", "kv_both", {**common, "stats_path": str(tmp / "p")}, mp=False, max_model_len=2048
-            )
-        )
-        consumer = EngineProcess(
-            EngineSpec(
-                model,
-                "kvstore",
-                "kv_consumer",
-                {
-                    **common,
-                    "stats_path": str(tmp / "c"),
-                    "load_planner": "tests.vllm_fault_planner:KillStoreAfterLookup",
-                },
-                mp=True,
-                max_model_len=2048,
-                env={"KVSTORE_TEST_FAULT": str(fault)},
-            )
-        )
+        # both start at once: a start is mostly one core's work (imports, loading, warm-up), and there are two
+        with ThreadPoolExecutor(2) as pool:
+            starts = [pool.submit(EngineProcess, spec) for spec in specs]
+        producer, consumer = (None if start.exception() else start.result() for start in starts)
+        for start in starts:
+            if start.exception() is not None:
+                raise start.exception()  # the one that did start is closed below
         yield Rig(store, producer, consumer, fault)
     finally:
-        for engine in (consumer, producer):
-            if engine is not None:
-                engine.close()
+        with ThreadPoolExecutor(2) as pool:  # each takes seconds to shut down: both at once
+            list(pool.map(EngineProcess.close, [e for e in (consumer, producer) if e is not None]))
         store.stop(signal.SIGTERM)
 
 
