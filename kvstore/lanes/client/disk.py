@@ -179,14 +179,9 @@ class DiskReader:
         return _ints(positions[failed[:bad]]) if bad else []
 
     def _read_run_arrays(
-        self,
-        name: str,
-        positions: np.ndarray,
-        offsets: np.ndarray,
-        lengths: np.ndarray,
-        crcs: np.ndarray,
+        self, name: str, positions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, crcs: np.ndarray,
         addresses: np.ndarray,
-    ) -> list[int] | None:
+    ) -> list[int] | None:  # fmt: skip
         """``read_run`` without the compiled kernel (numba missing, or still compiling): numpy array operations
         and one batch of CRC32Cs."""
         n = len(offsets)
