@@ -18,6 +18,7 @@ import pytest
 from kvstore.client import Client
 from kvstore.config import ServeConfig
 from kvstore.server.app import StoreServer
+from kvstore.server.process import serving
 
 ROOT = Path(__file__).resolve().parent.parent
 STOP_SECONDS = 60.0  # an in-process store that takes longer to stop is hung (a deadlock): fail, do not wait
@@ -132,15 +133,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 self._reader.join(5)
                 raise RuntimeError(f"server exited {self.proc.returncode}: {self.output()}")
-            ok = (
-                subprocess.run(
-                    [sys.executable, "-m", "kvstore", "health", "--target", self.target, "--timeout", "1"],
-                    capture_output=True,
-                    cwd=ROOT,
-                ).returncode
-                == 0
-            )
-            if ok:
+            if serving(self.target):
                 return
             time.sleep(0.2)
         raise TimeoutError("server did not become healthy")

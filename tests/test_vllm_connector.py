@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvstore.integrations.vllm_engine import EngineProcess, EngineSpec  # noqa: E402
-from kvstore.server.process import free_port  # noqa: E402
+from kvstore.server.process import free_port, serving  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,11 +54,7 @@ class Store:
             cwd=ROOT,
         )  # fmt: skip
         deadline = time.monotonic() + 60
-        while subprocess.run(
-            [sys.executable, "-m", "kvstore", "health", "--target", self.target, "--timeout", "1"],
-            cwd=ROOT,
-            capture_output=True,
-        ).returncode:
+        while not serving(self.target):
             assert self.proc.poll() is None, "kvstore serve exited"
             assert time.monotonic() < deadline, "kvstore serve did not become healthy"
             time.sleep(0.2)
