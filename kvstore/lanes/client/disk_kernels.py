@@ -9,7 +9,7 @@ spent 0.14 ms of a 1.8 ms 32 x 64 KiB Get on them in a hot loop and 0.3 ms of 3.
 The CRC32C is memops' folding loop even where ``memops_jit.library_crc_faster()`` prefers the `crc32c` package:
 that choice is timed over bytes in cache, and these bytes were just written by the disk's DMA. Over 32 x 64 KiB
 right after an O_DIRECT read the two took the same time (0.272 ms the loop, 0.279 the package called a row at
-a time; 2026-12-04, when the package ran 2x the loop in cache), and only the loop runs without the GIL here.
+a time; 2026-12-04, when the package ran 2x the loop in cache), and only the loop can run inside the kernel.
 """
 
 from __future__ import annotations
