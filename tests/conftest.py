@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -81,6 +83,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if _hung:  # the hung store's threads would keep the interpreter from exiting: end now, the report is out
         print(f"exiting: in-process stores that never stopped: {', '.join(_hung)}", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path, for a store's --shm-dir: the shm lane's socket lives there and a unix
+    socket's path holds 107 bytes, which tmp_path under pytest-xdist (.../popen-gw0/<test name>/) can exceed."""
+    path = Path(tempfile.mkdtemp(prefix="kvt-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -342,14 +342,14 @@ def test_a_store_that_is_gone_is_not_read_through_its_index(server):
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
 
 
-def test_a_killed_store_process_is_not_read_through_its_index(tmp_path):
+def test_a_killed_store_process_is_not_read_through_its_index(short_dir):
     import signal
 
     from kvstore.server.process import store_process
 
     data = blocks(4, 64 * KiB)
     hs = hashes(4, seed=9)
-    with store_process("--dram", "64MiB", "--shm-dir", str(tmp_path), "--share-dram", "true") as (target, proc):
+    with store_process("--dram", "64MiB", "--shm-dir", str(short_dir), "--share-dram", "true") as (target, proc):
         with Client(target, lane="shm", timeout=5, retries=0) as kv:
             kv.put("ns", hs, data)
             out = [np.zeros(64 * KiB, np.uint8) for _ in data]

@@ -200,16 +200,16 @@ def test_a_tenants_lane_reaches_only_its_namespaces(make_server, tmp_path, lane)
     assert server.store.stats()["blocks"] == 2
 
 
-def test_region_files_of_killed_servers_are_swept(make_server, tmp_path):
+def test_region_files_of_killed_servers_are_swept(make_server, short_dir):
     import subprocess
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = tmp_path / f"{PREFIX}{dead.pid}-{'ab' * 16}"
+    stale = short_dir / f"{PREFIX}{dead.pid}-{'ab' * 16}"
     stale.write_bytes(b"x")
-    live = tmp_path / f"{PREFIX}{os.getpid()}-{'cd' * 16}"
+    live = short_dir / f"{PREFIX}{os.getpid()}-{'cd' * 16}"
     live.write_bytes(b"x")
-    unrelated = tmp_path / "other-file"
+    unrelated = short_dir / "other-file"
     unrelated.write_bytes(b"x")
-    make_server(shm_dir=str(tmp_path), shm_lane_bytes=8 << 20)
+    make_server(shm_dir=str(short_dir), shm_lane_bytes=8 << 20)
     assert not stale.exists() and live.exists() and unrelated.exists()

@@ -117,3 +117,18 @@ def test_help_explains_the_default():
 def _listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_shm_dir_too_long_for_the_lanes_socket_is_one_line_naming_it(tmp_path):
+    """The shm lane's handshake socket lives in --shm-dir; a unix socket's path holds 107 bytes (it was reported
+    as a taken --tcp-lane-listen port)."""
+    from kvstore.lanes import cma
+
+    if not cma.available():
+        pytest.skip("no process_vm_readv here: the shm lane's socket is not made")
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    flags = ["--metrics-port", "0", "--log-level", "warning", "--listen", f"127.0.0.1:{free_port()}"]
+    code, lines = refused(*flags, "--shm-dir", str(deep))
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"kvstore: --shm-dir {deep}: too long for the shm lane's socket"), lines

@@ -26,7 +26,8 @@ pytest.importorskip("vllm")
 from kvstore.integrations.vllm_engine import EngineProcess, EngineSpec  # noqa: E402
 from kvstore.server.process import free_port, serving  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# one xdist worker runs every module of this group in turn: their vLLM engines side by side outgrew 24 GiB
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("vllm-engines")]
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 32
 MAX_TOKENS = 4

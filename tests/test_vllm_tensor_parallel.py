@@ -20,7 +20,8 @@ from kvstore.integrations.vllm.stats import read_stats, stats_files  # noqa: E40
 from kvstore.integrations.vllm_engine import EngineProcess, EngineSpec  # noqa: E402
 from kvstore.server.process import store_process  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# one xdist worker runs every module of this group in turn: their vLLM engines side by side outgrew 24 GiB
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("vllm-engines")]
 TP, BLOCK, PROMPT = 3, 32, 300
 RANKS = tuple(f"vllm-LBHNC-tp{r}of{TP}" for r in range(TP))
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}  # vLLM's auto binding wants a NUMA node a rank

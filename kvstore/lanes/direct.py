@@ -142,6 +142,9 @@ def _refused(what: str, err: OSError) -> LaneError:
     return LaneError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {err}")
 
 
+UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, the last a NUL
+
+
 class DirectListener:
     """The node's handshake socket; ``lookup(lane_id, token)`` returns the shm lane (or raises LaneError).
 
@@ -152,6 +155,11 @@ class DirectListener:
 
     def __init__(self, directory: str, lookup: Any, on_bound: Any = None):
         self.path = os.path.join(directory, f"kvstore-direct-{os.getpid()}-{secrets.token_hex(8)}.sock")
+        if len(os.fsencode(self.path)) > UNIX_PATH_MAX:
+            raise ValueError(
+                f"--shm-dir {directory}: too long for the shm lane's socket in it ({len(os.fsencode(self.path))} "
+                f"bytes with its name, a unix socket's path holds {UNIX_PATH_MAX}); pick a shorter directory"
+            )
         self._lookup = lookup
         self._on_bound = on_bound
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -159,6 +167,11 @@ class DirectListener:
         # node start, and a file another thread makes meanwhile could only come out more private, never less
         try:
             self._sock.bind(self.path)
+        except OSError as err:
+            self._sock.close()
+            raise ValueError(
+                f"--shm-dir {directory}: cannot make the shm lane's socket there ({err.strerror})"
+            ) from None
         finally:
             os.umask(old)
         self._sock.listen(64)

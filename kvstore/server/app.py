@@ -197,11 +197,13 @@ class StoreServer:
                 raise ports.PortError("--metrics-port", str(self.cfg.metrics_port), ports.describe(err)) from None
         try:
             self.lanes = LaneServer(self).register(server)
-        except OSError as err:  # a --tcp-lane-listen port taken since the preflight (kvstore.server.ports)
+        except (OSError, ValueError) as err:  # an OSError: a --tcp-lane-listen port taken since the preflight
             server.stop(None)
             if self._metrics_http is not None:
                 self._metrics_http[0].shutdown()
                 self._metrics_http[0].server_close()
+            if isinstance(err, ValueError):  # says which flag itself (--shm-dir, --cuda-lane-bytes)
+                raise
             raise ports.PortError("--tcp-lane-listen", self.cfg.tcp_lane_listen, ports.describe(err)) from None
         server.start()
         self.server = server
