@@ -250,10 +250,44 @@ def test_blocks_that_are_not_such_a_run_are_left_to_read(written, runs_allowed):
     far = [0, 32]  # records apart by more than GAP_BYTES
     assert reader.read_run(*_run_args(where, payloads, far, [aligned_buffer(len(payloads[i])) for i in far])) is None
     client_disk.ALONE_BYTES = 4096
-    try:  # longer than one piece on the caller's thread
-        assert reader.read_run(*_run_args(where, payloads, picks, aligned)) is None
+    try:  # longer than one piece on the caller's thread: the kernel reads it in pieces, the arrays leave it to read()
+        longer = reader.read_run(*_run_args(where, payloads, picks, aligned))
+        assert longer == ([] if client_disk._compiled.ready() else None)
     finally:
         client_disk.ALONE_BYTES = 3 << 20
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    picks=st.lists(st.sampled_from(WHOLE_PAGES), min_size=2, max_size=12, unique=True),
+    bad=st.integers(-1, 11),
+    threads=st.sampled_from([1, 3]),
+    scratch=st.sampled_from([8192, client_disk.SCRATCH_BYTES]),
+)
+def test_a_run_too_long_for_one_preadv_is_read_in_pieces_and_a_corrupt_block_fails_alone(
+    written, monkeypatch, picks, bad, threads, scratch
+):
+    """Pieces of about 64 KiB (``cut_run``), each one compiled ``read_run`` on the caller's or a pool thread; with
+    little scratch a piece also ends where its gaps (record headers, other records) would not fit."""
+    if not memops_jit.AVAILABLE:
+        pytest.skip("the compiled kernels need numba and a CPU with SSE4.2 and PCLMULQDQ")
+    client_disk._compiled.warm_up()
+    monkeypatch.setattr(client_disk, "ALONE_BYTES", 4096)
+    monkeypatch.setattr(client_disk, "MAX_PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(client_disk, "SCRATCH_BYTES", scratch)
+    root, where, payloads = written
+    reader = DiskReader(str(root), threads=threads)
+    bufs = [aligned_buffer(len(payloads[i])) for i in picks]
+    crcs = [crc32c(payloads[i]) ^ (1 if k == bad else 0) for k, i in enumerate(picks)]
+    failed = reader.read_run(*_run_args(where, payloads, picks, bufs, crcs))
+    offsets = sorted(where[i][1] for i in picks)
+    ends = {where[i][1]: where[i][1] + len(payloads[i]) for i in picks}
+    if max(b - ends[a] for a, b in zip(offsets, offsets[1:])) > client_disk.GAP_BYTES:
+        assert failed is None
+        return
+    assert failed == ([bad] if 0 <= bad < len(picks) else [])
+    assert all(b.tobytes() == payloads[i].tobytes() for k, (i, b) in enumerate(zip(picks, bufs)) if k != bad)
+    reader.close()
 
 
 def test_a_run_past_the_files_end_or_in_a_missing_file_fails_by_position(written, runs_allowed, tmp_path):

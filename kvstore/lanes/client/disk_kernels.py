@@ -27,6 +27,7 @@ from kvstore.memops_kernels import READ, copy_crc
 
 PAGE = 4096
 NOT_A_RUN = -1
+TOO_LONG = -2  # a run, but longer than one preadv should take: cut it (``cut_run``) and read the pieces at once
 
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 
@@ -62,8 +63,9 @@ def read_run(
     preadv from the first payload to the last, each payload straight into its destination and what lies between
     them (record headers) into ``scratch``; then each block's CRC32C. Writes the indices ``k`` of the blocks that
     were not read in full or failed their check into ``failed`` and returns how many; ``NOT_A_RUN`` (nothing
-    read) unless every payload is whole pages into a page-aligned destination, neighbours at most ``gap_bytes``
-    apart in the file, the whole under ``alone_bytes`` and the gaps within ``scratch_bytes``."""
+    read) unless every payload is whole pages into a page-aligned destination and neighbours are at most
+    ``gap_bytes`` apart in the file, ``TOO_LONG`` (nothing read) when such a run spans ``alone_bytes`` or more or
+    its gaps exceed ``scratch_bytes``."""
     n = offsets.shape[0]
     order = np.arange(n)
     for k in range(1, n):
@@ -83,7 +85,7 @@ def read_run(
         held += gap
         end = offsets[k] + lengths[k]
     if end - first >= alone_bytes or held > scratch_bytes:
-        return NOT_A_RUN
+        return TOO_LONG
     iov = np.empty((2 * n, 2), dtype=np.int64)  # struct iovec: (address, length)
     parts = 0
     end = first
@@ -108,6 +110,44 @@ def read_run(
     return bad
 
 
+@numba.njit(nogil=True, cache=True)
+def cut_run(
+    offsets: Any, lengths: Any, addresses: Any, gap_bytes: int, scratch_bytes: int, piece_bytes: int, order: Any,
+    cuts: Any,
+) -> int:  # fmt: skip
+    """A ``TOO_LONG`` run cut into pieces, each for one ``read_run`` call: ``order`` gets the blocks' indices in
+    file order and ``cuts`` where each piece starts in it, then ``n``; returns how many pieces (``NOT_A_RUN``
+    unless the blocks are a run, as ``read_run`` checks). A piece ends before the block that starts
+    ``piece_bytes`` past its first, or whose gap would take its gaps past ``scratch_bytes``."""
+    n = offsets.shape[0]
+    order[:] = np.arange(n)
+    for k in range(1, n):
+        if offsets[k] < offsets[k - 1]:
+            order[:] = np.argsort(offsets, kind="mergesort")
+            break
+    pieces = 0
+    start = 0
+    end = 0
+    held = 0
+    for j in range(n):
+        k = order[j]
+        if lengths[k] <= 0 or lengths[k] % PAGE or addresses[k] % PAGE:
+            return NOT_A_RUN
+        gap = offsets[k] - end
+        if j and (gap < 0 or gap > gap_bytes):
+            return NOT_A_RUN
+        if j == 0 or offsets[k] - start >= piece_bytes or held + gap > scratch_bytes:
+            cuts[pieces] = j
+            pieces += 1
+            start = offsets[k]
+            held = 0
+        else:
+            held += gap
+        end = offsets[k] + lengths[k]
+    cuts[pieces] = n
+    return pieces
+
+
 def warm_up() -> None:
     """Compile ``read_run`` (or load it from numba's cache) for the types ``DiskReader`` passes: a read of /dev/null."""
     import os
@@ -118,5 +158,6 @@ def warm_up() -> None:
     fd = os.open(os.devnull, os.O_RDONLY)
     try:
         read_run(fd, one * 0, one * PAGE, one * 0, one * address, 0, 0, 0, 1 << 20, np.empty(1, dtype=np.int64))
+        cut_run(one * 0, one * PAGE, one * address, 0, 0, PAGE, one * 0, np.empty(2, dtype=np.int64))
     finally:
         os.close(fd)
