@@ -161,14 +161,20 @@ class ServerProcess:
 
     def terminate(self, timeout: float = 30.0) -> int:
         self.proc.send_signal(signal.SIGTERM)
+        return self.wait_exit(timeout)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        """The exit code; a server still running after ``timeout`` fails the test with its threads' stacks."""
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGUSR1)  # `kvstore serve` dumps its threads' stacks: show where it hangs
-            time.sleep(2)
-            raise AssertionError(
-                f"server still running {timeout}s after SIGTERM; its output and stacks:\n{self.output()[-20000:]}"
-            ) from None
+            raise AssertionError(f"server still running after {timeout}s; {self.stacks()}") from None
+
+    def stacks(self) -> str:
+        """Its output so far, then its threads' stacks (SIGUSR1: `kvstore serve` dumps them): where it hangs."""
+        self.proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        return f"its output and stacks:\n{self.output()[-20000:]}"
 
     def output(self) -> str:
         """What the server printed so far (all of it once the process has exited)."""

@@ -152,7 +152,7 @@ def test_sigterm_drains_an_in_flight_stream(spawn_server):
     proc.proc.send_signal(signal.SIGTERM)
     data = first.data + b"".join(m.data for m in stream)
     channel.close()
-    assert proc.proc.wait(30) == 0
+    assert proc.wait_exit(30) == 0
     assert data == b"".join(payloads)
 
 

@@ -286,7 +286,11 @@ class StoreServer:
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGHUP, lambda _signum, _frame: self.reload())
         self.start()
-        done.wait()
+        # Python runs a signal's handler on the main thread only, and a signal the kernel hands to another thread
+        # does not wake a main thread blocked in a wait without a timeout. Waking twice a second bounds that (twice
+        # under two xdist workers a SIGTERM went unanswered for 10-30 s; whether this was why is not established).
+        while not done.wait(0.5):
+            pass
         # A stop that outlasts the drain by far prints every thread's stack (a report only: a large flush
         # of write-back blocks to NVMe may take long, and cutting it short would lose acknowledged blocks).
         faulthandler.dump_traceback_later(self.cfg.drain_seconds + SLOW_STOP_SECONDS)
