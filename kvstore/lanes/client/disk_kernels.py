@@ -1,5 +1,6 @@
-"""The numba kernel behind ``DiskReader.read_run`` (kvstore/lanes/client/disk.py): a Get's run of NVMe records
-planned, read with one ``preadv`` and checked in one compiled call that holds no GIL.
+"""The numba kernels behind ``DiskReader.read_run`` (kvstore/lanes/client/disk.py): a Get's run of NVMe records
+cut into pieces (``cut_run``), each planned, read with one ``preadv`` and checked in one compiled call that holds
+no GIL (``read_run``).
 
 Imported only once ``kvstore.memops_jit`` has found numba and a CPU with SSE4.2 and PCLMULQDQ, and only when first
 wanted, like every kernel here (importing numba at start broke vLLM's scan of
@@ -47,6 +48,47 @@ def _preadv(typingctx: Any, fd: Any, iov: Any, count: Any, offset: Any) -> Any:
 
 
 @numba.njit(nogil=True, cache=True)
+def _in_file_order(offsets: Any) -> Any:
+    """The blocks' indices by offset (a prefix demoted together lies in file order: no sort as a rule)."""
+    n = offsets.shape[0]
+    for k in range(1, n):
+        if offsets[k] < offsets[k - 1]:
+            return np.argsort(offsets, kind="mergesort")
+    return np.arange(n)
+
+
+@numba.njit(nogil=True, cache=True)
+def cut_run(
+    offsets: Any, lengths: Any, addresses: Any, gap_bytes: int, scratch_bytes: int, piece_bytes: int, order: Any,
+    cuts: Any,
+) -> int:  # fmt: skip
+    """Blocks ``k`` of one file (int64 arrays: payload offset, length, destination address) cut into pieces of one
+    preadv each: ``order`` gets their indices in file order and ``cuts`` where each piece starts in it, then
+    ``n``; returns how many pieces, or ``NOT_A_RUN`` unless every payload is whole pages into a page-aligned
+    destination and neighbours are at most ``gap_bytes`` apart in the file. A piece ends before the block that
+    starts ``piece_bytes`` past its first, or whose gap would take the piece's gaps past ``scratch_bytes``."""
+    n = offsets.shape[0]
+    order[:] = _in_file_order(offsets)
+    pieces = held = 0
+    start = end = offsets[order[0]]
+    for j in range(n):
+        k = order[j]
+        gap = offsets[k] - end
+        if lengths[k] <= 0 or lengths[k] % PAGE or addresses[k] % PAGE or gap < 0 or gap > gap_bytes:
+            return NOT_A_RUN
+        if j == 0 or offsets[k] - start >= piece_bytes or held + gap > scratch_bytes:
+            cuts[pieces] = j
+            pieces += 1
+            start = offsets[k]
+            held = 0
+        else:
+            held += gap
+        end = offsets[k] + lengths[k]
+    cuts[pieces] = n
+    return pieces
+
+
+@numba.njit(nogil=True, cache=True)
 def read_run(
     fd: int,
     offsets: Any,
@@ -62,30 +104,15 @@ def read_run(
     """Blocks ``k`` of one file (int64 arrays: payload offset, length, CRC32C, destination address) read with one
     preadv from the first payload to the last, each payload straight into its destination and what lies between
     them (record headers) into ``scratch``; then each block's CRC32C. Writes the indices ``k`` of the blocks that
-    were not read in full or failed their check into ``failed`` and returns how many; ``NOT_A_RUN`` (nothing
-    read) unless every payload is whole pages into a page-aligned destination and neighbours are at most
-    ``gap_bytes`` apart in the file, ``TOO_LONG`` (nothing read) when such a run spans ``alone_bytes`` or more or
-    its gaps exceed ``scratch_bytes``."""
+    were not read in full or failed their check into ``failed`` and returns how many. Nothing is read when the
+    blocks are not one piece as ``cut_run`` cuts with ``alone_bytes``: ``NOT_A_RUN``, or ``TOO_LONG`` for a run
+    of several pieces."""
     n = offsets.shape[0]
-    order = np.arange(n)
-    for k in range(1, n):
-        if offsets[k] < offsets[k - 1]:  # a prefix demoted together lies in file order: no sort as a rule
-            order = np.argsort(offsets, kind="mergesort")
-            break
+    order, cuts = np.empty(n, dtype=np.int64), np.empty(n + 1, dtype=np.int64)
+    pieces = cut_run(offsets, lengths, addresses, gap_bytes, scratch_bytes, alone_bytes, order, cuts)
+    if pieces != 1:
+        return NOT_A_RUN if pieces < 0 else TOO_LONG
     first = offsets[order[0]]
-    end = first
-    held = 0
-    for j in range(n):
-        k = order[j]
-        if lengths[k] <= 0 or lengths[k] % PAGE or addresses[k] % PAGE:
-            return NOT_A_RUN
-        gap = offsets[k] - end
-        if gap < 0 or gap > gap_bytes:
-            return NOT_A_RUN
-        held += gap
-        end = offsets[k] + lengths[k]
-    if end - first >= alone_bytes or held > scratch_bytes:
-        return TOO_LONG
     iov = np.empty((2 * n, 2), dtype=np.int64)  # struct iovec: (address, length)
     parts = 0
     end = first
@@ -108,44 +135,6 @@ def read_run(
             failed[bad] = k
             bad += 1
     return bad
-
-
-@numba.njit(nogil=True, cache=True)
-def cut_run(
-    offsets: Any, lengths: Any, addresses: Any, gap_bytes: int, scratch_bytes: int, piece_bytes: int, order: Any,
-    cuts: Any,
-) -> int:  # fmt: skip
-    """A ``TOO_LONG`` run cut into pieces, each for one ``read_run`` call: ``order`` gets the blocks' indices in
-    file order and ``cuts`` where each piece starts in it, then ``n``; returns how many pieces (``NOT_A_RUN``
-    unless the blocks are a run, as ``read_run`` checks). A piece ends before the block that starts
-    ``piece_bytes`` past its first, or whose gap would take its gaps past ``scratch_bytes``."""
-    n = offsets.shape[0]
-    order[:] = np.arange(n)
-    for k in range(1, n):
-        if offsets[k] < offsets[k - 1]:
-            order[:] = np.argsort(offsets, kind="mergesort")
-            break
-    pieces = 0
-    start = 0
-    end = 0
-    held = 0
-    for j in range(n):
-        k = order[j]
-        if lengths[k] <= 0 or lengths[k] % PAGE or addresses[k] % PAGE:
-            return NOT_A_RUN
-        gap = offsets[k] - end
-        if j and (gap < 0 or gap > gap_bytes):
-            return NOT_A_RUN
-        if j == 0 or offsets[k] - start >= piece_bytes or held + gap > scratch_bytes:
-            cuts[pieces] = j
-            pieces += 1
-            start = offsets[k]
-            held = 0
-        else:
-            held += gap
-        end = offsets[k] + lengths[k]
-    cuts[pieces] = n
-    return pieces
 
 
 def warm_up() -> None:
