@@ -42,6 +42,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from tests.conftest import ServerProcess
 
 INPUTS = int(os.environ.get("KVSTORE_FUZZ_INPUTS", "10000"))
+CAMPAIGN_TIMEOUT = 600  # seconds: a campaign took 43-75 s on the loaded 2-core VM, near pytest's 120 s
 CASES = 20  # cases hypothesis draws per example; each expands into VARIANTS inputs
 VARIANTS = 5
 CONCURRENCY = 32
@@ -328,11 +329,13 @@ def fuzz(campaign: Campaign, method: str, cases: st.SearchStrategy[Any]) -> None
     assert campaign.proc.proc.poll() is None, "the server died"
 
 
+@pytest.mark.timeout(CAMPAIGN_TIMEOUT)  # a campaign's calls have their own deadlines; its total varies with the load
 @pytest.mark.parametrize("method", ["Lookup", "Get", "Delete", "Stats"])
 def test_fuzz_unary_requests(campaign, method):
     fuzz(campaign, method, unary_inputs[method])
 
 
+@pytest.mark.timeout(CAMPAIGN_TIMEOUT)
 def test_fuzz_put_streams(campaign):
     fuzz(campaign, "Put", put_streams())
     assert {"OK", "INVALID_ARGUMENT"} <= set(COUNTS["Put"])  # both good and bad streams were exercised
