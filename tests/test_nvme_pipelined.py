@@ -15,7 +15,7 @@ from kvstore.tiers.nvme import NvmeTier, PosixBackend
 from kvstore.tiers.nvme.faults import InstrumentedBackend
 from kvstore.tiers.nvme.format import PAGE, split_loc
 from kvstore.tiers.nvme.io import aligned_buffer
-from tests.test_nvme_tier import flip_byte, read_all, segment_files, write_blocks
+from tests.test_nvme_tier import flip_byte, read_all, record_checks, segment_files, write_blocks  # noqa: F401
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK = 64 * KiB
@@ -33,6 +33,7 @@ def wiped_dests(n: int) -> list[np.ndarray]:
     return dests
 
 
+@pytest.mark.usefixtures("record_checks")
 def test_a_bad_record_in_a_later_piece_fails_alone(tmp_path: Path, rng: np.random.Generator) -> None:
     backend = InstrumentedBackend(PosixBackend())
     tier = NvmeTier(tmp_path, 64 * MiB, segment_bytes=16 * MiB, backend=backend)

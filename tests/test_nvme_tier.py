@@ -11,13 +11,29 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvstore import memops_jit
 from kvstore.tiers.base import BlockMeta, CorruptBlock, TierFull
-from kvstore.tiers.nvme import DROPPED, NvmeTier, PosixBackend
+from kvstore.tiers.nvme import DROPPED, NvmeTier, PosixBackend, reader
 from kvstore.tiers.nvme.faults import InstrumentedBackend
 from kvstore.tiers.nvme.format import PAGE, crc32c, record_bytes, split_loc
 from kvstore.tiers.nvme.io import aligned_buffer
 
 KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture(params=["python", "compiled"])
+def record_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the tier checks the records it read: Python's, and the compiled ``check_kernels.check_piece``."""
+    if request.param == "python":
+        monkeypatch.setattr(reader, "compiled_checks", lambda: None)
+    else:
+        if not memops_jit.AVAILABLE:
+            pytest.skip("the compiled kernels need numba and a CPU with SSE4.2 and PCLMULQDQ")
+        from kvstore.tiers.nvme import check_kernels
+
+        check_kernels.warm_up()
+        monkeypatch.setattr(reader, "compiled_checks", lambda: check_kernels)
+    return str(request.param)
 
 
 def payload_for(h: bytes, n: int) -> bytes:
@@ -124,6 +140,7 @@ def test_default_pieces_are_a_few_parallel_reads(tmp_path: Path, rng: np.random.
     tier.close()
 
 
+@pytest.mark.usefixtures("record_checks")
 def test_corruption_is_detected_and_never_served(tmp_path: Path, rng: np.random.Generator) -> None:
     tier = NvmeTier(tmp_path, 64 * MiB, segment_bytes=8 * MiB)
     blocks = write_blocks(tier, [20_000] * 8, rng)
@@ -151,6 +168,7 @@ def test_corruption_is_detected_and_never_served(tmp_path: Path, rng: np.random.
     tier.close()
 
 
+@pytest.mark.usefixtures("record_checks")
 def test_reads_land_in_aligned_unaligned_and_repeated_dests(tmp_path: Path, rng: np.random.Generator) -> None:
     """Page-aligned host dests get the payload straight from the device; any other dest is
     filled from scratch; a location asked twice fills both; odd sizes keep their tail."""
@@ -182,6 +200,7 @@ def test_reads_land_in_aligned_unaligned_and_repeated_dests(tmp_path: Path, rng:
     tier.close()
 
 
+@pytest.mark.usefixtures("record_checks")
 def test_a_corrupt_record_read_in_place_leaves_zeros_not_its_bytes(tmp_path: Path, rng: np.random.Generator) -> None:
     tier = NvmeTier(tmp_path, 64 * MiB, segment_bytes=8 * MiB)
     blocks = write_blocks(tier, [64 * KiB + 100] * 6, rng)

@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstore import memops_jit
+from kvstore.background_compile import BackgroundCompile
 from kvstore.checksum import crc32c as _crc32c
 from kvstore.tiers.nvme.format import (
     HEADER_BYTES,
@@ -245,6 +247,9 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
             if view is not None:
                 view[:al] = 0
         return [(t, f"read failed: {got}") for w in piece.records for t in w.targets]
+    kernels = compiled_checks()
+    if kernels is not None:
+        return _finish_compiled(kernels, planned, got, dests)
     end = piece.offset + got
     failed: list[tuple[int, str]] = []
     for w, hdr, tail, view, al in planned.plan:
@@ -284,6 +289,68 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
                 view[:al] = 0
             failed.extend((t, reason) for t in w.targets)
     return failed
+
+
+def _finish_compiled(kernels: Any, planned: PlannedRead, got: int, dests: Sequence[Any]) -> list[tuple[int, str]]:
+    """``finish_into`` through ``check_kernels.check_piece``: the checks and tail copies in one call without the
+    GIL; a payload read only into scratch, or wanted by more than one target, is copied out here."""
+    piece, scratch, plan = planned.piece, planned.scratch, planned.plan
+    rows = np.array(
+        [
+            (w.offset - piece.offset, hdr, 0 if view is None else array_address(view), al, tail,
+             -1 if w.length is None else w.length, w.nbytes, -1 if w.crc is None else w.crc)
+            for w, hdr, tail, view, al in plan
+        ],
+        dtype=np.int64,
+    )  # fmt: skip
+    status, lengths = np.empty(len(plan), dtype=np.int64), np.empty(len(plan), dtype=np.int64)
+    bad = kernels.check_piece(scratch, rows, got, status, lengths)
+    failed: list[tuple[int, str]] = []
+    for k, (w, _, tail, view, al) in enumerate(plan):
+        if status[k] == kernels.OK:
+            if view is None:
+                for t in w.targets:
+                    copy_into(dests[t], scratch[tail : tail + int(lengths[k])])
+            elif len(w.targets) > 1:
+                n = int(lengths[k])
+                for t in w.targets[1:]:
+                    copy_into(dests[t], view[:n])
+            continue
+        if view is not None:
+            view[:al] = 0
+        if status[k] == kernels.WRONG_LENGTH:
+            reason = f"record holds {int(lengths[k])} bytes, caller expects {w.length}"
+        else:
+            reason = _REASONS[int(status[k])]
+        failed.extend((t, reason) for t in w.targets)
+    assert len(failed) >= bad
+    return failed
+
+
+_REASONS = {  # check_kernels' statuses, as the Python path words them
+    1: "no valid record header at this location",
+    3: "record's CRC32C differs from the index's",
+    4: "record extends past the end of the segment file",
+    5: "payload fails its CRC32C",
+}
+
+
+def _compile() -> None:
+    from kvstore.tiers.nvme import check_kernels as kernels
+
+    kernels.warm_up()
+
+
+_compiled = BackgroundCompile("kvstore-nvme-check-jit", memops_jit.AVAILABLE, _compile)
+
+
+def compiled_checks() -> Any:
+    """``check_kernels`` once compiled (the first call starts compiling it in the background), else None."""
+    if not _compiled.ready():
+        return None
+    from kvstore.tiers.nvme import check_kernels as kernels
+
+    return kernels
 
 
 def read_pipelined(

@@ -47,7 +47,7 @@ from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_BITS, OFFSET_MASK, PA
 from kvstore.tiers.nvme.gds import is_device_dest, read_split
 from kvstore.tiers.nvme.io import IoBackend, select_backend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
-from kvstore.tiers.nvme.reader import BufferPool, Wanted, plan_pieces, read_pipelined
+from kvstore.tiers.nvme.reader import BufferPool, Wanted, compiled_checks, plan_pieces, read_pipelined
 from kvstore.tiers.nvme.segments import Segment, SegmentState
 from kvstore.tiers.nvme.sidecar import RecordColumns
 
@@ -152,6 +152,7 @@ class NvmeTier(Tier):
         )
         self._pool = ThreadPoolExecutor(read_threads, thread_name_prefix="nvme-read")
         self._buffers = BufferPool(read_threads + 1, self.max_read_bytes)
+        compiled_checks()  # starts compiling the reads' record checks in the background (until then: Python's)
         self._compact_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._fault = ""
