@@ -43,7 +43,8 @@ node-deps:
 	  echo "npm not found: tests/test_conformance_node.py will skip"
 
 # Two pytest-xdist workers: in one process the suite took 866-950 s on this 2-core VM, 15 minutes its budget. The
-# tests that run vLLM engines share one worker (xdist_group "vllm-engines"): side by side they outgrew 24 GiB.
+# tests that run vLLM engines share one worker (xdist_group "vllm-engines"; pytest<9.2, see pyproject.toml): side by
+# side, four engines, the suite peaked at 22.9 GB of the VM's 24.1.
 # TEST_WORKERS=0 runs it in this process, as a plain `pytest` does.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed system-deps node-deps lint

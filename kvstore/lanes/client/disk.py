@@ -72,6 +72,7 @@ MAX_PIECE_BYTES = 1 << 20
 # From 128 KiB blocks (4.3 MB) 4 pieces of 1 MiB came first (4.45 ms, 2 pieces 4.81, 1 piece 4.62).
 MIN_PIECE_BYTES = 1 << 20
 ALONE_BYTES = 3 << 20
+NO_LIMIT = 1 << 62  # ``read_run``'s alone_bytes for a piece ``cut_run`` already cut: read it whole
 MAX_IOVECS = 1024
 MAX_OPEN_FILES = 64
 SEGMENT_NAME = re.compile(r"seg-[0-9]+\.log")
@@ -210,7 +211,7 @@ class DiskReader:
                 at = slice(lo, hi)
                 bad = kernels.read_run(
                     fd, offsets[at], lengths[at], crcs[at], addresses[at], scratch.address, len(scratch.map),
-                    GAP_BYTES, 1 << 62, failed,
+                    GAP_BYTES, NO_LIMIT, failed,
                 )  # fmt: skip
                 out.extend(range(lo, hi) if bad < 0 else (failed[:bad] + lo).tolist())  # < 0: cut_run rules it out
 

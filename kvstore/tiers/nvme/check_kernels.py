@@ -17,19 +17,18 @@ import numba
 import numpy as np
 
 from kvstore.memops_kernels import READ, STORE, copy_crc
+from kvstore.tiers.nvme.format import HEADER_BYTES, MAGIC, MAX_NAMESPACE_BYTES, PAGE, VERSION
 
-# a record's status (what ``reader.finish_into`` says of it)
+# a record's status (``reader`` words each as its Python path does)
 OK, NO_HEADER, WRONG_LENGTH, INDEX_CRC, PAST_END, BAD_PAYLOAD = 0, 1, 2, 3, 4, 5
 # the rows' columns
 REL, HEADER, FIRST, FIRST_BYTES, TAIL, LENGTH, NBYTES, CRC = range(8)
 COLUMNS = 8
 
-HEADER_BYTES = 4096
-PAGE = 4096
-FIXED_BYTES = 94  # format.py's header through the namespace length
-MAGIC = int.from_bytes(b"KVSR", "little")
-VERSION = 1
-MAX_NAMESPACE_BYTES = 1024
+# where format.py's header keeps what the checks read (its table in docs/nvme.md)
+_MAGIC = int.from_bytes(MAGIC, "little")
+_VERSION_AT, _STORED_LENGTH_AT, _STORED_CRC_AT, _NAMESPACE_LENGTH_AT = 4, 76, 88, 92
+_FIXED_BYTES = 94  # through the namespace length; the header CRC covers these and the namespace
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -41,6 +40,17 @@ def _uint(buf: Any, at: int, size: int) -> Any:
     return value
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _valid_header(scratch: Any, hdr: int) -> Any:  # a bool (numba's types are not mypy's)
+    """Magic, version and the header's own CRC32C, as ``format.check_header``."""
+    if _uint(scratch, hdr, 4) != _MAGIC or _uint(scratch, hdr + _VERSION_AT, 2) != VERSION:
+        return False
+    end = _FIXED_BYTES + _uint(scratch, hdr + _NAMESPACE_LENGTH_AT, 2)
+    if end > _FIXED_BYTES + MAX_NAMESPACE_BYTES:
+        return False
+    return np.int64(copy_crc(scratch.ctypes.data + hdr, 0, end, 0, READ)) == _uint(scratch, hdr + end, 4)
+
+
 @numba.njit(nogil=True, cache=True)
 def check_piece(scratch: Any, rows: Any, got: int, status: Any, lengths: Any) -> int:
     """Check the records of one piece after its preadv returned ``got`` bytes (int64 ``rows``, one per record:
@@ -48,53 +58,42 @@ def check_piece(scratch: Any, rows: Any, got: int, status: Any, lengths: Any) ->
     whole pages were read to (0: all of the payload is in scratch), how many bytes that is, the position of the
     rest in ``scratch``, the length expected (-1: any), the record's bytes, the CRC32C expected (-1: any)).
     Writes each record's status and stored length (when its header is valid); returns how many failed."""
-    base = scratch.ctypes.data
     failed = 0
     for k in range(rows.shape[0]):
-        hdr = rows[k, HEADER]
-        result = NO_HEADER
-        if (
-            rows[k, REL] + HEADER_BYTES <= got
-            and _uint(scratch, hdr, 4) == MAGIC
-            and _uint(scratch, hdr + 4, 2) == VERSION
-        ):
-            end = FIXED_BYTES + _uint(scratch, hdr + 92, 2)
-            if end <= FIXED_BYTES + MAX_NAMESPACE_BYTES and np.int64(copy_crc(base + hdr, 0, end, 0, READ)) == _uint(
-                scratch, hdr + end, 4
-            ):
-                result = OK
-        if result == OK:
-            n = _uint(scratch, hdr + 76, 8)
-            stored_crc = _uint(scratch, hdr + 88, 4)
-            lengths[k] = n
-            first, first_bytes, tail = rows[k, FIRST], rows[k, FIRST_BYTES], base + rows[k, TAIL]
-            if (rows[k, LENGTH] >= 0 and n != rows[k, LENGTH]) or HEADER_BYTES + -(-n // PAGE) * PAGE != rows[
-                k, NBYTES
-            ]:
-                result = WRONG_LENGTH
-            elif rows[k, CRC] >= 0 and stored_crc != rows[k, CRC]:
-                result = INDEX_CRC
-            elif rows[k, REL] + rows[k, NBYTES] > got:
-                result = PAST_END
-            else:
-                if first == 0:
-                    crc = np.int64(copy_crc(tail, 0, n, 0, READ))
-                else:
-                    crc = np.int64(copy_crc(first, 0, first_bytes, 0, READ))
-                    if n > first_bytes:
-                        crc = np.int64(copy_crc(tail, 0, n - first_bytes, crc, READ))
-                if crc != stored_crc:
-                    result = BAD_PAYLOAD
-                elif first != 0 and n > first_bytes:  # verified: the tail goes in after the whole pages
-                    copy_crc(tail, first + first_bytes, n - first_bytes, 0, STORE)
-        status[k] = result
-        if result != OK:
+        rel, hdr, nbytes = rows[k, REL], rows[k, HEADER], rows[k, NBYTES]
+        want_length, want_crc = rows[k, LENGTH], rows[k, CRC]
+        first, first_bytes, tail = rows[k, FIRST], rows[k, FIRST_BYTES], scratch.ctypes.data + rows[k, TAIL]
+        if rel + HEADER_BYTES > got or not _valid_header(scratch, hdr):
+            status[k] = NO_HEADER
             failed += 1
+            continue
+        n = lengths[k] = _uint(scratch, hdr + _STORED_LENGTH_AT, 8)
+        stored_crc = _uint(scratch, hdr + _STORED_CRC_AT, 4)
+        result = OK
+        if (want_length >= 0 and n != want_length) or HEADER_BYTES + -(-n // PAGE) * PAGE != nbytes:  # record_bytes
+            result = WRONG_LENGTH
+        elif want_crc >= 0 and stored_crc != want_crc:
+            result = INDEX_CRC
+        elif rel + nbytes > got:
+            result = PAST_END
+        else:
+            if first == 0:
+                crc = np.int64(copy_crc(tail, 0, n, 0, READ))
+            else:
+                crc = np.int64(copy_crc(first, 0, first_bytes, 0, READ))
+                if n > first_bytes:
+                    crc = np.int64(copy_crc(tail, 0, n - first_bytes, crc, READ))
+            if crc != stored_crc:
+                result = BAD_PAYLOAD
+            elif first != 0 and n > first_bytes:  # verified: the tail goes in after the whole pages
+                copy_crc(tail, first + first_bytes, n - first_bytes, 0, STORE)
+        status[k] = result
+        failed += result != OK
     return failed
 
 
 def warm_up() -> None:
     """Compile ``check_piece`` (or load it from numba's cache) for the types ``finish_into`` passes."""
-    scratch = np.zeros(2 * HEADER_BYTES, dtype=np.uint8)
+    scratch = np.zeros(2 * HEADER_BYTES, dtype=np.uint8)  # no valid header: compiles the whole of it all the same
     rows = np.zeros((1, COLUMNS), dtype=np.int64)
     check_piece(scratch, rows, 0, np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int64))

@@ -55,6 +55,15 @@ from kvstore.tiers.nvme.io import IoBackend, aligned_buffer, array_address
 from kvstore.tiers.nvme.segments import Segment
 
 MIN_PIECE = 256 << 10  # pieces are not cut smaller than this for parallelism
+# why a record failed, in both ways of checking it (here and ``check_kernels``)
+NO_HEADER = "no valid record header at this location"
+INDEX_CRC = "record's CRC32C differs from the index's"
+PAST_END = "record extends past the end of the segment file"
+BAD_PAYLOAD = "payload fails its CRC32C"
+
+
+def _wrong_length(n: int, expected: int | None) -> str:
+    return f"record holds {n} bytes, caller expects {expected}"
 
 
 @dataclass(slots=True)
@@ -147,15 +156,15 @@ def check_record(buf: np.ndarray, rel: int, w: Wanted, decode: bool = False) -> 
     else:
         fields = check_header(buf, rel)
     if fields is None:
-        return Checked(w, None, None, "no valid record header at this location")
+        return Checked(w, None, None, NO_HEADER)
     n, stored_crc = fields
     if (w.length is not None and n != w.length) or record_bytes(n) != w.nbytes:
-        return Checked(w, header, None, f"record holds {n} bytes, caller expects {w.length}")
+        return Checked(w, header, None, _wrong_length(n, w.length))
     record = buf[rel : rel + w.nbytes]
     if len(record) < w.nbytes:
-        return Checked(w, header, None, "record extends past the end of the segment file")
+        return Checked(w, header, None, PAST_END)
     if crc32c(record[HEADER_BYTES : HEADER_BYTES + n]) != stored_crc:
-        return Checked(w, header, None, "payload fails its CRC32C")
+        return Checked(w, header, None, BAD_PAYLOAD)
     return Checked(w, header, record, length=n)
 
 
@@ -256,19 +265,19 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
         reason = ""
         fields = check_header(scratch, hdr) if w.offset + HEADER_BYTES <= end else None
         if fields is None:
-            reason = "no valid record header at this location"
+            reason = NO_HEADER
         else:
             n, stored_crc = fields
             if (w.length is not None and n != w.length) or record_bytes(n) != w.nbytes:
-                reason = f"record holds {n} bytes, caller expects {w.length}"
+                reason = _wrong_length(n, w.length)
             elif w.crc is not None and stored_crc != w.crc:
-                reason = "record's CRC32C differs from the index's"
+                reason = INDEX_CRC
             elif w.offset + w.nbytes > end:
-                reason = "record extends past the end of the segment file"
+                reason = PAST_END
             elif view is None:
                 payload = scratch[tail : tail + n]
                 if _crc32c(payload) != stored_crc:
-                    reason = "payload fails its CRC32C"
+                    reason = BAD_PAYLOAD
                 else:
                     for t in w.targets:
                         copy_into(dests[t], payload)
@@ -278,7 +287,7 @@ def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) 
                     rest = scratch[tail : tail + n - al]
                     crc = _crc32c(rest, crc)
                 if crc != stored_crc:
-                    reason = "payload fails its CRC32C"
+                    reason = BAD_PAYLOAD
                 else:
                     if n > al:
                         view[al:n] = rest
@@ -304,7 +313,7 @@ def _finish_compiled(kernels: Any, planned: PlannedRead, got: int, dests: Sequen
         dtype=np.int64,
     )  # fmt: skip
     status, lengths = np.empty(len(plan), dtype=np.int64), np.empty(len(plan), dtype=np.int64)
-    bad = kernels.check_piece(scratch, rows, got, status, lengths)
+    kernels.check_piece(scratch, rows, got, status, lengths)
     failed: list[tuple[int, str]] = []
     for k, (w, _, tail, view, al) in enumerate(plan):
         if status[k] == kernels.OK:
@@ -319,20 +328,12 @@ def _finish_compiled(kernels: Any, planned: PlannedRead, got: int, dests: Sequen
         if view is not None:
             view[:al] = 0
         if status[k] == kernels.WRONG_LENGTH:
-            reason = f"record holds {int(lengths[k])} bytes, caller expects {w.length}"
+            reason = _wrong_length(int(lengths[k]), w.length)
         else:
-            reason = _REASONS[int(status[k])]
+            words = {kernels.NO_HEADER: NO_HEADER, kernels.INDEX_CRC: INDEX_CRC, kernels.PAST_END: PAST_END}
+            reason = words.get(int(status[k]), BAD_PAYLOAD)  # the Python path's words
         failed.extend((t, reason) for t in w.targets)
-    assert len(failed) >= bad
     return failed
-
-
-_REASONS = {  # check_kernels' statuses, as the Python path words them
-    1: "no valid record header at this location",
-    3: "record's CRC32C differs from the index's",
-    4: "record extends past the end of the segment file",
-    5: "payload fails its CRC32C",
-}
 
 
 def _compile() -> None:
