@@ -503,10 +503,20 @@ class BlockStore(Cascade, LowerReads):
                 "index_bytes": self.table.nbytes() + sum(p.nbytes() for p in self.policies.values()),
             }
 
-    def check_invariants(self) -> None:
-        """For tests: capacity bounds, leaf structure and per-tier accounting agree."""
+    def check_invariants(self, quiet: bool = False) -> None:
+        """For tests: capacity bounds, leaf structure and per-tier accounting agree. With ``quiet`` (no Get or Put
+        in flight) no lease and no staging byte is held, and every slab tier's used bytes are its blocks' slots:
+        none leaked by a promotion or a cold read. All under the lock, so no demotion lands midway."""
         with self._lock:
             t = self.table
+            if quiet:
+                assert int(np.asarray(t.leases).sum()) == 0, "a lease outlived its Get"
+                assert self.staging.used_bytes == 0, "a staging slot outlived its Get"
+                for tier in self._memory.values():
+                    slabs = getattr(tier, "slabs", None)
+                    if slabs is not None:
+                        held = sum(slabs.slot_size(t.loc_of(e, tier.rank)) for e in t.resident(tier.rank).tolist())
+                        assert tier.used_bytes == held, (tier.name, tier.used_bytes, held)
             for tier in self.tiers:
                 assert tier.used_bytes <= tier.capacity_bytes, tier.name
                 resident = t.resident(tier.rank).tolist()
