@@ -512,11 +512,11 @@ class BlockStore(Cascade, LowerReads):
             if quiet:
                 assert int(np.asarray(t.leases).sum()) == 0, "a lease outlived its Get"
                 assert self.staging.used_bytes == 0, "a staging slot outlived its Get"
-                for tier in self._memory.values():
-                    slabs = getattr(tier, "slabs", None)
+                for memory in self._memory.values():
+                    slabs = getattr(memory, "slabs", None)
                     if slabs is not None:
-                        held = sum(slabs.slot_size(t.loc_of(e, tier.rank)) for e in t.resident(tier.rank).tolist())
-                        assert tier.used_bytes == held, (tier.name, tier.used_bytes, held)
+                        slots = [slabs.slot_size(t.loc_of(e, memory.rank)) for e in t.resident(memory.rank).tolist()]
+                        assert memory.used_bytes == sum(slots), (memory.name, memory.used_bytes, sum(slots))
             for tier in self.tiers:
                 assert tier.used_bytes <= tier.capacity_bytes, tier.name
                 resident = t.resident(tier.rank).tolist()
