@@ -47,6 +47,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import repeat
 from types import ModuleType
 
 import numpy as np
@@ -135,7 +136,9 @@ class ArenaIndex:
         return table_bytes(self.buckets)
 
     def publish_many(self, keys: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, crcs: np.ndarray) -> int:
-        """Name these blocks (their bytes are in place and checked); the number published."""
+        """Name these blocks (their bytes are in place and checked); the number published. One key at a time:
+        as numpy calls over the batch (ranks within shared buckets and all) a 32-key batch took 250-280 us
+        against the loop's 190 here."""
         n = 0
         entries, used, mask = self._entries, self._used, self.buckets - 1
         words = np.empty((len(keys), ENTRY_WORDS - 1), dtype=np.uint64)
@@ -144,7 +147,7 @@ class ArenaIndex:
         words[:, 3] = np.asarray(lengths, dtype=np.uint64) | (np.asarray(crcs, dtype=np.uint64) << np.uint64(32))
         for k, (k0, k1) in enumerate(keys.tolist()):
             if (k0, k1) in self._where:
-                self._withdraw(self._where.pop((k0, k1)))
+                self._withdraw(np.array([self._where.pop((k0, k1))]))
             base = (k0 & mask) * WAYS
             ways = used[base : base + WAYS]
             way = int(ways.argmin())
@@ -164,19 +167,20 @@ class ArenaIndex:
 
     def withdraw_many(self, keys: np.ndarray) -> None:
         """Stop naming these blocks: called before their slots may be freed or written again."""
-        for k0, k1 in keys.tolist():
-            i = self._where.pop((k0, k1), None)
-            if i is not None:
-                self._withdraw(i)
+        where = self._where
+        slots = [i for i in map(where.pop, map(tuple, keys.tolist()), repeat(None)) if i is not None]
+        if slots:
+            self._withdraw(np.array(slots, dtype=np.int64))
 
-    def _withdraw(self, i: int) -> None:
+    def _withdraw(self, slots: np.ndarray) -> None:
+        """Clear these distinct entries, each under its seqlock (three numpy calls for all)."""
         entries = self._entries
-        seq = int(entries[i, SEQ])
-        entries[i, SEQ] = seq + 1
-        entries[i, KEY0:] = 0
-        entries[i, SEQ] = seq + 2
-        self._used[i] = False
-        self.published -= 1
+        seq = entries[slots, SEQ]
+        entries[slots, SEQ] = seq + np.uint64(1)
+        entries[slots, KEY0:] = 0
+        entries[slots, SEQ] = seq + np.uint64(2)
+        self._used[slots] = False
+        self.published -= len(slots)
 
     def __len__(self) -> int:
         return len(self._where)

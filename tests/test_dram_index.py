@@ -88,6 +88,45 @@ def test_the_table_names_exactly_what_was_published(tmp_path_factory, compiled, 
     index.close()
 
 
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_a_batch_publishes_as_its_keys_one_by_one(tmp_path_factory, data):
+    """Batches of new keys (sharing buckets: 64 buckets of 8 ways, so full ones too), of keys named before,
+    withdrawn or not, and of a key twice leave the table, its seqs and counts as publishing or withdrawing
+    their keys one call each, in order, does (withdraw_many clears a batch in three numpy calls)."""
+    pool = hashes(2048, seed=3)
+    batched, _ = new_index(tmp_path_factory.mktemp("batched"), 0)
+    single, _ = new_index(tmp_path_factory.mktemp("single"), 0)
+    assert batched.buckets == 64
+    fresh = 0
+    for _ in range(data.draw(st.integers(1, 12))):
+        kind = data.draw(st.sampled_from(["new", "again", "withdraw"]))
+        size = data.draw(st.integers(1, 48))
+        if kind == "new" or not fresh:
+            picks = list(range(fresh, min(fresh + size, len(pool))))
+            fresh = picks[-1] + 1 if picks else fresh
+        else:
+            picks = data.draw(st.lists(st.integers(0, fresh - 1), min_size=1, max_size=size))
+        if not picks:
+            continue
+        keys = keys_of("ns", [pool[k] for k in picks])
+        assert keys is not None
+        offsets = np.array(picks, dtype=np.uint64) * 4096
+        if kind != "withdraw":
+            n = batched.publish_many(keys, offsets, np.full(len(picks), 4096), offsets + 7)
+            one = [single.publish_many(keys[i : i + 1], offsets[i : i + 1], np.full(1, 4096), offsets[i : i + 1] + 7)
+                   for i in range(len(picks))]  # fmt: skip
+            assert n == sum(one)
+        else:
+            batched.withdraw_many(keys)
+            for i in range(len(picks)):
+                single.withdraw_many(keys[i : i + 1])
+        assert np.array_equal(batched._entries, single._entries)  # noqa: SLF001 - the very words, seqs included
+        assert (batched.published, batched.full, len(batched)) == (single.published, single.full, len(single))
+    batched.close()
+    single.close()
+
+
 def test_a_full_bucket_publishes_nothing_more(tmp_path):
     index, view = new_index(tmp_path)
     mask = index.buckets - 1
