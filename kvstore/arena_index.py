@@ -47,7 +47,6 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import repeat
 from types import ModuleType
 
 import numpy as np
@@ -136,9 +135,9 @@ class ArenaIndex:
         return table_bytes(self.buckets)
 
     def publish_many(self, keys: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, crcs: np.ndarray) -> int:
-        """Name these blocks (their bytes are in place and checked); the number published. One key at a time:
-        as numpy calls over the batch (ranks within shared buckets and all) a 32-key batch took 250-280 us
-        against the loop's 190 here."""
+        """Name these blocks (their bytes are in place and checked); the number published. Key by key: numpy
+        calls over the whole batch (ranking keys that share a bucket) measured slower, 250-280 us per 32 keys
+        against this loop's 190."""
         n = 0
         entries, used, mask = self._entries, self._used, self.buckets - 1
         words = np.empty((len(keys), ENTRY_WORDS - 1), dtype=np.uint64)
@@ -168,7 +167,7 @@ class ArenaIndex:
     def withdraw_many(self, keys: np.ndarray) -> None:
         """Stop naming these blocks: called before their slots may be freed or written again."""
         where = self._where
-        slots = [i for i in map(where.pop, map(tuple, keys.tolist()), repeat(None)) if i is not None]
+        slots = [i for key in map(tuple, keys.tolist()) if (i := where.pop(key, None)) is not None]
         if slots:
             self._withdraw(np.array(slots, dtype=np.int64))
 
