@@ -38,6 +38,7 @@ None`` (None unless every hash is named), ``Found.unchanged()``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import mmap
@@ -46,7 +47,6 @@ import platform
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from types import ModuleType
 
 import numpy as np
@@ -79,7 +79,7 @@ def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-@lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)
 def namespace_mix(namespace: str) -> tuple[int, int]:
     """Two uint64 XORed into a block's hash, so equal hashes of two namespaces are two keys."""
     digest = hashlib.blake2b(namespace.encode(), digest_size=16, person=b"kvstore-dramidx").digest()
@@ -201,6 +201,7 @@ class OnDisk:
     offsets: np.ndarray  # of the payloads in those files
     lengths: np.ndarray
     crcs: np.ndarray
+    segment: int = -1  # the one segment file every block of the ``find`` lies in (positions 0..n-1), else -1
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -210,23 +211,40 @@ _NONE = np.zeros(0, dtype=np.int64)
 NOT_ON_DISK = OnDisk(_NONE, _NONE, _NONE, _NONE, _NONE)
 
 
-@dataclass
 class Found:
-    """Where every block of one ``find`` lies, and the ``seq`` each entry had when it was read."""
+    """Where every block of one ``find`` lies, and the ``seq`` each entry had when it was read. ``offsets``,
+    ``lengths`` and ``crcs`` are lists made when first asked: a Get read whole from disk never needs them."""
 
-    offsets: list[int]
-    lengths: list[int]
-    crcs: list[int]
-    _view: ArenaIndexView
-    _rows: np.ndarray  # (n, 4) uint64: offset, lencrc, entry, seq
+    def __init__(self, view: ArenaIndexView, rows: np.ndarray):
+        self._view = view
+        self._rows = rows  # (n, 4) uint64: offset, lencrc, entry, seq
+
+    @functools.cached_property
+    def offsets(self) -> list[int]:
+        return list(self._rows[:, 0].tolist())
+
+    @functools.cached_property
+    def lengths(self) -> list[int]:
+        return list((self._rows[:, 1] & np.uint64(0xFFFFFFFF)).tolist())
+
+    @functools.cached_property
+    def crcs(self) -> list[int]:
+        return list((self._rows[:, 1] >> np.uint64(32)).tolist())
 
     def on_disk(self) -> OnDisk:
         """The blocks named in the NVMe tier's files, as arrays (a Get's worth at once, not a tuple per block)."""
-        words = self._rows[:, 0]
+        rows = self._rows
+        if ready() and int(rows[0, 0]) & ON_DISK:  # as a rule a prefix demoted whole: one compiled call
+            n = len(rows)
+            offsets, lengths, crcs = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+            segment = int(_kernels().one_file(rows, offsets, lengths, crcs))
+            if segment >= 0:
+                return OnDisk(np.arange(n), np.full(n, segment, np.int64), offsets, lengths, crcs, segment)
+        words = rows[:, 0]
         positions = np.flatnonzero(words & np.uint64(ON_DISK))
         if not len(positions):
             return NOT_ON_DISK
-        named, lencrc = words[positions], self._rows[positions, 1]
+        named, lencrc = words[positions], rows[positions, 1]
         return OnDisk(
             positions=positions,
             segments=((named >> np.uint64(SEGMENT_SHIFT)) & np.uint64(SEGMENT_IDS)).astype(np.int64),
@@ -267,14 +285,7 @@ class ArenaIndexView:
         rows = self._find_compiled(namespace, hashes) if ready() else self._find_numpy(namespace, hashes)
         if rows is None:
             return None
-        lencrc = rows[:, 1]
-        return Found(
-            offsets=rows[:, 0].tolist(),
-            lengths=(lencrc & np.uint64(0xFFFFFFFF)).tolist(),
-            crcs=(lencrc >> np.uint64(32)).tolist(),
-            _view=self,
-            _rows=rows,
-        )
+        return Found(self, rows)
 
     def _find_compiled(self, namespace: str, hashes: Sequence[bytes]) -> np.ndarray | None:
         mix0, mix1 = namespace_mix(namespace)
@@ -326,6 +337,8 @@ def _compile() -> None:
     k = _kernels()
     k.find(entries, np.uint64(1), bytes(16), np.uint64(0), np.uint64(0), rows)
     k.unchanged(entries, rows, 0)
+    column = np.zeros(1, dtype=np.int64)
+    k.one_file(rows, column, column, column)
 
 
 _compiled = BackgroundCompile("kvstore-arena-index-jit", AVAILABLE, _compile)

@@ -6,6 +6,10 @@
   load, so its fields are read after it (the seqlock's first read), whatever the compiler would reorder.
 - ``unchanged(entries, out, n) -> bool``: every one of those entries still has its ``seq`` (the second read,
   a separate call after the caller's copy).
+- ``one_file(rows, offsets, lengths, crcs) -> segment``: when every row of a ``find`` names a record of one NVMe
+  segment file (a prefix demoted together), its segment id, with each block's payload offset, length and CRC32C
+  written to the three int64 columns; else -1. Where the same as numpy array operations took 0.13 ms of a
+  32-block Get after a pause.
 
 A 32-hash ``find`` costs about a microsecond plus the call, where the numpy path costs about a hundred.
 """
@@ -18,7 +22,19 @@ import numba
 from llvmlite import ir
 from numba.extending import intrinsic
 
-from kvstore.arena_index_layout import ENTRY_WORDS, KEY0, KEY1, LENCRC, OFFSET, SEQ, WAYS
+from kvstore.arena_index_layout import (
+    ENTRY_WORDS,
+    FILE_OFFSETS,
+    KEY0,
+    KEY1,
+    LENCRC,
+    OFFSET,
+    ON_DISK,
+    SEGMENT_IDS,
+    SEGMENT_SHIFT,
+    SEQ,
+    WAYS,
+)
 from kvstore.numba_words import word_at as _word
 
 
@@ -68,3 +84,19 @@ def unchanged(entries, out, n):  # type: ignore[no-untyped-def]
         if e >= len(entries) or entries[e, SEQ] != out[i, 3]:
             return False
     return True
+
+
+@numba.njit(cache=True, nogil=True)
+def one_file(rows, offsets, lengths, crcs):  # type: ignore[no-untyped-def]
+    n = rows.shape[0]
+    if n == 0 or not rows[0, 0] & numba.uint64(ON_DISK):
+        return -1
+    segment = (rows[0, 0] >> numba.uint64(SEGMENT_SHIFT)) & numba.uint64(SEGMENT_IDS)
+    for i in range(n):
+        word = rows[i, 0]
+        if not word & numba.uint64(ON_DISK) or (word >> numba.uint64(SEGMENT_SHIFT)) & numba.uint64(SEGMENT_IDS) != segment:
+            return -1
+        offsets[i] = numba.int64(word & numba.uint64(FILE_OFFSETS))
+        lengths[i] = numba.int64(rows[i, 1] & numba.uint64(0xFFFFFFFF))
+        crcs[i] = numba.int64(rows[i, 1] >> numba.uint64(32))
+    return numba.int64(segment)

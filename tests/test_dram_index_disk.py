@@ -167,6 +167,41 @@ def test_a_disk_entry_names_the_tiers_segment_file(tmp_path):
         nvme.close()
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@settings(max_examples=60, deadline=None)
+@given(
+    words=st.lists(
+        st.tuples(st.booleans(), st.integers(0, 2), st.integers(0, (1 << 40) - 1), st.integers(0, (1 << 64) - 1)),
+        min_size=1,
+        max_size=40,
+    )
+)
+@example(words=[(True, 1, 8192, 5 << 32 | 4096)] * 3)  # a prefix demoted whole, into one file
+def test_on_disk_decodes_a_finds_disk_entries_compiled_or_not(compiled, words):
+    """``Found.on_disk`` against the layout's own decoding: which blocks lie on disk, in which segment and where;
+    ``segment`` set exactly when every block lies in one file (the compiled read's case)."""
+    rows = np.zeros((len(words), 4), dtype=np.uint64)
+    for i, (disk, segment, offset, lencrc) in enumerate(words):
+        rows[i, 0] = ON_DISK | segment << 40 | offset if disk else offset
+        rows[i, 1] = lencrc
+    if compiled:
+        arena_index.warm_up()
+    original = arena_index.ready
+    arena_index.ready = lambda: compiled
+    try:
+        named = arena_index.Found(None, rows).on_disk()  # type: ignore[arg-type]  # on_disk reads no view
+    finally:
+        arena_index.ready = original
+    disk = [i for i, w in enumerate(words) if w[0]]
+    assert named.positions.tolist() == disk
+    assert named.segments.tolist() == [words[i][1] for i in disk]
+    assert named.offsets.tolist() == [words[i][2] for i in disk]
+    assert named.lengths.tolist() == [words[i][3] & 0xFFFFFFFF for i in disk]
+    assert named.crcs.tolist() == [words[i][3] >> 32 for i in disk]
+    one_file = len(disk) == len(words) and len({w[1] for w in words}) == 1
+    assert named.segment == (words[0][1] if one_file and compiled else -1)  # numpy's path leaves it to the caller
+
+
 # -- through a store -------------------------------------------------------------------------------------------
 def lane_of(kv: Client):
     return kv._lanes.run(lambda lane: lane)  # noqa: SLF001 - the shm lane the client opened

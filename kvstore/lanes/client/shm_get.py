@@ -36,7 +36,7 @@ from kvstore.lanes.client.channel import ShmChannel
 from kvstore.lanes.client.disk import DiskBlock, DiskReader
 from kvstore.lanes.client.indexed import IndexedGets
 from kvstore.lanes.client.loans import Lender, Loan
-from kvstore.lanes.client.outputs import SpanCopy, copy_outs, direct_outs
+from kvstore.lanes.client.outputs import SpanCopy, buffer_addresses, copy_outs, direct_outs
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.segments import Spans, clip, flatten, span_bytes
 from kvstore.lanes.shm_region import ShmRegion
@@ -97,21 +97,20 @@ class ShmGets:
         """Blocks the DRAM index names in the NVMe tier's files, read straight into ``out`` and checked; False
         when one could not be (the Get is then asked of the store)."""
         assert self.disk is not None
+        if named.segment >= 0 or (named.segments == named.segments[0]).all():  # one file, as a prefix demoted together
+            picked = out if named.segment >= 0 else [out[i] for i in named.positions.tolist()]
+            addresses = buffer_addresses(picked, named.lengths)
+            if addresses is not None:
+                failed = self.disk.read_run(
+                    segment_name(int(named.segments[0])), named.positions, named.offsets, named.lengths, named.crcs,
+                    addresses,
+                )  # fmt: skip
+                if failed is not None:
+                    return not failed
         spans = direct_outs(out)
         if spans is None:
             return False
         positions, lengths = named.positions.tolist(), named.lengths.tolist()
-        if (named.segments == named.segments[0]).all():  # one file, as a prefix demoted together: as arrays
-            addresses = [
-                spans[i][0][0] for i, n in zip(positions, lengths) if len(spans[i]) == 1 and spans[i][0][1] >= n
-            ]
-            if len(addresses) == len(positions):
-                failed = self.disk.read_run(
-                    segment_name(int(named.segments[0])), named.positions, named.offsets, named.lengths, named.crcs,
-                    np.array(addresses, dtype=np.int64),
-                )  # fmt: skip
-                if failed is not None:
-                    return not failed
         todo = []
         for i, segment, offset, n, crc in zip(
             positions, named.segments.tolist(), named.offsets.tolist(), lengths, named.crcs.tolist()
