@@ -94,7 +94,8 @@ def one_file(rows, offsets, lengths, crcs):  # type: ignore[no-untyped-def]
     segment = (rows[0, 0] >> numba.uint64(SEGMENT_SHIFT)) & numba.uint64(SEGMENT_IDS)
     for i in range(n):
         word = rows[i, 0]
-        if not word & numba.uint64(ON_DISK) or (word >> numba.uint64(SEGMENT_SHIFT)) & numba.uint64(SEGMENT_IDS) != segment:
+        in_file = (word >> numba.uint64(SEGMENT_SHIFT)) & numba.uint64(SEGMENT_IDS)
+        if not word & numba.uint64(ON_DISK) or in_file != segment:
             return -1
         offsets[i] = numba.int64(word & numba.uint64(FILE_OFFSETS))
         lengths[i] = numba.int64(rows[i, 1] & numba.uint64(0xFFFFFFFF))

@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-import numpy as np
 
 from kvstore.arena_index import OnDisk
 from kvstore.arena_index_layout import segment_name
