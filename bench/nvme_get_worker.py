@@ -13,7 +13,7 @@ prints ``ready``, then answers lines on stdin: ``write I`` writes prefix ``I`` o
 Get reads a prefix once: a repeated read could come from a cache); ``flush`` then writes more than DRAM holds
 of other prefixes to each NVMe store, which push the last measured ones out of DRAM (write-through keeps the newest
 blocks in DRAM: without it a Get of those was a DRAM hit); ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``nvme-grpc``, ``dram-shm``,
-``dram-tcp``, ``disk-shm``, ``diskasked-shm``) into page-aligned buffers and prints its seconds; ``rawdst PATH
+``dram-tcp``, ``dram-grpc``, ``disk-shm``, ``diskasked-shm``) into page-aligned buffers and prints its seconds; ``rawdst PATH
 OFFSET`` reads a prefix-sized extent of ``PATH`` with one O_DIRECT ``preadv`` into those same buffers (each 4 KiB
 record header into a page of its own) and prints its seconds: the disk's speed into the very memory the Gets
 fill; ``stats`` prints the NVMe store's tier hits as JSON; ``quit`` stops. Only public names are used, so an older tree runs it too.
@@ -35,7 +35,7 @@ from kvstore.server.process import store_process
 from kvstore.tiers.nvme.io import aligned_buffer
 
 PREFIX = 32
-KINDS = ("nvme-shm", "nvme-tcp", "nvme-grpc", "dram-shm", "dram-tcp", "disk-shm", "diskasked-shm")
+KINDS = ("nvme-shm", "nvme-tcp", "nvme-grpc", "dram-shm", "dram-tcp", "dram-grpc", "disk-shm", "diskasked-shm")
 DISK_FLAG = "--with-disk-store"  # start the disk-shm store (the tree must know --share-nvme)
 ASKED_FLAG = "--with-asked-disk-store"  # and a second one without the DRAM index (kind diskasked-shm)
 WARM = 4  # prefixes of the all-DRAM store, taken in turn
@@ -92,7 +92,7 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
         # written when told (``write I``), so the driver can interleave them with its other trees' and its raw
         # file's writes: this disk reads recently written data faster, and an order would favour the last
         prefixes: dict[str, list[list[bytes]]] = {kind: [] for kind in KINDS}
-        for kind in ("dram-shm", "dram-tcp"):
+        for kind in ("dram-shm", "dram-tcp", "dram-grpc"):
             prefixes[kind] = [write_prefix(clients[kind], payloads, p, rng) for p in range(min(count, WARM))]
         out = [aligned_buffer(block) for _ in range(PREFIX)]
         for buf in out:
