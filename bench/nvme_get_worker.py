@@ -39,6 +39,7 @@ KINDS = ("nvme-shm", "nvme-tcp", "nvme-grpc", "dram-shm", "dram-tcp", "dram-grpc
 DISK_FLAG = "--with-disk-store"  # start the disk-shm store (the tree must know --share-nvme)
 ASKED_FLAG = "--with-asked-disk-store"  # and a second one without the DRAM index (kind diskasked-shm)
 WARM = 4  # prefixes of the all-DRAM store, taken in turn
+DRAM_KINDS = ("dram-shm", "dram-tcp", "dram-grpc")  # each with WARM prefixes of its own there
 
 
 def write_prefix(kv: Client, payloads: list[np.ndarray], p: int, rng: np.random.Generator) -> list[bytes]:
@@ -55,7 +56,7 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
     asked_store = ASKED_FLAG in extra
     extra = [a for a in extra if a not in (DISK_FLAG, ASKED_FLAG)]
     rng = np.random.default_rng(block)
-    warm_dram = 2 * WARM * PREFIX * block * 5 // 4 + (64 << 20)
+    warm_dram = len(DRAM_KINDS) * WARM * PREFIX * block * 5 // 4 + (64 << 20)  # all of them, never evicted
     with contextlib.ExitStack() as stack:
         cold_target, _ = stack.enter_context(
             store_process(
@@ -92,7 +93,7 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
         # written when told (``write I``), so the driver can interleave them with its other trees' and its raw
         # file's writes: this disk reads recently written data faster, and an order would favour the last
         prefixes: dict[str, list[list[bytes]]] = {kind: [] for kind in KINDS}
-        for kind in ("dram-shm", "dram-tcp", "dram-grpc"):
+        for kind in DRAM_KINDS:
             prefixes[kind] = [write_prefix(clients[kind], payloads, p, rng) for p in range(min(count, WARM))]
         out = [aligned_buffer(block) for _ in range(PREFIX)]
         for buf in out:
