@@ -84,9 +84,10 @@ from kvstore.checksum import crc32c
 from kvstore.codecs.transfer import DecodeTally, TransferPlan
 from kvstore.codecs.transfer_client import ClientCoding
 from kvstore.devices import is_device_tensor, stage_out
-from kvstore.errors import KVStoreError, corrupt_block, from_rpc
+from kvstore.errors import KVStoreError, from_rpc
+from kvstore.get_stream import receive_blocks
 from kvstore.lanes.client.negotiate import LanePool
-from kvstore.payload import Segments, SegmentsWriter, as_bytes_view, wire_dtype
+from kvstore.payload import Segments, as_bytes_view, wire_dtype
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import CHUNK_BYTES, TIER_NAMES, PutResult, put_results
@@ -402,56 +403,9 @@ class NodeClient:
         return result
 
     def _receive(self, request: pb.GetRequest, out: Sequence[Any] | None, verify: bool) -> list[Any]:
-        results: list[Any] = []
+        request.packed = True  # small blocks several to a message: this client takes them (get_stream)
         stream = self._stub.Get(request, timeout=self.timeout, metadata=self._metadata)
-        header: pb.BlockHeader | None = None
-        dest: Any = None
-        single: bytes | None = None
-        filled = 0
-        for msg in stream:
-            if msg.HasField("header"):
-                header = msg.header
-                if header.missing:
-                    results.append(None)
-                    header = None
-                    continue
-                n = header.stored_length
-                filled, single = 0, None
-                if out is not None and isinstance(out[len(results)], Segments):
-                    dest = SegmentsWriter(out[len(results)], n)  # chunks scattered as they arrive
-                elif out is not None:
-                    dest = as_bytes_view(out[len(results)])[0]
-                    if len(dest) < n:
-                        raise ValueError(f"output buffer {len(results)} holds {len(dest)} bytes; block is {n}")
-                elif len(msg.data) == n:
-                    dest, single = None, msg.data  # whole block in one message: keep it, no copy
-                else:
-                    dest = memoryview(bytearray(n))
-            if header is None:
-                continue
-            if single is None and msg.data:
-                assert dest is not None
-                dest[filled : filled + len(msg.data)] = msg.data
-            filled += len(msg.data)
-            if filled == header.stored_length:
-                block = single if single is not None else (out[len(results)] if out is not None else dest)
-                if verify and header.codec == pb.CODEC_NONE:
-                    if isinstance(dest, SegmentsWriter):
-                        crc = dest.crc32c()
-                    elif single is not None:
-                        crc = crc32c(single)
-                    else:
-                        assert dest is not None  # a block not whole in one message lands in dest
-                        crc = crc32c(dest[: header.stored_length])
-                    if crc != header.crc32c:
-                        raise corrupt_block(len(results), header.hash)
-                results.append(block)
-                header = None
-        if len(results) != len(request.hashes):
-            raise KVStoreError(
-                grpc.StatusCode.DATA_LOSS, f"stream ended after {len(results)} of {len(request.hashes)} blocks"
-            )
-        return results
+        return receive_blocks(stream, len(request.hashes), out, verify)
 
     def delete(self, namespace: str, hashes: Sequence[bytes]) -> int:
         reply: pb.DeleteResponse = self._call(

@@ -229,7 +229,7 @@ class SegmentsWriter:
         self._views = segments.head_views(n)
         self._index, self._offset = 0, 0  # where the next chunk lands
 
-    def __setitem__(self, key: slice, chunk: bytes) -> None:
+    def __setitem__(self, key: slice, chunk: bytes | memoryview) -> None:
         data, at = memoryview(chunk), 0
         while at < len(data):
             view = self._views[self._index]

@@ -256,11 +256,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                             yield msg
                         continue
                     accepted = set(request.accepted_codecs) | {pb.CODEC_NONE}
+                    packed = Packer(self.limits.max_chunk_bytes) if request.packed else None
                     for j, lease in enumerate(window):
+                        if packed is not None and packed.held and not self._read_now(reads, w, j):
+                            yield packed.take()  # what is verified goes before the wait for the rest
                         self._wait_read(context, reads, w, j)  # each block is sent once it is verified
-                        for msg in self._block_messages(lease, accepted):
+                        messages = self._block_messages(lease, accepted, packed)
+                        for msg in messages:
                             sent += len(msg.data)
                             yield msg
+                    if packed is not None and packed.held:
+                        msg = packed.take()
+                        sent += len(msg.data)
+                        yield msg
             finally:
                 reads.close()
                 if coded is not None:
@@ -280,8 +288,22 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 f"reading blocks from a lower tier failed ({err}); retry, or recompute them",
             )
 
-    def _block_messages(self, lease: Lease | None, accepted: AbstractSet[int]) -> Iterator[pb.GetResponse]:
+    @staticmethod
+    def _read_now(reads: ReadAhead, w: int, j: int) -> bool:
+        """Block ``j`` of window ``w`` is verified already (a read error: True, so the wait reports it)."""
+        try:
+            return reads.ready(w, j)
+        except Exception:
+            return True
+
+    def _block_messages(
+        self, lease: Lease | None, accepted: AbstractSet[int], packed: Packer | None = None
+    ) -> Iterator[pb.GetResponse]:
+        """The messages of one block; with ``packed``, a whole small block joins its message instead (the
+        messages that come out then are full ones)."""
         if lease is None:
+            if packed is not None:
+                return packed.add(pb.BlockHeader(missing=True), b"")
             return iter([pb.GetResponse(header=pb.BlockHeader(missing=True))])
         if lease.codec not in accepted:  # stored encoded, the reader cannot decode it: decode here
             from kvstore.codecs import decode
@@ -298,6 +320,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 lease.rank,
                 memoryview(raw),
             )
+        if packed is not None:
+            return packed.add(_header(lease), lease.buffer[: lease.stored_length])
         return _chunks(lease, self.limits.max_chunk_bytes)
 
     # -- Delete / Stats ---------------------------------------------------------------------
@@ -380,17 +404,56 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
 
-def _chunks(lease: Lease, chunk: int) -> Iterator[pb.GetResponse]:
-    buf = lease.buffer
-    n = lease.stored_length
-    header = pb.BlockHeader(
+def _header(lease: Lease) -> pb.BlockHeader:
+    return pb.BlockHeader(
         hash=lease.hash,
         codec=lease.codec,  # type: ignore[arg-type]
         raw_length=lease.raw_length,
-        stored_length=n,
+        stored_length=lease.stored_length,
         crc32c=lease.crc32c,
         dtype=lease.dtype,
     )
-    yield pb.GetResponse(header=header, data=bytes(buf[: min(chunk, n)]))
+
+
+def _chunks(lease: Lease, chunk: int) -> Iterator[pb.GetResponse]:
+    buf = lease.buffer
+    n = lease.stored_length
+    yield pb.GetResponse(header=_header(lease), data=bytes(buf[: min(chunk, n)]))
     for start in range(chunk, n, chunk):
         yield pb.GetResponse(data=bytes(buf[start : start + chunk]))
+
+
+class Packer:
+    """Whole blocks of a packed Get (``GetRequest.packed``) gathered into messages of at most ``chunk`` bytes:
+    Python's gRPC moves a stream one message at a time, about 0.2-0.5 ms each here, so a 32 x 64 KiB Get sent
+    a block a message took 15-18 ms from DRAM. A block larger than ``chunk`` goes as before, in chunks."""
+
+    def __init__(self, chunk: int):
+        self.chunk = chunk
+        self._headers: list[pb.BlockHeader] = []
+        self._parts: list[Any] = []
+        self._bytes = 0
+
+    @property
+    def held(self) -> bool:
+        return bool(self._headers)
+
+    def add(self, header: pb.BlockHeader, data: Any) -> Iterator[pb.GetResponse]:
+        """The messages that are full once this block is added (its bytes are copied when its message is made)."""
+        n = header.stored_length
+        out = []
+        if self._headers and self._bytes + n > self.chunk:
+            out.append(self.take())
+        if n > self.chunk:
+            lone = [pb.GetResponse(header=header, data=bytes(data[: self.chunk]))]
+            lone += [pb.GetResponse(data=bytes(data[at : at + self.chunk])) for at in range(self.chunk, n, self.chunk)]
+            return iter(out + lone)
+        self._headers.append(header)
+        self._parts.append(data)
+        self._bytes += n
+        return iter(out)
+
+    def take(self) -> pb.GetResponse:
+        msg = pb.GetResponse(blocks=self._headers, data=b"".join(self._parts))
+        self._headers, self._parts, self._bytes = [], [], 0
+        return msg

@@ -127,26 +127,30 @@ class PutResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[BlockResult, _Mapping]]] = ..., decode_timings: _Optional[_Iterable[_Union[CodecTiming, _Mapping]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "accepted_codecs", "allow_missing", "decode_report")
+    __slots__ = ("namespace", "hashes", "accepted_codecs", "allow_missing", "decode_report", "packed")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_CODECS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_MISSING_FIELD_NUMBER: _ClassVar[int]
     DECODE_REPORT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     accepted_codecs: _containers.RepeatedScalarFieldContainer[Codec]
     allow_missing: bool
     decode_report: _containers.RepeatedCompositeFieldContainer[CodecTiming]
-    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., accepted_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., allow_missing: _Optional[bool] = ..., decode_report: _Optional[_Iterable[_Union[CodecTiming, _Mapping]]] = ...) -> None: ...
+    packed: bool
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., accepted_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., allow_missing: _Optional[bool] = ..., decode_report: _Optional[_Iterable[_Union[CodecTiming, _Mapping]]] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "blocks")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     header: BlockHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockHeader]
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("namespace", "hashes")
