@@ -31,6 +31,7 @@ controller (``ServerCoding``), which also learns from the reader's
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
@@ -416,9 +417,13 @@ def _header(lease: Lease) -> pb.BlockHeader:
 
 
 def _chunks(lease: Lease, chunk: int) -> Iterator[pb.GetResponse]:
-    buf = lease.buffer
-    n = lease.stored_length
-    yield pb.GetResponse(header=_header(lease), data=bytes(buf[: min(chunk, n)]))
+    return _chunked(_header(lease), lease.buffer, chunk)
+
+
+def _chunked(header: pb.BlockHeader, buf: Any, chunk: int) -> Iterator[pb.GetResponse]:
+    """One block as its header with the first chunk, then chunks: each copied as its message is made."""
+    n = header.stored_length
+    yield pb.GetResponse(header=header, data=bytes(buf[: min(chunk, n)]))
     for start in range(chunk, n, chunk):
         yield pb.GetResponse(data=bytes(buf[start : start + chunk]))
 
@@ -441,17 +446,13 @@ class Packer:
     def add(self, header: pb.BlockHeader, data: Any) -> Iterator[pb.GetResponse]:
         """The messages that are full once this block is added (its bytes are copied when its message is made)."""
         n = header.stored_length
-        out = []
-        if self._headers and self._bytes + n > self.chunk:
-            out.append(self.take())
+        full = [self.take()] if self._headers and self._bytes + n > self.chunk else []
         if n > self.chunk:
-            lone = [pb.GetResponse(header=header, data=bytes(data[: self.chunk]))]
-            lone += [pb.GetResponse(data=bytes(data[at : at + self.chunk])) for at in range(self.chunk, n, self.chunk)]
-            return iter(out + lone)
+            return itertools.chain(full, _chunked(header, data, self.chunk))
         self._headers.append(header)
         self._parts.append(data)
         self._bytes += n
-        return iter(out)
+        return iter(full)
 
     def take(self) -> pb.GetResponse:
         msg = pb.GetResponse(blocks=self._headers, data=b"".join(self._parts))
