@@ -221,15 +221,18 @@ class Found:
 
     @functools.cached_property
     def offsets(self) -> list[int]:
-        return list(self._rows[:, 0].tolist())
+        offsets: list[int] = self._rows[:, 0].tolist()
+        return offsets
 
     @functools.cached_property
     def lengths(self) -> list[int]:
-        return list((self._rows[:, 1] & np.uint64(0xFFFFFFFF)).tolist())
+        lengths: list[int] = (self._rows[:, 1] & np.uint64(0xFFFFFFFF)).tolist()
+        return lengths
 
     @functools.cached_property
     def crcs(self) -> list[int]:
-        return list((self._rows[:, 1] >> np.uint64(32)).tolist())
+        crcs: list[int] = (self._rows[:, 1] >> np.uint64(32)).tolist()
+        return crcs
 
     def on_disk(self) -> OnDisk:
         """The blocks named in the NVMe tier's files, as arrays (a Get's worth at once, not a tuple per block)."""

@@ -353,7 +353,7 @@ class NodeClient:
             result = self._lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
         self._last_lane = self._lanes.kind if result is not None and not accepted else "grpc"
         if result is None:
-            request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing)
+            request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing, packed=True)
             result = self._call(lambda: self._receive(request, out, verify))
         if device_out is not None and out is not device_out:
             finish()
@@ -389,7 +389,9 @@ class NodeClient:
             result = self._lanes.run(lambda lane: lane.get(namespace, list(hashes), out, allow_missing, verify))
             self._last_lane = self._lanes.kind if result is not None else "grpc"
             if result is None:
-                request = pb.GetRequest(namespace=namespace, hashes=list(hashes), allow_missing=allow_missing)
+                request = pb.GetRequest(
+                    namespace=namespace, hashes=list(hashes), allow_missing=allow_missing, packed=True
+                )
                 result = self._call(lambda: self._receive(request, out, verify))
             return result
         buffers = [memoryview(bytearray(x.nbytes)) if isinstance(x, Segments) else x for x in out]
@@ -403,7 +405,7 @@ class NodeClient:
         return result
 
     def _receive(self, request: pb.GetRequest, out: Sequence[Any] | None, verify: bool) -> list[Any]:
-        request.packed = True  # small blocks several to a message: this client takes them (get_stream)
+        """A raw gRPC Get (its requests ask for ``packed``: small blocks several to a message, get_stream)."""
         stream = self._stub.Get(request, timeout=self.timeout, metadata=self._metadata)
         return receive_blocks(stream, len(request.hashes), out, verify)
 
