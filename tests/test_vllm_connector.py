@@ -124,6 +124,16 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         with ThreadPoolExecutor(2) as pool:  # each takes seconds to shut down: both at once
             list(pool.map(EngineProcess.close, [e for e in (consumer, producer) if e is not None]))
         store.stop(signal.SIGTERM)
+    left = [e.rpc_dir for e in (consumer, producer) if e is not None and e.rpc_dir and Path(e.rpc_dir).exists()]
+    assert not left, f"vLLM's socket directories outlived their engines: {left}"
+
+
+def test_vllm_binds_its_sockets_in_the_engine_s_own_directory(rig: Rig) -> None:
+    """vLLM leaves its ZeroMQ socket files behind (seven a start in /tmp); EngineProcess gives it a directory that
+    close() removes (checked at the fixture's end)."""
+    dirs = [Path(e.rpc_dir) for e in (rig.producer, rig.consumer) if e.rpc_dir]
+    assert len(dirs) == 2
+    assert any(p.is_socket() for d in dirs for p in d.iterdir())
 
 
 def test_consumer_in_a_new_process_loads_the_stored_prefix(rig: Rig) -> None:

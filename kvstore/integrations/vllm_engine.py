@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -68,12 +70,17 @@ class EngineError(RuntimeError):
 class EngineProcess:
     def __init__(self, spec: EngineSpec, *, start_timeout: float = 300.0):
         self.spec = spec
+        # vLLM binds its ZeroMQ sockets as files under VLLM_RPC_BASE_PATH (/tmp) and leaves them behind when its
+        # process ends: seven a start here. A directory of our own, removed by close(), unless the caller names one.
+        own_rpc_dir = "VLLM_RPC_BASE_PATH" not in spec.env and "VLLM_RPC_BASE_PATH" not in os.environ
+        self.rpc_dir = tempfile.mkdtemp(prefix="kvstore-vllm-") if own_rpc_dir else None
         env = {
             **os.environ,
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if spec.mp else "0",
             "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
             "TOKENIZERS_PARALLELISM": "false",
+            **({"VLLM_RPC_BASE_PATH": self.rpc_dir} if self.rpc_dir else {}),
             **spec.env,
         }
         started = time.monotonic()
@@ -181,6 +188,8 @@ class EngineProcess:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def __enter__(self) -> EngineProcess:
         return self
