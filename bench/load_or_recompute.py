@@ -131,6 +131,7 @@ def local_regimes(args: argparse.Namespace, regimes: list[str], spec: dict[str, 
             target, _ = stack.enter_context(store_process("--dram", "1GiB", "--lanes", "shm"))
             worker.call("connect", target=target, lane="shm")
             hashes = worker.call("populate", tokens=top)["hashes_file"]
+            stack.callback(Path(hashes).unlink, missing_ok=True)
             if "dram_shm" in regimes:
                 out.append(worker.call("run", regime="dram_shm", **spec))
             if "loaded" in regimes:
@@ -163,7 +164,7 @@ def local_regimes(args: argparse.Namespace, regimes: list[str], spec: dict[str, 
             flags += ["--lanes", "shm"]
             with store_process(*flags) as (target, _):
                 worker.call("connect", target=target, lane="shm")
-                worker.call("populate", tokens=top)
+                Path(worker.call("populate", tokens=top)["hashes_file"]).unlink(missing_ok=True)
             # the graceful stop copied every block to NVMe; the restarted store starts with an empty DRAM
             with store_process(*flags) as (target, _):
                 worker.call("connect", target=target, lane="shm")
