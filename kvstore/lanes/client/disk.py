@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import mmap
 import os
 import re
 import threading
@@ -54,6 +53,7 @@ import numpy as np
 
 from kvstore import memops_jit
 from kvstore.background_compile import BackgroundCompile
+from kvstore.hugepages import huge_buffer
 from kvstore.lanes.segments import Spans
 from kvstore.memops import run_rows
 
@@ -98,12 +98,13 @@ class _Planned:
 
 
 class _Scratch:
-    """Page-aligned anonymous memory, faulted in at creation, and its address."""
+    """Page-aligned anonymous memory in whole huge pages (``kvstore/hugepages.py``: what is read into it, a vLLM
+    load's every block, comes off the disk up to 2.4x faster), faulted in at creation, and its address."""
 
     def __init__(self, size: int):
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self.map = mmap.mmap(-1, size, flags=flags)
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.map = huge_buffer(size, whole_pages=True)
+        self.map[::PAGE] = 0  # faulted in now (a huge page at its first byte), not in a Get's read
+        self.address = int(self.map.ctypes.data)
 
 
 class DiskReader:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
-import mmap
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -34,13 +33,15 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.hugepages import huge_buffer
+
 log = logging.getLogger("kvstore.nvme")
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A zeroed, page-aligned uint8 buffer (anonymous mmap), usable for O_DIRECT."""
-    m = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
-    return np.frombuffer(m, dtype=np.uint8)[:nbytes]
+    """A zeroed, page-aligned uint8 buffer (anonymous mmap), usable for O_DIRECT; in huge pages where the kernel
+    grants them (``kvstore/hugepages.py``: an O_DIRECT read into 4 KiB pages ran at 0.4x the speed here)."""
+    return huge_buffer(nbytes)
 
 
 @dataclass(eq=False)
