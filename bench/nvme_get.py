@@ -7,9 +7,9 @@
 For each block size (64 KiB, 512 KiB, 2 MiB), 32-block prefixes are written to three store processes of this
 tree (``bench/nvme_get_worker.py``): one with an NVMe tier (write-through, so every block has an NVMe copy;
 DRAM holds three prefixes, at least 32 MiB: room to promote what a Get reads while most prefixes are only on
-NVMe), the same with ``--share-nvme`` and one whose DRAM holds everything. Each prefix is then fetched once, into page-aligned buffers
-(``Client.get(out=...)``), and every kind of step is taken in turn, prefix by prefix, in a rotating order, so
-that all see the disk and the loaded host in the same state:
+NVMe), the same with ``--share-nvme`` and one whose DRAM holds everything. Each prefix is then fetched once, into
+the page-aligned slots of one pool (``Client.get(out=...)``), as a paged KV pool's, and every kind of step is taken
+in turn, prefix by prefix, in a rotating order, so that all see the disk and the loaded host in the same state:
 
 - ``disk_shm``: a Get of a prefix that NVMe holds from the ``--share-nvme`` store, on the shared-memory lane:
   the store names each block's file and offset and the client reads it into its buffers itself;
@@ -55,7 +55,9 @@ disk), ``socket_gbps`` (loopback TCP of a prefix's payload between two processes
 ``bench.baselines.raw_socket_gbps``) and ``tcp_ceiling_vs_raw`` (socket / raw speed, at most 1: what the tcp and
 gRPC lanes, which move every byte over a socket, could reach of the raw read), ``dram_shm_speedup`` (old / new
 p50 of the DRAM-hit Get) and the like, GB/s of payload.
-Only this machine's disk is measured; a real NVMe drive changes the ``raw`` column, not what the store adds.
+Every buffer a disk reads into here (the pool, the raw read's) is in huge pages (``kvstore.hugepages``): on this
+VM an O_DIRECT read into 4 KiB pages ran at 0.3-0.4x the speed (docs/nvme.md, twenty-ninth session), and which
+pages a buffer drew had set the "disk state" that moved earlier runs. Only this machine's disk is measured; a real NVMe drive changes the ``raw`` column, not what the store adds.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ class DramFloor:
     def __init__(self, block: int):
         self.block = block
         self.src = np.ones(max(256 * MiB, 4 * PREFIX * block), dtype=np.uint8)  # written: every page backed
-        self.dst = [np.frombuffer(aligned_buffer(block), dtype=np.uint8) for _ in range(PREFIX)]
+        pool = aligned_buffer(PREFIX * block)
+        self.dst = [pool[k * block : (k + 1) * block] for k in range(PREFIX)]
         self.span = PREFIX * block
 
     def run(self, i: int) -> None:

@@ -95,9 +95,9 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
         prefixes: dict[str, list[list[bytes]]] = {kind: [] for kind in KINDS}
         for kind in DRAM_KINDS:
             prefixes[kind] = [write_prefix(clients[kind], payloads, p, rng) for p in range(min(count, WARM))]
-        out = [aligned_buffer(block) for _ in range(PREFIX)]
-        for buf in out:
-            buf[:] = 1  # faulted in before any Get
+        pool = aligned_buffer(PREFIX * block)  # the Gets' page-aligned slots in one pool, as a KV pool's
+        pool[:] = 1  # faulted in before any Get
+        out = [pool[k * block : (k + 1) * block] for k in range(PREFIX)]
         headers = aligned_buffer(PREFIX * 4096)
         raw_iov = [part for k in range(PREFIX) for part in (memoryview(headers)[k * 4096 : (k + 1) * 4096], out[k])]
         raw_files: dict[str, int] = {}
