@@ -1,12 +1,12 @@
 """Anonymous memory for O_DIRECT reads and writes, backed by transparent huge pages where the kernel grants them.
 
-Why: a disk request carries one segment per physically contiguous run of its memory (``max_segments``, 254 on
-this VM's virtio disk), so a buffer of 4 KiB pages scattered through physical memory cuts a read into many small
-requests, while a 2 MiB huge page is one run. One O_DIRECT ``preadv`` of 64 MiB on this VM (2026-12-05,
-``/tmp/s29/thp.py``, 30 reads each in turn): 57.4 ms into 4 KiB pages (1.17 GB/s), 23.2 ms into huge pages (2.89
-GB/s); of 2 MiB, 3.14 against 0.80 ms. ``dd iflag=direct`` read 0.65 GB/s that hour: its buffer's pages, not the
-disk. Reads that land in huge pages are also steadier: the "disk state" earlier sessions saw swing 0.4-3 GB/s
-within an hour followed which pages a buffer happened to get.
+Why, measured: one O_DIRECT ``preadv`` of 64 MiB on this VM (2026-12-05, ``/tmp/s29/thp.py``, 30 reads each in
+turn) took 57.4 ms into 4 KiB pages (1.17 GB/s) and 23.2 ms into huge pages (2.89 GB/s); of 2 MiB, 3.14 against
+0.80 ms. ``dd iflag=direct`` read 0.65 GB/s that hour: its buffer's pages, not the disk. A 4 KiB-page buffer is
+fast or slow for as long as it lives (docs/nvme.md), which earlier sessions saw as a "disk state" swinging 0.4-3
+GB/s within an hour; huge pages were fast every time. (Likely part of why: a disk request carries one segment per
+physically contiguous run of its memory, ``max_segments`` 254 on this virtio disk, and a huge page is one 2 MiB
+run.)
 
 - ``huge_buffer(nbytes, whole_pages=False) -> np.ndarray``: zeroed, page-aligned uint8 memory of ``nbytes``,
   advised ``MADV_HUGEPAGE``. From 2 MiB on (or always, with ``whole_pages``: a 1.25 MiB scratch then takes a
