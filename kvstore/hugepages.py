@@ -57,5 +57,6 @@ def advise_huge(address: int, nbytes: int) -> bool:
     n = (address + nbytes - first) // HUGE_PAGE * HUGE_PAGE
     if n <= 0:
         return False
-    advised = _libc.madvise(first, n, MADV_HUGEPAGE) == 0
-    return _libc.madvise(first, n, MADV_COLLAPSE) == 0 or advised
+    advised: bool = _libc.madvise(first, n, MADV_HUGEPAGE) == 0
+    collapsed: bool = _libc.madvise(first, n, MADV_COLLAPSE) == 0
+    return collapsed or advised

@@ -2,13 +2,15 @@
 
 ``create(directory, prefix, size) -> (path, mapping)``: a file ``<directory>/<prefix><pid>-<32 hex digits>``
 opened with O_CREAT|O_EXCL|O_NOFOLLOW (mode 0600: only this uid can open it), ``posix_fallocate``d (a full
-tmpfs fails here with the OSError, never later as SIGBUS) and mapped read-write, MAP_SHARED; nothing is left
-behind when it fails. Used by the shm lanes' regions (``kvstore/lanes/shm_region.py``) and the shared DRAM
+tmpfs fails here with the OSError, never later as SIGBUS) and mapped read-write, MAP_SHARED, advised for huge
+pages (a tmpfs mounted ``huge=advise`` or more grants them; /dev/shm as a rule does not); nothing is left behind when
+it fails. Used by the shm lanes' regions (``kvstore/lanes/shm_region.py``) and the shared DRAM
 arena (``kvstore/tiers/arena.py``); the pid in the name lets a later start sweep files of a killed store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -24,6 +26,8 @@ def create(directory: str, prefix: str, size: int) -> tuple[str, mmap.mmap]:
         os.fchmod(fd, 0o600)
         os.posix_fallocate(fd, 0, size)
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with contextlib.suppress(OSError):  # huge pages where the tmpfs allows them (mounted huge=advise or more)
+            mapping.madvise(mmap.MADV_HUGEPAGE)
     except BaseException:
         os.unlink(path)
         raise
