@@ -8,9 +8,10 @@ virtio disk drifts 2-3x between minutes, so only same-repetition figures are
 compared):
 
 (a) raw disk: sequential write then read of one file in 1 MiB O_DIRECT I/O at
-    queue depth 1 (fio with psync; a fresh fallocated file each time, the write
-    done when its O_DIRECT writes complete, as the tier's default ack; a Python
-    pwrite/pread loop where fio is missing);
+    queue depth 1 (a Python pwrite/pread loop from a buffer in huge pages, as
+    the tier's buffers are; ``--raw-tool fio``: fio with psync, whose buffer
+    is 4 KiB pages; a fresh fallocated file each time, the write done when its
+    O_DIRECT writes complete, as the tier's default ack);
 (b) the NVMe tier: blocks of 64 KiB, 512 KiB and 2 MiB written as the
     store's write-back demotion writes them (``tier_write_gbps``: one
     ``write`` per ``DEMOTE_BATCH_BYTES`` of blocks, 64 MiB, the BlockStore's
@@ -57,6 +58,7 @@ Targets: tier >= 0.8x raw for every block size; >= 3x file-per-block at 64 KiB.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -427,9 +429,9 @@ COLUMNS_PREFIX_READ = [
 ]
 
 
-def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int) -> list[dict]:
+def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int, raw_tool: str = "python") -> list[dict]:
     """Raw, tier and file-per-block interleaved within each repetition (the disk drifts between runs)."""
-    raw = raw_fio if shutil.which("fio") else raw_python
+    raw = raw_fio if raw_tool == "fio" and shutil.which("fio") else raw_python
     work = {b: Workload(b, total) for b in BLOCK_SIZES}
     fpb_work = {b: Workload(b, fpb_total, seed=1) for b in BLOCK_SIZES}
     runs: dict[str, list[float]] = {}
@@ -507,23 +509,35 @@ def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int) -> list[di
     return rows
 
 
+def _options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("/var/tmp/kvstore-bench-disk"),
+        help="scratch directory on the disk under test (not tmpfs); removed afterwards",
+    )
+    p.add_argument(
+        "--raw-tool",
+        choices=("python", "fio"),
+        default="python",
+        help="the raw disk's baseline: a pwrite/pread loop from a buffer in huge pages, as the tier's are (default), "
+        "or fio's psync engine, whose buffer is 4 KiB pages (on this VM O_DIRECT from those ran 0.2-0.4x as fast: "
+        "docs/nvme.md, 'The memory a read lands in')",
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(
         "NVMe tier vs raw disk vs file-per-block",
         argv,
-        configure=lambda p: p.add_argument(
-            "--dir",
-            type=Path,
-            default=Path("/var/tmp/kvstore-bench-disk"),
-            help="scratch directory on the disk under test (not tmpfs); removed afterwards",
-        ),
+        configure=_options,
     )
     root: Path = args.dir
     root.mkdir(parents=True, exist_ok=True)
     total = 64 * MiB if args.quick else 1 * GiB
     fpb_total = 16 * MiB if args.quick else 256 * MiB
     try:
-        rows = bandwidth(root, total, fpb_total, raw_total=128 * MiB if args.quick else 2 * GiB)
+        rows = bandwidth(root, total, fpb_total, raw_total=128 * MiB if args.quick else 2 * GiB, raw_tool=args.raw_tool)
         for r in recovery(root, 100_000, reps=1 if args.quick else REPS):
             rows.append(
                 {
