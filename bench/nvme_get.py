@@ -57,7 +57,8 @@ gRPC lanes, which move every byte over a socket, could reach of the raw read), `
 p50 of the DRAM-hit Get) and the like, GB/s of payload.
 Every buffer a disk reads into here (the pool, the raw read's) is in huge pages (``kvstore.hugepages``): on this
 VM an O_DIRECT read into 4 KiB pages ran at 0.3-0.4x the speed (docs/nvme.md, twenty-ninth session), and which
-pages a buffer drew had set the "disk state" that moved earlier runs. Only this machine's disk is measured; a real NVMe drive changes the ``raw`` column, not what the store adds.
+pages a buffer drew had set the "disk state" that moved earlier runs. Only this machine's disk is measured; a real
+NVMe drive changes the ``raw`` column, not what the store adds.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ run.)
 - ``advise_huge(address, nbytes) -> bool``: the same advice for memory mapped by someone else (a KV cache torch
   allocated), then ``MADV_COLLAPSE`` (Linux 6.1+) to turn what is already faulted in into huge pages now; False
   where neither took.
+- ``advise_mapping(mapping)``: the advice for a whole ``mmap`` of ours (a pooled batch, a tmpfs file's mapping).
+- ``madvise(address, nbytes, advice) -> int``: libc's call (0, or -1 with ``ctypes.get_errno()``), for any advice.
 
 Where transparent huge pages are off (``/sys/kernel/mm/transparent_hugepage/enabled`` "never") or the advice is
 not known, the memory is plain pages and nothing fails. The shared DRAM arena and the shm lanes' regions are tmpfs
@@ -23,6 +25,7 @@ files: huge pages there follow tmpfs's own ``huge=`` mount option and ``shmem_en
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 
@@ -38,6 +41,16 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 
 
+def madvise(address: int, nbytes: int, advice: int) -> int:
+    result: int = _libc.madvise(address, nbytes, advice)
+    return result
+
+
+def advise_mapping(mapping: mmap.mmap) -> None:
+    with contextlib.suppress(OSError, ValueError):  # advice: a refusal changes nothing
+        mapping.madvise(MADV_HUGEPAGE)
+
+
 def huge_buffer(nbytes: int, whole_pages: bool = False) -> np.ndarray:
     nbytes = max(nbytes, 0)
     aligned = whole_pages or nbytes >= HUGE_PAGE
@@ -47,7 +60,7 @@ def huge_buffer(nbytes: int, whole_pages: bool = False) -> np.ndarray:
     start = -base % HUGE_PAGE if aligned else 0
     if whole_pages:
         length = -(-length // HUGE_PAGE) * HUGE_PAGE
-    _libc.madvise(base + start, min(length, len(region) - start), MADV_HUGEPAGE)  # advice: a refusal changes nothing
+    madvise(base + start, min(length, len(region) - start), MADV_HUGEPAGE)  # advice: a refusal changes nothing
     return np.frombuffer(region, dtype=np.uint8)[start : start + nbytes]
 
 
@@ -57,6 +70,6 @@ def advise_huge(address: int, nbytes: int) -> bool:
     n = (address + nbytes - first) // HUGE_PAGE * HUGE_PAGE
     if n <= 0:
         return False
-    advised: bool = _libc.madvise(first, n, MADV_HUGEPAGE) == 0
-    collapsed: bool = _libc.madvise(first, n, MADV_COLLAPSE) == 0
+    advised = madvise(first, n, MADV_HUGEPAGE) == 0
+    collapsed = madvise(first, n, MADV_COLLAPSE) == 0
     return collapsed or advised

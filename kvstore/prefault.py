@@ -21,14 +21,12 @@ import logging
 import threading
 import time
 
+from kvstore.hugepages import madvise
+
 log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module does not export it before 3.13
 CHUNK = 16 << 20
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
 
 
 class Prefaulter:
@@ -56,7 +54,7 @@ class Prefaulter:
             with self._lock:
                 if self._stop.is_set():
                     return
-                if _libc.madvise(self._address + offset, n, MADV_POPULATE_WRITE) != 0:
+                if madvise(self._address + offset, n, MADV_POPULATE_WRITE) != 0:
                     err = ctypes.get_errno()
                     log.info("prefault stopped at %d of %d bytes: %s", offset, self._size, errno.errorcode.get(err))
                     return

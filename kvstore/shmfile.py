@@ -10,10 +10,11 @@ arena (``kvstore/tiers/arena.py``); the pid in the name lets a later start sweep
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import secrets
+
+from kvstore.hugepages import advise_mapping
 
 LANE_PREFIX = "kvstore-lane-"  # a shm lane's region, mapped by the store and one client
 DRAM_PREFIX = "kvstore-dram-"  # a store's shared DRAM arena, mapped read-only by its clients
@@ -26,8 +27,7 @@ def create(directory: str, prefix: str, size: int) -> tuple[str, mmap.mmap]:
         os.fchmod(fd, 0o600)
         os.posix_fallocate(fd, 0, size)
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        with contextlib.suppress(OSError):  # huge pages where the tmpfs allows them (mounted huge=advise or more)
-            mapping.madvise(mmap.MADV_HUGEPAGE)
+        advise_mapping(mapping)  # huge pages where the tmpfs allows them (mounted huge=advise or more)
     except BaseException:
         os.unlink(path)
         raise

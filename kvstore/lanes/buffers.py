@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-HUGE_PAGE = 2 << 20
+from kvstore.hugepages import HUGE_PAGE, advise_mapping
+
 POOL_BYTES = 256 << 20
 
 
@@ -78,11 +79,7 @@ class BufferPool:
 
 def _new_mapping(size: int) -> mmap.mmap:
     mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
+    advise_mapping(mapping)
     return mapping
 
 

@@ -104,9 +104,9 @@ class _Scratch:
     load is bound by the copies out of scratch, and populating at once had drawn contiguous pages."""
 
     def __init__(self, size: int):
-        self.map = huge_buffer(size, whole_pages=True)
-        self.map[::PAGE] = 0  # faulted in now (a huge page at its first byte), not in a Get's read
-        self.address = int(self.map.ctypes.data)
+        self.memory = huge_buffer(size, whole_pages=True)
+        self.memory[::PAGE] = 0  # faulted in now (a huge page at its first byte), not in a Get's read
+        self.address = int(self.memory.ctypes.data)
 
 
 class DiskReader:
@@ -176,7 +176,7 @@ class DiskReader:
         failed = np.empty(n, dtype=np.int64)
         columns = (_int64s(offsets), _int64s(lengths), _int64s(crcs), _int64s(addresses))
         kernels = _kernels()
-        bad = kernels.read_run(fd, *columns, scratch.address, len(scratch.map), GAP_BYTES, ALONE_BYTES, failed)
+        bad = kernels.read_run(fd, *columns, scratch.address, len(scratch.memory), GAP_BYTES, ALONE_BYTES, failed)
         if bad == kernels.TOO_LONG:
             return self._read_run_pieces(fd, positions, *columns)
         if bad < 0:
@@ -213,7 +213,7 @@ class DiskReader:
                     return out
                 at = slice(lo, hi)
                 bad = kernels.read_run(
-                    fd, offsets[at], lengths[at], crcs[at], addresses[at], scratch.address, len(scratch.map),
+                    fd, offsets[at], lengths[at], crcs[at], addresses[at], scratch.address, len(scratch.memory),
                     GAP_BYTES, NO_LIMIT, failed,
                 )  # fmt: skip
                 out.extend(range(lo, hi) if bad < 0 else (failed[:bad] + lo).tolist())  # < 0: cut_run rules it out
@@ -308,7 +308,7 @@ class DiskReader:
     def _scratch(self, n: int) -> _Scratch:
         """This thread's scratch, of at least ``n`` bytes (kept for its next pieces)."""
         scratch: _Scratch | None = getattr(self._local, "scratch", None)
-        if scratch is None or len(scratch.map) < n:
+        if scratch is None or len(scratch.memory) < n:
             scratch = self._local.scratch = _Scratch(max(n, SCRATCH_BYTES))
         return scratch
 
@@ -386,7 +386,7 @@ class DiskReader:
                 failed.append(b.position)
             elif n > 0:
                 assert planned.scratch is not None
-                _scatter(_skip(b.spans, b.length - n), np.frombuffer(planned.scratch.map, np.uint8, n, at))
+                _scatter(_skip(b.spans, b.length - n), planned.scratch.memory[at : at + n])
         return failed
 
     def _fd(self, name: str) -> int:
