@@ -7,6 +7,12 @@ The CRC32C folds 64 bytes a step into four 128-bit remainders (``_fold_steps_of`
 the remainders stay in vector registers), then into one, which two CRC32 instructions reduce. Folding a
 16-byte chunk forward by ``d`` bytes multiplies its low half by x^(8d+32) and its high half by x^(8d-32), both
 mod the CRC32C polynomial, bit-reflected and shifted left one bit (reflected products come out one bit short).
+
+Where the CPU numba compiles for has AVX2 and VPCLMULQDQ (``WIDE``: Intel from Ice Lake, AMD from Zen 3), buffers
+of ``WIDE_MIN`` bytes or more are folded 128 bytes a step into four 256-bit remainders first (``_wide_steps_of``:
+two 128-bit lanes each, folded 128 bytes forward), which then fold into one and continue as above. On this
+project's Zen 4 VM (2026-12-05, ``python -m bench.crc``): 26-29 GB/s over 64 KiB to 64 MiB, against 14 for the
+64-byte loop and 15-28 for the `crc32c` package (28 in cache, 15 out of it, where a disk's DMA leaves its bytes).
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), bit-reflected
@@ -50,6 +57,25 @@ FOLD16 = (fold_constant(16 * 8 + 32), fold_constant(16 * 8 - 32))  # onto the ne
 
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _V2 = ir.VectorType(_I64, 2)
+_V4 = ir.VectorType(_I64, 4)
+
+
+def _wide_folding() -> bool:
+    """AVX2 and VPCLMULQDQ on the CPU numba compiles for: its host's, unless NUMBA_CPU_NAME or NUMBA_CPU_FEATURES
+    name another (then the 128-bit loop alone, which every x86-64 with PCLMULQDQ runs)."""
+    if config.CPU_NAME not in (None, "host") or config.CPU_FEATURES:
+        return False
+    try:
+        features = llvm.get_host_cpu_features()
+    except RuntimeError:  # a host LLVM cannot describe
+        return False
+    return bool(features.get("avx2") and features.get("vpclmulqdq"))
+
+
+WIDE = _wide_folding()
+WIDE_STEP = 128  # bytes a step of the wide loop folds: four 256-bit remainders
+WIDE_MIN = 2 * WIDE_STEP  # shorter buffers take the 64-byte loop alone
+FOLD128 = (fold_constant(WIDE_STEP * 8 + 32), fold_constant(WIDE_STEP * 8 - 32))
 
 
 def _function(builder: Any, name: str, ret: Any, args: list[Any]) -> Any:
@@ -207,6 +233,80 @@ def _fold_steps_of(write: int) -> Any:
 
 _fold_read, _fold_store, _fold_stream = (_fold_steps_of(w) for w in (READ, STORE, STREAM))
 
+
+def _wide_steps_of(write: int) -> Any:
+    """An intrinsic that takes the first 128 bytes at ``src`` as four 256-bit remainders (the CRC so far XORed
+    into the first word), folds them ``steps - 1`` times onto the next 128 bytes, and returns them as sixteen
+    words, in the order of the bytes they stand for; the bytes are copied to ``dst`` as ``_fold_steps_of``'s
+    are (``STREAM``: ``dst`` 32-byte aligned). Where ``WIDE`` is False it compiles to zeros: never called."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        if not WIDE:  # VPCLMULQDQ would not compile for this CPU; copy_crc never takes this path here
+            zero = ir.Constant(_I64, 0)
+            return context.make_tuple(builder, sig.return_type, [zero] * 16)
+        src, dst, steps, crc = args
+        clmul = _function(builder, "llvm.x86.pclmulqdq.256", _V4, [_V4, _V4, _I8])
+        k = ir.Constant(_V4, [ir.Constant(_I64, FOLD128[0]), ir.Constant(_I64, FOLD128[1])] * 2)
+        lanes = [ir.Constant(_I32, q) for q in range(4)]
+        nontemporal = builder.module.add_metadata([ir.Constant(_I32, 1)])
+
+        def load(at: Any) -> Any:
+            return builder.load(builder.inttoptr(at, _V4.as_pointer()), align=1)
+
+        def copy(base: Any, values: list[Any]) -> None:
+            for j in range(4 if write != READ else 0):
+                target = builder.inttoptr(builder.add(base, ir.Constant(_I64, 32 * j)), _V4.as_pointer())
+                if write == STREAM:  # non-temporal: the destination's lines are not read in first
+                    builder.store(values[j], target, align=32).set_metadata("nontemporal", nontemporal)
+                else:
+                    builder.store(values[j], target, align=1)
+
+        first = [load(builder.add(src, ir.Constant(_I64, 32 * j))) for j in range(4)]
+        copy(dst, first)
+        seed = builder.insert_element(ir.Constant(_V4, [ir.Constant(_I64, 0)] * 4), crc, lanes[0])
+        first[0] = builder.xor(first[0], seed)
+        before = builder.block
+        loop, done = builder.append_basic_block("wide.loop"), builder.append_basic_block("wide.done")
+        builder.cbranch(builder.icmp_signed(">", steps, ir.Constant(_I64, 1)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(_I64)
+        x = [builder.phi(_V4) for _ in range(4)]
+        offset = builder.mul(i, ir.Constant(_I64, WIDE_STEP))
+        s, d = builder.add(src, offset), builder.add(dst, offset)
+        loaded = [load(builder.add(s, ir.Constant(_I64, 32 * j))) for j in range(4)]
+        copy(d, loaded)
+        folded = []
+        for j in range(4):
+            low = builder.call(clmul, [x[j], k, ir.Constant(_I8, 0x00)])
+            high = builder.call(clmul, [x[j], k, ir.Constant(_I8, 0x11)])
+            folded.append(builder.xor(builder.xor(low, high), loaded[j]))
+        following = builder.add(i, ir.Constant(_I64, 1))
+        last = builder.block
+        i.add_incoming(ir.Constant(_I64, 1), before)
+        i.add_incoming(following, last)
+        for j in range(4):
+            x[j].add_incoming(first[j], before)
+            x[j].add_incoming(folded[j], last)
+        builder.cbranch(builder.icmp_signed("<", following, steps), loop, done)
+        builder.position_at_end(done)
+        merged = [builder.phi(_V4) for _ in range(4)]
+        if write == STREAM:
+            builder.call(_function(builder, "llvm.x86.sse.sfence", ir.VoidType(), []), [])
+        out = []
+        for j in range(4):
+            merged[j].add_incoming(first[j], before)
+            merged[j].add_incoming(folded[j], last)
+            out += [builder.extract_element(merged[j], lane) for lane in lanes]
+        return context.make_tuple(builder, sig.return_type, out)
+
+    def typer(typingctx: Any, src: Any, dst: Any, steps: Any, crc: Any) -> Any:
+        return types.UniTuple(types.uint64, 16)(types.int64, types.int64, types.int64, types.uint64), codegen
+
+    return intrinsic(typer)
+
+
+_wide_read, _wide_store, _wide_stream = (_wide_steps_of(w) for w in (READ, STORE, STREAM))
+
 _K64_LO, _K64_HI = np.uint64(FOLD64[0]), np.uint64(FOLD64[1])
 _K16_LO, _K16_HI = np.uint64(FOLD16[0]), np.uint64(FOLD16[1])
 
@@ -229,6 +329,27 @@ def _store_line(dst: int, w0: int, w1: int, w2: int, w3: int, w4: int, w5: int, 
 def copy_crc(src: int, dst: int, n: int, crc: int, write: int) -> Any:
     """The CRC32C of n bytes at src continuing from crc; copied to dst unless ``write`` is ``READ``
     (``STREAM``: the 64-byte steps with non-temporal stores, dst 16-byte aligned)."""
+    if WIDE and n >= WIDE_MIN and (write != STREAM or dst & 31 == 0):
+        steps = n // WIDE_STEP
+        c = np.uint64(crc) ^ _MASK32
+        if write == STREAM:
+            words = _wide_stream(src, dst, steps, c)
+        elif write == STORE:
+            words = _wide_store(src, dst, steps, c)
+        else:
+            words = _wide_read(src, dst, steps, c)
+        lo, hi = words[0], words[1]
+        for q in range(1, 8):  # the eight 128-bit remainders, in the bytes' order, folded into one
+            lo, hi = _fold(lo, hi, _K16_LO, _K16_HI, words[2 * q], words[2 * q + 1])
+        done = steps * WIDE_STEP  # the last 0-127 bytes go on from the CRC32C so far, through the 64-byte loop
+        so_far = _crc64(_crc64(np.uint64(0), lo), hi) ^ _MASK32
+        return copy_crc_narrow(src + done, dst + done, n - done, so_far, write)
+    return copy_crc_narrow(src, dst, n, crc, write)
+
+
+@numba.njit(nogil=True, cache=True)
+def copy_crc_narrow(src: int, dst: int, n: int, crc: int, write: int) -> Any:
+    """``copy_crc`` with the 64-byte loop alone (every CPU the kernels run on; the tail of a wide one)."""
     c = np.uint64(crc) ^ _MASK32
     end = src + n
     if n >= 64:

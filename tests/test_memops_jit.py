@@ -161,3 +161,35 @@ def test_segments_copy_to_spans_with_and_without_the_kernels(monkeypatch: pytest
         views = [memoryview(pages)[2 * n :], memoryview(pages)[:n]]
         assert segments.gather(region, views, crc=True, spans=spans) == crc
         assert region == memoryview(SOURCE)[: 2 * n]
+
+
+def test_the_wide_loop_is_used_where_the_cpu_has_vpclmulqdq() -> None:
+    from kvstore import memops_kernels
+
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    assert memops_kernels.WIDE == ({"avx2", "vpclmulqdq"} <= flags)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    offset=st.integers(0, 63),
+    n=st.one_of(st.integers(0, 1000), st.integers(60_000, 70_000)),
+    init=st.integers(0, 2**32 - 1),
+    write=st.sampled_from(["read", "store", "stream"]),
+)
+def test_both_loops_agree_with_the_package_read_or_copying(offset: int, n: int, init: int, write: str) -> None:
+    """The wide loop (with the 64-byte loop for its last bytes) and the 64-byte loop alone, which a CPU without
+    VPCLMULQDQ runs for every length: the same CRC32C and the same bytes copied, into 32-byte aligned memory."""
+    from kvstore import memops_kernels as k
+
+    mode = {"read": k.READ, "store": k.STORE, "stream": k.STREAM}[write]
+    src = _address(SOURCE) + offset
+    want = reference(memoryview(SOURCE)[offset : offset + n], init)
+    for kernel in (k.copy_crc, k.copy_crc_narrow):
+        dst = np.zeros(n + 96, dtype=np.uint8)
+        at = (32 - _address(dst) % 32) % 32
+        assert kernel(src, _address(dst) + at if mode != k.READ else 0, n, init, mode) == want
+        if mode != k.READ:
+            assert np.array_equal(dst[at : at + n], SOURCE[offset : offset + n])
+            assert not dst[:at].any() and not dst[at + n :].any()
