@@ -249,12 +249,12 @@ def test_blocks_that_are_not_such_a_run_are_left_to_read(written, runs_allowed):
     assert reader.read_run(*_run_args(where, payloads, odd, [aligned_buffer(8192) for _ in odd])) is None
     far = [0, 32]  # records apart by more than GAP_BYTES
     assert reader.read_run(*_run_args(where, payloads, far, [aligned_buffer(len(payloads[i])) for i in far])) is None
-    client_disk.ALONE_BYTES = 4096
+    client_disk.ALONE_BYTES = client_disk.RUN_ALONE_BYTES = 4096
     try:  # longer than one piece on the caller's thread: the kernel reads it in pieces, the arrays leave it to read()
         longer = reader.read_run(*_run_args(where, payloads, picks, aligned))
         assert longer == ([] if client_disk._compiled.ready() else None)
     finally:
-        client_disk.ALONE_BYTES = 3 << 20
+        client_disk.ALONE_BYTES, client_disk.RUN_ALONE_BYTES = 3 << 20, 32 << 20
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -273,6 +273,7 @@ def test_a_run_too_long_for_one_preadv_is_read_in_pieces_and_a_corrupt_block_fai
         pytest.skip("the compiled kernels need numba and a CPU with SSE4.2 and PCLMULQDQ")
     client_disk._compiled.warm_up()
     monkeypatch.setattr(client_disk, "ALONE_BYTES", 4096)
+    monkeypatch.setattr(client_disk, "RUN_ALONE_BYTES", 4096)
     monkeypatch.setattr(client_disk, "MAX_PIECE_BYTES", 64 << 10)
     monkeypatch.setattr(client_disk, "SCRATCH_BYTES", scratch)
     root, where, payloads = written
