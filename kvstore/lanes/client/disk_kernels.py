@@ -127,7 +127,8 @@ def read_run(
         parts += 1
         end = offsets[k] + lengths[k]
     got = _preadv(fd, iov.ctypes.data, parts, first)
-    return _check_rows(offsets, lengths, crcs, addresses, order, got, failed)
+    bad: int = _check_rows(offsets, lengths, crcs, addresses, order, got, failed)
+    return bad
 
 
 @numba.njit(nogil=True, cache=True)
