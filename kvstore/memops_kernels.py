@@ -166,6 +166,76 @@ def _fold(typingctx: Any, lo: Any, hi: Any, k_lo: Any, k_hi: Any, next_lo: Any, 
     return types.UniTuple(u64, 2)(u64, u64, u64, u64, u64, u64), codegen
 
 
+class _FoldLoop:
+    """The LLVM IR of a folding loop over four remainders of one vector type (``_V2``: 128 bits, PCLMULQDQ;
+    ``_V4``: 256 bits, VPCLMULQDQ), which stay in vector registers across it; each step reads four vectors at
+    ``src`` (and copies them to ``dst`` unless ``write`` is ``READ``, with non-temporal stores when it is
+    ``STREAM``) and folds the remainders onto them by the ``constants`` of the step's length."""
+
+    def __init__(self, builder: Any, vector: Any, clmul: str, constants: tuple[int, int], write: int):
+        self.b, self.vector, self.write = builder, vector, write
+        self.chunk = 8 * vector.count  # bytes a vector holds
+        self.clmul = _function(builder, clmul, vector, [vector, vector, _I8])
+        words = [ir.Constant(_I64, constants[0]), ir.Constant(_I64, constants[1])] * (vector.count // 2)
+        self.k = ir.Constant(vector, words)
+        self.nontemporal = builder.module.add_metadata([ir.Constant(_I32, 1)])
+
+    def load(self, base: Any) -> list[Any]:
+        b = self.b
+        return [
+            b.load(b.inttoptr(b.add(base, ir.Constant(_I64, self.chunk * j)), self.vector.as_pointer()), align=1)
+            for j in range(4)
+        ]
+
+    def copy(self, base: Any, values: list[Any]) -> None:
+        b = self.b
+        for j in range(4 if self.write != READ else 0):
+            target = b.inttoptr(b.add(base, ir.Constant(_I64, self.chunk * j)), self.vector.as_pointer())
+            if self.write == STREAM:  # non-temporal: the destination's lines are not read in first
+                b.store(values[j], target, align=self.chunk).set_metadata("nontemporal", self.nontemporal)
+            else:
+                b.store(values[j], target, align=1)
+
+    def run(self, src: Any, dst: Any, first_step: int, steps: Any, start: list[Any]) -> list[Any]:
+        """Steps ``first_step`` to ``steps - 1`` (none when there are no more): the four remainders after them."""
+        b, step = self.b, 4 * self.chunk
+        before = b.block
+        loop, done = b.append_basic_block("fold.loop"), b.append_basic_block("fold.done")
+        b.cbranch(b.icmp_signed(">", steps, ir.Constant(_I64, first_step)), loop, done)
+        b.position_at_end(loop)
+        i = b.phi(_I64)
+        x = [b.phi(self.vector) for _ in range(4)]
+        offset = b.mul(i, ir.Constant(_I64, step))
+        loaded = self.load(b.add(src, offset))
+        self.copy(b.add(dst, offset), loaded)
+        folded = []
+        for j in range(4):
+            low = b.call(self.clmul, [x[j], self.k, ir.Constant(_I8, 0x00)])
+            high = b.call(self.clmul, [x[j], self.k, ir.Constant(_I8, 0x11)])
+            folded.append(b.xor(b.xor(low, high), loaded[j]))
+        following = b.add(i, ir.Constant(_I64, 1))
+        last = b.block
+        i.add_incoming(ir.Constant(_I64, first_step), before)
+        i.add_incoming(following, last)
+        for j in range(4):
+            x[j].add_incoming(start[j], before)
+            x[j].add_incoming(folded[j], last)
+        b.cbranch(b.icmp_signed("<", following, steps), loop, done)
+        b.position_at_end(done)
+        merged = [b.phi(self.vector) for _ in range(4)]  # phis first in the block, then anything else
+        for j in range(4):
+            merged[j].add_incoming(start[j], before)
+            merged[j].add_incoming(folded[j], last)
+        if self.write == STREAM:  # the streamed stores are visible to other threads before this returns
+            b.call(_function(b, "llvm.x86.sse.sfence", ir.VoidType(), []), [])
+        return merged
+
+    def words(self, vectors: list[Any]) -> list[Any]:
+        """The vectors' 64-bit words, in the order of the bytes they stand for."""
+        lanes = [ir.Constant(_I32, q) for q in range(self.vector.count)]
+        return [self.b.extract_element(v, lane) for v in vectors for lane in lanes]
+
+
 def _fold_steps_of(write: int) -> Any:
     """An intrinsic that ``steps`` times folds the four 128-bit remainders (eight words) onto the next 64
     bytes at ``src``, the remainders staying in vector registers across the loop; the bytes are copied
@@ -173,56 +243,13 @@ def _fold_steps_of(write: int) -> Any:
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         src, dst, steps, accs = args
-        clmul = _function(builder, "llvm.x86.pclmulqdq", _V2, [_V2, _V2, _I8])
-        zero, one = ir.Constant(_I32, 0), ir.Constant(_I32, 1)
-        k = ir.Constant(_V2, [ir.Constant(_I64, FOLD64[0]), ir.Constant(_I64, FOLD64[1])])
+        loop = _FoldLoop(builder, _V2, "llvm.x86.pclmulqdq", FOLD64, write)
         words = [builder.extract_value(accs, i) for i in range(8)]
         start = []
         for j in range(4):
-            v = builder.insert_element(ir.Constant(_V2, ir.Undefined), words[2 * j], zero)
-            start.append(builder.insert_element(v, words[2 * j + 1], one))
-        before = builder.block
-        loop, done = builder.append_basic_block("fold.loop"), builder.append_basic_block("fold.done")
-        builder.cbranch(builder.icmp_signed(">", steps, ir.Constant(_I64, 0)), loop, done)
-        builder.position_at_end(loop)
-        i = builder.phi(_I64)
-        x = [builder.phi(_V2) for _ in range(4)]
-        offset = builder.mul(i, ir.Constant(_I64, 64))
-        s, d = builder.add(src, offset), builder.add(dst, offset)
-        loaded = [
-            builder.load(builder.inttoptr(builder.add(s, ir.Constant(_I64, 16 * j)), _V2.as_pointer()), align=1)
-            for j in range(4)
-        ]
-        for j in range(4 if write != READ else 0):
-            target = builder.inttoptr(builder.add(d, ir.Constant(_I64, 16 * j)), _V2.as_pointer())
-            if write == STREAM:  # non-temporal: the destination's lines are not read in first
-                store = builder.store(loaded[j], target, align=16)
-                store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
-            else:
-                builder.store(loaded[j], target, align=1)
-        folded = []
-        for j in range(4):
-            low = builder.call(clmul, [x[j], k, ir.Constant(_I8, 0x00)])
-            high = builder.call(clmul, [x[j], k, ir.Constant(_I8, 0x11)])
-            folded.append(builder.xor(builder.xor(low, high), loaded[j]))
-        following = builder.add(i, ir.Constant(_I64, 1))
-        last = builder.block
-        i.add_incoming(ir.Constant(_I64, 0), before)
-        i.add_incoming(following, last)
-        for j in range(4):
-            x[j].add_incoming(start[j], before)
-            x[j].add_incoming(folded[j], last)
-        builder.cbranch(builder.icmp_signed("<", following, steps), loop, done)
-        builder.position_at_end(done)
-        merged = [builder.phi(_V2) for _ in range(4)]  # phis first in the block, then the extracts
-        if write == STREAM:  # the streamed stores are visible to other threads before this returns
-            builder.call(_function(builder, "llvm.x86.sse.sfence", ir.VoidType(), []), [])
-        out = []
-        for j in range(4):
-            merged[j].add_incoming(start[j], before)
-            merged[j].add_incoming(folded[j], last)
-            out += [builder.extract_element(merged[j], zero), builder.extract_element(merged[j], one)]
-        return context.make_tuple(builder, sig.return_type, out)
+            v = builder.insert_element(ir.Constant(_V2, ir.Undefined), words[2 * j], ir.Constant(_I32, 0))
+            start.append(builder.insert_element(v, words[2 * j + 1], ir.Constant(_I32, 1)))
+        return context.make_tuple(builder, sig.return_type, loop.words(loop.run(src, dst, 0, steps, start)))
 
     def typer(typingctx: Any, src: Any, dst: Any, steps: Any, accumulators: Any) -> Any:
         u64x8 = types.UniTuple(types.uint64, 8)
@@ -242,62 +269,14 @@ def _wide_steps_of(write: int) -> Any:
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         if not WIDE:  # VPCLMULQDQ would not compile for this CPU; copy_crc never takes this path here
-            zero = ir.Constant(_I64, 0)
-            return context.make_tuple(builder, sig.return_type, [zero] * 16)
+            return context.make_tuple(builder, sig.return_type, [ir.Constant(_I64, 0)] * 16)
         src, dst, steps, crc = args
-        clmul = _function(builder, "llvm.x86.pclmulqdq.256", _V4, [_V4, _V4, _I8])
-        k = ir.Constant(_V4, [ir.Constant(_I64, FOLD128[0]), ir.Constant(_I64, FOLD128[1])] * 2)
-        lanes = [ir.Constant(_I32, q) for q in range(4)]
-        nontemporal = builder.module.add_metadata([ir.Constant(_I32, 1)])
-
-        def load(at: Any) -> Any:
-            return builder.load(builder.inttoptr(at, _V4.as_pointer()), align=1)
-
-        def copy(base: Any, values: list[Any]) -> None:
-            for j in range(4 if write != READ else 0):
-                target = builder.inttoptr(builder.add(base, ir.Constant(_I64, 32 * j)), _V4.as_pointer())
-                if write == STREAM:  # non-temporal: the destination's lines are not read in first
-                    builder.store(values[j], target, align=32).set_metadata("nontemporal", nontemporal)
-                else:
-                    builder.store(values[j], target, align=1)
-
-        first = [load(builder.add(src, ir.Constant(_I64, 32 * j))) for j in range(4)]
-        copy(dst, first)
-        seed = builder.insert_element(ir.Constant(_V4, [ir.Constant(_I64, 0)] * 4), crc, lanes[0])
+        loop = _FoldLoop(builder, _V4, "llvm.x86.pclmulqdq.256", FOLD128, write)
+        first = loop.load(src)
+        loop.copy(dst, first)
+        seed = builder.insert_element(ir.Constant(_V4, [ir.Constant(_I64, 0)] * 4), crc, ir.Constant(_I32, 0))
         first[0] = builder.xor(first[0], seed)
-        before = builder.block
-        loop, done = builder.append_basic_block("wide.loop"), builder.append_basic_block("wide.done")
-        builder.cbranch(builder.icmp_signed(">", steps, ir.Constant(_I64, 1)), loop, done)
-        builder.position_at_end(loop)
-        i = builder.phi(_I64)
-        x = [builder.phi(_V4) for _ in range(4)]
-        offset = builder.mul(i, ir.Constant(_I64, WIDE_STEP))
-        s, d = builder.add(src, offset), builder.add(dst, offset)
-        loaded = [load(builder.add(s, ir.Constant(_I64, 32 * j))) for j in range(4)]
-        copy(d, loaded)
-        folded = []
-        for j in range(4):
-            low = builder.call(clmul, [x[j], k, ir.Constant(_I8, 0x00)])
-            high = builder.call(clmul, [x[j], k, ir.Constant(_I8, 0x11)])
-            folded.append(builder.xor(builder.xor(low, high), loaded[j]))
-        following = builder.add(i, ir.Constant(_I64, 1))
-        last = builder.block
-        i.add_incoming(ir.Constant(_I64, 1), before)
-        i.add_incoming(following, last)
-        for j in range(4):
-            x[j].add_incoming(first[j], before)
-            x[j].add_incoming(folded[j], last)
-        builder.cbranch(builder.icmp_signed("<", following, steps), loop, done)
-        builder.position_at_end(done)
-        merged = [builder.phi(_V4) for _ in range(4)]
-        if write == STREAM:
-            builder.call(_function(builder, "llvm.x86.sse.sfence", ir.VoidType(), []), [])
-        out = []
-        for j in range(4):
-            merged[j].add_incoming(first[j], before)
-            merged[j].add_incoming(folded[j], last)
-            out += [builder.extract_element(merged[j], lane) for lane in lanes]
-        return context.make_tuple(builder, sig.return_type, out)
+        return context.make_tuple(builder, sig.return_type, loop.words(loop.run(src, dst, 1, steps, first)))
 
     def typer(typingctx: Any, src: Any, dst: Any, steps: Any, crc: Any) -> Any:
         return types.UniTuple(types.uint64, 16)(types.int64, types.int64, types.int64, types.uint64), codegen
