@@ -57,17 +57,17 @@ def measure(n: int, place: str, pool: np.ndarray, dst: np.ndarray, calls: int) -
         fn(starts[0])  # compiled, faulted in
         return _median_gbps(n, [lambda s=s: fn(s) for s in starts])
 
-    row: dict[str, object] = {"bytes": n, "place": place, "wide_loop": bool(k.WIDE)}
-    row["wide"] = run(lambda s: k.copy_crc(base + s, 0, n, 0, k.READ))
-    row["narrow"] = run(lambda s: k.copy_crc_narrow(base + s, 0, n, 0, k.READ))
-    row["package"] = run(lambda s: crc32c(pool.data[s : s + n]))
-    row["copy_wide"] = run(lambda s: k.copy_crc(base + s, out, n, 0, k.STORE))
-    row["copy_narrow"] = run(lambda s: k.copy_crc_narrow(base + s, out, n, 0, k.STORE))
-    row["memcpy"] = run(lambda s: np.copyto(dst[:n], pool[s : s + n]))
-    row["wide_vs_package"] = float(row["wide"]) / float(row["package"])  # type: ignore[arg-type]
-    row["wide_vs_narrow"] = float(row["wide"]) / float(row["narrow"])  # type: ignore[arg-type]
-    row["copy_wide_vs_memcpy"] = float(row["copy_wide"]) / float(row["memcpy"])  # type: ignore[arg-type]
-    return row
+    wide = run(lambda s: k.copy_crc(base + s, 0, n, 0, k.READ))
+    narrow = run(lambda s: k.copy_crc_narrow(base + s, 0, n, 0, k.READ))
+    package = run(lambda s: crc32c(pool.data[s : s + n]))
+    copy_wide = run(lambda s: k.copy_crc(base + s, out, n, 0, k.STORE))
+    copy_narrow = run(lambda s: k.copy_crc_narrow(base + s, out, n, 0, k.STORE))
+    memcpy = run(lambda s: np.copyto(dst[:n], pool[s : s + n]))
+    return {
+        "bytes": n, "place": place, "wide_loop": bool(k.WIDE), "wide": wide, "narrow": narrow, "package": package,
+        "copy_wide": copy_wide, "copy_narrow": copy_narrow, "memcpy": memcpy, "wide_vs_package": wide / package,
+        "wide_vs_narrow": wide / narrow, "copy_wide_vs_memcpy": copy_wide / memcpy,
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

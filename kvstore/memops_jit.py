@@ -29,7 +29,7 @@ length, alignment and starting value against the `crc32c` package.
   on this CPU by ``LIBRARY_MARGIN``, measured once over 256 KiB in cache when the kernels are ready (True
   before). This VM's host changes: on 2026-12-01 the package ran at 5.8 GB/s and the loop at 9-10; on 2026-12-04
   the package at 15.6 and the loop at 7.7; on 2026-12-05 (Zen 4) the package at 25-28 in cache but 15 over 64
-  MiB, the wide loop (``memops_kernels.WIDE``) at 26-29 in and out of cache: the margin keeps a tie in cache
+  MiB, the wide loop (``memops_kernels.WIDE``) at 24-29 in cache and 19-26 out of it: the margin keeps a tie in cache
   with the loop, which wins on bytes that are not there (a disk's or another process's). Checks that only read
   (no copy) follow it (``checksum.crc32c``, ``memops.run_rows``); a copy with its CRC32C stays one pass through
   the loop.

@@ -11,8 +11,9 @@ mod the CRC32C polynomial, bit-reflected and shifted left one bit (reflected pro
 Where the CPU numba compiles for has AVX2 and VPCLMULQDQ (``WIDE``: Intel from Ice Lake, AMD from Zen 3), buffers
 of ``WIDE_MIN`` bytes or more are folded 128 bytes a step into four 256-bit remainders first (``_wide_steps_of``:
 two 128-bit lanes each, folded 128 bytes forward), which then fold into one and continue as above. On this
-project's Zen 4 VM (2026-12-05, ``python -m bench.crc``): 26-29 GB/s over 64 KiB to 64 MiB, against 14 for the
-64-byte loop and 15-28 for the `crc32c` package (28 in cache, 15 out of it, where a disk's DMA leaves its bytes).
+project's Zen 4 VM (2026-12-05, ``python -m bench.crc``): 24-29 GB/s in cache and 19-26 out of it (64 KiB to 64
+MiB), against 12-15 for the 64-byte loop and, for the `crc32c` package, 22-28 in cache and 13-15 out of it, where
+a disk's DMA leaves its bytes. A streamed copy (``STREAM``) takes the wide loop only into 32-byte aligned memory.
 """
 
 from __future__ import annotations
@@ -307,7 +308,7 @@ def _store_line(dst: int, w0: int, w1: int, w2: int, w3: int, w4: int, w5: int, 
 @numba.njit(nogil=True, cache=True)
 def copy_crc(src: int, dst: int, n: int, crc: int, write: int) -> Any:
     """The CRC32C of n bytes at src continuing from crc; copied to dst unless ``write`` is ``READ``
-    (``STREAM``: the 64-byte steps with non-temporal stores, dst 16-byte aligned)."""
+    (``STREAM``: non-temporal stores, dst 16-byte aligned; the wide loop's only where it is 32-byte aligned)."""
     if WIDE and n >= WIDE_MIN and (write != STREAM or dst & 31 == 0):
         steps = n // WIDE_STEP
         c = np.uint64(crc) ^ _MASK32

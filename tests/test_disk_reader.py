@@ -249,12 +249,13 @@ def test_blocks_that_are_not_such_a_run_are_left_to_read(written, runs_allowed):
     assert reader.read_run(*_run_args(where, payloads, odd, [aligned_buffer(8192) for _ in odd])) is None
     far = [0, 32]  # records apart by more than GAP_BYTES
     assert reader.read_run(*_run_args(where, payloads, far, [aligned_buffer(len(payloads[i])) for i in far])) is None
+    saved = client_disk.ALONE_BYTES, client_disk.RUN_ALONE_BYTES
     client_disk.ALONE_BYTES = client_disk.RUN_ALONE_BYTES = 4096
     try:  # longer than one piece on the caller's thread: the kernel reads it in pieces, the arrays leave it to read()
         longer = reader.read_run(*_run_args(where, payloads, picks, aligned))
         assert longer == ([] if client_disk._compiled.ready() else None)
     finally:
-        client_disk.ALONE_BYTES, client_disk.RUN_ALONE_BYTES = 3 << 20, 32 << 20
+        client_disk.ALONE_BYTES, client_disk.RUN_ALONE_BYTES = saved
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

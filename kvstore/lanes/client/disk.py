@@ -13,8 +13,9 @@ would have. The store keeps the file as it is until the client releases the mess
 - ``read_run(name, positions, offsets, lengths, crcs, addresses) -> failed | None``: the same for the common Get
   (whole-page payloads of one file, close together, each into a page-aligned buffer): one ``preadv`` on the
   caller's thread and the CRC32Cs in one compiled call (``disk_kernels.py``) when the run is at most
-  ``RUN_ALONE_BYTES`` (and its headers fit the scratch), else one such call per piece on several threads; numpy array operations for a single piece until the kernels
-  are compiled, or without numba; None when the blocks are not such a run (``read`` takes them then).
+  ``RUN_ALONE_BYTES`` (and its headers fit the scratch), else one such call per piece on several threads; numpy
+  array operations for a single piece until the kernels are compiled, or without numba; None when the blocks are
+  not such a run (``read`` takes them then).
 - files the store deleted (segments retired by compaction) are closed at the next read after a second, so an
   open descriptor does not keep their disk space from the store.
 - ``unusable``: why this process cannot open the store's files at all (the directory is not there, as in a
