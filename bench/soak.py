@@ -1,6 +1,7 @@
 """Soak: mixed put/get/lookup from many clients at a fixed rate against a `kvstore serve` subprocess.
 
     python -m bench.soak [--minutes 10] [--quick] [--out FILE.json] [--plot FILE.png (default: beside --out)]
+                         [--nvme SIZE [--nvme-segment SIZE] [--write-policy P]] [--share] [--hot S]
 
 Each client is a thread with its own tenant token and namespace (a tenants file
 is generated, so the interceptor, namespace checks and Stats scoping run under
@@ -8,13 +9,21 @@ load; the bytes move over the lane ``--lane`` picks, shared memory by default on
 and issues operations on a fixed schedule (``--rate`` in total): puts of
 ``--batch`` fresh random blocks, gets of recently acknowledged blocks (bytes
 compared with what was put), lookups. The DRAM tier is smaller than what is
-written, so eviction runs the whole time. Every ``--window`` seconds a row
-records throughput, p50/p99 latency, errors and the server's RSS.
+written, so eviction runs the whole time (``evictions``: copies dropped with
+none left below them). Every ``--window`` seconds a row records throughput,
+p50/p99 latency, errors and the server's RSS.
 
 At the end, with the load stopped, every acknowledged block is read back:
 each one still in the store must be byte-exact (``corrupt`` = 0), and every one
 that is gone must be covered by the store's eviction count (``lost`` = 0). RSS
 must stay flat after warm-up (growth < 5%). The process exits 1 if any check fails.
+
+``--nvme SIZE`` gives the store an NVMe tier too (in small segments, ``--nvme-segment``), smaller than what is
+written: DRAM demotes, NVMe evicts and compacts, and Gets read blocks back from disk while that goes on. With
+``--share`` the store also shares its DRAM arena, its index and its NVMe files (``--share-dram``,
+``--share-nvme``, ``--shm-direct``) and each client Gets into page-aligned buffers of its own, so that hits are
+read by the clients themselves, from the mapped arena or the segment files, while the store moves and rewrites
+them. A block gone from every tier counts among the evictions of some tier, so ``lost`` stays an upper bound.
 """
 
 from __future__ import annotations
@@ -37,8 +46,10 @@ from bench.common import format_table, parse_args, plot_path, write_json
 from kvstore.client import Client, KVStoreError
 from kvstore.server.process import store_process
 from kvstore.sizes import parse_size
+from kvstore.tiers.nvme.io import aligned_buffer
 
 OPS = ("put", "get", "lookup")
+TIER_COUNTS = ("blocks_written", "compactions", "relocated", "extents_lent", "corrupt")  # a lower tier's
 
 
 def payload(key: bytes, size: int) -> bytes:
@@ -108,8 +119,12 @@ class Worker:
 
 def run_worker(w: Worker, target: str, args: Any, rec: Recorder, stop: threading.Event) -> None:
     rng = random.Random(w.index)
+    popular = np.random.default_rng(w.index)
     interval = args.clients / args.rate
     block = args.block_kib << 10
+    # --share: Gets land in page-aligned buffers of ours, which the DRAM index and the NVMe file reads fill
+    pool = aligned_buffer(args.batch * block) if args.share else None
+    outs = [pool[k * block : (k + 1) * block] for k in range(args.batch)] if pool is not None else None
     with Client(target, token=w.token, timeout=30, retries=2, lane=args.lane) as kv:
         next_at = time.monotonic() + rng.random() * interval
         while not stop.is_set():
@@ -129,7 +144,10 @@ def run_worker(w: Worker, target: str, args: Any, rec: Recorder, stop: threading
                     rec.done(op, time.perf_counter() - start, block * len(keys))
                 elif op == "get":
                     keys = rng.sample(recent, min(args.batch, len(recent)))
-                    got = kv.get(w.namespace, keys, allow_missing=True)
+                    if args.hot and rng.random() < 0.5:  # by popularity: the client's first blocks the most
+                        ranks = popular.zipf(args.hot, 4 * args.batch) - 1
+                        keys = list(dict.fromkeys(w.acked[r] for r in ranks if r < len(w.acked)))[: args.batch]
+                    got = kv.get(w.namespace, keys, out=outs[: len(keys)] if outs else None, allow_missing=True)
                     rec.done(op, time.perf_counter() - start, sum(len(g) for g in got if g is not None))
                     hits = [(k, g) for k, g in zip(keys, got) if g is not None]
                     rec.note(
@@ -162,6 +180,24 @@ def verify(workers: list[Worker], target: str, block: int) -> dict[str, int]:
     return out
 
 
+def store_options(args: Any, tmp: Path) -> list[str]:
+    """``kvstore serve`` options for ``--nvme`` and ``--share``."""
+    options: list[str] = []
+    if args.nvme:
+        options += ["--nvme-dir", str(tmp / "nvme"), "--nvme", str(parse_size(args.nvme))]
+        options += ["--nvme-segment", str(parse_size(args.nvme_segment)), "--write-policy", args.write_policy]
+    if args.share:
+        options += ["--share-dram", "true", "--shm-direct", "true"] + (["--share-nvme", "true"] if args.nvme else [])
+    return options
+
+
+def dropped(stats: dict[str, Any]) -> int:
+    """Copies evicted with none left below them (each tier's evictions less its demotions): every block gone
+    from the store is one of these, so they bound the blocks a read-back may miss."""
+    counters = stats.get("counters", {})
+    return sum(int(t["evictions"]) - int(counters.get(f"tier_{t['name']}_demotions", 0)) for t in stats["tiers"])
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3 if values else float("nan")
 
@@ -182,7 +218,8 @@ def window_row(t: float, window: Window, seconds: float, rss: int, stats: dict[s
         "corrupt": window.corrupt,
         "rss_MiB": round(rss / 2**20, 1),
         "blocks": stats.get("blocks", 0),
-        "evictions": sum(int(t["evictions"]) for t in stats.get("tiers", [])),
+        "evictions": dropped(stats),
+        **{f"{t['name']}_hits": int(t["hits"]) for t in stats.get("tiers", [])},  # cumulative, per tier
     }
 
 
@@ -226,6 +263,36 @@ def configure(p: Any) -> None:
     )
     p.add_argument("--window", type=float, default=10.0, help="seconds per reported row (default 10; --quick 3)")
     p.add_argument(
+        "--nvme",
+        default=None,
+        metavar="SIZE",
+        help="also an NVMe tier of this size (default none; e.g. 256MiB: smaller than what is written, so it "
+        "evicts and compacts under the load)",
+    )
+    p.add_argument(
+        "--nvme-segment", default="16MiB", metavar="SIZE", help="NVMe segment size (default 16MiB: many to compact)"
+    )
+    p.add_argument(
+        "--write-policy",
+        default="write-back",
+        choices=["write-back", "write-through"],
+        help="with --nvme: when blocks reach NVMe (default write-back: on demotion)",
+    )
+    p.add_argument(
+        "--share",
+        action="store_true",
+        help="serve with --share-dram, --share-nvme and --shm-direct, and Get into buffers of the clients' own: "
+        "hits read by the clients from the mapped arena and the NVMe files (the shm lane)",
+    )
+    p.add_argument(
+        "--hot",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="half of the Gets read by popularity: Zipf(S) ranks over all of a client's blocks, its first the "
+        "most popular, as a shared system prompt is (default 0: every Get reads among the last 500 blocks)",
+    )
+    p.add_argument(
         "--plot",
         type=Path,
         default=None,
@@ -257,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             str(Path(tmp) / "tenants.yaml"),
             "--workers",
             str(max(16, 2 * args.clients)),
+            *store_options(args, Path(tmp)),
+            timeout=120,
         ) as (target, proc):
             rec, stop = Recorder(), threading.Event()
             threads = [
@@ -281,9 +350,17 @@ def main(argv: list[str] | None = None) -> int:
                 stop.set()
                 for th in threads:
                     th.join(60)
-                check = verify(workers, target, args.block_kib << 10)
+                check: dict[str, Any] = dict(verify(workers, target, args.block_kib << 10))
                 final = probe.stats()
-            check["evictions"] = sum(int(t["evictions"]) for t in final["tiers"])
+            check["evictions"] = dropped(final)
+            for t in final["tiers"][1:]:
+                counters = final["counters"]
+                check.update({f"{t['name']}_hits": t["hits"], f"{t['name']}_evictions": t["evictions"]})
+                check.update({f"{t['name']}_{k}": int(counters.get(f"tier_{t['name']}_{k}", 0)) for k in TIER_COUNTS})
+                written = check[f"{t['name']}_blocks_written"]
+                if written:  # records the disk wrote per block the store wrote to it: compaction's copies too
+                    moved = check[f"{t['name']}_relocated"]
+                    check[f"{t['name']}_write_amplification"] = round((written + moved) / written, 2)
             check["lost"] = max(0, check["missing"] - check["evictions"])
             check["rss_end_MiB"] = round(rss_bytes(proc.pid) / 2**20, 1)
     check["lane"] = ",".join(sorted({w.lane for w in workers}))
@@ -298,6 +375,7 @@ def summarize(
     after = [(op, s) for t, op, s in rec.all_latencies if t - t0 >= warmup_s]
     lat = [s for _, s in after]
     rss_warm, rss_end = steady[0]["rss_MiB"], steady[-1]["rss_MiB"]
+    hits = sum(r["get_hits"] for r in steady)
     return {
         "duration_s": round(duration, 1),
         "warmup_s": round(warmup_s, 1),
@@ -307,6 +385,7 @@ def summarize(
         "p50_ms": round(percentile(lat, 50), 2),
         "p99_ms": round(percentile(lat, 99), 2),
         **{f"{op}_p99_ms": round(percentile([s for o, s in after if o == op], 99), 2) for op in OPS},
+        "get_hit_rate": round(hits / max(1, hits + sum(r["get_misses"] for r in steady)), 4),  # blocks, after warm-up
         "errors": sum(r["errors"] for r in rows),
         "corrupt_during_run": sum(r["corrupt"] for r in rows),
         "rss_after_warmup_MiB": rss_warm,
