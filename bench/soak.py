@@ -1,7 +1,8 @@
 """Soak: mixed put/get/lookup from many clients at a fixed rate against a `kvstore serve` subprocess.
 
     python -m bench.soak [--minutes 10] [--quick] [--out FILE.json] [--plot FILE.png (default: beside --out)]
-                         [--nvme SIZE [--nvme-segment SIZE] [--write-policy P]] [--share] [--hot S]
+                         [--nvme SIZE [--nvme-segment SIZE] [--write-policy P] [--nvme-eviction E]] [--share]
+                         [--hot S]
 
 Each client is a thread with its own tenant token and namespace (a tenants file
 is generated, so the interceptor, namespace checks and Stats scoping run under
@@ -186,6 +187,7 @@ def store_options(args: Any, tmp: Path) -> list[str]:
     if args.nvme:
         options += ["--nvme-dir", str(tmp / "nvme"), "--nvme", str(parse_size(args.nvme))]
         options += ["--nvme-segment", str(parse_size(args.nvme_segment)), "--write-policy", args.write_policy]
+        options += ["--nvme-eviction", args.nvme_eviction] if args.nvme_eviction else []
     if args.share:
         options += ["--share-dram", "true", "--shm-direct", "true"] + (["--share-nvme", "true"] if args.nvme else [])
     return options
@@ -277,6 +279,12 @@ def configure(p: Any) -> None:
         default="write-back",
         choices=["write-back", "write-through"],
         help="with --nvme: when blocks reach NVMe (default write-back: on demotion)",
+    )
+    p.add_argument(
+        "--nvme-eviction",
+        default=None,
+        choices=["segment", "block"],
+        help="with --nvme: the store's --nvme-eviction (default: the store's own default, segment)",
     )
     p.add_argument(
         "--share",

@@ -79,6 +79,13 @@ class ServeConfig:
         "an --eviction-policy that counts uses (adaptive or freq)",
         int,
     )
+    nvme_eviction: str = _opt(
+        "segment",
+        "how a full NVMe tier picks what to drop: segment (a victim takes the other unleased leaves of its "
+        "segment file with it, so the file goes whole; compaction copied 2-3 records per record written "
+        "under steady churn without it: docs/nvme.md) or block (victims one by one, in the eviction "
+        "policy's order)",
+    )
     max_block: int = _opt(parse_size("8MiB"), "largest accepted block (stored bytes)", parse_size, "SIZE")
     max_message: int = _opt(
         parse_size("4MiB"), "gRPC max message size (data chunks are at most 1MiB)", parse_size, "SIZE"
@@ -309,6 +316,10 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
         raise ValueError("option --write-policy: write-back or write-through")
     if cfg.nvme_admit_uses < 1:
         raise ValueError("option --nvme-admit-uses: 1 or more (1: demote every block)")
+    from kvstore.store.cascade import NVME_EVICTIONS
+
+    if cfg.nvme_eviction not in NVME_EVICTIONS:
+        raise ValueError(f"option --nvme-eviction: one of {', '.join(NVME_EVICTIONS)}")
     if cfg.nvme_admit_uses > 1 and cfg.eviction_policy not in ("adaptive", "freq"):
         raise ValueError("option --nvme-admit-uses above 1 needs --eviction-policy adaptive or freq (they count uses)")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):

@@ -115,6 +115,7 @@ def build_store(cfg: ServeConfig, tiers: list[Tier] | None = None) -> BlockStore
         policy_factory=policy_factory(cfg.eviction_policy),
         write_through=cfg.write_policy == "write-through",
         nvme_admit_uses=cfg.nvme_admit_uses,
+        nvme_eviction=cfg.nvme_eviction,
         index_disk=index_names_disk(cfg),
     )
     for tier in store.tiers:

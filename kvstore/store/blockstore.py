@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.store.cascade import CapacityError, Cascade
+from kvstore.store.cascade import NVME_EVICTIONS, CapacityError, Cascade
 from kvstore.store.counters import StoreCounters, TierCounters
 from kvstore.store.index import DTYPES, NO_LOC, EntryTable, dtype_id
 from kvstore.store.leases import GET_WINDOW_BYTES, Lease, NotFoundError, PutTicket
@@ -71,6 +71,7 @@ class BlockStore(Cascade, LowerReads):
         promote_on_hit: bool = True,
         write_through: bool = False,
         nvme_admit_uses: int = 1,
+        nvme_eviction: str = "segment",
         staging_bytes: int = 2 * GET_WINDOW_BYTES,
         index_disk: bool = False,
     ):
@@ -92,6 +93,9 @@ class BlockStore(Cascade, LowerReads):
         if nvme_admit_uses > 1 and not all(p.counts_uses for p in self.policies.values()):
             raise ValueError(f"nvme_admit_uses={nvme_admit_uses} needs a policy that counts uses (adaptive, freq)")
         self.nvme_admit_uses = nvme_admit_uses
+        if nvme_eviction not in NVME_EVICTIONS:
+            raise ValueError(f"nvme_eviction must be one of {', '.join(NVME_EVICTIONS)}; got {nvme_eviction!r}")
+        self.nvme_eviction = nvme_eviction
         self.counters = StoreCounters(tiers={t.rank: TierCounters() for t in self.tiers})
         self._lock = threading.RLock()
         self._demoted = threading.Condition(self._lock)  # signalled when an in-flight demotion batch lands

@@ -8,7 +8,10 @@
   dropped when a lower copy exists, no lower tier takes them, or the tier
   below is NVMe and they were used fewer than ``nvme_admit_uses`` times
   (admission, off by default); otherwise leased, written down in one batch
-  (I/O outside the lock unless the caller holds it) and then freed;
+  (I/O outside the lock unless the caller holds it) and then freed. In the
+  last tier, with ``nvme_eviction == "segment"``, a victim takes the other
+  evictable leaves of its segment with it (``_evict_leaves_in``), so the
+  segment's file goes without compaction copying what is left of it;
 - ``demote_once()`` / ``start()``: the background demoter keeps every tier but
   the last under its high watermark, down to the low one;
 - ``flush()``: copy every memory-only block to the durable tier (graceful stop);
@@ -39,6 +42,9 @@ class CapacityError(Exception):
     """No room even after eviction (e.g. everything evictable is leased)."""
 
 
+NVME_EVICTIONS = ("segment", "block")  # how the last tier picks victims: whole segments' leaves, or one by one
+
+
 class Cascade:
     """Mixed into BlockStore; uses its table, tiers, policies, lock and counters."""
 
@@ -51,6 +57,7 @@ class Cascade:
         low: float
         demote_batch_bytes: int
         nvme_admit_uses: int
+        nvme_eviction: str
         _lock: threading.RLock
         _demoted: threading.Condition
         _inflight: int
@@ -110,7 +117,10 @@ class Cascade:
                 freed += int(t.stored_len[e])
                 has_lower = any(t.loc_of(e, x.rank) != NO_LOC for x in self.tiers if x.rank > tier.rank)
                 if has_lower or lower is None or self._degraded(lower):
+                    unit = tier.freed_with(t.loc_of(e, tier.rank)) if lower is None else None
                     self._evict_copy(e, tier)
+                    if unit is not None and self.nvme_eviction == "segment":
+                        freed += self._evict_leaves_in(tier, *unit)
                 elif not self._admitted(e, tier, lower):
                     self._evict_copy(e, tier)
                     self.counters.tiers[tier.rank].not_admitted += 1
@@ -138,6 +148,28 @@ class Cascade:
                         self.counters.tiers[tier.rank].demotions += 1
                 self._inflight -= len(demote)
                 self._demoted.notify_all()
+        return freed
+
+    def _evict_leaves_in(self, tier: Tier, lo: int, hi: int) -> int:
+        """Evict every copy of ``tier`` at locations ``[lo, hi)`` that is an unleased leaf, or turns into one as
+        its children go (lock held); the bytes freed. Why: the NVMe tier's space comes back a segment at a
+        time, and victims picked one by one across segments left every segment partly live, so compaction
+        copied 2-3 records for each one written under steady churn (bench.soak --nvme: docs/nvme.md). What stays
+        (leased, or a parent of copies elsewhere) compaction moves later."""
+        t = self.table
+        freed = 0
+        todo = t.entries_at(tier.rank, lo, hi)[::-1].tolist()  # children (added later: higher ids) first
+        while todo:
+            left = []
+            for e in todo:
+                if t.leases[e] == 0 and t.nchild[e, tier.rank] == 0 and t.loc_of(e, tier.rank) != NO_LOC:
+                    freed += int(t.stored_len[e])
+                    self._evict_copy(e, tier)
+                else:
+                    left.append(e)
+            if len(left) == len(todo):
+                break
+            todo = left
         return freed
 
     def _admitted(self, e: int, tier: Tier, lower: Tier) -> bool:
@@ -194,6 +226,8 @@ class Cascade:
                 if attempt == 2:
                     raise
                 freed = self._evict(lower, need)
+                if attempt == 0 and freed and self.nvme_eviction == "segment":
+                    continue  # whole segments may have gone with their victims: then no compaction copies anything
                 compact = getattr(lower, "compact", None)
                 if compact is not None:
                     # Callers hold the store's lock, which a running compaction's relocation takes: waiting

@@ -528,6 +528,14 @@ class EntryTable:
         ids = np.nonzero(np.isin(stored, np.asarray(list(locs), dtype=np.int64)))[0]
         return ids, stored[ids]
 
+    def entries_at(self, rank: int, lo: int, hi: int) -> np.ndarray:
+        """Ids of the entries whose copy in ``rank`` lies at a location in ``[lo, hi)``: one scan of its column."""
+        col = self._loc.get(rank)
+        if col is None:
+            return np.zeros(0, dtype=np.int64)
+        raw = col.head(self._size)  # location + 1 (0: no copy, never in range for lo >= 0)
+        return np.nonzero((raw > lo) & (raw <= hi))[0]
+
     def lease_many(self, ids: np.ndarray) -> None:
         leases = self._c["leases"]
         if len(ids) and int(leases.take(ids).max()) + len(ids) > MAX_LEASES:

@@ -104,6 +104,12 @@ class Tier(ABC):
         """Whether a payload of nbytes could be placed once enough is evicted."""
         return nbytes <= self.capacity_bytes
 
+    def freed_with(self, loc: int) -> tuple[int, int] | None:
+        """The locations ``[lo, hi)`` whose space comes back only together with ``loc``'s (a log-structured
+        tier's segment: its file goes once nothing in it is live), or None where each copy's space comes back
+        on its own (memory tiers)."""
+        return None
+
     def recover(self) -> Iterator[tuple[BlockMeta, int]]:
         """Blocks found on durable media at start (durable tiers only)."""
         return iter(())

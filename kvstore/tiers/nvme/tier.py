@@ -207,6 +207,15 @@ class NvmeTier(Tier):
     def fits(self, nbytes: int) -> bool:
         return record_bytes(nbytes) <= self.segment_bytes
 
+    def freed_with(self, loc: int) -> tuple[int, int] | None:
+        """The locations of ``loc``'s segment (a location is the segment id above ``OFFSET_BITS``); None while
+        it is the segment being written, whose space no eviction gives back."""
+        segment = loc >> OFFSET_BITS
+        active = self._log.active
+        if active is not None and active.id == segment:
+            return None
+        return segment << OFFSET_BITS, (segment + 1) << OFFSET_BITS
+
     # -- write ----------------------------------------------------------------------
     def write(self, metas: Sequence[BlockMeta], sources: Sequence[Any]) -> list[int]:
         if len(metas) != len(sources):
