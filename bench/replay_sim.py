@@ -36,8 +36,8 @@ from bench.replay_hints import future_hints
 from kvstore.store.blockstore import BlockStore
 from kvstore.store.leases import Lease
 from kvstore.store.policies import policy_factory
-from kvstore.tiers.accounting import AccountingDiskTier, AccountingMemoryTier
-from kvstore.tiers.base import DRAM, NVME, BlockMeta
+from kvstore.tiers.accounting import AccountingDiskTier, AccountingLogTier, AccountingMemoryTier
+from kvstore.tiers.base import DRAM, NVME, BlockMeta, Tier
 
 NAMESPACE = "replay"
 TOKENS_PER_BLOCK = 512  # the Mooncake traces' block
@@ -196,6 +196,8 @@ class StoreSetup:
     nvme_admit_uses: int = 1  # demote a DRAM victim to NVMe only once used this often (1: always)
     block_bytes: int = LLAMA3_8B_BF16.block_bytes()
     hints: str = ""  # engine hints derived from the future (bench/replay_hints.py): "", reuse, priority, ttl, all
+    nvme_segment_blocks: int = 0  # NVMe as a log of segments of this many blocks (0: bytes only)
+    nvme_eviction: str = "segment"  # with a log: the store's --nvme-eviction
 
 
 @dataclass
@@ -212,6 +214,8 @@ class ReplayResult:
     evictions: dict[str, int] = field(default_factory=dict)
     index_bytes: int = 0
     seconds: float = 0.0
+    nvme_records_written: int = 0  # with a log: records the store wrote to NVMe
+    nvme_relocated: int = 0  # and records compaction copied
 
     @property
     def hit_rate(self) -> float:
@@ -224,12 +228,22 @@ class ReplayResult:
 def build_store(setup: StoreSetup, now: Callable[[], float] | None = None) -> BlockStore:
     """A BlockStore over accounting tiers: DRAM, and NVMe below it when ``nvme_blocks`` > 0; ``now`` is
     the policy's clock for TTL hints (the trace's time), where the policy takes one."""
-    tiers = [AccountingMemoryTier(setup.dram_blocks * setup.block_bytes, rank=DRAM)]
-    if setup.nvme_blocks:
+    tiers: list[Tier] = [AccountingMemoryTier(setup.dram_blocks * setup.block_bytes, rank=DRAM)]
+    log: AccountingLogTier | None = None
+    if setup.nvme_blocks and setup.nvme_segment_blocks:
+        size = setup.block_bytes
+        log = AccountingLogTier(setup.nvme_blocks * size, setup.nvme_segment_blocks * size, rank=NVME)
+        tiers.append(log)
+    elif setup.nvme_blocks:
         tiers.append(AccountingDiskTier(setup.nvme_blocks * setup.block_bytes, rank=NVME))
     params = {"now": now} if now is not None and setup.policy == "adaptive" else {}
     factory = policy_factory(setup.policy, **params)
-    return BlockStore(tiers, policy_factory=factory, nvme_admit_uses=setup.nvme_admit_uses)
+    store = BlockStore(
+        tiers, policy_factory=factory, nvme_admit_uses=setup.nvme_admit_uses, nvme_eviction=setup.nvme_eviction
+    )
+    if log is not None:
+        log.on_relocate = lambda moves: store.relocate(NVME, moves)
+    return store
 
 
 def block_keys(trace: Trace) -> dict[int, bytes]:
@@ -294,6 +308,8 @@ def replay_store(
         if setup.nvme_blocks:
             while store.demote_once():  # what the background demoter does between requests
                 pass
+            if setup.nvme_segment_blocks:
+                store.compact_once()  # and then, as it does, compaction of segments under half live
         if progress is not None and (done % 64 == 0 or done == len(trace.requests)):
             progress(done)
     result.seconds = time.perf_counter() - started
@@ -304,5 +320,8 @@ def replay_store(
     result.bytes_promoted = dram["promotions"] * size
     result.evictions = {name: t["evictions"] for name, t in by_name.items()}
     result.index_bytes = stats["index_bytes"]
+    if setup.nvme_segment_blocks:
+        result.nvme_records_written = int(by_name["nvme"]["records_written"])
+        result.nvme_relocated = int(by_name["nvme"]["relocated"])
     store.close(flush=False)
     return result

@@ -82,9 +82,9 @@ class ServeConfig:
     nvme_eviction: str = _opt(
         "segment",
         "how a full NVMe tier picks what to drop: segment (a victim takes the other unleased leaves of its "
-        "segment file with it, so the file goes whole; compaction copied 2-3 records per record written "
-        "under steady churn without it: docs/nvme.md) or block (victims one by one, in the eviction "
-        "policy's order)",
+        "segment file with it, so the file goes whole: compaction copied 0.5-13 records per record written "
+        "without it, for up to 1.7 points more hit rate on the bench trace with little DRAM: docs/nvme.md) "
+        "or block (victims one by one, in the eviction policy's order)",
     )
     max_block: int = _opt(parse_size("8MiB"), "largest accepted block (stored bytes)", parse_size, "SIZE")
     max_message: int = _opt(
