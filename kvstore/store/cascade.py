@@ -117,9 +117,10 @@ class Cascade:
                 freed += int(t.stored_len[e])
                 has_lower = any(t.loc_of(e, x.rank) != NO_LOC for x in self.tiers if x.rank > tier.rank)
                 if has_lower or lower is None or self._degraded(lower):
-                    unit = tier.freed_with(t.loc_of(e, tier.rank)) if lower is None else None
+                    whole = lower is None and self.nvme_eviction == "segment"
+                    unit = tier.freed_with(t.loc_of(e, tier.rank)) if whole else None
                     self._evict_copy(e, tier)
-                    if unit is not None and self.nvme_eviction == "segment":
+                    if unit is not None:
                         freed += self._evict_leaves_in(tier, *unit)
                 elif not self._admitted(e, tier, lower):
                     self._evict_copy(e, tier)
