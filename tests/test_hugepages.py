@@ -69,6 +69,11 @@ def test_memory_mapped_elsewhere_is_collapsed_into_huge_pages() -> None:
         pytest.skip("madvise refused (no MADV_COLLAPSE and no huge page on fault)")
     plain[::PAGE] += 1  # pages faulted before the advice stay 4 KiB unless collapsed
     got = _huge_kib(address, plain.nbytes)
+    for _ in range(3):  # MADV_COLLAPSE may leave a range it found busy (EAGAIN: 6 of 7 collapsed once in a suite)
+        if got >= 7 * HUGE_PAGE // 1024:
+            break
+        advise_huge(address, plain.nbytes)
+        got = _huge_kib(address, plain.nbytes)
     if got == 0 and _fallbacks() > before:
         pytest.skip("the kernel had no huge page free")
     assert got >= 7 * HUGE_PAGE // 1024  # every whole 2 MiB inside it
