@@ -232,10 +232,10 @@ class DeadlineWatchdog:
             for _, (_, context, method) in due:
                 self.expired += 1
                 log.info("%s ran past the server's %.0f s limit: ended", method, self.max_seconds)
+                if self.on_expire is not None:  # counted first: a client that sees the error sees the count too
+                    self.on_expire(method)
                 expire(
                     context,
                     f"{method} ran longer than the server allows ({self.max_seconds:g} s, "
                     f"--max-rpc-seconds); split the request or send it faster",
                 )
-                if self.on_expire is not None:
-                    self.on_expire(method)
