@@ -34,15 +34,19 @@ from kvstore.tiers.base import NVME
 EVICTIONS = ("block", "segment")
 
 
-class _Count(logging.Handler):
-    """Counts the store's warnings (a demotion the full tier refused) instead of printing each."""
+class _Refused(logging.Filter):
+    """Counts, and keeps off the console, the store's warnings of a demotion batch the full tier refused (one a
+    batch: thousands a replay); every other record goes through."""
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__()
         self.n = 0
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.n += 1
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("copy of"):
+            self.n += 1
+            return False
+        return True
 
 
 def configure(p: Any) -> None:
@@ -62,10 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = block_keys(trace)
     rows: list[dict[str, Any]] = []
     runs = [(frac, blocks, mode) for frac in capacities for blocks in segments for mode in EVICTIONS]
-    store_log = logging.getLogger("kvstore.store")
-    refused = _Count()
-    store_log.addHandler(refused)
-    store_log.propagate = False
+    refused = _Refused()
+    logging.getLogger("kvstore.store.blockstore").addFilter(refused)  # Cascade's logger
     for frac, seg_blocks, mode in tqdm(runs, desc="replays", unit="replay"):
         dram = trace.blocks_for(frac)
         nvme = max(2 * seg_blocks, int(dram * args.nvme_multiple))

@@ -361,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                 check: dict[str, Any] = dict(verify(workers, target, args.block_kib << 10))
                 final = probe.stats()
             check["evictions"] = dropped(final)
+            counters = final["counters"]
             for t in final["tiers"][1:]:
-                counters = final["counters"]
                 check.update({f"{t['name']}_hits": t["hits"], f"{t['name']}_evictions": t["evictions"]})
                 check.update({f"{t['name']}_{k}": int(counters.get(f"tier_{t['name']}_{k}", 0)) for k in TIER_COUNTS})
                 written = check[f"{t['name']}_blocks_written"]

@@ -30,7 +30,7 @@ def put(store: BlockStore, keys: list[bytes], chained: bool = False) -> None:
         store.commit_put(ticket)
 
 
-def on_nvme(store: BlockStore, mode: str, tmp_path, keys: list[bytes], chained: bool = False) -> NvmeTier:
+def on_nvme(store: BlockStore, keys: list[bytes], chained: bool = False) -> NvmeTier:
     """``keys`` put, then all demoted: written to NVMe in order, 7 records to a segment."""
     put(store, keys, chained)
     for _ in keys if chained else [None]:  # leaf first: a chain leaves DRAM one block a round
@@ -60,7 +60,7 @@ def present(store: BlockStore, keys: list[bytes]) -> list[bool]:
 def test_a_victim_takes_the_unleased_leaves_of_its_segment_and_the_file_goes(tmp_path):
     store = open_store(tmp_path, "segment")
     keys = block_hashes(list(range(16 * 21)), 16, "ns", "flat")  # 21 unchained blocks: 3 segments of 7
-    nvme = on_nvme(store, "segment", tmp_path, keys)
+    nvme = on_nvme(store, keys)
     first = [k for k in keys if segment_of(store, k) == segment_of(store, keys[0])]
     assert len(first) == 7
     held = store.acquire("ns", [first[3]])  # a reader holds one of them
@@ -87,7 +87,7 @@ def test_a_victim_takes_the_unleased_leaves_of_its_segment_and_the_file_goes(tmp
 def test_a_chain_inside_the_segment_goes_leaf_first_and_a_parent_of_copies_elsewhere_stays(tmp_path):
     store = open_store(tmp_path, "segment")
     keys = block_hashes(list(range(16 * 10)), 16, "ns", "chain")  # one chain of 10: 7 + 3 records
-    nvme = on_nvme(store, "segment", tmp_path, keys, chained=True)
+    nvme = on_nvme(store, keys, chained=True)
     by_segment: dict[int, list[bytes]] = {}
     for k in keys:
         by_segment.setdefault(segment_of(store, k), []).append(k)
@@ -103,7 +103,7 @@ def test_a_chain_inside_the_segment_goes_leaf_first_and_a_parent_of_copies_elsew
 def test_a_victim_in_the_segment_being_written_goes_alone(tmp_path):
     store = open_store(tmp_path, "segment")
     keys = block_hashes(list(range(16 * 11)), 16, "ns", "flat")  # 7 in a sealed segment, 4 in the active one
-    nvme = on_nvme(store, "segment", tmp_path, keys)
+    nvme = on_nvme(store, keys)
     store.release(store.acquire("ns", keys[:7]))  # the sealed segment's blocks used since: the victim is newer
     assert store._evict(nvme, 1) == SIZE  # noqa: SLF001 - its segment's space would not come back
     assert present(store, keys).count(False) == 1 and not present(store, keys[7:])[0]
@@ -114,7 +114,7 @@ def test_a_victim_in_the_segment_being_written_goes_alone(tmp_path):
 def test_block_eviction_drops_victims_one_by_one(tmp_path):
     store = open_store(tmp_path, "block")
     keys = block_hashes(list(range(16 * 14)), 16, "ns", "flat")
-    nvme = on_nvme(store, "block", tmp_path, keys)
+    nvme = on_nvme(store, keys)
     assert store._evict(nvme, 1) == SIZE  # noqa: SLF001
     assert present(store, keys).count(False) == 1
     store.check_invariants(quiet=True)

@@ -211,7 +211,7 @@ class NvmeTier(Tier):
         """The locations of ``loc``'s segment (a location is the segment id above ``OFFSET_BITS``); None while
         it is the segment being written, whose space no eviction gives back."""
         segment = loc >> OFFSET_BITS
-        active = self._log.active
+        active = self._log.active  # read without the log's lock: a segment sealed meanwhile is only taken later
         if active is not None and active.id == segment:
             return None
         return segment << OFFSET_BITS, (segment + 1) << OFFSET_BITS
