@@ -2,7 +2,7 @@
 
     python -m bench.nvme_get [--quick] [--baseline REV] [--out bench/results/nvme_get.json]
                              [--share-dram true [--dram-index false]] [--baseline-share-dram true]
-                             [--baseline-disk-store true] [--settle-ms MS]
+                             [--baseline-disk-store true] [--settle-ms MS] [--shm-dir DIR]
 
 For each block size (64 KiB, 512 KiB, 2 MiB), 32-block prefixes are written to three store processes of this
 tree (``bench/nvme_get_worker.py``): one with an NVMe tier (write-through, so every block has an NVMe copy;
@@ -49,6 +49,11 @@ read them unasked; a second such store without the index (``diskasked_shm``, eve
 the same worker, and ``disk_index_speedup`` is its p50 over ``disk_shm``'s: what the index saves, measured
 without the bias between two trees' workers (docs/nvme.md).
 
+``--shm-dir DIR`` puts every store's shared files (the shared DRAM arena, the lanes' regions) in ``DIR``: /dev/shm
+gives them 4 KiB pages as a rule, a tmpfs mounted ``huge=within_size`` huge pages, and the store-read lanes' NVMe
+reads into the shared arena (promotions) run at about half the speed into 4 KiB pages here (docs/nvme.md,
+thirty-second session); every row says which it was (``shm_dir_huge_pages``).
+
 Rows: p50 ms of each step, ``shm_dram_vs_floor`` (floor / DRAM-hit Get), ``disk_nvme_vs_raw``, ``disk_nvme_vs_raw_dst``,
 ``shm_nvme_vs_raw``, ``tcp_nvme_vs_raw`` and ``grpc_nvme_vs_raw`` (raw time / Get time, 1 = as fast as the bare
 disk), ``socket_gbps`` (loopback TCP of a prefix's payload between two processes, distinct memory on both sides:
@@ -79,6 +84,7 @@ from tqdm import tqdm
 from bench.baselines import raw_socket_gbps
 from bench.common import format_table, parse_args, write_json
 from kvstore.checksum import crc32c
+from kvstore.hugepages import files_get_huge_pages
 from kvstore.tiers.nvme.format import record_bytes
 from kvstore.tiers.nvme.io import aligned_buffer
 
@@ -341,6 +347,14 @@ def main(argv: list[str] | None = None) -> None:
             "last step's after-reply work (promotions, touches, evictions in the other stores) has left quiet",
         )
         p.add_argument(
+            "--shm-dir",
+            default="",
+            metavar="DIR",
+            help="the stores' --shm-dir (default theirs, /dev/shm): their shared DRAM arena and lanes' regions. "
+            "A tmpfs mounted huge=within_size gives them huge pages, which /dev/shm as a rule does not "
+            "(rows: shm_dir_huge_pages)",
+        )
+        p.add_argument(
             "--dir",
             type=Path,
             default=Path("/var/tmp"),
@@ -357,6 +371,8 @@ def main(argv: list[str] | None = None) -> None:
             extra = ("--share-dram", "true", "--dram-index", args.dram_index) if args.share_dram == "true" else ()
             old = ("--share-dram", "true") if args.baseline_share_dram == "true" else ()
             old += ("--with-disk-store",) if args.baseline_disk_store == "true" else ()
+            if args.shm_dir:
+                extra, old = (*extra, "--shm-dir", args.shm_dir), (*old, "--shm-dir", args.shm_dir)
             index_ab = args.share_dram == "true" and args.dram_index == "true"
             rows = [
                 measure(block, count, root, bar, baseline, extra, old, index_ab, args.settle_ms / 1e3)
@@ -364,6 +380,9 @@ def main(argv: list[str] | None = None) -> None:
             ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    huge = files_get_huge_pages(args.shm_dir or "/dev/shm")
+    for row in rows:  # whether NVMe reads into a shared DRAM arena (promotions) and lane regions land in huge pages
+        row["shm_dir_huge_pages"] = huge
     print(
         "Prefix Gets (32 blocks) through kvstore serve processes, p50 ms, each step taken in turn prefix by prefix "
         "with a raw O_DIRECT read of the same size" + (f"; old_ = the code of {args.baseline}" if args.baseline else "")

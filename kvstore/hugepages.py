@@ -21,6 +21,10 @@ run.)
 Where transparent huge pages are off (``/sys/kernel/mm/transparent_hugepage/enabled`` "never") or the advice is
 not known, the memory is plain pages and nothing fails. The shared DRAM arena and the shm lanes' regions are tmpfs
 files: huge pages there follow tmpfs's own ``huge=`` mount option and ``shmem_enabled``, not this advice.
+``files_get_huge_pages(directory) -> bool | None`` says which (None: unknown), from the directory's mount
+(``huge_pages_of_mount``, a pure function of ``/proc/self/mountinfo``'s text and ``shmem_enabled``'s): /dev/shm
+as a rule gives 4 KiB pages, and an O_DIRECT read from NVMe into them (a promotion into the shared arena) ran at
+half the speed here (docs/nvme.md, thirty-second session).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
 
 import numpy as np
 
@@ -73,3 +78,58 @@ def advise_huge(address: int, nbytes: int) -> bool:
     advised = madvise(first, n, MADV_HUGEPAGE) == 0
     collapsed = madvise(first, n, MADV_COLLAPSE) == 0
     return collapsed or advised
+
+
+SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+HUGE_TMPFS = ("always", "within_size", "advise")  # a tmpfs mounted huge= one of these grants what we advise
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: spaces, tabs, newlines and backslashes are written as octal escapes."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def huge_pages_of_mount(mountinfo: str, path: str, shmem_enabled: str = "") -> bool | None:
+    """Whether files under ``path`` (absolute, symlinks resolved) are mapped with huge pages: hugetlbfs always, a
+    tmpfs mounted ``huge=always|within_size|advise`` (the arena and regions advise theirs), any tmpfs when
+    ``shmem_enabled`` is ``[force]`` and none when it is ``[deny]``; another file system never. None: no mount of
+    ``mountinfo`` holds ``path``."""
+    best: tuple[str, str, list[str]] | None = None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        point = _unescape(fields[4])
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[0])):  # the last of equal points is on top
+            tail = line.split(" - ", 1)[1].split()  # fstype, source, super options
+            best = (point, tail[0] if tail else "", tail[2].split(",") if len(tail) > 2 else [])
+    if best is None:
+        return None
+    _, fstype, options = best
+    if fstype == "hugetlbfs":
+        return True
+    if fstype != "tmpfs":
+        return False
+    if "[deny]" in shmem_enabled:
+        return False
+    if "[force]" in shmem_enabled:
+        return True
+    return any(option.startswith("huge=") and option[5:] in HUGE_TMPFS for option in options)
+
+
+def files_get_huge_pages(directory: str) -> bool | None:
+    """``huge_pages_of_mount`` for this host's mounts; None where they cannot be read (not Linux)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
+    except OSError:
+        return None
+    try:
+        with open(SHMEM_ENABLED) as f:
+            shmem = f.read()
+    except OSError:
+        shmem = ""
+    return huge_pages_of_mount(mountinfo, os.path.realpath(directory), shmem)

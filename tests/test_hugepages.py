@@ -1,4 +1,5 @@
-"""kvstore.hugepages: buffers for O_DIRECT in huge pages, checked in the kernel's own accounting (/proc/self/smaps)."""
+"""kvstore.hugepages: buffers for O_DIRECT in huge pages, checked in the kernel's own accounting (/proc/self/smaps),
+and which directories give their shared files huge pages."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.hugepages import HUGE_PAGE, PAGE, advise_huge, huge_buffer
+from kvstore import shmfile
+from kvstore.config import ServeConfig
+from kvstore.hugepages import HUGE_PAGE, PAGE, advise_huge, files_get_huge_pages, huge_buffer, huge_pages_of_mount
+from kvstore.server.app import build_tiers
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -82,3 +86,85 @@ def test_memory_mapped_elsewhere_is_collapsed_into_huge_pages() -> None:
 
 def test_advice_on_less_than_a_huge_page_does_nothing() -> None:
     assert not advise_huge(HUGE_PAGE + PAGE, HUGE_PAGE - 2 * PAGE)
+
+
+# /proc/self/mountinfo lines: id parent dev root mount-point options [optional...] - fstype source super-options
+MOUNTS = "\n".join(
+    [
+        "21 1 0:19 / / rw,relatime - ext4 /dev/vda rw",
+        "25 21 0:21 / /dev/shm rw,nosuid,nodev shared:3 - tmpfs tmpfs rw,size=8g",
+        "26 21 0:22 / /mnt/huge rw - tmpfs tmpfs rw,size=4g,huge=within_size",
+        "27 21 0:23 / /mnt/never rw - tmpfs tmpfs rw,huge=never",
+        "28 21 0:24 / /dev/hugepages rw - hugetlbfs hugetlbfs rw,pagesize=2M",
+        "29 26 0:25 / /mnt/huge/plain rw - tmpfs tmpfs rw",
+        "30 21 0:26 / /mnt/with\\040space rw - tmpfs tmpfs rw,huge=always",
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "shmem", "expected"),
+    [
+        ("/dev/shm", "", False),  # a tmpfs without huge=: 4 KiB pages whatever is advised
+        ("/dev/shm/kvstore-dram-1", "always within_size advise [never] deny force", False),
+        ("/mnt/hugeother", "", False),  # not under /mnt/huge: the root's ext4
+        ("/mnt/huge/arena", "", True),
+        ("/mnt/huge/plain/arena", "", False),  # the mount on top decides
+        ("/mnt/never", "", False),
+        ("/dev/hugepages/x", "", True),
+        ("/mnt/with space/x", "", True),
+        ("/work/data", "", False),  # not a tmpfs
+        ("/dev/shm", "always within_size advise never deny [force]", True),
+        ("/mnt/huge", "always within_size advise never [deny] force", False),
+    ],
+)
+def test_which_directories_give_their_files_huge_pages(path: str, shmem: str, expected: bool) -> None:
+    assert huge_pages_of_mount(MOUNTS, path, shmem) is expected
+
+
+def test_a_path_no_mount_holds_is_unknown() -> None:
+    assert huge_pages_of_mount(MOUNTS.split("\n", 1)[1], "/work/data") is None
+
+
+def _shmem_pmd_kib(address: int) -> int:
+    inside, total = False, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head in ("ShmemPmdMapped:", "FilePmdMapped:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_directory_said_to_give_small_pages_does(tmp_path: Path) -> None:
+    # the kernel's own accounting of a shared file's mapping, as the DRAM arena makes it (the other way round is
+    # not checked: a tmpfs allowed huge pages may still find no free 2 MiB of memory)
+    directory = "/dev/shm" if Path("/dev/shm").is_dir() else str(tmp_path)
+    if files_get_huge_pages(directory) is not False:
+        pytest.skip(f"{directory} may give huge pages here")
+    path, mapping = shmfile.create(directory, "kvstore-test-", 4 * HUGE_PAGE)
+    try:
+        view = np.frombuffer(mapping, dtype=np.uint8)
+        view[::PAGE] = 1  # every page faulted in
+        assert _shmem_pmd_kib(view.ctypes.data) == 0
+        del view
+    finally:
+        mapping.close()
+        Path(path).unlink()
+
+
+def test_a_store_sharing_dram_on_small_pages_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    if files_get_huge_pages(str(tmp_path)) is not False:
+        pytest.skip("the test directory may give huge pages here")
+    shared = dict(share_dram=True, shm_dir=str(tmp_path), dram=8 << 20, dram_index=False)
+    with caplog.at_level("WARNING", logger="kvstore.server"):
+        tiers = build_tiers(ServeConfig(**shared))  # no NVMe tier: nothing is read into the arena from disk
+        assert "4 KiB pages" not in caplog.text
+        tiers += build_tiers(
+            ServeConfig(**shared, nvme_dir=str(tmp_path / "nvme"), nvme=64 << 20, nvme_segment=16 << 20)
+        )
+    for tier in tiers:
+        tier.close()
+    assert "4 KiB pages" in caplog.text and "--shm-dir" in caplog.text

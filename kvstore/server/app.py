@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.codecs.policy import LossyPolicy
 from kvstore.config import ServeConfig
+from kvstore.hugepages import SHMEM_ENABLED, files_get_huge_pages
 from kvstore.server import drain, ports, reflection, tls
 from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
@@ -48,6 +49,14 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
     if hbm:
         tiers.append(ArenaTier(hbm, device=cfg.hbm_device, page_size=_page_size(cfg)))
     share_dir = cfg.shm_dir if cfg.share_dram else None
+    if share_dir and cfg.nvme_dir and files_get_huge_pages(share_dir) is False:
+        log.warning(
+            "--share-dram: files in %s get 4 KiB pages, and NVMe reads into the shared DRAM arena (promotions) run "
+            "at about half the speed of reads into huge pages (docs/nvme.md); pass --shm-dir on a tmpfs mounted "
+            "huge=within_size, or set %s to advise",
+            share_dir,
+            SHMEM_ENABLED,
+        )
     tiers.append(
         ArenaTier(
             cfg.dram,
