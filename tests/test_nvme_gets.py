@@ -152,6 +152,52 @@ def test_a_corrupt_record_fails_alone_and_is_dropped(make_server, tmp_path, lane
     _quiet(server)
 
 
+@pytest.mark.parametrize("lane", ["shm-direct", "tcp"])
+def test_promotions_into_a_small_page_arena_are_read_apart_and_copied_at_release(make_server, tmp_path, lane):
+    # a shared arena on a file system without huge pages (here the test's directory): reads into it ran at half
+    # speed, so a promotion's read lands in staging and release copies it into the slot reserved for it
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    server = make_server(
+        dram=8 << 20,
+        nvme_dir=str(tmp_path / "nvme"),
+        nvme=1 << 30,
+        nvme_segment=64 << 20,
+        write_policy="write-through",
+        share_dram=True,
+        dram_index=False,
+        shm_dir=str(shm),
+        shm_direct=lane == "shm-direct",
+    )
+    store = server.store
+    if not store.top.small_pages:
+        pytest.skip("the test's directory gives huge pages here")
+    with _client(server, lane) as kv:
+        data = _fill(kv, 8)
+        keys, blocks = data[0]
+        assert _nvme_only(server, keys) == PREFIX
+        staged = store.staging.taken
+        for g, b in zip(_get(kv, lane, keys), blocks):
+            assert bytes(memoryview(g)) == b.tobytes()
+        _quiet(server)
+        promoted = store.stats()["tiers"][0]["promotions"]
+        assert promoted > 0 and store.staging.taken - staged == PREFIX  # every read, promotions too, into staging
+        ranks = store.lookup("t", keys)[1]
+        in_dram = [k for k, r in zip(keys, ranks) if r == 2]
+        assert len(in_dram) == promoted
+        want = {k: b for k, b in zip(keys, blocks)}
+        for g, k in zip(_get(kv, lane, in_dram), in_dram):  # DRAM hits now: the copy made at release
+            assert bytes(memoryview(g)) == want[k].tobytes()
+        # a corrupt record: the Get fails, and the slots reserved for its promotions all come back
+        keys, blocks = data[1]
+        assert _nvme_only(server, keys) == PREFIX
+        _corrupt(server, keys[7])
+        with pytest.raises(KVStoreError) as err:
+            kv.get("t", keys, out=[aligned_buffer(BLOCK) for _ in keys])
+        assert "DATA_LOSS" in str(err.value.code) or "checksum" in str(err.value).lower()
+    _quiet(server)  # no lease, staging slot or DRAM slot left behind
+
+
 @pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "tcp", "grpc"])
 def test_concurrent_gets_of_the_same_nvme_blocks(make_server, tmp_path, lane):
     server = _start(make_server, tmp_path, lane, promote=True, dram=12 << 20)

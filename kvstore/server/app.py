@@ -51,9 +51,10 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
     share_dir = cfg.shm_dir if cfg.share_dram else None
     if share_dir and cfg.nvme_dir and files_get_huge_pages(share_dir) is False:
         log.warning(
-            "--share-dram: files in %s get 4 KiB pages, and NVMe reads into the shared DRAM arena (promotions) run "
-            "at about half the speed of reads into huge pages (docs/nvme.md); pass --shm-dir on a tmpfs mounted "
-            "huge=within_size, or set %s to advise",
+            "--share-dram: files in %s get 4 KiB pages, into which NVMe reads ran at half the speed of reads into "
+            "huge pages, so promotions are read into private memory and copied into the shared DRAM arena after "
+            "each Get (docs/nvme.md); pass --shm-dir on a tmpfs mounted huge=within_size, or set %s to advise, to "
+            "read them in place",
             share_dir,
             SHMEM_ENABLED,
         )

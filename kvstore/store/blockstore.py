@@ -304,6 +304,7 @@ class BlockStore(Cascade, LowerReads):
         if not held:
             return
         ids = np.array([x.entry for x in held], dtype=np.int64)
+        self._fill_promotions([x for x in held if x.promote_copy])
         with self._lock:
             promoted = self._promote([x for x in held if x.promote is not None])
             if touch:

@@ -44,6 +44,7 @@ class Lease:
     buffer: Any = None  # filled for memory tiers at acquire, by materialize() otherwise
     hold: tuple[Any, int] | None = None  # (tier, or None: the staging arena; loc) freed at release
     promote: int | None = None  # a top-tier slot holding the verified bytes read: becomes the copy at release
+    promote_copy: bool = False  # the verified bytes are in ``buffer`` (a staging slot), copied to ``promote`` then
 
 
 GET_WINDOW_BYTES = 64 << 20  # NVMe reads of a Get are materialized this much at a time

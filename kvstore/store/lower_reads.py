@@ -8,7 +8,8 @@
   buffer, each verified before ``on_ready`` names it; a corrupt copy is dropped and ``DataLossError`` raised;
 - ``disk_dir()`` / ``disk_extents(leases)`` / ``release_extents(handles)``: where NVMe-only raw blocks lie in
   the tier's files, for a reader that reads them itself, with their segments pinned until released;
-- ``_promote(leases)`` and ``_let_go(lease)``: what ``release`` does with the slots a read took (lock held).
+- ``_fill_promotions(leases)`` (before the lock), ``_promote(leases)`` and ``_let_go(lease)`` (lock held): what
+  ``release`` does with the slots a read took.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ class LowerReads:
         ``promote_on_hit``; no eviction is done for it), in ``dest_for(i)`` (a caller's buffer for
         ``leases[i]``, such as a lane's region range; None: no such buffer), or in a slot of the store's
         staging arena (so a full DRAM tier serves from NVMe without allocating), else in a fresh buffer.
-        A promoted block becomes the top tier's copy at ``release`` (after the Get's reply, off its path).
+        A promoted block becomes the top tier's copy at ``release`` (after the Get's reply, off its path). On a
+        top tier in small pages (``small_pages``: a shared arena on a tmpfs without huge pages, into which this
+        VM's O_DIRECT reads ran at half speed) a promotion's slot is reserved but its read lands in staging, and
+        ``release`` copies the verified bytes into the slot.
         Every payload is verified (CRC32C) before ``lease.buffer`` is usable; a raw (codec none) block's
         record must also carry the CRC32C of the index, so its bytes' CRC32C is ``lease.crc32c``. ``on_ready(positions)`` (called
         from reading threads) names the leases whose bytes are verified as each read completes, so the caller
@@ -73,6 +77,7 @@ class LowerReads:
         if not cold:
             return
         promoted: list[tuple[Lease, int]] = []
+        read_apart = self.top.small_pages  # promotions read into staging, copied into their slot at release
         with self._lock:
             for i in cold:
                 lease = leases[i]
@@ -81,7 +86,11 @@ class LowerReads:
                 loc = self.top.allocate(n) if self.promote_on_hit else None
                 if loc is not None:
                     promoted.append((lease, loc))
-                    lease.buffer = self.top.view(loc, n)
+                    staged = self.staging.take(n) if read_apart else None
+                    if staged is not None:
+                        lease.hold, lease.buffer, lease.promote_copy = (None, staged[0]), staged[1], True
+                    else:
+                        lease.buffer = self.top.view(loc, n)
                     continue
                 dest = dest_for(i) if dest_for is not None else None
                 if dest is None:
@@ -135,7 +144,11 @@ class LowerReads:
         except BaseException:
             with self._lock:  # every slot taken for this read is freed at release: a sender may still hold one
                 for lease, loc in promoted:
-                    lease.promote, lease.hold = None, (self.top, loc)
+                    if lease.promote_copy:  # never lent to anyone: free now (the staging slot goes at release)
+                        lease.promote, lease.promote_copy = None, False
+                        self.top.free([loc])
+                    else:
+                        lease.promote, lease.hold = None, (self.top, loc)
                 for i in cold:
                     if i not in verified:
                         leases[i].buffer = None  # type: ignore[union-attr]
@@ -176,6 +189,18 @@ class LowerReads:
     def release_extents(handles: Sequence[Any]) -> None:
         for tier, pins in handles:
             tier.release_extents(pins)
+
+    def _fill_promotions(self, leases: Sequence[Lease]) -> None:
+        """Copy each verified block read into staging into the top-tier slot reserved for it (``promote_copy``),
+        before ``_promote`` makes that slot the block's copy: one memcpy at release, after the bytes went out, in
+        place of an O_DIRECT read into small pages. Lock not held: both slots belong to the lease alone."""
+        for lease in leases:
+            if lease.promote_copy and lease.promote is not None:
+                n = lease.stored_length
+                np.copyto(
+                    np.frombuffer(self.top.view(lease.promote, n), np.uint8), np.frombuffer(lease.buffer, np.uint8)[:n]
+                )
+            lease.promote_copy = False
 
     def _promote(self, leases: list[Lease]) -> bool:
         """Make each lease's ``promote`` slot (verified bytes read from below) the block's top-tier copy, unless

@@ -35,7 +35,7 @@ import numpy as np
 from kvstore import arena_index, shmfile
 from kvstore.arena_index import ArenaIndex
 from kvstore.devices import Copier
-from kvstore.hugepages import huge_buffer
+from kvstore.hugepages import files_get_huge_pages, huge_buffer
 from kvstore.prefault import Prefaulter
 from kvstore.tiers.base import DRAM, HBM, TIER_NAMES, BlockMeta, MemoryTier, TierFull, TierStats
 from kvstore.tiers.slab import SlabAllocator
@@ -121,6 +121,7 @@ class ArenaTier(MemoryTier):
         else:
             if share_dir is not None:
                 self._host, self._keepalive, path = _shared_buffer(self.slabs.capacity, share_dir)
+                self.small_pages = files_get_huge_pages(share_dir) is False
                 if share_index and arena_index.supported():
                     self.index = ArenaIndex.create(share_dir, self.slabs.capacity + index_disk_bytes)
                 index_path, index_bytes = (self.index.path, self.index.nbytes) if self.index is not None else ("", 0)

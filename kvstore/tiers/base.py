@@ -122,6 +122,10 @@ class Tier(ABC):
 
 
 class MemoryTier(Tier):
+    # memory in 4 KiB pages, into which an O_DIRECT read ran at half the speed of one into huge pages (a shared
+    # arena on a tmpfs without huge pages): reads from NVMe land elsewhere first (kvstore/store/lower_reads.py)
+    small_pages: bool = False
+
     @abstractmethod
     def allocate(self, nbytes: int) -> int | None: ...
 
