@@ -10,14 +10,17 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvstore.client import Client, KVStoreError
+from kvstore.hugepages import files_get_huge_pages
 from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK
 from kvstore.tiers.nvme.io import aligned_buffer
 from tests.conftest import ROOT
@@ -152,12 +155,20 @@ def test_a_corrupt_record_fails_alone_and_is_dropped(make_server, tmp_path, lane
     _quiet(server)
 
 
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A --shm-dir whose files get 4 KiB pages (not a tmpfs), with a path short enough for the direct lane's
+    unix socket in it (a test's tmp_path can pass the 107 bytes such a path may hold)."""
+    with tempfile.TemporaryDirectory(prefix="kvshm-", dir="/tmp" if os.path.isdir("/tmp") else None) as d:
+        if files_get_huge_pages(d) is not False:
+            pytest.skip(f"{d} may give huge pages here")
+        yield Path(d)
+
+
 @pytest.mark.parametrize("lane", ["shm-direct", "tcp"])
-def test_promotions_into_a_small_page_arena_are_read_apart_and_copied_at_release(make_server, tmp_path, lane):
-    # a shared arena on a file system without huge pages (here the test's directory): reads into it ran at half
-    # speed, so a promotion's read lands in staging and release copies it into the slot reserved for it
-    shm = tmp_path / "shm"
-    shm.mkdir()
+def test_promotions_into_a_small_page_arena_are_read_apart_and_copied_at_release(make_server, tmp_path, lane, shm):
+    # a shared arena on a file system without huge pages (a directory of /tmp): reads into it ran at half speed,
+    # so a promotion's read lands in staging and release copies it into the slot reserved for it
     server = make_server(
         dram=8 << 20,
         nvme_dir=str(tmp_path / "nvme"),
@@ -170,8 +181,7 @@ def test_promotions_into_a_small_page_arena_are_read_apart_and_copied_at_release
         shm_direct=lane == "shm-direct",
     )
     store = server.store
-    if not store.top.small_pages:
-        pytest.skip("the test's directory gives huge pages here")
+    assert store.top.small_pages
     with _client(server, lane) as kv:
         data = _fill(kv, 8)
         keys, blocks = data[0]
@@ -196,6 +206,29 @@ def test_promotions_into_a_small_page_arena_are_read_apart_and_copied_at_release
             kv.get("t", keys, out=[aligned_buffer(BLOCK) for _ in keys])
         assert "DATA_LOSS" in str(err.value.code) or "checksum" in str(err.value).lower()
     _quiet(server)  # no lease, staging slot or DRAM slot left behind
+
+
+def test_a_small_page_region_takes_nvme_blocks_by_copy_from_staging(make_server, tmp_path, shm):
+    # the lane's region on a file system without huge pages: the blocks are read into staging, then copied in
+    server = make_server(
+        dram=8 << 20,
+        nvme_dir=str(tmp_path / "nvme"),
+        nvme=1 << 30,
+        nvme_segment=64 << 20,
+        write_policy="write-through",
+        promote_on_hit=False,
+        shm_dir=str(shm),
+        shm_direct=False,
+    )
+    with _client(server, "shm-region") as kv:
+        data = _fill(kv, 8)
+        keys, blocks = data[0]
+        assert _nvme_only(server, keys) == PREFIX
+        staged = server.store.staging.taken
+        for g, b in zip(_get(kv, "shm-region", keys), blocks):
+            assert bytes(memoryview(g)) == b.tobytes()
+        assert server.store.staging.taken - staged == PREFIX
+    _quiet(server)
 
 
 @pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "tcp", "grpc"])

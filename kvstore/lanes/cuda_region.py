@@ -40,6 +40,7 @@ class DeviceRegion:
     message: lpb.CudaIpcRegion
     device: str
     _host: ShmRegion | None = field(default=None, repr=False)
+    small_pages = False  # NVMe reads never land in it directly (it is not host memory, or only a stand-in)
 
     @classmethod
     def create(cls, device: str, size: int, shm_dir: str | None = None) -> DeviceRegion:

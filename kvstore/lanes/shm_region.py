@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore import shmfile
+from kvstore.hugepages import files_get_huge_pages
 
 PREFIX = shmfile.LANE_PREFIX
 DRAM_PREFIX = shmfile.DRAM_PREFIX  # a store's shared DRAM arena (kvstore/tiers/arena.py), mapped read-only
@@ -46,6 +47,7 @@ class ShmRegion:
     mapping: mmap.mmap
     array: np.ndarray  # uint8 view of the whole region
     view: memoryview  # flat byte view of the whole region
+    small_pages: bool = False  # in 4 KiB pages: the store reads NVMe blocks elsewhere first (O_DIRECT ran slow here)
 
     @classmethod
     def create(cls, directory: str, size: int) -> ShmRegion:
@@ -54,7 +56,7 @@ class ShmRegion:
         except OSError as err:
             raise RegionError(err.errno, f"cannot reserve {size} bytes in {directory}: {err.strerror}") from None
         array = np.frombuffer(mapping, dtype=np.uint8)
-        return cls(path, size, mapping, array, array.data)
+        return cls(path, size, mapping, array, array.data, files_get_huge_pages(directory) is False)
 
     @functools.cached_property
     def address(self) -> int:

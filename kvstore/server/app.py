@@ -49,7 +49,7 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
     if hbm:
         tiers.append(ArenaTier(hbm, device=cfg.hbm_device, page_size=_page_size(cfg)))
     share_dir = cfg.shm_dir if cfg.share_dram else None
-    if share_dir and cfg.nvme_dir and files_get_huge_pages(share_dir) is False:
+    if share_dir and cfg.nvme_dir and cfg.promote_on_hit and files_get_huge_pages(share_dir) is False:
         log.warning(
             "--share-dram: files in %s get 4 KiB pages, into which NVMe reads ran at half the speed of reads into "
             "huge pages, so promotions are read into private memory and copied into the shared DRAM arena after "
