@@ -231,6 +231,31 @@ def test_a_small_page_region_takes_nvme_blocks_by_copy_from_staging(make_server,
     _quiet(server)
 
 
+@pytest.mark.parametrize("lane", ["shm-direct", "shm-region", "tcp"])
+def test_a_store_bug_mid_get_is_internal_and_the_lane_lives_on(make_server, tmp_path, lane, monkeypatch):
+    # an exception no lane expects (a bug) used to end the shm channel or the tcp connection: the client took the
+    # lane for broken, ran the Get again on a new one, and reported UNAVAILABLE; now every lane answers as gRPC
+    server = _start(make_server, tmp_path, lane, promote=False)
+    with _client(server, lane) as kv:
+        keys, blocks = _fill(kv, 8)[0]
+        assert _nvme_only(server, keys) == PREFIX
+        calls = []
+
+        def broken(*args, **kwargs):  # noqa: ANN002, ANN003 (stands in for any store method that raises)
+            calls.append(1)
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(server.store, "materialize", broken)
+        with pytest.raises(KVStoreError) as err:
+            kv.get("t", keys, out=[aligned_buffer(BLOCK) for _ in keys])
+        assert "UNKNOWN" in str(err.value.code) and "a bug" in str(err.value)  # as gRPC answers (the region lane)
+        assert len(calls) == 1  # answered, not retried on another lane
+        monkeypatch.undo()
+        for g, b in zip(_get(kv, lane, keys), blocks):
+            assert bytes(memoryview(g)) == b.tobytes()
+    _quiet(server)
+
+
 @pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "tcp", "grpc"])
 def test_concurrent_gets_of_the_same_nvme_blocks(make_server, tmp_path, lane):
     server = _start(make_server, tmp_path, lane, promote=True, dram=12 << 20)

@@ -183,6 +183,11 @@ def _answer(conn: socket.socket, request: lpb.LaneGetRequest, bound: _Bound) -> 
                 framing.send_frame(conn, framing.GET_REPLY, msg.SerializeToString())
         except LaneError as err:
             _status(conn, err.code, err.message)
+        except (OSError, framing.FrameError):
+            raise  # the client went away: the channel ends
+        except Exception as err:  # a bug of ours: this Get fails as gRPC would fail it (UNKNOWN), the lane lives on
+            log.exception("a LaneGet failed")
+            _status(conn, grpc.StatusCode.UNKNOWN, f"the store failed serving this Get: {err!r} (see its log)")
         finally:
             if replies is not None:
                 replies.close()  # now, not at garbage collection: its leases and current grant go back

@@ -186,7 +186,17 @@ class TcpLaneServer:
                         self._put(conn, frame, lane.access)
                 elif frame.kind == framing.GET and not frame.data_len:
                     with self.ops.metrics.rpc("TcpLaneGet"):
-                        self._get(conn, frame, lane.access, getattr(lane, "unordered_data", False))
+                        try:
+                            self._get(conn, frame, lane.access, getattr(lane, "unordered_data", False))
+                        except (OSError, framing.FrameError):
+                            raise  # the client went away: the connection ends
+                        except Exception as err:  # a bug of ours: this Get fails as gRPC would fail it (UNKNOWN),
+                            log.exception("a tcp lane Get failed")  # and the connection lives on
+                            self._status(
+                                conn,
+                                grpc.StatusCode.UNKNOWN,
+                                f"the store failed serving this Get: {err!r} (see its log)",
+                            )
                 else:
                     self._status(conn, grpc.StatusCode.INVALID_ARGUMENT, f"unexpected frame kind {frame.kind}")
                     return
