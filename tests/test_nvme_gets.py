@@ -30,13 +30,17 @@ PREFIX = 32
 LANES = ["shm-direct", "shm-disk", "shm-region", "shm-loan", "tcp", "grpc"]  # shm-disk: --share-nvme
 
 
+def _nvme_store(make_server, tmp_path: Path, **options):
+    """A store whose 8 MiB of DRAM holds a few prefixes, over a write-through NVMe tier (``options`` override)."""
+    defaults = dict(dram=8 << 20, nvme_dir=str(tmp_path / "nvme"), nvme=1 << 30, nvme_segment=64 << 20)
+    return make_server(**{**defaults, "write_policy": "write-through", **options})
+
+
 def _start(make_server, tmp_path: Path, lane: str, promote: bool, dram: int = 8 << 20):
-    return make_server(
+    return _nvme_store(
+        make_server,
+        tmp_path,
         dram=dram,
-        nvme_dir=str(tmp_path / "nvme"),
-        nvme=1 << 30,
-        nvme_segment=64 << 20,
-        write_policy="write-through",
         promote_on_hit=promote,
         shm_direct=lane in ("shm-direct", "shm-disk"),
         share_nvme=lane == "shm-disk",
@@ -169,12 +173,9 @@ def shm() -> Iterator[Path]:
 def test_promotions_into_a_small_page_arena_are_read_apart_and_copied_at_release(make_server, tmp_path, lane, shm):
     # a shared arena on a file system without huge pages (a directory of /tmp): reads into it ran at half speed,
     # so a promotion's read lands in staging and release copies it into the slot reserved for it
-    server = make_server(
-        dram=8 << 20,
-        nvme_dir=str(tmp_path / "nvme"),
-        nvme=1 << 30,
-        nvme_segment=64 << 20,
-        write_policy="write-through",
+    server = _nvme_store(
+        make_server,
+        tmp_path,
         share_dram=True,
         dram_index=False,
         shm_dir=str(shm),
@@ -210,12 +211,9 @@ def test_promotions_into_a_small_page_arena_are_read_apart_and_copied_at_release
 
 def test_a_small_page_region_takes_nvme_blocks_by_copy_from_staging(make_server, tmp_path, shm):
     # the lane's region on a file system without huge pages: the blocks are read into staging, then copied in
-    server = make_server(
-        dram=8 << 20,
-        nvme_dir=str(tmp_path / "nvme"),
-        nvme=1 << 30,
-        nvme_segment=64 << 20,
-        write_policy="write-through",
+    server = _nvme_store(
+        make_server,
+        tmp_path,
         promote_on_hit=False,
         shm_dir=str(shm),
         shm_direct=False,
@@ -386,12 +384,9 @@ def test_share_nvme_fills_segments_as_a_vllm_block_is_laid_out(make_server, tmp_
 def test_share_nvme_names_at_most_the_lanes_budget_and_the_store_reads_the_rest(make_server, tmp_path):
     """A lane names at most its region's size of NVMe blocks at once (what one client can keep pinned): past it
     the store reads the blocks itself, in the same Get."""
-    server = make_server(
-        dram=8 << 20,
-        nvme_dir=str(tmp_path / "nvme"),
-        nvme=1 << 30,
-        nvme_segment=64 << 20,
-        write_policy="write-through",
+    server = _nvme_store(
+        make_server,
+        tmp_path,
         promote_on_hit=False,
         share_nvme=True,
         shm_lane_bytes=1 << 20,
