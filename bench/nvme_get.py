@@ -17,8 +17,9 @@ in turn, prefix by prefix, in a rotating order, so that all see the disk and the
   (direct: the store reads each block and writes it into the client's buffers), on the TCP lane and on the gRPC
   stream (``lane="grpc"``);
 - ``dram_shm`` / ``dram_tcp`` / ``dram_grpc``: the same Get from the all-DRAM store (what the lane and server cost;
-  ``grpc_dram_vs_raw``: what the gRPC stream reaches of the raw read with no disk under it, the bound of
-  ``grpc_nvme_vs_raw``);
+  ``grpc_dram_vs_raw``, ``tcp_dram_vs_raw``, ``shm_dram_vs_raw``: what each lane reaches of the raw read with no
+  disk under it: a lane whose figure is under 1 hands out even DRAM blocks slower than the disk reads them, so its
+  NVMe Gets cannot reach the disk's speed whatever the reads do; the bound of its ``nvme_vs_raw``);
 - ``raw``: one O_DIRECT ``preadv`` of a prefix-sized extent (32 x (4 KiB + block), as the tier lays a prefix
   down) of a file written beside the stores' segments, each extent read once (the disk's speed at the same
   amount of data: the baseline of ``nvme_vs_raw``). Every side's prefixes and extents are written interleaved,
@@ -293,6 +294,8 @@ def measure(
     if "dram-grpc" in p50:  # the gRPC stream with no disk under it: what its NVMe Get can reach at the most
         row["grpc_dram_vs_raw"] = p50["raw"] / p50["dram-grpc"]
         row["grpc_nvme_vs_dram"] = p50["dram-grpc"] / p50["nvme-grpc"]
+    for lane in ("shm", "tcp"):  # the same bound for the other lanes: their DRAM-hit Get against the raw read
+        row[f"{lane}_dram_vs_raw"] = p50["raw"] / p50[f"dram-{lane}"]
     if "diskasked-shm" in p50:  # the same --share-nvme Gets, asked of a store without the DRAM index
         row["diskasked_nvme_vs_raw"] = p50["raw"] / p50["diskasked-shm"]
         row["disk_index_speedup"] = p50["diskasked-shm"] / p50["disk-shm"]
@@ -393,8 +396,8 @@ def main(argv: list[str] | None = None) -> None:
         cols += ["diskasked_shm_p50_ms", "diskasked_nvme_vs_raw", "disk_index_speedup"]
     cols += ["nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_tcp_p50_ms", "tcp_nvme_vs_raw", "nvme_grpc_p50_ms"]
     cols += ["grpc_nvme_vs_raw", "dram_grpc_p50_ms", "grpc_dram_vs_raw", "grpc_nvme_vs_dram", "tcp_ceiling_vs_raw"]
-    cols += ["dram_shm_p50_ms"]
-    cols += ["dram_floor_p50_ms", "shm_dram_vs_floor", "dram_tcp_p50_ms"]
+    cols += ["dram_shm_p50_ms", "shm_dram_vs_raw"]
+    cols += ["dram_floor_p50_ms", "shm_dram_vs_floor", "dram_tcp_p50_ms", "tcp_dram_vs_raw"]
     if args.baseline:
         cols += ["old_nvme_shm_p50_ms", "old_shm_nvme_vs_raw", "old_nvme_tcp_p50_ms", "old_tcp_nvme_vs_raw"]
         cols += ["old_dram_shm_p50_ms", "shm_dram_speedup", "old_dram_tcp_p50_ms", "tcp_dram_speedup"]
