@@ -372,8 +372,8 @@ class ShmGets:
         then read the NVMe ones straight where they go and move each on as its read is verified, while the
         disk reads the next ones: into its region range in place (nothing to copy) unless a DRAM slot took it
         (a promotion: copied from there) or the region is in 4 KiB pages (``small_pages``: read into staging,
-        where O_DIRECT ran twice as fast here, and copied), or written into the client's buffer (direct). Their CRC32C is the
-        index's, which the tier checked the record against, so it is not computed again. The DRAM hits of
+        where O_DIRECT ran twice as fast here, and copied), or written into the client's buffer (direct). Their
+        CRC32C is the index's, which the tier checked the record against, so it is not computed again. The DRAM hits of
         the window are queued in ``copies`` as usual. With ``on_disk`` (the client reads the NVMe tier's files)
         its NVMe-only raw blocks are named by file and offset instead (their positions go in ``on_disk``, their
         segment pins in ``batches``) and nothing is read for them. Returns (bytes, blocks placed): fewer blocks
