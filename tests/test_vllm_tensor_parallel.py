@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 from kvstore.client import Client  # noqa: E402
 from kvstore.integrations.vllm.identity import EngineShape, prompt_hashes  # noqa: E402
 from kvstore.integrations.vllm.stats import read_stats, stats_files  # noqa: E402
-from kvstore.integrations.vllm_engine import EngineProcess, EngineSpec  # noqa: E402
+from kvstore.integrations.vllm_engine import EngineProcess, EngineSpec, rank_shm_files  # noqa: E402
 from kvstore.server.process import store_process  # noqa: E402
 
 # one xdist worker runs every module of this group in turn: their vLLM engines side by side outgrew 24 GiB
@@ -35,6 +35,7 @@ def test_each_rank_saves_and_loads_its_own_heads(tmp_path) -> None:
     except FileNotFoundError as err:
         pytest.skip(str(err))
     prompt = [random.Random(3).randrange(100, 40000) for _ in range(PROMPT)]
+    shm_before = rank_shm_files()
     shape = EngineShape(model, "", "float32", 30, 3 // TP, 64, BLOCK, RANKS[0], 0, RANKS)
     chains = [prompt_hashes(prompt, shape.for_rank(r), "vllm") for r in range(TP)]
     full = (PROMPT - 1) // BLOCK  # blocks a consumer can load: one token is always computed
@@ -51,6 +52,8 @@ def test_each_rank_saves_and_loads_its_own_heads(tmp_path) -> None:
                 time.sleep(0.2)
             engine.reset_prefix_cache()  # vLLM's own cache dropped: the prefix can only come from the store
             warm = engine.generate([prompt], 4)["outputs"][0]
+            engine.proc.kill()  # ended as by a crash: vLLM's ranks leave their shared memory behind, close() not
+    assert rank_shm_files() <= shm_before  # the ranks' shared-memory files went with the killed engine
     assert warm["cached"] == full * BLOCK
     assert warm["tokens"] == cold["tokens"]
     loaded = [read_stats(stats_files(tmp_path, r)[1]).get("load_blocks") for r in range(TP)]

@@ -18,7 +18,10 @@ Verbs and promises:
   one-token steps until vLLM agrees: blocks of finished requests whose saves completed are freed on a step).
 - ``wait_saves(timeout)``: with a kvstore connector and ``stats_path``, until its worker has no save in flight.
 - ``worker_stats()`` / ``scheduler_stats()``: the connector's counters (``stats.StatsFile``).
-- ``close()``: asks the engine to exit, then kills it if it does not.
+- ``close()``: asks the engine to exit, then kills it if it does not; then removes what vLLM leaves behind: its
+  ZeroMQ socket files, and with ``tensor_parallel`` > 1 the shared-memory files of its CPU ranks
+  (``/dev/shm/vllm_dist_*cpushm*``: 3 x 4 MiB an engine of three ranks, never unlinked by vLLM 0.32), the ones
+  that appeared while this engine ran.
 
 ``EngineSpec.connector``: ``None`` (no connector), ``"kvstore"`` (``KVStoreConnector``), ``"example"``
 (vLLM's ``ExampleConnector``; ``extra`` then holds ``shared_storage_path``) or ``"nixl"`` (vLLM's
@@ -28,6 +31,7 @@ Verbs and promises:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -67,6 +71,17 @@ class EngineError(RuntimeError):
     pass
 
 
+SHM_DIR = "/dev/shm"
+
+
+def rank_shm_files() -> set[str]:
+    """The shared-memory files of vLLM's CPU ranks (``cpu_communicator``: ``<VLLM_DIST_IDENT>-...-cpushm_<rank>``)."""
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith("vllm_dist_") and "-cpushm" in n}
+    except OSError:
+        return set()
+
+
 class EngineProcess:
     def __init__(self, spec: EngineSpec, *, start_timeout: float = 300.0):
         self.spec = spec
@@ -83,6 +98,8 @@ class EngineProcess:
             **({"VLLM_RPC_BASE_PATH": self.rpc_dir} if self.rpc_dir else {}),
             **spec.env,
         }
+        # vLLM's CPU ranks share memory through files it never unlinks: the ones new when this engine ends are its
+        self._shm_before = rank_shm_files() if spec.tensor_parallel > 1 else None
         started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore.integrations.vllm_engine", json.dumps(asdict(spec))],
@@ -190,6 +207,11 @@ class EngineProcess:
                 self.proc.wait()
         if self.rpc_dir is not None:
             shutil.rmtree(self.rpc_dir, ignore_errors=True)
+        if self._shm_before is not None:
+            for name in rank_shm_files() - self._shm_before:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+            self._shm_before = None
 
     def __enter__(self) -> EngineProcess:
         return self
