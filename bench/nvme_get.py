@@ -85,6 +85,7 @@ from tqdm import tqdm
 from bench.baselines import raw_socket_gbps
 from bench.common import format_table, parse_args, write_json
 from kvstore.checksum import crc32c
+from kvstore.config import ServeConfig
 from kvstore.hugepages import files_get_huge_pages
 from kvstore.tiers.nvme.format import record_bytes
 from kvstore.tiers.nvme.io import aligned_buffer
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
             ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    huge = files_get_huge_pages(args.shm_dir or "/dev/shm")
+    huge = files_get_huge_pages(args.shm_dir or ServeConfig.shm_dir)
     for row in rows:  # whether NVMe reads into a shared DRAM arena (promotions) and lane regions land in huge pages
         row["shm_dir_huge_pages"] = huge
     print(

@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.codecs.policy import LossyPolicy
 from kvstore.config import ServeConfig
-from kvstore.hugepages import SHMEM_ENABLED, files_get_huge_pages
+from kvstore.hugepages import SHMEM_ENABLED
 from kvstore.server import drain, ports, reflection, tls
 from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
@@ -34,7 +34,7 @@ from kvstore.server.service import KVStoreService
 from kvstore.server.validate import Limits
 from kvstore.store import BlockStore
 from kvstore.tiers.arena import ArenaTier
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import MemoryTier, Tier
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, lanes_pb2
 
 log = logging.getLogger("kvstore.server")
@@ -49,15 +49,6 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
     if hbm:
         tiers.append(ArenaTier(hbm, device=cfg.hbm_device, page_size=_page_size(cfg)))
     share_dir = cfg.shm_dir if cfg.share_dram else None
-    if share_dir and cfg.nvme_dir and cfg.promote_on_hit and files_get_huge_pages(share_dir) is False:
-        log.warning(
-            "--share-dram: files in %s get 4 KiB pages, into which NVMe reads ran at half the speed of reads into "
-            "huge pages, so promotions are read into private memory and copied into the shared DRAM arena after "
-            "each Get (docs/nvme.md); pass --shm-dir on a tmpfs mounted huge=within_size, or set %s to advise, to "
-            "read them in place",
-            share_dir,
-            SHMEM_ENABLED,
-        )
     tiers.append(
         ArenaTier(
             cfg.dram,
@@ -76,6 +67,16 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
         tiers.append(
             NvmeTier(cfg.nvme_dir, capacity_bytes=cfg.nvme, segment_bytes=cfg.nvme_segment, write_policy=cfg.nvme_sync)
         )
+        top = tiers[0]
+        if cfg.promote_on_hit and isinstance(top, MemoryTier) and top.small_pages:  # the arena's own finding
+            log.warning(
+                "--share-dram: files in %s get 4 KiB pages, into which NVMe reads ran at half the speed of reads "
+                "into huge pages, so promotions are read into private memory and copied into the shared DRAM arena "
+                "after each Get (docs/nvme.md); pass --shm-dir on a tmpfs mounted huge=within_size, or set %s to "
+                "advise, to read them in place",
+                share_dir,
+                SHMEM_ENABLED,
+            )
     return tiers
 
 

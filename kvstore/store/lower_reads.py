@@ -195,7 +195,7 @@ class LowerReads:
         before ``_promote`` makes that slot the block's copy: one memcpy at release, after the bytes went out, in
         place of an O_DIRECT read into small pages. Lock not held: both slots belong to the lease alone."""
         for lease in leases:
-            if lease.promote_copy and lease.promote is not None:
+            if lease.promote is not None:  # None: its read failed, and the reserved slot went back then
                 n = lease.stored_length
                 np.copyto(
                     np.frombuffer(self.top.view(lease.promote, n), np.uint8), np.frombuffer(lease.buffer, np.uint8)[:n]
