@@ -22,8 +22,11 @@ def layout(lengths: list[int], gaps: list[int] | None = None) -> list[Wanted]:
 
 
 def test_a_prefix_is_cut_into_equal_parallel_pieces() -> None:
-    pieces = plan_pieces(None, layout([64 * KiB] * 32), 2 * MiB, 0, parallel=4)  # type: ignore[arg-type]
+    pieces = plan_pieces(None, layout([128 * KiB] * 32), 2 * MiB, 0, parallel=4)  # type: ignore[arg-type]
     assert [len(p.records) for p in pieces] == [8, 8, 8, 8]
+    # no piece below MIN_PIECE (1 MiB) for parallelism alone: a 2.2 MB prefix of 64 KiB blocks is two, 1.1 MB one
+    assert [len(p.records) for p in plan_pieces(None, layout([64 * KiB] * 32), 2 * MiB, 0, parallel=4)] == [16, 16]  # type: ignore[arg-type]
+    assert len(plan_pieces(None, layout([32 * KiB] * 32), 2 * MiB, 0, parallel=4)) == 1  # type: ignore[arg-type]
     assert len(plan_pieces(None, layout([64 * KiB] * 32), 8 * MiB, 0, parallel=1)) == 1  # type: ignore[arg-type]
 
 

@@ -22,6 +22,7 @@ from tests.test_nvme_tier import flip_byte, segment_files, write_blocks
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK = 64 * KiB
+PIECED = 128 * KiB  # 32 of them are read in four pieces (64 KiB blocks: two)
 
 
 @pytest.fixture
@@ -32,11 +33,11 @@ def rng() -> np.random.Generator:
 def test_on_ready_hands_on_every_good_block_once_and_never_a_bad_one(tmp_path: Path, rng) -> None:
     backend = InstrumentedBackend(PosixBackend())
     tier = NvmeTier(tmp_path, 64 * MiB, segment_bytes=16 * MiB, backend=backend)
-    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+    blocks = write_blocks(tier, [PIECED] * 32, rng)
     locs = list(blocks)
     bad = locs[20]
     flip_byte(segment_files(tmp_path)[0], split_loc(bad)[1] + PAGE + 99)
-    dests = [aligned_buffer(BLOCK) for _ in locs]
+    dests = [aligned_buffer(PIECED) for _ in locs]
     seen: list[int] = []
     lock = threading.Lock()
 
@@ -48,7 +49,7 @@ def test_on_ready_hands_on_every_good_block_once_and_never_a_bad_one(tmp_path: P
 
     backend.reset_counts()
     with pytest.raises(CorruptBlock) as err:
-        tier.read(locs, [BLOCK] * 32, dests, ready)
+        tier.read(locs, [PIECED] * 32, dests, ready)
     assert err.value.locs == [bad]
     assert sorted(seen) == [i for i in range(32) if locs[i] != bad]
     assert backend.preads == 4  # handed on in four pieces, as they were read

@@ -131,8 +131,8 @@ def test_a_prefix_written_together_is_read_with_one_pread(
 def test_default_pieces_are_a_few_parallel_reads(tmp_path: Path, rng: np.random.Generator) -> None:
     backend = InstrumentedBackend(PosixBackend())
     tier = NvmeTier(tmp_path, 256 * MiB, segment_bytes=64 * MiB, backend=backend)
-    # pieces of <= 2 MiB (or one record), and at least 4 (one per read thread) when that leaves >= 256 KiB each
-    for size, most in [(64 * KiB, 4), (512 * KiB, 11), (2 * MiB, 32)]:
+    # pieces of <= 2 MiB (or one record), and at least 4 (one per read thread) when that leaves >= 1 MiB each
+    for size, most in [(16 * KiB, 1), (64 * KiB, 2), (128 * KiB, 4), (512 * KiB, 11), (2 * MiB, 32)]:
         blocks = write_blocks(tier, [size] * 32, rng)
         backend.reset_counts()
         assert read_all(tier, blocks) == list(blocks.values())
