@@ -154,6 +154,40 @@ def test_the_index_names_each_block_in_dram_else_in_its_segment_file(tmp_path_fa
         store.close(flush=False)
 
 
+def test_an_eviction_pass_tells_the_index_once_and_names_its_victims_on_disk(tmp_path, monkeypatch):
+    # blocks in DRAM with NVMe copies: an eviction drops the DRAM copies and the index names the NVMe ones,
+    # all of a pass's victims in one call of the publisher (one call a victim cost 24 us of each 37 here)
+    store = index_store(tmp_path)
+    try:
+        keys = hashes(12, seed=3)
+        for k, key in enumerate(keys):
+            put(store, key, k)
+        assert store.flush() == 12  # durable, still in DRAM
+        calls: list[int] = []
+        real = type(store._published).removed  # noqa: SLF001 - a spy on the store's publisher
+
+        def removed(self, ids, rank):  # noqa: ANN001, ANN202
+            calls.append(len(ids))
+            return real(self, ids, rank)
+
+        monkeypatch.setattr(type(store._published), "removed", removed)  # noqa: SLF001
+        used = store.top.used_bytes
+        store._evict(store.top, 8 * BLOCK)  # noqa: SLF001 - the eviction pass under test
+        assert calls == [8] and store.top.used_bytes == used - 8 * BLOCK
+        index = store.top.index  # type: ignore[attr-defined]
+        view = ArenaIndexView(np.frombuffer(index._region, dtype=np.uint64))  # noqa: SLF001 - the same memory
+        on_disk = 0
+        for key in keys:
+            want = expected_entry(store, key)
+            found = view.find("ns", [key])
+            assert found is not None and found.offsets == [want]
+            on_disk += bool(want & ON_DISK)
+        assert on_disk == 8
+        store.check_invariants()
+    finally:
+        store.close(flush=False)
+
+
 def test_a_disk_entry_names_the_tiers_segment_file(tmp_path):
     nvme = NvmeTier(tmp_path / "n", 16 * MiB, segment_bytes=2 * MiB)
     try:

@@ -37,11 +37,11 @@ def put_chain(store: BlockStore, chain: int, length: int, size: int) -> None:
 class Recorder(BlockStore):
     """Checks at every eviction that the victim has no child left in the tier."""
 
-    def _evict_copy(self, e, tier):
+    def _evict_copy(self, e, tier, deferred=None):
         t = self.table
         children = [c for c in range(len(t.live)) if t.live[c] and t.parent_of(c) == e and t.loc[c, tier.rank] >= 0]
         assert not children, "a parent was evicted while its child stays in the tier"
-        super()._evict_copy(e, tier)
+        super()._evict_copy(e, tier, deferred)
 
 
 ops = st.lists(

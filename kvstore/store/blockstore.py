@@ -445,17 +445,35 @@ class BlockStore(Cascade, LowerReads):
         for p in was_leaf[~np.isin(was_leaf, ids)].tolist():
             set_leaf(p, False)
 
-    def _remove_copy(self, e: int, rank: int) -> None:
+    def _remove_copy(self, e: int, rank: int, deferred: list[tuple[int, int]] | None = None) -> None:
+        """Drop ``e``'s copy in ``rank`` (lock held). With ``deferred`` (an eviction pass taking many victims under
+        one hold of the lock) the shared index hears of it and its slot is freed later, for all of them at once
+        (``_free_removed``, before the lock goes): with a shared DRAM index, its call for each block was 24 us of
+        each victim's 37 (an eviction pass of 32 x 64 KiB took 1.17 ms, 0.40 with one call)."""
         t = self.table
-        if self._published is not None:
-            self._published.removed(np.array([e], dtype=np.int64), rank)  # before its slot can be written again
-        self._tier(rank).free([t.loc_of(e, rank)])
+        loc = t.loc_of(e, rank)
+        if deferred is not None:
+            deferred.append((e, loc))
+        else:
+            if self._published is not None:
+                self._published.removed(np.array([e], dtype=np.int64), rank)  # before its slot can be written again
+            self._tier(rank).free([loc])
         t.set_loc(e, rank, NO_LOC)
         self._notify("remove", e, rank)
         self.policies[rank].remove(e)
         p = t.parent_of(e)
         if p is not None and t.nchild_add(p, rank, -1) == 0:
             self.policies[rank].set_leaf(p, True)
+
+    def _free_removed(self, deferred: list[tuple[int, int]], rank: int) -> None:
+        """The rest of each ``_remove_copy(e, rank, deferred)``: the shared index stops naming those copies (one
+        call; an entry unmapped since was withdrawn then), then their slots are freed. Lock held since."""
+        if not deferred:
+            return
+        if self._published is not None:
+            self._published.removed(np.fromiter((e for e, _ in deferred), np.int64, len(deferred)), rank)
+        self._tier(rank).free([loc for _, loc in deferred])
+        deferred.clear()
 
     def close(self, flush: bool = True) -> None:
         """Stop the demoter; with `flush`, make memory-only blocks durable first (graceful shutdown)."""

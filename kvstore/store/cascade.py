@@ -72,7 +72,8 @@ class Cascade:
         def _has_copy(self, e: int) -> bool: ...
         def _add_copy(self, e: int, rank: int, loc: int) -> None: ...
         def _add_new_copies(self, ids: np.ndarray, rank: int, locs: Sequence[int] | np.ndarray) -> None: ...
-        def _remove_copy(self, e: int, rank: int) -> None: ...
+        def _remove_copy(self, e: int, rank: int, deferred: list[tuple[int, int]] | None = None) -> None: ...
+        def _free_removed(self, deferred: list[tuple[int, int]], rank: int) -> None: ...
 
     def _evictable(self, e: int) -> bool:
         return self.table.leases[e] == 0
@@ -109,6 +110,9 @@ class Cascade:
         lower = self._next_tier(tier)
         demote: list[int] = []
         freed = 0
+        # a memory tier's victims reach the shared index and their slots go back in one batch: nothing in
+        # this loop reads a freed slot (an NVMe segment's space decides what ``freed_with`` says: freed at once)
+        removed: list[tuple[int, int]] | None = [] if isinstance(tier, MemoryTier) else None
         with self._lock:
             while freed < want:
                 e = policy.pop_victim(self._evictable)
@@ -119,16 +123,18 @@ class Cascade:
                 if has_lower or lower is None or self._degraded(lower):
                     whole = lower is None and self.nvme_eviction == "segment"
                     unit = tier.freed_with(t.loc_of(e, tier.rank)) if whole else None
-                    self._evict_copy(e, tier)
+                    self._evict_copy(e, tier, removed)
                     if unit is not None:
                         freed += self._evict_leaves_in(tier, *unit)
                 elif not self._admitted(e, tier, lower):
-                    self._evict_copy(e, tier)
+                    self._evict_copy(e, tier, removed)
                     self.counters.tiers[tier.rank].not_admitted += 1
                 else:
                     policy.insert(e, is_leaf=True)  # stays readable until its copy below exists
                     t.leases[e] += 1
                     demote.append(e)
+            if removed is not None:
+                self._free_removed(removed, tier.rank)
             self._inflight += len(demote)
         if not demote:
             return freed
@@ -145,8 +151,10 @@ class Cascade:
                         and t.leases[e] == 0
                         and t.nchild[e, tier.rank] == 0
                     ):
-                        self._evict_copy(e, tier)
+                        self._evict_copy(e, tier, removed)
                         self.counters.tiers[tier.rank].demotions += 1
+                if removed is not None:
+                    self._free_removed(removed, tier.rank)
                 self._inflight -= len(demote)
                 self._demoted.notify_all()
         return freed
@@ -181,9 +189,9 @@ class Cascade:
             return True
         return (self.policies[tier.rank].uses(e) or 0) >= self.nvme_admit_uses
 
-    def _evict_copy(self, e: int, tier: Tier) -> None:
+    def _evict_copy(self, e: int, tier: Tier, deferred: list[tuple[int, int]] | None = None) -> None:
         assert self.table.nchild[e, tier.rank] == 0, "only leaves are evicted"
-        self._remove_copy(e, tier.rank)
+        self._remove_copy(e, tier.rank, deferred)
         self.counters.tiers[tier.rank].evictions += 1
         if not self._has_copy(e):
             self._unmap(e)
