@@ -309,3 +309,32 @@ def test_a_put_never_waits_for_a_running_compaction(tmp_path):
     assert not bg.is_alive()
     store.check_invariants()
     store.close()
+
+
+def test_a_chain_copied_down_in_one_batch_keeps_one_copy_each_and_its_leaves(tmp_path):
+    """Write-through copies a Put's blocks to NVMe and adds the copies in one batch: a chain keeps its leaf
+    structure in the NVMe tier (only the last block a leaf), and a block named twice gets one copy (the other
+    record is freed)."""
+    from kvstore.checksum import crc32c
+    from kvstore.store import BlockStore
+    from kvstore.store.index import NO_LOC
+    from kvstore.tiers.base import BlockMeta
+
+    size = 64 << 10
+    nvme = NvmeTier(tmp_path / "n", 64 << 20, segment_bytes=8 << 20)
+    store = BlockStore([ArenaTier(8 << 20, page_size=1 << 20), nvme], write_through=True)
+    keys = block_hashes(list(range(16 * 8)), 16, "ns", "wt")
+    entries = []
+    for parent, k in zip([b""] + keys[:-1], keys):
+        data = payload(k, size)
+        ticket = store.begin_put("ns", BlockMeta("ns", k, parent, 0, "uint8", size, size, crc32c(data)))
+        assert ticket is not None
+        ticket.buffer[:] = data
+        entries.append(store.commit_put(ticket)[1])
+    store.persist(entries + entries[:1])
+    t = store.table
+    assert all(t.loc_of(e, nvme.rank) != NO_LOC for e in entries)
+    assert [bool(t.nchild[e, nvme.rank] == 0) for e in entries] == [False] * 7 + [True]
+    assert nvme.stats().used_bytes == 8 * (size + 4096)  # the second record of entries[0] was freed
+    store.check_invariants()
+    store.close(flush=False)

@@ -220,11 +220,14 @@ class Cascade:
             log.warning("copy of %d blocks to %s failed: %s", len(entries), lower.name, err)
             return
         with self._lock:
+            fresh: dict[int, int] = {}
             for e, loc in zip(entries, locs):
-                if self.table.loc_of(e, lower.rank) != NO_LOC:  # a concurrent flush/demotion got there first
+                if e in fresh or self.table.loc_of(e, lower.rank) != NO_LOC:  # a concurrent flush/demotion first
                     lower.free([loc])
                 else:
-                    self._add_copy(e, lower.rank, loc)
+                    fresh[e] = loc
+            if fresh:  # one batch: a call of the policy and index a block was 0.7 ms of a 32-block prefix's 2.5
+                self._add_new_copies(np.fromiter(fresh, np.int64, len(fresh)), lower.rank, list(fresh.values()))
 
     def _write_with_room(self, lower: Tier, metas: list[BlockMeta], sources: list[Any]) -> list[int]:
         need = sum(m.stored_length for m in metas)
