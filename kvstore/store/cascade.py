@@ -383,12 +383,12 @@ class Cascade:
         with self._lock:
             t = self.table
             ids, old = t.find_locs(rank, list(mapping))
+            moved: list[int] = []
             for e, loc in zip(ids.tolist(), old.tolist()):
                 new = mapping[loc]
                 if new != NO_LOC:
                     t.set_loc(e, rank, new)
-                    if self._published is not None:
-                        self._published.moved(np.array([e], dtype=np.int64))  # before the old segment goes
+                    moved.append(e)
                     continue
                 self.counters.corrupt += 1
                 if self._published is not None:
@@ -401,6 +401,8 @@ class Cascade:
                     self.policies[rank].set_leaf(p, True)
                 if not self._has_copy(e):
                     self._unmap(e)
+            if moved and self._published is not None:  # one call, before the old segment goes
+                self._published.moved(np.array(moved, dtype=np.int64))
 
     def compact_once(self) -> None:
         """Let durable tiers reclaim dead space when they have segments worth compacting."""
