@@ -188,6 +188,36 @@ def test_an_eviction_pass_tells_the_index_once_and_names_its_victims_on_disk(tmp
         store.close(flush=False)
 
 
+def test_a_delete_tells_the_index_once_and_a_leased_block_keeps_its_copy_until_released(tmp_path, monkeypatch):
+    store = index_store(tmp_path)
+    try:
+        keys = hashes(8, seed=4)
+        for k, key in enumerate(keys):
+            put(store, key, k)
+        calls: list[int] = []
+        real = type(store._published).unmapped  # noqa: SLF001 - a spy on the store's publisher
+
+        def unmapped(self, ids):  # noqa: ANN001, ANN202
+            calls.append(len(ids))
+            return real(self, ids)
+
+        monkeypatch.setattr(type(store._published), "unmapped", unmapped)  # noqa: SLF001
+        held = store.acquire("ns", keys[:1])  # a Get still sending block 0
+        absent = hashes(1, seed=5)
+        assert store.delete("ns", keys[:5] + keys[:1] + absent) == 5  # a key twice, one never put
+        assert calls == [5]
+        assert store.top.used_bytes == 4 * BLOCK  # three left, and block 0's copy until its lease ends
+        view = ArenaIndexView(np.frombuffer(store.top.index._region, dtype=np.uint64))  # type: ignore[attr-defined]  # noqa: SLF001
+        assert [view.find("ns", [key]) is None for key in keys] == [True] * 5 + [False] * 3
+        first = np.random.default_rng(0).integers(0, 256, BLOCK, dtype=np.uint8)  # block 0's bytes, as put
+        assert bytes(memoryview(held[0].buffer)[:BLOCK]) == first.tobytes()  # type: ignore[union-attr]
+        store.release(held)
+        assert store.top.used_bytes == 3 * BLOCK
+        store.check_invariants()
+    finally:
+        store.close(flush=False)
+
+
 def test_a_disk_entry_names_the_tiers_segment_file(tmp_path):
     nvme = NvmeTier(tmp_path / "n", 16 * MiB, segment_bytes=2 * MiB)
     try:
