@@ -188,6 +188,33 @@ def test_an_eviction_pass_tells_the_index_once_and_names_its_victims_on_disk(tmp
         store.close(flush=False)
 
 
+def test_evicting_from_a_dram_only_store_withdraws_the_victims_in_one_call(tmp_path, monkeypatch):
+    # no tier below: each victim is unmapped as its last copy goes, and the index withdraws them all at once
+    store = BlockStore([ArenaTier(4 * MiB, page_size=MiB, pinned=False, share_dir=str(tmp_path))])
+    try:
+        keys = hashes(12, seed=6)
+        for k, key in enumerate(keys):
+            put(store, key, k)
+        calls: list[int] = []
+        real = type(store._published).unmapped  # noqa: SLF001 - a spy on the store's publisher
+
+        def unmapped(self, ids):  # noqa: ANN001, ANN202
+            calls.append(len(ids))
+            return real(self, ids)
+
+        monkeypatch.setattr(type(store._published), "unmapped", unmapped)  # noqa: SLF001
+        store._evict(store.top, 5 * BLOCK)  # noqa: SLF001 - the eviction pass under test
+        assert calls == [5] and store.top.used_bytes == 7 * BLOCK
+        view = ArenaIndexView(np.frombuffer(store.top.index._region, dtype=np.uint64))  # type: ignore[attr-defined]  # noqa: SLF001
+        named = [view.find("ns", [key]) is not None for key in keys]
+        assert sum(named) == 7 and store.lookup("ns", keys)[0] == named.index(False)  # the index as the store
+        for key, present in zip(keys, named):
+            assert (store.table.find(store.table.namespace_id("ns"), key) is not None) == present
+        store.check_invariants()
+    finally:
+        store.close(flush=False)
+
+
 def test_a_delete_tells_the_index_once_and_a_leased_block_keeps_its_copy_until_released(tmp_path, monkeypatch):
     store = index_store(tmp_path)
     try:

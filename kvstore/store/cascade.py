@@ -33,6 +33,7 @@ from kvstore.store.counters import StoreCounters
 from kvstore.store.index import NO_LOC, EntryTable, dtype_id
 from kvstore.store.policy import LeafLRU
 from kvstore.store.published import ArenaPublisher
+from kvstore.store.removals import Removals
 from kvstore.tiers.base import BlockMeta, MemoryTier, Tier, TierFault, TierFull
 
 log = logging.getLogger("kvstore.store.blockstore")
@@ -67,13 +68,13 @@ class Cascade:
         _published: ArenaPublisher | None
 
         def _notify(self, event: str, e: int, rank: int) -> None: ...
-        def _unmap(self, e: int) -> None: ...
+        def _unmap(self, e: int, deferred: Removals | None = None) -> None: ...
         def _unlease(self, e: int) -> None: ...
         def _has_copy(self, e: int) -> bool: ...
         def _add_copy(self, e: int, rank: int, loc: int) -> None: ...
         def _add_new_copies(self, ids: np.ndarray, rank: int, locs: Sequence[int] | np.ndarray) -> None: ...
-        def _remove_copy(self, e: int, rank: int, deferred: list[tuple[int, int]] | None = None) -> None: ...
-        def _free_removed(self, deferred: list[tuple[int, int]], rank: int) -> None: ...
+        def _remove_copy(self, e: int, rank: int, deferred: Removals | None = None) -> None: ...
+        def _settle(self, deferred: Removals, rank: int) -> None: ...
 
     def _evictable(self, e: int) -> bool:
         return self.table.leases[e] == 0
@@ -112,7 +113,7 @@ class Cascade:
         freed = 0
         # a memory tier's victims reach the shared index and their slots go back in one batch: nothing in
         # this loop reads a freed slot (an NVMe segment's space decides what ``freed_with`` says: freed at once)
-        removed: list[tuple[int, int]] | None = [] if isinstance(tier, MemoryTier) else None
+        removed = Removals() if isinstance(tier, MemoryTier) else None
         with self._lock:
             while freed < want:
                 e = policy.pop_victim(self._evictable)
@@ -134,7 +135,7 @@ class Cascade:
                     t.leases[e] += 1
                     demote.append(e)
             if removed is not None:
-                self._free_removed(removed, tier.rank)
+                self._settle(removed, tier.rank)
             self._inflight += len(demote)
         if not demote:
             return freed
@@ -154,7 +155,7 @@ class Cascade:
                         self._evict_copy(e, tier, removed)
                         self.counters.tiers[tier.rank].demotions += 1
                 if removed is not None:
-                    self._free_removed(removed, tier.rank)
+                    self._settle(removed, tier.rank)
                 self._inflight -= len(demote)
                 self._demoted.notify_all()
         return freed
@@ -189,12 +190,12 @@ class Cascade:
             return True
         return (self.policies[tier.rank].uses(e) or 0) >= self.nvme_admit_uses
 
-    def _evict_copy(self, e: int, tier: Tier, deferred: list[tuple[int, int]] | None = None) -> None:
+    def _evict_copy(self, e: int, tier: Tier, deferred: Removals | None = None) -> None:
         assert self.table.nchild[e, tier.rank] == 0, "only leaves are evicted"
         self._remove_copy(e, tier.rank, deferred)
         self.counters.tiers[tier.rank].evictions += 1
         if not self._has_copy(e):
-            self._unmap(e)
+            self._unmap(e, deferred)
 
     def _next_tier(self, tier: Tier) -> Tier | None:
         i = self.tiers.index(tier)
