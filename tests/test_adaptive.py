@@ -257,10 +257,10 @@ def test_store_with_adaptive_keeps_leaves_first(requests, two_tiers):
     store = BlockStore(tiers, policy_factory=policy_factory("adaptive"))
     evict_copy = store._evict_copy
 
-    def checked(e: int, tier) -> None:
+    def checked(e: int, tier, deferred=None) -> None:  # noqa: ANN001 (the store's deferred removals)
         t = store.table
         assert not any(t.live[c] and t.parent_of(c) == e and t.loc[c, tier.rank] >= 0 for c in range(len(t.live)))
-        evict_copy(e, tier)
+        evict_copy(e, tier, deferred)
 
     store._evict_copy = checked  # type: ignore[method-assign]
     for chain, length, reuse in requests:
