@@ -154,23 +154,36 @@ def test_the_index_names_each_block_in_dram_else_in_its_segment_file(tmp_path_fa
         store.close(flush=False)
 
 
+def put_all(store: BlockStore, n: int, seed: int) -> list[bytes]:
+    """``n`` blocks put (block k from seed k, as ``put`` makes it); their keys."""
+    keys = hashes(n, seed=seed)
+    for k, key in enumerate(keys):
+        put(store, key, k)
+    return keys
+
+
+def publisher_calls(monkeypatch, store: BlockStore, verb: str) -> list[int]:  # noqa: ANN001
+    """How many entries each call of the store's publisher ``verb`` (``removed``, ``unmapped``) names, from now on."""
+    calls: list[int] = []
+    cls = type(store._published)  # noqa: SLF001 - a spy on the store's publisher
+    real = getattr(cls, verb)
+
+    def spy(self, ids, *rest):  # noqa: ANN001, ANN002, ANN202
+        calls.append(len(ids))
+        return real(self, ids, *rest)
+
+    monkeypatch.setattr(cls, verb, spy)
+    return calls
+
+
 def test_an_eviction_pass_tells_the_index_once_and_names_its_victims_on_disk(tmp_path, monkeypatch):
     # blocks in DRAM with NVMe copies: an eviction drops the DRAM copies and the index names the NVMe ones,
     # all of a pass's victims in one call of the publisher (one call a victim cost 24 us of each 37 here)
     store = index_store(tmp_path)
     try:
-        keys = hashes(12, seed=3)
-        for k, key in enumerate(keys):
-            put(store, key, k)
+        keys = put_all(store, 12, seed=3)
         assert store.flush() == 12  # durable, still in DRAM
-        calls: list[int] = []
-        real = type(store._published).removed  # noqa: SLF001 - a spy on the store's publisher
-
-        def removed(self, ids, rank):  # noqa: ANN001, ANN202
-            calls.append(len(ids))
-            return real(self, ids, rank)
-
-        monkeypatch.setattr(type(store._published), "removed", removed)  # noqa: SLF001
+        calls = publisher_calls(monkeypatch, store, "removed")
         used = store.top.used_bytes
         store._evict(store.top, 8 * BLOCK)  # noqa: SLF001 - the eviction pass under test
         assert calls == [8] and store.top.used_bytes == used - 8 * BLOCK
@@ -192,17 +205,8 @@ def test_evicting_from_a_dram_only_store_withdraws_the_victims_in_one_call(tmp_p
     # no tier below: each victim is unmapped as its last copy goes, and the index withdraws them all at once
     store = BlockStore([ArenaTier(4 * MiB, page_size=MiB, pinned=False, share_dir=str(tmp_path))])
     try:
-        keys = hashes(12, seed=6)
-        for k, key in enumerate(keys):
-            put(store, key, k)
-        calls: list[int] = []
-        real = type(store._published).unmapped  # noqa: SLF001 - a spy on the store's publisher
-
-        def unmapped(self, ids):  # noqa: ANN001, ANN202
-            calls.append(len(ids))
-            return real(self, ids)
-
-        monkeypatch.setattr(type(store._published), "unmapped", unmapped)  # noqa: SLF001
+        keys = put_all(store, 12, seed=6)
+        calls = publisher_calls(monkeypatch, store, "unmapped")
         store._evict(store.top, 5 * BLOCK)  # noqa: SLF001 - the eviction pass under test
         assert calls == [5] and store.top.used_bytes == 7 * BLOCK
         view = ArenaIndexView(np.frombuffer(store.top.index._region, dtype=np.uint64))  # type: ignore[attr-defined]  # noqa: SLF001
@@ -218,17 +222,8 @@ def test_evicting_from_a_dram_only_store_withdraws_the_victims_in_one_call(tmp_p
 def test_a_delete_tells_the_index_once_and_a_leased_block_keeps_its_copy_until_released(tmp_path, monkeypatch):
     store = index_store(tmp_path)
     try:
-        keys = hashes(8, seed=4)
-        for k, key in enumerate(keys):
-            put(store, key, k)
-        calls: list[int] = []
-        real = type(store._published).unmapped  # noqa: SLF001 - a spy on the store's publisher
-
-        def unmapped(self, ids):  # noqa: ANN001, ANN202
-            calls.append(len(ids))
-            return real(self, ids)
-
-        monkeypatch.setattr(type(store._published), "unmapped", unmapped)  # noqa: SLF001
+        keys = put_all(store, 8, seed=4)
+        calls = publisher_calls(monkeypatch, store, "unmapped")
         held = store.acquire("ns", keys[:1])  # a Get still sending block 0
         absent = hashes(1, seed=5)
         assert store.delete("ns", keys[:5] + keys[:1] + absent) == 5  # a key twice, one never put
