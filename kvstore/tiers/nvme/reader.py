@@ -56,7 +56,7 @@ from kvstore.tiers.nvme.segments import Segment
 
 # Pieces are not cut smaller than this for parallelism (the client's reader found the same, lanes/client/disk.py).
 # A 32 x 64 KiB prefix (2.2 MB) in 2 pieces instead of 4: the tier's read 1.08 against 1.19 ms (its four concurrent
-# preadvs shared the disk, each as slow as one of two; the checks and hand-offs of four cost 0.45 against 0.2 ms);
+# preadvs shared the disk, each as slow as one of two; the plans and checks of four cost 0.48 against 0.20 ms);
 # bench.disk's interleaved 64 KiB prefix reads 0.596 / 0.596 of the raw extent read against 0.541 / 0.553.
 MIN_PIECE = 1 << 20
 # why a record failed, in both ways of checking it (here and ``check_kernels``)
