@@ -1,5 +1,6 @@
-"""The numba kernels behind ``kvstore.arena_index.ArenaIndexView`` (imported only when first wanted, as
-``kvstore.memops_kernels`` is: importing numba early breaks vLLM's scan of module globals).
+"""The numba kernels behind ``kvstore.arena_index`` (its readers' ``ArenaIndexView``, the store's ``ArenaIndex``;
+imported only when first wanted, as ``kvstore.memops_kernels`` is: importing numba early breaks vLLM's scan of
+module globals).
 
 - ``find(entries, mask, joined, mix0, mix1, out) -> n``: for each 16-byte hash of ``joined`` (in order, stopping
   at the first that is not named), ``out[i]`` = (offset, lencrc, entry, seq). Each entry's ``seq`` is an acquire
@@ -12,6 +13,18 @@
   32-block Get after a pause.
 
 A 32-hash ``find`` costs about a microsecond plus the call, where the numpy path costs about a hundred.
+
+The store's writes (``ArenaIndex``, the only writer):
+
+- ``publish(entries, mask, keys, offsets, lencrcs, out) -> written``: name each key (in order) in its bucket: in
+  the way that names it already, else in the bucket's first free way (a key whose bucket is full is skipped);
+  ``out[0]`` counts the keys that took a free way.
+- ``withdraw(entries, mask, keys) -> n``: clear the way that names each key (those named).
+
+Each entry changes under its seqlock: ``seq`` + 1 (an atomic store), a release fence, the fields, ``seq`` + 2 (a
+release store). The atomics keep the compiler from dropping the odd ``seq`` (a plain store that the even one
+overwrites) or moving a field's store past either; x86-64 keeps stores in program order. The bucket's own words
+say which ways are free (key 0, 0), so the writer keeps no table of its own beside the file.
 """
 
 from __future__ import annotations
@@ -47,6 +60,98 @@ def _load_acquire(typingctx: Any, address: Any) -> Any:
         return builder.load_atomic(ptr, "acquire", 8)
 
     return numba.types.uint64(numba.types.int64), codegen
+
+
+@intrinsic
+def _store_atomic(typingctx: Any, address: Any, value: Any) -> Any:
+    """Store the uint64 ``value`` at ``address`` as an atomic (monotonic) store: never dropped or merged."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        builder.store_atomic(args[1], ptr, "monotonic", 8)
+        return context.get_dummy_value()
+
+    return numba.types.void(numba.types.int64, numba.types.uint64), codegen
+
+
+@intrinsic
+def _store_release(typingctx: Any, address: Any, value: Any) -> Any:
+    """Store the uint64 ``value`` at ``address`` with release ordering: no earlier store moves after it."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        builder.store_atomic(args[1], ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return numba.types.void(numba.types.int64, numba.types.uint64), codegen
+
+
+@intrinsic
+def _fence_release(typingctx: Any) -> Any:
+    """No later store moves before an earlier one (the odd ``seq`` goes out before the fields change)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        builder.fence("release")
+        return context.get_dummy_value()
+
+    return numba.types.void(), codegen
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _way_of(entries, first, k0, k1):  # type: ignore[no-untyped-def]
+    """(the way of the bucket at ``first`` that names (k0, k1), its first free way), each -1 when none."""
+    free = -1
+    for e in range(first, first + WAYS):
+        e0, e1 = entries[e, KEY0], entries[e, KEY1]
+        if e0 == k0 and e1 == k1:
+            return e, free
+        if free < 0 and e0 == 0 and e1 == 0:
+            free = e
+    return -1, free
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _write(entries, e, k0, k1, offset, lencrc):  # type: ignore[no-untyped-def]
+    at = entries.ctypes.data + e * (ENTRY_WORDS * 8) + SEQ * 8
+    seq = entries[e, SEQ]
+    _store_atomic(at, seq + numba.uint64(1))
+    _fence_release()
+    entries[e, KEY0] = k0
+    entries[e, KEY1] = k1
+    entries[e, OFFSET] = offset
+    entries[e, LENCRC] = lencrc
+    _store_release(at, seq + numba.uint64(2))
+
+
+@numba.njit(cache=True, nogil=True)
+def publish(entries, mask, keys, offsets, lencrcs, out):  # type: ignore[no-untyped-def]
+    written = 0
+    taken = 0
+    for i in range(keys.shape[0]):
+        k0, k1 = keys[i, 0], keys[i, 1]
+        e, free = _way_of(entries, numba.int64(k0 & mask) * WAYS, k0, k1)
+        if e < 0:
+            if free < 0:
+                continue  # the bucket is full
+            e = free
+            taken += 1
+        _write(entries, e, k0, k1, offsets[i], lencrcs[i])
+        written += 1
+    out[0] = taken
+    return written
+
+
+@numba.njit(cache=True, nogil=True)
+def withdraw(entries, mask, keys):  # type: ignore[no-untyped-def]
+    n = 0
+    zero = numba.uint64(0)
+    for i in range(keys.shape[0]):
+        k0, k1 = keys[i, 0], keys[i, 1]
+        e, _ = _way_of(entries, numba.int64(k0 & mask) * WAYS, k0, k1)
+        if e >= 0:
+            _write(entries, e, zero, zero, zero, zero)
+            n += 1
+    return n
 
 
 @numba.njit(cache=True, nogil=True)

@@ -1,7 +1,7 @@
 """The shared DRAM arena's index (``serve --share-dram``, ``kvstore/arena_index.py``): clients find DRAM hits
 and copy them without asking the store.
 
-The table alone (property tests against a dict, the compiled and the numpy probe, the seqlock), then real
+The table alone (property tests against a dict, the compiled and the numpy probe and writes, the seqlock), then real
 in-process servers and shm clients: a Get served from the index returns the stored bytes and reports its hits
 to the store afterwards (counted, and the grants of the last asked Get given back); deleted, evicted and
 rewritten blocks are never served from it; a corrupt block is DATA_LOSS; a namespace the store has not served
@@ -93,7 +93,7 @@ def test_the_table_names_exactly_what_was_published(tmp_path_factory, compiled, 
 def test_a_batch_publishes_as_its_keys_one_by_one(tmp_path_factory, data):
     """Batches of new keys (sharing buckets: 64 buckets of 8 ways, so full ones too), of keys named before,
     withdrawn or not, and of a key twice leave the table, its seqs and counts as publishing or withdrawing
-    their keys one call each, in order, does (withdraw_many clears a batch in three numpy calls)."""
+    their keys one call each, in order, does."""
     pool = hashes(2048, seed=3)
     batched, _ = new_index(tmp_path_factory.mktemp("batched"), 0)
     single, _ = new_index(tmp_path_factory.mktemp("single"), 0)
@@ -125,6 +125,43 @@ def test_a_batch_publishes_as_its_keys_one_by_one(tmp_path_factory, data):
         assert (batched.published, batched.full, len(batched)) == (single.published, single.full, len(single))
     batched.close()
     single.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_the_compiled_writes_leave_the_words_numpy_calls_leave(tmp_path_factory, data):
+    """Publishes of new keys, of keys named before (rewritten in their way) and of a key twice in a batch, into
+    buckets that fill up, and withdrawals of named and absent keys leave the very same words, seqs included, and
+    counts whether they ran compiled or as numpy calls."""
+    if not arena_index.AVAILABLE:
+        pytest.skip("numba is not installed: only the numpy writes run")
+    arena_index.warm_up()
+    pool = hashes(1024, seed=4)
+    tables = {path: new_index(tmp_path_factory.mktemp(f"w{path}"), 0)[0] for path in (True, False)}
+    original = arena_index.ready
+    try:
+        for _ in range(data.draw(st.integers(1, 10))):
+            picks = data.draw(st.lists(st.integers(0, len(pool) - 1), min_size=1, max_size=64))
+            keys = keys_of("ns", [pool[k] for k in picks])
+            assert keys is not None
+            offsets = np.array(picks, dtype=np.uint64) * 4096
+            publishing = data.draw(st.booleans())
+            written = []
+            for compiled, index in tables.items():
+                arena_index.ready = lambda compiled=compiled: compiled  # type: ignore[misc]
+                if publishing:
+                    written.append(index.publish_many(keys, offsets, np.full(len(picks), 4096), offsets + 7))
+                else:
+                    index.withdraw_many(keys)
+            assert len(set(written)) <= 1
+            fast, slow = tables[True], tables[False]
+            assert np.array_equal(fast._entries, slow._entries)  # noqa: SLF001 - the very words
+            assert (fast.published, fast.full, len(fast)) == (slow.published, slow.full, len(slow))
+            assert len(fast) == int(np.count_nonzero(fast._entries[:, 1:3].any(axis=1)))  # noqa: SLF001
+    finally:
+        arena_index.ready = original
+        for index in tables.values():
+            index.close()
 
 
 def test_a_full_bucket_publishes_nothing_more(tmp_path):
