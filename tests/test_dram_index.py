@@ -164,6 +164,61 @@ def test_the_compiled_writes_leave_the_words_numpy_calls_leave(tmp_path_factory,
             index.close()
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_copy_taken_for_stable_racing_the_writes_holds_what_its_entry_names(tmp_path, compiled):
+    """The protocol end to end, on the table alone: a writer withdraws keys, rewrites their slots (each stamped
+    with the write's version) and names them again, as fast as it can; a reader finds a key, copies its slot,
+    then checks ``unchanged``. Every copy the reader keeps holds the version its entry names: the entry moved
+    before its slot was written again. The compiled writes release the GIL, so both run at once here."""
+    if compiled and not arena_index.AVAILABLE:
+        pytest.skip("numba is not installed")
+    if compiled:
+        arena_index.warm_up()
+    index, view = new_index(tmp_path, 0)
+    pool = hashes(16, seed=5)
+    keys = keys_of("ns", pool)
+    assert keys is not None
+    slots = np.zeros((len(pool), 16 << 10), dtype=np.uint32)  # 64 KiB a block, stamped with its version
+    original = arena_index.ready
+    arena_index.ready = lambda: compiled  # both sides on the path under test
+    stop = threading.Event()
+    wrong: list[tuple[int, int, int]] = []
+
+    def write() -> None:
+        version = 0
+        while not stop.is_set():
+            version += 1
+            picks = np.arange(version % 2, len(pool), 2)
+            index.withdraw_many(keys[picks])
+            slots[picks] = version  # only once nobody can take the old entries for stable
+            offsets = picks.astype(np.uint64) * np.uint64(1 << 16) + np.uint64(version << 32)
+            index.publish_many(keys[picks], offsets, np.full(len(picks), 4096), picks.astype(np.uint64))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    kept = 0
+    try:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            for k, h in enumerate(pool):
+                found = view.find("ns", [h])
+                if found is None:
+                    continue
+                copy = slots[k].copy()
+                if not found.unchanged():
+                    continue
+                kept += 1
+                named = found.offsets[0] >> 32
+                if found.offsets[0] & 0xFFFFFFFF != k << 16 or not (copy == named).all():
+                    wrong.append((k, named, int(copy[0])))
+    finally:
+        stop.set()
+        writer.join()
+        arena_index.ready = original
+        index.close()
+    assert kept > 100 and not wrong
+
+
 def test_a_full_bucket_publishes_nothing_more(tmp_path):
     index, view = new_index(tmp_path)
     mask = index.buckets - 1
