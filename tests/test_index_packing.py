@@ -176,3 +176,49 @@ def test_a_shared_prefix_with_more_children_than_16_bits_count() -> None:
     assert t.nchild_add(root, DRAM, 1) == 65_535 and t.nchild[[root, other], DRAM].tolist() == [65_535, 0]
     t.nchild[root, DRAM] = 0
     assert t.nchild[root, DRAM] == 0 and not t._nchild[DRAM].big
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    parents=st.lists(st.integers(-1, 40), min_size=2, max_size=40),  # block i's parent: p % i, none if p < 0
+    batches=st.lists(st.lists(st.integers(0, 39), max_size=24), max_size=8),
+    renewed=st.lists(st.integers(0, 39), max_size=3),
+    near_wide=st.lists(st.integers(0, 39), max_size=2),
+)
+def test_new_copies_count_their_parents_children_compiled_as_with_numpy(parents, batches, renewed, near_wide):
+    """``add_copies`` (one compiled call) against the numpy calls it replaces, on twin tables: a forest whose
+    parents may come later in the batch, be the same entry twice over, have left and had their id reused (no
+    longer the same block), or hold counts at the 16-bit column's edge (the compiled call then defers)."""
+    from kvstore.store import children_jit
+
+    tables = []
+    for _ in range(2):
+        t = EntryTable(ranks={DRAM: 32})
+        ns = t.namespace_id("ns", create=True)
+        assert ns is not None
+        n = len(parents)
+        ids = t.insert_many(ns, [meta(i, p % i if p >= 0 and i else None) for i, p in enumerate(parents)], [1] * n)
+        for i in renewed:  # the entry leaves and its id comes back for a new block
+            if i < n:
+                t.release_id(int(ids[i]))
+                t.insert_many(ns, [meta(1000 + i)], [1])
+        for i in near_wide:
+            if i < n:
+                t.nchild_add(int(ids[i]), DRAM, 65_534)
+        tables.append((t, ids))
+    original = children_jit.AVAILABLE
+    try:
+        for batch in batches:
+            got = []
+            for (t, ids), compiled in zip(tables, (True, False)):
+                children_jit.AVAILABLE = compiled and original
+                picks = np.asarray(ids)[sorted({i for i in batch if i < len(ids)})]
+                is_leaf, was_leaf = t.add_copies(picks, DRAM)
+                assert not set(was_leaf.tolist()) & set(picks.tolist())
+                got.append((is_leaf.tolist(), sorted(was_leaf.tolist())))
+            assert got[0] == got[1]
+            (fast, ids), (slow, _) = tables
+            arr = np.asarray(ids)
+            assert fast.nchild[arr, DRAM].tolist() == slow.nchild[arr, DRAM].tolist()
+    finally:
+        children_jit.AVAILABLE = original

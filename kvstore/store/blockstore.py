@@ -454,10 +454,10 @@ class BlockStore(Cascade, LowerReads):
                 self._notify("add", e, rank)
         # children first: an entry of the batch is then inserted as what it ends up (a leaf or not), and
         # only parents outside the batch that stopped being leaves need set_leaf (one call each)
-        was_leaf = t.add_children(t.parents_of(ids), rank)
-        policy.insert_many(ids, t.nchild[ids, rank] == 0, ~t.rooted[ids])
+        is_leaf, was_leaf = t.add_copies(ids, rank)
+        policy.insert_many(ids, is_leaf, ~t.rooted[ids])
         set_leaf = policy.set_leaf
-        for p in was_leaf[~np.isin(was_leaf, ids)].tolist():
+        for p in was_leaf.tolist():
             set_leaf(p, False)
 
     def _remove_copy(self, e: int, rank: int, deferred: Removals | None = None) -> None:

@@ -30,7 +30,8 @@ whole prefix):
   ``insert_arrays(ns, keys, fields, dtypes, parents, has_parent) -> ids``
   (keys absent and distinct; a parent may come earlier in the same batch);
 - ``reserve(n)``: size the slot table for ``n`` more entries at once;
-- ``parent_of(e)``, ``parents_of(ids)``, ``add_children(parents, rank)``, ``meta(e)``, ``key(e)``;
+- ``parent_of(e)``, ``parents_of(ids)``, ``add_children(parents, rank)``, ``add_copies(ids, rank)`` (both, for
+  entries just given a copy: compiled, kvstore/store/children_jit.py), ``meta(e)``, ``key(e)``;
 - ``unmap(e)``: lookups miss from now on; ``release_id(e)``: the id is free;
 - ``loc_of`` / ``set_loc`` / ``locs`` / ``top_ranks`` / ``resident`` /
   ``without_copy`` / ``find_locs``: which tiers hold copies, and where.
@@ -49,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
-from kvstore.store import slots_jit
+from kvstore.store import children_jit, slots_jit
 from kvstore.store.columns import Column, CountColumn, Field
 from kvstore.store.index_views import (
     CountView,
@@ -433,6 +434,23 @@ class EntryTable:
         count = col.take(uniq)
         col.put(uniq, count + times)
         return uniq[count == 0]
+
+    def add_copies(self, ids: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Count distinct entries just given a copy in ``rank`` as their parents' children there: (whether each
+        has no child with a copy in ``rank``, the parents outside ``ids`` that stopped being leaves of it). One
+        compiled call where numba is there (kvstore/store/children_jit.py)."""
+        if children_jit.AVAILABLE and len(ids):
+            c, counts = self._c, self._nchild[rank]
+            is_leaf = np.empty(len(ids), dtype=np.bool_)
+            was_leaf = np.empty(len(ids), dtype=np.int64)
+            k = children_jit.add_copies(
+                c["parent"].base, c["parent_gen"].base, c["gen"].base, self._flags.base, counts.base,
+                np.asarray(ids, dtype=np.int64), is_leaf, was_leaf,
+            )  # fmt: skip
+            if k >= 0:
+                return is_leaf, was_leaf[:k]
+        was_leaf = self.add_children(self.parents_of(ids), rank)
+        return self._nchild[rank].take(ids) == 0, was_leaf[~np.isin(was_leaf, ids)]
 
     def is_mapped(self, e: int) -> bool:
         return bool(self._flags.get(e) & MAPPED)
