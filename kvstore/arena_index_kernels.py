@@ -62,28 +62,23 @@ def _load_acquire(typingctx: Any, address: Any) -> Any:
     return numba.types.uint64(numba.types.int64), codegen
 
 
-@intrinsic
-def _store_atomic(typingctx: Any, address: Any, value: Any) -> Any:
-    """Store the uint64 ``value`` at ``address`` as an atomic (monotonic) store: never dropped or merged."""
+def _store_ordered(ordering: str) -> Any:
+    """An intrinsic storing the uint64 ``value`` at ``address`` as an atomic store of this LLVM ordering."""
 
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        builder.store_atomic(args[1], ptr, "monotonic", 8)
-        return context.get_dummy_value()
+    @intrinsic
+    def store(typingctx: Any, address: Any, value: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+            builder.store_atomic(args[1], ptr, ordering, 8)
+            return context.get_dummy_value()
 
-    return numba.types.void(numba.types.int64, numba.types.uint64), codegen
+        return numba.types.void(numba.types.int64, numba.types.uint64), codegen
+
+    return store
 
 
-@intrinsic
-def _store_release(typingctx: Any, address: Any, value: Any) -> Any:
-    """Store the uint64 ``value`` at ``address`` with release ordering: no earlier store moves after it."""
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        builder.store_atomic(args[1], ptr, "release", 8)
-        return context.get_dummy_value()
-
-    return numba.types.void(numba.types.int64, numba.types.uint64), codegen
+_store_atomic = _store_ordered("monotonic")  # never dropped or merged with a later store
+_store_release = _store_ordered("release")  # no earlier store moves after it
 
 
 @intrinsic
