@@ -138,7 +138,8 @@ class ArenaIndex:
     def publish_many(self, keys: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, crcs: np.ndarray) -> int:
         """Name these blocks (their bytes are in place and checked), each in the way that names its key already,
         else in its bucket's first free way; the number named (a key whose bucket is full is not). One compiled
-        call (``arena_index_kernels.publish``): key by key in Python this took 190 us per 32 keys here."""
+        call (``arena_index_kernels.publish``): 10.5 us per 32 keys here, where the loop over the keys in Python
+        (with a dict of every named key beside the file) took 66-72 us."""
         lencrcs = np.asarray(lengths, dtype=np.uint64) | (np.asarray(crcs, dtype=np.uint64) << np.uint64(32))
         offsets = np.asarray(offsets, dtype=np.uint64)
         if ready():
