@@ -60,7 +60,10 @@ Rows: p50 ms of each step, ``shm_dram_vs_floor`` (floor / DRAM-hit Get), ``disk_
 disk), ``socket_gbps`` (loopback TCP of a prefix's payload between two processes, distinct memory on both sides:
 ``bench.baselines.raw_socket_gbps``) and ``tcp_ceiling_vs_raw`` (socket / raw speed, at most 1: what the tcp and
 gRPC lanes, which move every byte over a socket, could reach of the raw read), ``dram_shm_speedup`` (old / new
-p50 of the DRAM-hit Get) and the like, GB/s of payload.
+p50 of the DRAM-hit Get) and the like, GB/s of payload; ``nvme_store_cpu_ms``, ``dram_store_cpu_ms``,
+``disk_store_cpu_ms`` (and ``old_...``): the CPU each store process spent per Get it served, over all of them
+(user and system, every thread, the work after each reply included), and ``nvme_store_cpu_vs_raw``: the NVMe store's
+per Get over the raw read's time (above 1, two cores shared with the client cannot keep up with the disk).
 Every buffer a disk reads into here (the pool, the raw read's) is in huge pages (``kvstore.hugepages``): on this
 VM an O_DIRECT read into 4 KiB pages ran at 0.3-0.4x the speed (docs/nvme.md, twenty-ninth session), and which
 pages a buffer drew had set the "disk state" that moved earlier runs. Only this machine's disk is measured; a real
@@ -246,6 +249,7 @@ def measure(
         times: dict[str, list[float]] = {f"{tag}{kind}": [] for tag, kind in steps}
         times["raw_crc"] = []
         order = [int(i) for i in rng.permutation(count)]
+        cpu0 = {tag: json.loads(w.ask("cpu")) for tag, w in workers.items()}
         for r, p in enumerate(order):
             k = r % len(steps)
             for tag, kind in steps[k:] + steps[:k]:
@@ -267,6 +271,7 @@ def measure(
                 else:
                     times[f"{tag}{kind}"].append(float(workers[tag].ask(f"{kind} {p}")))
             bar.update(1)
+        cpu = {tag: json.loads(w.ask("cpu")) for tag, w in workers.items()}  # each store's CPU over the Gets
         hits = json.loads(workers[""].ask("stats"))
     finally:
         if raw is not None:
@@ -304,6 +309,14 @@ def measure(
         row["old_disk_nvme_vs_raw"] = p50["raw"] / p50["old_disk-shm"]
         row["disk_nvme_speedup"] = p50["old_disk-shm"] / p50["disk-shm"]
     row["shm_dram_vs_floor"] = p50["dram_floor"] / p50["dram-shm"]
+    # what each store process spent (user + system, every thread, the work after each reply included) per Get it
+    # served: on two cores shared with the client, the store-read lanes are bound by this more than by the disk
+    for tag in cpu:
+        for store, seconds in cpu[tag].items():
+            served = sum(len(v) for k, v in times.items() if k.startswith(f"{tag}{store}-"))
+            if served:
+                row[f"{tag}{store}_store_cpu_ms"] = (seconds - cpu0[tag][store]) * 1e3 / served
+    row["nvme_store_cpu_vs_raw"] = row["nvme_store_cpu_ms"] / p50["raw"]
     # a remote client's Get moves the bytes over a socket too: loopback TCP of a prefix's payload, distinct memory
     # to distinct memory, bounds what the tcp and gRPC lanes can reach of the raw read
     row["socket_gbps"] = raw_socket_gbps(payload, "get", reps=3, distinct=True)

@@ -16,7 +16,8 @@ blocks in DRAM: without it a Get of those was a DRAM hit); ``KIND I`` runs the G
 ``dram-tcp``, ``dram-grpc``, ``disk-shm``, ``diskasked-shm``) into page-aligned buffers and prints its seconds; ``rawdst PATH
 OFFSET`` reads a prefix-sized extent of ``PATH`` with one O_DIRECT ``preadv`` into those same buffers (each 4 KiB
 record header into a page of its own) and prints its seconds: the disk's speed into the very memory the Gets
-fill; ``stats`` prints the NVMe store's tier hits as JSON; ``quit`` stops. Only public names are used, so an older tree runs it too.
+fill; ``stats`` prints the NVMe store's tier hits as JSON; ``cpu`` prints each store process's CPU seconds so far
+(user and system, all its threads: ``nvme``, ``dram``, ``disk``, ``diskasked``) as JSON; ``quit`` stops. Only public names are used, so an older tree runs it too.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ def write_prefix(kv: Client, payloads: list[np.ndarray], p: int, rng: np.random.
     return keys
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` (every thread) so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -> None:
     disk_store = DISK_FLAG in extra
     asked_store = ASKED_FLAG in extra
@@ -58,31 +66,35 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
     rng = np.random.default_rng(block)
     warm_dram = len(DRAM_KINDS) * WARM * PREFIX * block * 5 // 4 + (64 << 20)  # all of them, never evicted
     with contextlib.ExitStack() as stack:
-        cold_target, _ = stack.enter_context(
+        procs: dict[str, int] = {}  # store -> pid
+        cold_target, cold = stack.enter_context(
             store_process(
                 *("--dram", f"{cold_dram >> 20}MiB", "--nvme-dir", str(root / "nvme"), "--nvme", "16GiB"),
                 *("--write-policy", "write-through", "--shm-direct", "true", *extra),
             )
         )
-        warm_target, _ = stack.enter_context(
+        warm_target, warm = stack.enter_context(
             store_process("--dram", f"{warm_dram >> 20}MiB", "--shm-direct", "true", *extra)
         )
         targets = {"nvme": cold_target, "dram": warm_target}
+        procs.update(nvme=cold.pid, dram=warm.pid)
         if disk_store:  # the client reads the NVMe blocks of this one from its files (a tree with --share-nvme)
-            targets["disk"], _ = stack.enter_context(
+            targets["disk"], disk = stack.enter_context(
                 store_process(
                     *("--dram", f"{cold_dram >> 20}MiB", "--nvme-dir", str(root / "nvme-shared"), "--nvme", "16GiB"),
                     *("--write-policy", "write-through", "--shm-direct", "true", "--share-nvme", "true", *extra),
                 )
             )
+            procs["disk"] = disk.pid
         if asked_store:  # the same, every Get asked of the store: what the DRAM index's disk entries save
-            targets["diskasked"], _ = stack.enter_context(
+            targets["diskasked"], asked = stack.enter_context(
                 store_process(
                     *("--dram", f"{cold_dram >> 20}MiB", "--nvme-dir", str(root / "nvme-asked"), "--nvme", "16GiB"),
                     *("--write-policy", "write-through", "--shm-direct", "true", "--share-nvme", "true", *extra),
                     *("--dram-index", "false"),
                 )
             )
+            procs["diskasked"] = asked.pid
         clients = {
             kind: stack.enter_context(Client(targets[kind.split("-")[0]], timeout=120, lane=kind.split("-")[1]))
             for kind in KINDS
@@ -126,6 +138,9 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
                 if "disk-shm" in clients:  # bytes its clients read from the NVMe files themselves
                     tiers["disk_named_bytes"] = clients["disk-shm"].stats()["counters"]["lane_shm_disk_get_bytes"]
                 print(json.dumps(tiers), flush=True)
+                continue
+            if words[0] == "cpu":
+                print(json.dumps({name: cpu_seconds(pid) for name, pid in procs.items()}), flush=True)
                 continue
             if words[0] == "rawdst":  # as the tier lays a prefix down: header page, payload, header page, ...
                 fd = raw_files.get(words[1])

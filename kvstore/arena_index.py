@@ -25,8 +25,7 @@ then takes ``seq`` again: equal and even means nothing changed the entry meanwhi
 entry (its ``seq`` moves) before the block's slot can be freed and written again, so a copy that overlapped
 a reuse of the slot always sees another ``seq``. This relies on x86-64's ordering of loads with loads and
 stores with stores (numpy's separate calls, or the compiled writer's atomic stores and fence, in program
-order); elsewhere ``supported()`` is False and no
-table is made.
+order); elsewhere ``supported()`` is False and no table is made.
 
 A client's ``find`` and the store's writes run compiled (``kvstore/arena_index_kernels.py``, numba, compiled in
 the background from the first ``ready()``) or, until then or without numba, as numpy calls.
@@ -140,6 +139,7 @@ class ArenaIndex:
         else in its bucket's first free way; the number named (a key whose bucket is full is not). One compiled
         call (``arena_index_kernels.publish``): 10.5 us per 32 keys here, where the loop over the keys in Python
         (with a dict of every named key beside the file) took 66-72 us."""
+        keys = np.ascontiguousarray(keys, dtype=np.uint64)  # (what keys_of gives: no copy)
         lencrcs = np.asarray(lengths, dtype=np.uint64) | (np.asarray(crcs, dtype=np.uint64) << np.uint64(32))
         offsets = np.asarray(offsets, dtype=np.uint64)
         if ready():
@@ -176,6 +176,7 @@ class ArenaIndex:
 
     def withdraw_many(self, keys: np.ndarray) -> None:
         """Stop naming these blocks: called before their slots may be freed or written again."""
+        keys = np.ascontiguousarray(keys, dtype=np.uint64)
         if ready():
             n = int(_kernels().withdraw(self._entries, np.uint64(self.buckets - 1), keys))
         else:

@@ -64,3 +64,6 @@ def test_nvme_get_bench_measures_gets_through_a_store_process(tmp_path: Path):
     assert row["grpc_dram_vs_raw"] > 0 and row["grpc_nvme_vs_dram"] > 0
     assert row["nvme_hits"] + row["dram_hits"] == 3 * 3 * 32  # the three lanes' prefixes, each from one tier
     assert row["socket_gbps"] > 0 and 0 < row["tcp_ceiling_vs_raw"] <= 1
+    # each store's CPU per Get it served: a store that read and checked 32 blocks spent some
+    assert row["nvme_store_cpu_ms"] > 0 and row["dram_store_cpu_ms"] >= 0 and "disk_store_cpu_ms" in row
+    assert row["nvme_store_cpu_vs_raw"] == row["nvme_store_cpu_ms"] / row["raw_p50_ms"]
