@@ -356,11 +356,7 @@ class BlockStore(Cascade, LowerReads):
                 self._published.unmapped(ids)
             deferred = {tier.rank: Removals() for tier in self.tiers}
             for e in ids.tolist():
-                self.table.unmap(e)
-                if self.table.leases[e] == 0:
-                    self._destroy(e, deferred)
-                else:
-                    self._doomed.add(e)
+                self._forget(e, deferred)
             for rank, removed in deferred.items():
                 self._settle(removed, rank)
         return len(ids)
@@ -388,9 +384,14 @@ class BlockStore(Cascade, LowerReads):
             deferred.unmapped.append(e)
         elif self._published is not None:
             self._published.unmapped(np.array([e], dtype=np.int64))
+        self._forget(e)
+
+    def _forget(self, e: int, deferred: dict[int, Removals] | None = None) -> None:
+        """Lookups miss ``e`` from now on; its copies go now, or when its last lease ends (the shared index has
+        been told, or will be: the caller's part)."""
         self.table.unmap(e)
         if self.table.leases[e] == 0:
-            self._destroy(e)
+            self._destroy(e, deferred)
         else:
             self._doomed.add(e)
 
