@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore import memops_jit
+from kvstore.arena_index_layout import segment_name
 from kvstore.checksum import crc32c
 from kvstore.lanes.client import disk as client_disk
 from kvstore.lanes.client.disk import DiskBlock, DiskReader
@@ -305,4 +306,58 @@ def test_a_run_past_the_files_end_or_in_a_missing_file_fails_by_position(written
     args = list(_run_args(where, payloads, picks, bufs))
     args[0] = "seg-0000009999.log"
     assert reader.read_run(*args) == [0, 1, 2]
+    reader.close()
+
+
+# -- read_runs: a prefix whose records lie in several segment files ---------------------------------------------
+@pytest.fixture(scope="module")
+def written_across(tmp_path_factory) -> tuple[Path, list[tuple[str, int]], list[np.ndarray]]:
+    """24 whole-page records in a tier of 192 KiB segments: a prefix of them lies in several files."""
+    root = tmp_path_factory.mktemp("nvme-across")
+    tier = NvmeTier(root, 1 << 30, segment_bytes=192 << 10)
+    rng = np.random.default_rng(11)
+    payloads = [rng.integers(0, 256, n, dtype=np.uint8) for n in [4096, 65536, 12288, 8192] * 6]
+    metas = [BlockMeta("t", rng.bytes(16), b"", 0, "uint8", len(p), len(p), crc32c(p)) for p in payloads]
+    where, pins = tier.extents(tier.write(metas, payloads))
+    tier.release_extents(pins)
+    tier.close()
+    assert all(w is not None for w in where) and len({w[0] for w in where if w is not None}) > 2
+    return root, [w for w in where if w is not None], payloads
+
+
+def _segment_of(name: str) -> int:
+    return int(name.removeprefix("seg-").removesuffix(".log"))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(picks=st.lists(st.integers(0, 23), min_size=1, max_size=12, unique=True), bad=st.integers(-1, 11))
+def test_runs_in_several_files_come_back_exact_and_a_corrupt_block_fails_alone(
+    written_across, runs_allowed, picks, bad
+):
+    """Each file's blocks are one run, read at once with the other files' on the pool's threads; failures come back
+    as the caller's positions, whichever file they lie in."""
+    root, where, payloads = written_across
+    reader = DiskReader(str(root), threads=3)
+    bufs = [aligned_buffer(len(payloads[i])) for i in picks]
+    crcs = [crc32c(payloads[i]) ^ (1 if k == bad else 0) for k, i in enumerate(picks)]
+    _, positions, offsets, lengths, crc_column, addresses = _run_args(where, payloads, picks, bufs, crcs)
+    segments = np.array([_segment_of(where[i][0]) for i in picks], dtype=np.int64)
+    failed = reader.read_runs(segments, segment_name, positions, offsets, lengths, crc_column, addresses)
+    assert sorted(failed) == ([bad] if 0 <= bad < len(picks) else [])
+    assert all(b.tobytes() == payloads[i].tobytes() for k, (i, b) in enumerate(zip(picks, bufs)) if k != bad)
+    reader.close()
+
+
+def test_runs_in_several_files_are_left_to_read_when_one_file_s_blocks_are_not_a_run(written_across, runs_allowed):
+    root, where, payloads = written_across
+    reader = DiskReader(str(root), threads=2)
+    picks = [0, 23]  # first and last record: two files
+    segments = np.array([_segment_of(where[i][0]) for i in picks], dtype=np.int64)
+    assert segments[0] != segments[1]
+    aligned = [aligned_buffer(len(payloads[i])) for i in picks]
+    args = _run_args(where, payloads, picks, aligned)[1:]
+    assert reader.read_runs(segments, segment_name, *args) == []
+    unaligned = [aligned_buffer(len(payloads[i]) + 64)[16 : 16 + len(payloads[i])] for i in picks]
+    args = _run_args(where, payloads, picks, unaligned)[1:]
+    assert reader.read_runs(segments, segment_name, *args) is None
     reader.close()

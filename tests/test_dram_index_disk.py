@@ -389,6 +389,44 @@ def test_a_prefix_of_small_blocks_into_page_aligned_buffers_is_read_as_one_run(s
         assert kv.get("ns", hs, out=out, allow_missing=True)[5] is None
 
 
+def test_a_prefix_a_segment_s_end_cut_in_two_is_read_as_one_run_per_file(make_server, tmp_path):
+    """``DiskReader.read_runs``: the blocks of each file one run, exact bytes, and a corrupt record in the second
+    file is not served (the Get is asked, the store drops the record and says DATA_LOSS)."""
+    server = make_server(
+        share_dram=True,
+        share_nvme=True,
+        dram=4 * MiB,
+        nvme_dir=str(tmp_path / "nvme"),
+        nvme=64 * MiB,
+        nvme_segment=MiB,  # 24 records of 68 KiB: two files at least
+        eviction_policy="lru",
+        promote_on_hit=False,
+    )
+    hs, data = hashes(24, seed=8), blocks(24, 64 << 10, seed=8)
+    with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:
+        kv.put("ns", hs, data)
+        for round_ in range(6):
+            kv.put("other", hashes(24, seed=60 + round_), blocks(24, 64 << 10, seed=60 + round_))
+        n, ranks = server.store.lookup("ns", hs)
+        assert n == len(hs) and server.store.tiers[0].rank not in ranks
+        out = [aligned_buffer(64 << 10) for _ in hs]
+        kv.get("ns", hs, out=out)  # asked: the store serves the namespace to this lane
+        lane = lane_of(kv)
+        files: list[int] = []
+        read_runs = lane.disk.read_runs
+        lane.disk.read_runs = lambda segments, *a: files.append(len(set(segments.tolist()))) or read_runs(segments, *a)
+        for o in out:
+            o[:] = 0
+        got = kv.get("ns", hs, out=out)
+        assert all(np.array_equal(g, d) for g, d in zip(got, data))
+        assert files and files[0] >= 2 and lane.indexed.disk_hits == 24
+        corrupt_on_disk(server, tmp_path / "nvme", hs[-1], 11)
+        with pytest.raises(KVStoreError) as err:
+            kv.get("ns", hs, out=out)
+        assert err.value.code == grpc.StatusCode.DATA_LOSS
+        assert kv.get("ns", hs, out=out, allow_missing=True)[-1] is None
+
+
 def test_deleted_nvme_blocks_are_never_served_from_the_index(server):
     hs, data = hashes(4, seed=3), blocks(4, MiB, seed=3)
     with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:

@@ -96,16 +96,16 @@ class ShmGets:
         """Blocks the DRAM index names in the NVMe tier's files, read straight into ``out`` and checked; False
         when one could not be (the Get is then asked of the store)."""
         assert self.disk is not None
-        if named.segment >= 0 or (named.segments == named.segments[0]).all():  # one file, as a prefix demoted together
-            picked = out if named.segment >= 0 else [out[i] for i in named.positions.tolist()]
-            addresses = buffer_addresses(picked, named.lengths)
-            if addresses is not None:
-                failed = self.disk.read_run(
-                    segment_name(int(named.segments[0])), named.positions, named.offsets, named.lengths, named.crcs,
-                    addresses,
-                )  # fmt: skip
-                if failed is not None:
-                    return not failed
+        picked = out if named.segment >= 0 else [out[i] for i in named.positions.tolist()]
+        addresses = buffer_addresses(picked, named.lengths)
+        if addresses is not None:
+            columns = (named.positions, named.offsets, named.lengths, named.crcs, addresses)
+            if named.segment >= 0 or (named.segments == named.segments[0]).all():  # one file, as a rule
+                failed = self.disk.read_run(segment_name(int(named.segments[0])), *columns)
+            else:  # a prefix demoted together, which a segment's end cut in two
+                failed = self.disk.read_runs(named.segments, segment_name, *columns)
+            if failed is not None:
+                return not failed
         spans = direct_outs(out)
         if spans is None:
             return False
