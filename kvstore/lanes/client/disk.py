@@ -178,15 +178,9 @@ class DiskReader:
         return self._run(name, positions, offsets, lengths, crcs, addresses)
 
     def read_runs(
-        self,
-        segments: np.ndarray,
-        name_of: Callable[[int], str],
-        positions: np.ndarray,
-        offsets: np.ndarray,
-        lengths: np.ndarray,
-        crcs: np.ndarray,
-        addresses: np.ndarray,
-    ) -> list[int] | None:
+        self, segments: np.ndarray, name_of: Callable[[int], str], positions: np.ndarray, offsets: np.ndarray,
+        lengths: np.ndarray, crcs: np.ndarray, addresses: np.ndarray,
+    ) -> list[int] | None:  # fmt: skip
         """``read_run`` of blocks in several files (``segments``: each block's segment id, ``name_of`` its file's
         name), as a prefix whose records a segment's end cut in two: one run per file, the first on the caller's
         thread and the others on the pool's at once; None when one is not such a run (``read`` takes them all
