@@ -6,6 +6,7 @@ failure (a corrupt payload, a bad file name, a location past the end) reported b
 from __future__ import annotations
 
 import ctypes
+import time
 from pathlib import Path
 
 import numpy as np
@@ -360,4 +361,28 @@ def test_runs_in_several_files_are_left_to_read_when_one_file_s_blocks_are_not_a
     unaligned = [aligned_buffer(len(payloads[i]) + 64)[16 : 16 + len(payloads[i])] for i in picks]
     args = _run_args(where, payloads, picks, unaligned)[1:]
     assert reader.read_runs(segments, segment_name, *args) is None
+    reader.close()
+
+
+def test_runs_in_several_files_wait_for_every_read_when_one_raises(written_across, monkeypatch):
+    """A run that raises on the caller's thread leaves no read of another file running into the caller's buffers."""
+    root, where, payloads = written_across
+    reader = DiskReader(str(root), threads=2)
+    picks = [0, 23]
+    segments = np.array([_segment_of(where[i][0]) for i in picks], dtype=np.int64)
+    bufs = [aligned_buffer(len(payloads[i])) for i in picks]
+    args = _run_args(where, payloads, picks, bufs)[1:]
+    run, finished = reader._run, []  # noqa: SLF001 - the per-file read this wraps
+
+    def slow_or_failing(name, *a):
+        if name == segment_name(int(segments[0])):
+            raise OSError("the caller's file")
+        time.sleep(0.2)
+        finished.append(run(name, *a))
+        return finished[-1]
+
+    monkeypatch.setattr(reader, "_run", slow_or_failing)
+    with pytest.raises(OSError):
+        reader.read_runs(segments, segment_name, *args)
+    assert finished == [[]]  # the other file's read had ended before read_runs raised
     reader.close()

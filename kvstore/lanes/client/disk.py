@@ -48,7 +48,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -199,7 +199,12 @@ class DiskReader:
             return self._run(name_of(int(ids[g])), positions[at], offsets[at], lengths[at], crcs[at], addresses[at])
 
         jobs = [self._executor().submit(one, g) for g in range(1, len(groups))]
-        results = [one(0)] + [job.result() for job in jobs]
+        try:
+            first = one(0)
+        except BaseException:
+            wait(jobs)  # no read may still write into the caller's buffers once this returns
+            raise
+        results = [first] + [job.result() for job in jobs]
         if any(r is None for r in results):
             return None
         return [p for r in results for p in cast(list[int], r)]
