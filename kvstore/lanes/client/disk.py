@@ -50,7 +50,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, cast
+from functools import partial
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -60,6 +61,7 @@ from kvstore.hugepages import huge_buffer
 from kvstore.lanes.segments import Spans
 from kvstore.memops import run_rows
 
+T = TypeVar("T")
 PAGE = 4096  # O_DIRECT alignment that suits every device here (logical blocks of 512 B or 4 KiB)
 GAP_BYTES = 128 << 10  # neighbours this close are read through in one preadv (a record's header is 4 KiB)
 # Pieces of 1 MiB on 8 threads: reads stay in flight while some threads check what they read. Against pieces of up
@@ -150,11 +152,7 @@ class DiskReader:
                 failed.extend(self._check(piece, self._read(piece)))
 
         helpers = min(self.threads, len(todo)) - 1
-        jobs = [self._executor().submit(work) for _ in range(helpers)] if helpers > 0 else []
-        failed = work()
-        for job in jobs:
-            failed.extend(job.result())
-        return failed
+        return [p for part in self._alongside(work, [work] * helpers) for p in part]
 
     def read_run(
         self,
@@ -198,13 +196,7 @@ class DiskReader:
             at = groups[g]
             return self._run(name_of(int(ids[g])), positions[at], offsets[at], lengths[at], crcs[at], addresses[at])
 
-        jobs = [self._executor().submit(one, g) for g in range(1, len(groups))]
-        try:
-            first = one(0)
-        except BaseException:
-            wait(jobs)  # no read may still write into the caller's buffers once this returns
-            raise
-        results = [first] + [job.result() for job in jobs]
+        results = self._alongside(partial(one, 0), [partial(one, g) for g in range(1, len(groups))])
         if any(r is None for r in results):
             return None
         return [p for r in results for p in cast(list[int], r)]
@@ -268,10 +260,7 @@ class DiskReader:
                 out.extend(range(lo, hi) if bad < 0 else (failed[:bad] + lo).tolist())  # < 0: cut_run rules it out
 
         helpers = min(self.threads, pieces) - 1
-        jobs = [self._executor().submit(work) for _ in range(helpers)] if helpers > 0 else []
-        failed = work()
-        for job in jobs:
-            failed.extend(job.result())
+        failed = [k for part in self._alongside(work, [work] * helpers) for k in part]
         return _ints(positions[order[failed]]) if failed else []
 
     def _read_run_arrays(
@@ -463,6 +452,16 @@ class DiskReader:
                 os.close(self._files.pop(next(iter(self._files))))
             self._files[name] = fd
         return fd
+
+    def _alongside(self, mine: Callable[[], T], theirs: Sequence[Callable[[], T]]) -> list[T]:
+        """``mine()`` on the caller's thread while the pool runs ``theirs``: every result, the caller's first. Each
+        has ended before an exception of any propagates: no read may write into the caller's buffers after."""
+        jobs = [self._executor().submit(fn) for fn in theirs]
+        try:
+            first = mine()
+        finally:
+            wait(jobs)
+        return [first] + [job.result() for job in jobs]
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
