@@ -6,6 +6,7 @@ failure (a corrupt payload, a bad file name, a location past the end) reported b
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from pathlib import Path
 
@@ -385,4 +386,32 @@ def test_runs_in_several_files_wait_for_every_read_when_one_raises(written_acros
     with pytest.raises(OSError):
         reader.read_runs(segments, segment_name, *args)
     assert finished == [[]]  # the other file's read had ended before read_runs raised
+    reader.close()
+
+
+def test_runs_in_several_files_each_too_long_for_one_preadv_never_wait_on_the_pool_from_it(
+    written_across, monkeypatch
+):
+    """A file's run read on the pool is cut into pieces read on that thread alone: with one pool thread, a run there
+    that handed its pieces to the pool too would wait on work queued behind itself, for ever."""
+    if not memops_jit.AVAILABLE:
+        pytest.skip("the compiled kernels need numba and a CPU with SSE4.2 and PCLMULQDQ")
+    client_disk._compiled.warm_up()
+    monkeypatch.setattr(client_disk, "ALONE_BYTES", 4096)
+    monkeypatch.setattr(client_disk, "RUN_ALONE_BYTES", 4096)
+    monkeypatch.setattr(client_disk, "MAX_PIECE_BYTES", 16 << 10)
+    monkeypatch.setattr(client_disk, "MIN_PIECE_BYTES", 4096)
+    root, where, payloads = written_across
+    reader = DiskReader(str(root), threads=2)  # the pool: one thread
+    picks = list(range(24))
+    segments = np.array([_segment_of(where[i][0]) for i in picks], dtype=np.int64)
+    assert len(set(segments.tolist())) > 2
+    bufs = [aligned_buffer(len(payloads[i])) for i in picks]
+    args = _run_args(where, payloads, picks, bufs)[1:]
+    done: list[list[int] | None] = []
+    reading = threading.Thread(target=lambda: done.append(reader.read_runs(segments, segment_name, *args)), daemon=True)
+    reading.start()
+    reading.join(20)
+    assert done == [[]], "read_runs waited on its own pool"
+    assert all(b.tobytes() == payloads[i].tobytes() for i, b in zip(picks, bufs))
     reader.close()

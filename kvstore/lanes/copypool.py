@@ -28,11 +28,9 @@ def default_threads() -> int:
 
 
 class CopyPool:
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, name: str = "kvstore-copy"):
         self.threads = threads or default_threads()
-        self._pool = (
-            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvstore-copy") if self.threads > 1 else None
-        )
+        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=name) if self.threads > 1 else None
 
     def run(
         self, fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int], split_bytes: int = SPLIT_BYTES

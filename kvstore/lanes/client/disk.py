@@ -48,7 +48,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar, cast
@@ -58,6 +57,7 @@ import numpy as np
 from kvstore import memops_jit
 from kvstore.background_compile import BackgroundCompile
 from kvstore.hugepages import huge_buffer
+from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.segments import Spans
 from kvstore.memops import run_rows
 
@@ -127,7 +127,7 @@ class DiskReader:
         self.threads = max(1, threads)
         self._files: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: CopyPool | None = None
         self._local = threading.local()  # each reading thread's _Scratch
         self.unusable = ""  # why this process cannot open the store's files (another mount namespace, say)
         self._swept = time.monotonic()
@@ -192,9 +192,10 @@ class DiskReader:
         ids, which = np.unique(segments, return_inverse=True)
         groups = [np.flatnonzero(which == g) for g in range(len(ids))]
 
-        def one(g: int) -> list[int] | None:
+        def one(g: int) -> list[int] | None:  # g > 0 runs on the pool: its pieces stay on its thread
             at = groups[g]
-            return self._run(name_of(int(ids[g])), positions[at], offsets[at], lengths[at], crcs[at], addresses[at])
+            name = name_of(int(ids[g]))
+            return self._run(name, positions[at], offsets[at], lengths[at], crcs[at], addresses[at], g == 0)
 
         results = self._alongside(partial(one, 0), [partial(one, g) for g in range(1, len(groups))])
         if any(r is None for r in results):
@@ -203,9 +204,10 @@ class DiskReader:
 
     def _run(
         self, name: str, positions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, crcs: np.ndarray,
-        addresses: np.ndarray,
+        addresses: np.ndarray, helpers: bool = True,
     ) -> list[int] | None:  # fmt: skip
-        """``read_run`` once the open files have been swept."""
+        """``read_run`` once the open files have been swept; without ``helpers`` (on a pool thread) a run too long
+        for one preadv is read piece by piece on this thread alone."""
         n = len(offsets)
         if not _compiled.ready():
             return self._read_run_arrays(name, positions, offsets, lengths, crcs, addresses)
@@ -219,14 +221,14 @@ class DiskReader:
         kernels = _kernels()
         bad = kernels.read_run(fd, *columns, scratch.address, len(scratch.memory), GAP_BYTES, RUN_ALONE_BYTES, failed)
         if bad == kernels.TOO_LONG:
-            return self._read_run_pieces(fd, positions, *columns)
+            return self._read_run_pieces(fd, positions, *columns, helpers)
         if bad < 0:
             return None
         return _ints(positions[failed[:bad]]) if bad else []
 
     def _read_run_pieces(
         self, fd: int, positions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, crcs: np.ndarray,
-        addresses: np.ndarray,
+        addresses: np.ndarray, helpers: bool = True,
     ) -> list[int] | None:  # fmt: skip
         """A run too long for one preadv, cut as ``read`` cuts one (``_piece_count``) and read piece by piece on
         the caller's and the pool's threads, each piece one compiled call without the GIL. Where ``read`` planned,
@@ -259,8 +261,8 @@ class DiskReader:
                 )  # fmt: skip
                 out.extend(range(lo, hi) if bad < 0 else (failed[:bad] + lo).tolist())  # < 0: cut_run rules it out
 
-        helpers = min(self.threads, pieces) - 1
-        failed = [k for part in self._alongside(work, [work] * helpers) for k in part]
+        others = min(self.threads, pieces) - 1 if helpers else 0
+        failed = [k for part in self._alongside(work, [work] * others) for k in part]
         return _ints(positions[order[failed]]) if failed else []
 
     def _read_run_arrays(
@@ -317,7 +319,7 @@ class DiskReader:
         for fd in files.values():
             os.close(fd)
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.close()
 
     # -- planning ------------------------------------------------------------------------
     def _pieces(self, blocks: Sequence[DiskBlock]) -> list[list[DiskBlock]]:
@@ -455,19 +457,14 @@ class DiskReader:
 
     def _alongside(self, mine: Callable[[], T], theirs: Sequence[Callable[[], T]]) -> list[T]:
         """``mine()`` on the caller's thread while the pool runs ``theirs``: every result, the caller's first. Each
-        has ended before an exception of any propagates: no read may write into the caller's buffers after."""
-        jobs = [self._executor().submit(fn) for fn in theirs]
-        try:
-            first = mine()
-        finally:
-            wait(jobs)
-        return [first] + [job.result() for job in jobs]
-
-    def _executor(self) -> ThreadPoolExecutor:
+        has ended before an exception of any propagates: no read may write into the caller's buffers after. A job
+        on the pool must not call this itself: waiting there on jobs queued behind it could take every thread."""
+        if not theirs:
+            return [mine()]
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvstore-disk-read")
-            return self._pool
+                self._pool = CopyPool(self.threads, name="kvstore-disk-read")
+        return self._pool.side_by_side([mine, *theirs])
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
