@@ -261,6 +261,16 @@ def test_blocks_that_are_not_such_a_run_are_left_to_read(written, runs_allowed):
         client_disk.ALONE_BYTES, client_disk.RUN_ALONE_BYTES = saved
 
 
+@pytest.fixture
+def compiled_pieces(monkeypatch):
+    """The compiled kernels, and every run longer than a page cut into pieces (``_read_run_pieces``)."""
+    if not memops_jit.AVAILABLE:
+        pytest.skip("the compiled kernels need numba and a CPU with SSE4.2 and PCLMULQDQ")
+    client_disk._compiled.warm_up()
+    monkeypatch.setattr(client_disk, "ALONE_BYTES", 4096)
+    monkeypatch.setattr(client_disk, "RUN_ALONE_BYTES", 4096)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     picks=st.lists(st.sampled_from(WHOLE_PAGES), min_size=2, max_size=12, unique=True),
@@ -269,15 +279,10 @@ def test_blocks_that_are_not_such_a_run_are_left_to_read(written, runs_allowed):
     scratch=st.sampled_from([8192, client_disk.SCRATCH_BYTES]),
 )
 def test_a_run_too_long_for_one_preadv_is_read_in_pieces_and_a_corrupt_block_fails_alone(
-    written, monkeypatch, picks, bad, threads, scratch
+    written, compiled_pieces, monkeypatch, picks, bad, threads, scratch
 ):
     """Pieces of about 64 KiB (``cut_run``), each one compiled ``read_run`` on the caller's or a pool thread; with
     little scratch a piece also ends where its gaps (record headers, other records) would not fit."""
-    if not memops_jit.AVAILABLE:
-        pytest.skip("the compiled kernels need numba and a CPU with SSE4.2 and PCLMULQDQ")
-    client_disk._compiled.warm_up()
-    monkeypatch.setattr(client_disk, "ALONE_BYTES", 4096)
-    monkeypatch.setattr(client_disk, "RUN_ALONE_BYTES", 4096)
     monkeypatch.setattr(client_disk, "MAX_PIECE_BYTES", 64 << 10)
     monkeypatch.setattr(client_disk, "SCRATCH_BYTES", scratch)
     root, where, payloads = written
@@ -390,15 +395,10 @@ def test_runs_in_several_files_wait_for_every_read_when_one_raises(written_acros
 
 
 def test_runs_in_several_files_each_too_long_for_one_preadv_never_wait_on_the_pool_from_it(
-    written_across, monkeypatch
+    written_across, compiled_pieces, monkeypatch
 ):
     """A file's run read on the pool is cut into pieces read on that thread alone: with one pool thread, a run there
     that handed its pieces to the pool too would wait on work queued behind itself, for ever."""
-    if not memops_jit.AVAILABLE:
-        pytest.skip("the compiled kernels need numba and a CPU with SSE4.2 and PCLMULQDQ")
-    client_disk._compiled.warm_up()
-    monkeypatch.setattr(client_disk, "ALONE_BYTES", 4096)
-    monkeypatch.setattr(client_disk, "RUN_ALONE_BYTES", 4096)
     monkeypatch.setattr(client_disk, "MAX_PIECE_BYTES", 16 << 10)
     monkeypatch.setattr(client_disk, "MIN_PIECE_BYTES", 4096)
     root, where, payloads = written_across
