@@ -2,7 +2,7 @@
 
     python -m bench.nvme_get [--quick] [--baseline REV] [--out bench/results/nvme_get.json]
                              [--share-dram true [--dram-index false]] [--baseline-share-dram true]
-                             [--baseline-disk-store true] [--settle-ms MS] [--shm-dir DIR]
+                             [--baseline-disk-store true] [--settle-ms MS] [--shm-dir DIR] [--kinds KIND,...]
 
 For each block size (64 KiB, 512 KiB, 2 MiB), 32-block prefixes are written to three store processes of this
 tree (``bench/nvme_get_worker.py``): one with an NVMe tier (write-through, so every block has an NVMe copy;
@@ -42,6 +42,10 @@ store (a promotion's bookkeeping, the touches, evictions), which the raw read, o
 ``--settle-ms 50`` pauses before every step: on the twenty-eighth session's VM that moved the 2 MiB ``disk_shm``
 ratio from 0.61-0.72 to 0.74-0.80 and the TCP lane's from 0.27-0.34 to 0.38-0.44, and left 64 KiB and 512 KiB
 as they were or lower (a Get after a pause runs colder); the figures of record are back to back.
+``--kinds disk-shm`` (a comma list of the Get steps above, ``disk-shm`` as the worker names them) takes only those
+Gets in turn with the raw reads and the floor: a lane with no other store's Gets beside it (the `disk_shm` Get of
+32 x 64 KiB ran at 0.910 ms alone and 1.409 beside the seven other kinds here, thirty-fifth session). The stores
+of the other kinds still start and are written to; they idle.
 
 With ``--share-dram true`` this tree's stores share their DRAM arena, and (unless ``--dram-index false``) their
 DRAM index: ``dram_shm`` Gets after a prefix's first are then served by the client from the index, unasked. With
@@ -153,6 +157,29 @@ KINDS = ("nvme-shm", "nvme-tcp", "nvme-grpc", "dram-shm", "dram-tcp")  # what a 
 NEW_KINDS = (*KINDS, "dram-grpc", "disk-shm")
 
 
+# (row, numerator step, denominator step): p50 over p50. Against ``raw``: 1 = as fast as the bare disk.
+RATIOS = (
+    ("disk_nvme_vs_raw", "raw", "disk-shm"),
+    # the same read into the memory the Get fills: on this VM where the bytes land moves an O_DIRECT read's time
+    # several times over (docs/nvme.md), so this ratio is what the store adds to the disk, free of that
+    ("disk_nvme_vs_raw_dst", "raw_dst", "disk-shm"),
+    *((f"{lane}_nvme_vs_raw", "raw", f"nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
+    *((f"old_{lane}_nvme_vs_raw", "raw", f"old_nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
+    *((f"{lane}_nvme_speedup", f"old_nvme-{lane}", f"nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
+    *((f"{lane}_dram_speedup", f"old_dram-{lane}", f"dram-{lane}") for lane in ("shm", "tcp")),
+    # each lane with no disk under it: what its NVMe Get can reach at the most
+    ("grpc_dram_vs_raw", "raw", "dram-grpc"),
+    ("grpc_nvme_vs_dram", "dram-grpc", "nvme-grpc"),
+    *((f"{lane}_dram_vs_raw", "raw", f"dram-{lane}") for lane in ("shm", "tcp")),
+    # the same --share-nvme Gets, asked of a store without the DRAM index
+    ("diskasked_nvme_vs_raw", "raw", "diskasked-shm"),
+    ("disk_index_speedup", "diskasked-shm", "disk-shm"),
+    ("old_disk_nvme_vs_raw", "raw", "old_disk-shm"),
+    ("disk_nvme_speedup", "old_disk-shm", "disk-shm"),
+    ("shm_dram_vs_floor", "dram_floor", "dram-shm"),
+)
+
+
 class Worker:
     """The store processes and clients of one source tree (``nvme_get_worker.py`` run against it)."""
 
@@ -217,6 +244,7 @@ def measure(
     old_extra: tuple[str, ...] = (),
     index_ab: bool = False,
     settle: float = 0.0,
+    kinds: tuple[str, ...] = (),
 ) -> dict:
     rng = np.random.default_rng(block)
     cold_dram = max(32 * MiB, 3 * PREFIX * block)
@@ -245,6 +273,7 @@ def measure(
         old_disk = "--with-disk-store" in old_extra
         steps = [(tag, kind) for tag in sides for kind in (NEW_KINDS if tag == "" or old_disk else KINDS)]
         steps += [("", "diskasked-shm")] if index_ab else []
+        steps = [(tag, kind) for tag, kind in steps if not kinds or kind in kinds]
         steps += [("", "raw"), ("", "raw_dst"), ("", "dram_floor")]
         times: dict[str, list[float]] = {f"{tag}{kind}": [] for tag, kind in steps}
         times["raw_crc"] = []
@@ -284,31 +313,12 @@ def measure(
     for name, ms in p50.items():
         row[f"{name.replace('-', '_')}_p50_ms"] = ms
     row["raw_extent_gbps"] = PREFIX * record_bytes(block) / p50["raw"] / 1e6
-    row["disk_nvme_vs_raw"] = p50["raw"] / p50["disk-shm"]
-    row["disk_nvme_gbps"] = payload / p50["disk-shm"] / 1e6
-    # the same read into the memory the Get fills: on this VM where the bytes land moves an O_DIRECT read's time
-    # several times over (docs/nvme.md), so this ratio is what the store adds to the disk, free of that
-    row["disk_nvme_vs_raw_dst"] = p50["raw_dst"] / p50["disk-shm"]
-    for lane in ("shm", "tcp", "grpc"):
-        row[f"{lane}_nvme_vs_raw"] = p50["raw"] / p50[f"nvme-{lane}"]
-        row[f"{lane}_nvme_gbps"] = payload / p50[f"nvme-{lane}"] / 1e6
-        if baseline is not None:
-            row[f"old_{lane}_nvme_vs_raw"] = p50["raw"] / p50[f"old_nvme-{lane}"]
-            row[f"{lane}_nvme_speedup"] = p50[f"old_nvme-{lane}"] / p50[f"nvme-{lane}"]
-            if lane != "grpc":
-                row[f"{lane}_dram_speedup"] = p50[f"old_dram-{lane}"] / p50[f"dram-{lane}"]
-    if "dram-grpc" in p50:  # the gRPC stream with no disk under it: what its NVMe Get can reach at the most
-        row["grpc_dram_vs_raw"] = p50["raw"] / p50["dram-grpc"]
-        row["grpc_nvme_vs_dram"] = p50["dram-grpc"] / p50["nvme-grpc"]
-    for lane in ("shm", "tcp"):  # the same bound for the other lanes: their DRAM-hit Get against the raw read
-        row[f"{lane}_dram_vs_raw"] = p50["raw"] / p50[f"dram-{lane}"]
-    if "diskasked-shm" in p50:  # the same --share-nvme Gets, asked of a store without the DRAM index
-        row["diskasked_nvme_vs_raw"] = p50["raw"] / p50["diskasked-shm"]
-        row["disk_index_speedup"] = p50["diskasked-shm"] / p50["disk-shm"]
-    if "old_disk-shm" in p50:
-        row["old_disk_nvme_vs_raw"] = p50["raw"] / p50["old_disk-shm"]
-        row["disk_nvme_speedup"] = p50["old_disk-shm"] / p50["disk-shm"]
-    row["shm_dram_vs_floor"] = p50["dram_floor"] / p50["dram-shm"]
+    for name, num, den in RATIOS:  # each where both steps ran (``--kinds`` takes some of them)
+        if num in p50 and den in p50:
+            row[name] = p50[num] / p50[den]
+    for lane, step in (("disk", "disk-shm"), ("shm", "nvme-shm"), ("tcp", "nvme-tcp"), ("grpc", "nvme-grpc")):
+        if step in p50:
+            row[f"{lane}_nvme_gbps"] = payload / p50[step] / 1e6
     # what each store process spent (user + system, every thread, the work after each reply included) per Get it
     # served: on two cores shared with the client, the store-read lanes are bound by this more than by the disk
     for tag in cpu:
@@ -316,7 +326,8 @@ def measure(
             served = sum(len(v) for k, v in times.items() if k.startswith(f"{tag}{store}-"))
             if served:
                 row[f"{tag}{store}_store_cpu_ms"] = (seconds - cpu0[tag][store]) * 1e3 / served
-    row["nvme_store_cpu_vs_raw"] = row["nvme_store_cpu_ms"] / p50["raw"]
+    if "nvme_store_cpu_ms" in row:
+        row["nvme_store_cpu_vs_raw"] = row["nvme_store_cpu_ms"] / p50["raw"]
     # a remote client's Get moves the bytes over a socket too: loopback TCP of a prefix's payload, distinct memory
     # to distinct memory, bounds what the tcp and gRPC lanes can reach of the raw read
     row["socket_gbps"] = raw_socket_gbps(payload, "get", reps=3, distinct=True)
@@ -372,6 +383,13 @@ def main(argv: list[str] | None = None) -> None:
             "(rows: shm_dir_huge_pages)",
         )
         p.add_argument(
+            "--kinds",
+            default="",
+            metavar="KIND,...",
+            help="only these Get steps (of " + ", ".join((*NEW_KINDS, "diskasked-shm")) + "), each in turn with "
+            "the raw reads and the floor: a lane with no other store's Gets beside it (default: every one)",
+        )
+        p.add_argument(
             "--dir",
             type=Path,
             default=Path("/var/tmp"),
@@ -379,6 +397,10 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     args = parse_args("Gets of prefixes cached on NVMe through a kvstore serve process", argv, configure)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = sorted(set(kinds) - {*NEW_KINDS, "diskasked-shm"})
+    if unknown:
+        raise SystemExit(f"--kinds: no step {', '.join(unknown)} (the steps: {', '.join(NEW_KINDS)}, diskasked-shm)")
     sizes = {64 << 10: 24, 512 << 10: 8, 2 << 20: 5} if args.quick else {64 << 10: 64, 512 << 10: 24, 2 << 20: 10}
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="kvstore-nvme-get-", dir=args.dir))
@@ -392,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
                 extra, old = (*extra, "--shm-dir", args.shm_dir), (*old, "--shm-dir", args.shm_dir)
             index_ab = args.share_dram == "true" and args.dram_index == "true"
             rows = [
-                measure(block, count, root, bar, baseline, extra, old, index_ab, args.settle_ms / 1e3)
+                measure(block, count, root, bar, baseline, extra, old, index_ab, args.settle_ms / 1e3, kinds)
                 for block, count in sizes.items()
             ]
     finally:
