@@ -136,7 +136,9 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
             if words[0] == "stats":
                 tiers = {t["name"]: t["hits"] for t in clients["nvme-shm"].stats()["tiers"]}
                 if "disk-shm" in clients:  # bytes its clients read from the NVMe files themselves
-                    tiers["disk_named_bytes"] = clients["disk-shm"].stats()["counters"]["lane_shm_disk_get_bytes"]
+                    tiers["disk_named_bytes"] = (
+                        clients["disk-shm"].stats()["counters"].get("lane_shm_disk_get_bytes", 0)
+                    )
                 print(json.dumps(tiers), flush=True)
                 continue
             if words[0] == "cpu":
