@@ -367,6 +367,8 @@ def test_runs_in_several_files_are_left_to_read_when_one_file_s_blocks_are_not_a
     unaligned = [aligned_buffer(len(payloads[i]) + 64)[16 : 16 + len(payloads[i])] for i in picks]
     args = _run_args(where, payloads, picks, unaligned)[1:]
     assert reader.read_runs(segments, segment_name, *args) is None
+    empty = np.zeros(0, dtype=np.int64)
+    assert reader.read_runs(empty, segment_name, empty, empty, empty, empty, empty) is None  # as read_run's
     reader.close()
 
 

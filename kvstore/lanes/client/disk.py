@@ -185,7 +185,7 @@ class DiskReader:
         then). Such prefixes, read through ``read`` and this in turn: 7.54 -> 7.10 ms at 32 x 512 KiB, 26.6 ->
         24.6 at 32 x 2 MiB (as a prefix in one file, 24.6); in ``bench.nvme_get`` 4 % of the 512 KiB Gets and a
         quarter of the 2 MiB ones, whose 66 MiB cross a 256 MiB segment's end that often."""
-        if 2 * len(offsets) > MAX_IOVECS:
+        if not len(offsets) or 2 * len(offsets) > MAX_IOVECS:
             return None
         if time.monotonic() - self._swept >= SWEEP_SECONDS:
             self._close_deleted()  # here, not in a run: no thread may close a file another is reading
