@@ -25,7 +25,7 @@ from kvstore.arena_index import ArenaIndexView
 from kvstore.arena_index_layout import ON_DISK, segment_file
 from kvstore.checksum import crc32c
 from kvstore.client import Client, KVStoreError
-from kvstore.lanes.client import disk as client_disk
+from kvstore.lanes.client import segment_files
 from kvstore.store import BlockStore
 from kvstore.store.index import NO_LOC
 from kvstore.tiers.arena import ArenaTier
@@ -446,7 +446,7 @@ def test_deleted_nvme_blocks_are_never_served_from_the_index(server):
 def test_after_compaction_moved_entries_serve_the_same_bytes_and_deleted_segments_are_closed(
     server, monkeypatch
 ):  # fmt: skip
-    monkeypatch.setattr(client_disk, "SWEEP_SECONDS", 0.0)
+    monkeypatch.setattr(segment_files, "SWEEP_SECONDS", 0.0)
     hs, data = hashes(16, seed=4), blocks(16, MiB, seed=4)
     with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:
         on_nvme_only(server, kv, hs, data)
@@ -464,7 +464,7 @@ def test_after_compaction_moved_entries_serve_the_same_bytes_and_deleted_segment
         got = kv.get("ns", hs, out=out)
         assert all(np.array_equal(g, d) for g, d in zip(got, data))
         assert lane.indexed.disk_hits == before + 16  # the moved entries, read through the index
-        opened = dict(lane.disk._files)  # noqa: SLF001 - the reader's open segment files
+        opened = lane.disk.files.opened()
         assert opened and all(os.fstat(fd).st_nlink > 0 for fd in opened.values())  # none the store deleted
 
 

@@ -18,10 +18,8 @@ would have. The store keeps the file as it is until the client releases the mess
   not such a run (``read`` takes them then).
 - ``read_runs(segments, name_of, positions, offsets, lengths, crcs, addresses) -> failed | None``: ``read_run``
   of blocks in several files (a prefix a segment's end cut in two), one run per file at once.
-- files the store deleted (segments retired by compaction) are closed at the next read after a second, so an
-  open descriptor does not keep their disk space from the store.
-- ``unusable``: why this process cannot open the store's files at all (the directory is not there, as in a
-  container that does not mount it, or not readable), or "": the lane then stops asking for disk reads.
+- ``unusable``: why this process cannot open the store's files at all, or "": the lane then stops asking for
+  disk reads. The open files, and the closing of those the store deleted, are ``segment_files.SegmentFiles``'.
 
 How: the blocks are sorted by file and offset; neighbours at most ``GAP_BYTES`` apart (a record's 4 KiB header
 and padding) are read in one ``preadv``, whose iovec list puts each payload's page-aligned part straight in its
@@ -41,11 +39,7 @@ page aligned and all of a load goes through scratch; a fresh mapping per piece c
 from __future__ import annotations
 
 import ctypes
-import errno
-import os
-import re
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +51,7 @@ import numpy as np
 from kvstore import memops_jit
 from kvstore.background_compile import BackgroundCompile
 from kvstore.hugepages import huge_buffer
+from kvstore.lanes.client.segment_files import SegmentFiles, preadv
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.segments import Spans
 from kvstore.memops import run_rows
@@ -86,10 +81,7 @@ ALONE_BYTES = 3 << 20
 RUN_ALONE_BYTES = 32 << 20
 NO_LIMIT = 1 << 62  # ``read_run``'s alone_bytes for a piece ``cut_run`` already cut: read it whole
 MAX_IOVECS = 1024
-MAX_OPEN_FILES = 64
-SEGMENT_NAME = re.compile(r"seg-[0-9]+\.log")
 SCRATCH_BYTES = MAX_PIECE_BYTES + 2 * GAP_BYTES  # a thread's scratch, enough for any piece whose blocks fit
-SWEEP_SECONDS = 1.0  # how often open files are checked for having been deleted
 
 
 @dataclass(slots=True)
@@ -123,26 +115,26 @@ class _Scratch:
 
 class DiskReader:
     def __init__(self, directory: str, threads: int = 8):
-        self.directory = directory
+        self.files = SegmentFiles(directory)
         self.threads = max(1, threads)
-        self._files: dict[str, int] = {}
         self._lock = threading.Lock()
         self._pool: CopyPool | None = None
         self._local = threading.local()  # each reading thread's _Scratch
-        self.unusable = ""  # why this process cannot open the store's files (another mount namespace, say)
-        self._swept = time.monotonic()
+
+    @property
+    def unusable(self) -> str:
+        """Why this process cannot open the store's files (another mount namespace, say), or ""."""
+        return self.files.unusable
 
     def read(self, blocks: Sequence[DiskBlock]) -> list[int]:
         """(One read at a time per reader: a lane serves one Get at a time.)"""
-        if time.monotonic() - self._swept >= SWEEP_SECONDS:
-            self._close_deleted()
+        self.files.sweep_if_due()
         todo = deque(self._pieces(blocks))
         if not todo:
             return []
 
-        def work() -> list[
-            int
-        ]:  # in file order, several preadvs at once: one at a time read 64 MiB in 77 ms, 4 in 34, here
+        # in file order, several preadvs at once: one at a time read 64 MiB in 77 ms, 4 in 34, here
+        def work() -> list[int]:
             failed: list[int] = []
             while True:
                 try:
@@ -171,8 +163,7 @@ class DiskReader:
         more on per-block Python than on its CRC32Cs, and then on array operations 0.14-0.3 ms of 1.8-3.1."""
         if not len(offsets) or 2 * len(offsets) > MAX_IOVECS:
             return None
-        if time.monotonic() - self._swept >= SWEEP_SECONDS:
-            self._close_deleted()
+        self.files.sweep_if_due()
         return self._run(name, positions, offsets, lengths, crcs, addresses)
 
     def read_runs(
@@ -187,8 +178,7 @@ class DiskReader:
         quarter of the 2 MiB ones, whose 66 MiB cross a 256 MiB segment's end that often."""
         if not len(offsets) or 2 * len(offsets) > MAX_IOVECS:
             return None
-        if time.monotonic() - self._swept >= SWEEP_SECONDS:
-            self._close_deleted()  # here, not in a run: no thread may close a file another is reading
+        self.files.sweep_if_due()  # here, not in a run: no thread may close a file another is reading
         ids, which = np.unique(segments, return_inverse=True)
         groups = [np.flatnonzero(which == g) for g in range(len(ids))]
 
@@ -212,7 +202,7 @@ class DiskReader:
         if not _compiled.ready():
             return self._read_run_arrays(name, positions, offsets, lengths, crcs, addresses)
         try:
-            fd = self._fd(name)
+            fd = self.files.fd(name)
         except (OSError, ValueError):
             return _ints(positions)
         scratch = self._scratch(0)
@@ -291,7 +281,7 @@ class DiskReader:
         vectors[0::2, 0] = self._scratch(held).address + np.cumsum(gap) - gap if held else 0
         vectors[0::2, 1], vectors[1::2, 0], vectors[1::2, 1] = gap, address, length
         try:
-            got = _preadv(self._fd(name), vectors[vectors[:, 1] > 0], int(start[0]))
+            got = preadv(self.files.fd(name), vectors[vectors[:, 1] > 0], int(start[0]))
         except (OSError, ValueError):
             return _ints(positions)
         rows = np.zeros((n, 4), dtype=np.int64)  # (payload, 0: only read, length, block): CRC32Cs, no copies
@@ -300,24 +290,8 @@ class DiskReader:
         bad = (end - start[0] > got) | (values != crcs[order])
         return _ints(positions[order][bad])
 
-    def _close_deleted(self) -> None:
-        """Close the files the store has deleted since they were opened: between reads, so no thread uses them."""
-        self._swept = time.monotonic()
-        with self._lock:
-            for name, fd in list(self._files.items()):
-                try:
-                    gone = os.fstat(fd).st_nlink == 0
-                except OSError:
-                    gone = True
-                if gone:
-                    del self._files[name]
-                    os.close(fd)
-
     def close(self) -> None:
-        with self._lock:
-            files, self._files = self._files, {}
-        for fd in files.values():
-            os.close(fd)
+        self.files.close()
         if self._pool is not None:
             self._pool.close()
 
@@ -384,11 +358,11 @@ class DiskReader:
     def _read(self, piece: list[DiskBlock]) -> tuple[_Planned, int] | None:
         """The piece's preadv: its plan and the bytes read, None when it could not be read."""
         try:
-            fd = self._fd(piece[0].file)
+            fd = self.files.fd(piece[0].file)
             planned = self._plan(piece)
             if len(planned.iov) > MAX_IOVECS:  # too many spans for one call: the store reads these blocks
                 return None
-            return planned, _preadv(fd, np.array(planned.iov, dtype=np.int64), piece[0].offset)
+            return planned, preadv(fd, np.array(planned.iov, dtype=np.int64), piece[0].offset)
         except (OSError, ValueError):
             return None
 
@@ -427,34 +401,6 @@ class DiskReader:
                 _scatter(_skip(b.spans, b.length - n), planned.scratch.memory[at : at + n])
         return failed
 
-    def _fd(self, name: str) -> int:
-        if not SEGMENT_NAME.fullmatch(name):
-            raise ValueError(f"not a segment file name: {name!r}")
-        with self._lock:
-            fd = self._files.get(name)
-            if fd is not None:
-                return fd
-        path = os.path.join(self.directory, name)
-        try:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError as err:
-                if err.errno != errno.EINVAL:
-                    raise
-                fd = os.open(path, os.O_RDONLY)  # a file system without O_DIRECT (tmpfs): buffered reads
-        except OSError as err:
-            if err.errno in (errno.EACCES, errno.EPERM) or not os.path.isdir(self.directory):
-                self.unusable = f"cannot read the store's NVMe files in {self.directory}: {err.strerror}"
-            raise
-        with self._lock:
-            if name in self._files:
-                os.close(fd)
-                return self._files[name]
-            if len(self._files) >= MAX_OPEN_FILES:  # segment ids only grow: the oldest is the least likely
-                os.close(self._files.pop(next(iter(self._files))))
-            self._files[name] = fd
-        return fd
-
     def _alongside(self, mine: Callable[[], T], theirs: Sequence[Callable[[], T]]) -> list[T]:
         """``mine()`` on the caller's thread while the pool runs ``theirs``: every result, the caller's first. Each
         has ended before an exception of any propagates: no read may write into the caller's buffers after. A job
@@ -465,22 +411,6 @@ class DiskReader:
             if self._pool is None:
                 self._pool = CopyPool(self.threads, name="kvstore-disk-read")
         return self._pool.side_by_side([mine, *theirs])
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-_libc.preadv.restype = ctypes.c_ssize_t
-
-
-def _preadv(fd: int, vectors: np.ndarray, offset: int) -> int:
-    """``os.preadv`` of (address, length) rows (int64, C order: ``struct iovec``), without a memoryview per part
-    (it lets go of the GIL too)."""
-    vectors = np.ascontiguousarray(vectors, dtype=np.int64)
-    got = _libc.preadv(fd, vectors.ctypes.data, len(vectors), offset)
-    if got < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return int(got)
 
 
 def _piece_count(total: int, threads: int) -> int:
