@@ -4,7 +4,9 @@
 a header with its first chunk then chunks of data only, or, when the request asked for ``packed``, as one of the
 whole blocks of a message (``GetResponse.blocks``, their bytes one after another in ``data``). Into ``out`` when
 given (numpy or bytes-like buffers, or ``Segments`` scattered as chunks arrive), else each block's own bytes;
-with ``verify`` every raw block's CRC32C is checked (DATA_LOSS naming the block when one differs).
+with ``verify`` every raw block's CRC32C is checked (DATA_LOSS naming the block when one differs). The messages
+are ``get_wire.decode``'s (``data`` a view of the bytes gRPC received): ``get_call(channel)`` is the Get call that
+gives them.
 """
 
 from __future__ import annotations
@@ -14,18 +16,30 @@ from typing import Any
 
 import grpc
 
+from kvstore import get_wire
 from kvstore.checksum import crc32c
 from kvstore.errors import KVStoreError, corrupt_block
 from kvstore.memops import copy_crc
 from kvstore.payload import Segments, SegmentsWriter, as_bytes_view
 from kvstore.v1 import kvstore_pb2 as pb
 
+GET_METHOD = "/" + pb.DESCRIPTOR.services_by_name["KVStore"].full_name + "/Get"
 
-def receive_blocks(stream: Iterable[pb.GetResponse], count: int, out: Sequence[Any] | None, verify: bool) -> list[Any]:
+
+def get_call(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable[pb.GetRequest, get_wire.GetMessage]:
+    """KVStore.Get whose responses are ``get_wire.GetMessage``s, where the stub's are parsed protobuf objects."""
+    return channel.unary_stream(
+        GET_METHOD, request_serializer=pb.GetRequest.SerializeToString, response_deserializer=get_wire.decode
+    )
+
+
+def receive_blocks(
+    stream: Iterable[get_wire.GetMessage], count: int, out: Sequence[Any] | None, verify: bool
+) -> list[Any]:
     results: list[Any] = []
     header: pb.BlockHeader | None = None
     dest: Any = None
-    single: bytes | None = None
+    single: memoryview | None = None
     filled = 0
     for msg in stream:
         if msg.blocks:
@@ -33,7 +47,7 @@ def receive_blocks(stream: Iterable[pb.GetResponse], count: int, out: Sequence[A
                 raise KVStoreError(grpc.StatusCode.DATA_LOSS, f"block {len(results)} ended before its last chunk")
             _take_packed(msg, results, out, verify)
             continue
-        if msg.HasField("header"):
+        if msg.header is not None:
             header = msg.header
             if header.missing:
                 results.append(None)
@@ -74,10 +88,10 @@ def receive_blocks(stream: Iterable[pb.GetResponse], count: int, out: Sequence[A
     return results
 
 
-def _take_packed(msg: pb.GetResponse, results: list[Any], out: Sequence[Any] | None, verify: bool) -> None:
+def _take_packed(msg: get_wire.GetMessage, results: list[Any], out: Sequence[Any] | None, verify: bool) -> None:
     """The whole blocks of one packed message, in order: each copied into its buffer with its CRC32C in one pass,
     or, without ``out``, a view of the message's bytes (no copy)."""
-    data = memoryview(msg.data)
+    data = msg.data
     at = 0
     for h in msg.blocks:
         i = len(results)

@@ -85,7 +85,7 @@ from kvstore.codecs.transfer import DecodeTally, TransferPlan
 from kvstore.codecs.transfer_client import ClientCoding
 from kvstore.devices import is_device_tensor, stage_out
 from kvstore.errors import KVStoreError, from_rpc
-from kvstore.get_stream import receive_blocks
+from kvstore.get_stream import get_call, receive_blocks
 from kvstore.lanes.client.negotiate import LanePool
 from kvstore.payload import Segments, as_bytes_view, wire_dtype
 from kvstore.v1 import kvstore_pb2 as pb
@@ -125,6 +125,7 @@ class NodeClient:
             self._channel = grpc.insecure_channel(target, options=options)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._get_raw = get_call(self._channel)  # raw Gets: messages read as views, not parsed objects (get_wire)
         self._lanes = LanePool(
             self._channel, target, lane, metadata=self._metadata, timeout=timeout, tls=bool(tls_ca or tls_cert)
         )
@@ -406,7 +407,7 @@ class NodeClient:
 
     def _receive(self, request: pb.GetRequest, out: Sequence[Any] | None, verify: bool) -> list[Any]:
         """A raw gRPC Get (its requests ask for ``packed``: small blocks several to a message, get_stream)."""
-        stream = self._stub.Get(request, timeout=self.timeout, metadata=self._metadata)
+        stream = self._get_raw(request, timeout=self.timeout, metadata=self._metadata)
         return receive_blocks(stream, len(request.hashes), out, verify)
 
     def delete(self, namespace: str, hashes: Sequence[bytes]) -> int:

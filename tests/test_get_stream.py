@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from kvstore.checksum import crc32c
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
-from kvstore.get_stream import receive_blocks
+from kvstore.get_stream import get_call, receive_blocks
+from kvstore.get_wire import GetMessage, decode
 from kvstore.payload import Segments
 from kvstore.server.service import Packer
 from kvstore.v1 import kvstore_pb2 as pb
@@ -32,13 +33,21 @@ def header(data: bytes | None) -> pb.BlockHeader:
     return pb.BlockHeader(hash=bytes(16), stored_length=len(data), raw_length=len(data), crc32c=crc32c(data))
 
 
-def packed_stream(blocks: list[bytes | None], chunk: int = CHUNK) -> list[pb.GetResponse]:
-    """The messages the server's Packer makes of these blocks, in order."""
-    packer, messages = Packer(chunk), []
+def packed_stream(blocks: list[bytes | None], chunk: int = CHUNK) -> list[GetMessage]:
+    """The messages the server's Packer makes of these blocks, in order, as the client reads them; protobuf
+    reads each message's bytes the same way, and each counts the block bytes it carries."""
+    packer, encoded = Packer(chunk), []
     for data in blocks:
-        messages += list(packer.add(header(data), memoryview(data or b"")))
+        encoded += list(packer.add(header(data), memoryview(data or b"")))
     if packer.held:
-        messages.append(packer.take())
+        encoded.append(packer.take())
+    messages = []
+    for raw, n in encoded:
+        msg, parsed = decode(raw), pb.GetResponse.FromString(raw)
+        assert bytes(msg.data) == parsed.data and len(parsed.data) == n
+        assert list(msg.blocks) == list(parsed.blocks) and (msg.header is not None) == parsed.HasField("header")
+        assert msg.header is None or msg.header == parsed.header
+        messages.append(msg)
     return messages
 
 
@@ -73,7 +82,7 @@ def test_packed_messages_give_back_every_block_in_order(lengths, kind):
     messages = packed_stream(blocks)
     for msg in messages:  # at most a chunk a message; a message holds whole blocks or a part of one
         assert len(msg.data) <= CHUNK
-        assert not (msg.blocks and msg.HasField("header"))
+        assert not (msg.blocks and msg.header is not None)
         assert len(msg.data) == sum(h.stored_length for h in msg.blocks) or not msg.blocks
     for a, b in zip(messages, messages[1:]):  # full: the next packed block would not have fitted
         if a.blocks and b.blocks:
@@ -111,7 +120,7 @@ def test_a_corrupt_block_in_a_packed_message_is_data_loss_naming_it():
 @pytest.mark.parametrize("change", [-1, 1])
 def test_a_packed_message_whose_bytes_do_not_match_its_blocks_is_data_loss(change):
     messages = packed_stream([b"a" * 100, b"b" * 200])
-    messages[0].data = messages[0].data[:-1] if change < 0 else messages[0].data + b"x"
+    messages[0].data = messages[0].data[:-1] if change < 0 else memoryview(bytes(messages[0].data) + b"x")
     with pytest.raises(KVStoreError) as err:
         receive_blocks(iter(messages), 2, None, verify=False)
     assert err.value.code == grpc.StatusCode.DATA_LOSS
@@ -141,7 +150,7 @@ def test_packed_and_per_block_gets_return_the_same_bytes(make_server):
         wanted = hashes[:40] + [b"\x01" * 16] + hashes[40:]  # one missing, between packed runs
         for packed in (False, True):
             request = pb.GetRequest(namespace="ns", hashes=wanted, allow_missing=True, packed=packed)
-            messages = list(kv._stub.Get(request, timeout=30))  # noqa: SLF001 - the raw stream
+            messages = list(get_call(kv._channel)(request, timeout=30))  # noqa: SLF001 - the raw stream
             assert any(m.blocks for m in messages) == packed
             got = receive_blocks(iter(messages), len(wanted), None, verify=True)
             assert got[40] is None

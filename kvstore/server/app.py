@@ -30,12 +30,12 @@ from kvstore.hugepages import SHMEM_ENABLED
 from kvstore.server import drain, ports, reflection, tls
 from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
-from kvstore.server.service import KVStoreService
+from kvstore.server.service import KVStoreService, add_to_server
 from kvstore.server.validate import Limits
 from kvstore.store import BlockStore
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import MemoryTier, Tier
-from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, lanes_pb2
+from kvstore.v1 import kvstore_pb2, lanes_pb2
 
 log = logging.getLogger("kvstore.server")
 
@@ -193,7 +193,7 @@ class StoreServer:
             maximum_concurrent_rpcs=self.cfg.workers * 4,
             interceptors=[self.calls, *self.gate.interceptors()],
         )
-        kvstore_pb2_grpc.add_KVStoreServicer_to_server(self.service, server)
+        add_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable(server, (SERVICE_NAME, LANES_SERVICE_NAME, health.SERVICE_NAME))  # v1 and v1alpha
         from kvstore.lanes.server.wiring import LaneServer  # fast data lanes (shm, tcp), negotiated over gRPC

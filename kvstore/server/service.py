@@ -27,6 +27,10 @@ decoded to verify their CRC32C and the decode time goes back in
 reader accepts codecs beyond ``none`` is coded per batch by the node's
 controller (``ServerCoding``), which also learns from the reader's
 ``decode_report``. Namespace Stats carry ``codec_lossy_allowed`` (1 or 0).
+
+A raw Get's messages leave already encoded (``kvstore/get_wire.py``: the block bytes copied once, into the
+message, where protobuf objects copied them twice); ``add_to_server`` registers the service with Get's
+serializer taking those bytes as they are.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
+from kvstore import get_wire
 from kvstore.checksum import crc32c
 from kvstore.codecs.transfer import DecodeTally
 from kvstore.codecs.transfer_server import ServerCoding
@@ -234,7 +239,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.BlockResult(hash=state.meta.hash, status=pb.PUT_STORED, tier=self.store.top.rank)  # type: ignore[arg-type]
 
     # -- Get -------------------------------------------------------------------------------
-    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes | pb.GetResponse]:
         with self.metrics.rpc("Get", context):
             ns = self._authorized(context, request.namespace)
             keys = self._check(context, validate.hashes, request.hashes, self.limits)
@@ -252,23 +257,24 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     if coded is not None:
                         for j in range(len(window)):
                             self._wait_read(context, reads, w, j)
-                        for msg in coded.messages(window, self.limits.max_chunk_bytes):
-                            sent += len(msg.data)
-                            yield msg
+                        for coded_msg in coded.messages(window, self.limits.max_chunk_bytes):
+                            sent += len(coded_msg.data)
+                            yield coded_msg
                         continue
                     accepted = set(request.accepted_codecs) | {pb.CODEC_NONE}
                     packed = Packer(self.limits.max_chunk_bytes) if request.packed else None
                     for j, lease in enumerate(window):
                         if packed is not None and packed.held and not self._read_now(reads, w, j):
-                            yield packed.take()  # what is verified goes before the wait for the rest
+                            msg, n = packed.take()  # what is verified goes before the wait for the rest
+                            sent += n
+                            yield msg
                         self._wait_read(context, reads, w, j)  # each block is sent once it is verified
-                        messages = self._block_messages(lease, accepted, packed)
-                        for msg in messages:
-                            sent += len(msg.data)
+                        for msg, n in self._block_messages(lease, accepted, packed):
+                            sent += n
                             yield msg
                     if packed is not None and packed.held:
-                        msg = packed.take()
-                        sent += len(msg.data)
+                        msg, n = packed.take()
+                        sent += n
                         yield msg
             finally:
                 reads.close()
@@ -299,13 +305,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def _block_messages(
         self, lease: Lease | None, accepted: AbstractSet[int], packed: Packer | None = None
-    ) -> Iterator[pb.GetResponse]:
+    ) -> Iterator[Encoded]:
         """The messages of one block; with ``packed``, a whole small block joins its message instead (the
         messages that come out then are full ones)."""
         if lease is None:
             if packed is not None:
                 return packed.add(pb.BlockHeader(missing=True), b"")
-            return iter([pb.GetResponse(header=pb.BlockHeader(missing=True))])
+            return iter([(get_wire.encode(pb.BlockHeader(missing=True)), 0)])
         if lease.codec not in accepted:  # stored encoded, the reader cannot decode it: decode here
             from kvstore.codecs import decode
 
@@ -416,16 +422,46 @@ def _header(lease: Lease) -> pb.BlockHeader:
     )
 
 
-def _chunks(lease: Lease, chunk: int) -> Iterator[pb.GetResponse]:
+def add_to_server(service: KVStoreService, server: grpc.Server) -> None:
+    """Register ``service`` as protoc's ``add_KVStoreServicer_to_server`` does, but for Get's responses: the
+    service yields them encoded already (``get_wire.serialize`` passes bytes through, GetResponse objects of coded
+    transfers through protobuf)."""
+    handlers = {
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            service.Lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString
+        ),
+        "Put": grpc.stream_unary_rpc_method_handler(
+            service.Put, pb.PutRequest.FromString, pb.PutResponse.SerializeToString
+        ),
+        "Get": grpc.unary_stream_rpc_method_handler(service.Get, pb.GetRequest.FromString, get_wire.serialize),
+        "Delete": grpc.unary_unary_rpc_method_handler(
+            service.Delete, pb.DeleteRequest.FromString, pb.DeleteResponse.SerializeToString
+        ),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            service.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString
+        ),
+    }
+    name = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)  # type: ignore[attr-defined]  # grpc's stubs lag
+
+
+Encoded = tuple[bytes, int]  # a GetResponse's bytes (get_wire.encode) and how many block bytes it carries
+
+
+def _chunks(lease: Lease, chunk: int) -> Iterator[Encoded]:
     return _chunked(_header(lease), lease.buffer, chunk)
 
 
-def _chunked(header: pb.BlockHeader, buf: Any, chunk: int) -> Iterator[pb.GetResponse]:
+def _chunked(header: pb.BlockHeader, buf: Any, chunk: int) -> Iterator[Encoded]:
     """One block as its header with the first chunk, then chunks: each copied as its message is made."""
     n = header.stored_length
-    yield pb.GetResponse(header=header, data=bytes(buf[: min(chunk, n)]))
+    view = memoryview(buf).cast("B")
+    first = view[: min(chunk, n)]
+    yield get_wire.encode(header, (first,)), len(first)
     for start in range(chunk, n, chunk):
-        yield pb.GetResponse(data=bytes(buf[start : start + chunk]))
+        part = view[start : start + chunk]
+        yield get_wire.encode(None, (part,)), len(part)
 
 
 class Packer:
@@ -443,7 +479,7 @@ class Packer:
     def held(self) -> bool:
         return bool(self._headers)
 
-    def add(self, header: pb.BlockHeader, data: Any) -> Iterator[pb.GetResponse]:
+    def add(self, header: pb.BlockHeader, data: Any) -> Iterator[Encoded]:
         """The messages that are full once this block is added (its bytes are copied when its message is made)."""
         n = header.stored_length
         full = [self.take()] if self._headers and self._bytes + n > self.chunk else []
@@ -454,7 +490,7 @@ class Packer:
         self._bytes += n
         return iter(full)
 
-    def take(self) -> pb.GetResponse:
-        msg = pb.GetResponse(blocks=self._headers, data=b"".join(self._parts))
+    def take(self) -> Encoded:
+        msg = get_wire.encode(None, self._parts, self._headers), self._bytes
         self._headers, self._parts, self._bytes = [], [], 0
         return msg
