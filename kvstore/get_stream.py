@@ -5,7 +5,7 @@ a header with its first chunk then chunks of data only, or, when the request ask
 whole blocks of a message (``GetResponse.blocks``, their bytes one after another in ``data``). Into ``out`` when
 given (numpy or bytes-like buffers, or ``Segments`` scattered as chunks arrive), else each block's own bytes;
 with ``verify`` every raw block's CRC32C is checked (DATA_LOSS naming the block when one differs). The messages
-are ``get_wire.decode``'s (``data`` a view of the bytes gRPC received): ``get_call(channel)`` is the Get call that
+are ``block_messages.decode_get``'s (``data`` a view of the bytes gRPC received): ``get_call(channel)`` is the Get call that
 gives them.
 """
 
@@ -16,25 +16,26 @@ from typing import Any
 
 import grpc
 
-from kvstore import get_wire
+from kvstore import block_messages
 from kvstore.checksum import crc32c
 from kvstore.errors import KVStoreError, corrupt_block
 from kvstore.memops import copy_crc
 from kvstore.payload import Segments, SegmentsWriter, as_bytes_view
 from kvstore.v1 import kvstore_pb2 as pb
 
-GET_METHOD = "/" + pb.DESCRIPTOR.services_by_name["KVStore"].full_name + "/Get"
+SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+GET_METHOD, PUT_METHOD = f"/{SERVICE}/Get", f"/{SERVICE}/Put"
 
 
-def get_call(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable[pb.GetRequest, get_wire.GetMessage]:
-    """KVStore.Get whose responses are ``get_wire.GetMessage``s, where the stub's are parsed protobuf objects."""
+def get_call(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable[pb.GetRequest, block_messages.GetMessage]:
+    """KVStore.Get whose responses are ``block_messages.GetMessage``s, where the stub's are parsed protobuf objects."""
     return channel.unary_stream(
-        GET_METHOD, request_serializer=pb.GetRequest.SerializeToString, response_deserializer=get_wire.decode
+        GET_METHOD, request_serializer=pb.GetRequest.SerializeToString, response_deserializer=block_messages.decode_get
     )
 
 
 def receive_blocks(
-    stream: Iterable[get_wire.GetMessage], count: int, out: Sequence[Any] | None, verify: bool
+    stream: Iterable[block_messages.GetMessage], count: int, out: Sequence[Any] | None, verify: bool
 ) -> list[Any]:
     results: list[Any] = []
     header: pb.BlockHeader | None = None
@@ -88,7 +89,7 @@ def receive_blocks(
     return results
 
 
-def _take_packed(msg: get_wire.GetMessage, results: list[Any], out: Sequence[Any] | None, verify: bool) -> None:
+def _take_packed(msg: block_messages.GetMessage, results: list[Any], out: Sequence[Any] | None, verify: bool) -> None:
     """The whole blocks of one packed message, in order: each copied into its buffer with its CRC32C in one pass,
     or, without ``out``, a view of the message's bytes (no copy)."""
     data = msg.data

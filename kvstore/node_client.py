@@ -80,12 +80,13 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from kvstore.block_messages import encode_put, serialize
 from kvstore.checksum import crc32c
 from kvstore.codecs.transfer import DecodeTally, TransferPlan
 from kvstore.codecs.transfer_client import ClientCoding
 from kvstore.devices import is_device_tensor, stage_out
 from kvstore.errors import KVStoreError, from_rpc
-from kvstore.get_stream import get_call, receive_blocks
+from kvstore.get_stream import PUT_METHOD, get_call, receive_blocks
 from kvstore.lanes.client.negotiate import LanePool
 from kvstore.payload import Segments, as_bytes_view, wire_dtype
 from kvstore.v1 import kvstore_pb2 as pb
@@ -125,7 +126,9 @@ class NodeClient:
             self._channel = grpc.insecure_channel(target, options=options)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._get_raw = get_call(self._channel)  # raw Gets: messages read as views, not parsed objects (get_wire)
+        # raw Gets and Puts: the messages that carry block bytes made and read by hand (block_messages)
+        self._get_raw = get_call(self._channel)
+        self._put_raw = self._channel.stream_unary(PUT_METHOD, serialize, pb.PutResponse.FromString)
         self._lanes = LanePool(
             self._channel, target, lane, metadata=self._metadata, timeout=timeout, tls=bool(tls_ca or tls_cert)
         )
@@ -228,14 +231,14 @@ class NodeClient:
             # C implementation; accepts any buffer (chained over the segments of a Segments)
             header.crc32c = view.crc32c() if isinstance(view, Segments) else crc32c(view)
 
-        def requests() -> Iterator[pb.PutRequest]:
+        def requests() -> Iterator[bytes]:  # each chunk copied once, into its message (block_messages)
             for i, (header, (view, _)) in enumerate(zip(headers, views)):
-                chunks = _chunks(view, self.chunk_bytes)
-                yield pb.PutRequest(namespace=namespace if i == 0 else "", header=header, data=next(chunks, b""))
-                for data in chunks:
-                    yield pb.PutRequest(data=data)
+                chunks = _chunk_parts(view, self.chunk_bytes)
+                yield encode_put(namespace if i == 0 else "", header, next(chunks, ()))
+                for parts in chunks:
+                    yield encode_put("", None, parts)
 
-        reply = self._call(lambda: self._stub.Put(requests(), timeout=self.timeout, metadata=self._metadata))
+        reply = self._call(lambda: self._put_raw(requests(), timeout=self.timeout, metadata=self._metadata))
         return put_results(reply.results)
 
     def _put_device(
@@ -482,13 +485,13 @@ def _nbytes(view: memoryview | Segments) -> int:
     return view.nbytes if isinstance(view, Segments) else len(view)
 
 
-def _chunks(view: memoryview | Segments, chunk: int) -> Iterator[bytes]:
-    """A payload as gRPC chunks of at most ``chunk`` bytes (gRPC copies each into its message anyway)."""
+def _chunk_parts(view: memoryview | Segments, chunk: int) -> Iterator[Sequence[memoryview]]:
+    """A payload as the views that make each gRPC chunk of at most ``chunk`` bytes (joined into its message)."""
     if isinstance(view, Segments):
-        yield from view.chunks(chunk)
+        yield from view.chunk_parts(chunk)
         return
     for start in range(0, len(view), chunk):
-        yield bytes(view[start : start + chunk])
+        yield (view[start : start + chunk],)
 
 
 def _nothing() -> None:

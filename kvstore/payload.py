@@ -140,6 +140,10 @@ class Segments:
 
     def chunks(self, size: int) -> Iterator[bytes]:
         """The block in chunks of ``size`` bytes (the last may be shorter), each assembled from the parts."""
+        return map(b"".join, self.chunk_parts(size))
+
+    def chunk_parts(self, size: int) -> Iterator[list[memoryview]]:
+        """The views of the parts that make each chunk of ``chunks``, not joined (no copy)."""
         pending: list[memoryview] = []
         filled = 0
         for part in self.views:
@@ -150,10 +154,10 @@ class Segments:
                 filled += take
                 offset += take
                 if filled == size:
-                    yield b"".join(pending)
+                    yield pending
                     pending, filled = [], 0
         if pending:
-            yield b"".join(pending)
+            yield pending
 
     def join(self) -> memoryview:
         """The block as one new contiguous host buffer (one copy; for codecs and device lanes)."""

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.block_messages import GetMessage, decode_get
 from kvstore.checksum import crc32c
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.get_stream import get_call, receive_blocks
-from kvstore.get_wire import GetMessage, decode
 from kvstore.payload import Segments
 from kvstore.server.service import Packer
 from kvstore.v1 import kvstore_pb2 as pb
@@ -43,7 +43,7 @@ def packed_stream(blocks: list[bytes | None], chunk: int = CHUNK) -> list[GetMes
         encoded.append(packer.take())
     messages = []
     for raw, n in encoded:
-        msg, parsed = decode(raw), pb.GetResponse.FromString(raw)
+        msg, parsed = decode_get(raw), pb.GetResponse.FromString(raw)
         assert bytes(msg.data) == parsed.data and len(parsed.data) == n
         assert list(msg.blocks) == list(parsed.blocks) and (msg.header is not None) == parsed.HasField("header")
         assert msg.header is None or msg.header == parsed.header

@@ -183,22 +183,23 @@ def test_grpc_put_with_a_segment_corrupted_in_transit_stores_nothing_for_it(make
     server = make_server()
     blocks = [segments(np.random.default_rng(6), [49152] * 30) for _ in range(2)]
     with Client(f"127.0.0.1:{server.port}", lane="grpc", retries=0) as kv:
-        put = kv._stub.Put
+        put = kv._put_raw  # the raw Put's call: its requests are encoded PutRequests (kvstore/block_messages.py)
 
         def corrupting(requests, **kw):
             def flipped():
-                for msg in requests:
+                for raw in requests:
+                    msg = pb.PutRequest.FromString(raw)
                     if msg.HasField("header") and msg.header.hash == keys(2)[1]:
                         msg.data = bytes([msg.data[0] ^ 1]) + msg.data[1:]
-                    yield msg
+                    yield msg.SerializeToString()
 
             return put(flipped(), **kw)
 
-        kv._stub.Put = corrupting
+        kv._put_raw = corrupting
         results = kv.put("ns", keys(2), blocks)  # the corrupted block alone is refused, in its result
         assert [r.status for r in results] == ["stored", "rejected"]
         assert results[1].code == grpc.StatusCode.INVALID_ARGUMENT
-        kv._stub.Put = put
+        kv._put_raw = put
         assert kv.get("ns", keys(2), allow_missing=True)[1] is None
 
 

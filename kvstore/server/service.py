@@ -28,9 +28,10 @@ reader accepts codecs beyond ``none`` is coded per batch by the node's
 controller (``ServerCoding``), which also learns from the reader's
 ``decode_report``. Namespace Stats carry ``codec_lossy_allowed`` (1 or 0).
 
-A raw Get's messages leave already encoded (``kvstore/get_wire.py``: the block bytes copied once, into the
-message, where protobuf objects copied them twice); ``add_to_server`` registers the service with Get's
-serializer taking those bytes as they are.
+The messages that carry block bytes are made and read by hand (``kvstore/block_messages.py``): a raw Get's
+responses leave already encoded (the block bytes copied once, into the message, where protobuf objects copied
+them twice) and a Put's requests are read as views of what gRPC received (no parsed copy);
+``add_to_server`` registers the service so.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from kvstore import get_wire
+from kvstore import block_messages
+from kvstore.block_messages import PutMessage
 from kvstore.checksum import crc32c
 from kvstore.codecs.transfer import DecodeTally
 from kvstore.codecs.transfer_server import ServerCoding
 from kvstore.codecs.verify import crc_mismatch_reason
+from kvstore.memops import copy_crc, copy_into, host_view
 from kvstore.server import validate
 from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
@@ -121,7 +124,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             return pb.LookupResponse(prefix_length=n, tiers=ranks)  # type: ignore[arg-type]  # .pyi: Tier | str; ints go
 
     # -- Put ----------------------------------------------------------------------------
-    def Put(self, request_iterator: Iterator[pb.PutRequest], context: grpc.ServicerContext) -> pb.PutResponse:
+    def Put(self, request_iterator: Iterator[PutMessage], context: grpc.ServicerContext) -> pb.PutResponse:
         with self.metrics.rpc("Put", context):
             results: list[pb.BlockResult] = []
             state: _PutState | None = None
@@ -133,7 +136,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 for msg in request_iterator:
                     if ns is None:
                         ns = self._authorized(context, msg.namespace)
-                    if msg.HasField("header"):
+                    if msg.header is not None:
                         if state is not None:
                             raise _StreamFault(
                                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -163,8 +166,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                 f"Put stream exceeds {self.limits.max_stream_bytes} bytes; split it",
                             )
                         if state.ticket is not None:
-                            state.ticket.buffer[state.received : state.received + n] = msg.data
-                            state.crc = crc32c(msg.data, state.crc)
+                            state.crc = _land(state.ticket.buffer, state.received, msg.data, state.crc)
                         state.received += n
                     if state is not None and state.received == state.meta.stored_length:
                         results.append(self._finish_block(state, committed, decoded))
@@ -311,7 +313,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if lease is None:
             if packed is not None:
                 return packed.add(pb.BlockHeader(missing=True), b"")
-            return iter([(get_wire.encode(pb.BlockHeader(missing=True)), 0)])
+            return iter([(block_messages.encode_get(pb.BlockHeader(missing=True)), 0)])
         if lease.codec not in accepted:  # stored encoded, the reader cannot decode it: decode here
             from kvstore.codecs import decode
 
@@ -423,17 +425,17 @@ def _header(lease: Lease) -> pb.BlockHeader:
 
 
 def add_to_server(service: KVStoreService, server: grpc.Server) -> None:
-    """Register ``service`` as protoc's ``add_KVStoreServicer_to_server`` does, but for Get's responses: the
-    service yields them encoded already (``get_wire.serialize`` passes bytes through, GetResponse objects of coded
-    transfers through protobuf)."""
+    """Register ``service`` as protoc's ``add_KVStoreServicer_to_server`` does, but for the messages that carry
+    block bytes (``kvstore/block_messages.py``): Put's requests are read as views, and Get yields its responses
+    encoded already (``serialize`` passes bytes through, GetResponse objects of coded transfers through protobuf)."""
     handlers = {
         "Lookup": grpc.unary_unary_rpc_method_handler(
             service.Lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString
         ),
         "Put": grpc.stream_unary_rpc_method_handler(
-            service.Put, pb.PutRequest.FromString, pb.PutResponse.SerializeToString
+            service.Put, block_messages.decode_put, pb.PutResponse.SerializeToString
         ),
-        "Get": grpc.unary_stream_rpc_method_handler(service.Get, pb.GetRequest.FromString, get_wire.serialize),
+        "Get": grpc.unary_stream_rpc_method_handler(service.Get, pb.GetRequest.FromString, block_messages.serialize),
         "Delete": grpc.unary_unary_rpc_method_handler(
             service.Delete, pb.DeleteRequest.FromString, pb.DeleteResponse.SerializeToString
         ),
@@ -446,7 +448,17 @@ def add_to_server(service: KVStoreService, server: grpc.Server) -> None:
     server.add_registered_method_handlers(name, handlers)  # type: ignore[attr-defined]  # grpc's stubs lag
 
 
-Encoded = tuple[bytes, int]  # a GetResponse's bytes (get_wire.encode) and how many block bytes it carries
+def _land(slot: Any, at: int, data: memoryview, crc: int) -> int:
+    """Copy a Put chunk into its slot at ``at``; the CRC32C chained over it. Host memory in one pass (copy and
+    CRC fused, ``memops.copy_crc``); a device slot (an HBM tier's tensor) through ``memops.copy_into``."""
+    host = host_view(slot)
+    if host is not None:
+        return copy_crc(host[at : at + len(data)], data, crc)
+    copy_into(slot[at : at + len(data)], data)
+    return crc32c(data, crc)
+
+
+Encoded = tuple[bytes, int]  # a GetResponse's bytes (block_messages.encode_get) and how many block bytes it carries
 
 
 def _chunks(lease: Lease, chunk: int) -> Iterator[Encoded]:
@@ -458,10 +470,10 @@ def _chunked(header: pb.BlockHeader, buf: Any, chunk: int) -> Iterator[Encoded]:
     n = header.stored_length
     view = memoryview(buf).cast("B")
     first = view[: min(chunk, n)]
-    yield get_wire.encode(header, (first,)), len(first)
+    yield block_messages.encode_get(header, (first,)), len(first)
     for start in range(chunk, n, chunk):
         part = view[start : start + chunk]
-        yield get_wire.encode(None, (part,)), len(part)
+        yield block_messages.encode_get(None, (part,)), len(part)
 
 
 class Packer:
@@ -491,6 +503,6 @@ class Packer:
         return iter(full)
 
     def take(self) -> Encoded:
-        msg = get_wire.encode(None, self._parts, self._headers), self._bytes
+        msg = block_messages.encode_get(None, self._parts, self._headers), self._bytes
         self._headers, self._parts, self._bytes = [], [], 0
         return msg
