@@ -425,9 +425,14 @@ class _FirstReadLate:
 def test_tcp_sends_blocks_as_their_reads_complete(make_server, tmp_path, monkeypatch, asks):
     """On the TCP lane a read the disk serves late no longer holds back the verified blocks behind it: with the
     first read held back, the client (whose hello asks for DATA frames that name their blocks) gets the later
-    blocks first, every byte right. A client whose hello does not ask gets every block in the reply's order."""
+    blocks first, every byte right. A client whose hello does not ask gets every block in the reply's order.
+    (The prefix is read on reader threads, as a Get of more than ``readahead.INLINE_BYTES`` is: a smaller one is
+    read by the lane's own thread, which sends nothing while it reads.)"""
     from kvstore.lanes.client import tcp as client_tcp
+    from kvstore.store import readahead
     from kvstore.v1 import lanes_pb2
+
+    monkeypatch.setattr(readahead, "INLINE_BYTES", 0)
 
     if not asks:  # an older client: its hello has no unordered_data
         old = type(client_tcp)("lanes_pb2_without_unordered")

@@ -59,13 +59,14 @@ class ReadAhead:
         materialize: Materialize,
         windows: Sequence[Sequence[Any]],
         executor: Executor,
-        inline_bytes: int = INLINE_BYTES,
+        inline_bytes: int | None = None,  # None: INLINE_BYTES
     ):
         self._materialize, self._executor = materialize, executor
         self._windows = [_Window(w) for w in windows]
         self._cond = threading.Condition()
         self._started = [False] * len(self._windows)
-        self._inline = len(windows) == 1 and _cold_bytes(windows[0]) <= inline_bytes
+        limit = INLINE_BYTES if inline_bytes is None else inline_bytes
+        self._inline = len(windows) == 1 and _cold_bytes(windows[0]) <= limit
 
     def _start(self, w: int) -> None:
         if w >= len(self._windows) or self._started[w]:
