@@ -60,15 +60,9 @@ def encode_get(
 
 
 def decode_get(buf: bytes) -> GetMessage:
-    msg = GetMessage()
-    for number, value in _length_fields(buf, "GetResponse", (GET_HEADER, GET_DATA, GET_BLOCKS)):
-        if number == GET_DATA:
-            msg.data = value
-        elif number == GET_HEADER:
-            msg.header = _merged(msg.header, value)
-        else:
-            msg.blocks.append(pb.BlockHeader.FromString(bytes(value)))
-    return msg
+    f = _collect(buf, "GetResponse", (GET_HEADER, GET_DATA, GET_BLOCKS))
+    blocks = [pb.BlockHeader.FromString(bytes(v)) for v in f[GET_BLOCKS]]
+    return GetMessage(_merged(f[GET_HEADER]), _last(f[GET_DATA]), blocks)
 
 
 def encode_put(namespace: str, header: pb.BlockHeader | None, parts: Sequence[Any] = ()) -> bytes:
@@ -81,15 +75,9 @@ def encode_put(namespace: str, header: pb.BlockHeader | None, parts: Sequence[An
 
 
 def decode_put(buf: bytes) -> PutMessage:
-    msg = PutMessage()
-    for number, value in _length_fields(buf, "PutRequest", (PUT_NAMESPACE, PUT_HEADER, PUT_DATA)):
-        if number == PUT_DATA:
-            msg.data = value
-        elif number == PUT_HEADER:
-            msg.header = _merged(msg.header, value)
-        else:
-            msg.namespace = str(value, "utf-8")  # protobuf refuses a string that is not UTF-8, as this does
-    return msg
+    f = _collect(buf, "PutRequest", (PUT_NAMESPACE, PUT_HEADER, PUT_DATA))
+    namespace = str(_last(f[PUT_NAMESPACE]), "utf-8")  # protobuf refuses a string that is not UTF-8, as this does
+    return PutMessage(namespace, _merged(f[PUT_HEADER]), _last(f[PUT_DATA]))
 
 
 def serialize(msg: bytes | Message) -> bytes:
@@ -103,10 +91,25 @@ def _data(pieces: list[Any], number: int, parts: Sequence[Any]) -> None:
         pieces.extend(parts)
 
 
-def _merged(header: pb.BlockHeader | None, value: memoryview) -> pb.BlockHeader:
-    if header is None:
-        return pb.BlockHeader.FromString(bytes(value))
-    header.MergeFromString(bytes(value))
+def _collect(buf: bytes, name: str, known: tuple[int, ...]) -> dict[int, list[memoryview]]:
+    """Each field of ``known`` numbers: the views of its occurrences, in order."""
+    fields: dict[int, list[memoryview]] = {number: [] for number in known}
+    for number, value in _length_fields(buf, name, known):
+        fields[number].append(value)
+    return fields
+
+
+def _last(values: list[memoryview]) -> memoryview:
+    return values[-1] if values else _EMPTY  # a repeated bytes or string field: the last one counts
+
+
+def _merged(values: list[memoryview]) -> pb.BlockHeader | None:
+    """A message field: its occurrences merged, in order (None when absent)."""
+    if not values:
+        return None
+    header = pb.BlockHeader()
+    for value in values:
+        header.MergeFromString(bytes(value))
     return header
 
 
