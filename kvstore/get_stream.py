@@ -23,8 +23,7 @@ from kvstore.memops import copy_crc
 from kvstore.payload import Segments, SegmentsWriter, as_bytes_view
 from kvstore.v1 import kvstore_pb2 as pb
 
-SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-GET_METHOD, PUT_METHOD = f"/{SERVICE}/Get", f"/{SERVICE}/Put"
+GET_METHOD = "/" + pb.DESCRIPTOR.services_by_name["KVStore"].full_name + "/Get"
 
 
 def get_call(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable[pb.GetRequest, block_messages.GetMessage]:

@@ -74,21 +74,21 @@ client's controller (choices, bandwidth, ratio and speed estimates).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from kvstore.block_messages import encode_put, serialize
 from kvstore.checksum import crc32c
 from kvstore.codecs.transfer import DecodeTally, TransferPlan
 from kvstore.codecs.transfer_client import ClientCoding
 from kvstore.devices import is_device_tensor, stage_out
 from kvstore.errors import KVStoreError, from_rpc
-from kvstore.get_stream import PUT_METHOD, get_call, receive_blocks
+from kvstore.get_stream import get_call, receive_blocks
 from kvstore.lanes.client.negotiate import LanePool
 from kvstore.payload import Segments, as_bytes_view, wire_dtype
+from kvstore.put_stream import put_call, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import CHUNK_BYTES, TIER_NAMES, PutResult, put_results
@@ -128,7 +128,8 @@ class NodeClient:
         self._stub = pb_grpc.KVStoreStub(self._channel)
         # raw Gets and Puts: the messages that carry block bytes made and read by hand (block_messages)
         self._get_raw = get_call(self._channel)
-        self._put_raw = self._channel.stream_unary(PUT_METHOD, serialize, pb.PutResponse.FromString)
+        self._put_raw = put_call(self._channel)
+        self._put_packed = 0  # the server's PutResponse.packed_bytes: small blocks go several a message up to it
         self._lanes = LanePool(
             self._channel, target, lane, metadata=self._metadata, timeout=timeout, tls=bool(tls_ca or tls_cert)
         )
@@ -230,15 +231,15 @@ class NodeClient:
         for header, (view, _) in zip(headers, views):
             # C implementation; accepts any buffer (chained over the segments of a Segments)
             header.crc32c = view.crc32c() if isinstance(view, Segments) else crc32c(view)
-
-        def requests() -> Iterator[bytes]:  # each chunk copied once, into its message (block_messages)
-            for i, (header, (view, _)) in enumerate(zip(headers, views)):
-                chunks = _chunk_parts(view, self.chunk_bytes)
-                yield encode_put(namespace if i == 0 else "", header, next(chunks, ()))
-                for parts in chunks:
-                    yield encode_put("", None, parts)
-
-        reply = self._call(lambda: self._put_raw(requests(), timeout=self.timeout, metadata=self._metadata))
+        raw = [view for view, _ in views]
+        reply: pb.PutResponse = self._call(
+            lambda: self._put_raw(
+                put_requests(namespace, headers, raw, self.chunk_bytes, packed=self._put_packed),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
+        )
+        self._put_packed = min(reply.packed_bytes, self.chunk_bytes)
         return put_results(reply.results)
 
     def _put_device(
@@ -483,15 +484,6 @@ def _read(path: str | None) -> bytes | None:
 
 def _nbytes(view: memoryview | Segments) -> int:
     return view.nbytes if isinstance(view, Segments) else len(view)
-
-
-def _chunk_parts(view: memoryview | Segments, chunk: int) -> Iterator[Sequence[memoryview]]:
-    """A payload as the views that make each gRPC chunk of at most ``chunk`` bytes (joined into its message)."""
-    if isinstance(view, Segments):
-        yield from view.chunk_parts(chunk)
-        return
-    for start in range(0, len(view), chunk):
-        yield (view[start : start + chunk],)
 
 
 def _nothing() -> None:

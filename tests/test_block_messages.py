@@ -52,17 +52,23 @@ def test_decode_reads_fields_in_any_order_and_skips_unknown_ones(header, data, u
 
 
 @settings(max_examples=150, deadline=None)
-@given(namespace=st.text(max_size=20), header=st.none() | headers, data=parts, unknown=st.binary(max_size=10))
-def test_put_requests_are_what_protobuf_writes_and_read_back_from_any_writer(namespace, header, data, unknown):
-    raw = encode_put(namespace, header, [memoryview(p) for p in data])
-    want = pb.PutRequest(namespace=namespace, data=b"".join(data))
+@given(
+    namespace=st.text(max_size=20),
+    header=st.none() | headers,
+    data=parts,
+    blocks=st.lists(headers, max_size=3),
+    unknown=st.binary(max_size=10),
+)
+def test_put_requests_are_what_protobuf_writes_and_read_back_from_any_writer(namespace, header, data, blocks, unknown):
+    raw = encode_put(namespace, header, [memoryview(p) for p in data], blocks)
+    want = pb.PutRequest(namespace=namespace, data=b"".join(data), blocks=blocks)
     if header is not None:
         want.header.CopyFrom(header)
     assert raw == want.SerializeToString()
     unknown_field = _varint(9 << 3 | 2) + _varint(len(unknown)) + unknown
     for bytes_in in (raw, unknown_field + raw, want.SerializeToString() + unknown_field):
         got = decode_put(bytes_in)
-        assert got.namespace == namespace and bytes(got.data) == want.data
+        assert got.namespace == namespace and bytes(got.data) == want.data and got.blocks == list(want.blocks)
         assert (got.header is not None) == want.HasField("header") and (got.header is None or got.header == want.header)
 
 

@@ -145,6 +145,7 @@ class StoreServer:
         self.metrics = Metrics(self.store.stats)
         self.limits = Limits(
             max_block_bytes=cfg.max_block,
+            max_message_bytes=cfg.max_message,
             max_hashes=cfg.max_hashes,
             max_stream_bytes=cfg.max_stream,
             lossy=LossyPolicy.from_spec(cfg.lossy_namespaces),

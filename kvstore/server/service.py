@@ -136,41 +136,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 for msg in request_iterator:
                     if ns is None:
                         ns = self._authorized(context, msg.namespace)
-                    if msg.header is not None:
-                        if state is not None:
-                            raise _StreamFault(
-                                grpc.StatusCode.INVALID_ARGUMENT,
-                                f"block {state.index}: header of the next block arrived after "
-                                f"{state.received} of {state.meta.stored_length} bytes",
-                            )
-                        state = self._start_block(ns, msg.header, len(results))
-                    if msg.data:
-                        n = len(msg.data)
-                        total += n
-                        if state is None:
-                            raise _StreamFault(grpc.StatusCode.INVALID_ARGUMENT, "data chunk before any block header")
-                        if n > self.limits.max_chunk_bytes:
-                            raise _StreamFault(
-                                grpc.StatusCode.INVALID_ARGUMENT,
-                                f"block {state.index}: chunk of {n} bytes exceeds {self.limits.max_chunk_bytes}",
-                            )
-                        if state.received + n > state.meta.stored_length:
-                            raise _StreamFault(
-                                grpc.StatusCode.INVALID_ARGUMENT,
-                                f"block {state.index}: {state.received + n} bytes sent but the header "
-                                f"says stored_length={state.meta.stored_length}",
-                            )
-                        if total > self.limits.max_stream_bytes:
-                            raise _StreamFault(
-                                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"Put stream exceeds {self.limits.max_stream_bytes} bytes; split it",
-                            )
-                        if state.ticket is not None:
-                            state.crc = _land(state.ticket.buffer, state.received, msg.data, state.crc)
-                        state.received += n
-                    if state is not None and state.received == state.meta.stored_length:
-                        results.append(self._finish_block(state, committed, decoded))
-                        state = None
+                    for header, data in self._message_parts(msg, state, len(results)):
+                        if header is not None:
+                            if state is not None:
+                                raise _StreamFault(
+                                    grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"block {state.index}: header of the next block arrived after "
+                                    f"{state.received} of {state.meta.stored_length} bytes",
+                                )
+                            state = self._start_block(ns, header, len(results))
+                        total += len(data)
+                        state = self._take(state, data, total, committed, decoded, results)
                 if state is not None:
                     raise _StreamFault(
                         grpc.StatusCode.INVALID_ARGUMENT,
@@ -187,10 +163,88 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 self.store.persist(committed)
                 self.metrics.bytes_in(total)
                 self.coding.put_decoded(decoded)
-                return pb.PutResponse(results=results, decode_timings=DecodeTally.to_wire(decoded.timings()))
+                return pb.PutResponse(
+                    results=results,
+                    decode_timings=DecodeTally.to_wire(decoded.timings()),
+                    packed_bytes=self.limits.send_chunk_bytes,
+                )
             finally:
                 if state is not None and state.ticket is not None:
                     self.store.abort_put(state.ticket)
+
+    def _message_parts(
+        self, msg: PutMessage, state: _PutState | None, index: int
+    ) -> list[tuple[pb.BlockHeader | None, memoryview]]:
+        """A Put message as (header or None, data) parts: itself, or in the packed form each of its whole blocks
+        with its bytes (``index``: the stream's next block)."""
+        if not msg.blocks:
+            return [(msg.header, msg.data)]
+        if msg.header is not None or state is not None:
+            where = f"block {state.index}" if state is not None else f"block {index}"
+            raise _StreamFault(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{where}: packed blocks in a message with a header or mid-block"
+            )
+        data = msg.data
+        if len(data) > self.limits.max_chunk_bytes:
+            raise _StreamFault(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block {index}: packed message of {len(data)} bytes exceeds {self.limits.max_chunk_bytes}",
+            )
+        parts: list[tuple[pb.BlockHeader | None, memoryview]] = []
+        at = 0
+        for k, header in enumerate(msg.blocks):
+            n = header.stored_length
+            if at + n > len(data):
+                raise _StreamFault(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"block {index + k}: a packed message holds fewer bytes than its blocks' stored_length",
+                )
+            parts.append((header, data[at : at + n]))
+            at += n
+        if at != len(data):
+            raise _StreamFault(
+                grpc.StatusCode.INVALID_ARGUMENT, f"block {index}: a packed message holds more bytes than its blocks"
+            )
+        return parts
+
+    def _take(
+        self,
+        state: _PutState | None,
+        data: memoryview,
+        total: int,
+        committed: list[int],
+        decoded: DecodeTally,
+        results: list[pb.BlockResult],
+    ) -> _PutState | None:
+        """Land ``data`` in the current block (``total``: the stream's bytes so far, these included); the block
+        is finished (its result appended) once whole: then None, else the block still being received."""
+        if data:
+            n = len(data)
+            if state is None:
+                raise _StreamFault(grpc.StatusCode.INVALID_ARGUMENT, "data chunk before any block header")
+            if n > self.limits.max_chunk_bytes:
+                raise _StreamFault(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"block {state.index}: chunk of {n} bytes exceeds {self.limits.max_chunk_bytes}",
+                )
+            if state.received + n > state.meta.stored_length:
+                raise _StreamFault(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"block {state.index}: {state.received + n} bytes sent but the header "
+                    f"says stored_length={state.meta.stored_length}",
+                )
+            if total > self.limits.max_stream_bytes:
+                raise _StreamFault(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Put stream exceeds {self.limits.max_stream_bytes} bytes; split it",
+                )
+            if state.ticket is not None:
+                state.crc = _land(state.ticket.buffer, state.received, data, state.crc)
+            state.received += n
+        if state is not None and state.received == state.meta.stored_length:
+            results.append(self._finish_block(state, committed, decoded))
+            return None
+        return state
 
     def _start_block(self, ns: str, header: pb.BlockHeader, index: int) -> _PutState:
         try:
@@ -259,12 +313,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     if coded is not None:
                         for j in range(len(window)):
                             self._wait_read(context, reads, w, j)
-                        for coded_msg in coded.messages(window, self.limits.max_chunk_bytes):
+                        for coded_msg in coded.messages(window, self.limits.send_chunk_bytes):
                             sent += len(coded_msg.data)
                             yield coded_msg
                         continue
                     accepted = set(request.accepted_codecs) | {pb.CODEC_NONE}
-                    packed = Packer(self.limits.max_chunk_bytes) if request.packed else None
+                    packed = Packer(self.limits.send_chunk_bytes) if request.packed else None
                     for j, lease in enumerate(window):
                         if packed is not None and packed.held and not self._read_now(reads, w, j):
                             msg, n = packed.take()  # what is verified goes before the wait for the rest
@@ -331,7 +385,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             )
         if packed is not None:
             return packed.add(_header(lease), lease.buffer[: lease.stored_length])
-        return _chunks(lease, self.limits.max_chunk_bytes)
+        return _chunks(lease, self.limits.send_chunk_bytes)
 
     # -- Delete / Stats ---------------------------------------------------------------------
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:

@@ -33,9 +33,16 @@ class InvalidRequest(ValueError):
 class Limits:
     max_block_bytes: int = 8 << 20
     max_chunk_bytes: int = 1 << 20
+    max_message_bytes: int = 4 << 20  # gRPC's limit on one message (serve --max-message)
     max_hashes: int = 65536
     max_stream_bytes: int = 16 << 30
     lossy: LossyPolicy = LossyPolicy()  # namespaces whose blocks may arrive under a lossy codec
+
+    @property
+    def send_chunk_bytes(self) -> int:
+        """Block bytes in one message this store sends, or takes packed: a chunk, and at most half of gRPC's
+        message limit (headers ride along)."""
+        return min(self.max_chunk_bytes, self.max_message_bytes // 2)
 
 
 def namespace(ns: str) -> str:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"\xa8\x01\n\x0b\x42lockHeader\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0e\n\x06parent\x18\x02 \x01(\x0c\x12 \n\x05\x63odec\x18\x03 \x01(\x0e\x32\x11.kvstore.v1.Codec\x12\x12\n\nraw_length\x18\x04 \x01(\x04\x12\x15\n\rstored_length\x18\x05 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0f\n\x07missing\x18\x08 \x01(\x08\"2\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"H\n\x0eLookupResponse\x12\x15\n\rprefix_length\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvstore.v1.Tier\"V\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\'\n\x06header\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x80\x01\n\x0b\x42lockResult\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12%\n\x06status\x18\x02 \x01(\x0e\x32\x15.kvstore.v1.PutStatus\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1e\n\x04tier\x18\x05 \x01(\x0e\x32\x10.kvstore.v1.Tier\"r\n\x0b\x43odecTiming\x12 \n\x05\x63odec\x18\x01 \x01(\x0e\x32\x11.kvstore.v1.Codec\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\traw_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"h\n\x0bPutResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.BlockResult\x12/\n\x0e\x64\x65\x63ode_timings\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.CodecTiming\"\xb2\x01\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12*\n\x0f\x61\x63\x63\x65pted_codecs\x18\x03 \x03(\x0e\x32\x11.kvstore.v1.Codec\x12\x15\n\rallow_missing\x18\x04 \x01(\x08\x12.\n\rdecode_report\x18\x05 \x03(\x0b\x32\x17.kvstore.v1.CodecTiming\x12\x0e\n\x06packed\x18\x06 \x01(\x08\"m\n\x0bGetResponse\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.kvstore.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\'\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\"2\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"!\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"\xa8\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x08 \x01(\x08\x12\r\n\x05\x66\x61ult\x18\t \x01(\t\"\xbb\x02\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x0f\n\x07lookups\x18\x03 \x01(\x04\x12\x13\n\x0blookup_hits\x18\x04 \x01(\x04\x12\x15\n\rlookup_misses\x18\x05 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x04\x12\x11\n\tbytes_out\x18\x07 \x01(\x04\x12\x39\n\x08\x63ounters\x18\x08 \x03(\x0b\x32\'.kvstore.v1.StatsResponse.CountersEntry\x12\x0f\n\x07node_id\x18\t \x01(\t\x12\x15\n\rlookup_hashes\x18\n \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_NVME\x10\x03*n\n\x05\x43odec\x12\x0e\n\nCODEC_NONE\x10\x00\x12\x0e\n\nCODEC_ZSTD\x10\x01\x12\x13\n\x0f\x43ODEC_BYTEPLANE\x10\x02\x12\r\n\tCODEC_FP8\x10\x03\x12\x12\n\x0e\x43ODEC_FP8_ZSTD\x10\x04\x12\r\n\tCODEC_LZ4\x10\x05*b\n\tPutStatus\x12\x1a\n\x16PUT_STATUS_UNSPECIFIED\x10\x00\x12\x0e\n\nPUT_STORED\x10\x01\x12\x17\n\x13PUT_ALREADY_PRESENT\x10\x02\x12\x10\n\x0cPUT_REJECTED\x10\x03\x32\xbd\x02\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"\xa8\x01\n\x0b\x42lockHeader\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0e\n\x06parent\x18\x02 \x01(\x0c\x12 \n\x05\x63odec\x18\x03 \x01(\x0e\x32\x11.kvstore.v1.Codec\x12\x12\n\nraw_length\x18\x04 \x01(\x04\x12\x15\n\rstored_length\x18\x05 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0f\n\x07missing\x18\x08 \x01(\x08\"2\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"H\n\x0eLookupResponse\x12\x15\n\rprefix_length\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvstore.v1.Tier\"\x7f\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\'\n\x06header\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\'\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\"\x80\x01\n\x0b\x42lockResult\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12%\n\x06status\x18\x02 \x01(\x0e\x32\x15.kvstore.v1.PutStatus\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1e\n\x04tier\x18\x05 \x01(\x0e\x32\x10.kvstore.v1.Tier\"r\n\x0b\x43odecTiming\x12 \n\x05\x63odec\x18\x01 \x01(\x0e\x32\x11.kvstore.v1.Codec\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\traw_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"~\n\x0bPutResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.BlockResult\x12/\n\x0e\x64\x65\x63ode_timings\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.CodecTiming\x12\x14\n\x0cpacked_bytes\x18\x03 \x01(\x04\"\xb2\x01\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12*\n\x0f\x61\x63\x63\x65pted_codecs\x18\x03 \x03(\x0e\x32\x11.kvstore.v1.Codec\x12\x15\n\rallow_missing\x18\x04 \x01(\x08\x12.\n\rdecode_report\x18\x05 \x03(\x0b\x32\x17.kvstore.v1.CodecTiming\x12\x0e\n\x06packed\x18\x06 \x01(\x08\"m\n\x0bGetResponse\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.kvstore.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\'\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x17.kvstore.v1.BlockHeader\"2\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"!\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"\xa8\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x08 \x01(\x08\x12\r\n\x05\x66\x61ult\x18\t \x01(\t\"\xbb\x02\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x0f\n\x07lookups\x18\x03 \x01(\x04\x12\x13\n\x0blookup_hits\x18\x04 \x01(\x04\x12\x15\n\rlookup_misses\x18\x05 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x04\x12\x11\n\tbytes_out\x18\x07 \x01(\x04\x12\x39\n\x08\x63ounters\x18\x08 \x03(\x0b\x32\'.kvstore.v1.StatsResponse.CountersEntry\x12\x0f\n\x07node_id\x18\t \x01(\t\x12\x15\n\rlookup_hashes\x18\n \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_NVME\x10\x03*n\n\x05\x43odec\x12\x0e\n\nCODEC_NONE\x10\x00\x12\x0e\n\nCODEC_ZSTD\x10\x01\x12\x13\n\x0f\x43ODEC_BYTEPLANE\x10\x02\x12\r\n\tCODEC_FP8\x10\x03\x12\x12\n\x0e\x43ODEC_FP8_ZSTD\x10\x04\x12\r\n\tCODEC_LZ4\x10\x05*b\n\tPutStatus\x12\x1a\n\x16PUT_STATUS_UNSPECIFIED\x10\x00\x12\x0e\n\nPUT_STORED\x10\x01\x12\x17\n\x13PUT_ALREADY_PRESENT\x10\x02\x12\x10\n\x0cPUT_REJECTED\x10\x03\x32\xbd\x02\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=1681
-  _globals['_TIER']._serialized_end=1753
-  _globals['_CODEC']._serialized_start=1755
-  _globals['_CODEC']._serialized_end=1865
-  _globals['_PUTSTATUS']._serialized_start=1867
-  _globals['_PUTSTATUS']._serialized_end=1965
+  _globals['_TIER']._serialized_start=1744
+  _globals['_TIER']._serialized_end=1816
+  _globals['_CODEC']._serialized_start=1818
+  _globals['_CODEC']._serialized_end=1928
+  _globals['_PUTSTATUS']._serialized_start=1930
+  _globals['_PUTSTATUS']._serialized_end=2028
   _globals['_BLOCKHEADER']._serialized_start=41
   _globals['_BLOCKHEADER']._serialized_end=209
   _globals['_LOOKUPREQUEST']._serialized_start=211
@@ -46,29 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPRESPONSE']._serialized_start=263
   _globals['_LOOKUPRESPONSE']._serialized_end=335
   _globals['_PUTREQUEST']._serialized_start=337
-  _globals['_PUTREQUEST']._serialized_end=423
-  _globals['_BLOCKRESULT']._serialized_start=426
-  _globals['_BLOCKRESULT']._serialized_end=554
-  _globals['_CODECTIMING']._serialized_start=556
-  _globals['_CODECTIMING']._serialized_end=670
-  _globals['_PUTRESPONSE']._serialized_start=672
-  _globals['_PUTRESPONSE']._serialized_end=776
-  _globals['_GETREQUEST']._serialized_start=779
-  _globals['_GETREQUEST']._serialized_end=957
-  _globals['_GETRESPONSE']._serialized_start=959
-  _globals['_GETRESPONSE']._serialized_end=1068
-  _globals['_DELETEREQUEST']._serialized_start=1070
-  _globals['_DELETEREQUEST']._serialized_end=1120
-  _globals['_DELETERESPONSE']._serialized_start=1122
-  _globals['_DELETERESPONSE']._serialized_end=1155
-  _globals['_STATSREQUEST']._serialized_start=1157
-  _globals['_STATSREQUEST']._serialized_end=1190
-  _globals['_TIERSTATS']._serialized_start=1193
-  _globals['_TIERSTATS']._serialized_end=1361
-  _globals['_STATSRESPONSE']._serialized_start=1364
-  _globals['_STATSRESPONSE']._serialized_end=1679
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=1632
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=1679
-  _globals['_KVSTORE']._serialized_start=1968
-  _globals['_KVSTORE']._serialized_end=2285
+  _globals['_PUTREQUEST']._serialized_end=464
+  _globals['_BLOCKRESULT']._serialized_start=467
+  _globals['_BLOCKRESULT']._serialized_end=595
+  _globals['_CODECTIMING']._serialized_start=597
+  _globals['_CODECTIMING']._serialized_end=711
+  _globals['_PUTRESPONSE']._serialized_start=713
+  _globals['_PUTRESPONSE']._serialized_end=839
+  _globals['_GETREQUEST']._serialized_start=842
+  _globals['_GETREQUEST']._serialized_end=1020
+  _globals['_GETRESPONSE']._serialized_start=1022
+  _globals['_GETRESPONSE']._serialized_end=1131
+  _globals['_DELETEREQUEST']._serialized_start=1133
+  _globals['_DELETEREQUEST']._serialized_end=1183
+  _globals['_DELETERESPONSE']._serialized_start=1185
+  _globals['_DELETERESPONSE']._serialized_end=1218
+  _globals['_STATSREQUEST']._serialized_start=1220
+  _globals['_STATSREQUEST']._serialized_end=1253
+  _globals['_TIERSTATS']._serialized_start=1256
+  _globals['_TIERSTATS']._serialized_end=1424
+  _globals['_STATSRESPONSE']._serialized_start=1427
+  _globals['_STATSRESPONSE']._serialized_end=1742
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=1695
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=1742
+  _globals['_KVSTORE']._serialized_start=2031
+  _globals['_KVSTORE']._serialized_end=2348
 # @@protoc_insertion_point(module_scope)

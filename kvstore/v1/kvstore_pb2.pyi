@@ -81,14 +81,16 @@ class LookupResponse(_message.Message):
     def __init__(self, prefix_length: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("namespace", "header", "data")
+    __slots__ = ("namespace", "header", "data", "blocks")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     header: BlockHeader
     data: bytes
-    def __init__(self, namespace: _Optional[str] = ..., header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockHeader]
+    def __init__(self, namespace: _Optional[str] = ..., header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ...) -> None: ...
 
 class BlockResult(_message.Message):
     __slots__ = ("hash", "status", "code", "reason", "tier")
@@ -119,12 +121,14 @@ class CodecTiming(_message.Message):
     def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("results", "decode_timings")
+    __slots__ = ("results", "decode_timings", "packed_bytes")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[BlockResult]
     decode_timings: _containers.RepeatedCompositeFieldContainer[CodecTiming]
-    def __init__(self, results: _Optional[_Iterable[_Union[BlockResult, _Mapping]]] = ..., decode_timings: _Optional[_Iterable[_Union[CodecTiming, _Mapping]]] = ...) -> None: ...
+    packed_bytes: int
+    def __init__(self, results: _Optional[_Iterable[_Union[BlockResult, _Mapping]]] = ..., decode_timings: _Optional[_Iterable[_Union[CodecTiming, _Mapping]]] = ..., packed_bytes: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("namespace", "hashes", "accepted_codecs", "allow_missing", "decode_report", "packed")
