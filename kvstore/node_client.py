@@ -234,7 +234,8 @@ class NodeClient:
         raw = [view for view, _ in views]
         reply: pb.PutResponse = self._call(
             lambda: self._put_raw(
-                put_requests(namespace, headers, raw, self.chunk_bytes, packed=self._put_packed),
+                # a store that said what it takes gets chunks within it too (its --max-message may be small)
+                put_requests(namespace, headers, raw, self._put_packed or self.chunk_bytes, packed=self._put_packed),
                 timeout=self.timeout,
                 metadata=self._metadata,
             )

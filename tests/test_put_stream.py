@@ -184,9 +184,10 @@ def test_a_store_with_a_small_max_message_gets_packed_messages_within_it(make_se
     server = make_server(max_message=256 << 10)
     rng = np.random.default_rng(9)
     with Client(f"127.0.0.1:{server.port}", lane="grpc", timeout=30) as kv:
-        for _ in range(2):  # the second Put packs, in messages of at most half of 256 KiB
+        for round_ in range(2):  # the second Put packs, in messages of at most half of 256 KiB, and chunks within it
             hashes = [rng.bytes(16) for _ in range(64)]
-            blocks = [rng.bytes(16 << 10) for _ in hashes]
+            # a 512 KiB block only once the client knows the store's limit: the first Put's 1 MiB chunk would pass it
+            blocks = [rng.bytes(16 << 10) for _ in hashes[:-1]] + [rng.bytes((512 if round_ else 16) << 10)]
             assert all(r.ok for r in kv.put("ns", hashes, blocks, chained=False))
             assert [bytes(memoryview(g)) for g in kv.get("ns", hashes)] == blocks
         assert kv._put_packed == 128 << 10  # noqa: SLF001 - what the store said it takes
