@@ -21,7 +21,7 @@ from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.get_stream import get_call, receive_blocks
 from kvstore.payload import Segments
-from kvstore.server.service import Packer
+from kvstore.server.block_stream import Packer
 from kvstore.v1 import kvstore_pb2 as pb
 
 CHUNK = 4096

@@ -36,7 +36,6 @@ them twice) and a Put's requests are read as views of what gRPC received (no par
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
@@ -47,13 +46,12 @@ import grpc
 
 from kvstore import block_messages
 from kvstore.block_messages import PutMessage
-from kvstore.checksum import crc32c
 from kvstore.codecs.transfer import DecodeTally
 from kvstore.codecs.transfer_server import ServerCoding
 from kvstore.codecs.verify import crc_mismatch_reason
-from kvstore.memops import copy_crc, copy_into, host_view
 from kvstore.server import validate
 from kvstore.server.auth import Gatekeeper
+from kvstore.server.block_stream import Encoded, Packer, chunks, header_of, land
 from kvstore.server.metrics import Metrics
 from kvstore.server.quotas import namespace_usage
 from kvstore.server.validate import InvalidRequest, Limits
@@ -239,7 +237,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     f"Put stream exceeds {self.limits.max_stream_bytes} bytes; split it",
                 )
             if state.ticket is not None:
-                state.crc = _land(state.ticket.buffer, state.received, data, state.crc)
+                state.crc = land(state.ticket.buffer, state.received, data, state.crc)
             state.received += n
         if state is not None and state.received == state.meta.stored_length:
             results.append(self._finish_block(state, committed, decoded))
@@ -384,8 +382,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 memoryview(raw),
             )
         if packed is not None:
-            return packed.add(_header(lease), lease.buffer[: lease.stored_length])
-        return _chunks(lease, self.limits.send_chunk_bytes)
+            return packed.add(header_of(lease), lease.buffer[: lease.stored_length])
+        return chunks(lease, self.limits.send_chunk_bytes)
 
     # -- Delete / Stats ---------------------------------------------------------------------
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
@@ -467,17 +465,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
 
-def _header(lease: Lease) -> pb.BlockHeader:
-    return pb.BlockHeader(
-        hash=lease.hash,
-        codec=lease.codec,  # type: ignore[arg-type]
-        raw_length=lease.raw_length,
-        stored_length=lease.stored_length,
-        crc32c=lease.crc32c,
-        dtype=lease.dtype,
-    )
-
-
 def add_to_server(service: KVStoreService, server: grpc.Server) -> None:
     """Register ``service`` as protoc's ``add_KVStoreServicer_to_server`` does, but for the messages that carry
     block bytes (``kvstore/block_messages.py``): Put's requests are read as views, and Get yields its responses
@@ -500,63 +487,3 @@ def add_to_server(service: KVStoreService, server: grpc.Server) -> None:
     name = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)  # type: ignore[attr-defined]  # grpc's stubs lag
-
-
-def _land(slot: Any, at: int, data: memoryview, crc: int) -> int:
-    """Copy a Put chunk into its slot at ``at``; the CRC32C chained over it. Host memory in one pass (copy and
-    CRC fused, ``memops.copy_crc``); a device slot (an HBM tier's tensor) through ``memops.copy_into``."""
-    host = host_view(slot)
-    if host is not None:
-        return copy_crc(host[at : at + len(data)], data, crc)
-    copy_into(slot[at : at + len(data)], data)
-    return crc32c(data, crc)
-
-
-Encoded = tuple[bytes, int]  # a GetResponse's bytes (block_messages.encode_get) and how many block bytes it carries
-
-
-def _chunks(lease: Lease, chunk: int) -> Iterator[Encoded]:
-    return _chunked(_header(lease), lease.buffer, chunk)
-
-
-def _chunked(header: pb.BlockHeader, buf: Any, chunk: int) -> Iterator[Encoded]:
-    """One block as its header with the first chunk, then chunks: each copied as its message is made."""
-    n = header.stored_length
-    view = memoryview(buf).cast("B")
-    first = view[: min(chunk, n)]
-    yield block_messages.encode_get(header, (first,)), len(first)
-    for start in range(chunk, n, chunk):
-        part = view[start : start + chunk]
-        yield block_messages.encode_get(None, (part,)), len(part)
-
-
-class Packer:
-    """Whole blocks of a packed Get (``GetRequest.packed``) gathered into messages of at most ``chunk`` bytes:
-    Python's gRPC moves a stream one message at a time, about 0.2-0.5 ms each here, so a 32 x 64 KiB Get sent
-    a block a message took 15-18 ms from DRAM. A block larger than ``chunk`` goes as before, in chunks."""
-
-    def __init__(self, chunk: int):
-        self.chunk = chunk
-        self._headers: list[pb.BlockHeader] = []
-        self._parts: list[Any] = []
-        self._bytes = 0
-
-    @property
-    def held(self) -> bool:
-        return bool(self._headers)
-
-    def add(self, header: pb.BlockHeader, data: Any) -> Iterator[Encoded]:
-        """The messages that are full once this block is added (its bytes are copied when its message is made)."""
-        n = header.stored_length
-        full = [self.take()] if self._headers and self._bytes + n > self.chunk else []
-        if n > self.chunk:
-            return itertools.chain(full, _chunked(header, data, self.chunk))
-        self._headers.append(header)
-        self._parts.append(data)
-        self._bytes += n
-        return iter(full)
-
-    def take(self) -> Encoded:
-        msg = block_messages.encode_get(None, self._parts, self._headers), self._bytes
-        self._headers, self._parts, self._bytes = [], [], 0
-        return msg
