@@ -114,6 +114,15 @@ def host_view(buf: Any) -> memoryview | None:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def host_bytes(buf: Any) -> memoryview:
+    """A flat byte view of a buffer to send: ``host_view``'s, or a device tensor's bytes downloaded once (an HBM
+    tier's slot)."""
+    view = host_view(buf)
+    if view is not None:
+        return view
+    return memoryview(buf.cpu().reshape(-1).numpy()).cast("B")
+
+
 def copy_into(dst: Any, src: Any) -> None:
     """Copy between host buffers and torch tensors of any device (the HBM tier's slots are tensors)."""
     d, s = host_view(dst), host_view(src)

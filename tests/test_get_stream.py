@@ -160,3 +160,24 @@ def test_packed_and_per_block_gets_return_the_same_bytes(make_server):
         out = [np.zeros(len(b), np.uint8) for b in blocks]
         got = kv.get("ns", hashes, out=out)  # the client's own Gets ask for packed messages
         assert all(g is o and np.array_equal(o, b) for g, o, b in zip(got, out, blocks))
+
+
+def test_blocks_held_in_tensors_go_out_whole_in_either_form():
+    """An HBM tier's slots are torch tensors: both forms take their bytes through ``memops.host_bytes`` (a
+    memoryview of one failed, and a packed message could not join one)."""
+    import torch
+
+    from kvstore.server.block_stream import chunks
+    from kvstore.store import Lease
+
+    data = [bytes(range(256)) * 40, b"q" * 3 * CHUNK]  # 10 KiB, then a block over a chunk
+    for raw in data:
+        tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        lease = Lease(0, bytes(16), pb.CODEC_NONE, "uint8", len(raw), len(raw), crc32c(raw), 2, tensor)
+        got = receive_blocks(iter(decode_get(m) for m, _ in chunks(lease, CHUNK)), 1, None, verify=True)
+        assert bytes(got[0]) == raw
+    packer = Packer(1 << 20)
+    tensors = [torch.frombuffer(bytearray(raw), dtype=torch.uint8) for raw in data]
+    messages = [m for raw, t in zip(data, tensors) for m in packer.add(header(raw), t)] + [packer.take()]
+    got = receive_blocks(iter(decode_get(m) for m, _ in messages), 2, None, verify=True)
+    assert [bytes(g) for g in got] == data

@@ -338,13 +338,13 @@ def test_a_corrupt_record_on_tcp_is_data_loss_even_when_the_read_ends_first(make
     dropped block gone: NOT_FOUND). A slow sender makes the read end first every time."""
     import kvstore.lanes.server.tcp as tcp_server
 
-    slow = tcp_server._host_bytes  # the test slows the server's sender down through its private helper
+    slow = tcp_server.host_bytes  # the test slows the server's sender down where it takes each block's bytes
 
     def lagging(buf):
         time.sleep(0.05)
         return slow(buf)
 
-    monkeypatch.setattr(tcp_server, "_host_bytes", lagging)
+    monkeypatch.setattr(tcp_server, "host_bytes", lagging)
     server = _start(make_server, tmp_path, "tcp", promote=False)
     with _client(server, "tcp") as kv:
         data = _fill(kv, 8)

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvstore import block_messages
 from kvstore.checksum import crc32c
-from kvstore.memops import copy_crc, copy_into, host_view
+from kvstore.memops import copy_crc, copy_into, host_bytes, host_view
 from kvstore.store import Lease
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -54,7 +54,7 @@ def chunks(lease: Lease, chunk: int) -> Iterator[Encoded]:
 def _chunked(header: pb.BlockHeader, buf: Any, chunk: int) -> Iterator[Encoded]:
     """One block as its header with the first chunk, then chunks: each copied as its message is made."""
     n = header.stored_length
-    view = memoryview(buf).cast("B")
+    view = host_bytes(buf)  # a device slot (HBM tier) downloaded once
     first = view[: min(chunk, n)]
     yield block_messages.encode_get(header, (first,)), len(first)
     for start in range(chunk, n, chunk):
@@ -84,7 +84,7 @@ class Packer:
         if n > self.chunk:
             return itertools.chain(full, _chunked(header, data, self.chunk))
         self._headers.append(header)
-        self._parts.append(data)
+        self._parts.append(host_bytes(data)[:n])
         self._bytes += n
         return iter(full)
 

@@ -382,7 +382,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 memoryview(raw),
             )
         if packed is not None:
-            return packed.add(header_of(lease), lease.buffer[: lease.stored_length])
+            return packed.add(header_of(lease), lease.buffer)
         return chunks(lease, self.limits.send_chunk_bytes)
 
     # -- Delete / Stats ---------------------------------------------------------------------

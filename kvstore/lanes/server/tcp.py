@@ -41,7 +41,7 @@ from kvstore.lanes.server.access import LaneAccess
 from kvstore.lanes.server.lane import ServerLane
 from kvstore.lanes.server.registry import LaneRegistry
 from kvstore.lanes.server.storeops import Reservation, StoreOps, accepted_codecs
-from kvstore.memops import copy_into, host_view
+from kvstore.memops import copy_into, host_bytes, host_view
 from kvstore.store import Lease
 from kvstore.store.readahead import ReadAhead
 from kvstore.v1 import kvstore_pb2 as pb
@@ -354,7 +354,7 @@ class TcpLaneServer:
                         self._status(conn, err.code, err.message)
                         return
                     if lease is not None:
-                        payload.append(_host_bytes(ops.servable(lease, accepted)[1]))
+                        payload.append(host_bytes(ops.servable(lease, accepted)[1]))
                 if payload:
                     framing.send_frame(conn, framing.DATA, b"", payload)
                     sent += sum(len(p) for p in payload)
@@ -390,18 +390,11 @@ class TcpLaneServer:
             for j in ready:
                 lease = window[j]
                 if lease is not None:
-                    payload.append(_host_bytes(ops.servable(lease, accepted)[1]))
+                    payload.append(host_bytes(ops.servable(lease, accepted)[1]))
                     names.append(first + j)
             if payload:
                 framing.send_frame(conn, framing.DATA, struct.pack(f"<{len(names)}I", *names), payload)
                 counted[0] += sum(len(p) for p in payload)
-
-
-def _host_bytes(buf: Any) -> memoryview:
-    view = host_view(buf)
-    if view is not None:
-        return view
-    return memoryview(buf.cpu().numpy()).cast("B")  # device slot (HBM tier): one download
 
 
 def _parse(message: Any, data: bytes, what: str) -> Any:
