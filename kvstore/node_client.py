@@ -88,7 +88,7 @@ from kvstore.errors import KVStoreError, from_rpc
 from kvstore.get_stream import get_call, receive_blocks
 from kvstore.lanes.client.negotiate import LanePool
 from kvstore.payload import Segments, as_bytes_view, wire_dtype
-from kvstore.put_stream import put_call, put_requests
+from kvstore.put_stream import PutShape, put_call, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import CHUNK_BYTES, TIER_NAMES, PutResult, put_results
@@ -129,7 +129,7 @@ class NodeClient:
         # raw Gets and Puts: the messages that carry block bytes made and read by hand (block_messages)
         self._get_raw = get_call(self._channel)
         self._put_raw = put_call(self._channel)
-        self._put_packed = 0  # the server's PutResponse.packed_bytes: small blocks go several a message up to it
+        self._put_shape = PutShape()  # packed small blocks and chunk sizes, as the store said or refused
         self._lanes = LanePool(
             self._channel, target, lane, metadata=self._metadata, timeout=timeout, tls=bool(tls_ca or tls_cert)
         )
@@ -232,16 +232,23 @@ class NodeClient:
             # C implementation; accepts any buffer (chained over the segments of a Segments)
             header.crc32c = view.crc32c() if isinstance(view, Segments) else crc32c(view)
         raw = [view for view, _ in views]
-        reply: pb.PutResponse = self._call(
-            lambda: self._put_raw(
-                # a store that said what it takes gets chunks within it too (its --max-message may be small)
-                put_requests(namespace, headers, raw, self._put_packed or self.chunk_bytes, packed=self._put_packed),
-                timeout=self.timeout,
-                metadata=self._metadata,
-            )
-        )
-        self._put_packed = min(reply.packed_bytes, self.chunk_bytes)
-        return put_results(reply.results)
+        shape = self._put_shape
+        while True:
+            packed, chunk = shape.packed, shape.chunk(self.chunk_bytes)
+            try:
+                reply: pb.PutResponse = self._call(
+                    lambda: self._put_raw(
+                        put_requests(namespace, headers, raw, chunk, packed=packed),
+                        timeout=self.timeout,
+                        metadata=self._metadata,
+                    )
+                )
+            except KVStoreError as err:
+                if shape.refused(err, packed, chunk):  # cut as this store takes it now, and sent again
+                    continue
+                raise
+            shape.learn(reply, self.chunk_bytes)
+            return put_results(reply.results)
 
     def _put_device(
         self,

@@ -6,7 +6,9 @@ within the server's ``packed_bytes``), then a real store: Puts after the first g
 back exact; a packed message whose bytes do not match its blocks, or that arrives mid-block, is INVALID_ARGUMENT
 naming what was handled; a packed block that fails its CRC32C is rejected alone; a server that does not say
 ``packed_bytes`` (an older one) never gets the packed form, and one with a small ``--max-message`` gets packed
-messages within it.
+messages within it. What a refusal teaches (``PutShape``): a first Put over a small ``--max-message`` goes again in
+chunks within the limit the refusal names; an older store replaced under a packing client gets that Put again
+unpacked; a refusal of the Put's content is raised.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from hypothesis import strategies as st
 from kvstore.block_messages import encode_put
 from kvstore.checksum import crc32c
 from kvstore.client import Client
-from kvstore.put_stream import HEADER_OVERHEAD, put_call, put_requests
+from kvstore.errors import KVStoreError
+from kvstore.put_stream import HEADER_OVERHEAD, PutShape, put_call, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
 
 CHUNK = 4096
@@ -190,4 +193,92 @@ def test_a_store_with_a_small_max_message_gets_packed_messages_within_it(make_se
             blocks = [rng.bytes(16 << 10) for _ in hashes[:-1]] + [rng.bytes((512 if round_ else 16) << 10)]
             assert all(r.ok for r in kv.put("ns", hashes, blocks, chained=False))
             assert [bytes(memoryview(g)) for g in kv.get("ns", hashes)] == blocks
-        assert kv._put_packed == 128 << 10  # noqa: SLF001 - what the store said it takes
+        assert kv._put_shape.packed == 128 << 10  # noqa: SLF001 - what the store said it takes
+
+
+def test_a_first_put_over_a_small_max_message_is_cut_to_the_limit_the_refusal_names(make_server):
+    """Before any reply the client sends 1 MiB chunks; a store with --max-message 256 KiB refuses the first message
+    over it (RESOURCE_EXHAUSTED, gRPC core naming the limit), and the Put goes again in chunks within half of it."""
+    server = make_server(max_message=256 << 10)
+    rng = np.random.default_rng(11)
+    with Client(f"127.0.0.1:{server.port}", lane="grpc", timeout=30) as kv:
+        hashes = [rng.bytes(16) for _ in range(3)]
+        blocks = [rng.bytes(16 << 10), rng.bytes(512 << 10), rng.bytes(1 << 20)]
+        assert all(r.ok for r in kv.put("ns", hashes, blocks, chained=False))
+        assert [bytes(memoryview(g)) for g in kv.get("ns", hashes)] == blocks
+        assert kv._put_shape.limit == 256 << 10  # noqa: SLF001 - what the refusal named
+
+
+def test_a_store_replaced_by_an_older_one_under_a_live_client_gets_its_puts_unpacked(make_server, monkeypatch):
+    """The client packs once a store said it takes packed Puts; the store is then replaced by one that reads
+    ``PutRequest.blocks`` as an unknown field (an older release): the packed message reaches it as a data chunk
+    with no header (INVALID_ARGUMENT), and the client sends that Put again unpacked, and its next Puts too."""
+    server = make_server()
+    rng = np.random.default_rng(13)
+    with Client(f"127.0.0.1:{server.port}", lane="grpc", timeout=30) as kv:
+        first = [rng.bytes(16) for _ in range(8)]
+        assert all(r.ok for r in kv.put("ns", first, [rng.bytes(1024) for _ in first], chained=False))
+        assert kv._put_shape.packed > 0  # noqa: SLF001 - the next Put goes packed
+
+        older = type(server.service)
+        monkeypatch.setattr(older, "_message_parts", lambda self, msg, state, index: [(msg.header, msg.data)])
+        sent: list[pb.PutRequest] = []
+        call = kv._put_raw  # noqa: SLF001 - to see the messages sent
+
+        def seen(requests, **kw):
+            messages = list(requests)
+            sent.extend(pb.PutRequest.FromString(m) for m in messages)
+            reply = call(iter(messages), **kw)
+            reply.packed_bytes = 0  # as the older store says: nothing
+            return reply
+
+        kv._put_raw = seen
+        for round_ in range(2):
+            hashes = [rng.bytes(16) for _ in range(8)]
+            blocks = [rng.bytes(1024) for _ in hashes]
+            assert all(r.ok for r in kv.put("ns", hashes, blocks, chained=False))
+            assert [bytes(memoryview(g)) for g in kv.get("ns", hashes)] == blocks
+            if round_ == 0:  # one packed try, refused, then the same Put unpacked
+                assert any(m.blocks for m in sent) and not any(m.blocks for m in sent[1:])
+                sent.clear()
+        assert sent and not any(m.blocks for m in sent)  # the second Put never packed
+        assert kv._put_shape.packed == 0  # noqa: SLF001
+
+
+def test_a_put_refused_for_its_content_is_raised_not_resent_for_ever(make_server):
+    """A refusal the shape does not explain (a header that fails validation) is raised: a packing client sends it
+    once more unpacked, and the same refusal then reaches the caller."""
+    server = make_server()
+    rng = np.random.default_rng(17)
+    with Client(f"127.0.0.1:{server.port}", lane="grpc", timeout=30) as kv:
+        first = [rng.bytes(16) for _ in range(4)]
+        assert all(r.ok for r in kv.put("ns", first, [rng.bytes(1024) for _ in first], chained=False))
+        assert kv._put_shape.packed > 0  # noqa: SLF001
+        with pytest.raises(KVStoreError) as err:
+            kv.put("ns", [b"short"], [rng.bytes(1024)], chained=False)  # a 5-byte hash
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@given(
+    refusals=st.lists(
+        st.tuples(
+            st.sampled_from([grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED]),
+            st.integers(0, 8 << 20),
+        ),
+        max_size=40,
+    ),
+    packed=st.integers(0, 1 << 20),
+)
+def test_refusals_change_a_put_shape_a_bounded_number_of_times(refusals, packed):
+    """Each refusal that leads to sending again leaves a strictly smaller shape (packing off, or a smaller chunk),
+    and any other leaves it as it was, so a store that keeps refusing is answered by raising, never by sending for
+    ever; chunks stay positive."""
+    shape = PutShape(packed=packed)
+    for code, limit in refusals:
+        sent_packed, sent_chunk = shape.packed, shape.chunk(1 << 20)
+        err = KVStoreError(code, f"SERVER: Received message larger than max ({limit + 1} vs. {limit})")
+        if shape.refused(err, sent_packed, sent_chunk):
+            assert shape.packed < sent_packed or shape.chunk(1 << 20) < sent_chunk
+        else:
+            assert (shape.packed, shape.chunk(1 << 20)) == (sent_packed, sent_chunk)
+        assert shape.chunk(1 << 20) > 0
