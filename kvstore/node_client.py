@@ -232,23 +232,29 @@ class NodeClient:
             # C implementation; accepts any buffer (chained over the segments of a Segments)
             header.crc32c = view.crc32c() if isinstance(view, Segments) else crc32c(view)
         raw = [view for view, _ in views]
+        reply = self._put_shaped(
+            lambda packed, chunk: self._put_raw(
+                put_requests(namespace, headers, raw, chunk, packed=packed),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
+        )
+        return put_results(reply.results)
+
+    def _put_shaped(self, send: Callable[[int, int], pb.PutResponse], packs: bool = True) -> pb.PutResponse:
+        """``send(packed, chunk)`` cut as the store last said it takes Puts (``PutShape``), and sent again cut
+        smaller when the store refuses it for its shape."""
         shape = self._put_shape
         while True:
-            packed, chunk = shape.packed, shape.chunk(self.chunk_bytes)
+            packed, chunk = shape.packed if packs else 0, shape.chunk(self.chunk_bytes)
             try:
-                reply: pb.PutResponse = self._call(
-                    lambda: self._put_raw(
-                        put_requests(namespace, headers, raw, chunk, packed=packed),
-                        timeout=self.timeout,
-                        metadata=self._metadata,
-                    )
-                )
+                reply = self._call(lambda: send(packed, chunk))
             except KVStoreError as err:
-                if shape.refused(err, packed, chunk):  # cut as this store takes it now, and sent again
+                if shape.refused(err, packed, chunk):
                     continue
                 raise
             shape.learn(reply, self.chunk_bytes)
-            return put_results(reply.results)
+            return reply
 
     def _put_device(
         self,
@@ -289,17 +295,15 @@ class NodeClient:
     ) -> list[PutResult]:
         errors: list[BaseException] = []
 
-        def attempt() -> pb.PutResponse:
+        def attempt(_packed: int, chunk: int) -> pb.PutResponse:
             errors.clear()
             clock = plan.send_clock()
-            requests = self._coding.put_requests(
-                namespace, hashes, parents, blocks, plan, clock, self.chunk_bytes, errors
-            )
+            requests = self._coding.put_requests(namespace, hashes, parents, blocks, plan, clock, chunk, errors)
             reply: pb.PutResponse = self._stub.Put(requests, timeout=self.timeout, metadata=self._metadata)
             clock.finish(drained=True)
             return reply
 
-        reply = self._call(attempt)
+        reply = self._put_shaped(attempt, packs=False)  # coded blocks go a block a message
         if errors:
             raise errors[0]
         plan.observe_decode(DecodeTally.from_wire(reply.decode_timings))

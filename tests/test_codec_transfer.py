@@ -177,3 +177,15 @@ def test_namespace_stats_tell_the_lossy_policy(node):
     with Client(target(node), lane="grpc") as kv:
         assert kv.stats("lossy-a")["counters"]["codec_lossy_allowed"] == 1.0
         assert kv.stats("other")["counters"]["codec_lossy_allowed"] == 0.0
+
+
+def test_a_coded_put_to_a_store_with_a_small_max_message_goes_in_chunks_within_it(make_server):
+    """A store whose --max-message (256 KiB) is under the 1 MiB chunk refuses the first coded Put's message, and
+    the client sends it again in chunks within half the limit the refusal names, as it does raw Puts."""
+    server = make_server(max_message=256 << 10)
+    gen = torch.Generator().manual_seed(7)
+    blocks = [torch.randn(256 << 10, generator=gen).to(torch.bfloat16) for _ in range(3)]  # 512 KiB each
+    hashes = keys(3)
+    with Client(target(server), lane="grpc", codec="zstd") as kv:
+        assert all(r.status == "stored" for r in kv.put("ns", hashes, blocks))
+        assert [bytes(b) for b in kv.get("ns", hashes)] == [raw(b) for b in blocks]
