@@ -159,6 +159,8 @@ def measure(target: str, lanes: list[str], reps: int) -> list[dict[str, Any]]:
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
+    if not rows:  # no lane that takes segments was asked (--lanes grpc)
+        return
     print(
         f"\n{LAYERS} segments x {rows[0]['segment_bytes']} B per block, {BATCH} blocks per call\n"
         f"{'op':4} {'lane':5} {'segments':>9} {'slices':>8} {'contig':>8} {'gather':>8} {'seg/contig':>10} "
