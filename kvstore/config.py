@@ -19,6 +19,8 @@ import yaml
 
 from kvstore.sizes import parse_size
 
+MIN_MESSAGE = 64 << 10  # the smallest --max-message: a block header and a 32 KiB chunk fit in a message
+
 
 def _bool(text: Any) -> bool:
     if isinstance(text, bool):
@@ -88,7 +90,10 @@ class ServeConfig:
     )
     max_block: int = _opt(parse_size("8MiB"), "largest accepted block (stored bytes)", parse_size, "SIZE")
     max_message: int = _opt(
-        parse_size("4MiB"), "gRPC max message size (data chunks are at most 1MiB)", parse_size, "SIZE"
+        parse_size("4MiB"),
+        "gRPC max message size, at least 64KiB (data chunks are at most 1MiB, and at most half of it)",
+        parse_size,
+        "SIZE",
     )
     max_stream: int = _opt(parse_size("16GiB"), "max payload bytes in one Put stream", parse_size, "SIZE")
     max_hashes: int = _opt(65536, "max hashes in one Lookup/Get/Delete", int)
@@ -328,6 +333,10 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
         raise ValueError(f"option --nvme-eviction: one of {', '.join(NVME_EVICTIONS)}")
     if cfg.nvme_admit_uses > 1 and cfg.eviction_policy not in ("adaptive", "freq"):
         raise ValueError("option --nvme-admit-uses above 1 needs --eviction-policy adaptive or freq (they count uses)")
+    if cfg.max_message < MIN_MESSAGE:
+        # every Get message carries a block header beside its chunk (half the limit): a store below this could
+        # start and then fail each Get and Put with RESOURCE_EXHAUSTED
+        raise ValueError(f"option --max-message: at least {MIN_MESSAGE >> 10}KiB")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     if cfg.get_codec != "auto":

@@ -66,6 +66,8 @@ def test_bad_config_is_reported(tmp_path):
     assert result.returncode == 2 and "unknown options ['dramm']" in result.stderr
     result = run_cli("serve", "--dram", "lots")
     assert result.returncode == 2 and "--dram" in result.stderr
+    result = run_cli("serve", "--max-message", "10")  # it would start, then fail every Get and Put
+    assert result.returncode == 2 and "--max-message: at least 64KiB" in result.stderr
 
 
 def test_serve_env_health_stats_metrics_and_sigterm(spawn_server):
