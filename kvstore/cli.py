@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"kvstore: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a path or device the options named (e.g. an --nvme-dir that cannot be made)
+        print(f"kvstore: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -333,6 +333,9 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
         raise ValueError(f"option --nvme-eviction: one of {', '.join(NVME_EVICTIONS)}")
     if cfg.nvme_admit_uses > 1 and cfg.eviction_policy not in ("adaptive", "freq"):
         raise ValueError("option --nvme-admit-uses above 1 needs --eviction-policy adaptive or freq (they count uses)")
+    for name in ("dram", "max_block", "max_stream", "max_hashes", "workers"):
+        if getattr(cfg, name) < 1:  # each would start a store that refuses every Put or every call
+            raise ValueError(f"option {_flag(name)}: 1 or more; got {getattr(cfg, name)}")
     if cfg.max_message < MIN_MESSAGE:
         # every Get message carries a block header beside its chunk (half the limit): a store below this could
         # start and then fail each Get and Put with RESOURCE_EXHAUSTED

@@ -68,6 +68,15 @@ def test_bad_config_is_reported(tmp_path):
     assert result.returncode == 2 and "--dram" in result.stderr
     result = run_cli("serve", "--max-message", "10")  # it would start, then fail every Get and Put
     assert result.returncode == 2 and "--max-message: at least 64KiB" in result.stderr
+    for flag in ("--dram", "--max-block", "--max-stream", "--max-hashes", "--workers"):
+        result = run_cli("serve", flag, "0")
+        assert result.returncode == 2 and f"option {flag}: 1 or more" in result.stderr, (flag, result.stderr)
+    (tmp_path / "file").write_text("")
+    result = run_cli(  # an NVMe directory that cannot be made: its error, not a traceback
+        "serve", "--listen", "127.0.0.1:0", "--metrics-port", "0", "--dram", "64MiB", "--nvme-dir",
+        str(tmp_path / "file" / "nvme"), "--nvme", "1GiB",
+    )  # fmt: skip
+    assert result.returncode == 1 and "kvstore: [Errno" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_serve_env_health_stats_metrics_and_sigterm(spawn_server):
