@@ -9,6 +9,7 @@ default; docs/config.example.yaml lists them all.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -20,6 +21,7 @@ import yaml
 from kvstore.sizes import parse_size
 
 MIN_MESSAGE = 64 << 10  # the smallest --max-message: a block header and a 32 KiB chunk fit in a message
+_NVME_OPTIONS = ("nvme", "nvme_segment", "nvme_sync", "nvme_admit_uses", "nvme_eviction", "share_nvme")
 
 
 def _bool(text: Any) -> bool:
@@ -33,13 +35,24 @@ def _bool(text: Any) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def _address(text: Any) -> str:
+    """HOST:PORT (or PORT alone, any host), the port 0-65535; returned as given."""
+    value = str(text).strip()
+    port = value.rpartition(":")[2]
+    if not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"not HOST:PORT with a port 0-65535: {value!r}")
+    return value
+
+
 def _opt(default: Any, help: str, parse: Callable[[Any], Any] = str, metavar: str | None = None) -> Any:
     return field(default=default, metadata={"help": help, "parse": parse, "metavar": metavar})
 
 
 @dataclass
 class ServeConfig:
-    listen: str = _opt("127.0.0.1:7070", "gRPC listen address HOST:PORT (0.0.0.0:7070 to accept remote clients)")
+    listen: str = _opt(
+        "127.0.0.1:7070", "gRPC listen address HOST:PORT (0.0.0.0:7070 to accept remote clients)", _address
+    )
     dram: int = _opt(parse_size("1GiB"), "DRAM tier capacity (e.g. 512MiB, 2GiB)", parse_size, "SIZE")
     hbm: int = _opt(0, "HBM tier capacity on the CUDA device (0: no HBM tier)", parse_size, "SIZE")
     hbm_device: str = _opt("cuda:0", "CUDA device of the HBM tier")
@@ -116,7 +129,7 @@ class ServeConfig:
     # Cluster and security (DESIGN 2.4)
     redis: str | None = _opt(None, "Redis URL for cluster mode (membership and global index)", metavar="URL")
     advertise: str | None = _opt(
-        None, "address other hosts reach this node at (default: --listen)", metavar="HOST:PORT"
+        None, "address other hosts reach this node at (default: --listen)", _address, "HOST:PORT"
     )
     cluster_ttl: float = _opt(
         10.0,
@@ -157,7 +170,10 @@ class ServeConfig:
         "(same-GPU device memory; offered only where CUDA works); empty: gRPC only",
     )
     tcp_lane_listen: str = _opt(
-        "", "HOST:PORT of the bulk TCP lane (default: the --listen host, a free port)", metavar="HOST:PORT"
+        "",
+        "HOST:PORT of the bulk TCP lane (default: the --listen host, a free port)",
+        lambda text: _address(text) if str(text).strip() else "",
+        "HOST:PORT",
     )
     shm_dir: str = _opt(
         "/dev/shm",
@@ -329,13 +345,31 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
         raise ValueError("option --nvme-admit-uses: 1 or more (1: demote every block)")
     from kvstore.store.cascade import NVME_EVICTIONS
 
+    if cfg.nvme_sync not in ("direct", "fdatasync"):
+        raise ValueError("option --nvme-sync: direct or fdatasync")
     if cfg.nvme_eviction not in NVME_EVICTIONS:
         raise ValueError(f"option --nvme-eviction: one of {', '.join(NVME_EVICTIONS)}")
     if cfg.nvme_admit_uses > 1 and cfg.eviction_policy not in ("adaptive", "freq"):
         raise ValueError("option --nvme-admit-uses above 1 needs --eviction-policy adaptive or freq (they count uses)")
-    for name in ("dram", "max_block", "max_stream", "max_hashes", "workers"):
-        if getattr(cfg, name) < 1:  # each would start a store that refuses every Put or every call
+    for name in ("dram", "max_block", "max_stream", "max_hashes", "workers", "lane_max", "cuda_lane_bytes"):
+        if getattr(cfg, name) < 1:  # each would start a store that refuses every Put, every call or every lane
             raise ValueError(f"option {_flag(name)}: 1 or more; got {getattr(cfg, name)}")
+    for name in ("lane_lease", "cluster_ttl"):
+        if not 0 < getattr(cfg, name) < math.inf:  # a lease or heartbeat of no time: each grant or membership lapses
+            raise ValueError(f"option {_flag(name)}: seconds above 0; got {getattr(cfg, name)}")
+    for name in ("drain_seconds", "max_rpc_seconds", "tenant_streams"):
+        if not 0 <= getattr(cfg, name) < math.inf:
+            raise ValueError(f"option {_flag(name)}: 0 or more; got {getattr(cfg, name)}")
+    if not 0 <= cfg.metrics_port <= 65535:
+        raise ValueError(f"option --metrics-port: 0-65535 (0: off); got {cfg.metrics_port}")
+    if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise ValueError("option --log-level: debug, info, warning or error")
+    defaults = ServeConfig()
+    if not cfg.nvme_dir:
+        # an NVMe option set without the directory would start a store with no NVMe tier and say nothing
+        for name in _NVME_OPTIONS:
+            if getattr(cfg, name) != getattr(defaults, name):
+                raise ValueError(f"option {_flag(name)} needs --nvme-dir (without it there is no NVMe tier)")
     if cfg.max_message < MIN_MESSAGE:
         # every Get message carries a block header beside its chunk (half the limit): a store below this could
         # start and then fail each Get and Put with RESOURCE_EXHAUSTED

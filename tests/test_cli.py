@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,46 @@ def test_bad_config_is_reported(tmp_path):
         str(tmp_path / "file" / "nvme"), "--nvme", "1GiB",
     )  # fmt: skip
     assert result.returncode == 1 and "kvstore: [Errno" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--listen", "bogus"], "option --listen: not HOST:PORT"),
+        (["--listen", "127.0.0.1:99999"], "option --listen: not HOST:PORT"),  # gRPC would bind port 34463
+        (["--tcp-lane-listen", "127.0.0.1:x"], "option --tcp-lane-listen: not HOST:PORT"),
+        (["--metrics-port", "-1"], "option --metrics-port: 0-65535"),
+        (["--lane-max", "0"], "option --lane-max: 1 or more"),
+        (["--cuda-lane-bytes", "0"], "option --cuda-lane-bytes: 1 or more"),
+        (["--lane-lease", "0"], "option --lane-lease: seconds above 0"),
+        (["--cluster-ttl", "nan"], "option --cluster-ttl: seconds above 0"),
+        (["--drain-seconds", "-1"], "option --drain-seconds: 0 or more"),
+        (["--max-rpc-seconds", "inf"], "option --max-rpc-seconds: 0 or more"),
+        (["--tenant-streams", "-1"], "option --tenant-streams: 0 or more"),
+        (["--log-level", "loud"], "option --log-level: debug, info"),
+        (["--nvme-sync", "never"], "option --nvme-sync: direct or fdatasync"),
+        (["--nvme", "100GiB"], "option --nvme needs --nvme-dir"),  # else: a store with no NVMe tier, silently
+        (["--share-nvme", "true"], "option --share-nvme needs --nvme-dir"),
+    ],
+)
+def test_serve_refuses_options_that_start_a_broken_store(flags, says):
+    parser = __import__("argparse").ArgumentParser()
+    config.add_arguments(parser)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        config.load(parser.parse_args(flags), env={})
+
+
+def test_options_at_their_limits_and_defaults_are_taken(tmp_path):
+    parser = __import__("argparse").ArgumentParser()
+    config.add_arguments(parser)
+    flags = ["--listen", "7070", "--tcp-lane-listen", "[::1]:0", "--metrics-port", "65535", "--drain-seconds", "0"]
+    cfg = config.load(parser.parse_args(flags), env={})
+    assert (cfg.listen, cfg.tcp_lane_listen, cfg.metrics_port) == ("7070", "[::1]:0", 65535)
+    example = tmp_path / "example.yaml"  # every option at its default, the NVMe ones without a directory
+    example.write_text(config.example_yaml())
+    assert config.load(parser.parse_args(["--config", str(example)]), env={}) == config.ServeConfig(config=str(example))
+    nvme = config.load(parser.parse_args(["--nvme-dir", str(tmp_path), "--nvme", "1GiB", "--share-nvme", "1"]), env={})
+    assert (nvme.nvme, nvme.share_nvme) == (1 << 30, True)
 
 
 def test_serve_env_health_stats_metrics_and_sigterm(spawn_server):
