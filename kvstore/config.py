@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from kvstore.addresses import parse_address
 from kvstore.sizes import parse_size
 
 MIN_MESSAGE = 64 << 10  # the smallest --max-message: a block header and a 32 KiB chunk fit in a message
@@ -35,15 +36,6 @@ def _bool(text: Any) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def _address(text: Any) -> str:
-    """HOST:PORT (or PORT alone, any host), the port 0-65535; returned as given."""
-    value = str(text).strip()
-    port = value.rpartition(":")[2]
-    if not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"not HOST:PORT with a port 0-65535: {value!r}")
-    return value
-
-
 def _opt(default: Any, help: str, parse: Callable[[Any], Any] = str, metavar: str | None = None) -> Any:
     return field(default=default, metadata={"help": help, "parse": parse, "metavar": metavar})
 
@@ -51,7 +43,7 @@ def _opt(default: Any, help: str, parse: Callable[[Any], Any] = str, metavar: st
 @dataclass
 class ServeConfig:
     listen: str = _opt(
-        "127.0.0.1:7070", "gRPC listen address HOST:PORT (0.0.0.0:7070 to accept remote clients)", _address
+        "127.0.0.1:7070", "gRPC listen address HOST:PORT (0.0.0.0:7070 to accept remote clients)", parse_address
     )
     dram: int = _opt(parse_size("1GiB"), "DRAM tier capacity (e.g. 512MiB, 2GiB)", parse_size, "SIZE")
     hbm: int = _opt(0, "HBM tier capacity on the CUDA device (0: no HBM tier)", parse_size, "SIZE")
@@ -129,7 +121,7 @@ class ServeConfig:
     # Cluster and security (DESIGN 2.4)
     redis: str | None = _opt(None, "Redis URL for cluster mode (membership and global index)", metavar="URL")
     advertise: str | None = _opt(
-        None, "address other hosts reach this node at (default: --listen)", _address, "HOST:PORT"
+        None, "address other hosts reach this node at (default: --listen)", parse_address, "HOST:PORT"
     )
     cluster_ttl: float = _opt(
         10.0,
@@ -172,7 +164,7 @@ class ServeConfig:
     tcp_lane_listen: str = _opt(
         "",
         "HOST:PORT of the bulk TCP lane (default: the --listen host, a free port)",
-        lambda text: _address(text) if str(text).strip() else "",
+        lambda text: parse_address(text) if str(text).strip() else "",
         "HOST:PORT",
     )
     shm_dir: str = _opt(

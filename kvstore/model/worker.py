@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvstore.addresses import parse_address
 from kvstore.model import ByteBPETokenizer, LlamaModel, load_model
 from kvstore.v1 import workers_pb2 as wpb
 
@@ -49,6 +50,14 @@ def parse_args(prog: str, default_listen: str, argv: list[str] | None) -> Worker
     p.add_argument("--token", default=None, help="tenant bearer token for the store")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
+    try:
+        parse_address(a.listen)
+    except ValueError as err:
+        p.error(f"--listen: {err}")
+    if a.pool_blocks < 1 or a.chunk_tokens < 1:
+        p.error("--pool-blocks and --chunk-tokens: 1 or more")
+    if a.log_level.lower() not in ("debug", "info", "warning", "error"):
+        p.error("--log-level: debug, info, warning or error")
     return WorkerArgs(
         a.listen, None if a.store == "none" else a.store, a.model, a.pool_blocks, a.chunk_tokens, a.token, a.log_level
     )
@@ -70,7 +79,11 @@ def prompt_tokens(prompt: wpb.Prompt, tokenizer: ByteBPETokenizer | None, vocab:
 
 
 def load(name: str) -> tuple[LlamaModel, ByteBPETokenizer | None]:
-    model, tok = load_model(name)
+    """The worker's model; an unknown or unreadable one ends the process with one line, not a traceback."""
+    try:
+        model, tok = load_model(name)
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"--model {name}: {err}") from None
     log.info(
         "model %s: %d layers, %d kv heads, head dim %d, %s, block %d tokens (%d bytes)",
         name,
@@ -98,7 +111,10 @@ def serve(
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(listen)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:  # gRPC says only "Failed to bind"
+        raise SystemExit(f"--listen {listen}: cannot listen there (the port is in use or not this host's)") from None
     server.start()
     for name in ("", service_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
