@@ -6,6 +6,8 @@ Skipped where ``sglang`` does not import; ``pages.py``'s logic is tested without
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -128,3 +130,22 @@ def test_a_backend_without_a_target_says_so():
 
     with pytest.raises(ValueError, match="target"):
         KVStoreHiCacheStorage(_config(), {})
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [  # each would be taken at start and make every Get and Set a miss, recomputed without a word past a log line
+        ({"timeout": "soon"}, "timeout: could not convert"),
+        ({"timeout": "0"}, "timeout must be seconds above 0"),
+        ({"retries": "-2"}, "retries must be >= 0"),
+        ({"lane": "warp"}, "lane must be one of auto"),
+        ({"codec": "bogus"}, "codec: auto or unknown codec 'bogus'"),
+    ],
+)
+def test_a_backend_refuses_client_options_the_client_would_refuse(extra, says):
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed")
+    from kvstore.integrations.sglang import KVStoreHiCacheStorage
+
+    with pytest.raises(ValueError, match=re.escape(f"kvstore HiCache backend: {says}")):
+        KVStoreHiCacheStorage(_config(target="127.0.0.1:1", **extra), {})
+    assert KVStoreHiCacheStorage(_config(target="127.0.0.1:1", lane="tcp", codec="auto", retries="0"), {}).target

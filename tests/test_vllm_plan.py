@@ -7,6 +7,7 @@ real in-process store where tenancy matters.
 from __future__ import annotations
 
 import pickle
+import re
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
@@ -201,6 +202,23 @@ def test_settings_check_their_keys() -> None:
     assert Settings.from_extra({"target": "x:1", "staging": "device"}).staging == "device"
     with pytest.raises(ValueError, match="staging must be one of auto, host, device"):
         Settings.from_extra({"target": "x:1", "staging": "gpu"})
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [  # each was taken at the engine's start and failed every load and save later, or waited for ever
+        ({"timeout": "abc"}, "timeout: could not convert"),  # the key is named, not only int()'s words
+        ({"timeout": 0}, "timeout must be seconds above 0"),
+        ({"timeout": "nan"}, "timeout must be seconds above 0"),
+        ({"retries": -1}, "retries must be >= 0"),
+        ({"lane": "warp"}, "lane must be one of auto, grpc, shm, tcp, cuda_ipc"),
+        ({"codec": "bogus"}, "codec: auto or unknown codec 'bogus'"),
+    ],
+)
+def test_settings_refuse_what_the_client_would_refuse_later(extra: dict[str, object], says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Settings.from_extra({"target": "x:1", **extra})
+    assert Settings.from_extra({"target": "x:1", "codec": "auto", "lane": "shm", "retries": 0}).codec == "auto"
 
 
 def test_load_chunk_of_0_takes_about_90_mib_a_get_on_a_host_cache() -> None:

@@ -30,6 +30,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvstore.client import Client
+from kvstore.integrations.client_options import check_client_options
 from kvstore.integrations.sglang.pages import PageKeys, fingerprint, page_segments
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._client_args: dict[str, Any] = {k: extra[k] for k in CLIENT_KEYS if extra.get(k) is not None}
         for key, kind in (("timeout", float), ("retries", int)):
             if extra.get(key) is not None:
-                self._client_args[key] = kind(extra[key])
+                try:
+                    self._client_args[key] = kind(extra[key])
+                except ValueError as err:
+                    raise ValueError(f"kvstore HiCache backend: {key}: {err}") from None
+        args = self._client_args
+        check_client_options(
+            "kvstore HiCache backend", timeout=args.get("timeout"), retries=args.get("retries"),
+            lane=str(args.get("lane", "auto")), codec=str(args.get("codec", "none")),
+        )  # fmt: skip
         self._keys = PageKeys(fingerprint(storage_config, None))
         self._local = threading.local()
         self._clients: list[Client] = []

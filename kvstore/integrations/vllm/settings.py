@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from kvstore.integrations.client_options import check_client_options
+
 T = TypeVar("T")
 
 _ALIASES = {"tls_ca_file": "tls_ca", "tls_cert_file": "tls_cert", "tls_key_file": "tls_key"}
@@ -83,17 +85,24 @@ class Settings:
         values: dict[str, Any] = {}
         for name, value in given.items():
             kind = known[name].type
-            if value is None:
-                values[name] = None
-            elif kind in ("int", int):
-                values[name] = int(value)
-            elif kind in ("float", float):
-                values[name] = float(value)
-            elif kind in ("bool", bool):
-                values[name] = _flag(name, value)
-            else:
-                values[name] = str(value)
+            try:
+                if value is None:
+                    values[name] = None
+                elif kind in ("int", int):
+                    values[name] = int(value)
+                elif kind in ("float", float):
+                    values[name] = float(value)
+                elif kind in ("bool", bool):
+                    values[name] = _flag(name, value)
+                else:
+                    values[name] = str(value)
+            except ValueError as err:
+                raise ValueError(f"kvstore connector: {name}: {err}") from None
         settings = cls(**values)
+        check_client_options(
+            "kvstore connector", timeout=settings.timeout, retries=settings.retries, lane=settings.lane,
+            codec=settings.codec,
+        )  # fmt: skip
         if settings.on_load_error not in ("recompute", "fail"):
             raise ValueError(
                 f"kvstore connector: on_load_error must be recompute or fail, not {settings.on_load_error!r}"
