@@ -24,11 +24,11 @@ in turn, prefix by prefix, in a rotating order, so that all see the disk and the
   down) of a file written beside the stores' segments, each extent read once (the disk's speed at the same
   amount of data: the baseline of ``nvme_vs_raw``). Every side's prefixes and extents are written interleaved,
   prefix by prefix in a rotating order: this virtual disk reads recently written data faster (the host's cache),
-  and writing one side after the other made the last one look 1.2-1.7x faster (docs/nvme.md); ``raw_crc``: that
+  and writing one side after the other made the last one look 1.2-1.7x faster (docs/nvme_log.md); ``raw_crc``: that
   read plus a CRC32C of the extent on one thread, after it (what a read costs that is checked, as the store's are);
 - ``raw_dst``: the same read of another extent, by this tree's worker, into the very buffers its Gets fill (each
   record header into a page of its own): on this VM where the bytes land moves an O_DIRECT read's time several times over
-  (0.9 to 3.4 ms for one 2.2 MB read, buffer by buffer: docs/nvme.md), so a Get is also compared with the disk read into its own memory (``disk_nvme_vs_raw_dst``);
+  (0.9 to 3.4 ms for one 2.2 MB read, buffer by buffer: docs/nvme_log.md), so a Get is also compared with the disk read into its own memory (``disk_nvme_vs_raw_dst``);
 - ``dram_floor``: what a checked DRAM hit costs at the least, in this process: each of 32 blocks taken from a
   256 MiB buffer at a rotating place (not in the CPU's caches, as the stores' blocks are not between steps)
   gets its CRC32C and one copy into a page-aligned buffer, on one thread (the baseline of ``shm_dram_vs_floor``);
@@ -52,11 +52,11 @@ DRAM index: ``dram_shm`` Gets after a prefix's first are then served by the clie
 both, the ``--share-nvme`` store's index names its NVMe-only blocks too, and ``disk_shm`` Gets after the first
 read them unasked; a second such store without the index (``diskasked_shm``, every Get asked) runs beside it in
 the same worker, and ``disk_index_speedup`` is its p50 over ``disk_shm``'s: what the index saves, measured
-without the bias between two trees' workers (docs/nvme.md).
+without the bias between two trees' workers (docs/nvme_log.md).
 
 ``--shm-dir DIR`` puts every store's shared files (the shared DRAM arena, the lanes' regions) in ``DIR``: /dev/shm
 gives them 4 KiB pages as a rule, a tmpfs mounted ``huge=within_size`` huge pages, and the store-read lanes' NVMe
-reads into the shared arena (promotions) run at about half the speed into 4 KiB pages here (docs/nvme.md,
+reads into the shared arena (promotions) run at about half the speed into 4 KiB pages here (docs/nvme_log.md,
 thirty-second session); every row says which it was (``shm_dir_huge_pages``).
 
 Rows: p50 ms of each step, ``shm_dram_vs_floor`` (floor / DRAM-hit Get), ``disk_nvme_vs_raw``, ``disk_nvme_vs_raw_dst``,
@@ -69,7 +69,7 @@ p50 of the DRAM-hit Get) and the like, GB/s of payload; ``nvme_store_cpu_ms``, `
 (user and system, every thread, the work after each reply included), and ``nvme_store_cpu_vs_raw``: the NVMe store's
 per Get over the raw read's time (above 1, two cores shared with the client cannot keep up with the disk).
 Every buffer a disk reads into here (the pool, the raw read's) is in huge pages (``kvstore.hugepages``): on this
-VM an O_DIRECT read into 4 KiB pages ran at 0.3-0.4x the speed (docs/nvme.md, twenty-ninth session), and which
+VM an O_DIRECT read into 4 KiB pages ran at 0.3-0.4x the speed (docs/nvme_log.md, twenty-ninth session), and which
 pages a buffer drew had set the "disk state" that moved earlier runs. Only this machine's disk is measured; a real
 NVMe drive changes the ``raw`` column, not what the store adds.
 """
@@ -161,7 +161,7 @@ NEW_KINDS = (*KINDS, "dram-grpc", "disk-shm")
 RATIOS = (
     ("disk_nvme_vs_raw", "raw", "disk-shm"),
     # the same read into the memory the Get fills: on this VM where the bytes land moves an O_DIRECT read's time
-    # several times over (docs/nvme.md), so this ratio is what the store adds to the disk, free of that
+    # several times over (docs/nvme_log.md), so this ratio is what the store adds to the disk, free of that
     ("disk_nvme_vs_raw_dst", "raw_dst", "disk-shm"),
     *((f"{lane}_nvme_vs_raw", "raw", f"nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
     *((f"old_{lane}_nvme_vs_raw", "raw", f"old_nvme-{lane}") for lane in ("shm", "tcp", "grpc")),

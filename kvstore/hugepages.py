@@ -3,7 +3,7 @@
 Why, measured: one O_DIRECT ``preadv`` of 64 MiB on this VM (2026-12-05, ``/tmp/s29/thp.py``, 30 reads each in
 turn) took 57.4 ms into 4 KiB pages (1.17 GB/s) and 23.2 ms into huge pages (2.89 GB/s); of 2 MiB, 3.14 against
 0.80 ms. ``dd iflag=direct`` read 0.65 GB/s that hour: its buffer's pages, not the disk. A 4 KiB-page buffer is
-fast or slow for as long as it lives (docs/nvme.md), which earlier sessions saw as a "disk state" swinging 0.4-3
+fast or slow for as long as it lives (docs/nvme_log.md), which earlier sessions saw as a "disk state" swinging 0.4-3
 GB/s within an hour; huge pages were fast every time. (Likely part of why: a disk request carries one segment per
 physically contiguous run of its memory, ``max_segments`` 254 on this virtio disk, and a huge page is one 2 MiB
 run.)
@@ -24,7 +24,7 @@ files: huge pages there follow tmpfs's own ``huge=`` mount option and ``shmem_en
 ``files_get_huge_pages(directory) -> bool | None`` says which (None: unknown), from the directory's mount
 (``huge_pages_of_mount``, a pure function of ``/proc/self/mountinfo``'s text and ``shmem_enabled``'s): /dev/shm
 as a rule gives 4 KiB pages, and an O_DIRECT read from NVMe into them (a promotion into the shared arena) ran at
-half the speed here (docs/nvme.md, thirty-second session).
+half the speed here (docs/nvme_log.md, thirty-second session).
 """
 
 from __future__ import annotations

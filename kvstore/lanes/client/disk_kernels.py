@@ -5,7 +5,7 @@ no GIL (``read_run``).
 Imported only once ``kvstore.memops_jit`` has found numba and a CPU with SSE4.2 and PCLMULQDQ, and only when first
 wanted, like every kernel here (importing numba at start broke vLLM's scan of
 module globals). Why compiled: the same run planned with numpy array operations and checked by a call per block
-spent 0.14 ms of a 1.8 ms 32 x 64 KiB Get on them in a hot loop and 0.3 ms of 3.1 after a pause (docs/nvme.md).
+spent 0.14 ms of a 1.8 ms 32 x 64 KiB Get on them in a hot loop and 0.3 ms of 3.1 after a pause (docs/nvme_log.md).
 
 The CRC32C is memops' folding loop even where ``memops_jit.library_crc_faster()`` prefers the `crc32c` package:
 that choice is timed over bytes in cache, and these bytes were just written by the disk's DMA. Over 32 x 64 KiB

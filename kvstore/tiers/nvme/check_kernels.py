@@ -5,7 +5,7 @@ its last whole page, read into scratch) copied into its buffer.
 
 Imported only once ``kvstore.memops_jit`` has found numba and a CPU with SSE4.2 and PCLMULQDQ, and only when first
 wanted (reader.py's ``BackgroundCompile``), like every kernel here. Why compiled: function timers in a store
-serving 32 x 64 KiB NVMe Gets on the shm lane (docs/nvme.md) put 5.4 ms of a 10.5 ms Get in the Python checks of
+serving 32 x 64 KiB NVMe Gets on the shm lane (docs/nvme_log.md) put 5.4 ms of a 10.5 ms Get in the Python checks of
 its four pieces, summed over the reading threads: each piece's checks held the GIL the other readers wanted.
 """
 
