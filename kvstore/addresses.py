@@ -12,3 +12,13 @@ def parse_address(text: Any) -> str:
     if not port.isdigit() or int(port) > 65535:
         raise ValueError(f"not HOST:PORT with a port 0-65535: {value!r}")
     return value
+
+
+def check_target(target: str) -> None:
+    """A client's gRPC target: a plain HOST:PORT whose port is over 65535 is refused (gRPC would reach port
+    PORT % 65536, perhaps another service); other gRPC target forms (``dns:///``, ``unix:``, ...) pass as given."""
+    if "://" in target or target.split(":", 1)[0] in ("unix", "unix-abstract", "ipv4", "ipv6", "dns", "vsock"):
+        return
+    port = target.rpartition(":")[2]
+    if port.isdigit() and int(port) > 65535:
+        raise ValueError(f"target {target!r}: the port must be 0-65535")

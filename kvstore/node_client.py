@@ -80,6 +80,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from kvstore.addresses import check_target
 from kvstore.checksum import crc32c
 from kvstore.codecs.transfer import DecodeTally, TransferPlan
 from kvstore.codecs.transfer_client import ClientCoding
@@ -117,6 +118,7 @@ class NodeClient:
                 grpc.StatusCode.UNIMPLEMENTED,
                 "cluster targets (redis://) are served by kvstore.client.Client (a ClusterClient)",
             )
+        check_target(target)
         self.target, self.timeout, self.retries, self.chunk_bytes = target, timeout, retries, chunk_bytes
         options = [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)]
         if tls_ca or tls_cert:
