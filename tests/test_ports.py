@@ -92,6 +92,22 @@ def test_taken_metrics_port_is_one_line(taken):
     assert f"--metrics-port {taken}" in lines[0] and "or 0 to turn metrics off" in lines[0]
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--listen", "127.0.0.1:{p}", "--metrics-port", "{p}"], "--metrics-port {p}: cannot listen there (--listen"),
+        (["--listen", "127.0.0.1:{p}", "--tcp-lane-listen", "127.0.0.1:{p}"], "--tcp-lane-listen 127.0.0.1:{p}: "),
+    ],
+)
+def test_two_flags_on_one_port_are_named_together(flags, says):
+    port = free_port()  # free: each flag's probe alone passes, and the second real bind used to fail on the first
+    code, lines = refused(
+        *(f.format(p=port) for f in flags), *([] if "--metrics-port" in flags else ["--metrics-port", "0"])
+    )
+    assert code == 2 and len(lines) == 1, lines
+    assert says.format(p=port) in lines[0] and "asks for the same port" in lines[0], lines
+
+
 # The real binds in StoreServer.start say the same when a port is taken after the preflight.
 def test_start_names_the_metrics_port(taken):
     server = StoreServer(ServeConfig(listen="127.0.0.1:0", dram=16 << 20, metrics_port=taken))

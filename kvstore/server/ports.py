@@ -4,7 +4,7 @@ Verbs:
 
 - ``preflight(cfg)``: tries to bind every fixed port the config names (``--listen``, ``--metrics-port``,
   ``--tcp-lane-listen``; port 0 means "any free port" and is not checked) and raises ``PortError`` for the first
-  one that cannot be bound, before the store is built, NVMe recovered or a cluster joined. The probe sockets are
+  one that cannot be bound or that an earlier flag also asks for, before the store is built, NVMe recovered or a cluster joined. The probe sockets are
   closed at once, so a port taken in the moment between the check and the real bind still fails there:
 - ``PortError(flag, address, err)``: a ``ValueError`` whose text is one line naming the flag, the address and
   what to do (``kvstore.cli`` prints it and exits 2, no traceback). ``StoreServer.start`` raises it too when the
@@ -55,8 +55,18 @@ def listeners(cfg: ServeConfig) -> list[Listener]:
 
 
 def preflight(cfg: ServeConfig) -> None:
+    taken: list[Listener] = []
     for listener in listeners(cfg):
+        clash = next((t for t in taken if t.port == listener.port and _overlap(t.host, listener.host)), None)
+        if clash is not None:  # each probe alone would pass; the second real bind would fail on the first
+            raise PortError(listener.flag, listener.shown, f"{clash.flag} asks for the same port")
         probe(listener)
+        taken.append(listener)
+
+
+def _overlap(a: str, b: str) -> bool:
+    anywhere = ("0.0.0.0", "::", "")
+    return a == b or a in anywhere or b in anywhere
 
 
 def probe(listener: Listener) -> None:
