@@ -271,7 +271,7 @@ def test_nvme_admission_needs_a_policy_that_counts_uses(tmp_path):
         config.load(env={"KVSTORE_NVME_ADMIT_USES": "2", "KVSTORE_EVICTION_POLICY": "lru"})
     with pytest.raises(ValueError, match="1 or more"):
         config.load(env={"KVSTORE_NVME_ADMIT_USES": "0"})
-    assert config.load(env={"KVSTORE_NVME_ADMIT_USES": "2"}).nvme_admit_uses == 2
+    assert config.load(env={"KVSTORE_NVME_ADMIT_USES": "2", "KVSTORE_NVME_DIR": "/nvme"}).nvme_admit_uses == 2
 
 
 def test_a_put_never_waits_for_a_running_compaction(tmp_path):

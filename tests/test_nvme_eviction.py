@@ -123,7 +123,7 @@ def test_block_eviction_drops_victims_one_by_one(tmp_path):
 
 def test_the_option_is_checked():
     assert config.load(env={}).nvme_eviction == "segment"
-    assert config.load(env={"KVSTORE_NVME_EVICTION": "block"}).nvme_eviction == "block"
+    assert config.load(env={"KVSTORE_NVME_EVICTION": "block", "KVSTORE_NVME_DIR": "/nvme"}).nvme_eviction == "block"
     with pytest.raises(ValueError, match="--nvme-eviction: one of segment, block"):
         config.load(env={"KVSTORE_NVME_EVICTION": "fifo"})
     with pytest.raises(ValueError, match="nvme_eviction must be one of"):

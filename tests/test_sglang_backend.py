@@ -140,6 +140,7 @@ def test_a_backend_without_a_target_says_so():
         ({"retries": "-2"}, "retries must be >= 0"),
         ({"lane": "warp"}, "lane must be one of auto"),
         ({"codec": "bogus"}, "codec: auto or unknown codec 'bogus'"),
+        ({"target": "127.0.0.1:99999"}, "target '127.0.0.1:99999': the port must be 0-65535"),
     ],
 )
 def test_a_backend_refuses_client_options_the_client_would_refuse(extra, says):
@@ -147,5 +148,5 @@ def test_a_backend_refuses_client_options_the_client_would_refuse(extra, says):
     from kvstore.integrations.sglang import KVStoreHiCacheStorage
 
     with pytest.raises(ValueError, match=re.escape(f"kvstore HiCache backend: {says}")):
-        KVStoreHiCacheStorage(_config(target="127.0.0.1:1", **extra), {})
+        KVStoreHiCacheStorage(_config(**{"target": "127.0.0.1:1", **extra}), {})
     assert KVStoreHiCacheStorage(_config(target="127.0.0.1:1", lane="tcp", codec="auto", retries="0"), {}).target

@@ -213,6 +213,7 @@ def test_settings_check_their_keys() -> None:
         ({"retries": -1}, "retries must be >= 0"),
         ({"lane": "warp"}, "lane must be one of auto, grpc, shm, tcp, cuda_ipc"),
         ({"codec": "bogus"}, "codec: auto or unknown codec 'bogus'"),
+        ({"target": "127.0.0.1:99999"}, "the port must be 0-65535"),
     ],
 )
 def test_settings_refuse_what_the_client_would_refuse_later(extra: dict[str, object], says: str) -> None:

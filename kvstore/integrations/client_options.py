@@ -6,10 +6,17 @@ from __future__ import annotations
 import math
 
 
-def check_client_options(who: str, *, timeout: float | None, retries: int | None, lane: str, codec: str) -> None:
+def check_client_options(
+    who: str, *, target: str, timeout: float | None, retries: int | None, lane: str, codec: str
+) -> None:
+    from kvstore.addresses import check_target
     from kvstore.codecs import CodecError, get_codec
     from kvstore.lanes.client.negotiate import MODES
 
+    try:
+        check_target(target)
+    except ValueError as err:
+        raise ValueError(f"{who}: {err}") from None
     if timeout is not None and not 0 < timeout < math.inf:
         raise ValueError(f"{who}: timeout must be seconds above 0, not {timeout!r}")
     if retries is not None and retries < 0:

@@ -61,7 +61,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                     raise ValueError(f"kvstore HiCache backend: {key}: {err}") from None
         args = self._client_args
         check_client_options(
-            "kvstore HiCache backend", timeout=args.get("timeout"), retries=args.get("retries"),
+            "kvstore HiCache backend", target=self.target, timeout=args.get("timeout"), retries=args.get("retries"),
             lane=str(args.get("lane", "auto")), codec=str(args.get("codec", "none")),
         )  # fmt: skip
         self._keys = PageKeys(fingerprint(storage_config, None))

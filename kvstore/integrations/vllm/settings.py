@@ -100,7 +100,7 @@ class Settings:
                 raise ValueError(f"kvstore connector: {name}: {err}") from None
         settings = cls(**values)
         check_client_options(
-            "kvstore connector", timeout=settings.timeout, retries=settings.retries, lane=settings.lane,
+            "kvstore connector", target=settings.target, timeout=settings.timeout, retries=settings.retries, lane=settings.lane,
             codec=settings.codec,
         )  # fmt: skip
         if settings.on_load_error not in ("recompute", "fail"):
