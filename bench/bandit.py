@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import Row, parse_args, report
+from bench.common import Row, parse_args, positive, report
 from bench.netns import Link, available, veth_link
 from kvstore.sizes import format_size, parse_size
 
@@ -62,8 +62,12 @@ FAST_REGIMES = ("1gbit", "10gbit", "unshaped")  # seconds per run: repeated, bes
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--volume", default=None, help="KV bytes moved per run (default 1GiB, quick 128MiB)")
     parser.add_argument("--regimes", default=",".join([*RATES, "changing"]), help="comma list of regimes")
-    parser.add_argument("--tokens", type=int, default=None, help="distinct real KV tokens (default 2048, quick 512)")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions of the short regimes, best kept (quick: 1)")
+    parser.add_argument(
+        "--tokens", type=positive(int), default=None, help="distinct real KV tokens (default 2048, quick 512)"
+    )
+    parser.add_argument(
+        "--reps", type=positive(int), default=3, help="repetitions of the short regimes, best kept (quick: 1)"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON of the runs: client process mode
     parser.add_argument("--target", default=None, help=argparse.SUPPRESS)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import redis
 
-from bench.common import format_table, parse_args, write_json
+from bench.common import format_table, parse_args, positive, write_json
 from kvstore.client import Client
 from kvstore.cluster.keys import KeyLayout
 from kvstore.cluster.localredis import LocalRedis
@@ -189,10 +189,12 @@ def publishing(url: str, blocks: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     def configure(p: Any) -> None:
-        p.add_argument("--clients", type=int, default=2, help="client processes (default 2)")
-        p.add_argument("--block", type=int, default=1 << 20, help="block bytes (default 1 MiB)")
-        p.add_argument("--chain", type=int, default=8, help="blocks per chain, one put each (default 8)")
-        p.add_argument("--chains", type=int, default=None, help="chains per client (default 8 quick, 32 full)")
+        p.add_argument("--clients", type=positive(int), default=2, help="client processes (default 2)")
+        p.add_argument("--block", type=positive(int), default=1 << 20, help="block bytes (default 1 MiB)")
+        p.add_argument("--chain", type=positive(int), default=8, help="blocks per chain, one put each (default 8)")
+        p.add_argument(
+            "--chains", type=positive(int), default=None, help="chains per client (default 8 quick, 32 full)"
+        )
         p.add_argument("--dram", default="2GiB", help="DRAM tier of each node (pageable: only what is written is used)")
         p.add_argument(
             "--lane",
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             help="client data lane: grpc (default; what remote clients use) or "
             "auto (shared memory to nodes on this host)",
         )
-        p.add_argument("--index-blocks", type=int, default=None, help="blocks for the publish/memory part")
+        p.add_argument("--index-blocks", type=positive(int), default=None, help="blocks for the publish/memory part")
 
     args = parse_args("cluster mode throughput and index costs", argv, configure)
     args.chains = args.chains or (8 if args.quick else 32)

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from bench.common import Row, best_seconds, parse_args, report
+from bench.common import Row, best_seconds, parse_args, positive, report
 from kvstore.codecs import codec_names, decode_into, encode, get_codec
 from kvstore.codecs.pipeline import DecodePipeline, iter_encoded
 
@@ -51,13 +51,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--synthetic", action="store_true", help="random-init KV instead of the real model (testing only)"
     )
-    parser.add_argument("--tokens", type=int, default=None, help="tokens of KV (default 2048, quick 256)")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 2)")
+    parser.add_argument("--tokens", type=positive(int), default=None, help="tokens of KV (default 2048, quick 256)")
+    parser.add_argument("--reps", type=positive(int), default=None, help="timed repetitions (default 5, quick 2)")
     parser.add_argument(
         "--dtypes", default=None, help="comma list (default bfloat16,float16,float32; quick bfloat16,float16)"
     )
     parser.add_argument("--codecs", default=",".join(codec_names()), help="comma list of codecs")
-    parser.add_argument("--link-gbit", type=float, default=1.0, help="simulated link for the pipelining rows")
+    parser.add_argument("--link-gbit", type=positive(float), default=1.0, help="simulated link for the pipelining rows")
 
 
 def synthetic_kv(num_tokens: int, dtype: torch.dtype, block_size: int = 16, seed: int = 0) -> torch.Tensor:

@@ -47,6 +47,19 @@ def parse_args(
     return parser.parse_args(argv)
 
 
+def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` that takes a number above 0 (and finite): a count, a rate or a duration."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
 def plot_path(out: Path | None, plot: Path | None) -> Path | None:
     """Where a benchmark's figure goes: ``--plot`` when given, else beside ``--out`` (same stem, ``.png``), else
     nowhere. A run writes only where it was told, never over the committed ``bench/results`` by default."""

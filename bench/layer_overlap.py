@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import Row, parse_args, report
+from bench.common import Row, parse_args, positive, report
 
 LAYERS, TOKENS, HIDDEN, FFN, HEADS, KV_HEADS, HEAD, CONTEXT = 30, 32, 576, 1536, 9, 3, 64, 2048
 
@@ -105,7 +105,9 @@ def measure(step: Step, src: np.ndarray, dst: np.ndarray, reps: int) -> dict[str
 
 def main(argv: list[str] | None = None) -> int:
     def configure(p: Any) -> None:
-        p.add_argument("--megabytes", type=int, default=92, help="prefix KV bytes to copy (default 92: 2k tokens)")
+        p.add_argument(
+            "--megabytes", type=positive(int), default=92, help="prefix KV bytes to copy (default 92: 2k tokens)"
+        )
         p.add_argument("--threads", default="2,1", help="torch threads of the forward pass, comma list (default 2,1)")
         p.add_argument("--reps", type=int, default=0, help="samples per way (default 9; quick 3)")
 

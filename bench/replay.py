@@ -46,7 +46,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.common import Row, format_table, parse_args, plot_path, write_json
+from bench.common import Row, format_table, parse_args, plot_path, positive, write_json
 from bench.replay_hints import HINT_KINDS
 from bench.replay_report import check_target, plot_suite, policy_rows
 from bench.replay_sim import (
@@ -290,8 +290,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"replay only the first N requests (default all; --quick: {QUICK_REQUESTS})",
     )
-    parser.add_argument("--nvme-multiple", type=float, default=4.0, help="NVMe tier size as a multiple of DRAM")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    parser.add_argument(
+        "--nvme-multiple", type=positive(float), default=4.0, help="NVMe tier size as a multiple of DRAM"
+    )
+    parser.add_argument("--jobs", type=positive(int), default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument(
         "--plot", type=Path, default=None, metavar="FILE.png", help="write the figure here (default: beside --out)"
     )

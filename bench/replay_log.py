@@ -25,7 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.common import format_table, parse_args, write_json
+from bench.common import format_table, parse_args, positive, write_json
 from bench.replay import DEFAULT_TRACE
 from bench.replay_sim import StoreSetup, block_keys, load_trace, replay_store
 from kvstore.store.policies import DEFAULT_POLICY
@@ -55,7 +55,7 @@ def configure(p: Any) -> None:
     p.add_argument(
         "--segment-blocks", default="16,64", help="blocks a segment holds (e.g. 64: 256 MiB of 4 MiB blocks)"
     )
-    p.add_argument("--nvme-multiple", type=float, default=4.0, help="NVMe tier size as a multiple of DRAM")
+    p.add_argument("--nvme-multiple", type=positive(float), default=4.0, help="NVMe tier size as a multiple of DRAM")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Row, parse_args, report
+from bench.common import Row, parse_args, positive, report
 from kvstore.server.process import store_process
 
 LAYERS, HEADS, DIM, PAGE = 30, 3, 64, 64
@@ -120,7 +120,7 @@ def _rows(store: str, extra: list[str], pages: int, reps: int) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> int:
     def configure(p: Any) -> None:
-        p.add_argument("--pages", type=int, default=64, help="pages per call (default 64: 4,096 tokens)")
+        p.add_argument("--pages", type=positive(int), default=64, help="pages per call (default 64: 4,096 tokens)")
         p.add_argument("--reps", type=int, default=0, help="calls per case (default 9; quick 3)")
         p.add_argument("--stores", default="copy,prefault,shared", help="store modes: " + ", ".join(STORES))
 

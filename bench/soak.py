@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from bench.common import format_table, parse_args, plot_path, write_json
+from bench.common import format_table, parse_args, plot_path, positive, write_json
 from kvstore.client import Client, KVStoreError
 from kvstore.server.process import store_process
 from kvstore.sizes import parse_size
@@ -250,12 +250,14 @@ def plot(rows: list[dict[str, Any]], path: Path, warmup_s: float) -> None:
 
 
 def configure(p: Any) -> None:
-    p.add_argument("--minutes", type=float, default=10.0, help="duration (default 10; --quick: 0.75)")
-    p.add_argument("--clients", type=int, default=8, help="client threads, each its own tenant (default 8)")
-    p.add_argument("--tenants", type=int, default=4, help="tenants the clients are spread over (default 4)")
-    p.add_argument("--rate", type=float, default=150.0, help="operations per second, all clients (default 150)")
-    p.add_argument("--batch", type=int, default=4, help="blocks per put/get (default 4)")
-    p.add_argument("--block-kib", type=int, default=64, help="block size in KiB (default 64)")
+    p.add_argument("--minutes", type=positive(float), default=10.0, help="duration (default 10; --quick: 0.75)")
+    p.add_argument("--clients", type=positive(int), default=8, help="client threads, each its own tenant (default 8)")
+    p.add_argument("--tenants", type=positive(int), default=4, help="tenants the clients are spread over (default 4)")
+    p.add_argument(
+        "--rate", type=positive(float), default=150.0, help="operations per second, all clients (default 150)"
+    )
+    p.add_argument("--batch", type=positive(int), default=4, help="blocks per put/get (default 4)")
+    p.add_argument("--block-kib", type=positive(int), default=64, help="block size in KiB (default 64)")
     p.add_argument("--dram", default="96MiB", help="server DRAM tier (default 96MiB: eviction runs throughout)")
     p.add_argument(
         "--lane",
@@ -263,7 +265,9 @@ def configure(p: Any) -> None:
         choices=["auto", "grpc", "shm", "tcp"],
         help="data lane of the clients (default auto: shm on the same host)",
     )
-    p.add_argument("--window", type=float, default=10.0, help="seconds per reported row (default 10; --quick 3)")
+    p.add_argument(
+        "--window", type=positive(float), default=10.0, help="seconds per reported row (default 10; --quick 3)"
+    )
     p.add_argument(
         "--nvme",
         default=None,

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.common import positive
+
 TOKENS_PER_BLOCK = 512
 
 KINDS: dict[str, str] = {
@@ -325,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write a synthetic Mooncake-format KV-cache trace")
     parser.add_argument("--kind", choices=tuple(KINDS), required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--requests", type=int, default=8000)
+    parser.add_argument("--requests", type=positive(int), default=8000)
     parser.add_argument("--out", type=Path, required=True, metavar="FILE.jsonl")
     args = parser.parse_args(argv)
     rows = generate(args.kind, args.seed, args.requests)

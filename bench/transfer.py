@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     reps = 3 if args.quick else 7
     lanes = args.lanes.split(",")
     cases = args.cases.split(",")
+    if not lanes or set(lanes) - {"grpc", "shm", "tcp"} or set(cases) - {"blocks", "segments"}:
+        parser.error("--lanes: a comma list of grpc, shm, tcp; --cases: of blocks, segments")
     rows = []
     if "segments" in cases:
         with store_process("--dram", "1GiB") as (target, _):

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import plot_path
+from bench.common import plot_path, positive
 from kvstore.router import Result, Router, local_stack
 
 
@@ -195,10 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default=None, help="store HOST:PORT, for its stats")
     p.add_argument("--workload", choices=("chat", "trace"), default="chat")
     p.add_argument("--trace", type=Path, default=Path("../shared/traces/synthetic_trace.jsonl"))
-    p.add_argument("--requests", type=int, default=40, help="trace requests to replay")
-    p.add_argument("--max-blocks", type=int, default=48, help="trace: hash ids per request kept (16 tokens each)")
+    p.add_argument("--requests", type=positive(int), default=40, help="trace requests to replay")
+    p.add_argument(
+        "--max-blocks", type=positive(int), default=48, help="trace: hash ids per request kept (16 tokens each)"
+    )
     p.add_argument("--rate", type=float, default=0.0, help="trace: open-loop arrivals per second (0: one at a time)")
-    p.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request")
+    p.add_argument("--new-tokens", type=positive(int), default=8, help="tokens generated per request")
     p.add_argument(
         "--nvme", action="store_true", help="chat: also a mode with the prefix only on NVMe (bench/ttft_nvme)"
     )

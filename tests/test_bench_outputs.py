@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import plot_path
+from bench.common import plot_path, positive
 from tests.conftest import ROOT
 
 # every module of bench/ with a main(), but the processes a bench starts (``*_worker``), which take no --out
@@ -48,6 +48,15 @@ def test_no_output_file_by_default(name, monkeypatch):
     assert "out" in defaults, f"bench.{name} has no --out"
     assert defaults["out"] is None, f"bench.{name} writes {defaults['out']} unless told otherwise"
     assert defaults.get("plot") is None, f"bench.{name} plots to {defaults.get('plot')} unless told otherwise"
+
+
+@pytest.mark.parametrize("flags", [["--minutes", "-1"], ["--clients", "0"], ["--rate", "nan"], ["--window", "inf"]])
+def test_counts_rates_and_durations_must_be_above_0(flags, capsys):
+    soak = importlib.import_module("bench.soak")
+    with pytest.raises(SystemExit) as exit_:  # -1 minutes ended in an IndexError after starting a store
+        soak.main([*flags])
+    assert exit_.value.code == 2 and f"argument {flags[0]}: must be above 0" in capsys.readouterr().err
+    assert positive(int)("3") == 3 and positive(float)("0.25") == 0.25
 
 
 def test_plot_path():
