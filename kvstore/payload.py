@@ -121,6 +121,11 @@ class Segments:
         """(address, length) of each non-empty part, in order (host parts only): where the block is in memory."""
         return tuple((_address(p), n) for p, n in zip(self.parts, self.lengths) if n)
 
+    @cached_property
+    def span_table(self) -> np.ndarray:
+        """``spans`` as an int64 array of (address, length) rows, for copies planned with numpy."""
+        return np.array(self.spans, dtype=np.int64).reshape(-1, 2)
+
     def head_views(self, n: int) -> list[memoryview]:
         """Non-empty flat views of the first ``n`` bytes (a Get's destination for an ``n``-byte block)."""
         out: list[memoryview] = []
@@ -205,6 +210,9 @@ class SegmentRows:
         self._addresses = [_address(b) if n else 0 for b, n in zip(self.buffers, self._row_bytes)]
         self._dtype = Segments(self.buffers).dtype
         self._nbytes = sum(self._row_bytes)
+        used = [(a, n) for a, n in zip(self._addresses, self._row_bytes) if n]
+        self._row0 = np.array(used, dtype=np.int64).reshape(-1, 2)  # row 0's spans; row b's: + b * _step
+        self._step = np.array([(n, 0) for _, n in used], dtype=np.int64).reshape(-1, 2)
 
     def __len__(self) -> int:
         return self.rows
@@ -219,6 +227,7 @@ class SegmentRows:
         known["lengths"], known["nbytes"], known["on_host"] = self._row_bytes, self._nbytes, True
         known["dtype"], known["views"] = self._dtype, parts
         known["spans"] = tuple((a + row * n, n) for a, n in zip(self._addresses, self._row_bytes) if n)
+        known["span_table"] = self._row0 + row * self._step
         return seg
 
 

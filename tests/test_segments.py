@@ -409,6 +409,7 @@ def test_segment_rows_build_the_same_blocks_as_slices(make_server):
         block, generic = rows.block(b), Segments([layer[b] for layer in layers])
         assert bytes(block.join()) == bytes(generic.join())
         assert block.spans == generic.spans and block.lengths == generic.lengths and block.dtype == "float32"
+        assert np.array_equal(block.span_table, generic.span_table)  # made from row 0's, without the tuples
     with pytest.raises(IndexError):
         rows.block(8)
     with pytest.raises(ValueError):

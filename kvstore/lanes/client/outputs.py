@@ -90,9 +90,10 @@ def copy_pool() -> CopyPool:
 
 @dataclass(frozen=True, slots=True)
 class SpanCopy:
-    """A copy out of mapped memory at ``source`` (an address) into host spans: a Segments of host parts."""
+    """A copy out of mapped memory at ``source`` (an address) into host spans: one buffer's, or a Segments'
+    host parts as its (address, length) int64 table (``Segments.span_table``)."""
 
-    spans: Spans
+    spans: Spans | np.ndarray
     source: int
 
 
@@ -107,23 +108,52 @@ def copy_outs(copies: Sequence[tuple[Any, memoryview, bool]]) -> list[int | None
 
 
 def _copy_run(copies: Sequence[tuple[Any, memoryview, bool]]) -> list[int | None]:
-    rows: list[tuple[int, int, int, int]] = []
+    rows: list[tuple[int, int, int, int]] = []  # (source, destination, bytes, block) of the one-buffer copies
+    tables: list[np.ndarray] = []  # and the span tables of Segments', whose rows numpy works out
+    sources: list[int] = []
+    owners: list[int] = []
     results: list[int | None] = [None] * len(copies)
     rowed: list[int] = []
     for k, (dst, _, _) in enumerate(copies):
         if not isinstance(dst, SpanCopy):  # segment views, a tensor: copied alone
             results[k] = copy_out(copies[k])
             continue
+        rowed.append(k)
+        if isinstance(dst.spans, np.ndarray):
+            if len(dst.spans):
+                tables.append(dst.spans)
+                sources.append(dst.source)
+                owners.append(k)
+            continue
         source = dst.source
         for address, length in dst.spans:
             rows.append((source, address, length, k))
             source += length
-        rowed.append(k)
-    if rows:
-        crcs = run_rows(rows, len(copies), any(copies[k][2] for k in rowed))
+    if rowed:
+        parts = [np.array(rows, dtype=np.int64).reshape(-1, 4)] if rows else []
+        if tables:
+            parts.append(_table_rows(tables, sources, owners))
+        table = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty((0, 4), np.int64)
+        crcs = run_rows(table, len(copies), any(copies[k][2] for k in rowed))
         for k in rowed:
             results[k] = crcs[k] if copies[k][2] else None
     return results
+
+
+def _table_rows(tables: list[np.ndarray], sources: list[int], owners: list[int]) -> np.ndarray:
+    """The (source, destination, bytes, block) rows of span tables, each block's bytes read in turn from its
+    source: one numpy pass instead of a Python step a span (30 a vLLM block)."""
+    spans = np.concatenate(tables)
+    counts = np.array([len(t) for t in tables], dtype=np.int64)
+    lengths = spans[:, 1]
+    starts = np.cumsum(lengths) - lengths  # each span's place in all the blocks' bytes, end to end
+    firsts = np.repeat(starts[np.cumsum(counts) - counts], counts)  # its block's first span's place
+    rows = np.empty((len(spans), 4), dtype=np.int64)
+    rows[:, 0] = np.repeat(np.array(sources, dtype=np.int64), counts) + starts - firsts
+    rows[:, 1] = spans[:, 0]
+    rows[:, 2] = lengths
+    rows[:, 3] = np.repeat(np.array(owners, dtype=np.int64), counts)
+    return rows
 
 
 def copy_out(c: tuple[Any, memoryview, bool]) -> int | None:

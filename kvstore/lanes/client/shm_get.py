@@ -37,7 +37,7 @@ from kvstore.lanes.client.indexed import IndexedGets
 from kvstore.lanes.client.loans import Lender, Loan
 from kvstore.lanes.client.outputs import SpanCopy, buffer_addresses, copy_outs, direct_outs
 from kvstore.lanes.cma import address_of
-from kvstore.lanes.segments import Spans, clip, flatten, span_bytes
+from kvstore.lanes.segments import Spans, clip, clip_table, flatten, span_bytes
 from kvstore.lanes.shm_region import ShmRegion
 from kvstore.memops import host_view
 from kvstore.payload import Segments, as_bytes_view
@@ -383,7 +383,8 @@ class ShmGets:
         if isinstance(target, Segments) and target.on_host and isinstance(source, ShmRegion):
             if target.nbytes < n:
                 raise short_buffer(i, target.nbytes, n)
-            return SpanCopy(clip(target.spans, n), source.address + offset), src
+            table = target.span_table if target.nbytes == n else clip_table(target.span_table, n)
+            return SpanCopy(table, source.address + offset), src
         dst = self._out_view(out, i, n) if out is not None else spare
         return _by_address(dst, source, offset), src
 
