@@ -346,6 +346,31 @@ def test_cross_memory_reads_and_writes_of_spans_match_the_model(monkeypatch, dat
     assert bytes(target.join()) == total
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), batch=st.integers(1, 9))
+def test_scattered_writes_of_many_blocks_match_the_model(monkeypatch, data, batch):
+    """``cma.write_scattered`` on this process's own memory: blocks across several buffers (empty ones too), cut
+    into syscalls of at most ``IOV_BATCH`` spans (made small), a block of more spans than that written alone."""
+    if not cma.available():
+        pytest.skip("Linux only")
+    monkeypatch.setattr(cma, "IOV_BATCH", batch)
+    blocks = data.draw(st.lists(st.lists(st.integers(1, 300), min_size=1, max_size=12), min_size=1, max_size=8))
+    sources = [os.urandom(sum(lengths)) for lengths in blocks]
+    targets = [Segments([bytearray(n) for n in lengths]) for lengths in blocks]
+    cma.write_scattered(os.getpid(), [(t.spans, memoryview(bytearray(src))) for t, src in zip(targets, sources)])
+    assert [bytes(t.join()) for t in targets] == sources
+
+
+def test_a_scattered_write_to_memory_that_is_not_there_names_the_blocks():
+    if not cma.available():
+        pytest.skip("Linux only")
+    good = Segments([bytearray(8), bytearray(8)])
+    with pytest.raises(cma.DirectReadError, match="wrote 8 of 16 bytes of 1 blocks in 2 spans"):
+        cma.write_scattered(os.getpid(), [(((good.spans[0]), (8, 8)), memoryview(bytearray(16)))])
+    with pytest.raises(ValueError, match="2 spans of 16 bytes for 12 local bytes"):
+        cma.write_scattered(os.getpid(), [(good.spans, memoryview(bytearray(12)))])
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), piece=st.integers(1, 900), iov_max=st.integers(1, 6))
 def test_socket_gather_and_scatter_match_the_model(monkeypatch, data, piece, iov_max):

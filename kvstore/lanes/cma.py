@@ -37,6 +37,7 @@ import socket
 import struct
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -108,6 +109,44 @@ def write_many(pid: int, pairs: list[tuple[int, Any]]) -> None:
     """Copy each ``(address, src)`` of ``pairs`` to ``address`` in process ``pid``: one process_vm_writev per
     ``IOV_BATCH`` blocks instead of one per block (a Get of many small blocks pays a syscall, not 32)."""
     _move_many(_lib().process_vm_writev, "wrote", pid, pairs)
+
+
+def write_scattered(pid: int, blocks: Sequence[tuple[Spans, Any]]) -> None:
+    """Copy each ``(spans, src)`` of ``blocks`` across its (address, length) ``spans`` in process ``pid`` (they
+    add up to ``len(src)``): one process_vm_writev per run of blocks with at most ``IOV_BATCH`` spans, the
+    iovecs made as arrays (a vLLM block's 30 pages took a Python step and a ctypes object each, then one call
+    per block). A block of more spans than that is written alone, in pieces (``write_spans_from``)."""
+    syscall, start = _lib().process_vm_writev, 0
+    while start < len(blocks):
+        spans, src = blocks[start]
+        if len(spans) > IOV_BATCH:
+            write_spans_from(pid, spans, src, crc=False)
+            start += 1
+            continue
+        stop, count = start, 0
+        while stop < len(blocks) and count + len(blocks[stop][0]) <= IOV_BATCH:
+            count += len(blocks[stop][0])
+            stop += 1
+        batch = blocks[start:stop]
+        local = np.array([address_of(src) for _, src in batch], dtype=np.uint64).reshape(-1, 2)
+        remote = np.array([span for spans, _ in batch for span in spans], dtype=np.uint64).reshape(-1, 2)
+        total = int(local[:, 1].sum())
+        if int(remote[:, 1].sum()) != total:
+            raise ValueError(f"{len(remote)} spans of {int(remote[:, 1].sum())} bytes for {total} local bytes")
+        got = syscall(pid, _iovecs(local), len(local), _iovecs(remote), len(remote), 0)
+        if got != total:
+            err = ctypes.get_errno() if got < 0 else 0
+            raise DirectReadError(
+                err,
+                f"wrote {max(got, 0)} of {total} bytes of {len(batch)} blocks in {len(remote)} spans (first at "
+                f"{int(remote[0, 0]):#x}) in process {pid}{': ' + os.strerror(err) if err else ''}",
+            )
+        start = stop
+
+
+def _iovecs(table: np.ndarray) -> Any:
+    """A C-contiguous (address, length) uint64 table as the ``struct iovec *`` it is laid out as."""
+    return table.ctypes.data_as(ctypes.POINTER(_IoVec))
 
 
 def read_many(pid: int, pairs: list[tuple[int, Any]]) -> None:

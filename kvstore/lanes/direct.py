@@ -95,6 +95,11 @@ class DirectPeer:
         """Copy each ``(address, src)`` into the client's memory, as few syscalls as IOV_MAX allows."""
         self._move("direct get", _batch(cma.write_many), pairs, None)
 
+    def write_scattered(self, blocks: list[tuple[Spans, Any]]) -> None:
+        """Copy each ``(spans, src)`` across its pieces of the client's memory, as few syscalls as IOV_MAX allows
+        (no CRC32C: the caller takes them of the sources in one batch)."""
+        self._move("direct get", _batch(cma.write_scattered), blocks, None)
+
     def read_many(self, pairs: list[tuple[int, Any]]) -> None:
         """Fill each ``(address, dst)`` from the client's memory, as few syscalls as IOV_MAX allows (no CRC32C:
         the caller takes them of the landed bytes in one batch)."""
@@ -124,8 +129,8 @@ class DirectPeer:
             os.close(self.pidfd)
 
 
-def _batch(fn: Callable[[int, list[tuple[int, Any]]], None]) -> Callable[[int, Any, Any], int]:
-    """A batch move (``cma.write_many``, ``read_many``) in the shape ``DirectPeer._move`` runs."""
+def _batch(fn: Callable[[int, Any], None]) -> Callable[[int, Any, Any], int]:
+    """A batch move (``cma.write_many``, ``read_many``, ``write_scattered``) in the shape ``DirectPeer._move`` runs."""
 
     def move(pid: int, pairs: Any, _: Any) -> int:
         fn(pid, pairs)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator, Sequence
+from itertools import chain
 
 import grpc
 import numpy as np
@@ -86,13 +87,11 @@ def clip_table(table: np.ndarray, n: int) -> np.ndarray:
 
 
 def flatten(blocks: Sequence[Spans]) -> tuple[list[int], list[int], list[int]]:
-    """(counts, addresses, lengths) of the segmented wire form."""
-    counts, addresses, lengths = [], [], []
-    for spans in blocks:
-        counts.append(len(spans))
-        for address, length in spans:
-            addresses.append(address)
-            lengths.append(length)
+    """(counts, addresses, lengths) of the segmented wire form (a vLLM Get names 30 spans a block: the pairs are
+    split in C, not a Python step each)."""
+    counts = [len(spans) for spans in blocks]
+    pairs = list(chain.from_iterable(blocks))
+    addresses, lengths = (list(column) for column in zip(*pairs)) if pairs else ([], [])
     return counts, addresses, lengths
 
 

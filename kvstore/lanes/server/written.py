@@ -69,7 +69,7 @@ def write_reply(
             held = sum(length for _, length in spans)
             if held < n:
                 raise _short(i, held, n)
-            targets.append(clip(spans, n))
+            targets.append(spans if held == n else clip(spans, n))  # a vLLM block's pages hold it exactly
     crcs = write_blocks(targets, sources, direct, pool, crc_at_copy)
     stored = [lease.crc32c for lease in leases]
     reply = lpb.LaneGetResponse(crcs_at_copy=crc_at_copy, written_direct=True, handled=len(leases), last=True)
