@@ -1,7 +1,7 @@
 """The vLLM connector's load path alone: ``WorkerSide.load`` of a prompt's blocks into a KV cache laid out as
 vLLM's CPU backend lays it out (30 layers, LBHNC, SmolLM2's 1,474,560-byte blocks), from a ``kvstore serve``.
 
-    python -m bench.vllm_load [--quick] [--out FILE.json] [--blocks 62,109] [--streams 1,2] [--verify 1,0]
+    python -m bench.vllm_load [--quick] [--out FILE.json] [--blocks 62,109] [--streams 1,2] [--verify 1,0] [--tokens 32]
                               [--device cuda --staging host,device]
 
 Per store (``copy``: the store copies each block into the cache itself, ``process_vm_writev`` on shm;
@@ -11,7 +11,7 @@ only on the store's NVMe tier (written by a graceful stop, read back by a restar
 lane (shm, tcp; tcp only against ``copy``), ``load_streams`` and ``verify_loads``: the median seconds of a load (every block
 lands in place in the cache's 30 per-layer pages), and in the same run the baseline: one ``torch`` copy of
 the same bytes from one contiguous buffer into the cache's pages (what an in-process cache hit would cost).
-Rows: ``store``, ``lane``, ``streams``, ``verify``, ``blocks``, ``load_s``, ``gbps``, ``memcpy_s``,
+Rows: ``store``, ``lane``, ``streams``, ``verify``, ``blocks``, ``page_bytes``, ``load_s``, ``gbps``, ``memcpy_s``,
 ``vs_memcpy`` (memcpy / load).
 
 ``--device cuda`` (a GPU host: ``bench.gpu_check`` runs it) puts the cache on the GPU, as vLLM's CUDA backend
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Row, parse_args, report
+from bench.common import Row, parse_args, positive, report
 from kvstore import memops_jit
 from kvstore.client import Client
 from kvstore.integrations.vllm.plan import BlockRun, StepPlan
@@ -43,11 +43,11 @@ from kvstore.server.process import store_process
 LAYERS, HEADS, TOKENS, WIDTH = 30, 3, 32, 128  # SmolLM2-135M at block 32, fp32: 49,152 bytes a layer page
 
 
-def _cache(blocks: int, device: str = "cpu") -> dict[str, torch.Tensor]:
-    per = blocks * HEADS * TOKENS * WIDTH
+def _cache(blocks: int, device: str = "cpu", tokens: int = TOKENS) -> dict[str, torch.Tensor]:
+    per = blocks * HEADS * tokens * WIDTH
     buf = torch.zeros(LAYERS * per, device=device)
     return {
-        f"model.layers.{i}.self_attn.attn": buf[i * per : (i + 1) * per].view(blocks, HEADS, TOKENS, WIDTH)
+        f"model.layers.{i}.self_attn.attn": buf[i * per : (i + 1) * per].view(blocks, HEADS, tokens, WIDTH)
         for i in range(LAYERS)
     }
 
@@ -127,9 +127,10 @@ def _store_rows(
     reps: int,
     device: str = "cpu",
     staging: str = "auto",
+    tokens: int = TOKENS,
 ) -> list[Row]:
     rows: list[Row] = []
-    src = _cache(top + 1)
+    src = _cache(top + 1, tokens=tokens)
     for t in src.values():
         t.normal_()
     on_device = device != "cpu"
@@ -144,7 +145,7 @@ def _store_rows(
                         verify_loads=verify,
                         staging=staging,
                     )
-                    cache = _cache(top + 1, device)
+                    cache = _cache(top + 1, device, tokens)
                     side.register(cache)
                     _kernels_ready()
                     for blocks in sizes:
@@ -176,6 +177,7 @@ def _store_rows(
                                 "streams": n,
                                 "verify": verify,
                                 "blocks": blocks,
+                                "page_bytes": HEADS * tokens * WIDTH * 4,
                                 "mb": round(nbytes / 1e6, 1),
                                 "load_s": round(load_s, 4),
                                 "gbps": round(nbytes / load_s / 1e9, 2),
@@ -197,6 +199,7 @@ def measure(
     verifies: list[bool],
     device: str = "cpu",
     stagings: list[str] | None = None,
+    tokens: int = TOKENS,
 ) -> list[Row]:
     """Every case's rows (``bench.gpu_check`` calls this with ``device="cuda"``)."""
     rows: list[Row] = []
@@ -205,12 +208,12 @@ def measure(
         extra = {"shared": ["--share-dram", "true"], "nvme": ["--share-nvme", "true"]}.get(store, [])
         if device == "cpu":
             lanes = ("shm", "tcp") if store == "copy" else ("shm",)
-            rows += _store_rows(store, extra, lanes, streams, verifies, sizes, top, reps)
+            rows += _store_rows(store, extra, lanes, streams, verifies, sizes, top, reps, tokens=tokens)
             continue
         for staging in stagings or ["host", "device"]:
             # auto: device staging takes the cuda_ipc lane where the store offers it; shm: its pinned staging
             lanes = ("auto", "shm") if staging == "device" and store == "copy" else ("auto",)
-            rows += _store_rows(store, extra, lanes, streams, verifies, sizes, top, reps, device, staging)
+            rows += _store_rows(store, extra, lanes, streams, verifies, sizes, top, reps, device, staging, tokens)
     return rows
 
 
@@ -224,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
             "--stores",
             default="copy,shared",
             help="store modes: copy, shared (serve --share-dram), nvme (on NVMe only)",
+        )
+        p.add_argument(
+            "--tokens",
+            type=positive(int),
+            default=TOKENS,
+            help="tokens a block (default 32: SmolLM2's 49,152-byte pages; 2: 3,072-byte pages, where the cost "
+            "per page shows)",
         )
         p.add_argument("--device", default="cpu", help="the KV cache's device: cpu (vLLM's CPU backend) or cuda")
         p.add_argument(
@@ -242,8 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         verifies=[bool(int(x)) for x in args.verify.split(",")],
         device=args.device,
         stagings=args.staging.split(","),
+        tokens=args.tokens,
     )
-    report(rows, args, title="vLLM connector load path (30 x 49,152-byte pages a block)", bench="vllm_load")
+    page = HEADS * args.tokens * WIDTH * 4
+    report(rows, args, title=f"vLLM connector load path (30 x {page:,}-byte pages a block)", bench="vllm_load")
     return 0
 
 
