@@ -151,8 +151,9 @@ def write_blocks(
         single = [k for k in run if len(spans[k]) == 1]
         if single:
             direct.write_many([(spans[k][0][0], sources[k]) for k in single])
-        if len(single) < len(run):
-            direct.write_scattered([(spans[k], sources[k]) for k in run if len(spans[k]) != 1])
+        scattered = [(spans[k], sources[k]) for k in run if len(spans[k]) != 1 and len(sources[k])]
+        if scattered:
+            direct.write_scattered(scattered)
         return crcs
 
     if len(runs) == 1:
