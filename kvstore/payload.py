@@ -15,9 +15,9 @@ views (no copy when contiguous) and names their dtype as the wire spells it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -74,19 +74,39 @@ def wire_dtype(name: str) -> str:
     return _WIRE_DTYPES.get(name, name)
 
 
-@dataclass(frozen=True, eq=False)
 class Segments:
     """One block given as several contiguous host buffers, in order (scatter-gather): the block's bytes are the
     concatenation of ``parts`` (bytes-like objects, numpy arrays, CPU torch tensors; CUDA tensors are accepted
     and go through host staging). A Put reads the parts where they are; a Get writes the block across them.
 
     The sizes, views and addresses are worked out once per object (cached), so build one per block and call.
+    Immutable; equal only to itself.
     """
 
-    parts: tuple[Any, ...]
+    __slots__ = ("__dict__",)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "parts", tuple(self.parts))
+    def __init__(self, parts: Iterable[Any]):
+        self.__dict__["parts"] = tuple(parts)
+
+    @classmethod
+    def _described(cls, make_parts: Callable[[], tuple[Any, ...]], **known: Any) -> Segments:
+        """A block whose cached properties are given (``known``) and whose parts are made on first use: a
+        ``SegmentRows`` block, where a shm Get reads only its span table (30 memoryview slices a block were a
+        third of a 62-block load of small pages)."""
+        seg = cls.__new__(cls)
+        seg.__dict__.update(known, _make_parts=make_parts)
+        return seg
+
+    @cached_property
+    def parts(self) -> tuple[Any, ...]:
+        parts: tuple[Any, ...] = self.__dict__.pop("_make_parts")()
+        return parts
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Segments is immutable: cannot set {name}")
+
+    def __repr__(self) -> str:
+        return f"Segments({len(self.lengths)} parts, {self.nbytes} bytes)"
 
     @cached_property
     def lengths(self) -> tuple[int, ...]:
@@ -119,6 +139,8 @@ class Segments:
     @cached_property
     def spans(self) -> tuple[tuple[int, int], ...]:
         """(address, length) of each non-empty part, in order (host parts only): where the block is in memory."""
+        if "span_table" in self.__dict__:  # known already (a SegmentRows block): its parts need not be made
+            return tuple((address, n) for address, n in self.__dict__["span_table"].tolist())
         return tuple((_address(p), n) for p, n in zip(self.parts, self.lengths) if n)
 
     @cached_property
@@ -221,14 +243,17 @@ class SegmentRows:
         """Row ``row`` of every buffer, as one block (no copy)."""
         if not 0 <= row < self.rows:
             raise IndexError(f"row {row} of {self.rows}")
-        parts = tuple(v[row * n : (row + 1) * n] for v, n in zip(self._views, self._row_bytes))
-        seg = Segments(parts)
-        known = seg.__dict__  # the cached properties, filled from what was worked out once
-        known["lengths"], known["nbytes"], known["on_host"] = self._row_bytes, self._nbytes, True
-        known["dtype"], known["views"] = self._dtype, parts
-        known["spans"] = tuple((a + row * n, n) for a, n in zip(self._addresses, self._row_bytes) if n)
-        known["span_table"] = self._row0 + row * self._step
-        return seg
+        return Segments._described(  # the cached properties, from what was worked out once
+            functools.partial(self._parts, row),
+            lengths=self._row_bytes,
+            nbytes=self._nbytes,
+            on_host=True,
+            dtype=self._dtype,
+            span_table=self._row0 + row * self._step,
+        )
+
+    def _parts(self, row: int) -> tuple[memoryview, ...]:
+        return tuple(v[row * n : (row + 1) * n] for v, n in zip(self._views, self._row_bytes))
 
 
 class SegmentsWriter:
