@@ -83,6 +83,14 @@ def _library_checks(table: np.ndarray) -> bool:
     )
 
 
+def crc_of_spans(spans: np.ndarray) -> int:
+    """The CRC32C of the bytes at an (address, length) int64 table's rows, in order, chained: one compiled call
+    when the kernels are ready."""
+    rows = np.zeros((len(spans), 4), dtype=np.int64)
+    rows[:, 0], rows[:, 2] = spans[:, 0], spans[:, 1]
+    return run_rows(rows, 1)[0]
+
+
 def crcs_of(views: Sequence[memoryview]) -> list[int]:
     """The CRC32C of each flat byte view, in one compiled call when the kernels are ready."""
     if len(views) < 2 or not memops_jit.ready():

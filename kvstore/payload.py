@@ -134,6 +134,8 @@ class Segments:
     @cached_property
     def views(self) -> tuple[memoryview, ...]:
         """A flat byte view of each part, no copy (host parts only)."""
+        if self.__dict__.get("_flat_parts"):  # made as flat byte views already (a SegmentRows block)
+            return self.parts
         return tuple(_flat_view(p) for p in self.parts)
 
     @cached_property
@@ -250,6 +252,7 @@ class SegmentRows:
             on_host=True,
             dtype=self._dtype,
             span_table=self._row0 + row * self._step,
+            _flat_parts=True,
         )
 
     def _parts(self, row: int) -> tuple[memoryview, ...]:

@@ -46,6 +46,7 @@ import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 HEADER = struct.Struct("<4sB3xIQ")
 CRC = struct.Struct("<I")
@@ -240,16 +241,29 @@ def recv_into_crc(sock: socket.socket, view: memoryview, piece: int = PIECE, aft
 
 
 def recv_views_crc(
-    sock: socket.socket, views: Sequence[memoryview], piece: int = PIECE, after: int = 0, lowat: int = LOWAT
+    sock: socket.socket,
+    views: Sequence[memoryview],
+    piece: int = PIECE,
+    after: int = 0,
+    lowat: int = LOWAT,
+    spans: Any = None,
 ) -> int:
     """Fill ``views`` in turn (one block scattered across several buffers, ``Segments``) with ``recvmsg_into``,
     one run of at most ``piece`` bytes and IOV_MAX buffers per call (``segments.pieces``), each run
     CRC32C'd while it is in cache; the CRC32C of the whole block. ``after`` and ``lowat`` as in
-    ``recv_into_crc``."""
+    ``recv_into_crc``. ``spans``: the same memory as an (address, length) int64 table (``Segments.span_table``):
+    a block of one run is then received in one call and checked in one compiled pass over its pages, not a
+    Python step and a CRC32C call per page (a vLLM block has 30)."""
+    from kvstore import memops_jit
     from kvstore.checksum import crc32c
     from kvstore.lanes.segments import pieces
 
     crc, n = 0, sum(len(v) for v in views)
+    if spans is not None and n <= piece and len(views) <= IOV_MAX and memops_jit.ready():
+        from kvstore.memops import crc_of_spans
+
+        _recv_all_into(sock, [v for v in views if len(v)], n)
+        return crc_of_spans(spans)
     use = bool(RCVLOWAT) and lowat > 1 and n >= piece and n - piece + after >= lowat
     if use:
         sock.setsockopt(socket.SOL_SOCKET, RCVLOWAT, lowat)
@@ -282,6 +296,8 @@ def _recv_all_into(sock: socket.socket, bufs: list[memoryview], size: int) -> No
         if k == 0:
             raise FrameError(f"connection closed after {got} of {size} bytes")
         got += k
+        if got >= size:  # all of it, as a rule (MSG_WAITALL): nothing to drop
+            return
         while k:  # drop what was filled
             if k >= len(bufs[0]):
                 k -= len(bufs[0])

@@ -86,6 +86,7 @@ class TcpClientLane(Lane):
         results: list[Any] = [None] * len(headers)
         present = [i for i, h in enumerate(headers) if not h.missing]
         dests: list[Any]
+        tables: dict[int, Any] = {}  # k -> the span table of a Segments destination that holds its block exactly
         if out is None:
             dests = alloc_blocks([headers[i].stored_length for i in present])
         else:
@@ -96,6 +97,8 @@ class TcpClientLane(Lane):
                     if out[i].nbytes < n:
                         self._drain_reply(headers, present)
                         raise short_buffer(i, out[i].nbytes, n)
+                    if out[i].nbytes == n:
+                        tables[len(dests)] = out[i].span_table
                     dests.append(out[i].head_views(n))
                     continue
                 dst = as_bytes_view(out[i])[0]
@@ -122,7 +125,7 @@ class TcpClientLane(Lane):
                 h = headers[present[k]]
                 n, dst = h.stored_length, dests[k]
                 if isinstance(dst, list):  # segments
-                    crc = framing.recv_views_crc(self.sock, dst, after=left - n)
+                    crc = framing.recv_views_crc(self.sock, dst, after=left - n, spans=tables.get(k))
                     if verify and h.codec == pb.CODEC_NONE and crc != h.crc32c and bad is None:
                         bad = present[k]
                 elif verify and h.codec == pb.CODEC_NONE:
