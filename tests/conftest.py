@@ -37,6 +37,16 @@ def _each_test_may_pick_its_store() -> Iterator[None]:
     cma.forget_reader()
 
 
+@pytest.fixture(scope="module")
+def compiled_kernels() -> None:
+    """The copy and CRC32C kernels compiled (or loaded from numba's cache) before a module's tests run, so they
+    test the compiled paths, not the fallbacks taken while compiling."""
+    from kvstore import memops_jit
+
+    memops_jit.warm_up()
+    assert memops_jit.ready()
+
+
 @pytest.fixture
 def make_server() -> Iterator[Callable[..., StoreServer]]:
     """Start in-process servers on 127.0.0.1:<free port>; all are stopped at teardown."""

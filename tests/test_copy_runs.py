@@ -15,15 +15,12 @@ from kvstore.lanes.client import outputs
 from kvstore.lanes.client.outputs import SpanCopy
 from kvstore.lanes.segments import clip, clip_table
 
-pytestmark = pytest.mark.skipif(not memops_jit.AVAILABLE, reason="numba or SSE4.2/PCLMULQDQ missing")
+pytestmark = [
+    pytest.mark.skipif(not memops_jit.AVAILABLE, reason="numba or SSE4.2/PCLMULQDQ missing"),
+    pytest.mark.usefixtures("compiled_kernels"),
+]
 
 SOURCE = np.random.default_rng(3).integers(0, 256, size=1 << 20, dtype=np.uint8)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compiled() -> None:
-    memops_jit.warm_up()
-    assert memops_jit.ready()
 
 
 def _address(a: np.ndarray) -> int:

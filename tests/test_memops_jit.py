@@ -13,17 +13,14 @@ from hypothesis import strategies as st
 from kvstore import checksum, memops, memops_jit
 from kvstore.lanes import segments
 
-pytestmark = pytest.mark.skipif(not memops_jit.AVAILABLE, reason="numba or SSE4.2/PCLMULQDQ missing")
+pytestmark = [
+    pytest.mark.skipif(not memops_jit.AVAILABLE, reason="numba or SSE4.2/PCLMULQDQ missing"),
+    pytest.mark.usefixtures("compiled_kernels"),
+]
 
 SIZE = 3 << 20  # past STREAM_BYTES, so the streamed stores are exercised
 RNG = np.random.default_rng(7)
 SOURCE = RNG.integers(0, 256, size=SIZE + 4096, dtype=np.uint8)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compiled() -> None:
-    memops_jit.warm_up()
-    assert memops_jit.ready()
 
 
 def _address(a: np.ndarray) -> int:

@@ -135,13 +135,16 @@ def write_scattered(pid: int, blocks: Sequence[tuple[Spans, Any]]) -> None:
             raise ValueError(f"{len(remote)} spans of {int(remote[:, 1].sum())} bytes for {total} local bytes")
         got = syscall(pid, _iovecs(local), len(local), _iovecs(remote), len(remote), 0)
         if got != total:
-            err = ctypes.get_errno() if got < 0 else 0
-            raise DirectReadError(
-                err,
-                f"wrote {max(got, 0)} of {total} bytes of {len(batch)} blocks in {len(remote)} spans (first at "
-                f"{int(remote[0, 0]):#x}) in process {pid}{': ' + os.strerror(err) if err else ''}",
-            )
+            first = int(remote[0, 0])
+            raise _short(got, f"wrote {max(got, 0)} of {total} bytes of {len(batch)} blocks in {len(remote)} spans "
+                         f"(first at {first:#x})", pid)  # fmt: skip
         start = stop
+
+
+def _short(got: int, what: str, pid: int) -> DirectReadError:
+    """A process_vm_readv/writev that moved less than asked (``got`` < 0: failed, with errno)."""
+    err = ctypes.get_errno() if got < 0 else 0
+    return DirectReadError(err, f"{what} in process {pid}{': ' + os.strerror(err) if err else ''}")
 
 
 def _iovecs(table: np.ndarray) -> Any:
@@ -168,12 +171,7 @@ def _move_many(syscall: Any, verb: str, pid: int, pairs: list[tuple[int, Any]]) 
             total += size
         got = syscall(pid, liov, n, riov, n, 0)
         if got != total:
-            err = ctypes.get_errno() if got < 0 else 0
-            raise DirectReadError(
-                err,
-                f"{verb} {max(got, 0)} of {total} bytes of {n} blocks (first at {batch[0][0]:#x}) in process "
-                f"{pid}{': ' + os.strerror(err) if err else ''}",
-            )
+            raise _short(got, f"{verb} {max(got, 0)} of {total} bytes of {n} blocks (first at {batch[0][0]:#x})", pid)
 
 
 def read_spans_into(pid: int, dst: memoryview, spans: Spans) -> int:
@@ -210,13 +208,8 @@ def _transfer(syscall: Any, verb: str, pid: int, local_buf: memoryview, spans: S
             count = len(run)
         got = syscall(pid, ctypes.byref(liov), 1, remote, count, 0)
         if got != size:
-            err = ctypes.get_errno() if got < 0 else 0
             at = spans[run[0][0]][0] + run[0][1]
-            raise DirectReadError(
-                err,
-                f"{verb} {max(got, 0)} of {size} bytes at {at:#x} ({count} spans) in process "
-                f"{pid}{': ' + os.strerror(err) if err else ''}",
-            )
+            raise _short(got, f"{verb} {max(got, 0)} of {size} bytes at {at:#x} ({count} spans)", pid)
         if crc:
             value = crc32c(local[start : start + size], value)
         start += size
