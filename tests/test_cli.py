@@ -147,7 +147,7 @@ def test_sigusr1_dumps_every_threads_stack_and_keeps_serving(spawn_server):
         assert proc.proc.poll() is None, proc.output()[-5000:]
         assert proc.output().count("in serve_forever") == n and "kvstore-rpc_0" in proc.output()
     assert run_cli("health", "--target", proc.target).returncode == 0
-    assert proc.terminate() == 0
+    assert proc.terminate() == 0, proc.output()[-5000:]
 
 
 def test_metrics_endpoint(spawn_server):
