@@ -99,7 +99,7 @@ class Segments:
 
     @cached_property
     def parts(self) -> tuple[Any, ...]:
-        parts: tuple[Any, ...] = self.__dict__.pop("_make_parts")()
+        parts: tuple[Any, ...] = self.__dict__["_make_parts"]()  # kept: two threads may ask at once
         return parts
 
     def __setattr__(self, name: str, value: Any) -> None:
