@@ -28,7 +28,8 @@ in turn, prefix by prefix, in a rotating order, so that all see the disk and the
   read plus a CRC32C of the extent on one thread, after it (what a read costs that is checked, as the store's are);
 - ``raw_dst``: the same read of another extent, by this tree's worker, into the very buffers its Gets fill (each
   record header into a page of its own): on this VM where the bytes land moves an O_DIRECT read's time several times over
-  (0.9 to 3.4 ms for one 2.2 MB read, buffer by buffer: docs/nvme_log.md), so a Get is also compared with the disk read into its own memory (``disk_nvme_vs_raw_dst``);
+  (0.9 to 3.4 ms for one 2.2 MB read, buffer by buffer: docs/nvme_log.md), so a Get is also compared with the
+  disk read into its own memory (``disk_nvme_vs_raw_dst``);
 - ``dram_floor``: what a checked DRAM hit costs at the least, in this process: each of 32 blocks taken from a
   256 MiB buffer at a rotating place (not in the CPU's caches, as the stores' blocks are not between steps)
   gets its CRC32C and one copy into a page-aligned buffer, on one thread (the baseline of ``shm_dram_vs_floor``);

@@ -90,7 +90,8 @@ class Segments:
 
     @classmethod
     def _described(cls, make_parts: Callable[[], tuple[Any, ...]], **known: Any) -> Segments:
-        """A block whose cached properties are given (``known``) and whose parts are made on first use: a
+        """A block whose cached properties are given (``known``) and whose parts, flat byte views, are made on
+        first use by ``make_parts``: a
         ``SegmentRows`` block, where a shm Get reads only its span table (30 memoryview slices a block were a
         third of a 62-block load of small pages)."""
         seg = cls.__new__(cls)
@@ -134,7 +135,7 @@ class Segments:
     @cached_property
     def views(self) -> tuple[memoryview, ...]:
         """A flat byte view of each part, no copy (host parts only)."""
-        if self.__dict__.get("_flat_parts"):  # made as flat byte views already (a SegmentRows block)
+        if "_make_parts" in self.__dict__:  # made as flat byte views (``_described``)
             return self.parts
         return tuple(_flat_view(p) for p in self.parts)
 
@@ -252,7 +253,6 @@ class SegmentRows:
             on_host=True,
             dtype=self._dtype,
             span_table=self._row0 + row * self._step,
-            _flat_parts=True,
         )
 
     def _parts(self, row: int) -> tuple[memoryview, ...]:

@@ -4,8 +4,9 @@ Verbs:
 
 - ``preflight(cfg)``: tries to bind every fixed port the config names (``--listen``, ``--metrics-port``,
   ``--tcp-lane-listen``; port 0 means "any free port" and is not checked) and raises ``PortError`` for the first
-  one that cannot be bound or that an earlier flag also asks for, before the store is built, NVMe recovered or a cluster joined. The probe sockets are
-  closed at once, so a port taken in the moment between the check and the real bind still fails there:
+  one that cannot be bound or that an earlier flag also asks for, before the store is built, NVMe recovered or a
+  cluster joined. The probe sockets are closed at once, so a port taken in the moment between the check and the
+  real bind still fails there:
 - ``PortError(flag, address, err)``: a ``ValueError`` whose text is one line naming the flag, the address and
   what to do (``kvstore.cli`` prints it and exits 2, no traceback). ``StoreServer.start`` raises it too when the
   real bind fails.

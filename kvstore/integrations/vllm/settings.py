@@ -100,8 +100,8 @@ class Settings:
                 raise ValueError(f"kvstore connector: {name}: {err}") from None
         settings = cls(**values)
         check_client_options(
-            "kvstore connector", target=settings.target, timeout=settings.timeout, retries=settings.retries, lane=settings.lane,
-            codec=settings.codec,
+            "kvstore connector", target=settings.target, timeout=settings.timeout, retries=settings.retries,
+            lane=settings.lane, codec=settings.codec,
         )  # fmt: skip
         if settings.on_load_error not in ("recompute", "fail"):
             raise ValueError(

@@ -133,7 +133,7 @@ def _copy_run(copies: Sequence[tuple[Any, memoryview, bool]]) -> list[int | None
         parts = [np.array(rows, dtype=np.int64).reshape(-1, 4)] if rows else []
         if tables:
             parts.append(_table_rows(tables, sources, owners))
-        table = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty((0, 4), np.int64)
+        table = np.concatenate(parts) if parts else np.empty((0, 4), np.int64)
         crcs = run_rows(table, len(copies), any(copies[k][2] for k in rowed))
         for k in rowed:
             results[k] = crcs[k] if copies[k][2] else None

@@ -151,7 +151,7 @@ def write_blocks(
         single = [k for k in run if len(spans[k]) == 1]
         if single:
             direct.write_many([(spans[k][0][0], sources[k]) for k in single])
-        scattered = [(spans[k], sources[k]) for k in run if len(spans[k]) != 1 and len(sources[k])]
+        scattered = [(spans[k], sources[k]) for k in run if len(spans[k]) != 1]
         if scattered:
             direct.write_scattered(scattered)
         return crcs
