@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 from decode_node.engine import DecodeEngine
 from decode_node.service import DecodeServicer
+from kvstore import logs
 from kvstore.model.store_link import StoreLink
 from kvstore.model.worker import load, parse_args, serve
 from kvstore.v1 import workers_pb2_grpc as wpb_grpc
@@ -14,7 +14,7 @@ from kvstore.v1 import workers_pb2_grpc as wpb_grpc
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args("decode_node", "127.0.0.1:7090", argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level)
     model, tokenizer = load(args.model)
     link = StoreLink(model, args.store, token=args.token)
     engine = DecodeEngine(model, tokenizer, link, pool_blocks=args.pool_blocks)

@@ -18,12 +18,12 @@ import os
 import signal
 import sys
 
-from kvstore import config
+from kvstore import config, logs
 
 
 def _serve(args: argparse.Namespace) -> int:
     cfg = config.load(args)
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(cfg.log_level)
     from kvstore.server import stacks
 
     stacks.install(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack to stderr

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from kvstore.addresses import parse_address
+from kvstore.logs import check_level
 from kvstore.sizes import parse_size
 
 MIN_MESSAGE = 64 << 10  # the smallest --max-message: a block header and a 32 KiB chunk fit in a message
@@ -115,7 +116,7 @@ class ServeConfig:
         "file holding a bearer token that /metrics then requires (Authorization: Bearer <token>); unset: no token",
         metavar="FILE",
     )
-    log_level: str = _opt("info", "debug, info, warning or error")
+    log_level: str = _opt("info", "debug, info, warning or error", check_level)
     node_id: str = _opt("", "node id shown in Stats (default: the advertise or listen address)")
     config: str | None = _opt(None, "YAML config file (keys are these option names)", metavar="FILE")
     # Cluster and security (DESIGN 2.4)
@@ -314,14 +315,15 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
     if unknown:
         raise ValueError(f"{config_path}: unknown options {sorted(unknown)}")
     values: dict[str, Any] = {}
+    given: set[str] = set()  # named by a flag or an env var (a file may list every option at its default)
     for f in fields(ServeConfig):
-        raw: Any = None
-        for source in (flags.get(f.name), env.get(f"KVSTORE_{f.name.upper()}"), from_file.get(f.name)):
-            if source is not None:
-                raw = source
-                break
-        if raw is None:
+        sources = (flags.get(f.name), env.get(f"KVSTORE_{f.name.upper()}"), from_file.get(f.name))
+        picked = next((k for k, source in enumerate(sources) if source is not None), None)
+        if picked is None:
             continue
+        raw = sources[picked]
+        if picked < 2:
+            given.add(f.name)
         try:
             values[f.name] = f.metadata["parse"](raw)
         except ValueError as err:
@@ -354,13 +356,11 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
             raise ValueError(f"option {_flag(name)}: 0 or more; got {getattr(cfg, name)}")
     if not 0 <= cfg.metrics_port <= 65535:
         raise ValueError(f"option --metrics-port: 0-65535 (0: off); got {cfg.metrics_port}")
-    if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
-        raise ValueError("option --log-level: debug, info, warning or error")
     defaults = ServeConfig()
     if not cfg.nvme_dir:
         # an NVMe option set without the directory would start a store with no NVMe tier and say nothing
         for name in _NVME_OPTIONS:
-            if getattr(cfg, name) != getattr(defaults, name):
+            if name in given or getattr(cfg, name) != getattr(defaults, name):
                 raise ValueError(f"option {_flag(name)} needs --nvme-dir (without it there is no NVMe tier)")
     if cfg.max_message < MIN_MESSAGE:
         # every Get message carries a block header beside its chunk (half the limit): a store below this could

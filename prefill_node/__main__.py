@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
+from kvstore import logs
 from kvstore.model.store_link import StoreLink
 from kvstore.model.worker import load, parse_args, serve
 from kvstore.v1 import workers_pb2_grpc as wpb_grpc
@@ -13,7 +13,7 @@ from prefill_node.service import PrefillServicer
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args("prefill_node", "127.0.0.1:7080", argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level)
     model, tokenizer = load(args.model)
     link = StoreLink(model, args.store, token=args.token)
     servicer = PrefillServicer(model, tokenizer, link, pool_blocks=args.pool_blocks, chunk_tokens=args.chunk_tokens)

@@ -98,6 +98,7 @@ def test_bad_config_is_reported(tmp_path):
         (["--nvme-sync", "never"], "option --nvme-sync: direct or fdatasync"),
         (["--nvme", "100GiB"], "option --nvme needs --nvme-dir"),  # else: a store with no NVMe tier, silently
         (["--share-nvme", "true"], "option --share-nvme needs --nvme-dir"),
+        (["--nvme", "16GiB"], "option --nvme needs --nvme-dir"),  # the default's size, but asked for
     ],
 )
 def test_serve_refuses_options_that_start_a_broken_store(flags, says):

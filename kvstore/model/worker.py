@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.addresses import parse_address
+from kvstore.logs import check_level
 from kvstore.model import ByteBPETokenizer, LlamaModel, load_model
 from kvstore.v1 import workers_pb2 as wpb
 
@@ -56,8 +57,10 @@ def parse_args(prog: str, default_listen: str, argv: list[str] | None) -> Worker
         p.error(f"--listen: {err}")
     if a.pool_blocks < 1 or a.chunk_tokens < 1:
         p.error("--pool-blocks and --chunk-tokens: 1 or more")
-    if a.log_level.lower() not in ("debug", "info", "warning", "error"):
-        p.error("--log-level: debug, info, warning or error")
+    try:
+        check_level(a.log_level)
+    except ValueError as err:
+        p.error(f"--log-level: {err}")
     return WorkerArgs(
         a.listen, None if a.store == "none" else a.store, a.model, a.pool_blocks, a.chunk_tokens, a.token, a.log_level
     )
