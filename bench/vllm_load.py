@@ -23,6 +23,7 @@ have landed (``torch.cuda.synchronize``). Rows then add ``device``, ``staging`` 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import tempfile
@@ -128,6 +129,7 @@ def _store_rows(
     device: str = "cpu",
     staging: str = "auto",
     tokens: int = TOKENS,
+    huge: tuple[bool, ...] = (True,),
 ) -> list[Row]:
     rows: list[Row] = []
     src = _cache(top + 1, tokens=tokens)
@@ -136,57 +138,59 @@ def _store_rows(
     on_device = device != "cpu"
     with _filled_store(store, extra, src, top) as target:
         for lane in lanes:
-            for n in streams:
-                for verify in verifies:
-                    side = WorkerSide(
-                        lambda lane=lane: Client(target, lane=lane),
-                        dtype="float32",
-                        load_streams=n,
-                        verify_loads=verify,
-                        staging=staging,
-                    )
-                    cache = _cache(top + 1, device, tokens)
-                    side.register(cache)
-                    _kernels_ready()
-                    for blocks in sizes:
-                        run = BlockRun("q", "bench", _keys(blocks), tuple(range(1, blocks + 1)))
-                        side.load(StepPlan(loads=[run]))  # lanes opened, pages touched
+            for n, verify, huge_pages in itertools.product(streams, verifies, huge):
+                side = WorkerSide(
+                    lambda lane=lane: Client(target, lane=lane),
+                    dtype="float32",
+                    load_streams=n,
+                    verify_loads=verify,
+                    staging=staging,
+                    huge_pages=huge_pages,
+                )
+                cache = _cache(top + 1, device, tokens)
+                side.register(cache)
+                _kernels_ready()
+                side.huge_pages_settled(120)  # the collapse under the cache runs in the background
+                for blocks in sizes:
+                    run = BlockRun("q", "bench", _keys(blocks), tuple(range(1, blocks + 1)))
+                    side.load(StepPlan(loads=[run]))  # lanes opened, pages touched
+                    _settle(on_device)
+                    times = []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        side.load(StepPlan(loads=[run]))
                         _settle(on_device)
-                        times = []
-                        for _ in range(reps):
-                            t0 = time.perf_counter()
-                            side.load(StepPlan(loads=[run]))
-                            _settle(on_device)
-                            times.append(time.perf_counter() - t0)
-                        assert side.take_load_errors() == set()
-                        for name in cache:
-                            assert torch.equal(cache[name][1 : blocks + 1].cpu(), src[name][:blocks])
-                        load_s = statistics.median(times)
-                        memcpy_s = _memcpy_s(cache, blocks, reps)
-                        nbytes = blocks * side.counters.block_bytes
-                        device_cells = (
-                            {"device": device, "staging": side.staging_place, "lane_used": side.counters.lane}
-                            if on_device
-                            else {}
-                        )
-                        rows.append(
-                            {
-                                "store": store,
-                                **device_cells,
-                                "lane": lane,
-                                "streams": n,
-                                "verify": verify,
-                                "blocks": blocks,
-                                "page_bytes": HEADS * tokens * WIDTH * 4,
-                                "mb": round(nbytes / 1e6, 1),
-                                "load_s": round(load_s, 4),
-                                "gbps": round(nbytes / load_s / 1e9, 2),
-                                "memcpy_s": round(memcpy_s, 4),
-                                "vs_memcpy": round(memcpy_s / load_s, 2),
-                            }
-                        )
-                        print(f"[vllm_load] {rows[-1]}", file=sys.stderr, flush=True)
-                    side.close()
+                        times.append(time.perf_counter() - t0)
+                    assert side.take_load_errors() == set()
+                    for name in cache:
+                        assert torch.equal(cache[name][1 : blocks + 1].cpu(), src[name][:blocks])
+                    load_s = statistics.median(times)
+                    memcpy_s = _memcpy_s(cache, blocks, reps)
+                    nbytes = blocks * side.counters.block_bytes
+                    device_cells = (
+                        {"device": device, "staging": side.staging_place, "lane_used": side.counters.lane}
+                        if on_device
+                        else {}
+                    )
+                    rows.append(
+                        {
+                            "store": store,
+                            **device_cells,
+                            "lane": lane,
+                            "streams": n,
+                            "verify": verify,
+                            "huge_pages": huge_pages,
+                            "blocks": blocks,
+                            "page_bytes": HEADS * tokens * WIDTH * 4,
+                            "mb": round(nbytes / 1e6, 1),
+                            "load_s": round(load_s, 4),
+                            "gbps": round(nbytes / load_s / 1e9, 2),
+                            "memcpy_s": round(memcpy_s, 4),
+                            "vs_memcpy": round(memcpy_s / load_s, 2),
+                        }
+                    )
+                    print(f"[vllm_load] {rows[-1]}", file=sys.stderr, flush=True)
+                side.close()
     return rows
 
 
@@ -200,6 +204,7 @@ def measure(
     device: str = "cpu",
     stagings: list[str] | None = None,
     tokens: int = TOKENS,
+    huge: tuple[bool, ...] = (True,),
 ) -> list[Row]:
     """Every case's rows (``bench.gpu_check`` calls this with ``device="cuda"``)."""
     rows: list[Row] = []
@@ -208,7 +213,7 @@ def measure(
         extra = {"shared": ["--share-dram", "true"], "nvme": ["--share-nvme", "true"]}.get(store, [])
         if device == "cpu":
             lanes = ("shm", "tcp") if store == "copy" else ("shm",)
-            rows += _store_rows(store, extra, lanes, streams, verifies, sizes, top, reps, tokens=tokens)
+            rows += _store_rows(store, extra, lanes, streams, verifies, sizes, top, reps, tokens=tokens, huge=huge)
             continue
         for staging in stagings or ["host", "device"]:
             # auto: device staging takes the cuda_ipc lane where the store offers it; shm: its pinned staging
@@ -235,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
             help="tokens a block (default 32: SmolLM2's 49,152-byte pages; 2: 3,072-byte pages, where the cost "
             "per page shows)",
         )
+        p.add_argument(
+            "--huge-pages",
+            default="1",
+            help="the connector's huge_pages values for a CPU cache (1: huge pages asked for under it; 1,0: both, "
+            "each case in turn)",
+        )
         p.add_argument("--device", default="cpu", help="the KV cache's device: cpu (vLLM's CPU backend) or cuda")
         p.add_argument(
             "--staging",
@@ -253,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         stagings=args.staging.split(","),
         tokens=args.tokens,
+        huge=tuple(bool(int(x)) for x in args.huge_pages.split(",")),
     )
     page = HEADS * args.tokens * WIDTH * 4
     report(rows, args, title=f"vLLM connector load path (30 x {page:,}-byte pages a block)", bench="vllm_load")

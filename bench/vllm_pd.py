@@ -331,7 +331,7 @@ def _load_once(engine: EngineProcess, mode: str, size: int, prompt: list[int], c
 
 def phase_kvstore(
     model: str, store: StoreProc, sizes: list[int], reps: int, out: Samples, rng: random.Random, tmp: Path,
-    verify_loads: bool = True,
+    verify_loads: bool = True, huge_pages: bool = True,
 ) -> None:  # fmt: skip
     """Two kv_both engines side by side, one per lane; the shm one computes and saves each prompt, both load it
     from DRAM. Then the store restarts (a graceful stop writes every block to NVMe; DRAM starts empty, and
@@ -339,7 +339,8 @@ def phase_kvstore(
     from kvstore.client import Client
 
     def spec(lane: str) -> EngineSpec:
-        extra = {"target": store.target, "lane": lane, "stats_path": str(tmp / lane), "verify_loads": verify_loads}
+        extra = {"target": store.target, "lane": lane, "stats_path": str(tmp / lane), "verify_loads": verify_loads,
+                 "huge_pages": huge_pages}  # fmt: skip
         return EngineSpec(model, "kvstore", "kv_both", extra)
 
     shape = EngineShape(model, "", "float32", 30, 3, 64, BLOCK, "vllm-LBHNC-tp1")
@@ -443,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
             "hits without asking it; false: every load is asked",
         )
         p.add_argument("--verify-loads", default="true", help="the connector's verify_loads (default true)")
+        p.add_argument(
+            "--huge-pages",
+            default="true",
+            help="the connector's huge_pages (default true: huge pages asked for under the engines' CPU caches)",
+        )
 
     args = parse_args("vLLM TTFT with the prompt prefix from kvstore, ExampleConnector or vLLM itself", argv, configure)
     sizes = (
@@ -474,7 +480,9 @@ def main(argv: list[str] | None = None) -> int:
             tmp / "nvme", dram, args.share_dram == "true", args.share_nvme == "true", args.dram_index == "true"
         ) as store:
             if "kvstore" in phases:
-                phase_kvstore(model, store, sizes, reps, out, rng, tmp, args.verify_loads == "true")
+                phase_kvstore(
+                    model, store, sizes, reps, out, rng, tmp, args.verify_loads == "true", args.huge_pages == "true"
+                )
         if "turns" in phases:
             phase_multi_turn_recompute(model, out, rng)
     rows = out.rows()

@@ -3,24 +3,33 @@ and which directories give their shared files huge pages."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvstore import shmfile
+from kvstore import hugepages, shmfile
 from kvstore.config import ServeConfig
-from kvstore.hugepages import HUGE_PAGE, PAGE, advise_huge, files_get_huge_pages, huge_buffer, huge_pages_of_mount
+from kvstore.hugepages import (
+    HUGE_PAGE,
+    PAGE,
+    advise_huge,
+    advise_huge_ranges,
+    files_get_huge_pages,
+    huge_buffer,
+    huge_pages_of_mount,
+)
 from kvstore.server.app import build_tiers
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _thp_on() -> bool:
+def thp_on() -> bool:
     return THP.exists() and "[never]" not in THP.read_text()
 
 
-def _huge_kib(address: int, nbytes: int) -> int:
+def huge_kib(address: int, nbytes: int) -> int:
     """AnonHugePages of the mappings over ``nbytes`` at ``address`` (advice splits a mapping where it starts)."""
     total, inside = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
@@ -33,7 +42,7 @@ def _huge_kib(address: int, nbytes: int) -> int:
     return total
 
 
-def _fallbacks() -> int:
+def fallbacks() -> int:
     stats = dict(line.split() for line in Path("/proc/vmstat").read_text().splitlines())
     return int(stats.get("thp_fault_fallback", 0)) + int(stats.get("thp_collapse_alloc_failed", 0))
 
@@ -53,32 +62,32 @@ def test_whole_pages_align_a_small_buffer_to_a_huge_page() -> None:
     assert len(buf) == 100 and int(buf.ctypes.data) % HUGE_PAGE == 0
 
 
-@pytest.mark.skipif(not _thp_on(), reason="transparent huge pages are off on this kernel")
+@pytest.mark.skipif(not thp_on(), reason="transparent huge pages are off on this kernel")
 def test_a_large_buffer_lands_in_huge_pages() -> None:
-    before = _fallbacks()
+    before = fallbacks()
     buf = huge_buffer(4 * HUGE_PAGE)
     buf[::PAGE] = 1
-    got = _huge_kib(int(buf.ctypes.data), buf.nbytes)
-    if got == 0 and _fallbacks() > before:
+    got = huge_kib(int(buf.ctypes.data), buf.nbytes)
+    if got == 0 and fallbacks() > before:
         pytest.skip("the kernel had no huge page free")
     assert got == 4 * HUGE_PAGE // 1024
 
 
-@pytest.mark.skipif(not _thp_on(), reason="transparent huge pages are off on this kernel")
+@pytest.mark.skipif(not thp_on(), reason="transparent huge pages are off on this kernel")
 def test_memory_mapped_elsewhere_is_collapsed_into_huge_pages() -> None:
     plain = np.ones(8 * HUGE_PAGE, dtype=np.uint8)  # numpy's own allocation, faulted in as 4 KiB pages
     address = int(plain.ctypes.data)
-    before = _fallbacks()
+    before = fallbacks()
     if not advise_huge(address, plain.nbytes):
         pytest.skip("madvise refused (no MADV_COLLAPSE and no huge page on fault)")
     plain[::PAGE] += 1  # pages faulted before the advice stay 4 KiB unless collapsed
-    got = _huge_kib(address, plain.nbytes)
+    got = huge_kib(address, plain.nbytes)
     for _ in range(3):  # MADV_COLLAPSE may leave a range it found busy (EAGAIN: 6 of 7 collapsed once in a suite)
         if got >= 7 * HUGE_PAGE // 1024:
             break
         advise_huge(address, plain.nbytes)
-        got = _huge_kib(address, plain.nbytes)
-    if got == 0 and _fallbacks() > before:
+        got = huge_kib(address, plain.nbytes)
+    if got == 0 and fallbacks() > before:
         pytest.skip("the kernel had no huge page free")
     assert got >= 7 * HUGE_PAGE // 1024  # every whole 2 MiB inside it
     assert int(plain.sum()) == plain.nbytes + plain.nbytes // PAGE  # the contents survive the collapse
@@ -86,6 +95,35 @@ def test_memory_mapped_elsewhere_is_collapsed_into_huge_pages() -> None:
 
 def test_advice_on_less_than_a_huge_page_does_nothing() -> None:
     assert not advise_huge(HUGE_PAGE + PAGE, HUGE_PAGE - 2 * PAGE)
+
+
+def test_ranges_are_advised_a_chunk_at_a_time_over_their_whole_huge_pages(monkeypatch) -> None:
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(hugepages, "advise_huge", lambda a, n: calls.append((a, n)) or a != 40 * HUGE_PAGE)
+    ranges = [(10 * HUGE_PAGE + PAGE, 7 * HUGE_PAGE), (40 * HUGE_PAGE, 3 * HUGE_PAGE + 5), (90 * HUGE_PAGE, PAGE)]
+    took, refused = advise_huge_ranges(ranges, chunk=2 * HUGE_PAGE)
+    assert calls == [
+        (11 * HUGE_PAGE, 2 * HUGE_PAGE),
+        (13 * HUGE_PAGE, 2 * HUGE_PAGE),
+        (15 * HUGE_PAGE, 2 * HUGE_PAGE),  # it ends a page past 17: whole pages 11 to 16
+        (40 * HUGE_PAGE, 2 * HUGE_PAGE),
+        (42 * HUGE_PAGE, HUGE_PAGE),
+    ]  # and nothing for a range inside one huge page
+    assert (took, refused) == (7 * HUGE_PAGE, 2 * HUGE_PAGE)
+
+
+def test_a_stop_ends_the_advice_between_chunks(monkeypatch) -> None:
+    stop = threading.Event()
+    calls: list[int] = []
+
+    def advise(address: int, nbytes: int) -> bool:
+        calls.append(address)
+        stop.set()
+        return True
+
+    monkeypatch.setattr(hugepages, "advise_huge", advise)
+    assert advise_huge_ranges([(0, 8 * HUGE_PAGE)], stop, chunk=HUGE_PAGE) == (HUGE_PAGE, 0)
+    assert calls == [0]
 
 
 # /proc/self/mountinfo lines: id parent dev root mount-point options [optional...] - fstype source super-options

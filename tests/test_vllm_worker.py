@@ -3,6 +3,7 @@ in-process store, real clients. Saves, loads, missing blocks, corrupt blocks and
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 from kvstore.client import Client
+from kvstore.hugepages import HUGE_PAGE, PAGE
 from kvstore.integrations.vllm.plan import BlockRun, StepPlan
 from kvstore.integrations.vllm.worker import WorkerSide, auto_load_chunk
+from tests.test_hugepages import fallbacks, huge_kib, thp_on
 
 LAYERS, BLOCKS, HEADS, TOKENS, WIDTH = 4, 40, 3, 32, 16
 
@@ -242,3 +245,45 @@ def test_loads_from_a_shared_dram_arena(make_server, verify: bool, dram_index: b
         assert errors == set()
     producer.close()
     consumer.close()
+
+
+@pytest.mark.skipif(not thp_on(), reason="transparent huge pages are off on this kernel")
+def test_a_host_cache_is_collapsed_into_huge_pages_and_loads_into_them(server) -> None:
+    """torch's 4 KiB pages under a CPU cache made the store's process_vm_writev 1.3-1.5x slower (docs/vllm.md)."""
+    blocks = 4 * HUGE_PAGE // (HEADS * TOKENS * WIDTH * 4) + 1  # over 4 huge pages a layer, in one allocation
+    per = blocks * HEADS * TOKENS * WIDTH
+    big = torch.zeros(LAYERS * per)
+    big[:: PAGE // 4] = 1.0  # faulted in, as torch.zeros leaves a vLLM cache
+    marks = float(big.sum())
+    caches = {
+        f"model.layers.{i}.self_attn.attn": big[i * per : (i + 1) * per].view(blocks, HEADS, TOKENS, WIDTH)
+        for i in range(LAYERS)
+    }
+    target = f"127.0.0.1:{server.port}"
+    producer, src = worker(target, "shm")
+    for t in src.values():
+        t.normal_()
+    producer.save(StepPlan(saves=[BlockRun("r", "ns", keys(5), (0, 1, 2, 3, 4))]))
+    wait_idle(producer, "r")
+    before = fallbacks()
+    side = WorkerSide(lambda: Client(target, timeout=10, retries=0, lane="shm"), dtype="float32", saves=False)
+    side.register(caches)
+    assert side.huge_pages_settled(60)
+    got = huge_kib(big.data_ptr(), big.numel() * 4)
+    if got == 0 and fallbacks() > before:
+        pytest.skip("the kernel had no huge page free")
+    assert got >= (big.numel() * 4 // HUGE_PAGE - 1) * HUGE_PAGE // 1024  # every whole 2 MiB (64-byte aligned)
+    assert float(big.sum()) == marks  # the contents survive the collapse
+    side.load(StepPlan(loads=[BlockRun("q", "ns", keys(5), (10, 11, 12, 13, 14))]))
+    assert side.take_load_errors() == set()
+    for name in src:
+        assert torch.equal(caches[name][10:15], src[name][:5])
+    side.close()
+    producer.close()
+
+
+def test_huge_pages_false_leaves_the_cache_alone() -> None:
+    side = WorkerSide(lambda: Client("127.0.0.1:1", timeout=1, retries=0), dtype="float32", huge_pages=False)
+    side.register(cache())
+    assert "kvstore-huge-pages" not in {t.name for t in threading.enumerate()}
+    side.close()

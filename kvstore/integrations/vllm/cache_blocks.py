@@ -22,6 +22,7 @@ Verbs and promises:
 - ``segments(block_ids)``: each block as a ``Segments`` of its per-layer pages (host caches only; ``host``
   says which), so a Get writes the store's bytes straight into the KV cache and a Put reads them there:
   no gather or scatter copy at all.
+- ``host_ranges()``: a host cache's memory as (address, bytes) ranges, for advice to the kernel (huge pages).
 - ``new_staging(n, on_host)``: an ``[n, block_bytes]`` buffer for device caches (gather/scatter): on the cache's
   device, or ``on_host`` in pinned host memory (so a Get writes it over the host lanes and one DMA per run of
   blocks takes it to the device).
@@ -97,6 +98,20 @@ class CacheBlocks:
         rows = SegmentRows(per_layer) if first.device.type == "cpu" else None
         cross = _CrossLayout.of(tensors, num_blocks, page)
         return cls(names, num_blocks, page, first.device, first.dtype, cross, per_layer, rows)
+
+    def host_ranges(self) -> list[tuple[int, int]]:
+        """(address, bytes) of a host cache's memory, layers that touch merged (a cache in one allocation is one)."""
+        if not self.host:
+            return []
+        spans = sorted((t.data_ptr(), t.numel()) for t in self._per_layer)
+        merged = [list(spans[0])]
+        for address, n in spans[1:]:
+            last = merged[-1]
+            if address <= last[0] + last[1]:
+                last[1] = max(last[1], address + n - last[0])
+            else:
+                merged.append([address, n])
+        return [(a, n) for a, n in merged]
 
     def segments(self, block_ids: Sequence[int]) -> list[Segments]:
         if self._rows is None:

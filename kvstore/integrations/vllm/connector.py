@@ -114,6 +114,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 rank=self.shape.rank,
                 stores_saves=self.shape.stores_saves,
                 staging=self.settings.staging,
+                huge_pages=self.settings.huge_pages,
             )
         log.info(
             "KVStoreConnector %s: target %s, namespace %s, role %s, fingerprint %s",

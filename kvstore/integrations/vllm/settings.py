@@ -30,6 +30,8 @@ Keys (all optional except ``target``):
 ``load_planner``    how many hit blocks to load: ``cost`` (default: from measured costs, ``planning``), ``all`` or ``module:name``
 ``verify_loads``    ``true`` (default): CRC32C every loaded block here too; ``false``: trust the store's checks (on
                     every write and every NVMe read), which leaves DRAM hits unchecked end to end
+``huge_pages``      ``true`` (default): ask the kernel for transparent huge pages under a CPU KV cache at register
+                    (the store's writes into it are faster); ``false``: leave its pages as torch made them
 ==================  ==========================================================================================
 """
 
@@ -70,6 +72,7 @@ class Settings:
     on_load_error: str = "recompute"
     verify_loads: bool = True
     staging: str = "auto"
+    huge_pages: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from kvstore import memops_jit
+from kvstore.hugepages import advise_huge_ranges
 from kvstore.integrations.vllm.cache_blocks import CacheBlocks
 from kvstore.integrations.vllm.plan import BlockRun, LoadReport, StepPlan, StepReport
 from kvstore.integrations.vllm.settings import STAGINGS, ClientSlot
@@ -131,10 +132,11 @@ class WorkerSide:
         rank: int = 0,
         stores_saves: bool = True,
         staging: str = "auto",
+        huge_pages: bool = True,
     ):
         if staging not in STAGINGS:
             raise ValueError(f"staging must be one of {', '.join(STAGINGS)}, not {staging!r}")
-        self.dtype, self.verify_loads, self.staging = dtype, verify_loads, staging
+        self.dtype, self.verify_loads, self.staging, self.huge_pages = dtype, verify_loads, staging, huge_pages
         self.rank = rank  # this worker's rank: its runs move that rank's blocks (``BlockRun.for_rank``)
         # False where a lower rank stores the same bytes (MLA's TP ranks): saves are only reported done
         self.stores_saves = stores_saves
@@ -171,6 +173,8 @@ class WorkerSide:
         # connector thread's) reads "grpc" until it is, so asking a client before any call can mislead
         self._used_lane = ""
         self._closing = False
+        self._huge_advice: threading.Thread | None = None  # the huge-page advice under a host cache (register)
+        self._huge_stop = threading.Event()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         memops_jit.ready()  # starts compiling the copy and CRC32C kernels now, in the background, not at a load
@@ -180,6 +184,8 @@ class WorkerSide:
         self.counters.cross_layer_view = self.blocks.cross_layer_view
         self.counters.block_bytes = self.blocks.block_bytes
         self.staged = not self.blocks.host or self.staging != "auto"
+        if self.huge_pages and not self.staged:
+            self._advise_huge_pages()
         if not self.load_chunk:
             self.load_chunk = auto_load_chunk(self.blocks.block_bytes, not self.staged)
         if self.staged:
@@ -195,6 +201,33 @@ class WorkerSide:
             self.blocks.block_bytes,
             f"through {self.staging_place} staging buffers" if self.staged else "moved in place, one segment per layer",
         )
+
+    def _advise_huge_pages(self) -> None:
+        """Ask the kernel for huge pages under a host cache, on a thread of its own (``MADV_COLLAPSE`` copies the
+        cache's faulted-in pages at about 0.5 GB/s here: seconds for a large cache). torch allocates it in 4 KiB
+        pages where transparent huge pages are ``madvise`` only, and the store's ``process_vm_writev`` into such
+        pages ran 1.3-1.5x slower (docs/vllm.md, "Huge pages under a CPU cache")."""
+        assert self.blocks is not None
+        ranges = self.blocks.host_ranges()
+
+        def advise() -> None:
+            start = time.perf_counter()
+            took, refused = advise_huge_ranges(ranges, self._huge_stop)
+            log.info(
+                "kvstore connector: huge pages taken for %d MiB of the cache, refused for %d MiB (%.1f s)",
+                took >> 20,
+                refused >> 20,
+                time.perf_counter() - start,
+            )
+
+        self._huge_advice = threading.Thread(target=advise, name="kvstore-huge-pages", daemon=True)
+        self._huge_advice.start()
+
+    def huge_pages_settled(self, timeout: float | None = None) -> bool:
+        """Wait for the huge-page advice that ``register`` started (True: none running)."""
+        if self._huge_advice is not None:
+            self._huge_advice.join(timeout)
+        return self._huge_advice is None or not self._huge_advice.is_alive()
 
     @property
     def staging_place(self) -> str:
@@ -376,6 +409,8 @@ class WorkerSide:
 
     def close(self, timeout: float = 30.0) -> None:
         self._closing = True
+        self._huge_stop.set()  # the advice ends within one chunk's call
+        self.huge_pages_settled(timeout)
         if self._connector is not None:  # a client it is still opening would outlive the slots' close
             self._connector.join(timeout)
         if self._saver is not None:
