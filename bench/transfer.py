@@ -21,7 +21,7 @@ one buffer, as a prefill worker puts pages of its KV pool; ``separate`` puts
 one ``bytes`` object per block. The shm lane's direct puts (the store reads
 the client's memory with process_vm_readv) run at 10-11 GB/s from one
 allocation and 6-7 GB/s from many separate ones on this kernel, so the
-choice shows in its put rows; every row records it (``payload``). Each
+choice shows in its put rows (``huge``: the one buffer in huge pages); every row records it (``payload``). Each
 repetition drops the previous Get's results before the next Get, as a worker
 that loads them into its pool does; ``--hold-results`` keeps them (on the
 shm lane, results past half the region are then copied out, not lent).
@@ -53,6 +53,7 @@ from tqdm import tqdm
 from bench import transfer_segments
 from bench.baselines import memcpy_gbps, raw_socket_gbps, redis_gbps, redis_server
 from kvstore.client import Client
+from kvstore.hugepages import huge_buffer
 from kvstore.server.process import store_process
 
 SIZES = [64 << 10, 512 << 10, 2 << 20]
@@ -63,8 +64,9 @@ def measure_lane(
     target: str, lane: str, size: int, reps: int, payload: str = "pool", hold_results: bool = False
 ) -> tuple[float, float]:
     total = size * BATCH
-    if payload == "pool":
-        pool = np.frombuffer(os.urandom(total), dtype=np.uint8).copy()
+    if payload in ("pool", "huge"):
+        pool = huge_buffer(total) if payload == "huge" else np.empty(total, dtype=np.uint8)
+        pool[:] = np.frombuffer(os.urandom(total), dtype=np.uint8)
         blocks: list = [memoryview(pool[i * size : (i + 1) * size]) for i in range(BATCH)]
     else:
         blocks = [os.urandom(size) for _ in range(BATCH)]
@@ -125,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lanes", default="grpc,shm,tcp", help="comma-separated lanes to measure (grpc, shm, tcp)")
     parser.add_argument(
         "--payload",
-        choices=["pool", "separate"],
+        choices=["pool", "huge", "separate"],
         default="pool",
-        help="blocks as slices of one buffer (a KV pool) or one bytes object each",
+        help="blocks as slices of one buffer (a KV pool; huge: that buffer in huge pages) or one bytes object each",
     )
     parser.add_argument(
         "--hold-results", action="store_true", help="keep each Get's results until the next Get returns"
