@@ -211,6 +211,7 @@ class PlannedRead:
     scratch: np.ndarray
     iov: list[np.ndarray]
     plan: list[tuple[Wanted, int, int, np.ndarray | None, int]]  # (w, header pos, tail pos, view, n aligned)
+    addresses: list[int]  # per record, where its view starts (0: no view); taken once, for the compiled checks
 
 
 def plan_into(piece: Piece, scratch: np.ndarray, dests: Sequence[Any], direct: bool = True) -> PlannedRead:
@@ -219,6 +220,7 @@ def plan_into(piece: Piece, scratch: np.ndarray, dests: Sequence[Any], direct: b
     tails, read-through gaps and the payloads of other records into ``scratch`` (at least ``piece.nbytes``)."""
     iov: list[np.ndarray] = []
     plan: list[tuple[Wanted, int, int, np.ndarray | None, int]] = []
+    addresses: list[int] = []
     sp = 0  # scratch position
     run = 0  # start of the scratch span not yet in iov
     pos = piece.offset
@@ -229,8 +231,10 @@ def plan_into(piece: Piece, scratch: np.ndarray, dests: Sequence[Any], direct: b
         sp += HEADER_BYTES
         al = n // PAGE * PAGE
         view = host_view(dests[w.targets[0]]) if direct and w.targets and w.length is not None and al else None
-        if view is not None and (view.nbytes < n or array_address(view) % PAGE or w.nbytes != record_bytes(n)):
-            view = None
+        address = array_address(view) if view is not None else 0
+        if view is not None and (view.nbytes < n or address % PAGE or w.nbytes != record_bytes(n)):
+            view, address = None, 0
+        addresses.append(address)
         if view is None:
             plan.append((w, hdr, hdr + HEADER_BYTES, None, 0))
             sp += w.nbytes - HEADER_BYTES
@@ -246,7 +250,7 @@ def plan_into(piece: Piece, scratch: np.ndarray, dests: Sequence[Any], direct: b
         iov.append(scratch[run:sp])
     if len(iov) > IOV_MAX:  # too many pieces for one call: read it all into scratch instead
         return plan_into(piece, scratch, dests, direct=False)
-    return PlannedRead(piece, scratch, iov, plan)
+    return PlannedRead(piece, scratch, iov, plan, addresses)
 
 
 def finish_into(planned: PlannedRead, got: int | OSError, dests: Sequence[Any]) -> list[tuple[int, str]]:
@@ -310,9 +314,9 @@ def _finish_compiled(kernels: Any, planned: PlannedRead, got: int, dests: Sequen
     piece, scratch, plan = planned.piece, planned.scratch, planned.plan
     rows = np.array(
         [
-            (w.offset - piece.offset, hdr, 0 if view is None else array_address(view), al, tail,
+            (w.offset - piece.offset, hdr, address, al, tail,
              -1 if w.length is None else w.length, w.nbytes, -1 if w.crc is None else w.crc)
-            for w, hdr, tail, view, al in plan
+            for (w, hdr, tail, _, al), address in zip(plan, planned.addresses)
         ],
         dtype=np.int64,
     )  # fmt: skip
