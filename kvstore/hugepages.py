@@ -18,6 +18,8 @@ run.)
 - ``advise_huge_ranges(ranges, stop) -> (took, refused)``: ``advise_huge`` over ranges a chunk at a time, for a
   thread of its own (a collapse copies about 0.5 GB/s here), stopping between chunks when ``stop`` is set.
 - ``advise_mapping(mapping)``: the advice for a whole ``mmap`` of ours (a pooled batch, a tmpfs file's mapping).
+- ``anonymous_huge_pages() -> bool | None``: whether the kernel grants private memory huge pages at all (False where
+  ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``[never]``).
 - ``madvise(address, nbytes, advice) -> int``: libc's call (0, or -1 with ``ctypes.get_errno()``), for any advice.
 
 Where transparent huge pages are off (``/sys/kernel/mm/transparent_hugepage/enabled`` "never") or the advice is
@@ -107,6 +109,7 @@ def advise_huge_ranges(
 
 
 SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 HUGE_TMPFS = ("always", "within_size", "advise")  # a tmpfs mounted huge= one of these grants what we advise
 
 
@@ -159,3 +162,16 @@ def files_get_huge_pages(directory: str) -> bool | None:
     except OSError:
         shmem = ""
     return huge_pages_of_mount(mountinfo, os.path.realpath(directory), shmem)
+
+
+def anonymous_huge_pages(enabled: str | None = None) -> bool | None:
+    """Whether private memory can get transparent huge pages (``enabled`` is not ``[never]``): what
+    ``huge_buffer`` and ``advise_huge`` ask for. ``enabled`` is that file's text (default: read it); None where
+    it cannot be read (no THP in this kernel, not Linux)."""
+    if enabled is None:
+        try:
+            with open(THP_ENABLED) as f:
+                enabled = f.read()
+        except OSError:
+            return None
+    return "[never]" not in enabled

@@ -16,17 +16,16 @@ from kvstore.hugepages import (
     PAGE,
     advise_huge,
     advise_huge_ranges,
+    anonymous_huge_pages,
     files_get_huge_pages,
     huge_buffer,
     huge_pages_of_mount,
 )
 from kvstore.server.app import build_tiers
 
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
 
 def thp_on() -> bool:
-    return THP.exists() and "[never]" not in THP.read_text()
+    return anonymous_huge_pages() is True
 
 
 def huge_kib(address: int, nbytes: int) -> int:
@@ -206,3 +205,11 @@ def test_a_store_sharing_dram_on_small_pages_says_so(tmp_path: Path, caplog: pyt
     for tier in tiers:
         tier.close()
     assert "4 KiB pages" in caplog.text and "--shm-dir" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("enabled", "huge"),
+    [("always [madvise] never\n", True), ("[always] madvise never\n", True), ("always madvise [never]\n", False)],
+)
+def test_private_memory_gets_huge_pages_unless_thp_is_never(enabled: str, huge: bool) -> None:
+    assert anonymous_huge_pages(enabled) is huge
