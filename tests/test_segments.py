@@ -322,7 +322,14 @@ def test_clip_keeps_the_first_bytes(spans, n):
 @given(blocks=st.lists(st.lists(st.tuples(st.integers(1, 1 << 40), st.integers(1, 1 << 20)), max_size=6), max_size=8))
 def test_flatten_round_trips(blocks):
     spans = [tuple(b) for b in blocks]
-    assert unflatten("t", len(spans), *flatten(spans)) == spans
+    table = unflatten("t", len(spans), *flatten(spans))
+    assert list(table) == spans and table[:] == spans
+    assert table.held.tolist() == [sum(n for _, n in s) for s in spans]
+    assert table.counts().tolist() == [len(s) for s in spans]
+    for k, s in enumerate(spans):
+        assert table[k - len(spans)] == s and table.rows(k).tolist() == [list(x) for x in s]
+    with pytest.raises(IndexError):
+        table[len(spans)]
     for s in spans:
         d = describe_source(lpb.BlockDescriptor(length=sum(n for _, n in s)), s)
         assert descriptor_spans(d) == (s if s else ())

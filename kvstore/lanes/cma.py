@@ -111,15 +111,18 @@ def write_many(pid: int, pairs: list[tuple[int, Any]]) -> None:
     _move_many(_lib().process_vm_writev, "wrote", pid, pairs)
 
 
-def write_scattered(pid: int, blocks: Sequence[tuple[Spans, Any]]) -> None:
+def write_scattered(pid: int, blocks: Sequence[tuple[Spans | np.ndarray, Any]]) -> None:
     """Copy each ``(spans, src)`` of ``blocks`` across its (address, length) ``spans`` in process ``pid`` (they
     add up to ``len(src)``): one process_vm_writev per run of blocks with at most ``IOV_BATCH`` spans, the
     iovecs made as arrays (a vLLM block's 30 pages took a Python step and a ctypes object each, then one call
-    per block). A block of more spans than that is written alone, in pieces (``write_spans_from``)."""
+    per block). ``spans`` may be a uint64 array of (address, length) rows (``segments.SpanTable.rows``), joined
+    as arrays. A block of more spans than that is written alone, in pieces (``write_spans_from``)."""
     syscall, start = _lib().process_vm_writev, 0
     while start < len(blocks):
         spans, src = blocks[start]
         if len(spans) > IOV_BATCH:
+            if isinstance(spans, np.ndarray):
+                spans = tuple(map(tuple, spans.tolist()))
             write_spans_from(pid, spans, src, crc=False)
             start += 1
             continue
@@ -129,7 +132,10 @@ def write_scattered(pid: int, blocks: Sequence[tuple[Spans, Any]]) -> None:
             stop += 1
         batch = blocks[start:stop]
         local = np.array([address_of(src) for _, src in batch], dtype=np.uint64).reshape(-1, 2)
-        remote = np.array([span for spans, _ in batch for span in spans], dtype=np.uint64).reshape(-1, 2)
+        if isinstance(batch[0][0], np.ndarray):
+            remote = np.concatenate([np.asarray(spans, dtype=np.uint64) for spans, _ in batch])
+        else:
+            remote = np.array([span for spans, _ in batch for span in spans], dtype=np.uint64).reshape(-1, 2)
         total = int(local[:, 1].sum())
         if int(remote[:, 1].sum()) != total:
             raise ValueError(f"{len(remote)} spans of {int(remote[:, 1].sum())} bytes for {total} local bytes")

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 
 from kvstore.lanes import cma
 from kvstore.lanes.base import LaneError
@@ -95,7 +96,7 @@ class DirectPeer:
         """Copy each ``(address, src)`` into the client's memory, as few syscalls as IOV_MAX allows."""
         self._move("direct get", _batch(cma.write_many), pairs, None)
 
-    def write_scattered(self, blocks: list[tuple[Spans, Any]]) -> None:
+    def write_scattered(self, blocks: list[tuple[Spans | np.ndarray, Any]]) -> None:
         """Copy each ``(spans, src)`` across its pieces of the client's memory, as few syscalls as IOV_MAX allows
         (no CRC32C: the caller takes them of the sources in one batch)."""
         self._move("direct get", _batch(cma.write_scattered), blocks, None)

@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvstore.checksum import crc32c
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import DirectPeer
-from kvstore.lanes.segments import Spans
+from kvstore.lanes.segments import Spans, SpanTable
 from kvstore.memops import copy_crc, copy_into, crcs_of, host_view
 from kvstore.v1 import lanes_pb2 as lpb
 
@@ -148,10 +150,19 @@ def write_blocks(
         # blocks in one buffer a syscall per IOV_BATCH of them, blocks across several buffers (a vLLM block's
         # pages) a syscall per IOV_BATCH of their spans
         crcs = crcs_of([sources[k] for k in run]) if crc else [0] * len(run)
-        single = [k for k in run if len(spans[k]) == 1]
-        if single:
-            direct.write_many([(spans[k][0][0], sources[k]) for k in single])
-        scattered = [(spans[k], sources[k]) for k in run if len(spans[k]) != 1]
+        if isinstance(spans, SpanTable):  # its rows as they are (a view a block), no tuple per span
+            counts = spans.counts()[run.start : run.stop].tolist()
+            single = [k for k, n in zip(run, counts) if n == 1]
+            if single:
+                direct.write_many([(int(spans.table[spans.starts[k], 0]), sources[k]) for k in single])
+            scattered: list[tuple[Spans | np.ndarray, Any]] = [
+                (spans.rows(k), sources[k]) for k, n in zip(run, counts) if n != 1
+            ]
+        else:
+            single = [k for k in run if len(spans[k]) == 1]
+            if single:
+                direct.write_many([(spans[k][0][0], sources[k]) for k in single])
+            scattered = [(spans[k], sources[k]) for k in run if len(spans[k]) != 1]
         if scattered:
             direct.write_scattered(scattered)
         return crcs

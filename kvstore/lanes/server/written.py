@@ -20,11 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
+import numpy as np
 
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import DirectPeer
-from kvstore.lanes.segments import Spans, clip
+from kvstore.lanes.segments import Spans, SpanTable, clip
 from kvstore.lanes.server.copyout import write_blocks
 from kvstore.memops import host_view
 from kvstore.store import Lease
@@ -59,6 +60,10 @@ def write_reply(
 ) -> lpb.LaneGetResponse:
     """Write every block into the client's memory and describe them all in one message's columns."""
     lengths = [len(s) for s in sources]
+    if isinstance(outs, SpanTable) and bool((outs.held == np.array(lengths, dtype=np.int64)).all()):
+        # every block's buffers hold it exactly (a vLLM block's pages): the wire's arrays as they are, no tuple a
+        # span; else the loop below checks and clips each block
+        return _reply(leases, lengths, write_blocks(outs, sources, direct, pool, crc_at_copy), crc_at_copy)
     targets: list[Spans] = []
     for i, (spans, n) in enumerate(zip(outs, lengths)):
         if len(spans) == 1:
@@ -70,7 +75,10 @@ def write_reply(
             if held < n:
                 raise _short(i, held, n)
             targets.append(spans if held == n else clip(spans, n))  # a vLLM block's pages hold it exactly
-    crcs = write_blocks(targets, sources, direct, pool, crc_at_copy)
+    return _reply(leases, lengths, write_blocks(targets, sources, direct, pool, crc_at_copy), crc_at_copy)
+
+
+def _reply(leases: Sequence[Lease], lengths: list[int], crcs: list[int], crc_at_copy: bool) -> lpb.LaneGetResponse:
     stored = [lease.crc32c for lease in leases]
     reply = lpb.LaneGetResponse(crcs_at_copy=crc_at_copy, written_direct=True, handled=len(leases), last=True)
     written = reply.written
