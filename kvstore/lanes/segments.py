@@ -101,17 +101,27 @@ class SpanTable(Sequence[Spans]):
     as a C-contiguous uint64 array of rows, block ``k``'s from row ``starts[k]`` to ``starts[k + 1]``, and
     ``held``, each block's bytes. ``self[k]`` makes block k's tuple of spans when asked; ``rows(k)`` is a view.
     A vLLM Get names 30 spans a block: the tuples of every one took a fifth of the store's time on a Get of
-    62 such blocks of small pages (py-spy), where the writes take the table as it is."""
+    62 such blocks of small pages (py-spy), where the writes take the table as it is. The client builds its
+    request from one too (``outputs.direct_outs``): 535 -> 258 us a 62-block request of 30 spans a block."""
 
-    def __init__(self, counts: Sequence[int], addresses: Sequence[int], lengths: Sequence[int]):
-        self.table = np.empty((len(addresses), 2), dtype=np.uint64)
-        self.table[:, 0] = addresses
-        self.table[:, 1] = lengths
+    def __init__(self, counts: Sequence[int], table: np.ndarray):
+        self.table = np.ascontiguousarray(table, dtype=np.uint64).reshape(-1, 2)
         self.starts = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=self.starts[1:])
-        total = np.zeros(len(lengths) + 1, dtype=np.uint64)
+        total = np.zeros(len(self.table) + 1, dtype=np.uint64)
         np.cumsum(self.table[:, 1], out=total[1:])
         self.held = (total[self.starts[1:]] - total[self.starts[:-1]]).astype(np.int64)
+
+    @classmethod
+    def from_wire(cls, counts: Sequence[int], addresses: Sequence[int], lengths: Sequence[int]) -> SpanTable:
+        table = np.empty((len(addresses), 2), dtype=np.uint64)
+        table[:, 0] = addresses
+        table[:, 1] = lengths
+        return cls(counts, table)
+
+    @classmethod
+    def of(cls, blocks: Sequence[Spans]) -> SpanTable:
+        return cls.from_wire(*flatten(blocks))
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -147,7 +157,7 @@ def unflatten(
         raise _invalid(
             f"{what} has {len(addresses)} segment addresses and {len(lengths)} lengths for {sum(counts)} segments"
         )
-    return SpanTable(counts, addresses, lengths)
+    return SpanTable.from_wire(counts, addresses, lengths)
 
 
 def reserve_sources(reserve: lpb.LaneReserve) -> Sequence[Spans]:

@@ -1,6 +1,6 @@
 """Where a shm lane Get's blocks go in the caller's memory, and the copies that put them there.
 
-- ``direct_outs(out) -> spans | None``: the (address, bytes) spans of each output buffer (a ``Segments``'s
+- ``direct_outs(out) -> SpanTable | None``: the (address, bytes) spans of each output buffer (a ``Segments``'s
   parts in order), or None when one is not plain host memory: what a direct Get names for the store to write
   and a ``--share-nvme`` Get reads into.
 - ``buffer_addresses(out, lengths) -> int64 array | None``: each buffer's address when each is one span of host
@@ -26,29 +26,35 @@ import numpy as np
 from kvstore import memops_jit
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.copypool import CopyPool
-from kvstore.lanes.segments import Spans, copy_to_spans, scatter
+from kvstore.lanes.segments import Spans, SpanTable, copy_to_spans, scatter
 from kvstore.memops import copy_crc, copy_into, host_view, run_rows
 from kvstore.payload import Segments
 
 
-def direct_outs(out: Sequence[Any]) -> list[Spans] | None:
-    """((address, bytes), ...) of each output buffer (its segments' for ``Segments``), or None when one is
-    not plain host memory."""
-    outs: list[Spans] = []
+def direct_outs(out: Sequence[Any]) -> SpanTable | None:
+    """The (address, bytes) spans of each output buffer (its segments' for ``Segments``) as one table, or None
+    when one is not plain host memory. A ``Segments`` whose span table is known (a vLLM block's, from
+    ``SegmentRows``) joins the table as it is: a tuple per span cost 0.25 ms a 62-block load."""
+    counts: list[int] = []
+    tables: list[np.ndarray] = []
     for buf in out:
         if type(buf) is np.ndarray and (address := _array_address(buf)) is not None:  # the common case, one step
-            outs.append(((address, buf.nbytes),))
+            counts.append(1)
+            tables.append(np.array([(address, buf.nbytes)], dtype=np.int64))  # as span tables: one dtype to join
             continue
         if isinstance(buf, Segments):
             if not buf.on_host:
                 return None
-            outs.append(buf.spans)
+            table = buf.span_table
+            counts.append(len(table))
+            tables.append(table)
             continue
         view = host_view(buf)
         if view is None:
             return None
-        outs.append((address_of(view),))
-    return outs
+        counts.append(1)
+        tables.append(np.array([address_of(view)], dtype=np.int64))
+    return SpanTable(counts, np.concatenate(tables) if tables else np.empty((0, 2), dtype=np.int64))
 
 
 def buffer_addresses(out: Sequence[Any], lengths: np.ndarray) -> np.ndarray | None:

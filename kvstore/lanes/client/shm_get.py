@@ -37,7 +37,7 @@ from kvstore.lanes.client.indexed import IndexedGets
 from kvstore.lanes.client.loans import Lender, Loan
 from kvstore.lanes.client.outputs import SpanCopy, buffer_addresses, copy_outs, direct_outs
 from kvstore.lanes.cma import address_of
-from kvstore.lanes.segments import Spans, clip, clip_table, flatten, span_bytes
+from kvstore.lanes.segments import SpanTable, clip, clip_table, span_bytes
 from kvstore.lanes.shm_region import ShmRegion
 from kvstore.memops import host_view
 from kvstore.payload import Segments, as_bytes_view
@@ -150,7 +150,8 @@ class ShmGets:
         if failed:  # the store reads these itself: a corrupt record is dropped there and reported as DATA_LOSS
             again = self._get(
                 namespace, [hashes[i] for i in failed], [out[i] for i in failed] if out is not None else None,
-                allow_missing, verify, [spans[i] for i in failed] if spans is not None else None, False, [],
+                allow_missing, verify, SpanTable.of([spans[i] for i in failed]) if spans is not None else None, False,
+                [],
             )  # fmt: skip
             for i, result in zip(failed, again):
                 results[i] = result
@@ -163,7 +164,7 @@ class ShmGets:
         out: Sequence[Any] | None,
         allow_missing: bool,
         verify: bool,
-        spans: list[Spans] | None,
+        spans: SpanTable | None,
         read_disk: bool,
         failed: list[int],
     ) -> list[Any]:
@@ -184,13 +185,14 @@ class ShmGets:
                 named_columns=read_dram,
             )
             if outs is not None and segmented:  # the server writes each block across our buffers itself
-                counts, addresses, lengths = flatten(outs[start:])
-                request.out_segment_counts.extend(counts)
-                request.out_segment_addresses.extend(addresses)
-                request.out_segment_lengths.extend(lengths)
-            elif outs is not None:  # the server writes each block into our buffer itself
-                request.out_addresses.extend(spans[0][0] for spans in outs[start:])
-                request.out_lengths.extend(spans[0][1] for spans in outs[start:])
+                rows = outs.table[outs.starts[start] :]
+                request.out_segment_counts.extend(outs.counts()[start:].tolist())
+                request.out_segment_addresses.extend(rows[:, 0].tolist())
+                request.out_segment_lengths.extend(rows[:, 1].tolist())
+            elif outs is not None:  # the server writes each block into our buffer itself (one span each)
+                heads = outs.table[outs.starts[start:-1]]
+                request.out_addresses.extend(heads[:, 0].tolist())
+                request.out_lengths.extend(heads[:, 1].tolist())
             handled = self._call(lambda: self._receive(request, start, out, verify, results, spans, failed))
             start += handled
         return results
@@ -202,7 +204,7 @@ class ShmGets:
         out: Sequence[Any] | None,
         verify: bool,
         results: list[Any],
-        spans: list[Spans] | None = None,
+        spans: SpanTable | None = None,
         failed: list[int] | None = None,
     ) -> int:
         handled = -1
@@ -248,7 +250,7 @@ class ShmGets:
         named: list[lpb.BlockDescriptor],
         start: int,
         out: Sequence[Any] | None,
-        spans: list[Spans] | None,
+        spans: SpanTable | None,
         results: list[Any],
         failed: list[int] | None,
     ) -> None:
