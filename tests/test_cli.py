@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import pytest
 
 from kvstore import config
 from kvstore.client import Client
+from kvstore.server.app import dram_allocation_error
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import ROOT, free_port
@@ -78,6 +80,28 @@ def test_bad_config_is_reported(tmp_path):
         str(tmp_path / "file" / "nvme"), "--nvme", "1GiB",
     )  # fmt: skip
     assert result.returncode == 1 and "kvstore: [Errno" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(
+    open("/proc/sys/vm/overcommit_memory").read().strip() == "1", reason="the kernel grants any mapping"
+)
+def test_a_dram_tier_larger_than_the_host_is_refused_by_name():
+    result = run_cli("serve", "--listen", "127.0.0.1:0", "--metrics-port", "0", "--dram", "64TiB")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "--dram 64TiB: the DRAM arena cannot be allocated (" in result.stderr
+    assert "available on this host); lower --dram" in result.stderr
+
+
+def test_a_shared_dram_tier_larger_than_its_tmpfs_is_explained(tmp_path):
+    err = dram_allocation_error(OSError(errno.ENOSPC, "No space left on device"), 1 << 40, str(tmp_path))
+    assert err.errno == errno.ENOSPC
+    assert re.fullmatch(
+        rf"--dram 1TiB: {tmp_path} has [0-9.]+[KMGT]iB free for the shared DRAM arena \(--share-dram\); lower "
+        r"--dram, or pass --shm-dir on a larger tmpfs",
+        err.strerror,
+    )
+    other = OSError(errno.EACCES, "Permission denied")
+    assert dram_allocation_error(other, 1 << 30, None) is other  # not a matter of size: as it was
 
 
 @pytest.mark.parametrize(

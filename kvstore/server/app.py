@@ -12,8 +12,10 @@ tenants, stream limits, deadlines); SIGHUP re-reads the TLS and tenants files.
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import logging
+import shutil
 import signal
 import threading
 import time
@@ -32,6 +34,7 @@ from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import KVStoreService, add_to_server
 from kvstore.server.validate import Limits
+from kvstore.sizes import format_size
 from kvstore.store import BlockStore
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import MemoryTier, Tier
@@ -49,8 +52,8 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
     if hbm:
         tiers.append(ArenaTier(hbm, device=cfg.hbm_device, page_size=_page_size(cfg)))
     share_dir = cfg.shm_dir if cfg.share_dram else None
-    tiers.append(
-        ArenaTier(
+    try:
+        dram = ArenaTier(
             cfg.dram,
             device="cpu",
             page_size=_page_size(cfg),
@@ -60,7 +63,9 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
             share_index=cfg.dram_index,
             index_disk_bytes=cfg.nvme if index_names_disk(cfg) else 0,
         )
-    )
+    except OSError as err:
+        raise dram_allocation_error(err, cfg.dram, share_dir) from err
+    tiers.append(dram)
     if cfg.nvme_dir:
         from kvstore.tiers.nvme import NvmeTier
 
@@ -85,6 +90,33 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
                 SHMEM_ENABLED,
             )
     return tiers
+
+
+def dram_allocation_error(err: OSError, size: int, share_dir: str | None) -> OSError:
+    """``err`` (from making the DRAM arena) saying which option asked for too much, and what there is."""
+    if err.errno == errno.ENOSPC and share_dir is not None:
+        free = shutil.disk_usage(share_dir).free
+        return OSError(
+            err.errno,
+            f"--dram {format_size(size)}: {share_dir} has {format_size(free)} free for the shared DRAM arena "
+            "(--share-dram); lower --dram, or pass --shm-dir on a larger tmpfs",
+        )
+    if err.errno == errno.ENOMEM:
+        return OSError(
+            err.errno,
+            f"--dram {format_size(size)}: the DRAM arena cannot be allocated ({available_memory()}); lower --dram",
+        )
+    return err
+
+
+def available_memory() -> str:
+    """This host's available memory as /proc/meminfo gives it, in words."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return f"{format_size(int(fields['MemAvailable'].split()[0]) << 10)} available on this host"
+    except (OSError, KeyError, ValueError):
+        return "this host's available memory is unknown"
 
 
 def index_names_disk(cfg: ServeConfig) -> bool:
