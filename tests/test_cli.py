@@ -18,7 +18,7 @@ import pytest
 
 from kvstore import config
 from kvstore.client import Client
-from kvstore.server.app import dram_allocation_error
+from kvstore.server.app import dram_allocation_error, nvme_room_shortfall
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import ROOT, free_port
@@ -102,6 +102,13 @@ def test_a_shared_dram_tier_larger_than_its_tmpfs_is_explained(tmp_path):
     )
     other = OSError(errno.EACCES, "Permission denied")
     assert dram_allocation_error(other, 1 << 30, None) is other  # not a matter of size: as it was
+
+
+def test_an_nvme_tier_larger_than_its_disk_is_warned_of(tmp_path):
+    (tmp_path / "segment").write_bytes(b"x" * 8192)
+    room = nvme_room_shortfall(str(tmp_path), 1 << 60)
+    assert room is not None and room.held >= 8192 and 0 < room.free < 1 << 60
+    assert nvme_room_shortfall(str(tmp_path), room.free) is None  # what is free, and what the tier holds, fit
 
 
 @pytest.mark.parametrize(

@@ -15,11 +15,13 @@ from __future__ import annotations
 import errno
 import faulthandler
 import logging
+import os
 import shutil
 import signal
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +74,15 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
         tiers.append(
             NvmeTier(cfg.nvme_dir, capacity_bytes=cfg.nvme, segment_bytes=cfg.nvme_segment, write_policy=cfg.nvme_sync)
         )
+        if (short := nvme_room_shortfall(cfg.nvme_dir, cfg.nvme)) is not None:
+            log.warning(
+                "--nvme %s, but %s has %s free and its files hold %s: once the disk fills, the tier's writes fail "
+                "(ENOSPC) and it stops taking blocks until space comes back (docs/nvme.md, Faults); lower --nvme",
+                format_size(cfg.nvme),
+                cfg.nvme_dir,
+                format_size(short.free),
+                format_size(short.held),
+            )
         if anonymous_huge_pages() is False:
             log.warning(
                 "transparent huge pages are off (%s is never): the NVMe tier's read and write buffers and the DRAM "
@@ -117,6 +128,19 @@ def available_memory() -> str:
         return f"{format_size(int(fields['MemAvailable'].split()[0]) << 10)} available on this host"
     except (OSError, KeyError, ValueError):
         return "this host's available memory is unknown"
+
+
+@dataclass(frozen=True)
+class NvmeRoom:
+    free: int  # the file system's free bytes
+    held: int  # the bytes the tier's directory already holds (its segments, preallocated)
+
+
+def nvme_room_shortfall(nvme_dir: str, capacity: int) -> NvmeRoom | None:
+    """What there is, when the NVMe tier's directory cannot grow to ``capacity`` bytes; None when it can."""
+    free = shutil.disk_usage(nvme_dir).free
+    held = sum(e.stat().st_blocks * 512 for e in os.scandir(nvme_dir) if e.is_file(follow_symlinks=False))
+    return NvmeRoom(free, held) if free + held < capacity else None
 
 
 def index_names_disk(cfg: ServeConfig) -> bool:
