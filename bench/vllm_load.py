@@ -44,6 +44,11 @@ from kvstore.server.process import store_process
 LAYERS, HEADS, TOKENS, WIDTH = 30, 3, 32, 128  # SmolLM2-135M at block 32, fp32: 49,152 bytes a layer page
 
 
+def _page_bytes(tokens: int) -> int:
+    """One layer's page of a block of ``tokens`` tokens (fp32)."""
+    return HEADS * tokens * WIDTH * 4
+
+
 def _cache(blocks: int, device: str = "cpu", tokens: int = TOKENS) -> dict[str, torch.Tensor]:
     per = blocks * HEADS * tokens * WIDTH
     buf = torch.zeros(LAYERS * per, device=device)
@@ -181,7 +186,7 @@ def _store_rows(
                             "verify": verify,
                             "huge_pages": huge_pages,
                             "blocks": blocks,
-                            "page_bytes": HEADS * tokens * WIDTH * 4,
+                            "page_bytes": _page_bytes(tokens),
                             "mb": round(nbytes / 1e6, 1),
                             "load_s": round(load_s, 4),
                             "gbps": round(nbytes / load_s / 1e9, 2),
@@ -266,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens=args.tokens,
         huge=tuple(bool(int(x)) for x in args.huge_pages.split(",")),
     )
-    page = HEADS * args.tokens * WIDTH * 4
-    report(rows, args, title=f"vLLM connector load path (30 x {page:,}-byte pages a block)", bench="vllm_load")
+    title = f"vLLM connector load path ({LAYERS} x {_page_bytes(args.tokens):,}-byte pages a block)"
+    report(rows, args, title=title, bench="vllm_load")
     return 0
 
 

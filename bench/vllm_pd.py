@@ -443,10 +443,16 @@ def main(argv: list[str] | None = None) -> int:
             help="with --share-dram: the store shares its DRAM index (default true), so the shm engine finds DRAM "
             "hits without asking it; false: every load is asked",
         )
-        p.add_argument("--verify-loads", default="true", help="the connector's verify_loads (default true)")
+        p.add_argument(
+            "--verify-loads",
+            default="true",
+            choices=["true", "false"],
+            help="the connector's verify_loads (default true)",
+        )
         p.add_argument(
             "--huge-pages",
             default="true",
+            choices=["true", "false"],
             help="the connector's huge_pages (default true: huge pages asked for under the engines' CPU caches)",
         )
 
