@@ -3,6 +3,7 @@
     python -m bench.nvme_get [--quick] [--baseline REV] [--out bench/results/nvme_get.json]
                              [--share-dram true [--dram-index false]] [--baseline-share-dram true]
                              [--baseline-disk-store true] [--settle-ms MS] [--shm-dir DIR] [--kinds KIND,...]
+                             [--floor false]
 
 For each block size (64 KiB, 512 KiB, 2 MiB), 32-block prefixes are written to three store processes of this
 tree (``bench/nvme_get_worker.py``): one with an NVMe tier (write-through, so every block has an NVMe copy;
@@ -33,6 +34,11 @@ in turn, prefix by prefix, in a rotating order, so that all see the disk and the
 - ``dram_floor``: what a checked DRAM hit costs at the least, in this process: each of 32 blocks taken from a
   256 MiB buffer at a rotating place (not in the CPU's caches, as the stores' blocks are not between steps)
   gets its CRC32C and one copy into a page-aligned buffer, on one thread (the baseline of ``shm_dram_vs_floor``);
+- ``floor_shm`` / ``floor_tcp`` (unless ``--floor false``): the same Get of a prefix of its own file from a
+  process that only reads it with O_DIRECT, checks its CRC32Cs and hands the blocks to this process
+  (``bench/nvme_floor.py``: no index, lease, promotion or lane protocol): the most a store-read lane in Python
+  reaches on this host, so ``shm_nvme_vs_floor`` / ``tcp_nvme_vs_floor`` is the share of it the real store keeps
+  and ``floor_server_cpu_ms`` its CPU per Get beside ``nvme_store_cpu_ms``;
 - with ``--baseline REV``: the same steps (``old_*``) run by the code of git revision ``REV``, exported to a
   temporary directory, with store processes of its own: today's code against that one, in the same run
   (``--baseline-share-dram true`` starts them with ``--share-dram`` too; ``--baseline-disk-store true`` adds its own
@@ -92,6 +98,8 @@ from tqdm import tqdm
 
 from bench.baselines import raw_socket_gbps
 from bench.common import format_table, parse_args, write_json
+from bench.nvme_floor import GETS as FLOOR_GETS
+from bench.nvme_floor import Floor
 from kvstore.checksum import crc32c
 from kvstore.config import ServeConfig
 from kvstore.hugepages import files_get_huge_pages
@@ -178,6 +186,10 @@ RATIOS = (
     ("old_disk_nvme_vs_raw", "raw", "old_disk-shm"),
     ("disk_nvme_speedup", "old_disk-shm", "disk-shm"),
     ("shm_dram_vs_floor", "dram_floor", "dram-shm"),
+    # with --floor: the least a Python store process takes for the same Get (bench/nvme_floor.py), against the disk,
+    # and what the real store reaches of it
+    *((f"{lane}_floor_vs_raw", "raw", f"floor-{lane}") for lane in ("shm", "tcp")),
+    *((f"{lane}_nvme_vs_floor", f"floor-{lane}", f"nvme-{lane}") for lane in ("shm", "tcp")),
 )
 
 
@@ -246,12 +258,14 @@ def measure(
     index_ab: bool = False,
     settle: float = 0.0,
     kinds: tuple[str, ...] = (),
+    with_floor: bool = False,
 ) -> dict:
     rng = np.random.default_rng(block)
     cold_dram = max(32 * MiB, 3 * PREFIX * block)
     sides = {"": REPO} | ({"old_": baseline} if baseline is not None else {})
     workers: dict[str, Worker] = {}
     raw: RawExtents | None = None
+    nvme_floor = Floor(root, block, count, np.random.default_rng(block + 1)) if with_floor else None
     try:
         for tag, tree in sides.items():
             args = (*extra, "--with-disk-store") if tag == "" else old_extra  # an old tree may know neither option
@@ -259,24 +273,26 @@ def measure(
                 args += ("--with-asked-disk-store",)
             workers[tag] = Worker(tree, block, count, root / f"{tag}store-{block}", cold_dram, args)
         raw = RawExtents(root / f"raw-{block}.bin", block, count, rng, dst_extents=True)
-        writers = list(workers.values()) + [raw]
+        writers = list(workers.values()) + [raw] + ([nvme_floor] if nvme_floor is not None else [])
         for i in range(count):  # interleaved, in a rotating order: no side's data is the most recently written
             k = i % len(writers)
             for w in writers[k:] + writers[:k]:
-                if isinstance(w, RawExtents):
+                if isinstance(w, (RawExtents, Floor)):
                     w.write(i)
                 elif w.ask(f"write {i}") != "ok":
                     raise RuntimeError("a bench worker failed to write a prefix")
         for w in workers.values():  # the measured prefixes out of DRAM (the worker script is this tree's on all sides)
             if w.ask("flush") != "ok":
                 raise RuntimeError("a bench worker failed to flush its stores' DRAM")
+        if nvme_floor is not None:
+            nvme_floor.start()
         old_disk = "--with-disk-store" in old_extra
         steps = [(tag, kind) for tag in sides for kind in (NEW_KINDS if tag == "" or old_disk else KINDS)]
         steps += [("", "diskasked-shm")] if index_ab else []
         steps = [(tag, kind) for tag, kind in steps if not kinds or kind in kinds]
-        steps += [("", "raw"), ("", "raw_dst")]
-        floor = DramFloor(block) if ("", "dram-shm") in steps else None  # the DRAM-hit Get's baseline
-        steps += [("", "dram_floor")] if floor is not None else []
+        steps += [("", "raw"), ("", "raw_dst")] + ([("", g) for g in FLOOR_GETS] if nvme_floor is not None else [])
+        dram_floor = DramFloor(block) if ("", "dram-shm") in steps else None  # the DRAM-hit Get's baseline
+        steps += [("", "dram_floor")] if dram_floor is not None else []
         times: dict[str, list[float]] = {f"{tag}{kind}": [] for tag, kind in steps}
         times["raw_crc"] = []
         order = [int(i) for i in rng.permutation(count)]
@@ -286,10 +302,12 @@ def measure(
             for tag, kind in steps[k:] + steps[:k]:
                 if settle:
                     time.sleep(settle)
-                if kind == "dram_floor" and floor is not None:
+                if kind == "dram_floor" and dram_floor is not None:
                     t0 = time.perf_counter()
-                    floor.run(r)
+                    dram_floor.run(r)
                     times["dram_floor"].append(time.perf_counter() - t0)
+                elif kind in FLOOR_GETS and nvme_floor is not None:
+                    times[kind].append(nvme_floor.take(kind, p))
                 elif kind == "raw_dst":
                     times["raw_dst"].append(float(workers[""].ask(f"rawdst {raw.path} {raw.dst_offset(r)}")))
                 elif kind == "raw":
@@ -307,6 +325,8 @@ def measure(
     finally:
         if raw is not None:
             raw.close()
+        if nvme_floor is not None:
+            nvme_floor.close()
         for w in workers.values():
             w.close()
     p50 = {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -328,6 +348,8 @@ def measure(
             served = sum(len(v) for k, v in times.items() if k.startswith(f"{tag}{store}-"))
             if served:
                 row[f"{tag}{store}_store_cpu_ms"] = (seconds - cpu0[tag][store]) * 1e3 / served
+    if nvme_floor is not None:
+        row["floor_server_cpu_ms"] = nvme_floor.server_cpu_s * 1e3 / sum(len(times[g]) for g in FLOOR_GETS)
     if "nvme_store_cpu_ms" in row:
         row["nvme_store_cpu_vs_raw"] = row["nvme_store_cpu_ms"] / p50["raw"]
     # a remote client's Get moves the bytes over a socket too: loopback TCP of a prefix's payload, distinct memory
@@ -398,6 +420,13 @@ def main(argv: list[str] | None = None) -> None:
             default=Path("/var/tmp"),
             help="where the stores keep their NVMe tiers (a disk, not tmpfs); removed afterwards",
         )
+        p.add_argument(
+            "--floor",
+            choices=("true", "false"),
+            default="true",
+            help="true (default): also take floor-shm and floor-tcp steps, the same Gets from a process that only "
+            "reads, checks and hands off (bench/nvme_floor.py): the most a store-read lane in Python reaches here",
+        )
 
     args = parse_args("Gets of prefixes cached on NVMe through a kvstore serve process", argv, configure)
     kinds = tuple(k for k in args.kinds.split(",") if k)
@@ -417,7 +446,19 @@ def main(argv: list[str] | None = None) -> None:
                 extra, old = (*extra, "--shm-dir", args.shm_dir), (*old, "--shm-dir", args.shm_dir)
             index_ab = args.share_dram == "true" and args.dram_index == "true"
             rows = [
-                measure(block, count, root, bar, baseline, extra, old, index_ab, args.settle_ms / 1e3, kinds)
+                measure(
+                    block,
+                    count,
+                    root,
+                    bar,
+                    baseline,
+                    extra,
+                    old,
+                    index_ab,
+                    args.settle_ms / 1e3,
+                    kinds,
+                    args.floor == "true",
+                )
                 for block, count in sizes.items()
             ]
     finally:
@@ -437,6 +478,9 @@ def main(argv: list[str] | None = None) -> None:
     cols += ["grpc_nvme_vs_raw", "dram_grpc_p50_ms", "grpc_dram_vs_raw", "grpc_nvme_vs_dram", "tcp_ceiling_vs_raw"]
     cols += ["dram_shm_p50_ms", "shm_dram_vs_raw"]
     cols += ["dram_floor_p50_ms", "shm_dram_vs_floor", "dram_tcp_p50_ms", "tcp_dram_vs_raw"]
+    if args.floor == "true":
+        cols += ["floor_shm_p50_ms", "shm_floor_vs_raw", "shm_nvme_vs_floor", "floor_tcp_p50_ms", "tcp_floor_vs_raw"]
+        cols += ["tcp_nvme_vs_floor", "floor_server_cpu_ms", "nvme_store_cpu_ms"]
     if args.baseline:
         cols += ["old_nvme_shm_p50_ms", "old_shm_nvme_vs_raw", "old_nvme_tcp_p50_ms", "old_tcp_nvme_vs_raw"]
         cols += ["old_dram_shm_p50_ms", "shm_dram_speedup", "old_dram_tcp_p50_ms", "tcp_dram_speedup"]

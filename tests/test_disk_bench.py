@@ -90,3 +90,60 @@ def test_nvme_get_bench_takes_only_the_kinds_asked(tmp_path: Path, kind: str):
         assert row["nvme_store_cpu_vs_raw"] == row["nvme_store_cpu_ms"] / row["raw_p50_ms"]
         absent = ("disk_shm_p50_ms", "disk_nvme_vs_raw", "nvme_shm_p50_ms", "disk_store_cpu_ms")
     assert not any(k in row for k in (*absent, "dram_shm_p50_ms", "grpc_dram_vs_raw", "shm_dram_vs_floor"))
+
+
+def test_nvme_get_bench_takes_the_floor_beside_the_stores(tmp_path: Path):
+    """``--floor``: the same Gets from a process that only reads, checks and hands off, in turn with the rest."""
+    from tqdm import tqdm
+
+    from bench import nvme_get
+
+    try:
+        row = nvme_get.measure(64 << 10, 3, tmp_path, tqdm(disable=True), kinds=("nvme-shm",), with_floor=True)
+    except OSError as e:  # a filesystem without O_DIRECT (tmpfs)
+        pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
+    assert row["shm_floor_vs_raw"] == row["raw_p50_ms"] / row["floor_shm_p50_ms"]
+    assert row["tcp_floor_vs_raw"] == row["raw_p50_ms"] / row["floor_tcp_p50_ms"]
+    assert row["shm_nvme_vs_floor"] == row["floor_shm_p50_ms"] / row["nvme_shm_p50_ms"]
+    assert row["floor_server_cpu_ms"] > 0 and "tcp_nvme_vs_floor" not in row  # no store-read TCP Gets were asked
+
+
+@pytest.mark.parametrize("piece", [4 * MiB, 256 << 10])  # a prefix in one piece; in 11, two reads in flight
+def test_nvme_floor_serves_checked_prefixes_on_both_lanes(tmp_path: Path, piece: int):
+    from tqdm import tqdm
+
+    from bench import nvme_floor
+
+    try:
+        row = nvme_floor.measure(64 << 10, 3, tmp_path, tqdm(disable=True), piece, 2)
+    except OSError as e:  # a filesystem without O_DIRECT (tmpfs)
+        pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
+    assert min(row[f"{s}_p50_ms"] for s in ("raw", "floor_shm", "floor_tcp")) > 0
+    assert row["shm_floor_vs_raw"] == row["raw_p50_ms"] / row["floor_shm_p50_ms"] and row["floor_server_cpu_ms"] > 0
+
+
+def test_nvme_floor_checks_what_it_reads(tmp_path: Path):
+    """The floor is a floor of checked Gets: a flipped payload byte on disk fails its Get, it is not handed out."""
+    import numpy as np
+
+    from bench import nvme_floor
+
+    floor = nvme_floor.Floor(tmp_path, 64 << 10, 1, np.random.default_rng(0))
+    try:
+        floor.write(0)
+        floor.file.written()
+        at = floor.file.extent * floor._extent("floor-tcp", 0) + 5 * floor.file.record + 4096 + 100
+        with open(floor.file.path, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        floor.start()
+    except OSError as e:
+        pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
+    try:
+        assert floor.take("floor-shm", 0) > 0  # the other prefix is intact
+        with pytest.raises(ConnectionError):
+            floor.take("floor-tcp", 0)
+    finally:
+        floor.close()
