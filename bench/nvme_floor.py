@@ -1,6 +1,6 @@
 """The least a Python store process can take to serve a Get from NVMe: the floor under issue 19's store-read lanes.
 
-    python -m bench.nvme_floor [--quick] [--dir /var/tmp] [--piece 4MiB] [--read-threads 2] [--out FILE.json]
+    python -m bench.nvme_floor [--quick] [--dir /var/tmp] [--piece 2MiB] [--read-threads 2] [--out FILE.json]
     python -m bench.nvme_get --floor true ...      (the same floor, step for step beside the real stores' Gets)
 
 ``bench.nvme_get`` finds the store-read lanes (the store reads a prefix from its NVMe tier and hands it to a
@@ -9,8 +9,8 @@ Get. This bench asks what is left when a store process does nothing but the data
 module run with ``--serve``, a process of its own) holds a file of prefixes laid down as the NVMe tier lays them
 (32 records of a 4 KiB header page and a block, ``record_bytes``), the CRC32C of every payload in an array (what
 the store's index would hold), and two sockets. For each Get (one request: the prefix's number) it reads the
-prefix in pieces of whole records (at most ``--piece`` each, ``--read-threads`` of them in flight; a 32 x 64 KiB
-prefix is one piece, read by the serving thread itself), checks each piece's CRC32Cs as it lands and hands its
+prefix in pieces of whole records (at most ``--piece`` each, ``--read-threads`` of them in flight; a prefix of
+at most 4 MiB, as 32 x 64 KiB, is one piece, read by the serving thread itself: the settings that measured best), checks each piece's CRC32Cs as it lands and hands its
 blocks on at once:
 
 - ``floor_shm``: into the client's buffers with one ``process_vm_writev`` a piece
@@ -26,13 +26,15 @@ from the host's cache), and every step's extents are written interleaved (this v
 written data faster).
 
 Rows: p50 ms of each step, ``shm_floor_vs_raw`` / ``tcp_floor_vs_raw`` (raw time / Get time, 1 = as fast as the
-bare disk: the most a store-read lane in Python could reach here) and ``floor_server_cpu_ms``, the floor server's
-CPU per Get (user and system, every thread), beside the stores' in ``bench.nvme_get --floor true``.
+bare disk: the most a store-read lane in Python could reach here), ``floor_server_cpu_ms``, the floor server's
+CPU per Get (user and system, every thread), and ``floor_shm_thread_cpu_ms`` / ``floor_tcp_thread_cpu_ms``, a
+lane's serving thread's per Get of its own (the checks and the hand-off, the kernel's copies in it included), beside the stores' in ``bench.nvme_get --floor true``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -61,6 +63,11 @@ from kvstore.tiers.nvme.format import HEADER_BYTES, record_bytes
 
 PREFIX = 32
 MiB = 1 << 20
+# The floor is the least time: its reads as they measured best here (``--piece``, ``--read-threads``, two runs
+# each, 2026-12-06): a 2.2 MB prefix (32 x 64 KiB) read whole on the serving thread, shm 0.62-0.72 of the raw read
+# against 0.57-0.62 in two pieces; larger ones in 2 MiB pieces, 2 in flight: at 512 KiB 0.88-0.94 against
+# 0.76-0.88 in 4 MiB pieces and 0.66-0.71 in 8 MiB ones; at 2 MiB every setting 0.88-0.95.
+WHOLE_BYTES = 4 * MiB
 REQUEST = struct.Struct("<I")  # the number of a prefix extent in the file
 ADDRESS = struct.Struct("<QQ")  # the client's pool: address of its first block, stride between blocks
 GETS = ("floor-shm", "floor-tcp")
@@ -103,7 +110,7 @@ class FloorServer:
     """The server side (``--serve``): per Get, O_DIRECT reads, 32 CRC32Cs and the hand-offs, nothing else.
 
     A prefix is read in pieces of whole records of at most ``piece_bytes`` (one record where a record is larger),
-    ``read_threads`` of them in flight; the serving thread checks and hands off each piece's blocks in order as
+    ``read_threads`` of them in flight, or whole when it is at most ``WHOLE_BYTES``; the serving thread checks and hands off each piece's blocks in order as
     it lands, so the checks and copies of one piece overlap the reads of the next (a prefix of one piece is read
     on the serving thread itself, no hand-off). The client asks one Get at a time, so the two serving threads
     share the staging buffer and the pool."""
@@ -113,13 +120,14 @@ class FloorServer:
         self.fd = os.open(file.path, os.O_RDONLY | os.O_DIRECT)
         self.staging = huge_buffer(file.extent)
         self.views = [memoryview(v) for v in file.payloads(self.staging)]
-        per = max(1, piece_bytes // file.record)
+        per = PREFIX if file.extent <= WHOLE_BYTES else max(1, piece_bytes // file.record)
         self.pieces = [range(s, min(s + per, PREFIX)) for s in range(0, PREFIX, per)]
         self.pool = ThreadPoolExecutor(read_threads, thread_name_prefix="floor-read")
         self.unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.unix.bind(unix_path)
         self.unix.listen(1)
         self.tcp = socket.create_server(("127.0.0.1", 0))
+        self.thread_cpu = dict.fromkeys(GETS, 0.0)  # each lane's serving thread: its checks and hand-offs
 
     def _read(self, i: int, piece: range) -> None:
         start, n = piece.start * self.file.record, len(piece) * self.file.record
@@ -148,17 +156,22 @@ class FloorServer:
             base, stride = ADDRESS.unpack(recv_exact(conn, ADDRESS.size))
             pairs = [(base + k * stride, view) for k, view in enumerate(self.views)]
             while request := recv_exact(conn, REQUEST.size, eof_ok=True):
+                t0 = time.thread_time()
                 self.get(REQUEST.unpack(request)[0], lambda p: cma.write_many(pid, pairs[p.start : p.stop]))
+                self.thread_cpu["floor-shm"] += time.thread_time() - t0
                 conn.sendall(b"\x01")
 
     def serve_tcp(self, conn: socket.socket) -> None:
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while request := recv_exact(conn, REQUEST.size, eof_ok=True):
+                t0 = time.thread_time()
                 self.get(REQUEST.unpack(request)[0], lambda p: send_all(conn, self.views[p.start : p.stop]))
+                self.thread_cpu["floor-tcp"] += time.thread_time() - t0
 
     def run(self) -> None:
-        """Serve one client on each socket until it closes both; then print the CPU the Gets took (seconds)."""
+        """Serve one client on each socket until it closes both; then print the CPU the Gets took (seconds: the
+        whole process's, each lane's serving thread's) as JSON."""
         print(self.tcp.getsockname()[1], flush=True)
         shm, _ = self.unix.accept()
         tcp, _ = self.tcp.accept()
@@ -172,7 +185,8 @@ class FloorServer:
         for t in threads:
             t.join()
         end = resource.getrusage(resource.RUSAGE_SELF)
-        print(end.ru_utime + end.ru_stime - start.ru_utime - start.ru_stime, flush=True)
+        total = end.ru_utime + end.ru_stime - start.ru_utime - start.ru_stime
+        print(json.dumps({"total": total, **self.thread_cpu}), flush=True)
 
 
 def send_all(conn: socket.socket, views: list[memoryview]) -> None:
@@ -219,14 +233,14 @@ class Floor:
         count: int,
         rng: np.random.Generator,
         steps: tuple[str, ...] = GETS,
-        piece_bytes: int = 4 * MiB,
+        piece_bytes: int = 2 * MiB,
         read_threads: int = 2,
     ):
         self.root, self.block, self.count, self.steps, self.rng = root, block, count, steps, rng
         self.piece_bytes, self.read_threads = piece_bytes, read_threads
         self.file = PrefixFile(root / f"floor-{block}.bin", block, len(steps) * count)
         self.server: subprocess.Popen | None = None
-        self.server_cpu_s = 0.0
+        self.server_cpu_s: dict[str, float] = {}
 
     def _extent(self, step: str, i: int) -> int:
         return i * len(self.steps) + self.steps.index(step)
@@ -277,8 +291,18 @@ class Floor:
             raise AssertionError(f"{step}: prefix {i}'s last block landed wrong")
         return seconds
 
+    def cpu_rows(self, gets_per_lane: int) -> dict[str, float]:
+        """The server's CPU per Get: ``floor_server_cpu_ms`` (the process, over both lanes' Gets) and
+        ``floor_shm_thread_cpu_ms`` / ``floor_tcp_thread_cpu_ms`` (a lane's serving thread per Get of its own)."""
+        cpu = self.server_cpu_s
+        rows = {"floor_server_cpu_ms": 1e3 * cpu.get("total", 0.0) / (len(GETS) * gets_per_lane)}
+        for get in GETS:
+            rows[f"{get.replace('-', '_')}_thread_cpu_ms"] = 1e3 * cpu.get(get, 0.0) / gets_per_lane
+        return rows
+
     def close(self) -> None:
-        """Stop the server; ``server_cpu_s`` is then what its Gets took."""
+        """Stop the server; ``server_cpu_s`` is then what its Gets took: ``total`` (the process, every thread)
+        and each lane's serving thread (its checks and hand-offs, the kernel's copies in them included)."""
         if self.server is None:
             return
         for sock in (self.unix, self.tcp):
@@ -286,7 +310,7 @@ class Floor:
         os.close(self.fd)
         assert self.server.stdout is not None
         line = self.server.stdout.readline()
-        self.server_cpu_s = float(line) if line.strip() else 0.0
+        self.server_cpu_s = json.loads(line) if line.strip() else {}
         cma.forget_reader()
         if self.server.poll() is None:
             self.server.kill()
@@ -322,7 +346,7 @@ def measure(block: int, count: int, root: Path, bar: tqdm, piece_bytes: int, rea
         "shm_floor_vs_raw": p50["raw"] / p50["floor-shm"],
         "tcp_floor_vs_raw": p50["raw"] / p50["floor-tcp"],
         "raw_extent_gbps": floor.file.extent / p50["raw"] / 1e9,
-        "floor_server_cpu_ms": 1e3 * floor.server_cpu_s / (len(GETS) * count),
+        **floor.cpu_rows(count),
     }
 
 
@@ -350,8 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(
             "--piece",
             type=parse_size,
-            default=4 * MiB,
-            help="the floor server's reads: whole records, at most this much each (default 4MiB)",
+            default=2 * MiB,
+            help="the floor server's reads: whole records, at most this much each, a prefix of at most 4 MiB whole (default 2MiB)",
         )
         p.add_argument(
             "--read-threads", type=positive(int), default=2, help="the floor server's reads in flight (default 2)"

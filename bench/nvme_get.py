@@ -349,7 +349,7 @@ def measure(
             if served:
                 row[f"{tag}{store}_store_cpu_ms"] = (seconds - cpu0[tag][store]) * 1e3 / served
     if nvme_floor is not None:
-        row["floor_server_cpu_ms"] = nvme_floor.server_cpu_s * 1e3 / sum(len(times[g]) for g in FLOOR_GETS)
+        row |= nvme_floor.cpu_rows(len(times[FLOOR_GETS[0]]))
     if "nvme_store_cpu_ms" in row:
         row["nvme_store_cpu_vs_raw"] = row["nvme_store_cpu_ms"] / p50["raw"]
     # a remote client's Get moves the bytes over a socket too: loopback TCP of a prefix's payload, distinct memory
@@ -480,7 +480,8 @@ def main(argv: list[str] | None = None) -> None:
     cols += ["dram_floor_p50_ms", "shm_dram_vs_floor", "dram_tcp_p50_ms", "tcp_dram_vs_raw"]
     if args.floor == "true":
         cols += ["floor_shm_p50_ms", "shm_floor_vs_raw", "shm_nvme_vs_floor", "floor_tcp_p50_ms", "tcp_floor_vs_raw"]
-        cols += ["tcp_nvme_vs_floor", "floor_server_cpu_ms", "nvme_store_cpu_ms"]
+        cols += ["tcp_nvme_vs_floor", "floor_server_cpu_ms", "floor_shm_thread_cpu_ms", "floor_tcp_thread_cpu_ms"]
+        cols += ["nvme_store_cpu_ms"]
     if args.baseline:
         cols += ["old_nvme_shm_p50_ms", "old_shm_nvme_vs_raw", "old_nvme_tcp_p50_ms", "old_tcp_nvme_vs_raw"]
         cols += ["old_dram_shm_p50_ms", "shm_dram_speedup", "old_dram_tcp_p50_ms", "tcp_dram_speedup"]
