@@ -17,7 +17,10 @@ blocks on at once:
   (``kvstore.lanes.cma.write_many``, as the store-read shm lane with ``--shm-direct`` does), then a byte on a
   Unix socket;
 - ``floor_tcp``: on a loopback TCP socket (``sendmsg`` of the piece's payloads), which the client reads into its
-  buffers (as the TCP lane does, without its frames).
+  buffers (as the TCP lane does, without its frames);
+- ``floor_grpc``: as a server-streaming gRPC call of raw bytes (no protobuf), messages of at most 1 MiB (small
+  blocks joined, large ones cut: one copy, as the store's hand-made Get messages), which the client copies into
+  its buffers (Python's gRPC, with nothing of the store's around it).
 
 No index, no lease, no promotion, no lane protocol: what a real store does beyond this is its own cost. ``raw``:
 the client's own O_DIRECT ``preadv`` of another prefix-sized extent (as ``bench.nvme_get``'s baseline). The
@@ -25,10 +28,11 @@ steps are taken in turn, prefix by prefix in a rotating order, each extent read 
 from the host's cache), and every step's extents are written interleaved (this virtual disk reads recently
 written data faster).
 
-Rows: p50 ms of each step, ``shm_floor_vs_raw`` / ``tcp_floor_vs_raw`` (raw time / Get time, 1 = as fast as the
-bare disk: the most a store-read lane in Python could reach here), ``floor_server_cpu_ms``, the floor server's
-CPU per Get (user and system, every thread), and ``floor_shm_thread_cpu_ms`` / ``floor_tcp_thread_cpu_ms``, a
-lane's serving thread's per Get of its own (the checks and the hand-off, the kernel's copies in it included), beside the stores' in ``bench.nvme_get --floor true``.
+Rows: p50 ms of each step, ``shm_floor_vs_raw``, ``tcp_floor_vs_raw`` and ``grpc_floor_vs_raw`` (raw time / Get
+time, 1 = as fast as the bare disk: the most a store-read lane in Python could reach here),
+``floor_server_cpu_ms``, the floor server's CPU per Get (user and system, every thread, gRPC's own included), and
+``floor_shm_thread_cpu_ms`` (and ``_tcp_``, ``_grpc_``), a lane's serving thread's per Get of its own (the checks
+and the hand-off, the kernel's copies in it included); beside the stores' in ``bench.nvme_get --floor true``.
 """
 
 from __future__ import annotations
@@ -46,10 +50,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import numpy as np
 from tqdm import tqdm
 
@@ -70,7 +75,10 @@ MiB = 1 << 20
 WHOLE_BYTES = 4 * MiB
 REQUEST = struct.Struct("<I")  # the number of a prefix extent in the file
 ADDRESS = struct.Struct("<QQ")  # the client's pool: address of its first block, stride between blocks
-GETS = ("floor-shm", "floor-tcp")
+GETS = ("floor-shm", "floor-tcp", "floor-grpc")
+MESSAGE_BYTES = 1 * MiB  # a gRPC message's payload at the most, as the store's Get messages
+GRPC_SERVICE = "kvstore.floor.Floor"
+GRPC_OPTIONS = [("grpc.max_send_message_length", 4 * MiB), ("grpc.max_receive_message_length", 4 * MiB)]
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -135,8 +143,8 @@ class FloorServer:
         if got != n:
             raise OSError(f"short read of prefix {i}: {got} of {n} bytes at {start}")
 
-    def get(self, i: int, hand_off: Callable[[range], None]) -> None:
-        """Read prefix ``i``; each piece's blocks checked against their CRC32Cs, then ``hand_off(piece)``."""
+    def checked(self, i: int) -> Iterator[range]:
+        """Read prefix ``i``: each piece, in order, once its blocks match their CRC32Cs."""
         landed: list[Future | None] = [None]
         if len(self.pieces) == 1:
             self._read(i, self.pieces[0])
@@ -148,7 +156,7 @@ class FloorServer:
             for k in piece:
                 if crc32c(self.views[k]) != int(self.file.crcs[i, k]):
                     raise ValueError(f"prefix {i} block {k}: CRC32C mismatch")
-            hand_off(piece)
+            yield piece
 
     def serve_shm(self, conn: socket.socket) -> None:
         with conn:  # a failed Get (a corrupt block) closes the connection: the client sees it, never waits
@@ -157,7 +165,8 @@ class FloorServer:
             pairs = [(base + k * stride, view) for k, view in enumerate(self.views)]
             while request := recv_exact(conn, REQUEST.size, eof_ok=True):
                 t0 = time.thread_time()
-                self.get(REQUEST.unpack(request)[0], lambda p: cma.write_many(pid, pairs[p.start : p.stop]))
+                for p in self.checked(REQUEST.unpack(request)[0]):
+                    cma.write_many(pid, pairs[p.start : p.stop])
                 self.thread_cpu["floor-shm"] += time.thread_time() - t0
                 conn.sendall(b"\x01")
 
@@ -166,13 +175,33 @@ class FloorServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while request := recv_exact(conn, REQUEST.size, eof_ok=True):
                 t0 = time.thread_time()
-                self.get(REQUEST.unpack(request)[0], lambda p: send_all(conn, self.views[p.start : p.stop]))
+                for p in self.checked(REQUEST.unpack(request)[0]):
+                    send_all(conn, self.views[p.start : p.stop])
                 self.thread_cpu["floor-tcp"] += time.thread_time() - t0
 
+    def grpc_get(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """A server-streaming Get of raw bytes: each checked piece's payloads as messages of at most
+        ``MESSAGE_BYTES``, small blocks joined (one copy, as the store's packed Get messages), large ones cut."""
+        t0 = time.thread_time()
+        try:
+            for p in self.checked(REQUEST.unpack(request)[0]):
+                yield from messages(self.views[p.start : p.stop])
+        finally:
+            self.thread_cpu["floor-grpc"] += time.thread_time() - t0
+
+    def start_grpc(self) -> tuple[grpc.Server, int]:
+        server = grpc.server(ThreadPoolExecutor(1, thread_name_prefix="floor-grpc"), options=GRPC_OPTIONS)
+        rpc = grpc.unary_stream_rpc_method_handler(self.grpc_get)  # no (de)serializers: bytes in, bytes out
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GRPC_SERVICE, {"Get": rpc}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        return server, port
+
     def run(self) -> None:
-        """Serve one client on each socket until it closes both; then print the CPU the Gets took (seconds: the
+        """Serve one client on each socket (and gRPC) until it closes the sockets; then print the CPU the Gets took (seconds: the
         whole process's, each lane's serving thread's) as JSON."""
-        print(self.tcp.getsockname()[1], flush=True)
+        grpc_server, grpc_port = self.start_grpc()
+        print(self.tcp.getsockname()[1], grpc_port, flush=True)
         shm, _ = self.unix.accept()
         tcp, _ = self.tcp.accept()
         start = resource.getrusage(resource.RUSAGE_SELF)
@@ -184,9 +213,32 @@ class FloorServer:
             t.start()
         for t in threads:
             t.join()
+        grpc_server.stop(None)
         end = resource.getrusage(resource.RUSAGE_SELF)
         total = end.ru_utime + end.ru_stime - start.ru_utime - start.ru_stime
         print(json.dumps({"total": total, **self.thread_cpu}), flush=True)
+
+
+def messages(views: list[memoryview]) -> Iterator[bytes]:
+    """The views' bytes in order, as messages of at most ``MESSAGE_BYTES``: runs of small views joined into one,
+    a large view cut in pieces; each byte copied once."""
+    run: list[memoryview] = []
+    size = 0
+    for view in views:
+        if len(view) >= MESSAGE_BYTES:
+            if run:
+                yield b"".join(run)
+                run, size = [], 0
+            for at in range(0, len(view), MESSAGE_BYTES):
+                yield bytes(view[at : at + MESSAGE_BYTES])
+            continue
+        if size + len(view) > MESSAGE_BYTES:
+            yield b"".join(run)
+            run, size = [], 0
+        run.append(view)
+        size += len(view)
+    if run:
+        yield b"".join(run)
 
 
 def send_all(conn: socket.socket, views: list[memoryview]) -> None:
@@ -259,7 +311,7 @@ class Floor:
             [sys.executable, "-m", "bench.nvme_floor", "--serve", *argv], stdout=subprocess.PIPE, text=True, cwd=REPO
         )
         assert self.server.stdout is not None
-        port = int(self.server.stdout.readline())
+        port, grpc_port = map(int, self.server.stdout.readline().split())
         if not cma.allow_reader(self.server.pid):
             raise RuntimeError("this process already lets another process write its memory (Yama)")
         self.pool = huge_buffer(PREFIX * self.block)  # the Gets' destination: 32 page-aligned blocks
@@ -272,6 +324,8 @@ class Floor:
         for sock in (self.unix, self.tcp):
             sock.settimeout(60.0)  # a stuck server fails the bench, it does not hang it
         self.fd = os.open(self.file.path, os.O_RDONLY | os.O_DIRECT)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=GRPC_OPTIONS)
+        self.grpc_get = self.channel.unary_stream(f"/{GRPC_SERVICE}/Get")  # bytes in, bytes out
 
     def take(self, step: str, i: int) -> float:
         at = self._extent(step, i)
@@ -282,9 +336,16 @@ class Floor:
         if step == "floor-shm":
             self.unix.sendall(REQUEST.pack(at))
             recv_exact(self.unix, 1)
-        else:
+        elif step == "floor-tcp":
             self.tcp.sendall(REQUEST.pack(at))
             recv_into_exact(self.tcp, memoryview(self.pool))
+        else:  # each message copied into the pool where it belongs, as a client's Get into a caller's buffers
+            view, filled = memoryview(self.pool), 0
+            for message in self.grpc_get(REQUEST.pack(at), timeout=60.0):
+                view[filled : filled + len(message)] = message
+                filled += len(message)
+            if filled != len(view):
+                raise AssertionError(f"floor-grpc: {filled} of {len(view)} bytes")
         seconds = time.perf_counter() - t0
         last = self.pool[(PREFIX - 1) * self.block :]  # what landed is what was written
         if crc32c(last) != int(self.file.crcs[at, PREFIX - 1]):
@@ -293,7 +354,7 @@ class Floor:
 
     def cpu_rows(self, gets_per_lane: int) -> dict[str, float]:
         """The server's CPU per Get: ``floor_server_cpu_ms`` (the process, over both lanes' Gets) and
-        ``floor_shm_thread_cpu_ms`` / ``floor_tcp_thread_cpu_ms`` (a lane's serving thread per Get of its own)."""
+        ``floor_shm_thread_cpu_ms`` and the like (a lane's serving thread per Get of its own)."""
         cpu = self.server_cpu_s
         rows = {"floor_server_cpu_ms": 1e3 * cpu.get("total", 0.0) / (len(GETS) * gets_per_lane)}
         for get in GETS:
@@ -305,6 +366,7 @@ class Floor:
         and each lane's serving thread (its checks and hand-offs, the kernel's copies in them included)."""
         if self.server is None:
             return
+        self.channel.close()
         for sock in (self.unix, self.tcp):
             sock.close()
         os.close(self.fd)
@@ -341,10 +403,8 @@ def measure(block: int, count: int, root: Path, bar: tqdm, piece_bytes: int, rea
         "piece_bytes": piece_bytes,
         "read_threads": read_threads,
         "raw_p50_ms": 1e3 * p50["raw"],
-        "floor_shm_p50_ms": 1e3 * p50["floor-shm"],
-        "floor_tcp_p50_ms": 1e3 * p50["floor-tcp"],
-        "shm_floor_vs_raw": p50["raw"] / p50["floor-shm"],
-        "tcp_floor_vs_raw": p50["raw"] / p50["floor-tcp"],
+        **{f"{get.replace('-', '_')}_p50_ms": 1e3 * p50[get] for get in GETS},
+        **{f"{get.removeprefix('floor-')}_floor_vs_raw": p50["raw"] / p50[get] for get in GETS},
         "raw_extent_gbps": floor.file.extent / p50["raw"] / 1e9,
         **floor.cpu_rows(count),
     }

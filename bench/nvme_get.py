@@ -34,10 +34,10 @@ in turn, prefix by prefix, in a rotating order, so that all see the disk and the
 - ``dram_floor``: what a checked DRAM hit costs at the least, in this process: each of 32 blocks taken from a
   256 MiB buffer at a rotating place (not in the CPU's caches, as the stores' blocks are not between steps)
   gets its CRC32C and one copy into a page-aligned buffer, on one thread (the baseline of ``shm_dram_vs_floor``);
-- ``floor_shm`` / ``floor_tcp`` (unless ``--floor false``): the same Get of a prefix of its own file from a
-  process that only reads it with O_DIRECT, checks its CRC32Cs and hands the blocks to this process
+- ``floor_shm`` / ``floor_tcp`` / ``floor_grpc`` (unless ``--floor false``): the same Get of a prefix of its own
+  file from a process that only reads it with O_DIRECT, checks its CRC32Cs and hands the blocks to this process
   (``bench/nvme_floor.py``: no index, lease, promotion or lane protocol): the most a store-read lane in Python
-  reaches on this host, so ``shm_nvme_vs_floor`` / ``tcp_nvme_vs_floor`` is the share of it the real store keeps
+  reaches on this host, so ``shm_nvme_vs_floor`` (``tcp_``, ``grpc_``) is the share of it the real store keeps
   and ``floor_server_cpu_ms`` its CPU per Get beside ``nvme_store_cpu_ms``;
 - with ``--baseline REV``: the same steps (``old_*``) run by the code of git revision ``REV``, exported to a
   temporary directory, with store processes of its own: today's code against that one, in the same run
@@ -188,8 +188,8 @@ RATIOS = (
     ("shm_dram_vs_floor", "dram_floor", "dram-shm"),
     # with --floor: the least a Python store process takes for the same Get (bench/nvme_floor.py), against the disk,
     # and what the real store reaches of it
-    *((f"{lane}_floor_vs_raw", "raw", f"floor-{lane}") for lane in ("shm", "tcp")),
-    *((f"{lane}_nvme_vs_floor", f"floor-{lane}", f"nvme-{lane}") for lane in ("shm", "tcp")),
+    *((f"{lane}_floor_vs_raw", "raw", f"floor-{lane}") for lane in ("shm", "tcp", "grpc")),
+    *((f"{lane}_nvme_vs_floor", f"floor-{lane}", f"nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
 )
 
 
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
             "--floor",
             choices=("true", "false"),
             default="true",
-            help="true (default): also take floor-shm and floor-tcp steps, the same Gets from a process that only "
+            help="true (default): also take floor-shm, floor-tcp and floor-grpc steps, the same Gets from a process that only "
             "reads, checks and hands off (bench/nvme_floor.py): the most a store-read lane in Python reaches here",
         )
 
@@ -479,8 +479,14 @@ def main(argv: list[str] | None = None) -> None:
     cols += ["dram_shm_p50_ms", "shm_dram_vs_raw"]
     cols += ["dram_floor_p50_ms", "shm_dram_vs_floor", "dram_tcp_p50_ms", "tcp_dram_vs_raw"]
     if args.floor == "true":
-        cols += ["floor_shm_p50_ms", "shm_floor_vs_raw", "shm_nvme_vs_floor", "floor_tcp_p50_ms", "tcp_floor_vs_raw"]
-        cols += ["tcp_nvme_vs_floor", "floor_server_cpu_ms", "floor_shm_thread_cpu_ms", "floor_tcp_thread_cpu_ms"]
+        for lane in ("shm", "tcp", "grpc"):
+            cols += [
+                f"floor_{lane}_p50_ms",
+                f"{lane}_floor_vs_raw",
+                f"{lane}_nvme_vs_floor",
+                f"floor_{lane}_thread_cpu_ms",
+            ]
+        cols += ["floor_server_cpu_ms"]
         cols += ["nvme_store_cpu_ms"]
     if args.baseline:
         cols += ["old_nvme_shm_p50_ms", "old_shm_nvme_vs_raw", "old_nvme_tcp_p50_ms", "old_tcp_nvme_vs_raw"]

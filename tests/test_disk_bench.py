@@ -105,7 +105,9 @@ def test_nvme_get_bench_takes_the_floor_beside_the_stores(tmp_path: Path):
     assert row["shm_floor_vs_raw"] == row["raw_p50_ms"] / row["floor_shm_p50_ms"]
     assert row["tcp_floor_vs_raw"] == row["raw_p50_ms"] / row["floor_tcp_p50_ms"]
     assert row["shm_nvme_vs_floor"] == row["floor_shm_p50_ms"] / row["nvme_shm_p50_ms"]
-    assert row["floor_server_cpu_ms"] > 0 and "tcp_nvme_vs_floor" not in row  # no store-read TCP Gets were asked
+    assert row["grpc_floor_vs_raw"] == row["raw_p50_ms"] / row["floor_grpc_p50_ms"]
+    assert row["floor_server_cpu_ms"] > 0 and row["floor_grpc_thread_cpu_ms"] > 0
+    assert "tcp_nvme_vs_floor" not in row and "grpc_nvme_vs_floor" not in row  # no such store-read Gets were asked
 
 
 @pytest.mark.parametrize("piece", [4 * MiB, 256 << 10])  # a prefix in one piece; in 11, two reads in flight
@@ -118,12 +120,13 @@ def test_nvme_floor_serves_checked_prefixes_on_both_lanes(tmp_path: Path, piece:
         row = nvme_floor.measure(64 << 10, 3, tmp_path, tqdm(disable=True), piece, 2)
     except OSError as e:  # a filesystem without O_DIRECT (tmpfs)
         pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
-    assert min(row[f"{s}_p50_ms"] for s in ("raw", "floor_shm", "floor_tcp")) > 0
+    assert min(row[f"{s}_p50_ms"] for s in ("raw", "floor_shm", "floor_tcp", "floor_grpc")) > 0
     assert row["shm_floor_vs_raw"] == row["raw_p50_ms"] / row["floor_shm_p50_ms"] and row["floor_server_cpu_ms"] > 0
 
 
 def test_nvme_floor_checks_what_it_reads(tmp_path: Path):
     """The floor is a floor of checked Gets: a flipped payload byte on disk fails its Get, it is not handed out."""
+    import grpc
     import numpy as np
 
     from bench import nvme_floor
@@ -132,17 +135,19 @@ def test_nvme_floor_checks_what_it_reads(tmp_path: Path):
     try:
         floor.write(0)
         floor.file.written()
-        at = floor.file.extent * floor._extent("floor-tcp", 0) + 5 * floor.file.record + 4096 + 100
         with open(floor.file.path, "r+b") as f:
-            f.seek(at)
-            byte = f.read(1)
-            f.seek(at)
-            f.write(bytes([byte[0] ^ 0xFF]))
+            for step in ("floor-tcp", "floor-grpc"):
+                f.seek(floor.file.extent * floor._extent(step, 0) + 5 * floor.file.record + 4096 + 100)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0xFF]))
         floor.start()
     except OSError as e:
         pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
     try:
-        assert floor.take("floor-shm", 0) > 0  # the other prefix is intact
+        assert floor.take("floor-shm", 0) > 0  # its prefix is intact
+        with pytest.raises(grpc.RpcError):
+            floor.take("floor-grpc", 0)
         with pytest.raises(ConnectionError):
             floor.take("floor-tcp", 0)
     finally:
