@@ -38,6 +38,7 @@ and the hand-off, the kernel's copies in it included); beside the stores' in ``b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -293,6 +294,7 @@ class Floor:
         self.file = PrefixFile(root / f"floor-{block}.bin", block, len(steps) * count)
         self.server: subprocess.Popen | None = None
         self.server_cpu_s: dict[str, float] = {}
+        self._open = contextlib.ExitStack()  # what start() opened, closed by close() however far it got
 
     def _extent(self, step: str, i: int) -> int:
         return i * len(self.steps) + self.steps.index(step)
@@ -311,20 +313,25 @@ class Floor:
             [sys.executable, "-m", "bench.nvme_floor", "--serve", *argv], stdout=subprocess.PIPE, text=True, cwd=REPO
         )
         assert self.server.stdout is not None
-        port, grpc_port = map(int, self.server.stdout.readline().split())
+        ports = self.server.stdout.readline().split()
+        if len(ports) != 2:
+            raise RuntimeError(f"the floor server did not start (exit status {self.server.poll()}; its error is above)")
+        port, grpc_port = map(int, ports)
         if not cma.allow_reader(self.server.pid):
             raise RuntimeError("this process already lets another process write its memory (Yama)")
+        self._open.callback(cma.forget_reader)
         self.pool = huge_buffer(PREFIX * self.block)  # the Gets' destination: 32 page-aligned blocks
         self.raw_buf = huge_buffer(self.file.extent)
-        self.unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.unix = self._open.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         self.unix.connect(unix_path)
         self.unix.sendall(ADDRESS.pack(self.pool.ctypes.data, self.block))
-        self.tcp = socket.create_connection(("127.0.0.1", port))
+        self.tcp = self._open.enter_context(socket.create_connection(("127.0.0.1", port)))
         self.tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for sock in (self.unix, self.tcp):
             sock.settimeout(60.0)  # a stuck server fails the bench, it does not hang it
         self.fd = os.open(self.file.path, os.O_RDONLY | os.O_DIRECT)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=GRPC_OPTIONS)
+        self._open.callback(os.close, self.fd)
+        self.channel = self._open.enter_context(grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=GRPC_OPTIONS))
         self.grpc_get = self.channel.unary_stream(f"/{GRPC_SERVICE}/Get")  # bytes in, bytes out
 
     def take(self, step: str, i: int) -> float:
@@ -364,19 +371,16 @@ class Floor:
     def close(self) -> None:
         """Stop the server; ``server_cpu_s`` is then what its Gets took: ``total`` (the process, every thread)
         and each lane's serving thread (its checks and hand-offs, the kernel's copies in them included)."""
+        self._open.close()  # the server sees its clients gone, prints what its Gets took and exits
         if self.server is None:
             return
-        self.channel.close()
-        for sock in (self.unix, self.tcp):
-            sock.close()
-        os.close(self.fd)
-        assert self.server.stdout is not None
-        line = self.server.stdout.readline()
-        self.server_cpu_s = json.loads(line) if line.strip() else {}
-        cma.forget_reader()
-        if self.server.poll() is None:
+        try:
+            lines = self.server.communicate(timeout=60)[0].split("\n")
+        except subprocess.TimeoutExpired:
             self.server.kill()
-        self.server.wait()
+            lines = self.server.communicate()[0].split("\n")
+        cpu = [line for line in lines if line.startswith("{")]
+        self.server_cpu_s = json.loads(cpu[-1]) if cpu else {}
         self.server = None
 
 

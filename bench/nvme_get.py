@@ -323,12 +323,14 @@ def measure(
         cpu = {tag: json.loads(w.ask("cpu")) for tag, w in workers.items()}  # each store's CPU over the Gets
         hits = json.loads(workers[""].ask("stats"))
     finally:
-        if raw is not None:
-            raw.close()
-        if nvme_floor is not None:
-            nvme_floor.close()
-        for w in workers.values():
-            w.close()
+        try:
+            if raw is not None:
+                raw.close()
+            if nvme_floor is not None:
+                nvme_floor.close()
+        finally:  # the stores stop before the caller removes their directories, whatever failed above
+            for w in workers.values():
+                w.close()
     p50 = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     payload = PREFIX * block
     row: dict = {"block_bytes": block, "prefixes": count}
