@@ -118,11 +118,11 @@ class PrefixFile:
 class FloorServer:
     """The server side (``--serve``): per Get, O_DIRECT reads, 32 CRC32Cs and the hand-offs, nothing else.
 
-    A prefix is read in pieces of whole records of at most ``piece_bytes`` (one record where a record is larger),
-    ``read_threads`` of them in flight, or whole when it is at most ``WHOLE_BYTES``; the serving thread checks and hands off each piece's blocks in order as
-    it lands, so the checks and copies of one piece overlap the reads of the next (a prefix of one piece is read
-    on the serving thread itself, no hand-off). The client asks one Get at a time, so the two serving threads
-    share the staging buffer and the pool."""
+    A prefix is read whole when it is at most ``WHOLE_BYTES``, else in pieces of whole records of at most
+    ``piece_bytes`` (one record where a record is larger), ``read_threads`` of them in flight; the serving thread
+    checks and hands off each piece's blocks in order as it lands, so the checks and copies of one piece overlap
+    the reads of the next (a prefix of one piece is read on the serving thread itself, no hand-off). The client
+    asks one Get at a time, so the lanes' serving threads (shm, TCP, gRPC) share the staging buffer and the pool."""
 
     def __init__(self, file: PrefixFile, unix_path: str, piece_bytes: int, read_threads: int):
         self.file = file
