@@ -146,7 +146,7 @@ class FloorServer:
 
     def checked(self, i: int) -> Iterator[range]:
         """Read prefix ``i``: each piece, in order, once its blocks match their CRC32Cs."""
-        landed: list[Future | None] = [None]
+        landed: list[Future[None] | None] = [None]
         if len(self.pieces) == 1:
             self._read(i, self.pieces[0])
         else:
@@ -292,7 +292,7 @@ class Floor:
         self.root, self.block, self.count, self.steps, self.rng = root, block, count, steps, rng
         self.piece_bytes, self.read_threads = piece_bytes, read_threads
         self.file = PrefixFile(root / f"floor-{block}.bin", block, len(steps) * count)
-        self.server: subprocess.Popen | None = None
+        self.server: subprocess.Popen[str] | None = None
         self.server_cpu_s: dict[str, float] = {}
         self._open = contextlib.ExitStack()  # what start() opened, closed by close() however far it got
 
@@ -332,7 +332,7 @@ class Floor:
         self.fd = os.open(self.file.path, os.O_RDONLY | os.O_DIRECT)
         self._open.callback(os.close, self.fd)
         self.channel = self._open.enter_context(grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=GRPC_OPTIONS))
-        self.grpc_get = self.channel.unary_stream(f"/{GRPC_SERVICE}/Get")  # bytes in, bytes out
+        self.grpc_get = self.channel.unary_stream(f"/{GRPC_SERVICE}/Get", None, None)  # bytes in, bytes out
 
     def take(self, step: str, i: int) -> float:
         at = self._extent(step, i)
@@ -384,7 +384,7 @@ class Floor:
         self.server = None
 
 
-def measure(block: int, count: int, root: Path, bar: tqdm, piece_bytes: int, read_threads: int) -> dict:
+def measure(block: int, count: int, root: Path, bar: tqdm, piece_bytes: int, read_threads: int) -> dict[str, float]:
     rng = np.random.default_rng(block)
     steps = ("raw", *GETS)
     floor = Floor(root, block, count, rng, steps, piece_bytes, read_threads)

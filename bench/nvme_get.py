@@ -453,13 +453,13 @@ def main(argv: list[str] | None = None) -> None:
                     count,
                     root,
                     bar,
-                    baseline,
-                    extra,
-                    old,
-                    index_ab,
-                    args.settle_ms / 1e3,
-                    kinds,
-                    args.floor == "true",
+                    baseline=baseline,
+                    extra=extra,
+                    old_extra=old,
+                    index_ab=index_ab,
+                    settle=args.settle_ms / 1e3,
+                    kinds=kinds,
+                    with_floor=args.floor == "true",
                 )
                 for block, count in sizes.items()
             ]
