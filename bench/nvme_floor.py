@@ -295,6 +295,7 @@ class Floor:
         self.server: subprocess.Popen[str] | None = None
         self.server_cpu_s: dict[str, float] = {}
         self._open = contextlib.ExitStack()  # what start() opened, closed by close() however far it got
+        self._connected = False  # start() finished: the server serves, and exits once its clients go
 
     def _extent(self, step: str, i: int) -> int:
         return i * len(self.steps) + self.steps.index(step)
@@ -333,6 +334,7 @@ class Floor:
         self._open.callback(os.close, self.fd)
         self.channel = self._open.enter_context(grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=GRPC_OPTIONS))
         self.grpc_get = self.channel.unary_stream(f"/{GRPC_SERVICE}/Get", None, None)  # bytes in, bytes out
+        self._connected = True
 
     def take(self, step: str, i: int) -> float:
         at = self._extent(step, i)
@@ -374,6 +376,8 @@ class Floor:
         self._open.close()  # the server sees its clients gone, prints what its Gets took and exits
         if self.server is None:
             return
+        if not self._connected:  # a start that failed halfway: the server still waits for a connection
+            self.server.kill()
         try:
             lines = self.server.communicate(timeout=60)[0].split("\n")
         except subprocess.TimeoutExpired:

@@ -152,3 +152,31 @@ def test_nvme_floor_checks_what_it_reads(tmp_path: Path):
             floor.take("floor-tcp", 0)
     finally:
         floor.close()
+
+
+def test_nvme_floor_stops_a_server_its_start_left_halfway(tmp_path: Path, monkeypatch):
+    """A start that fails after the server is up (here: its TCP connection refused) leaves no server behind."""
+    import socket
+    import time
+
+    import numpy as np
+
+    from bench import nvme_floor
+
+    floor = nvme_floor.Floor(tmp_path, 64 << 10, 1, np.random.default_rng(0))
+    try:
+        floor.write(0)
+    except OSError as e:
+        pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
+
+    def refused(*args, **kwargs):
+        raise ConnectionRefusedError("refused by the test")
+
+    monkeypatch.setattr(socket, "create_connection", refused)
+    with pytest.raises(ConnectionRefusedError):
+        floor.start()
+    server = floor.server
+    assert server is not None
+    t0 = time.monotonic()
+    floor.close()  # at once, not after the 60 s a connected server is given to finish
+    assert time.monotonic() - t0 < 10 and server.poll() is not None and floor.server is None
