@@ -64,6 +64,7 @@ from kvstore import memops_jit
 from kvstore.checksum import crc32c
 from kvstore.hugepages import huge_buffer
 from kvstore.lanes import cma
+from kvstore.lanes.framing import recv_into, send_all
 from kvstore.sizes import parse_size
 from kvstore.tiers.nvme.format import HEADER_BYTES, record_bytes
 
@@ -242,17 +243,6 @@ def messages(views: list[memoryview]) -> Iterator[bytes]:
         yield b"".join(run)
 
 
-def send_all(conn: socket.socket, views: list[memoryview]) -> None:
-    """``sendmsg`` of the views until every byte is sent (a call may send part of them)."""
-    while views:
-        sent = conn.sendmsg(views)
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views = views[1:]
-        if views and sent:
-            views = [views[0][sent:], *views[1:]]
-
-
 def recv_exact(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes:
     data = b""
     while len(data) < n:
@@ -263,15 +253,6 @@ def recv_exact(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes:
             raise ConnectionError("the floor server's peer closed the connection")
         data += chunk
     return data
-
-
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if not n:
-            raise ConnectionError("the floor server closed the TCP connection mid-Get")
-        got += n
 
 
 class Floor:
@@ -347,7 +328,7 @@ class Floor:
             recv_exact(self.unix, 1)
         elif step == "floor-tcp":
             self.tcp.sendall(REQUEST.pack(at))
-            recv_into_exact(self.tcp, memoryview(self.pool))
+            recv_into(self.tcp, memoryview(self.pool))
         else:  # each message copied into the pool where it belongs, as a client's Get into a caller's buffers
             view, filled = memoryview(self.pool), 0
             for message in self.grpc_get(REQUEST.pack(at), timeout=60.0):
