@@ -13,8 +13,8 @@ run.)
   whole huge page) its first byte is 2 MiB aligned, so every whole 2 MiB of it can be a huge page: the mapping is
   up to 2 MiB longer than asked, and that part is never touched (address space, not memory).
 - ``advise_huge(address, nbytes) -> bool``: the same advice for memory mapped by someone else (a KV cache torch
-  allocated), then ``MADV_COLLAPSE`` (Linux 6.1+) to turn what is already faulted in into huge pages now; False
-  where neither took.
+  allocated), then ``MADV_COLLAPSE`` (Linux 6.1+) to turn what is already faulted in into huge pages now (asked
+  again, up to ``COLLAPSE_TRIES`` in all, while the kernel finds the range busy); False where neither took.
 - ``advise_huge_ranges(ranges, stop) -> (took, refused)``: ``advise_huge`` over ranges a chunk at a time, for a
   thread of its own (a collapse copies about 0.5 GB/s here), stopping between chunks when ``stop`` is set.
 - ``advise_mapping(mapping)``: the advice for a whole ``mmap`` of ours (a pooled batch, a tmpfs file's mapping).
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -46,6 +47,9 @@ PAGE = mmap.PAGESIZE
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)  # linux/mman.h
 MADV_COLLAPSE = 25  # Linux 6.1+; Python's mmap module does not export it
+# MADV_COLLAPSE answers EAGAIN for a range it found busy (a page locked or in flight) and leaves it 4 KiB; a CI run
+# had 14 of a cache's 15 huge pages collapse once, so a busy range is asked again (already huge pages are skipped)
+COLLAPSE_TRIES = 3
 COLLAPSE_CHUNK = 64 << 20  # advise_huge_ranges: a stop is seen within one such call (about 0.13 s here)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -83,7 +87,11 @@ def advise_huge(address: int, nbytes: int) -> bool:
     if n <= 0:
         return False
     advised = madvise(first, n, MADV_HUGEPAGE) == 0
-    collapsed = madvise(first, n, MADV_COLLAPSE) == 0
+    collapsed = False
+    for _ in range(COLLAPSE_TRIES):
+        collapsed = madvise(first, n, MADV_COLLAPSE) == 0
+        if collapsed or ctypes.get_errno() != errno.EAGAIN:
+            break
     return collapsed or advised
 
 

@@ -3,6 +3,7 @@ and which directories give their shared files huge pages."""
 
 from __future__ import annotations
 
+import errno
 import threading
 from pathlib import Path
 
@@ -90,6 +91,30 @@ def test_memory_mapped_elsewhere_is_collapsed_into_huge_pages() -> None:
         pytest.skip("the kernel had no huge page free")
     assert got >= 7 * HUGE_PAGE // 1024  # every whole 2 MiB inside it
     assert int(plain.sum()) == plain.nbytes + plain.nbytes // PAGE  # the contents survive the collapse
+
+
+def test_a_collapse_the_kernel_finds_busy_is_asked_again_and_other_refusals_are_not(monkeypatch) -> None:
+    errors: list[int] = []  # what each MADV_COLLAPSE answers: 0 took, else its errno
+    collapses = [0]
+    last = [0]
+
+    def madvise(address: int, nbytes: int, advice: int) -> int:
+        if advice != hugepages.MADV_COLLAPSE:
+            return -1  # no MADV_HUGEPAGE either: only a collapse makes the advice take
+        collapses[0] += 1
+        last[0] = errors.pop(0)
+        return 0 if last[0] == 0 else -1
+
+    monkeypatch.setattr(hugepages, "madvise", madvise)
+    monkeypatch.setattr(hugepages.ctypes, "get_errno", lambda: last[0])
+    for answers, took, asked in [
+        ([errno.EAGAIN, errno.EAGAIN, 0], True, 3),  # busy twice, then done
+        ([errno.ENOMEM], False, 1),  # no huge page free: asking again at once would not help
+        ([errno.EAGAIN] * hugepages.COLLAPSE_TRIES, False, hugepages.COLLAPSE_TRIES),  # busy every time
+    ]:
+        errors[:], collapses[0] = answers, 0
+        assert advise_huge(0, HUGE_PAGE) is took
+        assert collapses[0] == asked and errors == []
 
 
 def test_advice_on_less_than_a_huge_page_does_nothing() -> None:
