@@ -47,6 +47,13 @@ def fallbacks() -> int:
     return int(stats.get("thp_fault_fallback", 0)) + int(stats.get("thp_collapse_alloc_failed", 0))
 
 
+def skip_if_the_kernel_ran_short(got_kib: int, want_kib: int, fallbacks_before: int) -> None:
+    """Skip where fewer huge pages landed than wanted and the kernel counted one it could not give (a busy CI
+    host): a shortfall with no such count is ours and fails the test."""
+    if got_kib < want_kib and fallbacks() > fallbacks_before:
+        pytest.skip(f"the kernel had no huge page free for {want_kib - got_kib} KiB")
+
+
 @pytest.mark.parametrize("nbytes", [0, 1, PAGE, 64 << 10, HUGE_PAGE - PAGE, HUGE_PAGE, 5 * HUGE_PAGE + 123])
 def test_a_buffer_is_zeroed_page_aligned_and_exactly_as_long(nbytes: int) -> None:
     buf = huge_buffer(nbytes)
@@ -68,8 +75,7 @@ def test_a_large_buffer_lands_in_huge_pages() -> None:
     buf = huge_buffer(4 * HUGE_PAGE)
     buf[::PAGE] = 1
     got = huge_kib(int(buf.ctypes.data), buf.nbytes)
-    if got == 0 and fallbacks() > before:
-        pytest.skip("the kernel had no huge page free")
+    skip_if_the_kernel_ran_short(got, 4 * HUGE_PAGE // 1024, before)
     assert got == 4 * HUGE_PAGE // 1024
 
 
@@ -87,8 +93,7 @@ def test_memory_mapped_elsewhere_is_collapsed_into_huge_pages() -> None:
             break
         advise_huge(address, plain.nbytes)
         got = huge_kib(address, plain.nbytes)
-    if got == 0 and fallbacks() > before:
-        pytest.skip("the kernel had no huge page free")
+    skip_if_the_kernel_ran_short(got, 7 * HUGE_PAGE // 1024, before)
     assert got >= 7 * HUGE_PAGE // 1024  # every whole 2 MiB inside it
     assert int(plain.sum()) == plain.nbytes + plain.nbytes // PAGE  # the contents survive the collapse
 
