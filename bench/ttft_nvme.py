@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench.nvme_get import RawExtents
+from bench.nvme_raw import RawExtents
 from kvstore.client import Client
 from kvstore.router import Result, Router, local_stack
 
