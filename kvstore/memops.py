@@ -16,7 +16,8 @@ checks (no row copies) of rows of ``LIBRARY_ROW_BYTES`` or more on average goes 
 row, where its CRC32C outruns the kernel's folding loop on this CPU (``memops_jit.library_crc_faster``): on
 2026-12-04 it ran 1.3-2.3x the loop (32 x 64 KiB: 0.19 / 0.35 ms against 0.40 / 0.55, in cache / not; 16 x
 1.47 MB: 1.9 / 2.4 against 3.4 / 3.6), and it lets go of the GIL (two threads 1.7x one).
-``address_of(buf)``: (address, length) of a host buffer.
+``address_of(buf)``: (address, length) of a host buffer; ``addresses_of(bufs)`` a batch's as an int64 table, whose
+CRC32Cs ``crcs_at(table)`` takes (a Get that checks and then writes its blocks finds each address once).
 """
 
 from __future__ import annotations
@@ -95,7 +96,20 @@ def crcs_of(views: Sequence[memoryview]) -> list[int]:
     """The CRC32C of each flat byte view, in one compiled call when the kernels are ready."""
     if len(views) < 2 or not memops_jit.ready():
         return [crc32c(v) for v in views]
-    return run_rows([(address_of(v)[0], 0, len(v), k) for k, v in enumerate(views)], len(views))
+    return crcs_at(addresses_of(views))
+
+
+def addresses_of(bufs: Sequence[Any]) -> np.ndarray:
+    """Each contiguous host buffer's (address, length) as the rows of an int64 table: taken once for a batch
+    that both checks and moves its blocks (``crcs_at``, ``cma.write_table``)."""
+    return np.array([address_of(b) for b in bufs], dtype=np.int64).reshape(-1, 2)
+
+
+def crcs_at(table: np.ndarray) -> list[int]:
+    """The CRC32C of the bytes at each (address, length) row of an int64 table (``addresses_of``)."""
+    rows = np.zeros((len(table), 4), dtype=np.int64)
+    rows[:, 0], rows[:, 2], rows[:, 3] = table[:, 0], table[:, 1], np.arange(len(table))
+    return run_rows(rows, len(table))
 
 
 def address_of(buf: Any) -> tuple[int, int]:

@@ -134,6 +134,19 @@ def test_batched_crcs_agree_with_the_package() -> None:
     assert memops.crcs_of([bytes(v) for v in views]) == [reference(v) for v in views]  # read-only ones too
 
 
+def test_a_batch_s_addresses_are_taken_once_for_its_crcs_with_and_without_the_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    views = [memoryview(SOURCE)[i * 70_001 : i * 70_001 + n] for i, n in enumerate((0, 1, 64, 65_536, 70_000))]
+    table = memops.addresses_of(views)
+    assert table.dtype == np.int64 and table.shape == (5, 2) and table[:, 1].tolist() == [0, 1, 64, 65_536, 70_000]
+    assert table[1:, 0].tolist() == [_address(SOURCE) + i * 70_001 for i in range(1, 5)]
+    for compiled in (True, False):
+        monkeypatch.setattr(memops_jit, "ready", lambda compiled=compiled: compiled)
+        assert memops.crcs_at(table) == [reference(v) for v in views]
+    assert memops.addresses_of([]).shape == (0, 2) and memops.crcs_at(memops.addresses_of([])) == []
+
+
 def test_callers_use_the_kernels_and_agree_with_the_package() -> None:
     block = memoryview(SOURCE)[: 2 << 20]
     assert checksum.crc32c(block, 5) == reference(block, 5)

@@ -12,7 +12,8 @@ user, and under Yama's ``ptrace_scope`` 1 only if the client named us with
   ``DirectReadError`` (with the errno) on a short or failed read.
 - ``write_from(pid, address, src) -> crc``: the other way (``process_vm_writev``),
   the CRC32C of ``src`` computed piece by piece as it goes; ``write_many(pid,
-  pairs)``: many blocks in one call (no CRC).
+  pairs)``: many blocks in one call (no CRC); ``write_table(pid, local,
+  remote)`` the same from an (address, length) table of ours.
 - ``read_spans_into(pid, dst, spans)`` / ``write_spans_from(pid, spans, src)``:
   the same for a block in several pieces of the other process's memory
   (``Segments``): each call moves one piece of ``dst``/``src`` from or to
@@ -109,6 +110,25 @@ def write_many(pid: int, pairs: list[tuple[int, Any]]) -> None:
     """Copy each ``(address, src)`` of ``pairs`` to ``address`` in process ``pid``: one process_vm_writev per
     ``IOV_BATCH`` blocks instead of one per block (a Get of many small blocks pays a syscall, not 32)."""
     _move_many(_lib().process_vm_writev, "wrote", pid, pairs)
+
+
+def write_table(pid: int, local: np.ndarray, remote: np.ndarray) -> int:
+    """``write_many`` with the iovecs made as arrays: each (address, length) row of the int64 table ``local``
+    (``memops.addresses_of``) copied to the same row's address in ``remote`` in process ``pid``, one
+    process_vm_writev per ``IOV_BATCH`` rows (no tuple, no ctypes object and no address lookup a block); the
+    bytes written."""
+    syscall, written = _lib().process_vm_writev, 0
+    for start in range(0, len(local), IOV_BATCH):
+        mine = np.ascontiguousarray(local[start : start + IOV_BATCH], dtype=np.uint64)
+        theirs = np.empty_like(mine)
+        theirs[:, 0], theirs[:, 1] = remote[start : start + IOV_BATCH], mine[:, 1]
+        total = int(mine[:, 1].sum())
+        got = syscall(pid, _iovecs(mine), len(mine), _iovecs(theirs), len(theirs), 0)
+        if got != total:
+            first = int(theirs[0, 0])
+            raise _short(got, f"wrote {max(got, 0)} of {total} bytes of {len(mine)} blocks (first at {first:#x})", pid)
+        written += total
+    return written
 
 
 def write_scattered(pid: int, blocks: Sequence[tuple[Spans | np.ndarray, Any]]) -> None:

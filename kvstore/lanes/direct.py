@@ -96,6 +96,11 @@ class DirectPeer:
         """Copy each ``(address, src)`` into the client's memory, as few syscalls as IOV_MAX allows."""
         self._move("direct get", _batch(cma.write_many), pairs, None)
 
+    def write_table(self, local: np.ndarray, remote: np.ndarray) -> None:
+        """``write_many`` of an int64 (address, length) table of our memory (``memops.addresses_of``) to the
+        client's addresses ``remote``, row for row."""
+        self._move("direct get", cma.write_table, local, remote)
+
     def write_scattered(self, blocks: list[tuple[Spans | np.ndarray, Any]]) -> None:
         """Copy each ``(spans, src)`` across its pieces of the client's memory, as few syscalls as IOV_MAX allows
         (no CRC32C: the caller takes them of the sources in one batch)."""

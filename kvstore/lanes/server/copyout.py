@@ -25,7 +25,7 @@ from kvstore.checksum import crc32c
 from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import DirectPeer
 from kvstore.lanes.segments import Spans, SpanTable
-from kvstore.memops import copy_crc, copy_into, crcs_of, host_view
+from kvstore.memops import addresses_of, copy_crc, copy_into, crcs_at, host_view
 from kvstore.v1 import lanes_pb2 as lpb
 
 WRITE_RUN_BYTES = 4 << 20  # direct Get writes: this much per process_vm_writev (and per copy thread's turn)
@@ -146,22 +146,24 @@ def write_blocks(
         runs.append(range(start, len(sizes)))
 
     def write_run(run: range) -> list[int]:
-        # every block's CRC32C in one compiled call (not one per block: see memops.crcs_of), then the writes:
-        # blocks in one buffer a syscall per IOV_BATCH of them, blocks across several buffers (a vLLM block's
-        # pages) a syscall per IOV_BATCH of their spans
-        crcs = crcs_of([sources[k] for k in run]) if crc else [0] * len(run)
+        # each source's address once, then every block's CRC32C in one compiled call (not one per block: see
+        # memops.crcs_of), then the writes: blocks in one buffer a syscall per IOV_BATCH of them, from the same
+        # table; blocks across several buffers (a vLLM block's pages) a syscall per IOV_BATCH of their spans
+        local = addresses_of([sources[k] for k in run])
+        crcs = crcs_at(local) if crc else [0] * len(run)
         if isinstance(spans, SpanTable):  # its rows as they are (a view a block), no tuple per span
-            counts = spans.counts()[run.start : run.stop].tolist()
-            single = [k for k, n in zip(run, counts) if n == 1]
-            if single:
-                direct.write_many([(int(spans.table[spans.starts[k], 0]), sources[k]) for k in single])
+            counts = spans.counts()[run.start : run.stop]
+            single = np.flatnonzero(counts == 1)
+            if len(single):
+                direct.write_table(local[single], spans.table[spans.starts[run.start + single], 0])
             scattered: list[tuple[Spans | np.ndarray, Any]] = [
-                (spans.rows(k), sources[k]) for k, n in zip(run, counts) if n != 1
+                (spans.rows(k), sources[k]) for k, n in zip(run, counts.tolist()) if n != 1
             ]
         else:
-            single = [k for k in run if len(spans[k]) == 1]
-            if single:
-                direct.write_many([(spans[k][0][0], sources[k]) for k in single])
+            ones = [j for j, k in enumerate(run) if len(spans[k]) == 1]
+            if ones:
+                remote = np.array([spans[run[j]][0][0] for j in ones], dtype=np.uint64)
+                direct.write_table(local[ones], remote)
             scattered = [(spans[k], sources[k]) for k in run if len(spans[k]) != 1]
         if scattered:
             direct.write_scattered(scattered)
