@@ -149,22 +149,24 @@ def write_blocks(
         # each source's address once, then every block's CRC32C in one compiled call (not one per block: see
         # memops.crcs_of), then the writes: blocks in one buffer a syscall per IOV_BATCH of them, from the same
         # table; blocks across several buffers (a vLLM block's pages) a syscall per IOV_BATCH of their spans
-        local = addresses_of([sources[k] for k in run])
-        crcs = crcs_at(local) if crc else [0] * len(run)
         if isinstance(spans, SpanTable):  # its rows as they are (a view a block), no tuple per span
             counts = spans.counts()[run.start : run.stop]
-            single = np.flatnonzero(counts == 1)
-            if len(single):
-                direct.write_table(local[single], spans.table[spans.starts[run.start + single], 0])
-            scattered: list[tuple[Spans | np.ndarray, Any]] = [
-                (spans.rows(k), sources[k]) for k, n in zip(run, counts.tolist()) if n != 1
-            ]
         else:
-            ones = [j for j, k in enumerate(run) if len(spans[k]) == 1]
-            if ones:
-                remote = np.array([spans[run[j]][0][0] for j in ones], dtype=np.uint64)
-                direct.write_table(local[ones], remote)
-            scattered = [(spans[k], sources[k]) for k in run if len(spans[k]) != 1]
+            counts = np.array([len(spans[k]) for k in run], dtype=np.int64)
+        single = np.flatnonzero(counts == 1)
+        local = addresses_of([sources[k] for k in run]) if crc or len(single) else None  # unused otherwise
+        crcs = crcs_at(local) if local is not None and crc else [0] * len(run)
+        if local is not None and len(single):
+            if isinstance(spans, SpanTable):
+                remote = spans.table[spans.starts[run.start + single], 0]
+            else:
+                remote = np.array([spans[run[j]][0][0] for j in single.tolist()], dtype=np.uint64)
+            direct.write_table(local[single], remote)
+        scattered: list[tuple[Spans | np.ndarray, Any]]
+        if isinstance(spans, SpanTable):
+            scattered = [(spans.rows(k), sources[k]) for k, n in zip(run, counts.tolist()) if n != 1]
+        else:
+            scattered = [(spans[k], sources[k]) for k, n in zip(run, counts.tolist()) if n != 1]
         if scattered:
             direct.write_scattered(scattered)
         return crcs
