@@ -46,6 +46,7 @@ import numpy as np
 from kvstore.checksum import crc32c
 from kvstore.lanes.segments import IOV_MAX, Spans, pieces
 from kvstore.memops import address_of as address_of  # re-exported: the addresses its calls take
+from kvstore.memops import addresses_of
 
 PIECE = 512 << 10
 IOV_BATCH = 1024  # Linux's IOV_MAX: the most blocks one process_vm_writev moves
@@ -113,22 +114,9 @@ def write_many(pid: int, pairs: list[tuple[int, Any]]) -> None:
 
 
 def write_table(pid: int, local: np.ndarray, remote: np.ndarray) -> int:
-    """``write_many`` with the iovecs made as arrays: each (address, length) row of the int64 table ``local``
-    (``memops.addresses_of``) copied to the same row's address in ``remote`` in process ``pid``, one
-    process_vm_writev per ``IOV_BATCH`` rows (no tuple, no ctypes object and no address lookup a block); the
-    bytes written."""
-    syscall, written = _lib().process_vm_writev, 0
-    for start in range(0, len(local), IOV_BATCH):
-        mine = np.ascontiguousarray(local[start : start + IOV_BATCH], dtype=np.uint64)
-        theirs = np.empty_like(mine)
-        theirs[:, 0], theirs[:, 1] = remote[start : start + IOV_BATCH], mine[:, 1]
-        total = int(mine[:, 1].sum())
-        got = syscall(pid, _iovecs(mine), len(mine), _iovecs(theirs), len(theirs), 0)
-        if got != total:
-            first = int(theirs[0, 0])
-            raise _short(got, f"wrote {max(got, 0)} of {total} bytes of {len(mine)} blocks (first at {first:#x})", pid)
-        written += total
-    return written
+    """``write_many`` of an (address, length) int64 table of our memory (``memops.addresses_of``): row ``k``
+    copied to ``remote[k]`` in process ``pid`` (no tuple and no address lookup a block); the bytes written."""
+    return _move_table(_lib().process_vm_writev, "wrote", pid, local, remote)
 
 
 def write_scattered(pid: int, blocks: Sequence[tuple[Spans | np.ndarray, Any]]) -> None:
@@ -151,7 +139,7 @@ def write_scattered(pid: int, blocks: Sequence[tuple[Spans | np.ndarray, Any]]) 
             count += len(blocks[stop][0])
             stop += 1
         batch = blocks[start:stop]
-        local = np.array([address_of(src) for _, src in batch], dtype=np.uint64).reshape(-1, 2)
+        local = addresses_of([src for _, src in batch]).astype(np.uint64)
         if isinstance(batch[0][0], np.ndarray):
             remote = np.concatenate([np.asarray(spans, dtype=np.uint64) for spans, _ in batch])
         else:
@@ -185,19 +173,25 @@ def read_many(pid: int, pairs: list[tuple[int, Any]]) -> None:
 
 
 def _move_many(syscall: Any, verb: str, pid: int, pairs: list[tuple[int, Any]]) -> None:
-    for start in range(0, len(pairs), IOV_BATCH):
-        batch = pairs[start : start + IOV_BATCH]
-        n = len(batch)
-        liov, riov = (_IoVec * n)(), (_IoVec * n)()
-        total = 0
-        for k, (address, local) in enumerate(batch):
-            base, size = address_of(local)
-            liov[k].iov_base, liov[k].iov_len = base, size
-            riov[k].iov_base, riov[k].iov_len = address, size
-            total += size
-        got = syscall(pid, liov, n, riov, n, 0)
+    remote = np.fromiter((address for address, _ in pairs), dtype=np.uint64, count=len(pairs))
+    _move_table(syscall, verb, pid, addresses_of([local for _, local in pairs]), remote)
+
+
+def _move_table(syscall: Any, verb: str, pid: int, local: np.ndarray, remote: np.ndarray) -> int:
+    """Row ``k`` of our (address, length) table to or from ``remote[k]`` in process ``pid``, one vectored call per
+    ``IOV_BATCH`` rows with the iovecs made as arrays; the bytes moved."""
+    moved = 0
+    for start in range(0, len(local), IOV_BATCH):
+        mine = np.ascontiguousarray(local[start : start + IOV_BATCH], dtype=np.uint64)
+        theirs = np.empty_like(mine)
+        theirs[:, 0], theirs[:, 1] = remote[start : start + IOV_BATCH], mine[:, 1]
+        total = int(mine[:, 1].sum())
+        got = syscall(pid, _iovecs(mine), len(mine), _iovecs(theirs), len(theirs), 0)
         if got != total:
-            raise _short(got, f"{verb} {max(got, 0)} of {total} bytes of {n} blocks (first at {batch[0][0]:#x})", pid)
+            first = int(theirs[0, 0])
+            raise _short(got, f"{verb} {max(got, 0)} of {total} bytes of {len(mine)} blocks (first at {first:#x})", pid)
+        moved += total
+    return moved
 
 
 def read_spans_into(pid: int, dst: memoryview, spans: Spans) -> int:
