@@ -120,7 +120,7 @@ def runnable(c: CopyOut) -> bool:
 
 
 def write_blocks(
-    spans: Sequence[Spans], sources: Sequence[memoryview], direct: DirectPeer, pool: CopyPool, crc: bool
+    spans: Sequence[Spans], sources: Sequence[memoryview], direct: DirectPeer, pool: CopyPool | None, crc: bool
 ) -> list[int]:
     """Write ``sources[k]`` at ``spans[k]`` in the client's memory for every k; each block's CRC32C (0 without
     ``crc``), in order. From ``SPLIT_WRITE_BYTES`` on the blocks are cut into one contiguous run per copy
@@ -130,10 +130,11 @@ def write_blocks(
     Measured here (``bench.vllm_load``, 109 blocks of 30 x 48 KiB): 85 ms with every write on one thread and
     the CRC32Cs on the other, 69 ms split this way; without CRC32Cs 76 ms on one thread, 54 ms on two (the
     writes cost about 2.5x the CRC32Cs and run faster side by side at that size); 32 x 64 KiB DRAM hits
-    came out even either way back to back, and faster on one thread between other work (``SPLIT_WRITE_BYTES``)."""
+    came out even either way back to back, and faster on one thread between other work (``SPLIT_WRITE_BYTES``).
+    Without ``pool`` (a caller already on a worker thread) every block goes on the calling thread."""
     sizes = [len(s) for s in sources]
     total = sum(sizes)
-    parts = pool.threads if total >= SPLIT_WRITE_BYTES else 1
+    parts = pool.threads if pool is not None and total >= SPLIT_WRITE_BYTES else 1
     per_part = -(-total // parts)
     runs: list[range] = []
     start = size = 0
@@ -171,7 +172,7 @@ def write_blocks(
             direct.write_scattered(scattered)
         return crcs
 
-    if len(runs) == 1:
+    if len(runs) == 1 or pool is None:
         return write_run(runs[0])
     done = pool.side_by_side([functools.partial(write_run, run) for run in runs])
     return [value for part in done for value in part]

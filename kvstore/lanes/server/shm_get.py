@@ -7,6 +7,9 @@ LaneGetResponse``: lease the blocks, then
   described in one message's ``WrittenBlocks`` (kvstore/lanes/server/written.py);
 - all raw DRAM hits in the shared arena of a ``read_dram`` Get whose client reads ``named_columns``: named
   where they lie in one message's ``NamedBlocks``, pinned until the client releases its grant;
+- raw blocks of a direct Get whose client reads columns, some only on NVMe (and no DRAM hit to name in the
+  shared arena): each window's NVMe reads written into the client's memory piece by piece as they are
+  verified, the DRAM hits as above, all described in one message's ``WrittenBlocks``;
 - otherwise each block gets a descriptor: copied into a range of the region (one copy, its CRC32C in the
   same pass with ``crc_at_copy``), written into the client's memory (``outs``), named in the shared DRAM arena
   (``read_dram``) or in the NVMe tier's files (``read_disk``); NVMe-only blocks are read straight where they
@@ -21,7 +24,7 @@ touch of the Get's blocks, off the reply's path).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
@@ -29,12 +32,19 @@ from kvstore.lanes.base import LaneError
 from kvstore.lanes.direct import DirectPeer
 from kvstore.lanes.segments import Spans, clip, span_bytes
 from kvstore.lanes.server.access import LaneAccess
-from kvstore.lanes.server.copyout import CopyOut, copy_one, copy_out, runnable
+from kvstore.lanes.server.copyout import CopyOut, copy_one, copy_out, runnable, write_blocks
 from kvstore.lanes.server.disk_names import DiskBatch, DiskNames
 from kvstore.lanes.server.dram_pins import DramPins
 from kvstore.lanes.server.grants import Grant, GrantTable
 from kvstore.lanes.server.storeops import StoreOps, accepted_codecs
-from kvstore.lanes.server.written import host_sources, write_reply
+from kvstore.lanes.server.written import (
+    checked_targets,
+    columns_reply,
+    host_bytes,
+    host_sources,
+    raw_in_host_or_lower,
+    write_reply,
+)
 from kvstore.memops import host_view
 from kvstore.store import Lease
 from kvstore.store.readahead import has_cold
@@ -114,6 +124,17 @@ class ShmGets:
             if offsets is not None:  # all raw DRAM hits in the shared arena: one message of columns (``named``)
                 yield from self._get_named(leases, offsets, ended)  # type: ignore[arg-type]
                 return
+        if (
+            columns
+            and outs
+            and self.direct is not None
+            and on_disk is None
+            and self.streams_cold
+            and (pins is None or not any(x is not None and x.buffer is not None for x in leases))  # none to name
+            and raw_in_host_or_lower(leases)
+        ):  # raw blocks, some only on NVMe: read, written into the client's memory, one message of columns
+            yield from self._get_read_written(leases, ended, outs, crc_at_copy)  # type: ignore[arg-type]
+            return
         grant: Grant | None
         grant = self.grants.grant_get()
         released = 0
@@ -251,6 +272,55 @@ class ShmGets:
             if grant is not None:
                 self._release_grants([grant.id])
             self.ops.release(leases, touch=True)  # after the reply: the policies' bookkeeping is off its path
+            self.ops.release(ended, touch=True)
+
+    def _get_read_written(
+        self, leases: list[Lease], ended: list[Lease], outs: Sequence[Spans], crc_at_copy: bool
+    ) -> Iterator[lpb.LaneGetResponse]:
+        """``get`` of raw blocks, some only on NVMe, into the client's memory, described as columns (``written``):
+        window by window, the DRAM hits written as ``_get_written`` writes them, the NVMe-only blocks read
+        (``materialize``) and written piece by piece as each read is verified; no descriptor or copy record a
+        block. An NVMe block's CRC32C is the index's, which the tier checked its record against. Each window's
+        leases but the last end before the next is read (their slots bound what a long Get holds)."""
+        direct = self.direct
+        assert direct is not None
+        lengths = [lease.stored_length for lease in leases]
+        crcs = [lease.crc32c for lease in leases]
+        grant: Grant | None = self.grants.grant_get()
+        released = first = 0
+        try:
+            targets = checked_targets(outs, lengths)  # every buffer checked before anything is read or written
+            for window in self.ops.windows(cast(list[Lease | None], leases)):
+                hot = [j for j, lease in enumerate(window) if lease is not None and lease.buffer is not None]
+                if hot:
+                    sources = host_sources([window[j] for j in hot])
+                    assert sources is not None  # raw_in_host_or_lower
+                    written = write_blocks(
+                        [targets[first + j] for j in hot], sources, direct, self.ops.copies, crc_at_copy
+                    )
+                    if crc_at_copy:
+                        for j, crc in zip(hot, written):
+                            crcs[first + j] = crc
+
+                def on_ready(positions: list[int], window: list[Lease | None] = window, first: int = first) -> None:
+                    blocks = [host_bytes(cast(Lease, window[j])) for j in positions]
+                    write_blocks([targets[first + j] for j in positions], blocks, direct, None, False)
+
+                self.ops.materialize(window, on_ready)
+                first += len(window)
+                if first < len(leases):
+                    self.ops.release(leases[released:first], touch=True)
+                    released = first
+            assert grant is not None
+            reply = columns_reply(leases, lengths, crcs, crc_at_copy)
+            reply.grant_id = grant.id
+            self._count_sent(sum(lengths), "lane_shm_direct_get_bytes")
+            yield reply
+            grant = None  # the client releases it
+        finally:
+            if grant is not None:
+                self._release_grants([grant.id])
+            self.ops.release(leases[released:], touch=True)  # after the reply: promotions and touches off its path
             self.ops.release(ended, touch=True)
 
     def _count_sent(self, sent: int, path: str) -> None:

@@ -1,4 +1,5 @@
-"""A direct Get of raw blocks in host memory (DRAM hits): written into the client's buffers, described as columns.
+"""A direct Get of raw blocks in host memory (DRAM hits, or NVMe-only blocks once read), written into the
+client's buffers and described as columns.
 
 The general Get path (``ShmServerLane.get``) builds a BlockDescriptor, a copy record and a few calls per
 block: about 10 us of Python a block here (3.7 us for the descriptor and its header alone), against about 25 us
@@ -9,6 +10,11 @@ store answers in one message whose ``WrittenBlocks`` columns say it all:
 - ``host_sources(leases) -> [memoryview] | None``: each block's bytes, or None when one is missing, coded or
   not in host memory (an HBM slot, an NVMe-only block): the general path serves those. It never raises
   (the caller holds the leases).
+- ``raw_in_host_or_lower(leases) -> bool``: all present and raw, each in host memory or in no memory tier (an
+  NVMe-only block that ``materialize`` reads into host memory, ``host_bytes(lease)`` its bytes then): a direct
+  Get the lane answers in columns after reading them (``ShmGets._get_read_written``);
+- ``checked_targets(outs, lengths)``: each block's destination clipped to it, INVALID_ARGUMENT for the first too
+  small; ``columns_reply(leases, lengths, crcs, crc_at_copy)``: the one message that describes them;
 - ``write_reply(leases, sources, outs, direct, pool, crc_at_copy) -> LaneGetResponse``: check every
   destination holds its block (INVALID_ARGUMENT naming the first that does not), write them
   (``copyout.write_blocks``: one process_vm_writev per run, spread over the copy threads, each CRC32C taken
@@ -27,7 +33,7 @@ from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import DirectPeer
 from kvstore.lanes.segments import Spans, SpanTable, clip
 from kvstore.lanes.server.copyout import write_blocks
-from kvstore.memops import host_view
+from kvstore.memops import copy_into, host_view
 from kvstore.store import Lease
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
@@ -50,6 +56,22 @@ def host_sources(leases: Sequence[Lease | None]) -> list[memoryview] | None:
     return sources
 
 
+def raw_in_host_or_lower(leases: Sequence[Lease | None]) -> bool:
+    """Whether every block is present and raw, and each either in host memory or in no memory tier (NVMe-only:
+    ``materialize`` reads it into host memory): a direct Get the store can answer in columns all the same."""
+    for lease in leases:
+        if lease is None or lease.codec != pb.CODEC_NONE:
+            return False
+        buf = lease.buffer
+        if buf is not None and type(buf) is not memoryview:
+            try:
+                if host_view(buf) is None:  # device memory
+                    return False
+            except ValueError:
+                return False
+    return True
+
+
 def write_reply(
     leases: Sequence[Lease],
     sources: Sequence[memoryview],
@@ -60,10 +82,17 @@ def write_reply(
 ) -> lpb.LaneGetResponse:
     """Write every block into the client's memory and describe them all in one message's columns."""
     lengths = [len(s) for s in sources]
+    targets = checked_targets(outs, lengths)
+    return columns_reply(leases, lengths, write_blocks(targets, sources, direct, pool, crc_at_copy), crc_at_copy)
+
+
+def checked_targets(outs: Sequence[Spans], lengths: Sequence[int]) -> Sequence[Spans]:
+    """Where each block goes, clipped to its length: INVALID_ARGUMENT naming the first buffer too small for its
+    block, before anything is written."""
     if isinstance(outs, SpanTable) and bool((outs.held == np.array(lengths, dtype=np.int64)).all()):
         # every block's buffers hold it exactly (a vLLM block's pages): the wire's arrays as they are, no tuple a
         # span; else the loop below checks and clips each block
-        return _reply(leases, lengths, write_blocks(outs, sources, direct, pool, crc_at_copy), crc_at_copy)
+        return outs
     targets: list[Spans] = []
     for i, (spans, n) in enumerate(zip(outs, lengths)):
         if len(spans) == 1:
@@ -75,10 +104,14 @@ def write_reply(
             if held < n:
                 raise _short(i, held, n)
             targets.append(spans if held == n else clip(spans, n))  # a vLLM block's pages hold it exactly
-    return _reply(leases, lengths, write_blocks(targets, sources, direct, pool, crc_at_copy), crc_at_copy)
+    return targets
 
 
-def _reply(leases: Sequence[Lease], lengths: list[int], crcs: list[int], crc_at_copy: bool) -> lpb.LaneGetResponse:
+def columns_reply(
+    leases: Sequence[Lease], lengths: Sequence[int], crcs: Sequence[int], crc_at_copy: bool
+) -> lpb.LaneGetResponse:
+    """The one message that describes a direct Get's blocks, all written: ``crcs`` are those taken as they were
+    written (with ``crc_at_copy``; else the blocks' own go in both columns)."""
     stored = [lease.crc32c for lease in leases]
     reply = lpb.LaneGetResponse(crcs_at_copy=crc_at_copy, written_direct=True, handled=len(leases), last=True)
     written = reply.written
@@ -91,3 +124,13 @@ def _reply(leases: Sequence[Lease], lengths: list[int], crcs: list[int], crc_at_
 
 def _short(i: int, capacity: int, n: int) -> LaneError:
     return LaneError(grpc.StatusCode.INVALID_ARGUMENT, f"output buffer {i} holds {capacity} bytes; block is {n}")
+
+
+def host_bytes(lease: Lease) -> memoryview:
+    """A block's bytes in host memory, read from NVMe into wherever ``materialize`` put them (a promotion into an
+    HBM slot goes through the host)."""
+    view = host_view(lease.buffer)
+    if view is None:
+        view = memoryview(bytearray(lease.stored_length))
+        copy_into(view, lease.buffer)
+    return view[: lease.stored_length]
