@@ -5,7 +5,8 @@
   Direct writes from host memory go in runs of up to ``WRITE_RUN_BYTES``, each run one process_vm_writev
   (after the CRC32C of each block, when asked), not one syscall and check per block. A block bound for
   several buffers (Segments) is written alone, by one vectored call per piece.
-- ``copy_one(c, direct) -> crc | None`` and ``runnable(c)`` (a block that joins a run) for single blocks.
+- ``copy_one(c, direct) -> crc | None`` and ``runnable(c)`` (a block that joins a run) for single blocks;
+  ``host_bytes(buf, n)`` a block's bytes in host memory (an HBM slot's copied through the host).
 - ``write_blocks(spans, sources, direct, pool, crc) -> [crc32c]``: a direct Get's host-memory blocks
   written into the client's memory with no object per block: runs of plain destinations in one
   process_vm_writev each (a destination in several buffers by one vectored call of its own), spread over the
@@ -93,11 +94,7 @@ def _copy_run(run: list[CopyOut], direct: DirectPeer | None) -> None:
 def copy_one(c: CopyOut, direct: DirectPeer | None) -> int | None:
     if c.spans:
         assert direct is not None
-        src = host_view(c.src)
-        if src is None:  # an HBM slot: through the host
-            src = memoryview(bytearray(c.descriptor.length))
-            copy_into(src, c.src)
-        src = src[: c.descriptor.length]
+        src = host_bytes(c.src, c.descriptor.length)
         if len(c.spans) == 1:
             crc = direct.write_from(c.spans[0][0], src, c.crc)
         else:  # a destination in several buffers: one pass, many iovecs
@@ -107,11 +104,20 @@ def copy_one(c: CopyOut, direct: DirectPeer | None) -> int | None:
     if not c.crc:
         copy_into(c.dst, c.src)
         return None
-    src = host_view(c.src)
-    if src is not None:
-        return copy_crc(c.dst, src)
+    host = host_view(c.src)
+    if host is not None:
+        return copy_crc(c.dst, host)
     copy_into(c.dst, c.src)  # an HBM slot: copy, then read the landed bytes
     return crc32c(c.dst)
+
+
+def host_bytes(buf: Any, n: int) -> memoryview:
+    """The first ``n`` bytes of a slot or read buffer in host memory (an HBM slot's go through the host)."""
+    view = host_view(buf)
+    if view is None:
+        view = memoryview(bytearray(n))
+        copy_into(view, buf)
+    return view[:n]
 
 
 def runnable(c: CopyOut) -> bool:

@@ -32,7 +32,7 @@ from kvstore.lanes.base import LaneError
 from kvstore.lanes.direct import DirectPeer
 from kvstore.lanes.segments import Spans, clip, span_bytes
 from kvstore.lanes.server.access import LaneAccess
-from kvstore.lanes.server.copyout import CopyOut, copy_one, copy_out, runnable, write_blocks
+from kvstore.lanes.server.copyout import CopyOut, copy_one, copy_out, host_bytes, runnable, write_blocks
 from kvstore.lanes.server.disk_names import DiskBatch, DiskNames
 from kvstore.lanes.server.dram_pins import DramPins
 from kvstore.lanes.server.grants import Grant, GrantTable
@@ -40,7 +40,6 @@ from kvstore.lanes.server.storeops import StoreOps, accepted_codecs
 from kvstore.lanes.server.written import (
     checked_targets,
     columns_reply,
-    host_bytes,
     host_sources,
     raw_in_host_or_lower,
     write_reply,
@@ -303,7 +302,7 @@ class ShmGets:
                             crcs[first + j] = crc
 
                 def on_ready(positions: list[int], window: list[Lease | None] = window, first: int = first) -> None:
-                    blocks = [host_bytes(cast(Lease, window[j])) for j in positions]
+                    blocks = [host_bytes(x.buffer, x.stored_length) for j in positions if (x := window[j]) is not None]
                     write_blocks([targets[first + j] for j in positions], blocks, direct, None, False)
 
                 self.ops.materialize(window, on_ready)

@@ -11,7 +11,7 @@ store answers in one message whose ``WrittenBlocks`` columns say it all:
   not in host memory (an HBM slot, an NVMe-only block): the general path serves those. It never raises
   (the caller holds the leases).
 - ``raw_in_host_or_lower(leases) -> bool``: all present and raw, each in host memory or in no memory tier (an
-  NVMe-only block that ``materialize`` reads into host memory, ``host_bytes(lease)`` its bytes then): a direct
+  NVMe-only block that ``materialize`` reads into host memory, ``copyout.host_bytes`` its bytes then): a direct
   Get the lane answers in columns after reading them (``ShmGets._get_read_written``);
 - ``checked_targets(outs, lengths)``: each block's destination clipped to it, INVALID_ARGUMENT for the first too
   small; ``columns_reply(leases, lengths, crcs, crc_at_copy)``: the one message that describes them;
@@ -33,7 +33,7 @@ from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import DirectPeer
 from kvstore.lanes.segments import Spans, SpanTable, clip
 from kvstore.lanes.server.copyout import write_blocks
-from kvstore.memops import copy_into, host_view
+from kvstore.memops import host_view
 from kvstore.store import Lease
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
@@ -45,12 +45,8 @@ def host_sources(leases: Sequence[Lease | None]) -> list[memoryview] | None:
     for lease in leases:
         if lease is None or lease.codec != pb.CODEC_NONE or lease.buffer is None:
             return None
-        buf = lease.buffer
-        try:
-            view = buf if type(buf) is memoryview else host_view(buf)  # an arena slot is one already
-        except ValueError:  # not one flat host buffer: the general path says what it is
-            return None
-        if view is None:  # device memory
+        view = _in_host(lease.buffer)
+        if view is None:
             return None
         sources.append(view[: lease.stored_length])
     return sources
@@ -59,17 +55,23 @@ def host_sources(leases: Sequence[Lease | None]) -> list[memoryview] | None:
 def raw_in_host_or_lower(leases: Sequence[Lease | None]) -> bool:
     """Whether every block is present and raw, and each either in host memory or in no memory tier (NVMe-only:
     ``materialize`` reads it into host memory): a direct Get the store can answer in columns all the same."""
-    for lease in leases:
-        if lease is None or lease.codec != pb.CODEC_NONE:
-            return False
-        buf = lease.buffer
-        if buf is not None and type(buf) is not memoryview:
-            try:
-                if host_view(buf) is None:  # device memory
-                    return False
-            except ValueError:
-                return False
-    return True
+    return all(
+        lease is not None
+        and lease.codec == pb.CODEC_NONE
+        and (lease.buffer is None or _in_host(lease.buffer) is not None)
+        for lease in leases
+    )
+
+
+def _in_host(buf: object) -> memoryview | None:
+    """A memory tier's slot as one flat host buffer; None for device memory or anything else (the general
+    path says what it is)."""
+    if type(buf) is memoryview:  # an arena slot is one already
+        return buf
+    try:
+        return host_view(buf)
+    except ValueError:
+        return None
 
 
 def write_reply(
@@ -124,13 +126,3 @@ def columns_reply(
 
 def _short(i: int, capacity: int, n: int) -> LaneError:
     return LaneError(grpc.StatusCode.INVALID_ARGUMENT, f"output buffer {i} holds {capacity} bytes; block is {n}")
-
-
-def host_bytes(lease: Lease) -> memoryview:
-    """A block's bytes in host memory, read from NVMe into wherever ``materialize`` put them (a promotion into an
-    HBM slot goes through the host)."""
-    view = host_view(lease.buffer)
-    if view is None:
-        view = memoryview(bytearray(lease.stored_length))
-        copy_into(view, lease.buffer)
-    return view[: lease.stored_length]
