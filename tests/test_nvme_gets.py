@@ -19,89 +19,35 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.client import Client, KVStoreError
+from kvstore.client import KVStoreError
 from kvstore.hugepages import files_get_huge_pages
 from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK
 from kvstore.tiers.nvme.io import aligned_buffer
 from tests.conftest import ROOT
-
-BLOCK = 64 << 10
-PREFIX = 32
-LANES = ["shm-direct", "shm-disk", "shm-region", "shm-loan", "tcp", "grpc"]  # shm-disk: --share-nvme
-
-
-def _nvme_store(make_server, tmp_path: Path, **options):
-    """A store whose 8 MiB of DRAM holds a few prefixes, over a write-through NVMe tier (``options`` override)."""
-    defaults = dict(dram=8 << 20, nvme_dir=str(tmp_path / "nvme"), nvme=1 << 30, nvme_segment=64 << 20)
-    return make_server(**{**defaults, "write_policy": "write-through", **options})
-
-
-def _start(make_server, tmp_path: Path, lane: str, promote: bool, dram: int = 8 << 20):
-    return _nvme_store(
-        make_server,
-        tmp_path,
-        dram=dram,
-        promote_on_hit=promote,
-        shm_direct=lane in ("shm-direct", "shm-disk"),
-        share_nvme=lane == "shm-disk",
-    )
-
-
-def _client(server, lane: str) -> Client:
-    return Client(f"127.0.0.1:{server.port}", timeout=30, lane=lane.split("-")[0])
-
-
-def _fill(kv: Client, prefixes: int, seed: int = 0) -> list[tuple[list[bytes], list[np.ndarray]]]:
-    """``prefixes`` unchained 32-block prefixes, more than DRAM holds: the first ones end up only on NVMe."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(prefixes):
-        keys = [rng.bytes(16) for _ in range(PREFIX)]
-        blocks = [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(PREFIX)]
-        assert all(r.ok for r in kv.put("t", keys, blocks, chained=False))
-        out.append((keys, blocks))
-    return out
-
-
-def _nvme_only(server, keys: list[bytes]) -> int:
-    return sum(1 for r in server.store.lookup("t", keys)[1] if r == 3)
-
-
-def _get(kv: Client, lane: str, keys: list[bytes]) -> list:
-    if lane == "shm-loan":
-        return [bytes(memoryview(b)) for b in kv.get("t", keys)]
-    out = [aligned_buffer(BLOCK) for _ in keys]
-    kv.get("t", keys, out=out)
-    return out
-
-
-def _quiet(server, timeout: float = 10.0) -> None:
-    """No lease, no staging slot and no read-only DRAM slot is left once the Gets are over."""
-    store = server.store
-    nvme = store.tiers[-1]
-
-    def unpinned() -> bool:  # no segment is left pinned by a read (the test reads the tier's own count)
-        return all(seg.readers == 0 for seg in list(nvme._log.segments.values()))
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:  # a reader's pin may outlive the reply: the client has its blocks first
-        if int(np.asarray(store.table.leases).sum()) == 0 and store.staging.used_bytes == 0 and unpinned():
-            break
-        time.sleep(0.05)
-    assert unpinned()
-    store.check_invariants(quiet=True)  # and every DRAM slot belongs to a block: none leaked by a promotion
+from tests.nvme_gets_support import (
+    BLOCK,
+    LANES,
+    PREFIX,
+    fill,
+    get_into,
+    lane_client,
+    nvme_only,
+    nvme_store,
+    quiet,
+    start_store,
+)
 
 
 @pytest.mark.parametrize("promote", [False, True], ids=["no-promote", "promote"])
 @pytest.mark.parametrize("lane", LANES)
 def test_nvme_only_blocks_come_back_exact_on_every_lane(make_server, tmp_path, lane, promote):
-    server = _start(make_server, tmp_path, lane, promote)
-    with _client(server, lane) as kv:
-        data = _fill(kv, 8)
+    server = start_store(make_server, tmp_path, lane, promote)
+    with lane_client(server, lane) as kv:
+        data = fill(kv, 8)
         keys, blocks = data[0]
-        assert _nvme_only(server, keys) == PREFIX
+        assert nvme_only(server, keys) == PREFIX
         for _ in range(2):  # the second Get: from DRAM when promoted, from NVMe again otherwise
-            got = _get(kv, lane, keys)
+            got = get_into(kv, lane, keys)
             for g, b in zip(got, blocks):
                 assert bytes(memoryview(g)) == b.tobytes()
         # a Get mixing DRAM hits, NVMe blocks and a missing block, in one request
@@ -110,7 +56,7 @@ def test_nvme_only_blocks_come_back_exact_on_every_lane(make_server, tmp_path, l
         out = kv.get("t", mixed, allow_missing=True)
         for g, b in zip(out, want):
             assert (g is None) if b is None else bytes(memoryview(g)) == b.tobytes()
-    _quiet(server)
+    quiet(server)
     tiers = {t["name"]: t for t in server.store.stats()["tiers"]}
     assert tiers["nvme"]["hits"] >= PREFIX
     counters = server.metrics.counters()
@@ -137,11 +83,11 @@ def _corrupt(server, key: bytes) -> None:
 
 @pytest.mark.parametrize("lane", LANES)
 def test_a_corrupt_record_fails_alone_and_is_dropped(make_server, tmp_path, lane):
-    server = _start(make_server, tmp_path, lane, promote=True)
-    with _client(server, lane) as kv:
-        data = _fill(kv, 8)
+    server = start_store(make_server, tmp_path, lane, promote=True)
+    with lane_client(server, lane) as kv:
+        data = fill(kv, 8)
         keys, blocks = data[0]
-        assert _nvme_only(server, keys) == PREFIX
+        assert nvme_only(server, keys) == PREFIX
         _corrupt(server, keys[5])
         out = [aligned_buffer(BLOCK) for _ in keys]
         with pytest.raises(KVStoreError) as err:
@@ -152,11 +98,11 @@ def test_a_corrupt_record_fails_alone_and_is_dropped(make_server, tmp_path, lane
         assert "DATA_LOSS" in str(err.value.code) or "checksum" in str(err.value).lower()
         assert server.store.lookup("t", [keys[5]])[0] == 0  # dropped
         rest = keys[:5] + keys[6:]
-        got = _get(kv, lane, rest)
+        got = get_into(kv, lane, rest)
         for g, b in zip(got, blocks[:5] + blocks[6:]):
             assert bytes(memoryview(g)) == b.tobytes()
         assert server.store.counters.corrupt == 1
-    _quiet(server)
+    quiet(server)
 
 
 @pytest.fixture
@@ -173,7 +119,7 @@ def shm() -> Iterator[Path]:
 def test_promotions_into_a_small_page_arena_are_read_apart_and_copied_at_release(make_server, tmp_path, lane, shm):
     # a shared arena on a file system without huge pages (a directory of /tmp): reads into it ran at half speed,
     # so a promotion's read lands in staging and release copies it into the slot reserved for it
-    server = _nvme_store(
+    server = nvme_store(
         make_server,
         tmp_path,
         share_dram=True,
@@ -183,60 +129,60 @@ def test_promotions_into_a_small_page_arena_are_read_apart_and_copied_at_release
     )
     store = server.store
     assert store.top.small_pages
-    with _client(server, lane) as kv:
-        data = _fill(kv, 8)
+    with lane_client(server, lane) as kv:
+        data = fill(kv, 8)
         keys, blocks = data[0]
-        assert _nvme_only(server, keys) == PREFIX
+        assert nvme_only(server, keys) == PREFIX
         staged = store.staging.taken
-        for g, b in zip(_get(kv, lane, keys), blocks):
+        for g, b in zip(get_into(kv, lane, keys), blocks):
             assert bytes(memoryview(g)) == b.tobytes()
-        _quiet(server)
+        quiet(server)
         promoted = store.stats()["tiers"][0]["promotions"]
         assert promoted > 0 and store.staging.taken - staged == PREFIX  # every read, promotions too, into staging
         ranks = store.lookup("t", keys)[1]
         in_dram = [k for k, r in zip(keys, ranks) if r == 2]
         assert len(in_dram) == promoted
         want = {k: b for k, b in zip(keys, blocks)}
-        for g, k in zip(_get(kv, lane, in_dram), in_dram):  # DRAM hits now: the copy made at release
+        for g, k in zip(get_into(kv, lane, in_dram), in_dram):  # DRAM hits now: the copy made at release
             assert bytes(memoryview(g)) == want[k].tobytes()
         # a corrupt record: the Get fails, and the slots reserved for its promotions all come back
         keys, blocks = data[1]
-        assert _nvme_only(server, keys) == PREFIX
+        assert nvme_only(server, keys) == PREFIX
         _corrupt(server, keys[7])
         with pytest.raises(KVStoreError) as err:
             kv.get("t", keys, out=[aligned_buffer(BLOCK) for _ in keys])
         assert "DATA_LOSS" in str(err.value.code) or "checksum" in str(err.value).lower()
-    _quiet(server)  # no lease, staging slot or DRAM slot left behind
+    quiet(server)  # no lease, staging slot or DRAM slot left behind
 
 
 def test_a_small_page_region_takes_nvme_blocks_by_copy_from_staging(make_server, tmp_path, shm):
     # the lane's region on a file system without huge pages: the blocks are read into staging, then copied in
-    server = _nvme_store(
+    server = nvme_store(
         make_server,
         tmp_path,
         promote_on_hit=False,
         shm_dir=str(shm),
         shm_direct=False,
     )
-    with _client(server, "shm-region") as kv:
-        data = _fill(kv, 8)
+    with lane_client(server, "shm-region") as kv:
+        data = fill(kv, 8)
         keys, blocks = data[0]
-        assert _nvme_only(server, keys) == PREFIX
+        assert nvme_only(server, keys) == PREFIX
         staged = server.store.staging.taken
-        for g, b in zip(_get(kv, "shm-region", keys), blocks):
+        for g, b in zip(get_into(kv, "shm-region", keys), blocks):
             assert bytes(memoryview(g)) == b.tobytes()
         assert server.store.staging.taken - staged == PREFIX
-    _quiet(server)
+    quiet(server)
 
 
 @pytest.mark.parametrize("lane", ["shm-direct", "shm-region", "tcp"])
 def test_a_store_bug_mid_get_is_internal_and_the_lane_lives_on(make_server, tmp_path, lane, monkeypatch):
     # an exception no lane expects (a bug) used to end the shm channel or the tcp connection: the client took the
     # lane for broken, ran the Get again on a new one, and reported UNAVAILABLE; now every lane answers as gRPC
-    server = _start(make_server, tmp_path, lane, promote=False)
-    with _client(server, lane) as kv:
-        keys, blocks = _fill(kv, 8)[0]
-        assert _nvme_only(server, keys) == PREFIX
+    server = start_store(make_server, tmp_path, lane, promote=False)
+    with lane_client(server, lane) as kv:
+        keys, blocks = fill(kv, 8)[0]
+        assert nvme_only(server, keys) == PREFIX
         calls = []
 
         def broken(*args, **kwargs):  # noqa: ANN002, ANN003 (stands in for any store method that raises)
@@ -249,27 +195,27 @@ def test_a_store_bug_mid_get_is_internal_and_the_lane_lives_on(make_server, tmp_
         assert "UNKNOWN" in str(err.value.code) and "a bug" in str(err.value)  # as gRPC answers (the region lane)
         assert len(calls) == 1  # answered, not retried on another lane
         monkeypatch.undo()
-        for g, b in zip(_get(kv, lane, keys), blocks):
+        for g, b in zip(get_into(kv, lane, keys), blocks):
             assert bytes(memoryview(g)) == b.tobytes()
-    _quiet(server)
+    quiet(server)
 
 
 @pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "tcp", "grpc"])
 def test_concurrent_gets_of_the_same_nvme_blocks(make_server, tmp_path, lane):
-    server = _start(make_server, tmp_path, lane, promote=True, dram=12 << 20)
-    with _client(server, lane) as kv:
-        data = _fill(kv, 8)
+    server = start_store(make_server, tmp_path, lane, promote=True, dram=12 << 20)
+    with lane_client(server, lane) as kv:
+        data = fill(kv, 8)
     keys, blocks = data[0]
-    assert _nvme_only(server, keys) == PREFIX
+    assert nvme_only(server, keys) == PREFIX
     want = [b.tobytes() for b in blocks]
     errors: list[BaseException] = []
 
     def reader(seed: int) -> None:
         try:
-            with _client(server, lane) as c:
+            with lane_client(server, lane) as c:
                 for k in range(4):
                     sel = keys if (seed + k) % 2 else keys[::-1]
-                    got = _get(c, lane, sel)
+                    got = get_into(c, lane, sel)
                     ref = want if sel is keys else want[::-1]
                     for g, b in zip(got, ref):
                         assert bytes(memoryview(g)) == b
@@ -282,7 +228,7 @@ def test_concurrent_gets_of_the_same_nvme_blocks(make_server, tmp_path, lane):
     for t in threads:
         t.join(120)
     assert not errors, errors[0]
-    _quiet(server)
+    quiet(server)
 
 
 CHILD = r"""
@@ -300,11 +246,11 @@ with Client(target, timeout=30, lane=lane) as kv:
 
 @pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "tcp"])
 def test_a_client_killed_mid_get_leaks_no_lease_and_no_slot(make_server, tmp_path, lane):
-    server = _start(make_server, tmp_path, lane, promote=False)
-    with _client(server, lane) as kv:
-        data = _fill(kv, 8)
+    server = start_store(make_server, tmp_path, lane, promote=False)
+    with lane_client(server, lane) as kv:
+        data = fill(kv, 8)
     keys = [k for prefix in data[:4] for k in prefix[0]]  # 128 blocks, all only on NVMe
-    assert _nvme_only(server, keys) == len(keys)
+    assert nvme_only(server, keys) == len(keys)
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, f"127.0.0.1:{server.port}", lane.split("-")[0], ",".join(k.hex() for k in keys)],
         cwd=ROOT,
@@ -325,9 +271,9 @@ def test_a_client_killed_mid_get_leaks_no_lease_and_no_slot(make_server, tmp_pat
     finally:
         if child.poll() is None:
             child.kill()
-    _quiet(server, timeout=20)
-    with _client(server, lane) as kv:  # the store still serves those blocks
-        got = _get(kv, lane, keys[:PREFIX])
+    quiet(server, timeout=20)
+    with lane_client(server, lane) as kv:  # the store still serves those blocks
+        got = get_into(kv, lane, keys[:PREFIX])
         assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in data[0][1]]
 
 
@@ -345,18 +291,18 @@ def test_a_corrupt_record_on_tcp_is_data_loss_even_when_the_read_ends_first(make
         return slow(buf)
 
     monkeypatch.setattr(tcp_server, "host_bytes", lagging)
-    server = _start(make_server, tmp_path, "tcp", promote=False)
-    with _client(server, "tcp") as kv:
-        data = _fill(kv, 8)
+    server = start_store(make_server, tmp_path, "tcp", promote=False)
+    with lane_client(server, "tcp") as kv:
+        data = fill(kv, 8)
         keys, blocks = data[0]
-        assert _nvme_only(server, keys) == PREFIX
+        assert nvme_only(server, keys) == PREFIX
         _corrupt(server, keys[5])
         with pytest.raises(KVStoreError) as err:
             kv.get("t", keys, out=[aligned_buffer(BLOCK) for _ in keys])
         assert "DATA_LOSS" in str(err.value.code), err.value
-        got = _get(kv, "tcp", keys[:5])
+        got = get_into(kv, "tcp", keys[:5])
         assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in blocks[:5]]
-    _quiet(server)
+    quiet(server)
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["page-aligned", "unaligned"])
@@ -365,11 +311,11 @@ def test_share_nvme_fills_segments_as_a_vllm_block_is_laid_out(make_server, tmp_
     NVMe files land straight in page-aligned slices, or through scratch when the slices are not aligned."""
     from kvstore.payload import Segments
 
-    server = _start(make_server, tmp_path, "shm-disk", promote=False)
-    with _client(server, "shm-disk") as kv:
-        data = _fill(kv, 8)
+    server = start_store(make_server, tmp_path, "shm-disk", promote=False)
+    with lane_client(server, "shm-disk") as kv:
+        data = fill(kv, 8)
         keys, blocks = data[0]
-        assert _nvme_only(server, keys) == PREFIX
+        assert nvme_only(server, keys) == PREFIX
         layers, part = 4, BLOCK // 4
         pool = aligned_buffer(PREFIX * BLOCK + 4096)
         base = 0 if aligned else 64  # torch's allocations are 64-byte aligned, not page aligned
@@ -378,13 +324,13 @@ def test_share_nvme_fills_segments_as_a_vllm_block_is_laid_out(make_server, tmp_
         for r, b in zip(rows, blocks):
             assert np.concatenate(r).tobytes() == b.tobytes()
     assert server.metrics.counters()["lane_shm_disk_get_bytes"] == PREFIX * BLOCK
-    _quiet(server)
+    quiet(server)
 
 
 def test_share_nvme_names_at_most_the_lanes_budget_and_the_store_reads_the_rest(make_server, tmp_path):
     """A lane names at most its region's size of NVMe blocks at once (what one client can keep pinned): past it
     the store reads the blocks itself, in the same Get."""
-    server = _nvme_store(
+    server = nvme_store(
         make_server,
         tmp_path,
         promote_on_hit=False,
@@ -392,15 +338,15 @@ def test_share_nvme_names_at_most_the_lanes_budget_and_the_store_reads_the_rest(
         shm_lane_bytes=1 << 20,
         max_block=BLOCK,
     )
-    with _client(server, "shm-disk") as kv:
-        data = _fill(kv, 8)
+    with lane_client(server, "shm-disk") as kv:
+        data = fill(kv, 8)
         keys, blocks = data[0]
-        assert _nvme_only(server, keys) == PREFIX
-        got = _get(kv, "shm-disk", keys)
+        assert nvme_only(server, keys) == PREFIX
+        got = get_into(kv, "shm-disk", keys)
         assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in blocks]
     named = server.metrics.counters()["lane_shm_disk_get_bytes"]
     assert 0 < named < PREFIX * BLOCK and named % BLOCK == 0
-    _quiet(server)
+    quiet(server)
 
 
 class _FirstReadLate:
@@ -442,18 +388,18 @@ def test_tcp_sends_blocks_as_their_reads_complete(make_server, tmp_path, monkeyp
     frames: list[list[int]] = []
     named = client_tcp._named
     monkeypatch.setattr(client_tcp, "_named", lambda *a: frames.append(named(*a)) or frames[-1])
-    server = _start(make_server, tmp_path, "tcp", promote=False)
+    server = start_store(make_server, tmp_path, "tcp", promote=False)
     nvme = server.store.tiers[-1]
     nvme.backend = late = _FirstReadLate(nvme.backend, 0.3)
-    with _client(server, "tcp") as kv:
-        data = _fill(kv, 8)
+    with lane_client(server, "tcp") as kv:
+        data = fill(kv, 8)
         keys, blocks = data[0]
-        assert _nvme_only(server, keys) == PREFIX
+        assert nvme_only(server, keys) == PREFIX
         late.armed = True
-        got = _get(kv, "tcp", keys)
+        got = get_into(kv, "tcp", keys)
         assert all(bytes(memoryview(g)) == b.tobytes() for g, b in zip(got, blocks))
         assert not late.armed
-    _quiet(server)
+    quiet(server)
     order = [k for ks in frames for k in ks]
     if asks:
         assert sorted(order) == list(range(PREFIX)) and order != sorted(order)  # some came before a block ahead of them

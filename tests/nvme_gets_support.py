@@ -1,0 +1,79 @@
+"""What the NVMe Get tests share (test_nvme_gets.py, test_nvme_columns.py): a store whose DRAM holds a few
+32-block prefixes over a write-through NVMe tier, a client on a given lane, prefixes written until the first
+ones are only on NVMe, and the check that nothing is left held once the Gets are over."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.client import Client
+from kvstore.tiers.nvme.io import aligned_buffer
+
+BLOCK = 64 << 10
+PREFIX = 32
+LANES = ["shm-direct", "shm-disk", "shm-region", "shm-loan", "tcp", "grpc"]  # shm-disk: --share-nvme
+
+
+def nvme_store(make_server, tmp_path: Path, **options):
+    """A store whose 8 MiB of DRAM holds a few prefixes, over a write-through NVMe tier (``options`` override)."""
+    defaults = dict(dram=8 << 20, nvme_dir=str(tmp_path / "nvme"), nvme=1 << 30, nvme_segment=64 << 20)
+    return make_server(**{**defaults, "write_policy": "write-through", **options})
+
+
+def start_store(make_server, tmp_path: Path, lane: str, promote: bool, dram: int = 8 << 20):
+    return nvme_store(
+        make_server,
+        tmp_path,
+        dram=dram,
+        promote_on_hit=promote,
+        shm_direct=lane in ("shm-direct", "shm-disk"),
+        share_nvme=lane == "shm-disk",
+    )
+
+
+def lane_client(server, lane: str) -> Client:
+    return Client(f"127.0.0.1:{server.port}", timeout=30, lane=lane.split("-")[0])
+
+
+def fill(kv: Client, prefixes: int, seed: int = 0) -> list[tuple[list[bytes], list[np.ndarray]]]:
+    """``prefixes`` unchained 32-block prefixes, more than DRAM holds: the first ones end up only on NVMe."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(prefixes):
+        keys = [rng.bytes(16) for _ in range(PREFIX)]
+        blocks = [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(PREFIX)]
+        assert all(r.ok for r in kv.put("t", keys, blocks, chained=False))
+        out.append((keys, blocks))
+    return out
+
+
+def nvme_only(server, keys: list[bytes]) -> int:
+    return sum(1 for r in server.store.lookup("t", keys)[1] if r == 3)
+
+
+def get_into(kv: Client, lane: str, keys: list[bytes]) -> list:
+    if lane == "shm-loan":
+        return [bytes(memoryview(b)) for b in kv.get("t", keys)]
+    out = [aligned_buffer(BLOCK) for _ in keys]
+    kv.get("t", keys, out=out)
+    return out
+
+
+def quiet(server, timeout: float = 10.0) -> None:
+    """No lease, no staging slot and no read-only DRAM slot is left once the Gets are over."""
+    store = server.store
+    nvme = store.tiers[-1]
+
+    def unpinned() -> bool:  # no segment is left pinned by a read (the test reads the tier's own count)
+        return all(seg.readers == 0 for seg in list(nvme._log.segments.values()))
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:  # a reader's pin may outlive the reply: the client has its blocks first
+        if int(np.asarray(store.table.leases).sum()) == 0 and store.staging.used_bytes == 0 and unpinned():
+            break
+        time.sleep(0.05)
+    assert unpinned()
+    store.check_invariants(quiet=True)  # and every DRAM slot belongs to a block: none leaked by a promotion
