@@ -1,4 +1,5 @@
-"""Multi-piece reads: several pieces in flight, each read and checked by one thread, on real O_DIRECT files."""
+"""Multi-piece reads on real O_DIRECT files: several pieces in flight, read and checked by one thread each, or
+read by pool workers while the caller hands the verified ones on."""
 
 from __future__ import annotations
 
@@ -153,6 +154,117 @@ def test_a_read_does_not_wait_for_a_busy_pool(tmp_path: Path, rng: np.random.Gen
         assert time.monotonic() - started < 5
         assert [d.tobytes() for d in dests] == list(blocks.values())
         assert tier._buffers._free.qsize() == 4 + 1  # the cancelled jobs' buffers went back
+    finally:
+        release.set()
+        for f in busy:
+            f.result()
+    tier.close()
+
+
+# -- a Get with more pieces than readers: the workers read, the caller hands on (pipeline.read_pipelined) --------
+
+
+def hand_on_tier(tmp_path: Path, backend: InstrumentedBackend) -> NvmeTier:
+    """32 x 128 KiB records in pieces of at most 256 KiB (one record each), two readers: 32 pieces."""
+    return NvmeTier(
+        tmp_path, 64 * MiB, segment_bytes=16 * MiB, backend=backend, read_threads=2, max_read_bytes=256 * KiB
+    )
+
+
+def spy_reads(backend: InstrumentedBackend) -> list[str]:
+    """The names of the threads that issue each preadv, in order."""
+    names: list[str] = []
+    real = backend.preadv
+
+    def preadv(*args, **kwargs):  # noqa: ANN002, ANN003 (a spy on the backend)
+        names.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    backend.preadv = preadv  # type: ignore[method-assign]
+    return names
+
+
+@pytest.mark.usefixtures("record_checks")
+def test_workers_read_and_the_caller_hands_each_verified_piece_on(tmp_path: Path, rng: np.random.Generator) -> None:
+    backend = InstrumentedBackend(PosixBackend())
+    tier = hand_on_tier(tmp_path, backend)
+    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+    locs = list(blocks)
+    bad = locs[20]
+    flip_byte(segment_files(tmp_path)[0], split_loc(bad)[1] + PAGE + 777)
+    readers = spy_reads(backend)
+    dests = wiped_dests(32)
+    handed: list[int] = []
+    callers: set[str] = set()
+
+    def on_ready(targets: list[int]) -> None:
+        callers.add(threading.current_thread().name)
+        for t in targets:  # named only once its bytes are verified and in place
+            assert dests[t].tobytes() == blocks[locs[t]]
+        handed.extend(targets)
+
+    with pytest.raises(CorruptBlock) as err:
+        tier.read(locs, [BLOCK] * 32, dests, on_ready)
+    assert err.value.locs == [bad]
+    assert sorted(handed) == [t for t in range(32) if t != 20]  # each once, the corrupt one never
+    assert callers == {threading.current_thread().name}
+    assert len(readers) == 32 and threading.current_thread().name not in readers  # the pool's workers read
+    assert tier._buffers._free.qsize() == 2 + 1
+    tier.close()
+
+
+def test_a_failed_read_hands_nothing_on(tmp_path: Path, rng: np.random.Generator) -> None:
+    backend = InstrumentedBackend(PosixBackend())
+    tier = hand_on_tier(tmp_path, backend)
+    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+    dests = wiped_dests(32)
+    backend.fail_reads()
+    handed: list[int] = []
+    with pytest.raises(CorruptBlock, match="read failed") as err:
+        tier.read(list(blocks), [BLOCK] * 32, dests, handed.extend)
+    assert sorted(err.value.locs) == sorted(blocks) and not handed
+    assert all(not d.any() for d in dests)
+    tier.close()
+
+
+def test_an_error_handing_on_ends_the_read(tmp_path: Path, rng: np.random.Generator) -> None:
+    # the lane's copy into a client that went away raises: no piece starts after it, every buffer goes back
+    backend = InstrumentedBackend(PosixBackend())
+    tier = hand_on_tier(tmp_path, backend)
+    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+    readers = spy_reads(backend)
+
+    def on_ready(targets: list[int]) -> None:
+        raise OSError("the client went away")
+
+    with pytest.raises(OSError, match="went away"):
+        tier.read(list(blocks), [BLOCK] * 32, wiped_dests(32), on_ready)
+    after = len(readers)
+    assert after < 32  # the rest were never read
+    time.sleep(0.05)
+    assert len(readers) == after  # and none is still being started
+    assert tier._buffers._free.qsize() == 2 + 1
+    tier.close()
+
+
+def test_handing_on_does_not_wait_for_a_busy_pool(tmp_path: Path, rng: np.random.Generator) -> None:
+    # both pool threads busy with other Gets' work: the caller reads the pieces itself and hands them on
+    backend = InstrumentedBackend(PosixBackend())
+    tier = hand_on_tier(tmp_path, backend)
+    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+    readers = spy_reads(backend)
+    release = threading.Event()
+    busy = [tier._pool.submit(release.wait, 30) for _ in range(2)]
+    try:
+        dests = wiped_dests(32)
+        handed: list[int] = []
+        started = time.monotonic()
+        tier.read(list(blocks), [BLOCK] * 32, dests, handed.extend)
+        assert time.monotonic() - started < 5
+        assert sorted(handed) == list(range(32))
+        assert [d.tobytes() for d in dests] == list(blocks.values())
+        assert set(readers) == {threading.current_thread().name}
+        assert tier._buffers._free.qsize() == 2 + 1  # the cancelled jobs' buffers went back
     finally:
         release.set()
         for f in busy:

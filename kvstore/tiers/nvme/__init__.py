@@ -8,6 +8,7 @@ Module map, one job each:
 - ``segments``: segment files and per-record accounting.
 - ``writer``: the write-combining buffer (large aligned writes, double buffered).
 - ``reader``: coalesced read planning and per-record verification.
+- ``pipeline``: a Get's pieces over threads, reads in flight while verified ones are handed on.
 - ``sidecar``: segment summaries and the free-list checkpoint.
 - ``recovery``: rebuilding state from the data directory at open.
 - ``log``: appends, frees, pins, forwards, retirement.

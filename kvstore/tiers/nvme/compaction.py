@@ -34,7 +34,8 @@ from kvstore.tiers.base import TierFull
 from kvstore.tiers.nvme.format import make_loc
 from kvstore.tiers.nvme.io import IoBackend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
-from kvstore.tiers.nvme.reader import BufferPool, Checked, Wanted, plan_pieces, read_piece
+from kvstore.tiers.nvme.pipeline import BufferPool
+from kvstore.tiers.nvme.reader import Checked, Wanted, plan_pieces, read_piece
 from kvstore.tiers.nvme.segments import Segment, SegmentState
 
 log = logging.getLogger("kvstore.nvme")

@@ -19,20 +19,13 @@ page-aligned part of each payload straight in its caller's buffer when that is
 page-aligned host memory and the rest (header pages, tails, gaps) in scratch;
 ``finish_into`` runs the same checks once the bytes landed, then copies the
 tails in; a record that fails has whatever was read into its buffer zeroed.
-``read_pipelined`` runs the pieces of one Get: a few in flight, each read and
-checked by one thread (the caller's or a pool worker's), so checks overlap
-other pieces' I/O and the CRCs run on every core.
-
-``BufferPool`` bounds the bounce-buffer memory (``count`` buffers, each as
-large as the largest piece read so far).
+``read_one`` is the two around one preadv. How a Get's pieces are spread over
+threads is ``pipeline``'s.
 """
 
 from __future__ import annotations
 
-import queue
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, wait
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -344,6 +337,21 @@ def _finish_compiled(kernels: Any, planned: PlannedRead, got: int, dests: Sequen
     return failed
 
 
+def read_one(
+    backend: IoBackend, piece: Piece, buf: np.ndarray, dests: Sequence[Any]
+) -> tuple[list[tuple[int, str]], np.ndarray]:
+    """Plan, read and check one piece into ``dests`` with ``buf`` as scratch: the failed (target, reason), and the
+    scratch used (a larger one, to keep, where ``buf`` was too small for the piece)."""
+    if len(buf) < piece.nbytes:
+        buf = aligned_buffer(align_up(piece.nbytes))
+    planned = plan_into(piece, buf, dests)
+    try:
+        got: int | OSError = backend.preadv(piece.seg.fh, planned.iov, piece.offset)
+    except OSError as e:
+        got = e
+    return finish_into(planned, got, dests), buf
+
+
 def _compile() -> None:
     from kvstore.tiers.nvme import check_kernels as kernels
 
@@ -360,112 +368,6 @@ def compiled_checks() -> Any:
     from kvstore.tiers.nvme import check_kernels as kernels
 
     return kernels
-
-
-def read_pipelined(
-    backend: IoBackend,
-    pool: Executor,
-    buffers: BufferPool,
-    pieces: Sequence[Piece],
-    dests: Sequence[Any],
-    window: int,
-    on_ready: Callable[[list[int]], None] | None = None,
-) -> list[tuple[int, str]]:
-    """Read and check ``pieces`` with up to ``window`` of them in flight; returns the failed (target, reason).
-
-    ``on_ready(targets)``, when given, is called by the thread that read a piece as soon as its records passed
-    their checks and their dests are filled (the targets of records that failed are left out), so the caller
-    can move those blocks on while the other pieces are still being read. An exception it raises ends the read
-    (after every preadv in flight returned) and propagates.
-
-    Each piece is planned, read and checked by one thread from start to end: this thread and up to
-    ``window - 1`` pool workers take pieces from one queue until it is empty. So one piece's checks
-    overlap the other pieces' I/O, and the CRC32Cs (which release the GIL) run on every core. A single
-    piece, or ``window`` 1, is read on this thread with no hand-off; this thread also takes the pieces a
-    busy pool has not started, and a job still queued when they are all done is cancelled, not waited for.
-
-    Buffers: this thread waits for its first buffer (holding none, it cannot hold up another reader); a
-    worker starts only with a buffer that is free at once, so concurrent readers cannot deadlock on the
-    pool. Every preadv has returned before this does.
-    """
-    if not pieces:
-        return []
-    todo = deque(pieces)
-
-    def work(buf: np.ndarray) -> tuple[list[tuple[int, str]], np.ndarray]:
-        failed: list[tuple[int, str]] = []
-        while True:
-            try:
-                piece = todo.popleft()
-            except IndexError:
-                return failed, buf
-            if len(buf) < piece.nbytes:  # a piece larger than the pool's buffers: a larger one, kept
-                buf = aligned_buffer(align_up(piece.nbytes))
-            planned = plan_into(piece, buf, dests)
-            try:
-                got: int | OSError = backend.preadv(piece.seg.fh, planned.iov, piece.offset)
-            except OSError as e:
-                got = e
-            bad = finish_into(planned, got, dests)
-            failed.extend(bad)
-            if on_ready is not None:
-                lost = {t for t, _ in bad}
-                ok = [t for w in piece.records for t in w.targets if t not in lost]
-                if ok:
-                    on_ready(ok)
-
-    own = buffers.get(pieces[0].nbytes)
-    jobs: list[tuple[np.ndarray, Future[tuple[list[tuple[int, str]], np.ndarray]]]] = []
-    try:
-        for _ in range(min(window, len(pieces)) - 1):
-            buf = buffers.try_get(pieces[0].nbytes)
-            if buf is None:
-                break
-            jobs.append((buf, pool.submit(work, buf)))
-        failed, own = work(own)
-        for i, (_buf, job) in enumerate(jobs):
-            if job.cancel():  # still queued behind other readers' work: every piece is done already
-                continue
-            more, final = job.result()
-            failed.extend(more)
-            jobs[i] = (final, job)
-    finally:
-        for _, job in jobs:  # after an error: a job still queued never starts
-            job.cancel()
-        wait([job for _, job in jobs if not job.cancelled()])  # no buffer goes back while a read may land in it
-        buffers.put(own)
-        for buf, _ in jobs:
-            buffers.put(buf)
-    return failed
-
-
-class BufferPool:
-    """A fixed number of aligned bounce buffers; borrowing blocks while all are out.
-
-    A buffer too small for a piece is replaced by one that fits (and kept), so
-    memory stays at ``count x`` the largest piece read, never per-call allocations.
-    """
-
-    def __init__(self, count: int, size: int):
-        self.size = size
-        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
-        for _ in range(count):
-            self._free.put(aligned_buffer(size))
-
-    def get(self, nbytes: int) -> np.ndarray:
-        buf = self._free.get()
-        return buf if len(buf) >= nbytes else aligned_buffer(align_up(nbytes))
-
-    def try_get(self, nbytes: int) -> np.ndarray | None:
-        """A buffer if one is free now, else None (for a caller that already holds one: never wait holding)."""
-        try:
-            buf = self._free.get_nowait()
-        except queue.Empty:
-            return None
-        return buf if len(buf) >= nbytes else aligned_buffer(align_up(nbytes))
-
-    def put(self, buf: np.ndarray) -> None:
-        self._free.put(buf)
 
 
 def copy_into(dest: Any, payload: np.ndarray) -> None:

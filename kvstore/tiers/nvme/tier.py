@@ -47,7 +47,8 @@ from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_BITS, OFFSET_MASK, PA
 from kvstore.tiers.nvme.gds import is_device_dest, read_split
 from kvstore.tiers.nvme.io import IoBackend, select_backend
 from kvstore.tiers.nvme.log import Pending, SegmentLog
-from kvstore.tiers.nvme.reader import BufferPool, Wanted, compiled_checks, plan_pieces, read_pipelined
+from kvstore.tiers.nvme.pipeline import BufferPool, read_pipelined
+from kvstore.tiers.nvme.reader import Wanted, compiled_checks, plan_pieces
 from kvstore.tiers.nvme.segments import Segment, SegmentState
 from kvstore.tiers.nvme.sidecar import RecordColumns
 
@@ -275,9 +276,10 @@ class NvmeTier(Tier):
         crcs: Sequence[int | None] | None = None,
     ) -> None:
         """Fill ``dests[i]`` with the verified payload at ``locs[i]``; ``on_ready(indices)`` (optional) is called
-        from a reading thread as each piece's records pass their checks (failed ones left out). ``crcs[i]``
-        (optional) is the payload CRC32C the caller's index holds: a record whose own differs fails too, so a
-        verified payload's CRC32C is known to the caller without computing it again."""
+        from this thread or a reading one (``pipeline.read_pipelined`` says which) as each piece's records pass
+        their checks (failed ones left out). ``crcs[i]`` (optional) is the payload CRC32C the caller's index holds:
+        a record whose own differs fails too, so a verified payload's CRC32C is known to the caller without
+        computing it again."""
         if not (len(locs) == len(lengths) == len(dests)):
             raise ValueError("locs, lengths and dests must have the same length")
         if self.backend.name.startswith("kvikio") and any(is_device_dest(d) for d in dests):
