@@ -131,9 +131,12 @@ class LowerReads:
                 try:
                     if getattr(tier, "streams_reads", False):  # raw blocks: the record's CRC must be the index's
                         crcs = [x.crc32c if x.codec == CODEC_NONE else None for x in group]  # type: ignore[union-attr]
-                        cast(Any, tier).read(
-                            locs, lengths, bufs, lambda idx, pos=pos: done([pos[k] for k in idx]), crcs
-                        )  # NvmeTier.read
+                        # piece by piece only for a caller that moves blocks on: else the tier's readers would hand
+                        # each piece to this thread for nothing (NvmeTier.read)
+                        each = (lambda idx, pos=pos: done([pos[k] for k in idx])) if on_ready is not None else None
+                        cast(Any, tier).read(locs, lengths, bufs, each, crcs)
+                        if each is None:
+                            done(pos)
                     else:
                         tier.read(locs, lengths, bufs)
                         done(pos)
