@@ -70,8 +70,9 @@ class LowerReads:
         Every payload is verified (CRC32C) before ``lease.buffer`` is usable; a raw (codec none) block's
         record must also carry the CRC32C of the index, so its bytes' CRC32C is ``lease.crc32c``.
         ``on_ready(positions)`` (called from this thread or reading ones) names the leases whose bytes are verified
-        as each read completes, so the caller moves them on while later ones are still read. A slot held only for this read is freed by
-        ``release``. A corrupt copy is dropped and ``DataLossError`` raised (the other blocks stay).
+        as each read completes, so the caller moves them on while later ones are still read. A slot held only for
+        this read is freed by ``release``. A corrupt copy is dropped and ``DataLossError`` raised (the other
+        blocks stay).
         """
         cold = [i for i, lease in enumerate(leases) if lease is not None and lease.buffer is None]
         if not cold:
