@@ -1,15 +1,18 @@
-"""What the NVMe Get tests share (test_nvme_gets.py, test_nvme_columns.py): a store whose DRAM holds a few
-32-block prefixes over a write-through NVMe tier, a client on a given lane, prefixes written until the first
-ones are only on NVMe, and the check that nothing is left held once the Gets are over."""
+"""What the NVMe Get tests share (test_nvme_gets.py, test_nvme_columns.py, test_nvme_hand_on.py): a store whose
+DRAM holds a few 32-block prefixes over a write-through NVMe tier, a client on a given lane, prefixes written
+until the first ones are only on NVMe, a record damaged on disk, and the check that nothing is left held once
+the Gets are over."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 from kvstore.client import Client
+from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK
 from kvstore.tiers.nvme.io import aligned_buffer
 
 BLOCK = 64 << 10
@@ -60,6 +63,20 @@ def get_into(kv: Client, lane: str, keys: list[bytes]) -> list:
     out = [aligned_buffer(BLOCK) for _ in keys]
     kv.get("t", keys, out=out)
     return out
+
+
+def corrupt(server, key: bytes) -> None:
+    """Flip payload bytes of the record holding ``key`` in its segment file (what a bad disk sector does)."""
+    store = server.store
+    nvme = store.tiers[-1]
+    e = store.table.find(store.table.namespace_id("t"), key)
+    loc = int(store.table.loc[e, nvme.rank])
+    seg = nvme._log.segments[loc >> 40]  # the test reaches into the tier to damage one record on disk
+    with open(seg.fh.path, "r+b") as f:
+        f.seek((loc & OFFSET_MASK) + HEADER_BYTES + 100)
+        f.write(b"\xff" * 64)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def quiet(server, timeout: float = 10.0) -> None:

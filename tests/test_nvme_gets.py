@@ -21,13 +21,13 @@ import pytest
 
 from kvstore.client import KVStoreError
 from kvstore.hugepages import files_get_huge_pages
-from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK
 from kvstore.tiers.nvme.io import aligned_buffer
 from tests.conftest import ROOT
 from tests.nvme_gets_support import (
     BLOCK,
     LANES,
     PREFIX,
+    corrupt,
     fill,
     get_into,
     lane_client,
@@ -67,20 +67,6 @@ def test_nvme_only_blocks_come_back_exact_on_every_lane(make_server, tmp_path, l
         assert tiers["dram"]["promotions"] > 0
 
 
-def _corrupt(server, key: bytes) -> None:
-    """Flip payload bytes of the record holding ``key`` in its segment file (what a bad disk sector does)."""
-    store = server.store
-    nvme = store.tiers[-1]
-    e = store.table.find(store.table.namespace_id("t"), key)
-    loc = int(store.table.loc[e, nvme.rank])
-    seg = nvme._log.segments[loc >> 40]  # the test reaches into the tier to damage one record on disk
-    with open(seg.fh.path, "r+b") as f:
-        f.seek((loc & OFFSET_MASK) + HEADER_BYTES + 100)
-        f.write(b"\xff" * 64)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 @pytest.mark.parametrize("lane", LANES)
 def test_a_corrupt_record_fails_alone_and_is_dropped(make_server, tmp_path, lane):
     server = start_store(make_server, tmp_path, lane, promote=True)
@@ -88,7 +74,7 @@ def test_a_corrupt_record_fails_alone_and_is_dropped(make_server, tmp_path, lane
         data = fill(kv, 8)
         keys, blocks = data[0]
         assert nvme_only(server, keys) == PREFIX
-        _corrupt(server, keys[5])
+        corrupt(server, keys[5])
         out = [aligned_buffer(BLOCK) for _ in keys]
         with pytest.raises(KVStoreError) as err:
             if lane == "shm-loan":
@@ -148,7 +134,7 @@ def test_promotions_into_a_small_page_arena_are_read_apart_and_copied_at_release
         # a corrupt record: the Get fails, and the slots reserved for its promotions all come back
         keys, blocks = data[1]
         assert nvme_only(server, keys) == PREFIX
-        _corrupt(server, keys[7])
+        corrupt(server, keys[7])
         with pytest.raises(KVStoreError) as err:
             kv.get("t", keys, out=[aligned_buffer(BLOCK) for _ in keys])
         assert "DATA_LOSS" in str(err.value.code) or "checksum" in str(err.value).lower()
@@ -296,7 +282,7 @@ def test_a_corrupt_record_on_tcp_is_data_loss_even_when_the_read_ends_first(make
         data = fill(kv, 8)
         keys, blocks = data[0]
         assert nvme_only(server, keys) == PREFIX
-        _corrupt(server, keys[5])
+        corrupt(server, keys[5])
         with pytest.raises(KVStoreError) as err:
             kv.get("t", keys, out=[aligned_buffer(BLOCK) for _ in keys])
         assert "DATA_LOSS" in str(err.value.code), err.value
