@@ -6,7 +6,9 @@ the Gets are over."""
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -94,3 +96,24 @@ def quiet(server, timeout: float = 10.0) -> None:
         time.sleep(0.05)
     assert unpinned()
     store.check_invariants(quiet=True)  # and every DRAM slot belongs to a block: none leaked by a promotion
+
+
+def run_concurrently(reader: Callable[[int], None], threads: int = 4, timeout: float = 120.0) -> None:
+    """``reader(i)`` on ``threads`` threads at once; fails on the first error any raised, or on one still running
+    after ``timeout`` (a Get that hung)."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            reader(i)
+        except BaseException as err:  # noqa: BLE001 (reported below, in the test's thread)
+            errors.append(err)
+
+    started = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(threads)]
+    for t in started:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in started:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in started), "a Get hung"
+    assert not errors, errors[0]

@@ -34,6 +34,7 @@ from tests.nvme_gets_support import (
     nvme_only,
     nvme_store,
     quiet,
+    run_concurrently,
     start_store,
 )
 
@@ -194,26 +195,17 @@ def test_concurrent_gets_of_the_same_nvme_blocks(make_server, tmp_path, lane):
     keys, blocks = data[0]
     assert nvme_only(server, keys) == PREFIX
     want = [b.tobytes() for b in blocks]
-    errors: list[BaseException] = []
 
     def reader(seed: int) -> None:
-        try:
-            with lane_client(server, lane) as c:
-                for k in range(4):
-                    sel = keys if (seed + k) % 2 else keys[::-1]
-                    got = get_into(c, lane, sel)
-                    ref = want if sel is keys else want[::-1]
-                    for g, b in zip(got, ref):
-                        assert bytes(memoryview(g)) == b
-        except BaseException as err:  # noqa: BLE001 (reported below)
-            errors.append(err)
+        with lane_client(server, lane) as c:
+            for k in range(4):
+                sel = keys if (seed + k) % 2 else keys[::-1]
+                got = get_into(c, lane, sel)
+                ref = want if sel is keys else want[::-1]
+                for g, b in zip(got, ref):
+                    assert bytes(memoryview(g)) == b
 
-    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors[0]
+    run_concurrently(reader)
     quiet(server)
 
 

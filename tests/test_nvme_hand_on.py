@@ -5,13 +5,22 @@ alone, concurrent Gets sharing the readers, and nothing left held afterwards."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from kvstore.client import KVStoreError
 from kvstore.tiers.nvme.io import aligned_buffer
-from tests.nvme_gets_support import BLOCK, PREFIX, corrupt, fill, get_into, lane_client, nvme_only, quiet, start_store
+from tests.nvme_gets_support import (
+    BLOCK,
+    PREFIX,
+    corrupt,
+    fill,
+    get_into,
+    lane_client,
+    nvme_only,
+    quiet,
+    run_concurrently,
+    start_store,
+)
 
 LANE = "shm-direct"  # the lane that copies each verified piece into its client as it lands
 
@@ -66,22 +75,12 @@ def test_concurrent_gets_share_the_readers(make_server, tmp_path):
         data = fill(kv, 8)
     prefixes = [(keys, [b.tobytes() for b in blocks]) for keys, blocks in data[:2]]
     assert all(nvme_only(server, keys) == PREFIX for keys, _ in prefixes)
-    errors: list[BaseException] = []
 
     def reader(seed: int) -> None:
-        try:
-            with lane_client(server, LANE) as c:
-                for k in range(6):
-                    keys, want = prefixes[(seed + k) % 2]
-                    assert [bytes(memoryview(g)) for g in get_into(c, LANE, keys)] == want
-        except BaseException as err:  # noqa: BLE001 (reported below)
-            errors.append(err)
+        with lane_client(server, LANE) as c:
+            for k in range(6):
+                keys, want = prefixes[(seed + k) % 2]
+                assert [bytes(memoryview(g)) for g in get_into(c, LANE, keys)] == want
 
-    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a Get hung"
-    assert not errors, errors[0]
+    run_concurrently(reader)
     quiet(server)

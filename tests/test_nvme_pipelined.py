@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -164,11 +166,24 @@ def test_a_read_does_not_wait_for_a_busy_pool(tmp_path: Path, rng: np.random.Gen
 # -- a Get with more pieces than readers: the workers read, the caller hands on (pipeline.read_pipelined) --------
 
 
-def hand_on_tier(tmp_path: Path, backend: InstrumentedBackend) -> NvmeTier:
-    """32 x 128 KiB records in pieces of at most 256 KiB (one record each), two readers: 32 pieces."""
-    return NvmeTier(
+@dataclass
+class HandOn:
+    """32 x 128 KiB records on a tier reading at most 256 KiB a piece (one record each) with two readers: 32
+    pieces, more than the readers, so a read with ``on_ready`` is handed on by its caller."""
+
+    backend: InstrumentedBackend
+    tier: NvmeTier
+    blocks: dict[int, bytes]
+
+
+@pytest.fixture
+def hand_on(tmp_path: Path, rng: np.random.Generator) -> Iterator[HandOn]:
+    backend = InstrumentedBackend(PosixBackend())
+    tier = NvmeTier(
         tmp_path, 64 * MiB, segment_bytes=16 * MiB, backend=backend, read_threads=2, max_read_bytes=256 * KiB
     )
+    yield HandOn(backend, tier, write_blocks(tier, [BLOCK] * 32, rng))
+    tier.close()
 
 
 def spy_reads(backend: InstrumentedBackend) -> list[str]:
@@ -185,10 +200,8 @@ def spy_reads(backend: InstrumentedBackend) -> list[str]:
 
 
 @pytest.mark.usefixtures("record_checks")
-def test_workers_read_and_the_caller_hands_each_verified_piece_on(tmp_path: Path, rng: np.random.Generator) -> None:
-    backend = InstrumentedBackend(PosixBackend())
-    tier = hand_on_tier(tmp_path, backend)
-    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+def test_workers_read_and_the_caller_hands_each_verified_piece_on(tmp_path: Path, hand_on: HandOn) -> None:
+    backend, tier, blocks = hand_on.backend, hand_on.tier, hand_on.blocks
     locs = list(blocks)
     bad = locs[20]
     flip_byte(segment_files(tmp_path)[0], split_loc(bad)[1] + PAGE + 777)
@@ -210,13 +223,10 @@ def test_workers_read_and_the_caller_hands_each_verified_piece_on(tmp_path: Path
     assert callers == {threading.current_thread().name}
     assert len(readers) == 32 and threading.current_thread().name not in readers  # the pool's workers read
     assert tier._buffers._free.qsize() == 2 + 1
-    tier.close()
 
 
-def test_a_failed_read_hands_nothing_on(tmp_path: Path, rng: np.random.Generator) -> None:
-    backend = InstrumentedBackend(PosixBackend())
-    tier = hand_on_tier(tmp_path, backend)
-    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+def test_a_failed_read_hands_nothing_on(hand_on: HandOn) -> None:
+    backend, tier, blocks = hand_on.backend, hand_on.tier, hand_on.blocks
     dests = wiped_dests(32)
     backend.fail_reads()
     handed: list[int] = []
@@ -224,14 +234,11 @@ def test_a_failed_read_hands_nothing_on(tmp_path: Path, rng: np.random.Generator
         tier.read(list(blocks), [BLOCK] * 32, dests, handed.extend)
     assert sorted(err.value.locs) == sorted(blocks) and not handed
     assert all(not d.any() for d in dests)
-    tier.close()
 
 
-def test_an_error_handing_on_ends_the_read(tmp_path: Path, rng: np.random.Generator) -> None:
+def test_an_error_handing_on_ends_the_read(hand_on: HandOn) -> None:
     # the lane's copy into a client that went away raises: no piece starts after it, every buffer goes back
-    backend = InstrumentedBackend(PosixBackend())
-    tier = hand_on_tier(tmp_path, backend)
-    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+    backend, tier, blocks = hand_on.backend, hand_on.tier, hand_on.blocks
     readers = spy_reads(backend)
 
     def on_ready(targets: list[int]) -> None:
@@ -244,14 +251,11 @@ def test_an_error_handing_on_ends_the_read(tmp_path: Path, rng: np.random.Genera
     time.sleep(0.05)
     assert len(readers) == after  # and none is still being started
     assert tier._buffers._free.qsize() == 2 + 1
-    tier.close()
 
 
-def test_handing_on_does_not_wait_for_a_busy_pool(tmp_path: Path, rng: np.random.Generator) -> None:
+def test_handing_on_does_not_wait_for_a_busy_pool(hand_on: HandOn) -> None:
     # both pool threads busy with other Gets' work: the caller reads the pieces itself and hands them on
-    backend = InstrumentedBackend(PosixBackend())
-    tier = hand_on_tier(tmp_path, backend)
-    blocks = write_blocks(tier, [BLOCK] * 32, rng)
+    backend, tier, blocks = hand_on.backend, hand_on.tier, hand_on.blocks
     readers = spy_reads(backend)
     release = threading.Event()
     busy = [tier._pool.submit(release.wait, 30) for _ in range(2)]
@@ -269,4 +273,3 @@ def test_handing_on_does_not_wait_for_a_busy_pool(tmp_path: Path, rng: np.random
         release.set()
         for f in busy:
             f.result()
-    tier.close()
