@@ -169,7 +169,7 @@ def test_a_read_does_not_wait_for_a_busy_pool(tmp_path: Path, rng: np.random.Gen
 @dataclass
 class HandOn:
     """32 x 128 KiB records on a tier reading at most 256 KiB a piece (one record each) with two readers: 32
-    pieces, more than the readers, so a read with ``on_ready`` is handed on by its caller."""
+    pieces, more than the readers, so a read with ``on_ready`` and ``on_caller`` is handed on by its caller."""
 
     backend: InstrumentedBackend
     tier: NvmeTier
@@ -217,7 +217,7 @@ def test_workers_read_and_the_caller_hands_each_verified_piece_on(tmp_path: Path
         handed.extend(targets)
 
     with pytest.raises(CorruptBlock) as err:
-        tier.read(locs, [BLOCK] * 32, dests, on_ready)
+        tier.read(locs, [BLOCK] * 32, dests, on_ready, on_caller=True)
     assert err.value.locs == [bad]
     assert sorted(handed) == [t for t in range(32) if t != 20]  # each once, the corrupt one never
     assert callers == {threading.current_thread().name}
@@ -231,7 +231,7 @@ def test_a_failed_read_hands_nothing_on(hand_on: HandOn) -> None:
     backend.fail_reads()
     handed: list[int] = []
     with pytest.raises(CorruptBlock, match="read failed") as err:
-        tier.read(list(blocks), [BLOCK] * 32, dests, handed.extend)
+        tier.read(list(blocks), [BLOCK] * 32, dests, handed.extend, on_caller=True)
     assert sorted(err.value.locs) == sorted(blocks) and not handed
     assert all(not d.any() for d in dests)
 
@@ -245,7 +245,7 @@ def test_an_error_handing_on_ends_the_read(hand_on: HandOn) -> None:
         raise OSError("the client went away")
 
     with pytest.raises(OSError, match="went away"):
-        tier.read(list(blocks), [BLOCK] * 32, wiped_dests(32), on_ready)
+        tier.read(list(blocks), [BLOCK] * 32, wiped_dests(32), on_ready, on_caller=True)
     after = len(readers)
     assert after < 32  # the rest were never read
     time.sleep(0.05)
@@ -263,7 +263,7 @@ def test_handing_on_does_not_wait_for_a_busy_pool(hand_on: HandOn) -> None:
         dests = wiped_dests(32)
         handed: list[int] = []
         started = time.monotonic()
-        tier.read(list(blocks), [BLOCK] * 32, dests, handed.extend)
+        tier.read(list(blocks), [BLOCK] * 32, dests, handed.extend, on_caller=True)
         assert time.monotonic() - started < 5
         assert sorted(handed) == list(range(32))
         assert [d.tobytes() for d in dests] == list(blocks.values())
@@ -273,3 +273,15 @@ def test_handing_on_does_not_wait_for_a_busy_pool(hand_on: HandOn) -> None:
         release.set()
         for f in busy:
             f.result()
+
+
+def test_without_on_caller_each_reader_hands_on_its_own_pieces(hand_on: HandOn) -> None:
+    # an on_ready that only wakes another thread (ReadAhead's) is called where the piece was read: no hop
+    backend, tier, blocks = hand_on.backend, hand_on.tier, hand_on.blocks
+    readers = spy_reads(backend)
+    callers: list[str] = []
+    dests = wiped_dests(32)
+    tier.read(list(blocks), [BLOCK] * 32, dests, lambda targets: callers.extend([threading.current_thread().name]))
+    assert [d.tobytes() for d in dests] == list(blocks.values())
+    assert len(callers) == 32 and threading.current_thread().name in readers
+    assert set(callers) == set(readers)  # each piece handed on by the thread that read it

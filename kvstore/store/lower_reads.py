@@ -56,6 +56,7 @@ class LowerReads:
         leases: Sequence[Lease | None],
         on_ready: Callable[[list[int]], None] | None = None,
         dest_for: Callable[[int], Any] | None = None,
+        on_caller: bool = False,
     ) -> None:
         """Read the batch's NVMe-only blocks (coalesced by the tier) straight into where they go.
 
@@ -69,8 +70,9 @@ class LowerReads:
         ``release`` copies the verified bytes into the slot.
         Every payload is verified (CRC32C) before ``lease.buffer`` is usable; a raw (codec none) block's
         record must also carry the CRC32C of the index, so its bytes' CRC32C is ``lease.crc32c``.
-        ``on_ready(positions)`` (called from this thread or reading ones) names the leases whose bytes are verified
-        as each read completes, so the caller moves them on while later ones are still read. A slot held only for
+        ``on_ready(positions)`` (called from reading threads, or with ``on_caller`` from this one while the tier's
+        readers only read: for an ``on_ready`` that copies, ``pipeline.read_pipelined``) names the leases whose
+        bytes are verified as each read completes, so the caller moves them on while later ones are still read. A slot held only for
         this read is freed by ``release``. A corrupt copy is dropped and ``DataLossError`` raised (the other
         blocks stay).
         """
@@ -132,12 +134,9 @@ class LowerReads:
                 try:
                     if getattr(tier, "streams_reads", False):  # raw blocks: the record's CRC must be the index's
                         crcs = [x.crc32c if x.codec == CODEC_NONE else None for x in group]  # type: ignore[union-attr]
-                        # piece by piece only for a caller that moves blocks on: else the tier's readers would hand
-                        # each piece to this thread for nothing (NvmeTier.read)
-                        each = (lambda idx, pos=pos: done([pos[k] for k in idx])) if on_ready is not None else None
-                        cast(Any, tier).read(locs, lengths, bufs, each, crcs)
-                        if each is None:
-                            done(pos)
+                        cast(Any, tier).read(
+                            locs, lengths, bufs, lambda idx, pos=pos: done([pos[k] for k in idx]), crcs, on_caller
+                        )  # NvmeTier.read
                     else:
                         tier.read(locs, lengths, bufs)
                         done(pos)

@@ -305,7 +305,7 @@ class ShmGets:
                     blocks = [host_bytes(x.buffer, x.stored_length) for j in positions if (x := window[j]) is not None]
                     write_blocks([targets[first + j] for j in positions], blocks, direct, None, False)
 
-                self.ops.materialize(window, on_ready)
+                self.ops.materialize(window, on_ready, on_caller=True)  # the copies on this thread, reads beside
                 first += len(window)
                 if first < len(leases):
                     self.ops.release(leases[released:first], touch=True)

@@ -4,18 +4,19 @@
 (``reader.read_one`` each) with up to ``window`` of them in flight, and returns the failed (target, reason). Two
 ways of doing it:
 
-- *Readers read, the caller hands on* (``on_ready`` given, ``window`` over 1 and more pieces than ``window``): up
-  to ``window`` pool workers do nothing but read and check pieces, each putting a verified piece's targets in a
-  queue; the caller takes them off it and calls ``on_ready`` (a lane's copy into its client's memory, or its
-  send), so handing one piece on never holds up the next read. Measured (forty-fourth session, three runs of
-  ``bench.nvme_get --baseline 7742533 --kinds nvme-shm,nvme-tcp``, docs/nvme_log.md): store-read shm Gets of
-  32-block prefixes held only on NVMe moved from 0.63-0.66 of the raw read to 0.66-0.71 at 512 KiB blocks and
-  from 0.71-0.80 to 0.77-0.90 at 2 MiB, against each thread reading, checking and handing on its own pieces:
-  a thread copying a piece out had been a read not in flight.
-- *Each thread its own pieces* (otherwise: a Get of a few pieces, or nothing to hand on): the caller and up to
-  ``window - 1`` workers take pieces from one queue, and the thread that read a piece also calls ``on_ready``.
-  For a 32 x 64 KiB prefix (two pieces) this measured better: a hand-off costs more there than the overlap
-  gains (0.30-0.37 of the raw read against 0.29-0.30).
+- *Readers read, the caller hands on* (``on_caller``: an ``on_ready`` that copies, the shm lane's into its
+  client's memory; ``window`` over 1 and more pieces than ``window``): up to ``window`` pool workers do nothing
+  but read and check pieces, each putting a verified piece's targets in a queue; the caller takes them off it
+  and calls ``on_ready``, so handing one piece on never holds up the next read. Measured (forty-fourth
+  session, three runs of ``bench.nvme_get --baseline 7742533 --kinds nvme-shm,nvme-tcp``, docs/nvme_log.md):
+  store-read shm Gets of 32-block prefixes held only on NVMe moved from 0.63-0.66 of the raw read to 0.66-0.71
+  at 512 KiB blocks and from 0.71-0.80 to 0.77-0.90 at 2 MiB, against each thread reading, checking and
+  handing on its own pieces: a thread copying a piece out had been a read not in flight.
+- *Each thread its own pieces* (otherwise): the caller and up to ``window - 1`` workers take pieces from one
+  queue, and the thread that read a piece also calls ``on_ready``. For an ``on_ready`` that only wakes another
+  thread (``ReadAhead``'s, under the TCP lane's and gRPC's senders) a hop through the caller only adds a wake-up;
+  and for a 32 x 64 KiB prefix (two pieces) this measured better even with copies: a hand-off costs more there
+  than the overlap gains (0.30-0.37 of the raw read against 0.29-0.30).
 
 Either way a worker starts only with a scratch buffer that is free at once, and the caller waits for at most
 its own first one (holding none), so Gets sharing the pool and its buffers cannot deadlock; a Get whose workers
@@ -90,14 +91,15 @@ def read_pipelined(
     dests: Sequence[Any],
     window: int,
     on_ready: Callable[[list[int]], None] | None = None,
+    on_caller: bool = False,
 ) -> Failed:
     """Read and check ``pieces`` into ``dests`` with up to ``window`` in flight; ``on_ready(targets)`` names each
-    piece's verified targets as soon as they are (failed ones left out), from the calling thread or the one
-    that read them. Returns the failed (target, reason)."""
+    piece's verified targets as soon as they are (failed ones left out), from the thread that read them, or
+    with ``on_caller`` from the calling thread while the workers only read. Returns the failed (target, reason)."""
     if not pieces:
         return []
     todo = deque(pieces)
-    handing_on = on_ready is not None and 1 < window < len(pieces)
+    handing_on = on_caller and on_ready is not None and 1 < window < len(pieces)
     ready: queue.SimpleQueue[list[int] | BaseException] = queue.SimpleQueue()
     started = threading.Event()
 

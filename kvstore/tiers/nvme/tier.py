@@ -274,10 +274,11 @@ class NvmeTier(Tier):
         dests: Sequence[Any],
         on_ready: Callable[[list[int]], None] | None = None,
         crcs: Sequence[int | None] | None = None,
+        on_caller: bool = False,
     ) -> None:
         """Fill ``dests[i]`` with the verified payload at ``locs[i]``; ``on_ready(indices)`` (optional) is called
-        from this thread or a reading one (``pipeline.read_pipelined`` says which) as each piece's records pass
-        their checks (failed ones left out). ``crcs[i]`` (optional) is the payload CRC32C the caller's index holds:
+        from a reading thread, or with ``on_caller`` from this one (``pipeline.read_pipelined``), as each piece's
+        records pass their checks (failed ones left out). ``crcs[i]`` (optional) is the payload CRC32C the caller's index holds:
         a record whose own differs fails too, so a verified payload's CRC32C is known to the caller without
         computing it again."""
         if not (len(locs) == len(lengths) == len(dests)):
@@ -315,7 +316,7 @@ class NvmeTier(Tier):
                 )
             ]
             failures = read_pipelined(
-                self.backend, self._pool, self._buffers, pieces, dests, self.read_threads, on_ready
+                self.backend, self._pool, self._buffers, pieces, dests, self.read_threads, on_ready, on_caller
             )
         finally:
             self._log.unpin(pinned)
