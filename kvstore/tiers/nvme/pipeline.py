@@ -8,9 +8,9 @@ ways of doing it:
   client's memory; ``window`` over 1 and more pieces than ``window``): up to ``window`` pool workers do nothing
   but read and check pieces, each putting a verified piece's targets in a queue; the caller takes them off it
   and calls ``on_ready``, so handing one piece on never holds up the next read. Measured (forty-fourth
-  session, three runs of ``bench.nvme_get --baseline 7742533 --kinds nvme-shm,nvme-tcp``, docs/nvme_log.md):
-  store-read shm Gets of 32-block prefixes held only on NVMe moved from 0.63-0.66 of the raw read to 0.66-0.71
-  at 512 KiB blocks and from 0.71-0.80 to 0.77-0.90 at 2 MiB, against each thread reading, checking and
+  session, five runs of ``bench.nvme_get --baseline 7742533 --kinds nvme-shm,...``, docs/nvme_log.md):
+  store-read shm Gets of 32-block prefixes held only on NVMe moved from 0.59-0.66 of the raw read to 0.66-0.71
+  at 512 KiB blocks and from 0.65-0.80 to 0.77-0.90 at 2 MiB, against each thread reading, checking and
   handing on its own pieces: a thread copying a piece out had been a read not in flight.
 - *Each thread its own pieces* (otherwise): the caller and up to ``window - 1`` workers take pieces from one
   queue, and the thread that read a piece also calls ``on_ready``. For an ``on_ready`` that only wakes another
