@@ -81,6 +81,14 @@ def corrupt(server, key: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def nvme_prefix_with_a_corrupt_block(server, kv: Client, k: int) -> tuple[list[bytes], list[np.ndarray]]:
+    """Eight prefixes written through ``kv``; the first, held only on NVMe, with its block ``k`` damaged on disk."""
+    keys, blocks = fill(kv, 8)[0]
+    assert nvme_only(server, keys) == PREFIX
+    corrupt(server, keys[k])
+    return keys, blocks
+
+
 def quiet(server, timeout: float = 10.0) -> None:
     """No lease, no staging slot and no read-only DRAM slot is left once the Gets are over."""
     store = server.store

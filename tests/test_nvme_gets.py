@@ -32,6 +32,7 @@ from tests.nvme_gets_support import (
     get_into,
     lane_client,
     nvme_only,
+    nvme_prefix_with_a_corrupt_block,
     nvme_store,
     quiet,
     run_concurrently,
@@ -72,10 +73,7 @@ def test_nvme_only_blocks_come_back_exact_on_every_lane(make_server, tmp_path, l
 def test_a_corrupt_record_fails_alone_and_is_dropped(make_server, tmp_path, lane):
     server = start_store(make_server, tmp_path, lane, promote=True)
     with lane_client(server, lane) as kv:
-        data = fill(kv, 8)
-        keys, blocks = data[0]
-        assert nvme_only(server, keys) == PREFIX
-        corrupt(server, keys[5])
+        keys, blocks = nvme_prefix_with_a_corrupt_block(server, kv, 5)
         out = [aligned_buffer(BLOCK) for _ in keys]
         with pytest.raises(KVStoreError) as err:
             if lane == "shm-loan":
@@ -271,10 +269,7 @@ def test_a_corrupt_record_on_tcp_is_data_loss_even_when_the_read_ends_first(make
     monkeypatch.setattr(tcp_server, "host_bytes", lagging)
     server = start_store(make_server, tmp_path, "tcp", promote=False)
     with lane_client(server, "tcp") as kv:
-        data = fill(kv, 8)
-        keys, blocks = data[0]
-        assert nvme_only(server, keys) == PREFIX
-        corrupt(server, keys[5])
+        keys, blocks = nvme_prefix_with_a_corrupt_block(server, kv, 5)
         with pytest.raises(KVStoreError) as err:
             kv.get("t", keys, out=[aligned_buffer(BLOCK) for _ in keys])
         assert "DATA_LOSS" in str(err.value.code), err.value

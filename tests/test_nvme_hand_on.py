@@ -12,11 +12,11 @@ from kvstore.tiers.nvme.io import aligned_buffer
 from tests.nvme_gets_support import (
     BLOCK,
     PREFIX,
-    corrupt,
     fill,
     get_into,
     lane_client,
     nvme_only,
+    nvme_prefix_with_a_corrupt_block,
     quiet,
     run_concurrently,
     start_store,
@@ -52,10 +52,7 @@ def test_a_corrupt_record_handed_on_fails_alone_and_is_dropped(make_server, tmp_
     server = start_store(make_server, tmp_path, LANE, promote=True)
     small_pieces(server)
     with lane_client(server, LANE) as kv:
-        data = fill(kv, 8)
-        keys, blocks = data[0]
-        assert nvme_only(server, keys) == PREFIX
-        corrupt(server, keys[20])
+        keys, blocks = nvme_prefix_with_a_corrupt_block(server, kv, 20)
         with pytest.raises(KVStoreError) as err:
             kv.get("t", keys, out=[aligned_buffer(BLOCK) for _ in keys])
         assert "DATA_LOSS" in str(err.value.code)

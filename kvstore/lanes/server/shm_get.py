@@ -301,8 +301,9 @@ class ShmGets:
                         for j, crc in zip(hot, written):
                             crcs[first + j] = crc
 
-                def on_ready(positions: list[int], window: list[Lease | None] = window, first: int = first) -> None:
-                    blocks = [host_bytes(x.buffer, x.stored_length) for j in positions if (x := window[j]) is not None]
+                def on_ready(positions: list[int], first: int = first) -> None:
+                    picked = [leases[first + j] for j in positions]
+                    blocks = [host_bytes(x.buffer, x.stored_length) for x in picked]
                     write_blocks([targets[first + j] for j in positions], blocks, direct, None, False)
 
                 self.ops.materialize(window, on_ready, on_caller=True)  # the copies on this thread, reads beside
