@@ -1,8 +1,8 @@
 """Soak: mixed put/get/lookup from many clients at a fixed rate against a `kvstore serve` subprocess.
 
     python -m bench.soak [--minutes 10] [--quick] [--out FILE.json] [--plot FILE.png (default: beside --out)]
-                         [--nvme SIZE [--nvme-segment SIZE] [--write-policy P] [--nvme-eviction E]] [--share]
-                         [--hot S]
+                         [--nvme SIZE [--nvme-segment SIZE] [--write-policy P] [--nvme-eviction E]]
+                         [--share | --direct] [--hot S]
 
 Each client is a thread with its own tenant token and namespace (a tenants file
 is generated, so the interceptor, namespace checks and Stats scoping run under
@@ -24,7 +24,11 @@ written: DRAM demotes, NVMe evicts and compacts, and Gets read blocks back from 
 ``--share`` the store also shares its DRAM arena, its index and its NVMe files (``--share-dram``,
 ``--share-nvme``, ``--shm-direct``) and each client Gets into page-aligned buffers of its own, so that hits are
 read by the clients themselves, from the mapped arena or the segment files, while the store moves and rewrites
-them. A block gone from every tier counts among the evictions of some tier, so ``lost`` stays an upper bound.
+them. With ``--direct`` (``--shm-direct`` alone) the clients Get into their own buffers too, but the store reads
+every block and writes it into their memory: NVMe-only blocks are read by the tier's threads and handed on piece
+by piece as each is verified (``kvstore/tiers/nvme/pipeline.py``), the path ``bench.nvme_get``'s ``nvme-shm``
+measures; ``--batch 32 --block-kib 512`` gives it Gets of more pieces than reading threads. A block gone from
+every tier counts among the evictions of some tier, so ``lost`` stays an upper bound.
 """
 
 from __future__ import annotations
@@ -123,8 +127,9 @@ def run_worker(w: Worker, target: str, args: Any, rec: Recorder, stop: threading
     popular = np.random.default_rng(w.index)
     interval = args.clients / args.rate
     block = args.block_kib << 10
-    # --share: Gets land in page-aligned buffers of ours, which the DRAM index and the NVMe file reads fill
-    pool = aligned_buffer(args.batch * block) if args.share else None
+    # --share, --direct: Gets land in page-aligned buffers of ours, which the DRAM index and the NVMe file reads
+    # fill (--share) or the store writes (--direct)
+    pool = aligned_buffer(args.batch * block) if args.share or args.direct else None
     outs = [pool[k * block : (k + 1) * block] for k in range(args.batch)] if pool is not None else None
     with Client(target, token=w.token, timeout=30, retries=2, lane=args.lane) as kv:
         next_at = time.monotonic() + rng.random() * interval
@@ -182,7 +187,7 @@ def verify(workers: list[Worker], target: str, block: int) -> dict[str, int]:
 
 
 def store_options(args: Any, tmp: Path) -> list[str]:
-    """``kvstore serve`` options for ``--nvme`` and ``--share``."""
+    """``kvstore serve`` options for ``--nvme``, ``--share`` and ``--direct``."""
     options: list[str] = []
     if args.nvme:
         options += ["--nvme-dir", str(tmp / "nvme"), "--nvme", str(parse_size(args.nvme))]
@@ -190,6 +195,8 @@ def store_options(args: Any, tmp: Path) -> list[str]:
         options += ["--nvme-eviction", args.nvme_eviction] if args.nvme_eviction else []
     if args.share:
         options += ["--share-dram", "true", "--shm-direct", "true"] + (["--share-nvme", "true"] if args.nvme else [])
+    elif args.direct:
+        options += ["--shm-direct", "true"]
     return options
 
 
@@ -290,11 +297,18 @@ def configure(p: Any) -> None:
         choices=["segment", "block"],
         help="with --nvme: the store's --nvme-eviction (default: the store's own default, segment)",
     )
-    p.add_argument(
+    serving = p.add_mutually_exclusive_group()  # how Gets land in the clients' own buffers, if they do
+    serving.add_argument(
         "--share",
         action="store_true",
         help="serve with --share-dram, --share-nvme and --shm-direct, and Get into buffers of the clients' own: "
         "hits read by the clients from the mapped arena and the NVMe files (the shm lane)",
+    )
+    serving.add_argument(
+        "--direct",
+        action="store_true",
+        help="serve with --shm-direct only, and Get into buffers of the clients' own that the store writes: every "
+        "block read by the store, NVMe-only ones handed on piece by piece as verified (the shm lane)",
     )
     p.add_argument(
         "--hot",
@@ -374,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                     moved = check[f"{t['name']}_relocated"]
                     check[f"{t['name']}_write_amplification"] = round((written + moved) / written, 2)
             check["lost"] = max(0, check["missing"] - check["evictions"])
+            check["direct_get_bytes"] = int(counters.get("lane_shm_direct_get_bytes", 0))  # written into clients
             check["rss_end_MiB"] = round(rss_bytes(proc.pid) / 2**20, 1)
     check["lane"] = ",".join(sorted({w.lane for w in workers}))
     return report_soak(args, rows, rec, check, warmup_s, duration)
