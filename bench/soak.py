@@ -27,7 +27,7 @@ read by the clients themselves, from the mapped arena or the segment files, whil
 them. With ``--direct`` (``--shm-direct`` alone) the clients Get into their own buffers too, but the store reads
 every block and writes it into their memory: NVMe-only blocks are read by the tier's threads and handed on piece
 by piece as each is verified (``kvstore/tiers/nvme/pipeline.py``), the path ``bench.nvme_get``'s ``nvme-shm``
-measures; ``--batch 32 --block-kib 512`` gives it Gets of more pieces than reading threads. A block gone from
+measures; ``--batch 32`` gives it Gets of more pieces than the tier has reading threads. A block gone from
 every tier counts among the evictions of some tier, so ``lost`` stays an upper bound.
 """
 
