@@ -21,6 +21,7 @@ import pytest
 
 from kvstore.client import KVStoreError
 from kvstore.hugepages import files_get_huge_pages
+from kvstore.lanes import framing
 from kvstore.tiers.nvme.io import aligned_buffer
 from tests.conftest import ROOT
 from tests.nvme_gets_support import (
@@ -253,6 +254,38 @@ def test_a_client_killed_mid_get_leaks_no_lease_and_no_slot(make_server, tmp_pat
         assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in data[0][1]]
 
 
+def test_a_tcp_send_failing_mid_read_ends_the_connection_and_leaks_nothing(make_server, tmp_path, monkeypatch):
+    """A small TCP Get's pieces are sent by the threads that verified them (``_send_read``); when a send fails
+    (the client gone), the read ends, the connection closes as for any failed send (not a DATA_LOSS or
+    UNAVAILABLE status for a disk that did nothing wrong), and no lease, staging slot or segment pin is left.
+    The client retries the broken lane and gets every byte."""
+    import types
+
+    import kvstore.lanes.server.tcp as tcp_server
+
+    failed: list[object] = []  # the connection whose send failed
+    after: list[int] = []  # the kinds of frames the server sent on it afterwards: no STATUS (it would be a lie)
+
+    def failing_once(conn, kind, meta=b"", payload=()):
+        if failed and conn is failed[0]:
+            after.append(kind)
+        if kind == framing.DATA and not failed:
+            failed.append(conn)
+            raise BrokenPipeError("the client went away")
+        return framing.send_frame(conn, kind, meta, payload)
+
+    monkeypatch.setattr(tcp_server, "framing", types.SimpleNamespace(**{**vars(framing), "send_frame": failing_once}))
+    server = start_store(make_server, tmp_path, "tcp", promote=False)
+    with lane_client(server, "tcp") as kv:
+        data = fill(kv, 8)
+        keys, blocks = data[0]
+        assert nvme_only(server, keys) == PREFIX
+        got = get_into(kv, "tcp", keys)
+        assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in blocks]
+    assert failed and framing.STATUS not in after  # another piece's DATA may have been on its way
+    quiet(server)
+
+
 def test_a_corrupt_record_on_tcp_is_data_loss_even_when_the_read_ends_first(make_server, tmp_path, monkeypatch):
     """The TCP sender checks whether the next block is ready before it flushes what it holds; when the window's
     read has already failed by then, that check raises the read's error, which must reach the client as a
@@ -340,18 +373,21 @@ class _FirstReadLate:
         return getattr(self.inner, name)
 
 
+@pytest.mark.parametrize("small", [False, True], ids=["read-ahead", "small-get"])
 @pytest.mark.parametrize("asks", [True, False], ids=["named-frames", "old-client"])
-def test_tcp_sends_blocks_as_their_reads_complete(make_server, tmp_path, monkeypatch, asks):
+def test_tcp_sends_blocks_as_their_reads_complete(make_server, tmp_path, monkeypatch, asks, small):
     """On the TCP lane a read the disk serves late no longer holds back the verified blocks behind it: with the
     first read held back, the client (whose hello asks for DATA frames that name their blocks) gets the later
     blocks first, every byte right. A client whose hello does not ask gets every block in the reply's order.
-    (The prefix is read on reader threads, as a Get of more than ``readahead.INLINE_BYTES`` is: a smaller one is
-    read by the lane's own thread, which sends nothing while it reads.)"""
+    Both ways a Get is read: on reader threads a window ahead (``ReadAhead``, a Get of more than
+    ``readahead.INLINE_BYTES``, here made 0), and a small Get's two pieces read by the lane's thread and a
+    reader, each sent by the thread that verified it (``_send_read``)."""
     from kvstore.lanes.client import tcp as client_tcp
     from kvstore.store import readahead
     from kvstore.v1 import lanes_pb2
 
-    monkeypatch.setattr(readahead, "INLINE_BYTES", 0)
+    if not small:
+        monkeypatch.setattr(readahead, "INLINE_BYTES", 0)
 
     if not asks:  # an older client: its hello has no unordered_data
         old = type(client_tcp)("lanes_pb2_without_unordered")

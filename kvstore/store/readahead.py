@@ -11,6 +11,9 @@ store's ``materialize(leases, on_ready)``. Verbs:
   window's read error is raised once nothing ready is left to hand out.
 - ``close()``: wait for every read still in flight; call it before the leases are released, since a read
   may still be landing in a slot they hold.
+- ``inline``: whether the Get is one window with at most ``INLINE_BYTES`` to read, which the consumer reads
+  itself (below); a consumer that can send each piece as it is verified may instead ``materialize`` it with
+  that as ``on_ready`` and never wait here (the TCP lane's unordered Gets, ``tcp._send_read``).
 
 Window ``w + 1``'s reads start when the consumer first waits on window ``w``, so the disk reads the next
 window while the sender moves the last one; at most two windows are read ahead. Windows without an
@@ -66,7 +69,7 @@ class ReadAhead:
         self._cond = threading.Condition()
         self._started = [False] * len(self._windows)
         limit = INLINE_BYTES if inline_bytes is None else inline_bytes
-        self._inline = len(windows) == 1 and _cold_bytes(windows[0]) <= limit
+        self.inline = len(windows) == 1 and _cold_bytes(windows[0]) <= limit
 
     def _start(self, w: int) -> None:
         if w >= len(self._windows) or self._started[w]:
@@ -76,7 +79,7 @@ class ReadAhead:
         if not has_cold(win.leases):
             win.done = True
             return
-        if self._inline:
+        if self.inline:
             self._read(win)  # errors are the window's, raised by the wait that follows
             return
         win.future = self._executor.submit(self._read, win)

@@ -16,7 +16,11 @@ Verbs (frames in ``framing.py``):
   gathered straight from the arena slots with ``sendmsg``. NVMe blocks are read
   in the background (``ReadAhead``, a window ahead) straight into their slots
   and sent as each read is verified, so the disk and the socket work at once;
-  the leases are dropped when the Get ends.
+  the leases are dropped when the Get ends. A small Get (one window, at most
+  ``readahead.INLINE_BYTES`` to read) from a client that takes DATA frames in
+  any order is read on this thread and the tier's readers, each piece sent by
+  the thread that verified it (``_send_read``), so no thread hop starts the
+  read and no piece waits for the others.
 
 Socket reads and writes inside a frame time out after ``frame_seconds``
 (kernel SO_RCVTIMEO/SO_SNDTIMEO), so a stalled peer cannot hold slots or
@@ -30,7 +34,7 @@ import select
 import socket
 import struct
 import threading
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -328,6 +332,20 @@ class TcpLaneServer:
             framing.send_frame(conn, framing.GET_REPLY, reply.SerializeToString())
             first = 0  # header index of the window's first lease
             for w, window in enumerate(windows):
+                if unordered and reads.inline:  # one small window: read here, each piece sent as it is verified
+                    counted = [0]
+                    try:
+                        self._send_read(conn, ops, accepted, window, counted)
+                    except LaneError as err:
+                        self._status(conn, err.code, err.message)
+                        return
+                    except _SendFailed as err:
+                        raise err.error from None  # the client went away: the connection ends, as below
+                    finally:
+                        sent += counted[0]
+                    ops.release(window, touch=True)
+                    released += len(window)
+                    continue
                 if unordered:
                     counted = [0]
                     try:
@@ -368,6 +386,38 @@ class TcpLaneServer:
             ops.metrics.bytes_out(sent)
 
     @staticmethod
+    def _send_read(
+        conn: socket.socket, ops: StoreOps, accepted: Any, window: list[Lease | None], counted: list[int]
+    ) -> None:
+        """Send a one-window Get's blocks as DATA frames that name them (one window: a block's header index is its
+        position): its DRAM hits at once, then each piece of its NVMe reads as soon as it is verified
+        (``materialize`` with ``on_caller``: sent by the thread that read it, this one or a reader, or with more
+        pieces than readers by this thread while the readers read), a lock keeping frames whole; ``counted[0]``
+        adds the bytes sent. A corrupt or unreadable
+        block raises the read's LaneError after the pieces verified before it were sent; a failed send raises
+        ``_SendFailed`` (a store-side OSError would read as a failed disk read).
+        Measured (forty-fifth session, ``/tmp/s45/ab.py``: 150 TCP Gets of 32 x 64 KiB only on NVMe, each in turn
+        with a raw read, five runs each way): 0.291-0.304 of the raw read against 0.262-0.288 with ``ReadAhead``'s
+        inline read, which sent nothing until both pieces were read. Larger Gets keep ``ReadAhead``: sent this way
+        they measured even at 512 KiB and slower at 2 MiB (0.768-0.791 against 0.802-0.815)."""
+        lock = threading.Lock()
+
+        def send(positions: list[int]) -> None:
+            names = [j for j in positions if window[j] is not None]
+            if not names:
+                return
+            payload = [host_bytes(ops.servable(cast(Lease, window[j]), accepted)[1]) for j in names]
+            with lock:
+                try:
+                    framing.send_frame(conn, framing.DATA, struct.pack(f"<{len(names)}I", *names), payload)
+                except OSError as err:
+                    raise _SendFailed(err) from err
+                counted[0] += sum(len(p) for p in payload)
+
+        send([j for j, lease in enumerate(window) if lease is not None and lease.buffer is not None])
+        ops.materialize(window, send, on_caller=True)
+
+    @staticmethod
     def _send_unordered(
         conn: socket.socket,
         ops: StoreOps,
@@ -395,6 +445,14 @@ class TcpLaneServer:
             if payload:
                 framing.send_frame(conn, framing.DATA, struct.pack(f"<{len(names)}I", *names), payload)
                 counted[0] += sum(len(p) for p in payload)
+
+
+class _SendFailed(Exception):
+    """A DATA frame could not be sent (the client went away), raised through ``materialize`` unchanged."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
 
 
 def _parse(message: Any, data: bytes, what: str) -> Any:
