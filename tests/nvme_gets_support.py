@@ -67,6 +67,19 @@ def get_into(kv: Client, lane: str, keys: list[bytes]) -> list:
     return out
 
 
+def prefix_on_nvme(server, kv: Client) -> tuple[list[bytes], list[np.ndarray]]:
+    """Fill past what DRAM holds (``fill``) and return the first prefix, checked to be only on NVMe."""
+    keys, blocks = fill(kv, 8)[0]
+    assert nvme_only(server, keys) == PREFIX
+    return keys, blocks
+
+
+def assert_gets_exact(kv: Client, lane: str, keys: list[bytes], blocks: list[np.ndarray]) -> None:
+    """A Get of ``keys`` on ``lane`` (``get_into``) returns ``blocks``, byte for byte."""
+    got = get_into(kv, lane, keys)
+    assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in blocks]
+
+
 def corrupt(server, key: bytes) -> None:
     """Flip payload bytes of the record holding ``key`` in its segment file (what a bad disk sector does)."""
     store = server.store

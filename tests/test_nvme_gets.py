@@ -28,6 +28,7 @@ from tests.nvme_gets_support import (
     BLOCK,
     LANES,
     PREFIX,
+    assert_gets_exact,
     corrupt,
     fill,
     get_into,
@@ -35,6 +36,7 @@ from tests.nvme_gets_support import (
     nvme_only,
     nvme_prefix_with_a_corrupt_block,
     nvme_store,
+    prefix_on_nvme,
     quiet,
     run_concurrently,
     start_store,
@@ -277,11 +279,7 @@ def test_a_tcp_send_failing_mid_read_ends_the_connection_and_leaks_nothing(make_
     monkeypatch.setattr(tcp_server, "framing", types.SimpleNamespace(**{**vars(framing), "send_frame": failing_once}))
     server = start_store(make_server, tmp_path, "tcp", promote=False)
     with lane_client(server, "tcp") as kv:
-        data = fill(kv, 8)
-        keys, blocks = data[0]
-        assert nvme_only(server, keys) == PREFIX
-        got = get_into(kv, "tcp", keys)
-        assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in blocks]
+        assert_gets_exact(kv, "tcp", *prefix_on_nvme(server, kv))
     assert failed and framing.STATUS not in after  # another piece's DATA may have been on its way
     quiet(server)
 
@@ -345,11 +343,7 @@ def test_share_nvme_names_at_most_the_lanes_budget_and_the_store_reads_the_rest(
         max_block=BLOCK,
     )
     with lane_client(server, "shm-disk") as kv:
-        data = fill(kv, 8)
-        keys, blocks = data[0]
-        assert nvme_only(server, keys) == PREFIX
-        got = get_into(kv, "shm-disk", keys)
-        assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in blocks]
+        assert_gets_exact(kv, "shm-disk", *prefix_on_nvme(server, kv))
     named = server.metrics.counters()["lane_shm_disk_get_bytes"]
     assert 0 < named < PREFIX * BLOCK and named % BLOCK == 0
     quiet(server)
@@ -401,9 +395,7 @@ def test_tcp_sends_blocks_as_their_reads_complete(make_server, tmp_path, monkeyp
     nvme = server.store.tiers[-1]
     nvme.backend = late = _FirstReadLate(nvme.backend, 0.3)
     with lane_client(server, "tcp") as kv:
-        data = fill(kv, 8)
-        keys, blocks = data[0]
-        assert nvme_only(server, keys) == PREFIX
+        keys, blocks = prefix_on_nvme(server, kv)
         late.armed = True
         got = get_into(kv, "tcp", keys)
         assert all(bytes(memoryview(g)) == b.tobytes() for g, b in zip(got, blocks))
