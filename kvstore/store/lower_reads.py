@@ -72,9 +72,9 @@ class LowerReads:
         record must also carry the CRC32C of the index, so its bytes' CRC32C is ``lease.crc32c``.
         ``on_ready(positions)`` (called from reading threads, or with ``on_caller`` from this one while the tier's
         readers only read: for an ``on_ready`` that copies, ``pipeline.read_pipelined``) names the leases whose
-        bytes are verified as each read completes, so the caller moves them on while later ones are still read. A slot held only for
-        this read is freed by ``release``. A corrupt copy is dropped and ``DataLossError`` raised (the other
-        blocks stay).
+        bytes are verified as each read completes, so the caller moves them on while later ones are still read.
+        A slot held only for this read is freed by ``release``. A corrupt copy is dropped and ``DataLossError``
+        raised (the other blocks stay).
         """
         cold = [i for i, lease in enumerate(leases) if lease is not None and lease.buffer is None]
         if not cold:

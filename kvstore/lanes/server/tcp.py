@@ -34,7 +34,8 @@ import select
 import socket
 import struct
 import threading
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -332,27 +333,18 @@ class TcpLaneServer:
             framing.send_frame(conn, framing.GET_REPLY, reply.SerializeToString())
             first = 0  # header index of the window's first lease
             for w, window in enumerate(windows):
-                if unordered and reads.inline:  # one small window: read here, each piece sent as it is verified
+                if unordered:
                     counted = [0]
                     try:
-                        self._send_read(conn, ops, accepted, window, counted)
+                        if reads.inline:  # one small window: read here, each piece sent as it is verified
+                            self._send_read(conn, ops, accepted, window, counted)
+                        else:
+                            self._send_unordered(conn, ops, accepted, reads, w, window, first, counted)
                     except LaneError as err:
                         self._status(conn, err.code, err.message)
                         return
                     except _SendFailed as err:
                         raise err.error from None  # the client went away: the connection ends, as below
-                    finally:
-                        sent += counted[0]
-                    ops.release(window, touch=True)
-                    released += len(window)
-                    continue
-                if unordered:
-                    counted = [0]
-                    try:
-                        self._send_unordered(conn, ops, accepted, reads, w, window, first, counted)
-                    except LaneError as err:
-                        self._status(conn, err.code, err.message)
-                        return
                     finally:
                         sent += counted[0]
                     ops.release(window, touch=True)
@@ -405,16 +397,11 @@ class TcpLaneServer:
         lock = threading.Lock()
 
         def send(positions: list[int]) -> None:
-            names = [j for j in positions if window[j] is not None]
-            if not names:
-                return
-            payload = [host_bytes(ops.servable(cast(Lease, window[j]), accepted)[1]) for j in names]
             with lock:
                 try:
-                    framing.send_frame(conn, framing.DATA, struct.pack(f"<{len(names)}I", *names), payload)
+                    counted[0] += _send_named(conn, ops, accepted, window, positions, 0)
                 except OSError as err:
                     raise _SendFailed(err) from err
-                counted[0] += sum(len(p) for p in payload)
 
         send([j for j, lease in enumerate(window) if lease is not None and lease.buffer is not None])
         ops.materialize(window, send, on_caller=True)
@@ -437,16 +424,24 @@ class TcpLaneServer:
         while len(seen) < len(window):
             ready = reads.wait_new(w, seen)
             seen.update(ready)
-            payload: list[memoryview] = []
-            names: list[int] = []
-            for j in ready:
-                lease = window[j]
-                if lease is not None:
-                    payload.append(host_bytes(ops.servable(lease, accepted)[1]))
-                    names.append(first + j)
-            if payload:
-                framing.send_frame(conn, framing.DATA, struct.pack(f"<{len(names)}I", *names), payload)
-                counted[0] += sum(len(p) for p in payload)
+            counted[0] += _send_named(conn, ops, accepted, window, ready, first)
+
+
+def _send_named(
+    conn: socket.socket, ops: StoreOps, accepted: Any, window: Sequence[Lease | None], positions: list[int], first: int
+) -> int:
+    """One DATA frame of the present blocks of ``window`` at ``positions``, named by their header indices
+    (``first``: the window's first); the bytes sent (none, and no frame, when every one is missing)."""
+    payload: list[memoryview] = []
+    names: list[int] = []
+    for j in positions:
+        lease = window[j]
+        if lease is not None:
+            payload.append(host_bytes(ops.servable(lease, accepted)[1]))
+            names.append(first + j)
+    if payload:
+        framing.send_frame(conn, framing.DATA, struct.pack(f"<{len(names)}I", *names), payload)
+    return sum(len(p) for p in payload)
 
 
 class _SendFailed(Exception):
