@@ -88,6 +88,7 @@ from kvstore.devices import is_device_tensor, stage_out
 from kvstore.errors import KVStoreError, from_rpc
 from kvstore.get_stream import get_call, receive_blocks
 from kvstore.lanes.client.negotiate import LanePool
+from kvstore.lanes.shared_pool import SharedPool
 from kvstore.payload import Segments, as_bytes_view, wire_dtype
 from kvstore.put_stream import PutShape, put_call, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
@@ -169,6 +170,15 @@ class NodeClient:
         does not pay for it; the lane kind ("grpc" when none opened)."""
         self._lanes.run(lambda lane: None)
         return self.lane_kind
+
+    def shared_pool(self, nbytes: int, name: str = "kvstore-pool") -> SharedPool:
+        """``nbytes`` of host memory shared with a store on this host (``kvstore.lanes.shared_pool``): NVMe blocks
+        of a Get whose ``out`` buffers lie in its ``array`` are read by the store straight into them, with no copy
+        (on the shm lane after its direct handshake; elsewhere it is plain memory). Offered to each lane before its
+        next call; the store keeps it mapped until the lane closes."""
+        pool = SharedPool(nbytes, name)
+        self._lanes.shared.append(pool)
+        return pool
 
     def close(self) -> None:
         self._lanes.close()

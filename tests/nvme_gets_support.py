@@ -34,7 +34,7 @@ def start_store(make_server, tmp_path: Path, lane: str, promote: bool, dram: int
         tmp_path,
         dram=dram,
         promote_on_hit=promote,
-        shm_direct=lane in ("shm-direct", "shm-disk"),
+        shm_direct=lane in ("shm-direct", "shm-disk", "shm-pool"),
         share_nvme=lane == "shm-disk",
     )
 

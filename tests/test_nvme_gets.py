@@ -6,6 +6,7 @@ Get that ends early (a client killed mid-Get included), and concurrent Gets of t
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -215,15 +216,19 @@ import sys, numpy as np
 from kvstore.client import Client
 from kvstore.tiers.nvme.io import aligned_buffer
 target, lane, keys = sys.argv[1], sys.argv[2], [bytes.fromhex(k) for k in sys.argv[3].split(",")]
-with Client(target, timeout=30, lane=lane) as kv:
-    out = [aligned_buffer(64 << 10) for _ in keys]
+with Client(target, timeout=30, lane=lane.split("-")[0]) as kv:
+    if lane == "shm-pool":  # into a pool the store maps (its NVMe reads land there)
+        pool = kv.shared_pool(len(keys) << 16, name="kvstore-killed-pool").array
+        out = [pool[k << 16 : (k + 1) << 16] for k in range(len(keys))]
+    else:
+        out = [aligned_buffer(64 << 10) for _ in keys]
     print("ready", flush=True)
     while True:
         kv.get("t", keys, out=out)
 """
 
 
-@pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "tcp"])
+@pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "shm-pool", "tcp"])
 def test_a_client_killed_mid_get_leaks_no_lease_and_no_slot(make_server, tmp_path, lane):
     server = start_store(make_server, tmp_path, lane, promote=False)
     with lane_client(server, lane) as kv:
@@ -231,7 +236,7 @@ def test_a_client_killed_mid_get_leaks_no_lease_and_no_slot(make_server, tmp_pat
     keys = [k for prefix in data[:4] for k in prefix[0]]  # 128 blocks, all only on NVMe
     assert nvme_only(server, keys) == len(keys)
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, f"127.0.0.1:{server.port}", lane.split("-")[0], ",".join(k.hex() for k in keys)],
+        [sys.executable, "-c", CHILD, f"127.0.0.1:{server.port}", lane, ",".join(k.hex() for k in keys)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -251,7 +256,14 @@ def test_a_client_killed_mid_get_leaks_no_lease_and_no_slot(make_server, tmp_pat
         if child.poll() is None:
             child.kill()
     quiet(server, timeout=20)
+    if lane == "shm-pool":  # its lane closed with the client, and the store's mapping of its pool went with it
+        deadline = time.monotonic() + 20
+        while "kvstore-killed-pool" in Path("/proc/self/maps").read_text() and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.05)
+        assert "kvstore-killed-pool" not in Path("/proc/self/maps").read_text()
     with lane_client(server, lane) as kv:  # the store still serves those blocks
+        assert lane != "shm-pool" or kv.stats()["counters"]["lane_shm_pool_get_bytes"] > 0
         got = get_into(kv, lane, keys[:PREFIX])
         assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in data[0][1]]
 

@@ -35,12 +35,15 @@ from __future__ import annotations
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvstore.errors import KVStoreError
 from kvstore.v1 import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvstore.lanes.shared_pool import SharedPool
 
 TOKEN_BYTES = 32
 
@@ -93,6 +96,9 @@ class Lane(ABC):
         self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None, allow_missing: bool, verify: bool
     ) -> list[Any]:
         """Fetch a batch in order (None for a missing block with ``allow_missing``)."""
+
+    def share(self, pools: Sequence[SharedPool]) -> None:  # noqa: B027 - only the shm lane maps client memory
+        """Offer the client's shared pools to the store (once each); lanes that cannot use them ignore them."""
 
     @abstractmethod
     def close(self) -> None:

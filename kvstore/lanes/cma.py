@@ -26,6 +26,9 @@ user, and under Yama's ``ptrace_scope`` 1 only if the client named us with
   without Yama every store of the same user may.
 - ``peer_pid(sock)``: the pid the kernel vouches for on a connected unix
   socket (SO_PEERCRED): the one fact a client cannot forge.
+- ``take_fd(pidfd, fd) -> fd``: a copy of file descriptor ``fd`` of the
+  process ``pidfd`` pins (``pidfd_getfd``, Linux 5.6+; the same permission
+  as ``process_vm_writev``): how a client's shared pool reaches the store.
 - ``available()``: Linux with the syscall present.
 """
 
@@ -272,3 +275,15 @@ def peer_pid(sock: socket.socket) -> int:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, _uid, _gid = struct.unpack("3i", creds)
     return int(pid)
+
+
+PIDFD_GETFD = 438  # the same number on every architecture (the unified syscall table)
+
+
+def take_fd(pidfd: int, fd: int) -> int:
+    """Our own descriptor of the open file behind ``fd`` in the process ``pidfd`` pins (close-on-exec)."""
+    got = _lib().syscall(PIDFD_GETFD, pidfd, fd, 0)
+    if got < 0:
+        err = ctypes.get_errno()
+        raise DirectReadError(err, f"pidfd_getfd of fd {fd}: {os.strerror(err)}")
+    return int(got)

@@ -119,6 +119,10 @@ class DirectPeer:
         """Copy ``src`` across several pieces of the client's memory; the CRC32C of ``src`` (0 without ``crc``)."""
         return self._move("direct get", lambda pid, buf, at: cma.write_spans_from(pid, at, buf, crc), src, spans)
 
+    def take_fd(self, fd: int) -> int:
+        """Our own descriptor of the client's file descriptor ``fd`` (LaneError if it cannot be had)."""
+        return self._move("shared pool", lambda _pid, number, _: cma.take_fd(self.pidfd, number), fd, None)
+
     def _move(self, what: str, fn: Callable[[int, Any, Any], int], buf: Any, address: Any) -> int:
         if not self.alive():
             raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: client process {self.pid} is gone")

@@ -3,7 +3,7 @@
 Wire layout of one frame (little endian)::
 
     magic  b"KVL1"   4 bytes
-    kind   u8        HELLO, PUT, PUT_REPLY, GET, GET_REPLY, DATA, STATUS, TOUCH (the shm channel's)
+    kind   u8        HELLO, PUT, PUT_REPLY, GET, GET_REPLY, DATA, STATUS, TOUCH and POOL (the shm channel's)
     pad    3 bytes
     meta   u32       length of the metadata (a lanes.proto / kvstore.proto message)
     data   u64       length of the payload that follows the metadata
@@ -51,7 +51,7 @@ from typing import Any
 HEADER = struct.Struct("<4sB3xIQ")
 CRC = struct.Struct("<I")
 MAGIC = b"KVL1"
-HELLO, PUT, PUT_REPLY, GET, GET_REPLY, DATA, STATUS, TOUCH = range(1, 9)  # TOUCH: shm channels only
+HELLO, PUT, PUT_REPLY, GET, GET_REPLY, DATA, STATUS, TOUCH, POOL = range(1, 10)  # TOUCH, POOL: shm channels only
 MAX_META = 64 << 20
 IOV_MAX = 1024
 SOCKET_BUFFER = 4 << 20
@@ -123,7 +123,7 @@ def recv_frame(sock: socket.socket) -> Frame | None:
     if k < HEADER.size:
         recv_into(sock, head[k:])
     magic, kind, meta_len, data_len = HEADER.unpack(head)
-    if magic != MAGIC or not HELLO <= kind <= TOUCH or meta_len > MAX_META:
+    if magic != MAGIC or not HELLO <= kind <= POOL or meta_len > MAX_META:
         raise FrameError(f"bad frame header (magic {bytes(magic)!r}, kind {kind}, meta {meta_len} bytes)")
     meta = bytearray(meta_len)
     if meta_len:

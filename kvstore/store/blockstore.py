@@ -305,8 +305,10 @@ class BlockStore(Cascade, LowerReads):
         if not held:
             return
         ids = np.array([x.entry for x in held], dtype=np.int64)
-        self._fill_promotions([x for x in held if x.promote_copy])
+        unpromoted = self._fill_promotions([x for x in held if x.promote_copy])
         with self._lock:
+            if unpromoted:
+                self.top.free(unpromoted)
             promoted = self._promote([x for x in held if x.promote is not None])
             if touch:
                 self._touch_many(ids[np.asarray(self.table.mapped[ids], dtype=bool)])  # not a deleted one

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from kvstore.memops import copy_crc
 from kvstore.store.counters import StoreCounters
 from kvstore.store.index import NO_LOC, EntryTable
 from kvstore.store.leases import DataLossError, Lease
 from kvstore.store.staging import Staging
-from kvstore.tiers.base import CorruptBlock, MemoryTier, Tier
+from kvstore.tiers.base import DRAM, CorruptBlock, MemoryTier, Tier
 from kvstore.tiers.nvme.io import aligned_buffer
 
 log = logging.getLogger("kvstore.store.blockstore")
@@ -57,6 +58,7 @@ class LowerReads:
         on_ready: Callable[[list[int]], None] | None = None,
         dest_for: Callable[[int], Any] | None = None,
         on_caller: bool = False,
+        final_dests: bool = False,
     ) -> None:
         """Read the batch's NVMe-only blocks (coalesced by the tier) straight into where they go.
 
@@ -75,6 +77,9 @@ class LowerReads:
         bytes are verified as each read completes, so the caller moves them on while later ones are still read.
         A slot held only for this read is freed by ``release``. A corrupt copy is dropped and ``DataLossError``
         raised (the other blocks stay).
+        With ``final_dests`` a block that ``dest_for`` gives a buffer (a client's shared pool) is read there even
+        when it is promoted: its slot is filled at ``release`` by a copy checked against its CRC32C, since the
+        client may change its memory once the reply is out (a copy that fails is not promoted).
         """
         cold = [i for i, lease in enumerate(leases) if lease is not None and lease.buffer is None]
         if not cold:
@@ -86,16 +91,21 @@ class LowerReads:
                 lease = leases[i]
                 assert lease is not None
                 n = lease.stored_length
-                loc = self.top.allocate(n) if self.promote_on_hit else None
+                dest = dest_for(i) if dest_for is not None else None
+                final = final_dests and dest is not None
+                # a final destination's promotion is a host copy at release: none into HBM
+                loc = self.top.allocate(n) if self.promote_on_hit and not (final and self.top.rank != DRAM) else None
                 if loc is not None:
                     promoted.append((lease, loc))
+                    if final:
+                        lease.buffer, lease.promote_copy = dest, True
+                        continue
                     staged = self.staging.take(n) if read_apart else None
                     if staged is not None:
                         lease.hold, lease.buffer, lease.promote_copy = (None, staged[0]), staged[1], True
                     else:
                         lease.buffer = self.top.view(loc, n)
                     continue
-                dest = dest_for(i) if dest_for is not None else None
                 if dest is None:
                     staged = self.staging.take(n)
                     if staged is None:
@@ -193,17 +203,28 @@ class LowerReads:
         for tier, pins in handles:
             tier.release_extents(pins)
 
-    def _fill_promotions(self, leases: Sequence[Lease]) -> None:
-        """Copy each verified block read into staging into the top-tier slot reserved for it (``promote_copy``),
-        before ``_promote`` makes that slot the block's copy: one memcpy at release, after the bytes went out, in
-        place of an O_DIRECT read into small pages. Lock not held: both slots belong to the lease alone."""
+    def _fill_promotions(self, leases: Sequence[Lease]) -> list[int]:
+        """Copy each verified block read elsewhere (a staging slot, a client's shared pool) into the top-tier slot
+        reserved for it (``promote_copy``), before ``_promote`` makes that slot the block's copy: one memcpy at
+        release, after the bytes went out. A raw block's copy is checked against its CRC32C as it goes (a client
+        may have written its pool since the reply): one that fails is not promoted, and its slot is returned for
+        the caller to free with the lock held. Lock not held here: both slots belong to the lease alone."""
+        unpromoted: list[int] = []
         for lease in leases:
-            if lease.promote is not None:  # None: its read failed, and the reserved slot went back then
+            loc = lease.promote
+            if loc is not None:  # None: its read failed, and the reserved slot went back then
                 n = lease.stored_length
-                np.copyto(
-                    np.frombuffer(self.top.view(lease.promote, n), np.uint8), np.frombuffer(lease.buffer, np.uint8)[:n]
-                )
+                slot, source = self.top.view(loc, n), memoryview(lease.buffer).cast("B")[:n]
+                if lease.codec != CODEC_NONE:
+                    np.copyto(np.frombuffer(slot, np.uint8), np.frombuffer(source, np.uint8))
+                elif copy_crc(memoryview(slot).cast("B"), source) != lease.crc32c:
+                    log.info(
+                        "block %s changed in its Get's buffer before its promotion: not promoted", lease.hash.hex()
+                    )
+                    lease.promote = None
+                    unpromoted.append(loc)
             lease.promote_copy = False
+        return unpromoted
 
     def _promote(self, leases: list[Lease]) -> bool:
         """Make each lease's ``promote`` slot (verified bytes read from below) the block's top-tier copy, unless

@@ -293,6 +293,18 @@ class TouchedBlocks(_message.Message):
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class LanePool(_message.Message):
+    __slots__ = ("lane", "fd", "address", "length")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    lane: LaneRef
+    fd: int
+    address: int
+    length: int
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., fd: _Optional[int] = ..., address: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
 class CloseLaneRequest(_message.Message):
     __slots__ = ("lane",)
     LANE_FIELD_NUMBER: _ClassVar[int]

@@ -95,6 +95,25 @@ class ShmChannel:
             self.unclaim()
         return True
 
+    def send_pool(self, pool: lpb.LanePool) -> str:
+        """One POOL frame and its STATUS: "" when the store mapped the pool, else its reason (the channel goes on).
+        Raises LaneBroken when the channel fails or is busy."""
+        if not self.claim():
+            raise LaneBroken("the lane's channel is closed or busy")
+        try:
+            sock = self._usable()
+            framing.send_frame(sock, framing.POOL, pool.SerializeToString())
+            frame = framing.recv_frame(sock)
+            if frame is None or frame.kind != framing.STATUS or frame.data_len:
+                raise framing.FrameError("no STATUS frame after a POOL frame")
+            status = lpb.LaneStatus.FromString(frame.meta)
+            return "" if status.code == grpc.StatusCode.OK.value[0] else status.message
+        except (OSError, framing.FrameError, DecodeError) as err:
+            self.close()
+            raise LaneBroken(f"shm lane channel: {err}") from None
+        finally:
+            self.unclaim()
+
     # -- one LanePut conversation (``ChannelPut`` in client/shm.py drives it) ---------------------------
     def send_put(self, msg: lpb.LanePutRequest) -> None:
         sock = self._usable()

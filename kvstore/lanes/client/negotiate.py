@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
@@ -42,6 +42,9 @@ from kvstore.lanes.base import Lane, LaneBroken, host_id
 from kvstore.lanes.shm_region import RegionError
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
+
+if TYPE_CHECKING:
+    from kvstore.lanes.shared_pool import SharedPool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,6 +82,7 @@ class LanePool:
         self._no_lane_for_a_while = False
         self._closed = False
         self.kind = "grpc"
+        self.shared: list[SharedPool] = []  # offered to each lane before its next call (``Lane.share``)
 
     def run(self, fn: Callable[[Lane], T]) -> T | None:
         if self.mode == "grpc" or self._closed:
@@ -89,6 +93,8 @@ class LanePool:
         lane: Lane | None = first
         try:
             try:
+                if self.shared:
+                    first.share(self.shared)
                 result = fn(first)
             except LaneBroken as err:
                 log.info("%s lane broke (%s); opening a fresh one", first.kind, err)
@@ -97,6 +103,8 @@ class LanePool:
                 lane = self._acquire(fresh=True)
                 if lane is None:
                     return None
+                if self.shared:
+                    lane.share(self.shared)
                 result = fn(lane)
         except LaneBroken as err:
             assert lane is not None

@@ -48,6 +48,7 @@ from kvstore.wire import put_result
 
 if TYPE_CHECKING:
     from kvstore.lanes.cuda_region import DeviceRegion
+    from kvstore.lanes.shared_pool import SharedPool
 
 log = logging.getLogger(__name__)
 COMMIT_BYTES = 16 << 20
@@ -78,6 +79,7 @@ class ShmClientLane(ShmGets, Lane):
         self._release_lock = threading.Lock()
         self._lender = Lender(region, self._give_back, budget=region.size // 2)
         self.direct = False  # puts name client memory for the server to read (one copy)
+        self._offered: set[int] = set()  # the shared pools offered to the store (ids)
         self.direct_segments = opened.direct_segments  # ... and blocks in several buffers (Segments)
         if opened.direct_socket:
             why_not, sock = handshake(opened.direct_socket, opened.lane_id, opened.token)
@@ -100,6 +102,21 @@ class ShmClientLane(ShmGets, Lane):
                 self.indexed = IndexedGets(ArenaIndexView.attach(index.view))
             except (RegionError, ValueError) as err:
                 log.info("shm lane %s: DRAM hits are asked of the store (%s)", opened.lane_id, err)
+
+    def share(self, pools: Sequence[SharedPool]) -> None:
+        """Offer each pool not offered yet to the store, on the lane's channel (a direct lane only): once mapped
+        there, NVMe blocks of Gets into it are read straight into it. A refusal is logged once and the pool's
+        Gets are written as any buffer's."""
+        if self._channel is None or not self.direct:
+            return
+        for pool in pools:
+            if id(pool) in self._offered or pool.fd < 0:
+                continue
+            self._offered.add(id(pool))
+            msg = lpb.LanePool(lane=self.ref, fd=pool.fd, address=pool.address, length=pool.nbytes)
+            why_not = self._channel.send_pool(msg)
+            if why_not:
+                log.warning("shm lane %s: the store did not map a shared pool (%s)", self.ref.lane_id, why_not)
 
     # -- put ------------------------------------------------------------------------------
     def put(

@@ -15,6 +15,8 @@ call at a time)::
     STATUS(OK) (client's end)  ->  STATUS(OK), or STATUS(error) at any point; the channel then closes
     TOUCH(LaneTouch)     ->  nothing: DRAM hits the client read through the arena's index (its eviction
                              policy hears of them; a malformed one is dropped)
+    POOL(LanePool)       ->  STATUS(OK), or STATUS(error) and the channel goes on: client memory to map
+                             (``pools.py``), into which direct Gets' NVMe reads then land
 
 The messages are those of LaneGet and LanePut, so the region, grants,
 loans, direct writes and CRC checks are exactly those of the gRPC path. Every
@@ -93,6 +95,9 @@ def serve(conn: socket.socket, lane_id: str, token: bytes, lookup: Callable[[str
                     continue
                 if frame.kind == framing.TOUCH and not frame.data_len:
                     _touch(frame.meta, bound)
+                    continue
+                if frame.kind == framing.POOL and not frame.data_len:
+                    _pool(conn, frame.meta, bound)
                     continue
                 if frame.kind != framing.GET or frame.data_len:
                     _status(
@@ -201,6 +206,21 @@ def _touch(meta: bytes, bound: _Bound) -> None:
         bound.lane(touch.lane).touched(touch)
     except Exception as err:  # noqa: BLE001 - no reply to carry an error, and the channel must live on
         log.debug("dropped a TOUCH frame: %s", err)
+
+
+def _pool(conn: socket.socket, meta: bytes, bound: _Bound) -> None:
+    """A POOL frame: map the client's shared pool; STATUS(OK), or the error (the channel goes on)."""
+    try:
+        pool = lpb.LanePool.FromString(meta)
+    except DecodeError:
+        _status(conn, grpc.StatusCode.INVALID_ARGUMENT, "undecodable LanePool")
+        return
+    try:
+        bound.lane(pool.lane).add_pool(pool)
+    except LaneError as err:
+        _status(conn, err.code, err.message)
+        return
+    _status(conn, grpc.StatusCode.OK, "")
 
 
 def _status(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:

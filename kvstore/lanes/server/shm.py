@@ -22,8 +22,9 @@ Verbs of ``ShmServerLane`` (called by ``servicer.LaneServicer``):
 - ``get(request, release, crc_at_copy, ...) -> iterator of LaneGetResponse``: lease the blocks and send
   them (written as columns, copied into the region, written into the client's memory or named in the shared
   DRAM arena or NVMe files), each message with its own get grant (kvstore/lanes/server/shm_get.py).
+- ``add_pool(pool)``: map a client's shared pool (a POOL frame on the channel; ``pools.py``).
 - ``expire(now)`` / ``close()``: abort the store tickets of expired or
-  outstanding put grants; ``close`` also unlinks and unmaps the region.
+  outstanding put grants; ``close`` also unlinks and unmaps the region and lets go of the pools.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from kvstore.lanes.server.disk_names import DiskNames
 from kvstore.lanes.server.dram_pins import DramPins
 from kvstore.lanes.server.grants import GrantTable, Slot
 from kvstore.lanes.server.lane import ServerLane
+from kvstore.lanes.server.pools import MappedPools
 from kvstore.lanes.server.shm_get import ShmGets
 from kvstore.lanes.server.storeops import Reservation, StoreOps
 from kvstore.lanes.shm_region import ShmRegion
@@ -71,6 +73,7 @@ class ShmServerLane(ShmGets, ServerLane):
         self.pins = DramPins(dram, region.size) if dram is not None else None  # Gets named in the DRAM arena
         shares_disk = isinstance(region, ShmRegion) and ops.disk_dir() is not None
         self.disk = DiskNames(ops.store, region.size) if shares_disk else None  # Gets named in NVMe files
+        self.pools = MappedPools()  # client memory mapped here: NVMe reads of direct Gets land in it
 
     def bind_direct(self, peer: DirectPeer) -> None:
         if self.direct is not None:
@@ -90,6 +93,12 @@ class ShmServerLane(ShmGets, ServerLane):
         if not self._attached.is_set():
             self._attached.set()
             self.region.unlink()
+
+    def add_pool(self, pool: lpb.LanePool) -> None:
+        """A POOL frame: map the client's shared pool (``pools.MappedPools.add``); only a direct lane can."""
+        if self.direct is None:
+            raise LaneError(grpc.StatusCode.FAILED_PRECONDITION, "shared pools need the lane's direct handshake")
+        self.pools.add(self.direct, pool.fd, pool.address, pool.length)
 
     def touched(self, touch: lpb.LaneTouch) -> None:
         """A TOUCH frame: the grants the client is done with, and the hits it read through the DRAM index."""
@@ -254,6 +263,7 @@ class ShmServerLane(ShmGets, ServerLane):
         if self.disk is not None:
             self.ops.release(self.disk.close(), touch=True)
         self.region.close()
+        self.pools.close()
         if self.direct is not None:
             self.direct.close()
         if self._channel is not None:

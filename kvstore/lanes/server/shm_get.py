@@ -36,6 +36,7 @@ from kvstore.lanes.server.copyout import CopyOut, copy_one, copy_out, host_bytes
 from kvstore.lanes.server.disk_names import DiskBatch, DiskNames
 from kvstore.lanes.server.dram_pins import DramPins
 from kvstore.lanes.server.grants import Grant, GrantTable
+from kvstore.lanes.server.pools import MappedPools
 from kvstore.lanes.server.storeops import StoreOps, accepted_codecs
 from kvstore.lanes.server.written import (
     checked_targets,
@@ -44,7 +45,7 @@ from kvstore.lanes.server.written import (
     raw_in_host_or_lower,
     write_reply,
 )
-from kvstore.memops import host_view
+from kvstore.memops import copy_into, host_view
 from kvstore.store import Lease
 from kvstore.store.readahead import has_cold
 from kvstore.v1 import kvstore_pb2 as pb
@@ -71,6 +72,7 @@ class ShmGets:
         direct: DirectPeer | None
         pins: DramPins | None
         disk: DiskNames | None
+        pools: MappedPools
         access: LaneAccess
 
         def _end_grants(self, grant_ids: Sequence[int]) -> list[Lease]: ...
@@ -280,13 +282,16 @@ class ShmGets:
         window by window, the DRAM hits written as ``_get_written`` writes them, the NVMe-only blocks read
         (``materialize``) and written piece by piece as each read is verified; no descriptor or copy record a
         block. An NVMe block's CRC32C is the index's, which the tier checked its record against. Each window's
-        leases but the last end before the next is read (their slots bound what a long Get holds)."""
+        leases but the last end before the next is read (their slots bound what a long Get holds). A block bound
+        for a client's shared pool (``pools``) is read straight into it when the pool is in huge pages, else
+        copied into it here with memcpy: no process_vm_writev either way."""
         direct = self.direct
         assert direct is not None
         lengths = [lease.stored_length for lease in leases]
         crcs = [lease.crc32c for lease in leases]
         grant: Grant | None = self.grants.grant_get()
         released = first = 0
+        pooled: list[int] = []  # bytes that reached a shared pool without process_vm_writev (readers append)
         try:
             targets = checked_targets(outs, lengths)  # every buffer checked before anything is read or written
             for window in self.ops.windows(cast(list[Lease | None], leases)):
@@ -301,12 +306,31 @@ class ShmGets:
                         for j, crc in zip(hot, written):
                             crcs[first + j] = crc
 
-                def on_ready(positions: list[int], first: int = first) -> None:
-                    picked = [leases[first + j] for j in positions]
-                    blocks = [host_bytes(x.buffer, x.stored_length) for x in picked]
-                    write_blocks([targets[first + j] for j in positions], blocks, direct, None, False)
+                in_pool: dict[int, memoryview] = {}  # blocks read straight into the client's shared pool
 
-                self.ops.materialize(window, on_ready, on_caller=True)  # the copies on this thread, reads beside
+                def dest_for(j: int, first: int = first) -> memoryview | None:
+                    view = self.pools.view(targets[first + j], lengths[first + j], huge=True)
+                    if view is not None:
+                        in_pool[j] = view
+                    return view
+
+                def on_ready(positions: list[int], first: int = first) -> None:
+                    written: list[int] = []
+                    for j in positions:
+                        x = leases[first + j]
+                        if x.buffer is in_pool.get(j):  # read in place
+                            pooled.append(x.stored_length)
+                        elif self.pools and (view := self.pools.view(targets[first + j], x.stored_length)):
+                            copy_into(view, host_bytes(x.buffer, x.stored_length))  # a pool in 4 KiB pages
+                            pooled.append(x.stored_length)
+                        else:
+                            written.append(j)
+                    if written:
+                        blocks = [host_bytes(leases[first + j].buffer, lengths[first + j]) for j in written]
+                        write_blocks([targets[first + j] for j in written], blocks, direct, None, False)
+
+                # the copies on this thread, reads beside; a block bound for a shared pool in huge pages is read there
+                self.ops.materialize(window, on_ready, dest_for if self.pools else None, True, True)
                 first += len(window)
                 if first < len(leases):
                     self.ops.release(leases[released:first], touch=True)
@@ -315,6 +339,8 @@ class ShmGets:
             reply = columns_reply(leases, lengths, crcs, crc_at_copy)
             reply.grant_id = grant.id
             self._count_sent(sum(lengths), "lane_shm_direct_get_bytes")
+            if pooled:
+                self.ops.metrics.add("lane_shm_pool_get_bytes", sum(pooled))
             yield reply
             grant = None  # the client releases it
         finally:
