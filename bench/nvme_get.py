@@ -17,6 +17,9 @@ in turn, prefix by prefix, in a rotating order, so that all see the disk and the
 - ``nvme_shm`` / ``nvme_tcp`` / ``nvme_grpc``: a Get of a prefix that NVMe holds, on the shared-memory lane
   (direct: the store reads each block and writes it into the client's buffers), on the TCP lane and on the gRPC
   stream (``lane="grpc"``);
+- ``nvme_pool``: the same shm Get into the slots of a ``Client.shared_pool`` (a sealed memfd the client offered
+  the store, which maps it): the store reads each NVMe block straight into its slot with no copy
+  (``pool_nvme_vs_raw``; ``pool_vs_shm_speedup``: ``nvme_shm`` p50 over its own);
 - ``dram_shm`` / ``dram_tcp`` / ``dram_grpc``: the same Get from the all-DRAM store (what the lane and server cost;
   ``grpc_dram_vs_raw``, ``tcp_dram_vs_raw``, ``shm_dram_vs_raw``: what each lane reaches of the raw read with no
   disk under it: a lane whose figure is under 1 hands out even DRAM blocks slower than the disk reads them, so its
@@ -111,7 +114,7 @@ MiB = 1 << 20
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("nvme-shm", "nvme-tcp", "nvme-grpc", "dram-shm", "dram-tcp")  # what a --baseline tree's worker runs
-NEW_KINDS = (*KINDS, "dram-grpc", "disk-shm")
+NEW_KINDS = (*KINDS, "dram-grpc", "disk-shm", "nvme-pool")
 
 
 # (row, numerator step, denominator step): p50 over p50. Against ``raw``: 1 = as fast as the bare disk.
@@ -120,7 +123,8 @@ RATIOS = (
     # the same read into the memory the Get fills: on this VM where the bytes land moves an O_DIRECT read's time
     # several times over (docs/nvme_log.md), so this ratio is what the store adds to the disk, free of that
     ("disk_nvme_vs_raw_dst", "raw_dst", "disk-shm"),
-    *((f"{lane}_nvme_vs_raw", "raw", f"nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
+    *((f"{lane}_nvme_vs_raw", "raw", f"nvme-{lane}") for lane in ("shm", "tcp", "grpc", "pool")),
+    ("pool_vs_shm_speedup", "nvme-shm", "nvme-pool"),
     *((f"old_{lane}_nvme_vs_raw", "raw", f"old_nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
     *((f"{lane}_nvme_speedup", f"old_nvme-{lane}", f"nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
     *((f"{lane}_dram_speedup", f"old_dram-{lane}", f"dram-{lane}") for lane in ("shm", "tcp")),
@@ -288,7 +292,14 @@ def measure(
     for name, num, den in RATIOS:  # each where both steps ran (``--kinds`` takes some of them)
         if num in p50 and den in p50:
             row[name] = p50[num] / p50[den]
-    for lane, step in (("disk", "disk-shm"), ("shm", "nvme-shm"), ("tcp", "nvme-tcp"), ("grpc", "nvme-grpc")):
+    steps_of = (
+        ("disk", "disk-shm"),
+        ("shm", "nvme-shm"),
+        ("pool", "nvme-pool"),
+        ("tcp", "nvme-tcp"),
+        ("grpc", "nvme-grpc"),
+    )
+    for lane, step in steps_of:
         if step in p50:
             row[f"{lane}_nvme_gbps"] = payload / p50[step] / 1e6
     # what each store process spent (user + system, every thread, the work after each reply included) per Get it
@@ -424,7 +435,8 @@ def main(argv: list[str] | None = None) -> None:
     cols += ["disk_nvme_vs_raw", "disk_nvme_vs_raw_dst"]
     if args.share_dram == "true" and args.dram_index == "true":
         cols += ["diskasked_shm_p50_ms", "diskasked_nvme_vs_raw", "disk_index_speedup"]
-    cols += ["nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_tcp_p50_ms", "tcp_nvme_vs_raw", "nvme_grpc_p50_ms"]
+    cols += ["nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_pool_p50_ms", "pool_nvme_vs_raw", "pool_vs_shm_speedup"]
+    cols += ["nvme_tcp_p50_ms", "tcp_nvme_vs_raw", "nvme_grpc_p50_ms"]
     cols += ["grpc_nvme_vs_raw", "dram_grpc_p50_ms", "grpc_dram_vs_raw", "grpc_nvme_vs_dram", "tcp_ceiling_vs_raw"]
     cols += ["dram_shm_p50_ms", "shm_dram_vs_raw"]
     cols += ["dram_floor_p50_ms", "shm_dram_vs_floor", "dram_tcp_p50_ms", "tcp_dram_vs_raw"]
@@ -447,8 +459,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         format_table(
             rows,
-            ["block_bytes", "raw_extent_gbps", "socket_gbps", "disk_nvme_gbps", "shm_nvme_gbps", "tcp_nvme_gbps"]
-            + ["grpc_nvme_gbps"],
+            ["block_bytes", "raw_extent_gbps", "socket_gbps", "disk_nvme_gbps", "shm_nvme_gbps", "pool_nvme_gbps"]
+            + ["tcp_nvme_gbps", "grpc_nvme_gbps"],
         )
     )
     if args.out:

@@ -12,7 +12,9 @@ Starts a store with an NVMe tier (write-through, DRAM ``COLD_DRAM``), with ``--w
 prints ``ready``, then answers lines on stdin: ``write I`` writes prefix ``I`` of each NVMe kind (each such
 Get reads a prefix once: a repeated read could come from a cache); ``flush`` then writes more than DRAM holds
 of other prefixes to each NVMe store, which push the last measured ones out of DRAM (write-through keeps the newest
-blocks in DRAM: without it a Get of those was a DRAM hit); ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``nvme-grpc``, ``dram-shm``,
+blocks in DRAM: without it a Get of those was a DRAM hit); ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``nvme-grpc``, ``nvme-pool``: the
+shm lane into slots of a ``shared_pool`` the client offered the store, which reads NVMe blocks straight into them,
+``dram-shm``,
 ``dram-tcp``, ``dram-grpc``, ``disk-shm``, ``diskasked-shm``) into page-aligned buffers and prints its seconds; ``rawdst PATH
 OFFSET`` reads a prefix-sized extent of ``PATH`` with one O_DIRECT ``preadv`` into those same buffers (each 4 KiB
 record header into a page of its own) and prints its seconds: the disk's speed into the very memory the Gets
@@ -36,7 +38,20 @@ from kvstore.server.process import store_process
 from kvstore.tiers.nvme.io import aligned_buffer
 
 PREFIX = 32
-KINDS = ("nvme-shm", "nvme-tcp", "nvme-grpc", "dram-shm", "dram-tcp", "dram-grpc", "disk-shm", "diskasked-shm")
+KINDS = (
+    *(
+        "nvme-shm",
+        "nvme-tcp",
+        "nvme-grpc",
+        "nvme-pool",
+        "dram-shm",
+        "dram-tcp",
+        "dram-grpc",
+        "disk-shm",
+        "diskasked-shm",
+    ),
+)
+LANES = {"pool": "shm"}  # nvme-pool: the shm lane, into a shared pool the client offered the store
 DISK_FLAG = "--with-disk-store"  # start the disk-shm store (the tree must know --share-nvme)
 ASKED_FLAG = "--with-asked-disk-store"  # and a second one without the DRAM index (kind diskasked-shm)
 WARM = 4  # prefixes of the all-DRAM store, taken in turn
@@ -96,10 +111,19 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
             )
             procs["diskasked"] = asked.pid
         clients = {
-            kind: stack.enter_context(Client(targets[kind.split("-")[0]], timeout=120, lane=kind.split("-")[1]))
+            kind: stack.enter_context(
+                Client(targets[kind.split("-")[0]], timeout=120, lane=LANES.get(kind.split("-")[1], kind.split("-")[1]))
+            )
             for kind in KINDS
             if kind.split("-")[0] in targets
         }
+        shared: list[np.ndarray] = []  # the nvme-pool Gets' slots: in a pool the store maps (a tree that has them)
+        if hasattr(clients["nvme-pool"], "shared_pool"):
+            pool_memory = clients["nvme-pool"].shared_pool(PREFIX * block).array
+            pool_memory[:] = 1  # faulted in before any Get, as the other pool
+            shared = [pool_memory[k * block : (k + 1) * block] for k in range(PREFIX)]
+        else:
+            del clients["nvme-pool"]
         payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(8)]
         # a DRAM hit may repeat a prefix (no disk under it): a few suffice, written now; NVMe prefixes are
         # written when told (``write I``), so the driver can interleave them with its other trees' and its raw
@@ -120,7 +144,7 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
                 break
             if words[0] == "write":
                 p = int(words[1])
-                for kind in ("nvme-shm", "nvme-tcp", "nvme-grpc", "disk-shm", "diskasked-shm"):
+                for kind in ("nvme-shm", "nvme-tcp", "nvme-grpc", "nvme-pool", "disk-shm", "diskasked-shm"):
                     if kind in clients:
                         prefixes[kind].append(write_prefix(clients[kind], payloads, p, rng))
                 print("ok", flush=True)
@@ -155,7 +179,7 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
             kind, i = words[0], int(words[1])
             keys = prefixes[kind][i % len(prefixes[kind])]
             t0 = time.perf_counter()
-            clients[kind].get("bench", keys, out=out)
+            clients[kind].get("bench", keys, out=shared if kind == "nvme-pool" else out)
             print(time.perf_counter() - t0, flush=True)
 
 
