@@ -18,8 +18,11 @@ in turn, prefix by prefix, in a rotating order, so that all see the disk and the
   (direct: the store reads each block and writes it into the client's buffers), on the TCP lane and on the gRPC
   stream (``lane="grpc"``);
 - ``nvme_pool``: the same shm Get into the slots of a ``Client.shared_pool`` (a sealed memfd the client offered
-  the store, which maps it): the store reads each NVMe block straight into its slot with no copy
-  (``pool_nvme_vs_raw``; ``pool_vs_shm_speedup``: ``nvme_shm`` p50 over its own);
+  the store, which maps it): in huge pages the store reads each NVMe block straight into its slot, with no copy;
+  in 4 KiB pages it reads into its staging and copies in with memcpy (``pool_nvme_vs_raw``;
+  ``pool_vs_shm_speedup``: ``nvme_shm`` p50 over its own; ``pool_huge_pages``: which it was, ``pool_bytes``: what
+  reached the pool that way). The pool takes hugetlb pages when enough are free (``sysctl vm.nr_hugepages=64``
+  covers every block size here), else transparent huge pages where ``shmem_enabled`` allows them;
 - ``dram_shm`` / ``dram_tcp`` / ``dram_grpc``: the same Get from the all-DRAM store (what the lane and server cost;
   ``grpc_dram_vs_raw``, ``tcp_dram_vs_raw``, ``shm_dram_vs_raw``: what each lane reaches of the raw read with no
   disk under it: a lane whose figure is under 1 hands out even DRAM blocks slower than the disk reads them, so its
@@ -319,6 +322,8 @@ def measure(
     row["tcp_ceiling_vs_raw"] = min(1.0, row["socket_gbps"] / row["raw_extent_gbps"])
     row["nvme_hits"], row["dram_hits"] = hits["nvme"], hits["dram"]
     row["disk_named_bytes"] = hits.get("disk_named_bytes", 0)
+    if "pool_bytes" in hits:  # what reached the shared pool without process_vm_writev, and whether in huge pages
+        row["pool_bytes"], row["pool_huge_pages"] = hits["pool_bytes"], hits["pool_huge_pages"]
     return row
 
 

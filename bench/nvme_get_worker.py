@@ -118,8 +118,10 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
             if kind.split("-")[0] in targets
         }
         shared: list[np.ndarray] = []  # the nvme-pool Gets' slots: in a pool the store maps (a tree that has them)
+        pool_huge = False
         if hasattr(clients["nvme-pool"], "shared_pool"):
-            pool_memory = clients["nvme-pool"].shared_pool(PREFIX * block).array
+            shared_pool = clients["nvme-pool"].shared_pool(PREFIX * block)
+            pool_memory, pool_huge = shared_pool.array, shared_pool.huge_pages
             pool_memory[:] = 1  # faulted in before any Get, as the other pool
             shared = [pool_memory[k * block : (k + 1) * block] for k in range(PREFIX)]
         else:
@@ -163,6 +165,10 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
                     tiers["disk_named_bytes"] = (
                         clients["disk-shm"].stats()["counters"].get("lane_shm_disk_get_bytes", 0)
                     )
+                if "nvme-pool" in clients:  # bytes its Gets' NVMe blocks reached the pool with, and its pages
+                    counters = clients["nvme-pool"].stats()["counters"]
+                    tiers["pool_bytes"] = counters.get("lane_shm_pool_get_bytes", 0)
+                    tiers["pool_huge_pages"] = pool_huge
                 print(json.dumps(tiers), flush=True)
                 continue
             if words[0] == "cpu":

@@ -62,6 +62,7 @@ def test_nvme_get_bench_measures_gets_through_a_store_process(tmp_path: Path):
     steps = ("raw", "nvme_shm", "nvme_pool", "nvme_tcp", "nvme_grpc", "dram_shm", "dram_tcp", "dram_grpc")
     assert min(row[f"{s}_p50_ms"] for s in steps) > 0
     assert row["grpc_dram_vs_raw"] > 0 and row["grpc_nvme_vs_dram"] > 0 and row["pool_vs_shm_speedup"] > 0
+    assert row["pool_bytes"] == 3 * 32 * (64 << 10) and isinstance(row["pool_huge_pages"], bool)  # none written
     assert row["nvme_hits"] + row["dram_hits"] == 4 * 3 * 32  # the four NVMe kinds' prefixes, each from one tier
     assert row["socket_gbps"] > 0 and 0 < row["tcp_ceiling_vs_raw"] <= 1
     # each store's CPU per Get it served: a store that read and checked 32 blocks spent some
