@@ -22,7 +22,9 @@ in turn, prefix by prefix, in a rotating order, so that all see the disk and the
   in 4 KiB pages it reads into its staging and copies in with memcpy (``pool_nvme_vs_raw``;
   ``pool_vs_shm_speedup``: ``nvme_shm`` p50 over its own; ``pool_huge_pages``: which it was, ``pool_bytes``: what
   reached the pool that way). The pool takes hugetlb pages when enough are free (``sysctl vm.nr_hugepages=64``
-  covers every block size here), else transparent huge pages where ``shmem_enabled`` allows them;
+  covers every block size here), else transparent huge pages where ``shmem_enabled`` allows them; ``dram_pool``:
+  the all-DRAM store's Get into a pool of its own, its blocks copied through the store's mapping
+  (``pool_dram_vs_shm_speedup``: ``dram_shm`` p50 over its own);
 - ``dram_shm`` / ``dram_tcp`` / ``dram_grpc``: the same Get from the all-DRAM store (what the lane and server cost;
   ``grpc_dram_vs_raw``, ``tcp_dram_vs_raw``, ``shm_dram_vs_raw``: what each lane reaches of the raw read with no
   disk under it: a lane whose figure is under 1 hands out even DRAM blocks slower than the disk reads them, so its
@@ -117,7 +119,7 @@ MiB = 1 << 20
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("nvme-shm", "nvme-tcp", "nvme-grpc", "dram-shm", "dram-tcp")  # what a --baseline tree's worker runs
-NEW_KINDS = (*KINDS, "dram-grpc", "disk-shm", "nvme-pool")
+NEW_KINDS = (*KINDS, "dram-grpc", "disk-shm", "nvme-pool", "dram-pool")
 
 
 # (row, numerator step, denominator step): p50 over p50. Against ``raw``: 1 = as fast as the bare disk.
@@ -128,6 +130,7 @@ RATIOS = (
     ("disk_nvme_vs_raw_dst", "raw_dst", "disk-shm"),
     *((f"{lane}_nvme_vs_raw", "raw", f"nvme-{lane}") for lane in ("shm", "tcp", "grpc", "pool")),
     ("pool_vs_shm_speedup", "nvme-shm", "nvme-pool"),
+    ("pool_dram_vs_shm_speedup", "dram-shm", "dram-pool"),
     *((f"old_{lane}_nvme_vs_raw", "raw", f"old_nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
     *((f"{lane}_nvme_speedup", f"old_nvme-{lane}", f"nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
     *((f"{lane}_dram_speedup", f"old_dram-{lane}", f"dram-{lane}") for lane in ("shm", "tcp")),
@@ -443,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     cols += ["nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_pool_p50_ms", "pool_nvme_vs_raw", "pool_vs_shm_speedup"]
     cols += ["nvme_tcp_p50_ms", "tcp_nvme_vs_raw", "nvme_grpc_p50_ms"]
     cols += ["grpc_nvme_vs_raw", "dram_grpc_p50_ms", "grpc_dram_vs_raw", "grpc_nvme_vs_dram", "tcp_ceiling_vs_raw"]
-    cols += ["dram_shm_p50_ms", "shm_dram_vs_raw"]
+    cols += ["dram_shm_p50_ms", "shm_dram_vs_raw", "dram_pool_p50_ms", "pool_dram_vs_shm_speedup"]
     cols += ["dram_floor_p50_ms", "shm_dram_vs_floor", "dram_tcp_p50_ms", "tcp_dram_vs_raw"]
     if args.floor == "true":
         for lane in ("shm", "tcp", "grpc"):

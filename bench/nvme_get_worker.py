@@ -14,7 +14,7 @@ Get reads a prefix once: a repeated read could come from a cache); ``flush`` the
 of other prefixes to each NVMe store, which push the last measured ones out of DRAM (write-through keeps the newest
 blocks in DRAM: without it a Get of those was a DRAM hit); ``KIND I`` runs the Get of prefix ``I`` of ``KIND`` (``nvme-shm``, ``nvme-tcp``, ``nvme-grpc``, ``nvme-pool``: the
 shm lane into slots of a ``shared_pool`` the client offered the store, which reads NVMe blocks straight into them,
-``dram-shm``,
+``dram-shm``, ``dram-pool`` (the same into a pool of its own),
 ``dram-tcp``, ``dram-grpc``, ``disk-shm``, ``diskasked-shm``) into page-aligned buffers and prints its seconds; ``rawdst PATH
 OFFSET`` reads a prefix-sized extent of ``PATH`` with one O_DIRECT ``preadv`` into those same buffers (each 4 KiB
 record header into a page of its own) and prints its seconds: the disk's speed into the very memory the Gets
@@ -45,17 +45,19 @@ KINDS = (
         "nvme-grpc",
         "nvme-pool",
         "dram-shm",
+        "dram-pool",
         "dram-tcp",
         "dram-grpc",
         "disk-shm",
         "diskasked-shm",
     ),
 )
-LANES = {"pool": "shm"}  # nvme-pool: the shm lane, into a shared pool the client offered the store
+LANES = {"pool": "shm"}  # nvme-pool, dram-pool: the shm lane, into a shared pool the client offered the store
+POOL_KINDS = ("nvme-pool", "dram-pool")
 DISK_FLAG = "--with-disk-store"  # start the disk-shm store (the tree must know --share-nvme)
 ASKED_FLAG = "--with-asked-disk-store"  # and a second one without the DRAM index (kind diskasked-shm)
 WARM = 4  # prefixes of the all-DRAM store, taken in turn
-DRAM_KINDS = ("dram-shm", "dram-tcp", "dram-grpc")  # each with WARM prefixes of its own there
+DRAM_KINDS = ("dram-shm", "dram-tcp", "dram-grpc", "dram-pool")  # each with WARM prefixes of its own there
 
 
 def write_prefix(kv: Client, payloads: list[np.ndarray], p: int, rng: np.random.Generator) -> list[bytes]:
@@ -117,22 +119,24 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
             for kind in KINDS
             if kind.split("-")[0] in targets
         }
-        shared: list[np.ndarray] = []  # the nvme-pool Gets' slots: in a pool the store maps (a tree that has them)
+        shared: dict[str, list[np.ndarray]] = {}  # each pool kind's slots: in a pool the store maps
         pool_huge = False
-        if hasattr(clients["nvme-pool"], "shared_pool"):
-            shared_pool = clients["nvme-pool"].shared_pool(PREFIX * block)
+        for kind in POOL_KINDS:
+            if not hasattr(clients[kind], "shared_pool"):  # a tree without them
+                del clients[kind]
+                continue
+            shared_pool = clients[kind].shared_pool(PREFIX * block)
             pool_memory, pool_huge = shared_pool.array, shared_pool.huge_pages
             pool_memory[:] = 1  # faulted in before any Get, as the other pool
-            shared = [pool_memory[k * block : (k + 1) * block] for k in range(PREFIX)]
-        else:
-            del clients["nvme-pool"]
+            shared[kind] = [pool_memory[k * block : (k + 1) * block] for k in range(PREFIX)]
         payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(8)]
         # a DRAM hit may repeat a prefix (no disk under it): a few suffice, written now; NVMe prefixes are
         # written when told (``write I``), so the driver can interleave them with its other trees' and its raw
         # file's writes: this disk reads recently written data faster, and an order would favour the last
         prefixes: dict[str, list[list[bytes]]] = {kind: [] for kind in KINDS}
         for kind in DRAM_KINDS:
-            prefixes[kind] = [write_prefix(clients[kind], payloads, p, rng) for p in range(min(count, WARM))]
+            if kind in clients:
+                prefixes[kind] = [write_prefix(clients[kind], payloads, p, rng) for p in range(min(count, WARM))]
         pool = aligned_buffer(PREFIX * block)  # the Gets' page-aligned slots in one pool, as a KV pool's
         pool[:] = 1  # faulted in before any Get
         out = [pool[k * block : (k + 1) * block] for k in range(PREFIX)]
@@ -185,7 +189,7 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
             kind, i = words[0], int(words[1])
             keys = prefixes[kind][i % len(prefixes[kind])]
             t0 = time.perf_counter()
-            clients[kind].get("bench", keys, out=shared if kind == "nvme-pool" else out)
+            clients[kind].get("bench", keys, out=shared.get(kind, out))
             print(time.perf_counter() - t0, flush=True)
 
 

@@ -59,9 +59,10 @@ def test_nvme_get_bench_measures_gets_through_a_store_process(tmp_path: Path):
     except OSError as e:  # a filesystem without O_DIRECT (tmpfs)
         pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
     assert row["block_bytes"] == 64 << 10 and row["prefixes"] == 3
-    steps = ("raw", "nvme_shm", "nvme_pool", "nvme_tcp", "nvme_grpc", "dram_shm", "dram_tcp", "dram_grpc")
+    steps = ("raw", "nvme_shm", "nvme_pool", "nvme_tcp", "nvme_grpc", "dram_shm", "dram_pool", "dram_tcp", "dram_grpc")
     assert min(row[f"{s}_p50_ms"] for s in steps) > 0
     assert row["grpc_dram_vs_raw"] > 0 and row["grpc_nvme_vs_dram"] > 0 and row["pool_vs_shm_speedup"] > 0
+    assert row["pool_dram_vs_shm_speedup"] > 0
     assert row["pool_bytes"] == 3 * 32 * (64 << 10) and isinstance(row["pool_huge_pages"], bool)  # none written
     assert row["nvme_hits"] + row["dram_hits"] == 4 * 3 * 32  # the four NVMe kinds' prefixes, each from one tier
     assert row["socket_gbps"] > 0 and 0 < row["tcp_ceiling_vs_raw"] <= 1

@@ -240,3 +240,21 @@ def test_a_pool_in_hugetlb_pages_takes_the_reads_in_place(make_server, tmp_path,
         assert [s.tobytes() for s in slots(pool)] == [b.tobytes() for b in blocks]
         assert pooled_bytes(kv) == PREFIX * BLOCK
         assert seen == [("", True)]  # in huge pages: read in place
+
+
+def test_dram_hits_are_copied_into_a_shared_pool_with_their_checksums(make_server):
+    """A direct Get's DRAM hits bound for a pool are copied through the store's mapping (CRC32C in the same pass),
+    the rest written as before: a prefix the store holds in DRAM, half of it into a pool."""
+    server = make_server(shm_direct=True)
+    with lane_client(server, "shm-direct") as kv:
+        rng = np.random.default_rng(7)
+        keys = [rng.bytes(16) for _ in range(PREFIX)]
+        blocks = [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(PREFIX)]
+        assert all(r.ok for r in kv.put("t", keys, blocks, chained=False))
+        pool = kv.shared_pool(PREFIX // 2 * BLOCK)
+        for verify in (True, False):
+            pool.array[:] = 0
+            out = slots(pool)[: PREFIX // 2] + [np.zeros(BLOCK, np.uint8) for _ in range(PREFIX // 2)]
+            kv.get("t", keys, out=out, verify=verify)
+            assert [o.tobytes() for o in out] == [b.tobytes() for b in blocks]
+        assert pooled_bytes(kv) == 2 * (PREFIX // 2) * BLOCK

@@ -85,7 +85,10 @@ class MappedPools:
         if len(spans) != 1:
             return None
         address, length = spans[0]
-        address, n = int(address), min(n, int(length))
+        return self.at(int(address), min(n, int(length)), huge)
+
+    def at(self, address: int, n: int, huge: bool | None = None) -> memoryview | None:
+        """Our mapping of the ``n`` client bytes at ``address`` when a pool holds them all, else None."""
         for p in self._pools:
             if p.address <= address and address + n <= p.address + p.length and huge in (None, p.huge):
                 return p.view[address - p.address : address - p.address + n]

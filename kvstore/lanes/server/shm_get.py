@@ -262,11 +262,14 @@ class ShmGets:
         """``get`` of raw DRAM hits into the client's memory, described as columns (``written``)."""
         assert self.direct is not None
         grant: Grant | None = self.grants.grant_get()
+        pooled: list[int] = []
         try:
-            reply = write_reply(leases, sources, outs, self.direct, self.ops.copies, crc_at_copy)
+            reply = write_reply(leases, sources, outs, self.direct, self.ops.copies, crc_at_copy, self.pools, pooled)
             assert grant is not None
             reply.grant_id = grant.id
             self._count_sent(sum(reply.written.length), "lane_shm_direct_get_bytes")
+            if pooled:
+                self.ops.metrics.add("lane_shm_pool_get_bytes", sum(pooled))
             yield reply
             grant = None  # the client releases it
         finally:
@@ -291,7 +294,7 @@ class ShmGets:
         crcs = [lease.crc32c for lease in leases]
         grant: Grant | None = self.grants.grant_get()
         released = first = 0
-        pooled: list[int] = []  # bytes that reached a shared pool without process_vm_writev (readers append)
+        pooled: list[int] = []  # bytes that reached a shared pool without process_vm_writev (threads append)
         try:
             targets = checked_targets(outs, lengths)  # every buffer checked before anything is read or written
             for window in self.ops.windows(cast(list[Lease | None], leases)):
@@ -300,7 +303,13 @@ class ShmGets:
                     sources = host_sources([window[j] for j in hot])
                     assert sources is not None  # raw_in_host_or_lower
                     written = write_blocks(
-                        [targets[first + j] for j in hot], sources, direct, self.ops.copies, crc_at_copy
+                        [targets[first + j] for j in hot],
+                        sources,
+                        direct,
+                        self.ops.copies,
+                        crc_at_copy,
+                        self.pools,
+                        pooled,
                     )
                     if crc_at_copy:
                         for j, crc in zip(hot, written):

@@ -15,10 +15,11 @@ store answers in one message whose ``WrittenBlocks`` columns say it all:
   Get the lane answers in columns after reading them (``ShmGets._get_read_written``);
 - ``checked_targets(outs, lengths)``: each block's destination clipped to it, INVALID_ARGUMENT for the first too
   small; ``columns_reply(leases, lengths, crcs, crc_at_copy)``: the one message that describes them;
-- ``write_reply(leases, sources, outs, direct, pool, crc_at_copy) -> LaneGetResponse``: check every
-  destination holds its block (INVALID_ARGUMENT naming the first that does not), write them
+- ``write_reply(leases, sources, outs, direct, pool, crc_at_copy, shared, pooled) -> LaneGetResponse``: check
+  every destination holds its block (INVALID_ARGUMENT naming the first that does not), write them
   (``copyout.write_blocks``: one process_vm_writev per run, spread over the copy threads, each CRC32C taken
-  just before its block moves) and fill the columns. The caller owns the grant and the leases.
+  just before its block moves; a block bound for one of the client's ``shared`` pools copied through the
+  store's mapping instead) and fill the columns. The caller owns the grant and the leases.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvstore.lanes.copypool import CopyPool
 from kvstore.lanes.direct import DirectPeer
 from kvstore.lanes.segments import Spans, SpanTable, clip
 from kvstore.lanes.server.copyout import write_blocks
+from kvstore.lanes.server.pools import MappedPools
 from kvstore.memops import host_view
 from kvstore.store import Lease
 from kvstore.v1 import kvstore_pb2 as pb
@@ -81,11 +83,15 @@ def write_reply(
     direct: DirectPeer,
     pool: CopyPool,
     crc_at_copy: bool,
+    shared: MappedPools | None = None,
+    pooled: list[int] | None = None,
 ) -> lpb.LaneGetResponse:
-    """Write every block into the client's memory and describe them all in one message's columns."""
+    """Write every block into the client's memory (through the store's mapping where it lies in one of the
+    client's ``shared`` pools: those bytes appended to ``pooled``) and describe them all in one message's columns."""
     lengths = [len(s) for s in sources]
     targets = checked_targets(outs, lengths)
-    return columns_reply(leases, lengths, write_blocks(targets, sources, direct, pool, crc_at_copy), crc_at_copy)
+    crcs = write_blocks(targets, sources, direct, pool, crc_at_copy, shared, pooled)
+    return columns_reply(leases, lengths, crcs, crc_at_copy)
 
 
 def checked_targets(outs: Sequence[Spans], lengths: Sequence[int]) -> Sequence[Spans]:
