@@ -3,9 +3,10 @@
 ``LowerReads`` is the part of ``BlockStore`` that serves leased blocks no memory tier holds
 (kvstore/store/blockstore.py has the lease verbs themselves):
 
-- ``materialize(leases, on_ready, dest_for)``: read the NVMe-only blocks of a batch into a free top-tier slot
-  (a promotion, made the block's copy at ``release``), the caller's buffer, the staging arena or a fresh
-  buffer, each verified before ``on_ready`` names it; a corrupt copy is dropped and ``DataLossError`` raised;
+- ``materialize(leases, on_ready, dest_for, on_caller, final_dests)``: read the NVMe-only blocks of a batch into
+  a free top-tier slot (a promotion, made the block's copy at ``release``), the caller's buffer (with
+  ``final_dests`` even when promoted: a client's shared pool), the staging arena or a fresh buffer, each verified
+  before ``on_ready`` names it; a corrupt copy is dropped and ``DataLossError`` raised;
 - ``disk_dir()`` / ``disk_extents(leases)`` / ``release_extents(handles)``: where NVMe-only raw blocks lie in
   the tier's files, for a reader that reads them itself, with their segments pinned until released;
 - ``_fill_promotions(leases)`` (before the lock), ``_promote(leases)`` and ``_let_go(lease)`` (lock held): what

@@ -10,6 +10,9 @@ LaneGetResponse``: lease the blocks, then
 - raw blocks of a direct Get whose client reads columns, some only on NVMe (and no DRAM hit to name in the
   shared arena): each window's NVMe reads written into the client's memory piece by piece as they are
   verified, the DRAM hits as above, all described in one message's ``WrittenBlocks``;
+- on both of those paths, a block bound for one of the client's shared pools (``pools.py``) never takes a
+  process_vm_writev: read straight into it from NVMe (a pool in huge pages), else copied through the store's
+  mapping of it with its CRC32C;
 - otherwise each block gets a descriptor: copied into a range of the region (one copy, its CRC32C in the
   same pass with ``crc_at_copy``), written into the client's memory (``outs``), named in the shared DRAM arena
   (``read_dram``) or in the NVMe tier's files (``read_disk``); NVMe-only blocks are read straight where they
@@ -45,7 +48,7 @@ from kvstore.lanes.server.written import (
     raw_in_host_or_lower,
     write_reply,
 )
-from kvstore.memops import copy_into, host_view
+from kvstore.memops import host_view
 from kvstore.store import Lease
 from kvstore.store.readahead import has_cold
 from kvstore.v1 import kvstore_pb2 as pb
@@ -324,19 +327,16 @@ class ShmGets:
                     return view
 
                 def on_ready(positions: list[int], first: int = first) -> None:
-                    written: list[int] = []
+                    moved: list[int] = []
                     for j in positions:
-                        x = leases[first + j]
-                        if x.buffer is in_pool.get(j):  # read in place
-                            pooled.append(x.stored_length)
-                        elif self.pools and (view := self.pools.view(targets[first + j], x.stored_length)):
-                            copy_into(view, host_bytes(x.buffer, x.stored_length))  # a pool in 4 KiB pages
-                            pooled.append(x.stored_length)
-                        else:
-                            written.append(j)
-                    if written:
-                        blocks = [host_bytes(leases[first + j].buffer, lengths[first + j]) for j in written]
-                        write_blocks([targets[first + j] for j in written], blocks, direct, None, False)
+                        if leases[first + j].buffer is in_pool.get(j):  # read in place
+                            pooled.append(lengths[first + j])
+                        else:  # into the client's memory, or a pool in 4 KiB pages through our mapping
+                            moved.append(j)
+                    if moved:
+                        blocks = [host_bytes(leases[first + j].buffer, lengths[first + j]) for j in moved]
+                        targets_of = [targets[first + j] for j in moved]
+                        write_blocks(targets_of, blocks, direct, None, False, self.pools, pooled)
 
                 # the copies on this thread, reads beside; a block bound for a shared pool in huge pages is read there
                 self.ops.materialize(window, on_ready, dest_for if self.pools else None, True, True)
