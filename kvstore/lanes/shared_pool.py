@@ -67,8 +67,8 @@ class SharedPool:
         self.address = int(self.array.ctypes.data)
         if madvise(self.address, nbytes, MADV_POPULATE_WRITE) != 0:  # faulted in now, so its pages are known
             self.array[:: mmap.PAGESIZE] = 0
-        why_not, self.huge_pages = mapping_of(os.getpid(), self.address, nbytes, os.fstat(self.fd))
-        assert not why_not, why_not
+        why_not, huge = mapping_of(os.getpid(), self.address, nbytes, os.fstat(self.fd))
+        self.huge_pages = huge and not why_not  # why_not: our own smaps unreadable (a /proc mounted hidepid)
 
     def contains(self, address: int, nbytes: int) -> bool:
         return self.address <= address and address + nbytes <= self.address + self.nbytes
