@@ -32,11 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.hugepages import advise_mapping, madvise
+from kvstore.hugepages import HUGE_PAGE, advise_mapping, madvise
+from kvstore.prefault import MADV_POPULATE_WRITE
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-HUGE_PAGE = 2 << 20
-MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+)
 
 
 class SharedPool:
@@ -69,9 +68,6 @@ class SharedPool:
             self.array[:: mmap.PAGESIZE] = 0
         why_not, huge = mapping_of(os.getpid(), self.address, nbytes, os.fstat(self.fd))
         self.huge_pages = huge and not why_not  # why_not: our own smaps unreadable (a /proc mounted hidepid)
-
-    def contains(self, address: int, nbytes: int) -> bool:
-        return self.address <= address and address + nbytes <= self.address + self.nbytes
 
     def close(self) -> None:
         """Let go of the fd; the memory stays until ``array`` and every view of it are gone (and, once offered,

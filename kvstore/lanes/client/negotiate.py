@@ -93,9 +93,7 @@ class LanePool:
         lane: Lane | None = first
         try:
             try:
-                if self.shared:
-                    first.share(self.shared)
-                result = fn(first)
+                result = self._call(first, fn)
             except LaneBroken as err:
                 log.info("%s lane broke (%s); opening a fresh one", first.kind, err)
                 lane = None  # discarded: never given back, even when opening the fresh one fails
@@ -103,9 +101,7 @@ class LanePool:
                 lane = self._acquire(fresh=True)
                 if lane is None:
                     return None
-                if self.shared:
-                    lane.share(self.shared)
-                result = fn(lane)
+                result = self._call(lane, fn)
         except LaneBroken as err:
             assert lane is not None
             self._discard(lane)
@@ -117,6 +113,11 @@ class LanePool:
         assert lane is not None  # the fresh one's failures returned or raised above
         self._give_back(lane)
         return result
+
+    def _call(self, lane: Lane, fn: Callable[[Lane], T]) -> T:
+        if self.shared:  # pools made since this lane last ran are offered first
+            lane.share(self.shared)
+        return fn(lane)
 
     def close(self) -> None:
         """Close the idle lanes now; lanes still in a call close when that call ends."""
