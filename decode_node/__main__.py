@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args("decode_node", "127.0.0.1:7090", argv)
     logs.configure(args.log_level)
     model, tokenizer = load(args.model)
-    link = StoreLink(model, args.store, token=args.token)
+    link = StoreLink(model, args.store, token=args.token, shared_pool=args.shared_pool)
     engine = DecodeEngine(model, tokenizer, link, pool_blocks=args.pool_blocks)
 
     def stop() -> None:

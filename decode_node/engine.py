@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.model import ByteBPETokenizer, LlamaModel, OutOfBlocks, PagedKVPool
+from kvstore.model import ByteBPETokenizer, LlamaModel, OutOfBlocks, PagedKVPool, pool_nbytes
 from kvstore.model.planned import prefill_planned
 from kvstore.model.store_link import StoreLink
 
@@ -90,7 +90,9 @@ class DecodeEngine:
         max_batch: int = 16,
     ):
         self.model, self.tokenizer, self.link = model, tokenizer, link
-        self.pool = PagedKVPool(model.config, pool_blocks)
+        self.pool = PagedKVPool(
+            model.config, pool_blocks, memory=link.pool_memory(pool_nbytes(model.config, pool_blocks))
+        )
         self.stop_ids = set(tokenizer.stop_ids) if tokenizer is not None else set()
         self.max_batch = max_batch
         self._waiting: queue.Queue[Request | None] = queue.Queue()

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args("prefill_node", "127.0.0.1:7080", argv)
     logs.configure(args.log_level)
     model, tokenizer = load(args.model)
-    link = StoreLink(model, args.store, token=args.token)
+    link = StoreLink(model, args.store, token=args.token, shared_pool=args.shared_pool)
     servicer = PrefillServicer(model, tokenizer, link, pool_blocks=args.pool_blocks, chunk_tokens=args.chunk_tokens)
     serve(
         args.listen,

@@ -20,7 +20,7 @@ import time
 
 import grpc
 
-from kvstore.model import ByteBPETokenizer, LlamaModel, OutOfBlocks, PagedKVPool
+from kvstore.model import ByteBPETokenizer, LlamaModel, OutOfBlocks, PagedKVPool, pool_nbytes
 from kvstore.model.planned import prefill_planned
 from kvstore.model.store_link import BlockUploader, StoreLink
 from kvstore.model.worker import prompt_tokens
@@ -44,7 +44,9 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         self.model, self.tokenizer, self.link = model, tokenizer, link
         self.block_size = model.config.block_size
         self.chunk = max(self.block_size, chunk_tokens // self.block_size * self.block_size)
-        self.pool = PagedKVPool(model.config, pool_blocks)
+        self.pool = PagedKVPool(
+            model.config, pool_blocks, memory=link.pool_memory(pool_nbytes(model.config, pool_blocks))
+        )
         self._lock = threading.Lock()  # one prompt at a time: the CPU is the bottleneck anyway
         self._ids = itertools.count()
 

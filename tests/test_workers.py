@@ -35,7 +35,8 @@ def start_grpc(register):
 @pytest.fixture
 def workers(tiny, server):
     store = f"127.0.0.1:{server.port}"
-    p_link, d_link = StoreLink(tiny, store), StoreLink(tiny, store)
+    # the decode pool shared with the store even in 4 KiB pages ("auto" shares only huge pages), so the path runs
+    p_link, d_link = StoreLink(tiny, store), StoreLink(tiny, store, shared_pool="always")
     prefill = PrefillServicer(tiny, None, p_link, pool_blocks=256, chunk_tokens=64)
     engine = DecodeEngine(tiny, None, d_link, pool_blocks=256)
     p_srv, p_addr = start_grpc(lambda s: wpb_grpc.add_PrefillServiceServicer_to_server(prefill, s))
@@ -67,8 +68,13 @@ def generate(decode, tokens, n, use_store=True):
 PROMPT = [(i * 37 + 11) % 250 + 1 for i in range(150)]  # 9 full blocks of 16 and a 6-token tail
 
 
+def pooled_bytes(link: StoreLink) -> int:
+    """Bytes the store wrote into clients' shared pools through its own mapping of them."""
+    return int(link.client.stats()["counters"].get("lane_shm_pool_get_bytes", 0))
+
+
 def test_disaggregated_equals_one_process(tiny, workers):
-    prefill, decode, _, _ = workers
+    prefill, decode, _, link = workers
     reply = prefill.Prefill(
         wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT)), namespace="t"), timeout=60
     )
@@ -76,6 +82,8 @@ def test_disaggregated_equals_one_process(tiny, workers):
     tokens, first = generate(decode, PROMPT, 12)
     assert first.cached_blocks == 9 and not first.recomputed and first.transfer_bytes > 0
     assert tokens == reference(tiny, PROMPT, 12)
+    # the decode worker's pool is shared with its local store, which wrote the 9 blocks there itself
+    assert pooled_bytes(link) == first.transfer_bytes
     again = prefill.Prefill(
         wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT + [5] * 40)), namespace="t"), timeout=60
     )
@@ -114,3 +122,48 @@ def test_corrupt_block_falls_back_to_recompute(tiny, workers, server):
     store.release(leases)
     tokens, first = generate(decode, PROMPT, 6)
     assert first.recomputed and tokens == reference(tiny, PROMPT, 6)
+
+
+def test_a_worker_shares_its_pool_only_with_a_local_store_and_when_asked(tiny, server, monkeypatch):
+    import kvstore.model.store_link as store_link
+
+    store = f"127.0.0.1:{server.port}"
+    links = {
+        name: StoreLink(tiny, store, **kwargs)
+        for name, kwargs in {
+            "always": {"shared_pool": "always"},
+            "never": {"shared_pool": "never"},
+            "auto, 4 KiB pages": {},
+            "auto, huge pages": {},
+            "tcp lane": {"shared_pool": "always", "lane": "tcp"},
+        }.items()
+    }
+    try:
+        monkeypatch.setattr(store_link, "huge_pages_likely", lambda n: False)
+        assert links["always"].pool_memory(1 << 20) is not None
+        assert links["never"].pool_memory(1 << 20) is None
+        assert links["auto, 4 KiB pages"].pool_memory(1 << 20) is None
+        assert links["tcp lane"].pool_memory(1 << 20) is None  # a store it reaches over TCP cannot map it
+        monkeypatch.setattr(store_link, "huge_pages_likely", lambda n: True)
+        memory = links["auto, huge pages"].pool_memory(1 << 20)
+        assert memory is not None and memory.nbytes >= 1 << 20
+    finally:
+        for link in links.values():
+            link.close()
+    assert StoreLink(tiny, None, shared_pool="always").pool_memory(1 << 20) is None  # no store
+    with pytest.raises(ValueError, match="shared_pool"):
+        StoreLink(tiny, store, shared_pool="sometimes")
+
+
+def test_huge_pages_likely_reads_shmem_enabled(monkeypatch):
+    from kvstore.lanes import shared_pool
+
+    monkeypatch.setattr(shared_pool, "_free_hugetlb_bytes", lambda: 0)
+    assert not shared_pool.huge_pages_likely(1 << 30, "always within_size advise [never] deny force")
+    assert not shared_pool.huge_pages_likely(1 << 30, "always within_size advise never [deny] force")
+    for mode in ("always", "within_size", "advise", "force"):
+        text = " ".join(f"[{m}]" if m == mode else m for m in "always within_size advise never deny force".split())
+        assert shared_pool.huge_pages_likely(1 << 30, text)
+    monkeypatch.setattr(shared_pool, "_free_hugetlb_bytes", lambda: 1 << 30)
+    assert shared_pool.huge_pages_likely(1 << 30, "[never]")
+    assert not shared_pool.huge_pages_likely((1 << 30) + 1, "[never]")  # a page short

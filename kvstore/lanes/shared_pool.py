@@ -19,7 +19,8 @@ Huge pages come from hugetlbfs when enough are free (``HugePages_Free``: pages a
 which it got. Without a shm lane and its handshake (the TCP lane, a store on another host) the pool is plain
 memory: Gets into it work as into any buffer.
 
-``mapping_of(pid, address, length, st)`` (the store's check of a POOL frame, and ``huge_pages``): whether a process
+``huge_pages_likely(nbytes)``: whether a pool made now would get huge pages (for a caller that wants no pool in
+4 KiB pages). ``mapping_of(pid, address, length, st)`` (the store's check of a POOL frame, and ``huge_pages``): whether a process
 maps a given file over a range, shared and writable, and in huge pages.
 """
 
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.hugepages import HUGE_PAGE, advise_mapping, madvise
+from kvstore.hugepages import HUGE_PAGE, SHMEM_ENABLED, advise_mapping, madvise
 from kvstore.prefault import MADV_POPULATE_WRITE
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -120,6 +121,20 @@ def mapping_of(pid: int, address: int, length: int, st: os.stat_result) -> tuple
     if at < stop:
         return f"the client maps nothing at {at:#x}", False
     return "", huge_bytes * 2 >= length
+
+
+def huge_pages_likely(nbytes: int, shmem_enabled: str | None = None) -> bool:
+    """Whether a ``SharedPool`` of ``nbytes`` made now would get huge pages: enough hugetlb pages are free, or
+    ``shmem_enabled`` (this host's, by default) gives shared memory transparent huge pages when advised."""
+    if _free_hugetlb_bytes() >= -(-nbytes // HUGE_PAGE) * HUGE_PAGE:
+        return True
+    if shmem_enabled is None:
+        try:
+            with open(SHMEM_ENABLED) as f:
+                shmem_enabled = f.read()
+        except OSError:
+            return False
+    return any(f"[{mode}]" in shmem_enabled for mode in ("always", "within_size", "advise", "force"))
 
 
 def _free_hugetlb_bytes() -> int:

@@ -5,7 +5,7 @@ Modules, one job each:
 - ``config``: ``ModelConfig`` (hyperparameters, presets, ``fingerprint()``).
 - ``allocator`` / ``block_manager``: reference-counted blocks and per-sequence
   block tables with prefix sharing and copy-on-write (pure logic).
-- ``paged``: ``PagedKVPool``, one page-first tensor of KV blocks (DESIGN 2.2).
+- ``paged``: ``PagedKVPool``, one page-first tensor of KV blocks (DESIGN 2.2), and ``pool_nbytes``.
 - ``ops`` / ``llama``: the Llama decoder, reading K/V through block tables.
 - ``weights`` / ``gguf_loader``: random init, safetensors checkpoints, GGUF.
 - ``tokenizer``: byte-level BPE from GGUF metadata, ChatML template.
@@ -27,7 +27,7 @@ from kvstore.model.allocator import OutOfBlocks
 from kvstore.model.config import ModelConfig
 from kvstore.model.generate import greedy_generate
 from kvstore.model.llama import LlamaModel
-from kvstore.model.paged import PagedKVPool
+from kvstore.model.paged import PagedKVPool, pool_nbytes
 from kvstore.model.tokenizer import ByteBPETokenizer
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "PagedKVPool",
     "greedy_generate",
     "load_model",
+    "pool_nbytes",
 ]
 
 

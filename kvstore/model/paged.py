@@ -57,17 +57,25 @@ class PagedKVPool:
         block_size: int | None = None,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        memory: np.ndarray | None = None,
     ):
+        """``memory``: host bytes to lay the pool in (zeroed, uint8, at least ``pool_nbytes`` long), such as a
+        ``SharedPool`` a local store reads Gets straight into (``StoreLink.pool_memory``); default: a fresh
+        buffer in huge pages where the kernel grants them."""
         self.config = config
         self.block_size = block_size or config.block_size
         self.dtype = dtype or config.torch_dtype
         self.device = torch.device(device)
         shape = (num_blocks, config.layers, 2, self.block_size, config.kv_heads, config.head_dim)
-        if self.device.type == "cpu":
+        nbytes = pool_nbytes(config, num_blocks, self.block_size, self.dtype)
+        if memory is not None:
+            if self.device.type != "cpu" or memory.dtype != np.uint8 or memory.nbytes < nbytes:
+                raise ValueError(f"a pool of {nbytes} bytes on {self.device} cannot lie in {memory.nbytes} host bytes")
+            self.kv = torch.from_numpy(memory[:nbytes]).view(self.dtype).view(shape)
+        elif self.device.type == "cpu":
             # in huge pages where the kernel grants them: the store writes fetched blocks into the pool with
             # process_vm_writev, which ran 1.3-1.5x slower into 4 KiB pages (docs/vllm.md, "Huge pages under a CPU
             # cache"); zeroed, as torch.zeros
-            nbytes = int(np.prod(shape)) * torch.empty((), dtype=self.dtype).element_size()
             self.kv = torch.from_numpy(huge_buffer(nbytes)).view(self.dtype).view(shape)
         else:
             self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -198,6 +206,15 @@ class PagedKVPool:
                 f"payload has {n} bytes but a block of this pool holds {self.block_nbytes} "
                 f"(shape {tuple(self.kv.shape[1:])}, {self.dtype}): wrong model, dtype or block size?"
             )
+
+
+def pool_nbytes(
+    config: ModelConfig, num_blocks: int, block_size: int | None = None, dtype: torch.dtype | None = None
+) -> int:
+    """The bytes of a ``PagedKVPool`` of ``num_blocks`` blocks (the model's block size and dtype by default)."""
+    per_token = config.layers * 2 * config.kv_heads * config.head_dim
+    element: int = torch.empty((), dtype=dtype or config.torch_dtype).element_size()
+    return num_blocks * (block_size or config.block_size) * per_token * element
 
 
 def _as_uint8_array(payload: Any) -> np.ndarray:

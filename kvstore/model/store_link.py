@@ -27,13 +27,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvstore.client import Client, KVStoreError
 from kvstore.hashing import block_hashes
+from kvstore.lanes.shared_pool import huge_pages_likely
 from kvstore.loadplan import Planner
 from kvstore.model.llama import LlamaModel
 from kvstore.model.paged import PagedKVPool
 
 log = logging.getLogger(__name__)
+
+SHARED_POOL_CHOICES = ("auto", "always", "never")
 
 
 @dataclass
@@ -67,7 +72,13 @@ class StoreLink:
         planner: Planner | None = None,
         policy: str = "decide",
         lane: str = "auto",
+        shared_pool: str = "auto",
     ):
+        """``shared_pool``: whether ``pool_memory`` shares the worker's KV pool with a store on this host:
+        "auto" (when it would be in huge pages), "always" or "never"."""
+        if shared_pool not in SHARED_POOL_CHOICES:
+            raise ValueError(f"shared_pool must be one of {SHARED_POOL_CHOICES}, not {shared_pool!r}")
+        self.shared_pool = shared_pool
         self.model = model
         self.fingerprint = model.config.fingerprint()
         self.block_size = model.config.block_size
@@ -137,6 +148,34 @@ class StoreLink:
             return
         codec_stats = getattr(self.client, "codec_stats", None)  # a cluster client has no one codec controller
         self.planner.seed(counters, codec_stats() if codec_stats else {}, self.lane_kind())
+
+    def pool_memory(self, nbytes: int) -> np.ndarray | None:
+        """Host memory for the worker's paged KV pool that the store can read Gets straight into: a
+        ``SharedPool`` (``NodeClient.shared_pool``) when the store is on this host (the shm lane opened) and,
+        with ``shared_pool="auto"``, the pool would be in huge pages; else None (the pool takes memory of its
+        own, in transparent huge pages). In a shared pool a Get's DRAM hits take a memcpy through the store's
+        mapping in place of ``process_vm_writev``, and its NVMe hits read by the store land in place (huge pages)
+        or take that memcpy too (docs/nvme.md, "Gets into a shared pool"). Not in 4 KiB pages by default: the
+        worker's own O_DIRECT reads of the store's NVMe files (``--share-nvme``) land in its pool too, and ran
+        slower into 4 KiB pages."""
+        shared_pool = getattr(self.client, "shared_pool", None)  # a cluster client has none
+        if self.client is None or shared_pool is None or self.shared_pool == "never":
+            return None
+        if self.shared_pool == "auto" and not huge_pages_likely(nbytes):
+            log.info("KV pool not shared with the store: it would be in 4 KiB pages (see --shared-pool)")
+            return None
+        try:
+            if self.client.connect() != "shm":
+                return None
+        except KVStoreError as err:  # the store is down: the worker starts anyway, and recomputes
+            log.warning("store unreachable at start-up (%s): the KV pool is not shared with it", err)
+            return None
+        pool = shared_pool(nbytes, "kvstore-kv-pool")
+        log.info(
+            "KV pool shared with the store: %d MiB, %s pages", nbytes >> 20, "huge" if pool.huge_pages else "4 KiB"
+        )
+        memory: np.ndarray = pool.array
+        return memory
 
     def lane_kind(self) -> str:
         """The client's data lane ("shm", "tcp", ...; "cluster" for a cluster client, which has one per node)."""

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.addresses import parse_address
 from kvstore.logs import check_level
 from kvstore.model import ByteBPETokenizer, LlamaModel, load_model
+from kvstore.model.store_link import SHARED_POOL_CHOICES
 from kvstore.v1 import workers_pb2 as wpb
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class WorkerArgs:
     chunk_tokens: int
     token: str | None
     log_level: str
+    shared_pool: str = "auto"
 
 
 def parse_args(prog: str, default_listen: str, argv: list[str] | None) -> WorkerArgs:
@@ -48,6 +50,14 @@ def parse_args(prog: str, default_listen: str, argv: list[str] | None) -> Worker
     )
     p.add_argument("--pool-blocks", type=int, default=2048, help="blocks in the paged KV pool")
     p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size (a multiple of the block size)")
+    p.add_argument(
+        "--shared-pool",
+        choices=SHARED_POOL_CHOICES,
+        default="auto",
+        help="lay the KV pool in memory shared with a store on this host, which then writes Gets into it itself "
+        "(no process_vm_writev; NVMe blocks read in place): auto does when the pool would be in huge pages "
+        "(hugetlb pages reserved, or shmem_enabled advise)",
+    )
     p.add_argument("--token", default=None, help="tenant bearer token for the store")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
@@ -62,7 +72,14 @@ def parse_args(prog: str, default_listen: str, argv: list[str] | None) -> Worker
     except ValueError as err:
         p.error(f"--log-level: {err}")
     return WorkerArgs(
-        a.listen, None if a.store == "none" else a.store, a.model, a.pool_blocks, a.chunk_tokens, a.token, a.log_level
+        a.listen,
+        None if a.store == "none" else a.store,
+        a.model,
+        a.pool_blocks,
+        a.chunk_tokens,
+        a.token,
+        a.log_level,
+        a.shared_pool,
     )
 
 
