@@ -3,6 +3,7 @@
     python -m bench.ttft [--quick] [--out FILE.json] [--plot FILE.png (default: beside --out)]
                          [--prefill HOST:PORT --decode HOST:PORT --store HOST:PORT]
                          [--workload chat|trace] [--trace FILE] [--rate R] [--nvme [--dir DIR] [--share-dram true]]
+                         [--shared-pool auto|always|never]
 
 Without addresses it starts a store, a prefill worker and a decode worker on
 loopback ports. Workloads:
@@ -218,7 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         help="--nvme: the store also runs with --share-dram, so its DRAM index names the NVMe-only blocks and the "
         "decode worker reads them without asking the store (with --share-nvme true)",
     )
+    p.add_argument(
+        "--shared-pool",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="the local stack's workers lay their KV pools in memory shared with the store (their --shared-pool)",
+    )
     args = p.parse_args(argv)
+    worker_args = ("--shared-pool", args.shared_pool)
     nvme_results: list = []  # --nvme (bench/ttft_nvme.py)
 
     from bench.baselines import memcpy_gbps
@@ -227,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.decode:
             store, prefill, decode = args.store, args.prefill, args.decode
         else:
-            store, prefill, decode = stack.enter_context(local_stack(args.model))
+            store, prefill, decode = stack.enter_context(local_stack(args.model, worker_args=worker_args))
         router = Router(prefill, decode)
         stack.callback(router.close)
         if args.workload == "chat":
@@ -237,7 +245,13 @@ def main(argv: list[str] | None = None) -> int:
                 from bench.ttft_nvme import run_nvme
 
                 nvme_results, disk_speeds = run_nvme(
-                    args.model, prompts, args.new_tokens, args.dir, args.share_nvme == "true", args.share_dram == "true"
+                    args.model,
+                    prompts,
+                    args.new_tokens,
+                    args.dir,
+                    args.share_nvme == "true",
+                    args.share_dram == "true",
+                    worker_args,
                 )
                 results += nvme_results
         else:
@@ -277,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"store tier {t['name']}: {t['blocks']} blocks, {t['used_bytes'] / 2**20:.0f} MiB, {t['hits']} hits")
     sample = next((r.text for r in results if r.text), "")
     for r in rows:
-        r.update(workload=args.workload, model=args.model)
+        r.update(workload=args.workload, model=args.model, shared_pool=args.shared_pool)
         if stats:
             r["store_tiers"] = {
                 t["name"]: {"blocks": t["blocks"], "used_bytes": t["used_bytes"], "hits": t["hits"]}

@@ -15,6 +15,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -37,10 +38,12 @@ def run_nvme(
     root: Path,
     share_nvme: bool = True,
     share_dram: bool = False,
+    worker_args: Sequence[str] = (),
 ) -> tuple[list[Result], list[float]]:
     """The ``store_nvme`` results (mode renamed) and the disk's read speed (bytes/s) measured before each.
     ``share_nvme``: the store runs with ``--share-nvme`` (the decode worker reads the NVMe blocks itself);
-    ``share_dram`` too: with ``--share-dram``, whose index names those blocks (read without a request)."""
+    ``share_dram`` too: with ``--share-dram``, whose index names those blocks (read without a request);
+    ``worker_args``: flags for both workers."""
     results: list[Result] = []
     speeds: list[float] = []
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-ttft-nvme-", dir=root))
@@ -51,7 +54,7 @@ def run_nvme(
             store_args += ("--promote-on-hit", "false", "--share-nvme", "true" if share_nvme else "false")
             store_args += ("--share-dram", "true" if share_dram else "false")
             store, prefill, decode = stack.enter_context(
-                local_stack(model, dram=f"{DRAM >> 20}MiB", store_args=store_args)
+                local_stack(model, dram=f"{DRAM >> 20}MiB", store_args=store_args, worker_args=worker_args)
             )
             router = Router(prefill, decode)
             stack.callback(router.close)

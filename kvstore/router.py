@@ -177,11 +177,17 @@ def worker_process(module: str, store: str, model: str, *extra: str, timeout: fl
 
 @contextmanager
 def local_stack(
-    model: str = "smollm2", dram: str = "2GiB", pool_blocks: int = 2048, store_args: Sequence[str] = ()
+    model: str = "smollm2",
+    dram: str = "2GiB",
+    pool_blocks: int = 2048,
+    store_args: Sequence[str] = (),
+    worker_args: Sequence[str] = (),
 ) -> Iterator[tuple[str, str, str]]:
-    """(store, prefill, decode) addresses of a store and two workers on loopback ports."""
+    """(store, prefill, decode) addresses of a store and two workers on loopback ports; ``worker_args`` go to
+    both workers."""
     with ExitStack() as stack:
         store, _ = stack.enter_context(store_process("--dram", dram, *store_args))
-        prefill = stack.enter_context(worker_process("prefill_node", store, model, "--pool-blocks", str(pool_blocks)))
-        decode = stack.enter_context(worker_process("decode_node", store, model, "--pool-blocks", str(pool_blocks)))
+        flags = ("--pool-blocks", str(pool_blocks), *worker_args)
+        prefill = stack.enter_context(worker_process("prefill_node", store, model, *flags))
+        decode = stack.enter_context(worker_process("decode_node", store, model, *flags))
         yield store, prefill, decode
