@@ -177,8 +177,13 @@ class NodeClient:
         (on the shm lane after its direct handshake; elsewhere it is plain memory). Offered to each lane before its
         next call; the store keeps it mapped until the lane closes."""
         pool = SharedPool(nbytes, name)
-        self._lanes.shared.append(pool)
+        self.offer_pool(pool)
         return pool
+
+    def offer_pool(self, pool: SharedPool) -> None:
+        """Offer a ``SharedPool`` made elsewhere (one a cluster client offers every node) to this client's lanes."""
+        if pool not in self._lanes.shared:
+            self._lanes.shared.append(pool)
 
     def close(self) -> None:
         self._lanes.close()

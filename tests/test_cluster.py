@@ -309,3 +309,25 @@ def test_cluster_client_passes_codecs_to_the_node(make_server, local_redis):
         assert all(r.status == "stored" for r in kv.put("lossy-a", lossy, blocks, codec="fp8", lossy_ok=True))
         got = kv.get("lossy-a", lossy, lossy_ok=True)
         assert all(len(bytes(g)) == b.numel() * 2 for g, b in zip(got, blocks))  # decoded back to bf16 bytes
+
+
+def test_a_cluster_clients_shared_pool_is_offered_to_every_node(make_server, local_redis):
+    servers = [make_server(redis=local_redis.url, cluster_ttl=TTL) for _ in range(2)]
+    wait_until(lambda: len(members(local_redis.url)) == 2, what="2 members")
+    chains = [chain(4) for _ in range(6)]
+    with Client(local_redis.url, refresh=0.1) as kv:
+        assert isinstance(kv, ClusterClient)
+        for hashes, data in chains:
+            kv.put("ns", hashes, data)
+        pool = kv.shared_pool(len(chains) * 4 * BLOCK)  # offered to the clients made so far and to those made later
+        views = pool.array.reshape(len(chains) * 4, BLOCK)
+        for i, (hashes, data) in enumerate(chains):
+            wait_until(lambda: kv.lookup("ns", hashes) == 4, what="index published")
+            kv.get("ns", hashes, out=list(views[4 * i : 4 * i + 4]))
+            assert [bytes(v) for v in views[4 * i : 4 * i + 4]] == data
+        pooled = [
+            kv.directory.client(m).stats()["counters"].get("lane_shm_pool_get_bytes", 0) for m in kv.directory.live()
+        ]
+    holders = {holder_of(servers, "ns", hashes)[0].port for hashes, _ in chains}
+    assert sum(pooled) == len(chains) * 4 * BLOCK  # every block written into the pool by its node
+    assert sum(1 for n in pooled if n) == len(holders)  # by each node that held some

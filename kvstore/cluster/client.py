@@ -32,6 +32,8 @@ Verbs (same names and results as ``kvstore.client.Client``):
   copies removed.
 - ``stats() -> dict``: per-node stats, members, tiers summed over nodes, and whether
   Redis is reachable.
+- ``shared_pool(nbytes) -> SharedPool``: memory offered to every node's client; the node
+  on this host writes Gets into it itself (``NodeClient.shared_pool``).
 
 Options: ``nodes`` (addresses to ask while no member list was ever read),
 ``refresh`` (seconds a member list is reused), ``down_for`` (seconds a failed node
@@ -68,6 +70,7 @@ from kvstore.cluster.directory import Directory
 from kvstore.cluster.keys import KeyLayout
 from kvstore.cluster.membership import NodeInfo
 from kvstore.errors import KVStoreError
+from kvstore.lanes.shared_pool import SharedPool
 from kvstore.wire import CHUNK_BYTES, TIER_NAMES, PutResult
 
 log = logging.getLogger("kvstore.cluster.client")
@@ -123,6 +126,13 @@ class ClusterClient:
         self._placed_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
+    def shared_pool(self, nbytes: int, name: str = "kvstore-pool") -> SharedPool:
+        """``NodeClient.shared_pool`` for a cluster: host memory offered to every node's client; a node on this
+        host maps it and writes Gets whose ``out`` buffers lie in it itself, the others see plain memory."""
+        pool = SharedPool(nbytes, name)
+        self.directory.add_pool(pool)
+        return pool
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.directory.close()

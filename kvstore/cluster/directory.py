@@ -31,6 +31,7 @@ from typing import Any
 from kvstore.cluster.connect import REDIS_ERRORS, RedisConnector
 from kvstore.cluster.keys import KeyLayout
 from kvstore.cluster.membership import NodeInfo, read_members
+from kvstore.lanes.shared_pool import SharedPool
 from kvstore.node_client import NodeClient
 
 log = logging.getLogger("kvstore.cluster.client")
@@ -57,6 +58,7 @@ class Directory:
         self._read_at = -1e9
         self._clients: dict[str, tuple[str, NodeClient]] = {}  # node id -> (incarnation, client)
         self._down: dict[str, float] = {}  # node id -> until (monotonic)
+        self._pools: list[SharedPool] = []  # offered to every node's client, those made later too
         self._lock = threading.Lock()
         self.redis_up = False
 
@@ -115,11 +117,20 @@ class Directory:
             if held is not None and held[0] == member.incarnation:
                 return held[1]
             client = NodeClient(member.addr, **self._options)
+            for pool in self._pools:
+                client.offer_pool(pool)
             self._clients[member.id] = (member.incarnation, client)
             self._down.pop(member.id, None)
         if held is not None:
             held[1].close()
         return client
+
+    def add_pool(self, pool: SharedPool) -> None:
+        """Offer ``pool`` to every node's client, now and as they are made (only a node on this host maps it)."""
+        with self._lock:
+            self._pools.append(pool)
+            for _, client in self._clients.values():
+                client.offer_pool(pool)
 
     def close(self) -> None:
         with self._lock:

@@ -151,26 +151,27 @@ class StoreLink:
 
     def pool_memory(self, nbytes: int) -> np.ndarray | None:
         """Host memory for the worker's paged KV pool that the store can read Gets straight into: a
-        ``SharedPool`` (``NodeClient.shared_pool``) when the store is on this host (the shm lane opened) and,
-        with ``shared_pool="auto"``, the pool would be in huge pages; else None (the pool takes memory of its
-        own, in transparent huge pages). In a shared pool a Get's DRAM hits take a memcpy through the store's
+        ``SharedPool`` (the client's ``shared_pool``) when the store is on this host (the shm lane opened; a
+        cluster client offers it to every node, and the one on this host maps it) and, with
+        ``shared_pool="auto"``, the pool would be in huge pages; else None (the pool takes memory of its own, in
+        transparent huge pages). In a shared pool a Get's DRAM hits take a memcpy through the store's
         mapping in place of ``process_vm_writev``, and its NVMe hits read by the store land in place (huge pages)
         or take that memcpy too (docs/nvme.md, "Gets into a shared pool"). Not in 4 KiB pages by default: the
         worker's own O_DIRECT reads of the store's NVMe files (``--share-nvme``) land in its pool too, and ran
         slower into 4 KiB pages."""
-        shared_pool = getattr(self.client, "shared_pool", None)  # a cluster client has none
-        if self.client is None or shared_pool is None or self.shared_pool == "never":
+        if self.client is None or self.shared_pool == "never":
             return None
         if self.shared_pool == "auto" and not huge_pages_likely(nbytes):
             log.info("KV pool not shared with the store: it would be in 4 KiB pages (see --shared-pool)")
             return None
+        connect = getattr(self.client, "connect", None)  # a cluster client offers it to every node: none to ask
         try:
-            if self.client.connect() != "shm":
+            if connect is not None and connect() != "shm":
                 return None
         except KVStoreError as err:  # the store is down: the worker starts anyway, and recomputes
             log.warning("store unreachable at start-up (%s): the KV pool is not shared with it", err)
             return None
-        pool = shared_pool(nbytes, "kvstore-kv-pool")
+        pool = self.client.shared_pool(nbytes, "kvstore-kv-pool")
         log.info(
             "KV pool shared with the store: %d MiB, %s pages", nbytes >> 20, "huge" if pool.huge_pages else "4 KiB"
         )
