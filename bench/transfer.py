@@ -32,6 +32,10 @@ one contiguous block and beside gathering into a staging buffer before a contigu
 the get), as ratios (``bench/transfer_segments.py``). ``--cases segments --out
 bench/results/transfer_segments.json`` is the committed run of those rows alone.
 
+Destination memory (``--cases destination``, not in the default run): Gets of 64 x 720 KiB into memory never
+written (a fresh KV pool), the same with its pages made first, memory in use, and a ``Client.shared_pool``
+(``bench/transfer_destination.py``).
+
 The raw socket baseline (``raw_socket_gbps``, the targets' baseline) repeats
 one cache-resident buffer on each side; beside it, ``raw_socket_distinct_gbps``
 and ``vs_raw_socket_distinct`` move the batch's bytes as a store does, from
@@ -50,7 +54,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench import transfer_segments
+from bench import transfer_destination, transfer_segments
 from bench.baselines import memcpy_gbps, raw_socket_gbps, redis_gbps, redis_server
 from kvstore.client import Client
 from kvstore.hugepages import huge_buffer
@@ -138,20 +142,26 @@ def main(argv: list[str] | None = None) -> int:
         "--cases",
         default="blocks,segments",
         help="comma-separated: blocks (contiguous blocks beside memcpy, raw sockets, Redis), segments "
-        "(30-segment vLLM-shaped blocks beside contiguous and gathered ones, shm and tcp lanes)",
+        "(30-segment vLLM-shaped blocks beside contiguous and gathered ones, shm and tcp lanes), destination "
+        "(Gets into fresh, populated, reused and shared-pool memory, shm and tcp lanes; not in the default run)",
     )
     args = parser.parse_args(argv)
     reps = 3 if args.quick else 7
     lanes = args.lanes.split(",")
     cases = args.cases.split(",")
-    if not lanes or set(lanes) - {"grpc", "shm", "tcp"} or set(cases) - {"blocks", "segments"}:
-        parser.error("--lanes: a comma list of grpc, shm, tcp; --cases: of blocks, segments")
+    if not lanes or set(lanes) - {"grpc", "shm", "tcp"} or set(cases) - {"blocks", "segments", "destination"}:
+        parser.error("--lanes: a comma list of grpc, shm, tcp; --cases: of blocks, segments, destination")
     rows = []
     if "segments" in cases:
         with store_process("--dram", "1GiB") as (target, _):
             segment_rows = transfer_segments.measure(target, [x for x in lanes if x in ("shm", "tcp")], reps)
         transfer_segments.print_rows(segment_rows)
         rows.extend(segment_rows)
+    if "destination" in cases:
+        with store_process("--dram", "1GiB") as (target, _):
+            destination_rows = transfer_destination.measure(target, [x for x in lanes if x in ("shm", "tcp")], reps)
+        transfer_destination.print_rows(destination_rows)
+        rows.extend(destination_rows)
     if "blocks" in cases:
         rows.extend(block_rows(args, lanes, reps))
     if args.out:

@@ -11,6 +11,8 @@ there only the mapping's page tables are made.
 on a daemon thread that lets go of the GIL during each call, so serving starts at once and runs beside it. The
 call keeps what the pages hold, so Puts may land meanwhile. Without the call (an older kernel) nothing is done.
 ``stop()`` ends it between calls, before the mapping goes.
+
+``populate(memory)``: the same at once, on the calling thread (a worker's KV pool, a shared pool).
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import mmap
 import threading
 import time
+
+import numpy as np
 
 from kvstore.hugepages import madvise
 
@@ -27,6 +32,19 @@ log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module does not export it before 3.13
 CHUNK = 16 << 20
+
+
+def populate(memory: np.ndarray) -> None:
+    """Make every page of ``memory`` (a writable uint8 array) now, keeping what it holds: one
+    ``MADV_POPULATE_WRITE`` call over the whole pages it touches, else (an older kernel) a write of each page's
+    first byte with what it holds."""
+    address, n = memory.ctypes.data, memory.nbytes
+    if n == 0:
+        return
+    first = address - address % mmap.PAGESIZE
+    length = -(-(address + n - first) // mmap.PAGESIZE) * mmap.PAGESIZE
+    if madvise(first, length, MADV_POPULATE_WRITE) != 0:
+        memory[:: mmap.PAGESIZE] = memory[:: mmap.PAGESIZE].copy()
 
 
 class Prefaulter:

@@ -7,9 +7,10 @@ import mmap
 import time
 
 import numpy as np
+import pytest
 
 from kvstore.client import Client
-from kvstore.prefault import Prefaulter
+from kvstore.prefault import Prefaulter, populate
 from kvstore.tiers.arena import ArenaTier
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -39,6 +40,51 @@ def test_prefaulter_makes_every_page_and_keeps_what_they_hold():
     assert data[size // 2 : size // 2 + 7].tolist() == [7] * 7 and not data[:4096].any()
     del data
     region.close()
+
+
+def test_populate_makes_every_page_now_and_keeps_what_they_hold():
+    size = 16 << 20
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    data = np.frombuffer(region, dtype=np.uint8)
+    data[size // 2 : size // 2 + 7] = 7
+    address = int(data.ctypes.data)
+    assert _resident_bytes(address, size) <= 1 << 20
+    populate(data[100:])  # an unaligned start: its own page is made too, with the rest
+    assert _resident_bytes(address, size) == size
+    assert data[size // 2 : size // 2 + 7].tolist() == [7] * 7 and not data[:4096].any()
+    del data
+    region.close()
+
+
+def test_populate_without_the_madvise_writes_each_page_with_what_it_holds(monkeypatch):
+    import kvstore.prefault as prefault
+
+    monkeypatch.setattr(prefault, "madvise", lambda *args: -1)  # a kernel older than 5.14
+    size = 4 << 20
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    data = np.frombuffer(region, dtype=np.uint8)
+    data[100 : 100 + 3 * mmap.PAGESIZE] = 9
+    populate(data[100:])
+    assert _resident_bytes(int(data.ctypes.data), size) == size
+    assert (data[100 : 100 + 3 * mmap.PAGESIZE] == 9).all() and not data[100 + 3 * mmap.PAGESIZE :].any()
+    del data
+    region.close()
+
+
+def test_a_workers_pool_is_made_at_once_only_when_asked():
+    torch = pytest.importorskip("torch")
+    from kvstore.model import PagedKVPool, load_model
+
+    model, _ = load_model("tiny")
+    lazy, made = PagedKVPool(model.config, 64), PagedKVPool(model.config, 64, prefault=True)
+    for pool, expected in ((lazy, 0), (made, pool_bytes(made))):
+        assert _resident_bytes(pool.kv.data_ptr(), pool_bytes(pool)) >= expected
+    assert _resident_bytes(lazy.kv.data_ptr(), pool_bytes(lazy)) < pool_bytes(lazy)
+    assert not made.kv.any() and torch.equal(lazy.kv, made.kv)  # zeroed either way
+
+
+def pool_bytes(pool) -> int:
+    return pool.kv.numel() * pool.kv.element_size()
 
 
 def test_prefaulter_stops_between_calls():

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.hugepages import HUGE_PAGE, SHMEM_ENABLED, advise_mapping, madvise
-from kvstore.prefault import MADV_POPULATE_WRITE
+from kvstore.hugepages import HUGE_PAGE, SHMEM_ENABLED, advise_mapping
+from kvstore.prefault import populate
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -65,8 +65,7 @@ class SharedPool:
             advise_mapping(self._map)  # transparent huge pages, where shmem_enabled lets advice count
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.address = int(self.array.ctypes.data)
-        if madvise(self.address, nbytes, MADV_POPULATE_WRITE) != 0:  # faulted in now, so its pages are known
-            self.array[:: mmap.PAGESIZE] = 0
+        populate(self.array)  # faulted in now, so its pages are known
         why_not, huge = mapping_of(os.getpid(), self.address, nbytes, os.fstat(self.fd))
         self.huge_pages = huge and not why_not  # why_not: our own smaps unreadable (a /proc mounted hidepid)
 

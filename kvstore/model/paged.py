@@ -35,6 +35,7 @@ import torch
 from kvstore.hugepages import huge_buffer
 from kvstore.model.block_manager import AppendPlan, BlockManager, SeqId
 from kvstore.model.config import ModelConfig
+from kvstore.prefault import populate
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,14 @@ class PagedKVPool:
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         memory: np.ndarray | None = None,
+        prefault: bool = False,
     ):
         """``memory``: host bytes to lay the pool in (zeroed, uint8, at least ``pool_nbytes`` long), such as a
         ``SharedPool`` a local store reads Gets straight into (``StoreLink.pool_memory``); default: a fresh
-        buffer in huge pages where the kernel grants them."""
+        buffer in huge pages where the kernel grants them, whose pages with ``prefault`` are made now (a worker's:
+        its memory is then held from the start, and a Get into a pool block never used before does not fault
+        its pages in, which made it 1.07-9.5x slower on the shm lane here; ``bench.transfer --cases
+        destination``)."""
         self.config = config
         self.block_size = block_size or config.block_size
         self.dtype = dtype or config.torch_dtype
@@ -76,7 +81,10 @@ class PagedKVPool:
             # in huge pages where the kernel grants them: the store writes fetched blocks into the pool with
             # process_vm_writev, which ran 1.3-1.5x slower into 4 KiB pages (docs/vllm.md, "Huge pages under a CPU
             # cache"); zeroed, as torch.zeros
-            self.kv = torch.from_numpy(huge_buffer(nbytes)).view(self.dtype).view(shape)
+            own = huge_buffer(nbytes)
+            if prefault:
+                populate(own)
+            self.kv = torch.from_numpy(own).view(self.dtype).view(shape)
         else:
             self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._bytes = self.kv.view(-1).view(torch.uint8).view(num_blocks, -1)
