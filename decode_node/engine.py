@@ -90,8 +90,9 @@ class DecodeEngine:
         max_batch: int = 16,
     ):
         self.model, self.tokenizer, self.link = model, tokenizer, link
+        link.connect()  # the lane opens now, not inside the first request's fetch
         self.pool = PagedKVPool(
-            model.config, pool_blocks, memory=link.pool_memory(pool_nbytes(model.config, pool_blocks))
+            model.config, pool_blocks, memory=link.pool_memory(pool_nbytes(model.config, pool_blocks)), prefault=True
         )
         self.stop_ids = set(tokenizer.stop_ids) if tokenizer is not None else set()
         self.max_batch = max_batch

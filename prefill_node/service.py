@@ -44,8 +44,9 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         self.model, self.tokenizer, self.link = model, tokenizer, link
         self.block_size = model.config.block_size
         self.chunk = max(self.block_size, chunk_tokens // self.block_size * self.block_size)
+        link.connect()  # the lane opens now, not inside the first request's fetch
         self.pool = PagedKVPool(
-            model.config, pool_blocks, memory=link.pool_memory(pool_nbytes(model.config, pool_blocks))
+            model.config, pool_blocks, memory=link.pool_memory(pool_nbytes(model.config, pool_blocks)), prefault=True
         )
         self._lock = threading.Lock()  # one prompt at a time: the CPU is the bottleneck anyway
         self._ids = itertools.count()

@@ -155,6 +155,25 @@ def test_a_worker_shares_its_pool_only_with_a_local_store_and_when_asked(tiny, s
         StoreLink(tiny, store, shared_pool="sometimes")
 
 
+def test_workers_open_their_lane_before_the_first_request(tiny, server):
+    store = f"127.0.0.1:{server.port}"
+    links = [StoreLink(tiny, store, shared_pool="never") for _ in range(2)]
+    engine = DecodeEngine(tiny, None, links[0], pool_blocks=16)
+    PrefillServicer(tiny, None, links[1], pool_blocks=16)
+    try:
+        assert [link.client.lane_kind for link in links] == ["shm", "shm"]  # no request was made yet
+    finally:
+        engine.close()
+        for link in links:
+            link.close()
+    assert StoreLink(tiny, None).connect() == ""
+    down = StoreLink(tiny, "127.0.0.1:1")  # nothing listens there: the worker starts anyway
+    try:
+        assert down.connect() in ("", "grpc")
+    finally:
+        down.close()
+
+
 def test_huge_pages_likely_reads_shmem_enabled(monkeypatch):
     from kvstore.lanes import shared_pool
 
