@@ -20,8 +20,8 @@ which it got. Without a shm lane and its handshake (the TCP lane, a store on ano
 memory: Gets into it work as into any buffer.
 
 ``huge_pages_likely(nbytes)``: whether a pool made now would get huge pages (for a caller that wants no pool in
-4 KiB pages). ``mapping_of(pid, address, length, st)`` (the store's check of a POOL frame, and ``huge_pages``): whether a process
-maps a given file over a range, shared and writable, and in huge pages.
+4 KiB pages). ``mapping_of(pid, address, length, st)`` (the store's check of a POOL frame, and ``huge_pages``):
+whether a process maps a given file over a range, shared and writable, and in huge pages.
 """
 
 from __future__ import annotations
