@@ -157,19 +157,21 @@ def huge_pages_of_mount(mountinfo: str, path: str, shmem_enabled: str = "") -> b
     return any(option.startswith("huge=") and option[5:] in HUGE_TMPFS for option in options)
 
 
-def files_get_huge_pages(directory: str) -> bool | None:
-    """``huge_pages_of_mount`` for this host's mounts; None where they cannot be read (not Linux)."""
+def read_setting(path: str) -> str | None:
+    """The text of a kernel setting's file (``SHMEM_ENABLED``, ``THP_ENABLED``, ...); None where it cannot be read."""
     try:
-        with open("/proc/self/mountinfo") as f:
-            mountinfo = f.read()
+        with open(path) as f:
+            return f.read()
     except OSError:
         return None
-    try:
-        with open(SHMEM_ENABLED) as f:
-            shmem = f.read()
-    except OSError:
-        shmem = ""
-    return huge_pages_of_mount(mountinfo, os.path.realpath(directory), shmem)
+
+
+def files_get_huge_pages(directory: str) -> bool | None:
+    """``huge_pages_of_mount`` for this host's mounts; None where they cannot be read (not Linux)."""
+    mountinfo = read_setting("/proc/self/mountinfo")
+    if mountinfo is None:
+        return None
+    return huge_pages_of_mount(mountinfo, os.path.realpath(directory), read_setting(SHMEM_ENABLED) or "")
 
 
 def anonymous_huge_pages(enabled: str | None = None) -> bool | None:
@@ -177,9 +179,5 @@ def anonymous_huge_pages(enabled: str | None = None) -> bool | None:
     ``huge_buffer`` and ``advise_huge`` ask for. ``enabled`` is that file's text (default: read it); None where
     it cannot be read (no THP in this kernel, not Linux)."""
     if enabled is None:
-        try:
-            with open(THP_ENABLED) as f:
-                enabled = f.read()
-        except OSError:
-            return None
-    return "[never]" not in enabled
+        enabled = read_setting(THP_ENABLED)
+    return None if enabled is None else "[never]" not in enabled

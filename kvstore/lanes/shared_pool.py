@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.hugepages import HUGE_PAGE, SHMEM_ENABLED, advise_mapping
+from kvstore.hugepages import HUGE_PAGE, SHMEM_ENABLED, advise_mapping, read_setting
 from kvstore.prefault import populate
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -127,13 +127,8 @@ def huge_pages_likely(nbytes: int, shmem_enabled: str | None = None) -> bool:
     ``shmem_enabled`` (this host's, by default) gives shared memory transparent huge pages when advised."""
     if _free_hugetlb_bytes() >= -(-nbytes // HUGE_PAGE) * HUGE_PAGE:
         return True
-    if shmem_enabled is None:
-        try:
-            with open(SHMEM_ENABLED) as f:
-                shmem_enabled = f.read()
-        except OSError:
-            return False
-    return any(f"[{mode}]" in shmem_enabled for mode in ("always", "within_size", "advise", "force"))
+    text = read_setting(SHMEM_ENABLED) if shmem_enabled is None else shmem_enabled
+    return text is not None and any(f"[{mode}]" in text for mode in ("always", "within_size", "advise", "force"))
 
 
 def _free_hugetlb_bytes() -> int:
