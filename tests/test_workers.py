@@ -172,17 +172,3 @@ def test_workers_open_their_lane_before_the_first_request(tiny, server):
         assert down.connect() in ("", "grpc")
     finally:
         down.close()
-
-
-def test_huge_pages_likely_reads_shmem_enabled(monkeypatch):
-    from kvstore.lanes import shared_pool
-
-    monkeypatch.setattr(shared_pool, "_free_hugetlb_bytes", lambda: 0)
-    assert not shared_pool.huge_pages_likely(1 << 30, "always within_size advise [never] deny force")
-    assert not shared_pool.huge_pages_likely(1 << 30, "always within_size advise never [deny] force")
-    for mode in ("always", "within_size", "advise", "force"):
-        text = " ".join(f"[{m}]" if m == mode else m for m in "always within_size advise never deny force".split())
-        assert shared_pool.huge_pages_likely(1 << 30, text)
-    monkeypatch.setattr(shared_pool, "_free_hugetlb_bytes", lambda: 1 << 30)
-    assert shared_pool.huge_pages_likely(1 << 30, "[never]")
-    assert not shared_pool.huge_pages_likely((1 << 30) + 1, "[never]")  # a page short

@@ -49,7 +49,7 @@ class SharedPool:
         if nbytes <= 0:
             raise ValueError(f"a shared pool needs a positive size, got {nbytes}")
         if hugetlb is None:
-            hugetlb = _free_hugetlb_bytes() >= -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+            hugetlb = _hugetlb_free_for(nbytes)
         page = HUGE_PAGE if hugetlb else mmap.PAGESIZE
         self.nbytes = nbytes = -(-nbytes // page) * page  # whole pages: what the store maps
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if hugetlb else 0)
@@ -125,10 +125,15 @@ def mapping_of(pid: int, address: int, length: int, st: os.stat_result) -> tuple
 def huge_pages_likely(nbytes: int, shmem_enabled: str | None = None) -> bool:
     """Whether a ``SharedPool`` of ``nbytes`` made now would get huge pages: enough hugetlb pages are free, or
     ``shmem_enabled`` (this host's, by default) gives shared memory transparent huge pages when advised."""
-    if _free_hugetlb_bytes() >= -(-nbytes // HUGE_PAGE) * HUGE_PAGE:
+    if _hugetlb_free_for(nbytes):
         return True
     text = read_setting(SHMEM_ENABLED) if shmem_enabled is None else shmem_enabled
     return text is not None and any(f"[{mode}]" in text for mode in ("always", "within_size", "advise", "force"))
+
+
+def _hugetlb_free_for(nbytes: int) -> bool:
+    """Whether enough hugetlb pages are free for ``nbytes`` (whole pages)."""
+    return _free_hugetlb_bytes() >= -(-nbytes // HUGE_PAGE) * HUGE_PAGE
 
 
 def _free_hugetlb_bytes() -> int:
