@@ -165,7 +165,7 @@ def best_of(rows: list[Row]) -> list[Row]:
     return out
 
 
-def start_server(link: Link, dram: int) -> subprocess.Popen:
+def start_server(link: Link, dram: int) -> subprocess.Popen[bytes]:
     argv = [
         sys.executable,
         "-m",

@@ -32,7 +32,7 @@ def memcpy_gbps(total_bytes: int, reps: int = 3) -> float:
     return best
 
 
-def _sink(port_q: mp.Queue, total: int, reps: int, distinct: bool) -> None:
+def _sink(port_q: mp.Queue[int], total: int, reps: int, distinct: bool) -> None:
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
@@ -49,7 +49,7 @@ def _sink(port_q: mp.Queue, total: int, reps: int, distinct: bool) -> None:
         conn.close()
 
 
-def _source(port_q: mp.Queue, total: int, reps: int, distinct: bool) -> None:
+def _source(port_q: mp.Queue[int], total: int, reps: int, distinct: bool) -> None:
     # one 16 MiB buffer sent again and again (stays in cache); distinct: the batch's bytes, as a store's slots
     payload = memoryview(os.urandom(total if distinct else min(total, 1 << 24)))
     with socket.socket() as srv:
@@ -77,7 +77,7 @@ def raw_socket_gbps(total_bytes: int, direction: str, reps: int = 3, distinct: b
     (here 15-25% slower for 128 MiB batches).
     """
     ctx = mp.get_context("spawn")
-    port_q: mp.Queue = ctx.Queue()
+    port_q: mp.Queue[int] = ctx.Queue()
     peer = ctx.Process(
         target=_sink if direction == "put" else _source, args=(port_q, total_bytes, reps, distinct), daemon=True
     )

@@ -161,7 +161,9 @@ def publishing(url: str, blocks: int) -> list[dict[str, Any]]:
         )
         mem = (r.info("memory")["used_memory"] - before) / blocks
         sample = KeyLayout().index("bench", 0, pub.index_id)
-        per_field = r.memory_usage(sample, samples=0) / r.hlen(sample)
+        usage = r.memory_usage(sample, samples=0)
+        assert usage is not None  # the index's hash exists: the publisher just wrote it
+        per_field = usage / r.hlen(sample)
         encoding = r.object("encoding", sample).decode()
         old, start = pub.index_id, time.perf_counter()
         pub.request_resync()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 from crc32c import crc32c
@@ -55,7 +56,7 @@ def measure(n: int, place: str, pool: np.ndarray, dst: np.ndarray, calls: int) -
 
     def run(fn: Callable[[int], object]) -> float:
         fn(starts[0])  # compiled, faulted in
-        return _median_gbps(n, [lambda s=s: fn(s) for s in starts])
+        return _median_gbps(n, [cast("Callable[[], object]", lambda s=s: fn(s)) for s in starts])
 
     wide = run(lambda s: k.copy_crc(base + s, 0, n, 0, k.READ))
     narrow = run(lambda s: k.copy_crc_narrow(base + s, 0, n, 0, k.READ))

@@ -67,6 +67,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -76,6 +77,9 @@ from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.nvme.format import crc32c, record_bytes, split_loc
 from kvstore.tiers.nvme.io import aligned_buffer
 from kvstore.tiers.nvme.segments import segment_path
+
+if TYPE_CHECKING:  # numpy's stubs give ndarray __buffer__ only from Python 3.12 (collections.abc.Buffer's too)
+    from typing_extensions import Buffer
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PREFIX = 32
@@ -121,7 +125,8 @@ def raw_fio(path: Path, size: int, extents: tuple[int, ...] = ()) -> tuple[float
     def run(rw: str, bs: int) -> float:
         out = subprocess.run(common + [f"--rw={rw}", f"--bs={bs}"], capture_output=True, text=True, check=True)
         job = json.loads(out.stdout)["jobs"][0]
-        return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
+        bw_bytes: int = job["write" if rw == "write" else "read"]["bw_bytes"]
+        return bw_bytes / 1e9
 
     path.unlink(missing_ok=True)
     w = run("write", MiB)
@@ -140,18 +145,18 @@ def raw_python(path: Path, size: int, extents: tuple[int, ...] = ()) -> tuple[fl
     os.posix_fallocate(fd, 0, size)
     t0 = time.perf_counter()
     for off in range(0, size, MiB):
-        os.pwrite(fd, buf[:MiB], off)
+        os.pwrite(fd, cast("Buffer", buf[:MiB]), off)
     w = size / (time.perf_counter() - t0) / 1e9
     t0 = time.perf_counter()
     for off in range(0, size, MiB):
-        os.preadv(fd, [buf[:MiB]], off)
+        os.preadv(fd, [cast("Buffer", buf[:MiB])], off)
     r = size / (time.perf_counter() - t0) / 1e9
     rand: dict[int, float] = {}
     for e in extents:
         offsets = np.random.default_rng(e).permutation(size // e) * e
         t0 = time.perf_counter()
         for off in offsets:
-            os.preadv(fd, [buf[:e]], int(off))
+            os.preadv(fd, [cast("Buffer", buf[:e])], int(off))
         rand[e] = len(offsets) * e / (time.perf_counter() - t0) / 1e9
     os.close(fd)
     path.unlink(missing_ok=True)
@@ -244,7 +249,7 @@ def write_files(d: Path, w: Workload, *, sync: bool = False) -> tuple[list[Path]
     for i in w.prefixes():
         for j in range(i, i + PREFIX):
             fd = os.open(paths[j], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-            os.write(fd, w.payloads[j])  # page-aligned source, 4 KiB-multiple length: O_DIRECT works
+            os.write(fd, cast("Buffer", w.payloads[j]))  # page-aligned source, 4 KiB-multiple length: O_DIRECT works
             if sync:
                 os.fdatasync(fd)
             os.close(fd)
@@ -260,7 +265,7 @@ def read_files(paths: list[Path], w: Workload, prefix: int) -> None:
     for j in range(prefix * PREFIX, (prefix + 1) * PREFIX):
         dest = w.dests[j - prefix * PREFIX]
         with open(paths[j], "rb", buffering=0) as f:
-            n = f.readinto(dest)
+            n = f.readinto(cast("Buffer", dest))
         if n != w.block or crc32c(dest) != w.metas[j].crc32c:
             raise RuntimeError(f"file-per-block read back wrong bytes for {paths[j]}")
 
@@ -303,7 +308,7 @@ def interleaved_reads(root: Path, w: Workload, fw: Workload) -> dict[str, float]
         seg, off = split_loc(locs[prefix * PREFIX])
         if seg not in fds:
             fds[seg] = os.open(segment_path(d, seg), os.O_RDONLY | os.O_DIRECT)
-        os.preadv(fds[seg], [scratch], off)
+        os.preadv(fds[seg], [cast("Buffer", scratch)], off)
 
     lengths = [w.block] * PREFIX
     rounds = min(len(w.order), len(fw.order))
@@ -311,7 +316,7 @@ def interleaved_reads(root: Path, w: Workload, fw: Workload) -> dict[str, float]
     try:
         for i in range(rounds):
             p, q = int(w.order[i]), int(w.order[-1 - i])
-            steps = (
+            steps: tuple[tuple[str, Callable[[], object]], ...] = (
                 ("tier", lambda: tier.read(locs[p * PREFIX : (p + 1) * PREFIX], lengths, w.dests)),
                 ("fpb", lambda: read_files(paths, fw, int(fw.order[i]))),
                 ("raw", lambda: raw(q)),
@@ -335,7 +340,7 @@ def interleaved_reads(root: Path, w: Workload, fw: Workload) -> dict[str, float]
 
 
 # -- recovery ----------------------------------------------------------------------------------------
-def recovery(root: Path, nblocks: int, reps: int = REPS) -> list[dict]:
+def recovery(root: Path, nblocks: int, reps: int = REPS) -> list[dict[str, Any]]:
     d = root / "recovery"
     shutil.rmtree(d, ignore_errors=True)
     size = 4 * KiB
@@ -429,7 +434,7 @@ COLUMNS_PREFIX_READ = [
 ]
 
 
-def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int, raw_tool: str = "python") -> list[dict]:
+def bandwidth(root: Path, total: int, fpb_total: int, raw_total: int, raw_tool: str = "python") -> list[dict[str, Any]]:
     """Raw, tier and file-per-block interleaved within each repetition (the disk drifts between runs)."""
     raw = raw_fio if raw_tool == "fio" and shutil.which("fio") else raw_python
     work = {b: Workload(b, total) for b in BLOCK_SIZES}

@@ -41,7 +41,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstore.tiers.base import BlockMeta
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_FILES = [
@@ -90,7 +93,7 @@ def gbps(fn: Callable[[], Any], nbytes: int, reps: int) -> float:
     return round(nbytes / best / 1e9, 2)
 
 
-def run_tests(log: Path | None) -> list[dict]:
+def run_tests(log: Path | None) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TEST_FILES],
@@ -115,13 +118,13 @@ def run_tests(log: Path | None) -> list[dict]:
     ]
 
 
-def _metas(n: int, block: int, tag: str) -> list:
+def _metas(n: int, block: int, tag: str) -> list[BlockMeta]:
     from kvstore.tiers.base import BlockMeta
 
     return [BlockMeta(tag, i.to_bytes(16, "little"), b"", 0, "uint8", block, block, 0) for i in range(n)]
 
 
-def hbm_dram(n: int, block: int, reps: int) -> list[dict]:
+def hbm_dram(n: int, block: int, reps: int) -> list[dict[str, Any]]:
     import torch
 
     from kvstore.store import BlockStore
@@ -130,7 +133,8 @@ def hbm_dram(n: int, block: int, reps: int) -> list[dict]:
     total = n * block
     tier = ArenaTier(total * 2, device="cuda", page_size=max(block, 8 << 20))
     host = [torch.randint(0, 255, (block,), dtype=torch.uint8).pin_memory() for _ in range(n)]
-    metas, locs = _metas(n, block, "hbm"), []
+    metas = _metas(n, block, "hbm")
+    locs: list[int] = []
 
     def write() -> None:
         if locs:
@@ -150,6 +154,7 @@ def hbm_dram(n: int, block: int, reps: int) -> list[dict]:
     src = torch.randint(0, 255, (block,), dtype=torch.uint8, device="cuda")
     for m in _metas(n, block, "demote"):
         ticket = store.begin_put("demote", m)
+        assert ticket is not None  # a fresh store and distinct hashes: every block is new
         ticket.buffer.copy_(src)
         store.commit_put(ticket)
     torch.cuda.synchronize()
@@ -191,7 +196,7 @@ def hbm_dram(n: int, block: int, reps: int) -> list[dict]:
     ]
 
 
-def nvme(n: int, block: int, reps: int) -> list[dict]:
+def nvme(n: int, block: int, reps: int) -> list[dict[str, Any]]:
     import torch
 
     from kvstore.tiers.nvme import NvmeTier
@@ -199,7 +204,7 @@ def nvme(n: int, block: int, reps: int) -> list[dict]:
 
     total = n * block
     dev = [torch.randint(0, 255, (block,), dtype=torch.uint8, device="cuda") for _ in range(n)]
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, make in (("kvikio", KvikioBackend), ("posix via pinned host", PosixBackend)):
         try:
             backend = make()
@@ -269,7 +274,7 @@ def _latency(fn: Callable[[], Any], n: int = 50) -> dict[str, float]:
     }
 
 
-def cuda_ipc_lane(n: int, block: int, reps: int) -> list[dict]:
+def cuda_ipc_lane(n: int, block: int, reps: int) -> list[dict[str, Any]]:
     import torch
 
     from kvstore.client import Client
@@ -344,7 +349,7 @@ def cuda_ipc_lane(n: int, block: int, reps: int) -> list[dict]:
     return rows
 
 
-def vllm_connector(quick: bool) -> list[dict]:
+def vllm_connector(quick: bool) -> list[dict[str, Any]]:
     from bench import vllm_load
 
     rows = vllm_load.measure(
@@ -375,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: nothing to check (see --dry-run)", file=sys.stderr)
         return 2
     n, block, reps = (16, 2 << 20, 3) if args.quick else (64, 2 << 20, 5)
-    rows: list[dict] = [{"check": "environment", **env}]
-    steps: list[tuple[str, Callable[[], list[dict]]]] = (
+    rows: list[dict[str, Any]] = [{"check": "environment", **env}]
+    steps: list[tuple[str, Callable[[], list[dict[str, Any]]]]] = (
         []
         if args.skip_tests
         else [("tests", lambda: run_tests(args.out.with_suffix(".pytest.txt") if args.out else None))]

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,7 @@ def _lookup_batches(n: int) -> list[list[bytes]]:
             cache[chunk] = _keys(chunk)
         k = cache[chunk][s % KEY_CHUNK : s % KEY_CHUNK + PREFIX]
         out.append([row.tobytes() for row in k])
-    rng.shuffle(out)  # type: ignore[arg-type]
+    rng.shuffle(out)
     return out
 
 
@@ -162,11 +163,12 @@ def run_child(case: dict[str, Any]) -> Row:
     if level == "index":
         table = index_mod.EntryTable(ranks={DRAM: 32}) if impl == "compact" else index_mod.EntryTable()
         ns = table.namespace_id("ns", create=True)
+        assert ns is not None  # create=True: always an id
         if impl == "compact":
             fields = np.tile(np.array([2 << 20, 2 << 20, 0, 0], dtype=np.int64), (PREFIX, 1))
             dtypes = np.ones(PREFIX, dtype=np.uint8)
 
-            def insert() -> float:  # only the insert calls are timed, not making the keys
+            def insert() -> float | None:  # only the insert calls are timed, not making the keys
                 spent = 0.0
                 for keys, parents, has in _chunks(n):
                     start = time.perf_counter()
@@ -181,7 +183,7 @@ def run_child(case: dict[str, Any]) -> Row:
                     table.find_many(ns, batch)
         else:
 
-            def insert() -> float:  # its only verb is per block; the BlockMetas are made outside the timing
+            def insert() -> float | None:  # its only verb is per block; the BlockMetas are made outside the timing
                 spent = 0.0
                 for keys, _, has in _chunks(n):
                     metas = [_meta(keys[i], keys[i - 1] if has[i] else None) for i in range(len(keys))]
@@ -196,13 +198,13 @@ def run_child(case: dict[str, Any]) -> Row:
                     for key in batch:
                         table.find(ns, key)
 
-        index_bytes = lambda: table.nbytes()  # noqa: E731
+        index_bytes: Callable[[], int] = lambda: table.nbytes()  # noqa: E731
     else:
         store = blockstore.BlockStore(
             [AccountingMemoryTier(1 << 62, rank=DRAM)], policy_factory=policies.policy_factory("freq")
         )
 
-        def insert() -> None:
+        def insert() -> float | None:  # the same signature as the index level's (None: time it all)
             for k, _, _ in _prefixes(n):
                 tickets = [store.begin_put("ns", _meta(k[i], k[i - 1] if i else None)) for i in range(len(k))]
                 if impl == "compact":
@@ -211,6 +213,7 @@ def run_child(case: dict[str, Any]) -> Row:
                     for t in tickets:
                         if t is not None:
                             store.commit_put(t)
+            return None
 
         def lookup() -> None:
             for batch in lookups:

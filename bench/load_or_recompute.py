@@ -83,7 +83,7 @@ class WorkerProc:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith("@@ "):
-                reply = json.loads(line[3:])
+                reply: dict[str, Any] = json.loads(line[3:])
                 if "error" in reply:
                     raise RuntimeError(f"worker: {reply['error']}")
                 return reply
@@ -172,7 +172,7 @@ def local_regimes(args: argparse.Namespace, regimes: list[str], spec: dict[str, 
     return out
 
 
-def start_server(link: Link) -> subprocess.Popen:
+def start_server(link: Link) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "kvstore", "serve", "--listen", f"{link.server_ip}:{PORT}"]
     argv += ["--insecure-plaintext", "1", "--lanes", "tcp", "--metrics-port", "0", "--dram", "1GiB"]
     argv += ["--log-level", "warning"]

@@ -34,7 +34,11 @@ import random
 import sys
 import tempfile
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from kvstore.model import ByteBPETokenizer
 
 SUFFIX_TOKENS = 32
 NAMESPACE = "lor"
@@ -54,10 +58,11 @@ class Worker:
 
         self.model, self.tok = load_model(model_name)
         vocab = self.model.config.vocab
+        self.text: Callable[[int, int], list[int]]
         if self.tok is None:
             self.text = lambda n, seed: [random.Random(seed * 7919 + i).randrange(10, vocab) for i in range(n)]
         else:
-            self.text = lambda n, seed: english_tokens(self.tok, n, seed=seed)
+            self.text = lambda n, seed: english_tokens(cast("ByteBPETokenizer", self.tok), n, seed=seed)
         self.base: list[int] = []
         self.compute = ComputeCosts()
         self.link: Any = None

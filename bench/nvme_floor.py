@@ -54,6 +54,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import grpc
 import numpy as np
@@ -67,6 +68,9 @@ from kvstore.lanes import cma
 from kvstore.lanes.framing import recv_into, send_all
 from kvstore.sizes import parse_size
 from kvstore.tiers.nvme.format import HEADER_BYTES, record_bytes
+
+if TYPE_CHECKING:  # numpy's stubs give ndarray __buffer__ only from Python 3.12 (collections.abc.Buffer's too)
+    from typing_extensions import Buffer
 
 PREFIX = 32
 MiB = 1 << 20
@@ -102,7 +106,7 @@ class PrefixFile:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         self._buf[:] = rng.integers(0, 256, self.extent, dtype=np.uint8)
         self.crcs[i] = [crc32c(view) for view in self.payloads(self._buf)]
-        os.pwrite(self._fd, self._buf, i * self.extent)
+        os.pwrite(self._fd, cast("Buffer", self._buf), i * self.extent)
 
     def written(self) -> None:
         """Every extent is written: on the device, the write buffer gone."""
@@ -129,7 +133,7 @@ class FloorServer:
         self.file = file
         self.fd = os.open(file.path, os.O_RDONLY | os.O_DIRECT)
         self.staging = huge_buffer(file.extent)
-        self.views = [memoryview(v) for v in file.payloads(self.staging)]
+        self.views = [memoryview(cast("Buffer", v)) for v in file.payloads(self.staging)]
         per = PREFIX if file.extent <= WHOLE_BYTES else max(1, piece_bytes // file.record)
         self.pieces = [range(s, min(s + per, PREFIX)) for s in range(0, PREFIX, per)]
         self.pool = ThreadPoolExecutor(read_threads, thread_name_prefix="floor-read")
@@ -141,7 +145,7 @@ class FloorServer:
 
     def _read(self, i: int, piece: range) -> None:
         start, n = piece.start * self.file.record, len(piece) * self.file.record
-        got = os.preadv(self.fd, [self.staging[start : start + n]], i * self.file.extent + start)
+        got = os.preadv(self.fd, [cast("Buffer", self.staging[start : start + n])], i * self.file.extent + start)
         if got != n:
             raise OSError(f"short read of prefix {i}: {got} of {n} bytes at {start}")
 
@@ -321,16 +325,16 @@ class Floor:
         at = self._extent(step, i)
         t0 = time.perf_counter()
         if step == "raw":
-            os.preadv(self.fd, [self.raw_buf], at * self.file.extent)
+            os.preadv(self.fd, [cast("Buffer", self.raw_buf)], at * self.file.extent)
             return time.perf_counter() - t0
         if step == "floor-shm":
             self.unix.sendall(REQUEST.pack(at))
             recv_exact(self.unix, 1)
         elif step == "floor-tcp":
             self.tcp.sendall(REQUEST.pack(at))
-            recv_into(self.tcp, memoryview(self.pool))
+            recv_into(self.tcp, memoryview(cast("Buffer", self.pool)))
         else:  # each message copied into the pool where it belongs, as a client's Get into a caller's buffers
-            view, filled = memoryview(self.pool), 0
+            view, filled = memoryview(cast("Buffer", self.pool)), 0
             for message in self.grpc_get(REQUEST.pack(at), timeout=60.0):
                 view[filled : filled + len(message)] = message
                 filled += len(message)

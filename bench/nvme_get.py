@@ -91,6 +91,7 @@ NVMe drive changes the ``raw`` column, not what the store adds.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -100,6 +101,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -217,7 +219,7 @@ def measure(
     settle: float = 0.0,
     kinds: tuple[str, ...] = (),
     with_floor: bool = False,
-) -> dict:
+) -> dict[str, Any]:
     rng = np.random.default_rng(block)
     cold_dram = max(32 * MiB, 3 * PREFIX * block)
     sides = {"": REPO} | ({"old_": baseline} if baseline is not None else {})
@@ -291,7 +293,7 @@ def measure(
                 w.close()
     p50 = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     payload = PREFIX * block
-    row: dict = {"block_bytes": block, "prefixes": count}
+    row: dict[str, Any] = {"block_bytes": block, "prefixes": count}
     for name, ms in p50.items():
         row[f"{name.replace('-', '_')}_p50_ms"] = ms
     row["raw_extent_gbps"] = PREFIX * record_bytes(block) / p50["raw"] / 1e6
@@ -331,7 +333,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> None:
-    def configure(p):
+    def configure(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--baseline",
             default="",
@@ -409,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
         baseline = export_tree(args.baseline, root / "baseline") if args.baseline else None
         with tqdm(total=sum(sizes.values()), unit="prefix", desc="nvme gets") as bar:
             extra = ("--share-dram", "true", "--dram-index", args.dram_index) if args.share_dram == "true" else ()
-            old = ("--share-dram", "true") if args.baseline_share_dram == "true" else ()
+            old: tuple[str, ...] = ("--share-dram", "true") if args.baseline_share_dram == "true" else ()
             old += ("--with-disk-store",) if args.baseline_disk_store == "true" else ()
             if args.shm_dir:
                 extra, old = (*extra, "--shm-dir", args.shm_dir), (*old, "--shm-dir", args.shm_dir)

@@ -30,12 +30,16 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kvstore.client import Client
 from kvstore.server.process import store_process
 from kvstore.tiers.nvme.io import aligned_buffer
+
+if TYPE_CHECKING:  # numpy's stubs give ndarray __buffer__ only from Python 3.12 (collections.abc.Buffer's too)
+    from typing_extensions import Buffer
 
 PREFIX = 32
 KINDS = (
@@ -141,7 +145,11 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
         pool[:] = 1  # faulted in before any Get
         out = [pool[k * block : (k + 1) * block] for k in range(PREFIX)]
         headers = aligned_buffer(PREFIX * 4096)
-        raw_iov = [part for k in range(PREFIX) for part in (memoryview(headers)[k * 4096 : (k + 1) * 4096], out[k])]
+        raw_iov: list[Buffer] = [
+            part
+            for k in range(PREFIX)
+            for part in (memoryview(cast("Buffer", headers))[k * 4096 : (k + 1) * 4096], cast("Buffer", out[k]))
+        ]
         raw_files: dict[str, int] = {}
         print("ready", flush=True)
         for line in sys.stdin:

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kvstore.checksum import crc32c
 from kvstore.tiers.nvme.format import record_bytes
 from kvstore.tiers.nvme.io import aligned_buffer
+
+if TYPE_CHECKING:  # numpy's stubs give ndarray __buffer__ only from Python 3.12 (collections.abc.Buffer's too)
+    from typing_extensions import Buffer
 
 PREFIX = 32
 MiB = 1 << 20
@@ -59,12 +63,12 @@ class RawExtents:
 
     def write(self, j: int) -> None:
         """Write extent ``j`` (and ``count + j``) (the driver interleaves these with the stores' writes)."""
-        os.pwrite(self.fd, self.buf, j * self.extent)
+        os.pwrite(self.fd, cast("Buffer", self.buf), j * self.extent)
         if self.dst_extents:
-            os.pwrite(self.fd, self.buf, (self.count + j) * self.extent)
+            os.pwrite(self.fd, cast("Buffer", self.buf), (self.count + j) * self.extent)
 
     def read(self, i: int) -> None:
-        os.preadv(self.fd, [self.buf], int(self.order[i % self.count]) * self.extent)
+        os.preadv(self.fd, [cast("Buffer", self.buf)], int(self.order[i % self.count]) * self.extent)
 
     def dst_offset(self, i: int) -> int:
         return (self.count + int(self.order[(i + self.count // 2) % self.count])) * self.extent

@@ -129,7 +129,7 @@ def run_child(case: dict[str, Any]) -> Row:
     if what == "recover_log":
         out = recover_log(work / "d", PosixBackend())
         blocks = out.count  # not len(out.winners): that builds a BlockMeta per block
-        extra = {"scanned": out.scanned, "summarized": out.summarized}
+        extra: dict[str, float] = {"scanned": out.scanned, "summarized": out.summarized}
     else:
         if impl == "compact":
             from kvstore.store import blockstore, policies

@@ -31,12 +31,13 @@ def _gap_closed(rate: float, lru: float, belady: float) -> float:
 def policy_rows(summary: Sequence[Row], results: Sequence[tuple[Any, Any]]) -> tuple[list[Row], list[Row]]:
     from kvstore.store.policies import DEFAULT_POLICY
 
-    by = {(j.kind, j.label, j.capacity_frac): r.hit_rate for j, r in results}
+    by: dict[tuple[str, str, float], float] = {(j.kind, j.label, j.capacity_frac): r.hit_rate for j, r in results}
     policies: list[Row] = []
     hints: list[Row] = []
     for s in summary:
         frac = s["cap"]
-        rates = {name: by.get(("policy", name, frac), s["kvstore"]) for name in ("freq", "adaptive")}
+        kv_rate: float = s["kvstore"]  # typed, so that by.get gives a float
+        rates = {name: by.get(("policy", name, frac), kv_rate) for name in ("freq", "adaptive")}
         rates[DEFAULT_POLICY] = s["kvstore"]
         best = max(s["lru"], rates["freq"])
         policies.append(

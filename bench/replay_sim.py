@@ -131,7 +131,7 @@ def lifetime_oracle_hit_rate(requests: Sequence[Sequence[int]], capacity: int) -
     it evicts blocks that will not be used again first, then the one with the lowest rate of use over its
     lifetime (uses / (last - first)). That is more than any online estimate of popularity and liveness can
     know; what it lacks, and Belady has, is *when* each individual return comes."""
-    uses: Counter = Counter()
+    uses: Counter[int] = Counter()
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     for i, block in enumerate(b for request in requests for b in request):
@@ -207,7 +207,7 @@ class ReplayResult:
     setup: StoreSetup
     total_blocks: int = 0
     hits: int = 0
-    hits_by_rank: Counter = field(default_factory=Counter)
+    hits_by_rank: Counter[int] = field(default_factory=Counter)
     bytes_put: int = 0
     bytes_demoted: int = 0
     bytes_promoted: int = 0
@@ -252,7 +252,7 @@ def block_keys(trace: Trace) -> dict[int, bytes]:
     return {b: hashlib.blake2b(b.to_bytes(8, "little"), digest_size=16).digest() for b in ids}
 
 
-def _promotable(store: BlockStore, leases: list[Lease | None], size: int) -> list[Lease | None]:
+def _promotable(store: BlockStore, leases: list[Lease | None], size: int) -> list[Lease]:
     """The leases ``materialize`` would promote: lower-tier hits while the top tier has free room.
 
     The rest it would read into a fresh temporary buffer without promoting; an
@@ -273,7 +273,7 @@ def replay_store(
     store = build_store(setup, lambda: clock[0])
     hints = future_hints(trace, setup.hints) if setup.hints else None
     result = ReplayResult(setup)
-    sightings: Counter = Counter()
+    sightings: Counter[int] = Counter()
     size = setup.block_bytes
     started = time.perf_counter()
     for done, request in enumerate(trace.requests, 1):

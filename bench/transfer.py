@@ -50,6 +50,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from tqdm import tqdm
@@ -59,6 +60,9 @@ from bench.baselines import memcpy_gbps, raw_socket_gbps, redis_gbps, redis_serv
 from kvstore.client import Client
 from kvstore.hugepages import huge_buffer
 from kvstore.server.process import store_process
+
+if TYPE_CHECKING:  # numpy's stubs give ndarray __buffer__ only from Python 3.12 (collections.abc.Buffer's too)
+    from typing_extensions import Buffer
 
 SIZES = [64 << 10, 512 << 10, 2 << 20]
 BATCH = 64
@@ -71,7 +75,9 @@ def measure_lane(
     if payload in ("pool", "huge"):
         pool = huge_buffer(total) if payload == "huge" else np.empty(total, dtype=np.uint8)
         pool[:] = np.frombuffer(os.urandom(total), dtype=np.uint8)
-        blocks: list = [memoryview(pool[i * size : (i + 1) * size]) for i in range(BATCH)]
+        blocks: list[memoryview | bytes] = [
+            memoryview(cast("Buffer", pool[i * size : (i + 1) * size])) for i in range(BATCH)
+        ]
     else:
         blocks = [os.urandom(size) for _ in range(BATCH)]
     put_t, get_t = [], []
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def block_rows(args: argparse.Namespace, lanes: list[str], reps: int) -> list[dict[str, object]]:
     """The contiguous-block rows: each lane beside memcpy, raw loopback sockets and Redis, and Get latency."""
-    rows: list[dict[str, object]] = []
+    rows: list[dict[str, Any]] = []
     with store_process("--dram", "1GiB") as (target, _), redis_server() as redis_port:
         cases = [(size, lane) for size in SIZES for lane in lanes]
         baseline_cache: dict[int, dict[str, float]] = {}

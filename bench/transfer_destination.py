@@ -54,8 +54,8 @@ def measure(target: str, lanes: list[str], reps: int) -> list[dict[str, Any]]:
                         reused[:] = 0
                         dest = reused
                     elif kind == "shared_pool":
-                        pool.array[:] = 0
-                        dest = pool.array
+                        pool.array[: BATCH * BLOCK] = 0
+                        dest = pool.array[: BATCH * BLOCK]  # whole pages: a hugetlb pool is longer
                     else:
                         dest = huge_buffer(BATCH * BLOCK)
                         if kind == "populated":

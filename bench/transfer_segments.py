@@ -25,13 +25,16 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from kvstore.client import Client, Segments
 from kvstore.payload import SegmentRows
+
+if TYPE_CHECKING:  # numpy's stubs give ndarray __buffer__ only from Python 3.12 (collections.abc.Buffer's too)
+    from typing_extensions import Buffer
 
 LAYERS = 30
 LAYER_SHAPE = (3, 32, 128)  # kv heads, block size, 2 x head size (K and V), fp32: 49,152 bytes
@@ -56,7 +59,7 @@ class Layout:
 
     def blocks(self, pool: np.ndarray) -> list[memoryview]:
         n = self.block_bytes
-        return [memoryview(pool[i * n : (i + 1) * n]) for i in range(BATCH)]
+        return [memoryview(cast("Buffer", pool[i * n : (i + 1) * n])) for i in range(BATCH)]
 
     @staticmethod
     def slices(layers: list[torch.Tensor]) -> list[Segments]:

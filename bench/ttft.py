@@ -34,8 +34,10 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -54,6 +56,7 @@ def chat_prompts(quick: bool, tokenizer_model: str) -> list[list[int]]:
 
     model, tok = load_model(tokenizer_model)
     vocab = model.config.vocab
+    turn: Callable[[int, int], list[int]]
     if tok is None:  # random-init models: synthetic ids, same shape of workload
         system = [(i * 7919) % (vocab - 10) + 10 for i in range(600 if quick else 2000)]
         turn = lambda c, t: [(c * 131 + t * 17 + i) % (vocab - 10) + 10 for i in range(200 if quick else 600)]  # noqa: E731
@@ -118,7 +121,7 @@ def run_trace(router: Router, prompts: list[list[int]], new_tokens: int, rate: f
     return sorted(results, key=lambda r: r.arrived_s)
 
 
-def summarize(results: list[Result], memcpy_gbps: float, block_tokens: int = 16) -> list[dict]:
+def summarize(results: list[Result], memcpy_gbps: float, block_tokens: int = 16) -> list[dict[str, Any]]:
     rows = []
     for mode in ("recompute", "disaggregated", "store", "store_nvme"):
         rs = [r for r in results if r.mode == mode]
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     worker_args = ("--shared-pool", args.shared_pool)
-    nvme_results: list = []  # --nvme (bench/ttft_nvme.py)
+    nvme_results: list[Result] = []  # --nvme (bench/ttft_nvme.py)
 
     from bench.baselines import memcpy_gbps
 

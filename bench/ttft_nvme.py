@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -50,7 +51,7 @@ def run_nvme(
     rng = np.random.default_rng(0)
     try:
         with ExitStack() as stack:
-            store_args = ("--nvme-dir", str(tmp / "nvme"), "--write-policy", "write-through")
+            store_args: tuple[str, ...] = ("--nvme-dir", str(tmp / "nvme"), "--write-policy", "write-through")
             store_args += ("--promote-on-hit", "false", "--share-nvme", "true" if share_nvme else "false")
             store_args += ("--share-dram", "true" if share_dram else "false")
             store, prefill, decode = stack.enter_context(
@@ -87,7 +88,7 @@ def run_nvme(
     return results, speeds
 
 
-def nvme_row(rows: list[dict], results: list[Result], speeds: list[float]) -> None:
+def nvme_row(rows: list[dict[str, Any]], results: list[Result], speeds: list[float]) -> None:
     """Set the ``store_nvme`` row's floor from the disk's measured speed (``rows`` from ``summarize``)."""
     for row in rows:
         if row["mode"] == "store_nvme":

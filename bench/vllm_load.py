@@ -28,9 +28,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -145,7 +145,7 @@ def _store_rows(
         for lane in lanes:
             for n, verify, huge_pages in itertools.product(streams, verifies, huge):
                 side = WorkerSide(
-                    lambda lane=lane: Client(target, lane=lane),
+                    cast("Callable[[], Client]", lambda lane=lane: Client(target, lane=lane)),
                     dtype="float32",
                     load_streams=n,
                     verify_loads=verify,
