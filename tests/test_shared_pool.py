@@ -14,11 +14,13 @@ import grpc
 import numpy as np
 import pytest
 
+from kvstore import memops_jit, payload_runs
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.lanes import framing
 from kvstore.lanes.server import pools
 from kvstore.lanes.shared_pool import SharedPool
+from kvstore.tiers.nvme.tier import NvmeTier
 from kvstore.v1 import lanes_pb2 as lpb
 from tests.nvme_gets_support import (
     BLOCK,
@@ -47,6 +49,42 @@ def pool_pages(request, monkeypatch) -> str:
     return request.param
 
 
+@pytest.fixture(params=["compiled", "general"])
+def read_path(request, monkeypatch) -> list:
+    """The store's two ways of reading NVMe blocks in place into a pool in huge pages: one compiled call a piece
+    (``NvmeTier.read_into``), or the tier's general read (the kernels still compiling, or no numba). Returns what
+    each ``read_into`` gave (None: not taken), for the test to check which ran."""
+    calls: list = []
+    real = NvmeTier.read_into
+
+    def spy(self, *args):
+        calls.append(real(self, *args))
+        return calls[-1]
+
+    monkeypatch.setattr(NvmeTier, "read_into", spy)
+    if request.param == "compiled":
+        if not memops_jit.AVAILABLE:
+            pytest.skip("the compiled kernels need numba and a CPU with SSE4.2 and PCLMULQDQ")
+        payload_runs.COMPILED.warm_up()
+    else:
+        monkeypatch.setattr(payload_runs, "ready", lambda: False)
+    calls.append(request.param)
+    return calls
+
+
+def took(read_path: list, pool_pages: str) -> list:
+    """What the Gets' ``read_into`` calls gave, checked to be the path ``read_path`` chose (only huge pages take
+    either: blocks for a pool in 4 KiB pages are read into staging and copied)."""
+    path, calls = read_path[0], read_path[1:]
+    if pool_pages != "huge":
+        assert calls == []
+    elif path == "compiled":
+        assert calls and all(c is not None for c in calls)
+    else:
+        assert calls and all(c is None for c in calls)
+    return calls
+
+
 def pooled_bytes(kv: Client) -> int:
     return int(kv.stats()["counters"].get("lane_shm_pool_get_bytes", 0))
 
@@ -56,7 +94,7 @@ def slots(pool: SharedPool, offset: int = 0) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("promote", [False, True])
-def test_nvme_blocks_are_read_straight_into_a_shared_pool(make_server, tmp_path, promote, pool_pages):
+def test_nvme_blocks_are_read_straight_into_a_shared_pool(make_server, tmp_path, promote, pool_pages, read_path):
     server = start_store(make_server, tmp_path, "shm-direct", promote)
     with lane_client(server, "shm-direct") as kv:
         keys, blocks = prefix_on_nvme(server, kv)
@@ -65,6 +103,7 @@ def test_nvme_blocks_are_read_straight_into_a_shared_pool(make_server, tmp_path,
         kv.get("t", keys, out=slots(pool))
         assert [s.tobytes() for s in slots(pool)] == [b.tobytes() for b in blocks]
         assert pooled_bytes(kv) == PREFIX * BLOCK  # every block read in place, none written by process_vm_writev
+        assert all(not c for c in took(read_path, pool_pages))  # none failed its check
         quiet(server)
         left = nvme_only(server, keys)  # promoted as far as DRAM had free slots (no eviction is made for them)
         assert left < PREFIX if promote else left == PREFIX
@@ -73,7 +112,9 @@ def test_nvme_blocks_are_read_straight_into_a_shared_pool(make_server, tmp_path,
         assert [a.tobytes() for a in again] == [b.tobytes() for b in blocks]
 
 
-def test_a_block_changed_in_the_pool_before_its_promotion_from_there_is_not_promoted(make_server, tmp_path, pool_pages):
+def test_a_block_changed_in_the_pool_before_its_promotion_from_there_is_not_promoted(
+    make_server, tmp_path, pool_pages, read_path
+):
     server = start_store(make_server, tmp_path, "shm-direct", promote=True)
     with lane_client(server, "shm-direct") as kv:
         keys, blocks = prefix_on_nvme(server, kv)
@@ -100,12 +141,15 @@ def test_a_block_changed_in_the_pool_before_its_promotion_from_there_is_not_prom
         # read in place, its slot is filled from the pool after the reply: that copy did not match its CRC32C, so
         # it is left on NVMe alone; in small pages it was read into its slot and copied out of it: promoted
         assert nvme_only(server, keys[:1]) == (1 if pool_pages == "huge" else 0)
+        took(read_path, pool_pages)
         again = [np.zeros(BLOCK, np.uint8) for _ in keys]
         kv.get("t", keys, out=again)
         assert [a.tobytes() for a in again] == [b.tobytes() for b in blocks]
 
 
-def test_a_corrupt_record_fails_alone_and_leaves_nothing_unverified_in_the_pool(make_server, tmp_path, pool_pages):
+def test_a_corrupt_record_fails_alone_and_leaves_nothing_unverified_in_the_pool(
+    make_server, tmp_path, pool_pages, read_path
+):
     server = start_store(make_server, tmp_path, "shm-direct", promote=False)
     with lane_client(server, "shm-direct") as kv:
         keys, blocks = nvme_prefix_with_a_corrupt_block(server, kv, 5)
@@ -118,13 +162,15 @@ def test_a_corrupt_record_fails_alone_and_leaves_nothing_unverified_in_the_pool(
             assert not slots(pool)[5].any()  # read there, failed its check, zeroed: no unverified byte is left
         else:
             assert (slots(pool)[5] == 0x5A).all()  # read into staging, failed its check: never copied in
+        if read_path[0] == "compiled" and pool_pages == "huge":  # failed there, read again the general way: dropped
+            assert took(read_path, pool_pages)[0] == [5]
         quiet(server)
         got = kv.get("t", keys, out=slots(pool), allow_missing=True)
         assert got[5] is None  # dropped; the others come back exact
         assert all(s.tobytes() == b.tobytes() for k, (s, b) in enumerate(zip(slots(pool), blocks)) if k != 5)
 
 
-def test_gets_of_the_same_nvme_blocks_into_two_pools_at_once(make_server, tmp_path, pool_pages):
+def test_gets_of_the_same_nvme_blocks_into_two_pools_at_once(make_server, tmp_path, pool_pages, read_path):
     server = start_store(make_server, tmp_path, "shm-direct", promote=False)
     with lane_client(server, "shm-direct") as kv:
         keys, blocks = prefix_on_nvme(server, kv)
@@ -138,6 +184,7 @@ def test_gets_of_the_same_nvme_blocks_into_two_pools_at_once(make_server, tmp_pa
 
         run_concurrently(reader, threads=2)
         assert pooled_bytes(kv) >= 10 * PREFIX * BLOCK
+        took(read_path, pool_pages)
         quiet(server)
 
 
@@ -180,10 +227,10 @@ def test_the_store_refuses_memory_it_could_not_map_safely(make_server, tmp_path)
         address = int(np.frombuffer(mapping, np.uint8).ctypes.data)
         assert "sealed" in offer(kv, unsealed, address, 1 << 20)
 
-        other = SharedPool(1 << 20)  # sealed, but the address named is another pool's mapping
-        assert "does not map" in offer(kv, other.fd, pool.address + pool.nbytes, 1 << 20) or "maps nothing" in offer(
-            kv, other.fd, pool.address + pool.nbytes, 1 << 20
-        )
+        other = SharedPool(1 << 20, hugetlb=False)  # 1 MiB, not a huge page of 2; sealed, named at another address
+        beyond = other.address + other.nbytes  # never this file's mapping, whatever lies there (another, or none)
+        why = offer(kv, other.fd, beyond, 1 << 20)
+        assert "does not map" in why or "maps nothing" in why
         assert "fewer than" in offer(kv, other.fd, other.address, 2 << 20)
         assert "whole pages" in offer(kv, other.fd, other.address + 1, 4096)
         assert "fd" in offer(kv, 999_999, other.address, 1 << 20)

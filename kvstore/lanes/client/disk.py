@@ -12,7 +12,7 @@ would have. The store keeps the file as it is until the client releases the mess
   record and drops it, so a bad copy is reported and never served).
 - ``read_run(name, positions, offsets, lengths, crcs, addresses) -> failed | None``: the same for the common Get
   (whole-page payloads of one file, close together, each into a page-aligned buffer): one ``preadv`` on the
-  caller's thread and the CRC32Cs in one compiled call (``disk_kernels.py``) when the run is at most
+  caller's thread and the CRC32Cs in one compiled call (``kvstore/payload_run_kernels.py``) when the run is at most
   ``RUN_ALONE_BYTES`` (and its headers fit the scratch), else one such call per piece on several threads; numpy
   array operations for a single piece until the kernels are compiled, or without numba; None when the blocks are
   not such a run (``read`` takes them then).
@@ -44,12 +44,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
 import numpy as np
 
-from kvstore import memops_jit
-from kvstore.background_compile import BackgroundCompile
+from kvstore import payload_runs
 from kvstore.hugepages import huge_buffer
 from kvstore.lanes.client.segment_files import SegmentFiles, preadv
 from kvstore.lanes.copypool import CopyPool
@@ -158,7 +157,7 @@ class DiskReader:
         """``read`` of the common Get: whole-page payloads of one file, close together and short enough for one
         piece, each into a page-aligned buffer (int64 arrays, one entry per block). One preadv on the caller's
         thread, the record headers between them into scratch, and the CRC32Cs, planned, read and checked in one
-        compiled call (``disk_kernels.read_run``, without the GIL); the positions that failed, or None when the
+        compiled call (``payload_run_kernels.read_run``, without the GIL); the positions that failed, or None when the
         blocks are not such a run (``read`` takes them then). Where a 32 x 64 KiB Get read through ``read`` spent
         more on per-block Python than on its CRC32Cs, and then on array operations 0.14-0.3 ms of 1.8-3.1."""
         if not len(offsets) or 2 * len(offsets) > MAX_IOVECS:
@@ -421,17 +420,8 @@ def _piece_count(total: int, threads: int) -> int:
     return max(-(-total // MAX_PIECE_BYTES), min(2 * threads, total // MIN_PIECE_BYTES), 1)
 
 
-def _kernels() -> Any:
-    from kvstore.lanes.client import disk_kernels
-
-    return disk_kernels
-
-
-def _compile() -> None:
-    _kernels().warm_up()
-
-
-_compiled = BackgroundCompile("kvstore-disk-read-jit", memops_jit.AVAILABLE, _compile)
+_kernels = payload_runs.kernels
+_compiled = payload_runs.COMPILED  # shared with the NVMe tier's reads into shared pools: one compile a process
 
 
 def _int64s(values: np.ndarray) -> np.ndarray:

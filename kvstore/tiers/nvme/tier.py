@@ -14,6 +14,8 @@
 - ``read(locs, lengths, dests)``: coalesced, parallel preads; every record's
   header and payload CRC are verified before its dest is filled; failures
   raise ``CorruptBlock`` naming the bad locations (other dests are filled).
+- ``read_into(locs, lengths, crcs, addresses) -> failed | None``: raw payloads straight into page-aligned host
+  memory, one compiled call a piece (``runs.py``); what fails, or a batch that is no such run, goes to ``read``.
 - ``free(locs)``: records die; their space returns through compaction.
 - ``compact(max_segments, threshold, wait=True) -> CompactionReport``: run by
   the owner from a background thread; moves are reported through
@@ -42,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.tiers.base import NVME, BlockMeta, CorruptBlock, Tier, TierFault, TierFull, TierStats
+from kvstore.tiers.nvme import runs
 from kvstore.tiers.nvme.compaction import CompactionReport, RelocateHook, compact_log
 from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_BITS, OFFSET_MASK, PAGE, record_bytes
 from kvstore.tiers.nvme.gds import is_device_dest, read_split
@@ -334,6 +337,26 @@ class NvmeTier(Tier):
                 f"{len(bad)} of {len(locs)} nvme records failed verification (first: loc {first[0]:#x}: {first[1]})",
                 list(bad),
             )
+
+    def read_into(
+        self, locs: Sequence[int], lengths: np.ndarray, crcs: np.ndarray, addresses: np.ndarray
+    ) -> list[int] | None:
+        """Raw payloads straight into page-aligned host memory at ``addresses`` (int64; whole-page lengths), each
+        checked against ``crcs`` (the index's CRC32C), one compiled call a piece (``runs.read_into``): the positions
+        that failed (read them with ``read``, which drops a corrupt record), or None when the batch is not such a
+        run (``read`` takes it)."""
+        began = time.perf_counter()
+        done = runs.read_into(self._log, self.backend, self._pool, self._buffers, self.read_threads, locs, lengths,
+                              crcs, addresses)  # fmt: skip
+        if done is None:
+            return None
+        failed, pieces = done
+        self._counts["reads"] += 1
+        self._counts["blocks_read"] += len(locs) - len(failed)
+        self._counts["read_ios"] += pieces
+        self._read_bytes += int(lengths.sum())
+        self._read_seconds += time.perf_counter() - began
+        return failed
 
     def extents(self, locs: Sequence[int]) -> tuple[list[tuple[str, int] | None], ExtentPins]:
         """Where each record's payload lies in its segment file, for a reader outside this process: (file name in

@@ -1,6 +1,8 @@
-"""The numba kernels behind ``DiskReader.read_run`` (kvstore/lanes/client/disk.py): a Get's run of NVMe records
+"""The numba kernels that read a run of NVMe record payloads of one file straight into page-aligned memory: the run
 cut into pieces (``cut_run``), each planned, read with one ``preadv`` and checked in one compiled call that holds
-no GIL (``read_run``).
+no GIL (``read_run``). Two callers: the ``--share-nvme`` client reading the store's files itself
+(``DiskReader.read_run``, kvstore/lanes/client/disk.py) and the store's own reads into a client's shared pool
+(``NvmeTier.read_into``, kvstore/tiers/nvme/runs.py). Loaded through ``kvstore.payload_runs``.
 
 Imported only once ``kvstore.memops_jit`` has found numba and a CPU with SSE4.2 and PCLMULQDQ, and only when first
 wanted, like every kernel here (importing numba at start broke vLLM's scan of
