@@ -1,7 +1,8 @@
 """Compile the store's kernels before the first request needs them.
 
 The index probes (``slots_jit``), the frequency sketch (``sketch_jit``), the eviction policies' compiled
-parts and the lanes' copy and CRC32C kernels (``kvstore.memops_jit``) are numba functions, compiled on first
+parts, the lanes' copy and CRC32C kernels (``kvstore.memops_jit``) and the NVMe tier's run reads
+(``kvstore.payload_runs``) are numba functions, compiled on first
 use and cached on disk beside their sources. Measured on this project's 2-core machine, against a fresh checkout (nothing cached): a ``kvstore serve``'s first 32-block
 Put took 9.7 s and its first two Gets 2.0 s and 1.0 s, against 0.58 s, 14 ms and 19 ms once cached. A pod
 started from an image without that cache, or a new checkout, would make its first requests wait that long.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvstore import memops_jit
+from kvstore import memops_jit, payload_runs
 from kvstore.hashing import block_hashes
 from kvstore.store.blockstore import BlockStore
 from kvstore.store.policies import policy_factory as make_factory
@@ -35,6 +36,7 @@ def warm_up(policy_factory: Callable[[], LeafLRU] | None = None) -> float:
     """Seconds spent running a throwaway store through its compiled paths (see the module docstring)."""
     t0 = time.perf_counter()
     memops_jit.warm_up()  # the lanes' copy and CRC32C kernels
+    payload_runs.COMPILED.warm_up()  # the NVMe tier's reads into shared pools (and a --share-nvme client's)
     store = BlockStore(
         [AccountingMemoryTier(3 * CHAIN * BLOCK), AccountingDiskTier(16 * CHAIN * BLOCK)],
         policy_factory=policy_factory or make_factory(),
