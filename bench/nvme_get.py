@@ -2,8 +2,8 @@
 
     python -m bench.nvme_get [--quick] [--baseline REV] [--out bench/results/nvme_get.json]
                              [--share-dram true [--dram-index false]] [--baseline-share-dram true]
-                             [--baseline-disk-store true] [--settle-ms MS] [--shm-dir DIR] [--kinds KIND,...]
-                             [--floor false]
+                             [--baseline-disk-store true] [--baseline-pool true] [--settle-ms MS] [--shm-dir DIR]
+                             [--kinds KIND,...] [--floor false]
 
 For each block size (64 KiB, 512 KiB, 2 MiB), 32-block prefixes are written to three store processes of this
 tree (``bench/nvme_get_worker.py``): one with an NVMe tier (write-through, so every block has an NVMe copy;
@@ -50,7 +50,8 @@ in turn, prefix by prefix, in a rotating order, so that all see the disk and the
 - with ``--baseline REV``: the same steps (``old_*``) run by the code of git revision ``REV``, exported to a
   temporary directory, with store processes of its own: today's code against that one, in the same run
   (``--baseline-share-dram true`` starts them with ``--share-dram`` too; ``--baseline-disk-store true`` adds its own
-  ``--share-nvme`` store, ``old_disk_shm``).
+  ``--share-nvme`` store, ``old_disk_shm``; ``--baseline-pool true`` its Gets into shared pools, ``old_nvme_pool``
+  and ``old_dram_pool``, with ``pool_nvme_speedup``).
 
 Steps run back to back: on a 2-core host a step also meets the after-reply work the one before left in its
 store (a promotion's bookkeeping, the touches, evictions), which the raw read, one thread, minds least.
@@ -121,6 +122,7 @@ MiB = 1 << 20
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("nvme-shm", "nvme-tcp", "nvme-grpc", "dram-shm", "dram-tcp")  # what a --baseline tree's worker runs
+POOL_KINDS = ("nvme-pool", "dram-pool")  # and with --baseline-pool, a tree with shared pools
 NEW_KINDS = (*KINDS, "dram-grpc", "disk-shm", "nvme-pool", "dram-pool")
 
 
@@ -136,6 +138,9 @@ RATIOS = (
     *((f"old_{lane}_nvme_vs_raw", "raw", f"old_nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
     *((f"{lane}_nvme_speedup", f"old_nvme-{lane}", f"nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
     *((f"{lane}_dram_speedup", f"old_dram-{lane}", f"dram-{lane}") for lane in ("shm", "tcp")),
+    ("old_pool_nvme_vs_raw", "raw", "old_nvme-pool"),
+    ("pool_nvme_speedup", "old_nvme-pool", "nvme-pool"),
+    ("pool_dram_speedup", "old_dram-pool", "dram-pool"),
     # each lane with no disk under it: what its NVMe Get can reach at the most
     ("grpc_dram_vs_raw", "raw", "dram-grpc"),
     ("grpc_nvme_vs_dram", "dram-grpc", "nvme-grpc"),
@@ -215,6 +220,7 @@ def measure(
     baseline: Path | None = None,
     extra: tuple[str, ...] = (),
     old_extra: tuple[str, ...] = (),
+    old_pool: bool = False,
     index_ab: bool = False,
     settle: float = 0.0,
     kinds: tuple[str, ...] = (),
@@ -247,7 +253,8 @@ def measure(
         if nvme_floor is not None:
             nvme_floor.start()
         old_disk = "--with-disk-store" in old_extra
-        steps = [(tag, kind) for tag in sides for kind in (NEW_KINDS if tag == "" or old_disk else KINDS)]
+        old_kinds = NEW_KINDS if old_disk else (*KINDS, *POOL_KINDS) if old_pool else KINDS
+        steps = [(tag, kind) for tag in sides for kind in (NEW_KINDS if tag == "" else old_kinds)]
         steps += [("", "diskasked-shm")] if index_ab else []
         steps = [(tag, kind) for tag, kind in steps if not kinds or kind in kinds]
         steps += [("", "raw"), ("", "raw_dst")] + ([("", g) for g in FLOOR_GETS] if nvme_floor is not None else [])
@@ -358,6 +365,13 @@ def main(argv: list[str] | None = None) -> None:
             "old_disk-shm beside this tree's disk-shm",
         )
         p.add_argument(
+            "--baseline-pool",
+            choices=("true", "false"),
+            default="false",
+            help="true: the --baseline tree's Gets into shared pools too (it must have them), measured as "
+            "old_nvme-pool and old_dram-pool beside this tree's",
+        )
+        p.add_argument(
             "--dram-index",
             default="true",
             help="with --share-dram: this tree's stores share their DRAM index (false: every Get is asked)",
@@ -425,6 +439,7 @@ def main(argv: list[str] | None = None) -> None:
                     baseline=baseline,
                     extra=extra,
                     old_extra=old,
+                    old_pool=args.baseline_pool == "true",
                     index_ab=index_ab,
                     settle=args.settle_ms / 1e3,
                     kinds=kinds,
