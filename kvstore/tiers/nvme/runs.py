@@ -3,9 +3,9 @@
 ``read_into(log, backend, pool, buffers, threads, locs, lengths, crcs, addresses) -> (failed, pieces) | None``
 (``NvmeTier.read_into``): the payloads at ``locs`` read into the memory at ``addresses`` (int64, each page
 aligned, each length whole pages), each checked against ``crcs`` (the index's CRC32C: a raw block's bytes), cut
-into pieces of about ``PIECE_BYTES`` in file order, each piece planned, read with one ``preadv`` and checked by one
-call of ``payload_run_kernels.read_run`` without the GIL, on the caller's thread and up to ``threads - 1`` of the
-tier's readers. Returns the positions that were not read in full or failed their check (the caller reads those
+into pieces in file order as the general read cuts them, each piece planned, read with one ``preadv`` and checked
+by one call of ``payload_run_kernels.read_run`` without the GIL, on the caller's thread and up to ``threads - 1``
+of the tier's readers. Returns the positions that were not read in full or failed their check (the caller reads those
 the general way, ``NvmeTier.read``, which tells a corrupt record from a short read and drops it), or None when the
 batch is not such a run (a location gone, records farther apart than ``GAP_BYTES``, an unaligned destination, a
 backend other than POSIX, or the kernels still compiling): ``read`` takes it then.
@@ -32,9 +32,13 @@ from kvstore.tiers.nvme.io import IoBackend, PosixBackend
 from kvstore.tiers.nvme.log import SegmentLog
 from kvstore.tiers.nvme.pipeline import BufferPool
 
-# A piece is about this many bytes: pieces of 1 MiB and of 4 MiB were slower through the tier's general read
-# (forty-eighth session: 32 x 512 KiB Gets into a shared pool, 12.6 / 13.2 ms and 15.6 / 17.3 against 2 MiB).
+# Pieces as the tier's general read cuts them (``reader.plan_pieces``): at most ``PIECE_BYTES``, at least one per
+# reading thread where each is still ``MIN_PIECE_BYTES``, all about the same size. Pieces of at most 1 MiB and of
+# 4 MiB were slower through the general read (forty-eighth session: 32 x 512 KiB Gets into a shared pool, 12.6 /
+# 13.2 ms and 15.6 / 17.3 against 2 MiB); a 32 x 64 KiB prefix cut at 2 MiB (31 records and 1) was 3-5 % slower
+# than the general read's two halves in ``bench.nvme_get``.
 PIECE_BYTES = 2 << 20
+MIN_PIECE_BYTES = 1 << 20
 GAP_BYTES = 128 << 10  # neighbours this close are read through (a record's 4 KiB header lies between payloads)
 NO_LIMIT = 1 << 62  # ``read_run``'s alone_bytes for a piece ``cut_run`` already cut: read it whole
 
@@ -65,7 +69,7 @@ def read_into(
         lengths, crcs, addresses = _int64s(lengths), _int64s(crcs), _int64s(addresses)
         scratch = buffers.get(PIECE_BYTES)  # the headers between a piece's payloads (at most a piece's worth)
         try:
-            pieces = _cut(kernels, segment, fds, offsets, lengths, crcs, addresses, len(scratch))
+            pieces = _cut(kernels, segment, fds, offsets, lengths, crcs, addresses, len(scratch), threads)
             if pieces is None:
                 return None
             return _read(kernels, pieces, pool, buffers, threads, scratch), len(pieces)
@@ -81,17 +85,20 @@ Piece = tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 def _cut(
     kernels: Any, segment: np.ndarray, fds: dict[int, int], offsets: np.ndarray, lengths: np.ndarray,
-    crcs: np.ndarray, addresses: np.ndarray, scratch_bytes: int,
+    crcs: np.ndarray, addresses: np.ndarray, scratch_bytes: int, threads: int,
 ) -> list[Piece] | None:  # fmt: skip
-    """Each segment's blocks cut into pieces (one segment as a rule; two where a segment's end cut a prefix)."""
+    """Each segment's blocks cut into pieces of about equal size (one segment as a rule; two where a segment's end
+    cut a prefix)."""
     pieces: list[Piece] = []
     ids = [int(segment[0])] if (segment == segment[0]).all() else np.unique(segment).tolist()
     for sid in ids:
         at = np.arange(len(segment)) if len(ids) == 1 else np.flatnonzero(segment == sid)
         m = len(at)
         order, cuts = np.empty(m, dtype=np.int64), np.empty(m + 1, dtype=np.int64)
+        span = int((offsets[at] + lengths[at]).max() - offsets[at].min())
+        k = max(-(-span // PIECE_BYTES), min(threads, span // MIN_PIECE_BYTES), 1)
         count = kernels.cut_run(
-            offsets[at], lengths[at], addresses[at], GAP_BYTES, scratch_bytes, PIECE_BYTES, order, cuts
+            offsets[at], lengths[at], addresses[at], GAP_BYTES, scratch_bytes, -(-span // k), order, cuts
         )
         if count < 0:
             return None
