@@ -126,6 +126,13 @@ def test_what_is_no_such_run_is_left_to_read(written, tmp_path: Path):
     instrumented.close()
 
 
+def test_a_piece_of_more_blocks_than_one_preadv_takes_is_left_to_read(written, monkeypatch):
+    tier, locs, payloads = written
+    monkeypatch.setattr(runs, "MAX_BLOCKS", 2)  # IOV_MAX / 2 in truth: 4 KiB records fill a 2 MiB piece with 256
+    assert read_into(tier, [8, 9, 10], locs, payloads)[0] is None
+    assert read_into(tier, [8, 9], locs, payloads)[0] == []
+
+
 def test_nothing_is_read_until_the_kernels_are_ready(written, monkeypatch):
     tier, locs, payloads = written
     monkeypatch.setattr(payload_runs, "ready", lambda: False)

@@ -40,6 +40,7 @@ from kvstore.tiers.nvme.pipeline import BufferPool
 PIECE_BYTES = 2 << 20
 MIN_PIECE_BYTES = 1 << 20
 GAP_BYTES = 128 << 10  # neighbours this close are read through (a record's 4 KiB header lies between payloads)
+MAX_BLOCKS = 512  # a piece's preadv has a payload and a gap per block, and IOV_MAX is 1024
 NO_LIMIT = 1 << 62  # ``read_run``'s alone_bytes for a piece ``cut_run`` already cut: read it whole
 
 
@@ -100,7 +101,7 @@ def _cut(
         count = kernels.cut_run(
             offsets[at], lengths[at], addresses[at], GAP_BYTES, scratch_bytes, -(-span // k), order, cuts
         )
-        if count < 0:
+        if count < 0 or int(np.diff(cuts[: count + 1]).max()) > MAX_BLOCKS:
             return None
         at = at[order]
         columns = (at, offsets[at], lengths[at], crcs[at], addresses[at])
