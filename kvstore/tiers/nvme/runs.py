@@ -11,8 +11,9 @@ batch is not such a run (a location gone, records farther apart than ``GAP_BYTES
 backend other than POSIX, or the kernels still compiling): ``read`` takes it then.
 
 Why: a store-read Get into a client's shared pool (``LowerReads.materialize`` with ``final_dests``) spent about a
-millisecond of Python before its first ``preadv`` (the tier's per-record plans, per-piece Python and a hand-off
-per piece) and a 32 x 512 KiB Get took 12.7 ms where this takes 11.6 (docs/nvme_log.md, forty-eighth session).
+millisecond of Python before its first ``preadv``, part of it the tier's per-record plans and per-piece Python and
+hand-offs, which this does not have. Against that general read, in ``bench.nvme_get`` (three runs, medians): 32 x
+64 KiB / 512 KiB / 2 MiB pool Gets 1.025 / 1.056 / 1.066x as fast (docs/nvme_log.md, forty-eighth session).
 Every ``preadv`` has returned before ``read_into`` does, whatever failed: nothing lands in the caller's memory
 after.
 """
@@ -68,9 +69,9 @@ def read_into(
         fds = {seg.id: seg.fh.fd for _, seg in resolved}  # type: ignore[union-attr]
         offsets = np.fromiter(((loc & OFFSET_MASK) + HEADER_BYTES for loc, _ in resolved), dtype=np.int64, count=n)
         lengths, crcs, addresses = _int64s(lengths), _int64s(crcs), _int64s(addresses)
-        scratch = buffers.get(PIECE_BYTES)  # the headers between a piece's payloads (at most a piece's worth)
+        scratch = buffers.get(PIECE_BYTES)  # the headers between a piece's payloads (a piece's gaps fit PIECE_BYTES)
         try:
-            pieces = _cut(kernels, segment, fds, offsets, lengths, crcs, addresses, len(scratch), threads)
+            pieces = _cut(kernels, segment, fds, offsets, lengths, crcs, addresses, threads)
             if pieces is None:
                 return None
             return _read(kernels, pieces, pool, buffers, threads, scratch), len(pieces)
@@ -86,7 +87,7 @@ Piece = tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 def _cut(
     kernels: Any, segment: np.ndarray, fds: dict[int, int], offsets: np.ndarray, lengths: np.ndarray,
-    crcs: np.ndarray, addresses: np.ndarray, scratch_bytes: int, threads: int,
+    crcs: np.ndarray, addresses: np.ndarray, threads: int,
 ) -> list[Piece] | None:  # fmt: skip
     """Each segment's blocks cut into pieces of about equal size (one segment as a rule; two where a segment's end
     cut a prefix)."""
@@ -99,7 +100,7 @@ def _cut(
         span = int((offsets[at] + lengths[at]).max() - offsets[at].min())
         k = max(-(-span // PIECE_BYTES), min(threads, span // MIN_PIECE_BYTES), 1)
         count = kernels.cut_run(
-            offsets[at], lengths[at], addresses[at], GAP_BYTES, scratch_bytes, -(-span // k), order, cuts
+            offsets[at], lengths[at], addresses[at], GAP_BYTES, PIECE_BYTES, -(-span // k), order, cuts
         )
         if count < 0 or int(np.diff(cuts[: count + 1]).max()) > MAX_BLOCKS:
             return None
