@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from kvstore.memops import addresses_of, copy_crc
+from kvstore.memops import copy_crc
 from kvstore.store.counters import StoreCounters
 from kvstore.store.index import NO_LOC, EntryTable
 from kvstore.store.leases import DataLossError, Lease
@@ -80,81 +80,11 @@ class LowerReads:
         raised (the other blocks stay).
         With ``final_dests`` a block that ``dest_for`` gives a buffer (a client's shared pool) is read there even
         when it is promoted: its slot is filled at ``release`` by a copy checked against its CRC32C, since the
-        client may change its memory once the reply is out (a copy that fails is not promoted); a batch of such
-        blocks, all raw and page aligned, is read by one compiled call a piece (``_read_in_place``).
+        client may change its memory once the reply is out (a copy that fails is not promoted).
         """
         cold = [i for i, lease in enumerate(leases) if lease is not None and lease.buffer is None]
-        if cold and final_dests and dest_for is not None:
-            cold = self._read_in_place(leases, cold, dest_for, on_ready)
-        if cold:
-            self._read_cold(leases, cold, on_ready, dest_for, on_caller, final_dests)
-
-    def _read_in_place(
-        self,
-        leases: Sequence[Lease | None],
-        cold: list[int],
-        dest_for: Callable[[int], Any],
-        on_ready: Callable[[list[int]], None] | None,
-    ) -> list[int]:
-        """``materialize``'s way for a batch whose every NVMe-only block is raw and has a final destination in
-        page-aligned host memory (a client's shared pool in huge pages): read by one compiled call a piece
-        (``NvmeTier.read_into``), no Python per record, each verified against its CRC32C before ``on_ready`` names
-        it; a promotion's slot is reserved as ``_read_cold`` reserves it. Returns the positions left for
-        ``_read_cold``: those that failed here (it reads them again, and drops a corrupt record), or all of
-        ``cold`` when the batch is not such a run."""
-        group = [cast(Lease, leases[i]) for i in cold]
-        rank = group[0].rank
-        read_into = getattr(self._tier(rank), "read_into", None)
-        if read_into is None or any(x.codec != CODEC_NONE or x.rank != rank for x in group):
-            return cold
-        dests = [dest_for(i) for i in cold]
-        if any(d is None for d in dests):
-            return cold
-        n = len(group)
-        lengths = np.fromiter((x.stored_length for x in group), dtype=np.int64, count=n)
-        crcs = np.fromiter((x.crc32c for x in group), dtype=np.int64, count=n)
-        entries = np.fromiter((x.entry for x in group), dtype=np.int64, count=n)
-        addresses = np.ascontiguousarray(addresses_of(dests)[:, 0])
-        slots: list[int | None] = [None] * n
-        with self._lock:
-            locs = self.table.locs(entries, rank).tolist()
-            if self.promote_on_hit and self.top.rank == DRAM:
-                slots = [self.top.allocate(x.stored_length) for x in group]
-        try:
-            failed = read_into(locs, lengths, crcs, addresses)
-        except BaseException:
-            self._free_slots(slots)
-            raise
-        if failed is None:
-            self._free_slots(slots)
-            return cold
-        bad = set(failed)
-        for k, (lease, dest, slot) in enumerate(zip(group, dests, slots)):
-            if k not in bad:  # verified where its bytes go: the top tier's copy from its release on, if reserved
-                lease.buffer = dest
-                if slot is not None:
-                    lease.promote, lease.promote_copy = slot, True
-        self._free_slots([slots[k] for k in bad])
-        if on_ready is not None and len(bad) < n:
-            on_ready([i for k, i in enumerate(cold) if k not in bad])
-        return [cold[k] for k in sorted(bad)]
-
-    def _free_slots(self, slots: Sequence[int | None]) -> None:
-        taken = [loc for loc in slots if loc is not None]
-        if taken:
-            with self._lock:
-                self.top.free(taken)
-
-    def _read_cold(
-        self,
-        leases: Sequence[Lease | None],
-        cold: list[int],
-        on_ready: Callable[[list[int]], None] | None,
-        dest_for: Callable[[int], Any] | None,
-        on_caller: bool,
-        final_dests: bool,
-    ) -> None:
-        """``materialize`` of the ``cold`` positions through the tier's general read."""
+        if not cold:
+            return
         promoted: list[tuple[Lease, int]] = []
         read_apart = self.top.small_pages  # promotions read into staging, copied into their slot at release
         with self._lock:

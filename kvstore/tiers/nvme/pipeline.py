@@ -43,6 +43,10 @@ from kvstore.tiers.nvme.io import IoBackend, aligned_buffer
 from kvstore.tiers.nvme.reader import Piece, read_one
 
 Failed = list[tuple[int, str]]  # (target, reason)
+# How a piece is read and which of its targets passed: ``read_one`` and ``verified_targets`` for the tier's general
+# pieces; ``runs.read_piece`` and ``runs.verified`` for its compiled runs (kvstore/tiers/nvme/runs.py).
+ReadPiece = Callable[[IoBackend, Any, np.ndarray, Sequence[Any]], tuple[Failed, np.ndarray]]
+Targets = Callable[[Any, Failed], list[int]]
 STALL_S = 0.002  # a caller none of whose workers has started after this reads a piece itself
 
 
@@ -87,15 +91,19 @@ def read_pipelined(
     backend: IoBackend,
     pool: Executor,
     buffers: BufferPool,
-    pieces: Sequence[Piece],
+    pieces: Sequence[Any],
     dests: Sequence[Any],
     window: int,
     on_ready: Callable[[list[int]], None] | None = None,
     on_caller: bool = False,
+    read: ReadPiece = read_one,
+    targets: Targets = verified_targets,
 ) -> Failed:
     """Read and check ``pieces`` into ``dests`` with up to ``window`` in flight; ``on_ready(targets)`` names each
     piece's verified targets as soon as they are (failed ones left out), from the thread that read them, or
-    with ``on_caller`` from the calling thread while the workers only read. Returns the failed (target, reason)."""
+    with ``on_caller`` from the calling thread while the workers only read. Returns the failed (target, reason).
+    ``read`` and ``targets``: how a piece is read and which of its targets passed (``pieces[k].nbytes`` is the
+    scratch it needs)."""
     if not pieces:
         return []
     todo = deque(pieces)
@@ -112,11 +120,11 @@ def read_pipelined(
                     piece = todo.popleft()
                 except IndexError:
                     return failed, buf
-                bad, buf = read_one(backend, piece, buf, dests)
+                bad, buf = read(backend, piece, buf, dests)
                 failed.extend(bad)
                 if handing_on:
-                    ready.put(verified_targets(piece, bad))
-                elif on_ready is not None and (ok := verified_targets(piece, bad)):
+                    ready.put(targets(piece, bad))
+                elif on_ready is not None and (ok := targets(piece, bad)):
                     on_ready(ok)
         except BaseException as e:
             if handing_on:
@@ -134,7 +142,9 @@ def read_pipelined(
             jobs.append((buf, pool.submit(work, buf)))
         if handing_on:
             assert on_ready is not None
-            failed, own = _hand_on(pieces, todo, ready, started, bool(jobs), own, on_ready, backend, dests)
+            failed, own = _hand_on(
+                pieces, todo, ready, started, bool(jobs), own, on_ready, backend, dests, read, targets
+            )
         else:
             failed, own = work(own)
         for i, (_buf, job) in enumerate(jobs):
@@ -157,8 +167,8 @@ def read_pipelined(
 
 
 def _hand_on(
-    pieces: Sequence[Piece],
-    todo: deque[Piece],
+    pieces: Sequence[Any],
+    todo: deque[Any],
     ready: queue.SimpleQueue[list[int] | BaseException],
     started: threading.Event,
     have_workers: bool,
@@ -166,6 +176,8 @@ def _hand_on(
     on_ready: Callable[[list[int]], None],
     backend: IoBackend,
     dests: Sequence[Any],
+    read: ReadPiece,
+    targets: Targets,
 ) -> tuple[Failed, np.ndarray]:
     """The caller's part of *readers read, the caller hands on*: ``on_ready`` for every piece the workers
     verified, in the order they land; a piece read here only while none of the workers has started."""
@@ -182,9 +194,9 @@ def _hand_on(
                     piece = todo.popleft()
                 except IndexError:  # a worker started and took the last one meanwhile
                     continue
-                bad, own = read_one(backend, piece, own, dests)
+                bad, own = read(backend, piece, own, dests)
                 failed.extend(bad)
-                msg = verified_targets(piece, bad)
+                msg = targets(piece, bad)
         if isinstance(msg, BaseException):
             raise msg
         left -= 1

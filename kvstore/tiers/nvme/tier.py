@@ -14,8 +14,8 @@
 - ``read(locs, lengths, dests)``: coalesced, parallel preads; every record's
   header and payload CRC are verified before its dest is filled; failures
   raise ``CorruptBlock`` naming the bad locations (other dests are filled).
-- ``read_into(locs, lengths, crcs, addresses) -> failed | None``: raw payloads straight into page-aligned host
-  memory, one compiled call a piece (``runs.py``); what fails, or a batch that is no such run, goes to ``read``.
+  Raw payloads (their CRC32Cs given) bound for page-aligned host memory are
+  read by one compiled call a piece (``runs.py``), the rest record by record.
 - ``free(locs)``: records die; their space returns through compaction.
 - ``compact(max_segments, threshold, wait=True) -> CompactionReport``: run by
   the owner from a background thread; moves are reported through
@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,6 +169,7 @@ class NvmeTier(Tier):
             reads=0,
             blocks_read=0,
             read_ios=0,
+            run_read_ios=0,  # of read_ios, pieces read by one compiled call (runs.py)
             corrupt=0,
             write_faults=0,
             compactions=0,
@@ -295,8 +296,18 @@ class NvmeTier(Tier):
         resolved, pinned = self._log.pin(locs)
         bad: dict[int, str] = {}
         try:
+            todo: Iterable[int] = range(len(locs))
+            run_pieces = runs.plan(resolved, lengths, crcs, dests, self.backend, self.read_threads, self.max_read_bytes)
+            if run_pieces is not None:  # one compiled call a piece; what fails is read again below, record by record
+                retry = read_pipelined(
+                    self.backend, self._pool, self._buffers, run_pieces, dests, self.read_threads, on_ready, on_caller,
+                    runs.read_piece, runs.verified,
+                )  # fmt: skip
+                todo = sorted({i for i, _ in retry})
+                self._counts["run_read_ios"] += len(run_pieces)
             groups: dict[int, tuple[Any, dict[tuple[int, int], Wanted]]] = {}
-            for i, ((loc, seg), length) in enumerate(zip(resolved, lengths)):
+            for i in todo:
+                (loc, seg), length = resolved[i], lengths[i]
                 if seg is None:
                     bad[locs[i]] = "no such location (never written, or compacted away)"
                     continue
@@ -327,7 +338,7 @@ class NvmeTier(Tier):
             bad[locs[i]] = reason
         self._counts["reads"] += 1
         self._counts["blocks_read"] += len(locs)
-        self._counts["read_ios"] += len(pieces)
+        self._counts["read_ios"] += len(pieces) + (len(run_pieces) if run_pieces is not None else 0)
         self._read_bytes += sum(lengths)
         self._read_seconds += time.perf_counter() - began
         if bad:
@@ -337,26 +348,6 @@ class NvmeTier(Tier):
                 f"{len(bad)} of {len(locs)} nvme records failed verification (first: loc {first[0]:#x}: {first[1]})",
                 list(bad),
             )
-
-    def read_into(
-        self, locs: Sequence[int], lengths: np.ndarray, crcs: np.ndarray, addresses: np.ndarray
-    ) -> list[int] | None:
-        """Raw payloads straight into page-aligned host memory at ``addresses`` (int64; whole-page lengths), each
-        checked against ``crcs`` (the index's CRC32C), one compiled call a piece (``runs.read_into``): the positions
-        that failed (read them with ``read``, which drops a corrupt record), or None when the batch is not such a
-        run (``read`` takes it)."""
-        began = time.perf_counter()
-        done = runs.read_into(self._log, self.backend, self._pool, self._buffers, self.read_threads, locs, lengths,
-                              crcs, addresses)  # fmt: skip
-        if done is None:
-            return None
-        failed, pieces = done
-        self._counts["reads"] += 1
-        self._counts["blocks_read"] += len(locs) - len(failed)
-        self._counts["read_ios"] += pieces
-        self._read_bytes += int(lengths.sum())
-        self._read_seconds += time.perf_counter() - began
-        return failed
 
     def extents(self, locs: Sequence[int]) -> tuple[list[tuple[str, int] | None], ExtentPins]:
         """Where each record's payload lies in its segment file, for a reader outside this process: (file name in
