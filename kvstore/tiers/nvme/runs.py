@@ -12,7 +12,9 @@ short read, zero what landed and name it in ``CorruptBlock``.
 
 Why: the general read spent Python on every record (its ``Wanted``, its part of a piece's plan, its checks' loop)
 and on every piece (``plan_into``); a 32 x 512 KiB store-read Get into a client's shared pool had about a millisecond
-of Python before its first ``preadv``. Against that read (forty-eighth session, docs/nvme_log.md): BENCH.
+of Python before its first ``preadv``. Against that read, in three runs of ``bench.nvme_get`` (forty-eighth
+session, medians; docs/nvme_log.md): Gets even to 1.09x as fast on every lane, and the NVMe store's CPU per Get
+3-15 % lower (13.75 against 14.17 ms at 32 x 512 KiB, 37.0 against 43.5 at 32 x 2 MiB).
 """
 
 from __future__ import annotations
