@@ -36,7 +36,7 @@ def warm_up(policy_factory: Callable[[], LeafLRU] | None = None) -> float:
     """Seconds spent running a throwaway store through its compiled paths (see the module docstring)."""
     t0 = time.perf_counter()
     memops_jit.warm_up()  # the lanes' copy and CRC32C kernels
-    payload_runs.COMPILED.warm_up()  # the NVMe tier's reads into shared pools (and a --share-nvme client's)
+    payload_runs.COMPILED.warm_up()  # the NVMe tier's compiled runs (and a --share-nvme client's reads)
     store = BlockStore(
         [AccountingMemoryTier(3 * CHAIN * BLOCK), AccountingDiskTier(16 * CHAIN * BLOCK)],
         policy_factory=policy_factory or make_factory(),

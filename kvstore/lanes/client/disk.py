@@ -421,7 +421,7 @@ def _piece_count(total: int, threads: int) -> int:
 
 
 _kernels = payload_runs.kernels
-_compiled = payload_runs.COMPILED  # shared with the NVMe tier's reads into shared pools: one compile a process
+_compiled = payload_runs.COMPILED  # shared with the NVMe tier's compiled runs: one compile a process
 
 
 def _int64s(values: np.ndarray) -> np.ndarray:
