@@ -148,6 +148,16 @@ def test_what_is_no_such_run_is_read_the_general_way(written, tmp_path: Path, mo
     general([0, 1])
 
 
+def test_an_empty_payload_reads_the_general_way(tmp_path: Path):
+    tier = make_tier(tmp_path)
+    rng = np.random.default_rng(4)
+    payloads = [np.zeros(0, dtype=np.uint8), rng.integers(0, 256, 4096, dtype=np.uint8)]
+    locs = write(tier, payloads, rng)
+    dests, _, compiled_ios = read(tier, [0, 1], locs, payloads, dests=[np.zeros(0, np.uint8), aligned_buffer(4096)])
+    assert compiled_ios == 0 and dests[1].tobytes() == payloads[1].tobytes()
+    tier.close()
+
+
 def test_payloads_that_are_not_whole_pages_and_a_fault_seam_read_the_general_way(tmp_path: Path):
     rng = np.random.default_rng(3)
     for root, backend, size in (

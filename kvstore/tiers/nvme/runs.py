@@ -127,7 +127,7 @@ def _host_addresses(dests: Sequence[Any], lengths: Sequence[int]) -> np.ndarray 
     out = np.empty(len(dests), dtype=np.int64)
     for k, (d, n) in enumerate(zip(dests, lengths)):
         if type(d) is np.ndarray:
-            if not (d.flags.writeable and d.flags.c_contiguous) or d.nbytes < n:
+            if not (d.flags.writeable and d.flags.c_contiguous) or d.nbytes < max(n, 1):  # an empty one: no address
                 return None
             out[k] = array_address(d)
         elif type(d) is memoryview or type(d) is bytearray:
