@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 
 from kvstore import payload_runs
+from kvstore.memops import host_view
 from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK
-from kvstore.tiers.nvme.io import IoBackend, PosixBackend, array_address
+from kvstore.tiers.nvme.io import IoBackend, PosixBackend
 from kvstore.tiers.nvme.segments import Segment
 
 # Pieces as the general read cuts them: none past the tier's ``max_read_bytes`` (2 MiB: pieces of at most 1 MiB and
@@ -122,19 +123,16 @@ def verified(piece: RunPiece, failed: list[tuple[int, str]]) -> list[int]:
 
 
 def _host_addresses(dests: Sequence[Any], lengths: Sequence[int]) -> np.ndarray | None:
-    """Each destination's address when every one is writable, contiguous host memory of at least its length (a
-    memoryview, a numpy array or a bytearray: a CUDA tensor or read-only bytes are not), else None."""
+    """Each destination's address when every one is writable, contiguous host memory (``memops.host_view``: a
+    memoryview, numpy array, bytearray or CPU tensor) of at least its length and not empty, else None (a CUDA
+    tensor, read-only bytes, a strided view)."""
     out = np.empty(len(dests), dtype=np.int64)
     for k, (d, n) in enumerate(zip(dests, lengths)):
-        if type(d) is np.ndarray:
-            if not (d.flags.writeable and d.flags.c_contiguous) or d.nbytes < max(n, 1):  # an empty one: no address
-                return None
-            out[k] = array_address(d)
-        elif type(d) is memoryview or type(d) is bytearray:
-            view = memoryview(d)
-            if view.readonly or not view.c_contiguous or view.nbytes < max(n, 1):
-                return None
-            out[k] = ctypes.addressof(ctypes.c_char.from_buffer(view))
-        else:
+        try:
+            view = host_view(d)
+        except (TypeError, ValueError):  # not contiguous: no one address for it
             return None
+        if view is None or view.readonly or not view.c_contiguous or view.nbytes < max(n, 1):  # empty: no address
+            return None
+        out[k] = ctypes.addressof(ctypes.c_char.from_buffer(view))
     return out
