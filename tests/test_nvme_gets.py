@@ -343,6 +343,32 @@ def test_share_nvme_fills_segments_as_a_vllm_block_is_laid_out(make_server, tmp_
     quiet(server)
 
 
+@pytest.mark.parametrize("segment", [64 << 20, 1 << 20], ids=["one-file", "across-files"])
+def test_share_nvme_reads_an_asked_prefix_into_aligned_buffers_as_compiled_runs(make_server, tmp_path, segment):
+    """An asked Get's NVMe blocks, each bound for a page-aligned buffer, are read per file in one compiled call
+    (``DiskReader.read_run``, ``read_runs`` when segments' ends cut the prefix), never block by block; a corrupt
+    record among them is not served: the store reads it again, drops it and says DATA_LOSS."""
+    server = nvme_store(
+        make_server, tmp_path, promote_on_hit=False, share_nvme=True, shm_direct=True, nvme_segment=segment
+    )
+    with lane_client(server, "shm-disk") as kv:
+        keys, blocks = prefix_on_nvme(server, kv)
+        disk = kv._lanes.run(lambda lane: lane).disk  # noqa: SLF001 - the shm lane's reader of the store's files
+        runs: list[tuple[str, list[int] | None]] = []
+        for name in ("read_run", "read_runs"):
+            real = getattr(disk, name)
+            setattr(disk, name, lambda *a, real=real, name=name: runs.append((name, real(*a))) or runs[-1][1])
+        disk.read = lambda blocks: pytest.fail(f"{len(blocks)} blocks read one by one")
+        assert_gets_exact(kv, "shm-disk", keys, blocks)
+        assert runs == [("read_run" if segment > PREFIX * BLOCK else "read_runs", [])]
+        corrupt(server, keys[20])
+        with pytest.raises(KVStoreError) as err:
+            get_into(kv, "shm-disk", keys)
+        assert "DATA_LOSS" in str(err.value.code) and runs[-1][1] == [20]
+        assert server.store.lookup("t", [keys[20]])[0] == 0  # dropped
+    quiet(server)
+
+
 def test_share_nvme_names_at_most_the_lanes_budget_and_the_store_reads_the_rest(make_server, tmp_path):
     """A lane names at most its region's size of NVMe blocks at once (what one client can keep pinned): past it
     the store reads the blocks itself, in the same Get."""

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+import numpy as np
 
 from kvstore.arena_index import OnDisk
 from kvstore.arena_index_layout import segment_name
@@ -258,6 +259,12 @@ class ShmGets:
         (the store read nothing); those that fail go in ``failed``, for the store to read itself."""
         if self.disk is None or out is None or spans is None or failed is None:
             raise KVStoreError(grpc.StatusCode.INTERNAL, "the store named blocks on disk for a Get that did not ask")
+        run_failed = self._read_disk_runs(self.disk, named, start, spans)
+        if run_failed is not None:
+            failed.extend(run_failed)
+            for d in named:
+                results[start + d.index] = out[start + d.index]
+            return
         blocks = []
         for d in named:
             i = start + d.index
@@ -266,6 +273,33 @@ class ShmGets:
             blocks.append(DiskBlock(i, d.disk_file, d.disk_offset, d.length, d.crc32c, clip(spans[i], d.length)))
             results[i] = out[i]
         failed.extend(self.disk.read(blocks))
+
+    @staticmethod
+    def _read_disk_runs(
+        disk: DiskReader, named: list[lpb.BlockDescriptor], start: int, spans: SpanTable
+    ) -> list[int] | None:
+        """``_take_disk``'s common case, the blocks each into one page-aligned buffer of the Get: read and checked
+        per file in one compiled call (``DiskReader.read_run``); None when they are not such a run (``read``
+        takes them). Through ``read``, a 32 x 64 KiB Get planned and checked its blocks in Python."""
+        n = len(named)
+        positions = np.fromiter((start + d.index for d in named), np.int64, n)
+        lengths = np.fromiter((d.length for d in named), np.int64, n)
+        heads = spans.starts[positions]
+        if (spans.starts[positions + 1] - heads != 1).any():
+            return None  # a block across several buffers
+        rows = spans.table[heads]
+        if (rows[:, 1] < lengths.astype(np.uint64)).any():
+            return None  # a short buffer: ``read``'s way says which
+        addresses = rows[:, 0].astype(np.int64)
+        offsets = np.fromiter((d.disk_offset for d in named), np.int64, n)
+        crcs = np.fromiter((d.crc32c for d in named), np.int64, n)
+        files = [d.disk_file for d in named]
+        if files.count(files[0]) == n:  # one file, as a rule
+            return disk.read_run(files[0], positions, offsets, lengths, crcs, addresses)
+        names = sorted(set(files))
+        ids = {name: k for k, name in enumerate(names)}
+        segments = np.fromiter((ids[f] for f in files), np.int64, n)
+        return disk.read_runs(segments, names.__getitem__, positions, offsets, lengths, crcs, addresses)
 
     @staticmethod
     def _take_columns(
