@@ -23,7 +23,9 @@ from kvstore import memops_jit
 from kvstore.checksum import crc32c
 from kvstore.client import Client, KVStoreError, Segments
 from kvstore.lanes import cma, framing
+from kvstore.lanes.client.outputs import direct_outs
 from kvstore.lanes.segments import clip, describe_source, descriptor_spans, flatten, pieces, unflatten
+from kvstore.memops import address_of
 from kvstore.payload import SegmentRows, SegmentsWriter
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
@@ -333,6 +335,36 @@ def test_flatten_round_trips(blocks):
     for s in spans:
         d = describe_source(lpb.BlockDescriptor(length=sum(n for _, n in s)), s)
         assert descriptor_spans(d) == (s if s else ())
+
+
+@given(kinds=st.lists(st.sampled_from(["array", "readonly", "bytearray", "segments"]), max_size=8))
+def test_direct_outs_spans_every_kind_of_buffer_as_the_general_way_does(kinds):
+    """``direct_outs``'s one-step path for writable arrays builds the table the general way builds; any other
+    buffer (segments, a bytearray, a read-only array: the store's write will say what is wrong with it) sends the
+    whole list the general way, which spans it the same."""
+    backing = np.zeros(1 << 16, dtype=np.uint8)
+    out: list[object] = []
+    for k, kind in enumerate(kinds):
+        part = backing[k * 4096 : (k + 1) * 4096]
+        if kind == "readonly":
+            part = part.copy()
+            part.flags.writeable = False
+        made = {"array": part, "readonly": part, "bytearray": bytearray(100 + k)}.get(kind)
+        out.append(made if made is not None else Segments([part[:1000], part[2000:3000]]))
+    table = direct_outs(out)
+    assert table is not None
+    want = [host_spans(buf) for buf in out]
+    assert list(table) == want and table.held.tolist() == [sum(n for _, n in s) for s in want]
+    assert table.starts.dtype == np.int64 and table.table.dtype == np.uint64 and table.held.dtype == np.int64
+
+
+def host_spans(buf: object) -> tuple[tuple[int, int], ...]:
+    if isinstance(buf, Segments):
+        return tuple((int(p.ctypes.data), p.nbytes) for p in buf.parts)
+    if isinstance(buf, bytearray):
+        return (address_of(memoryview(buf)),)
+    assert isinstance(buf, np.ndarray)
+    return ((int(buf.ctypes.data), buf.nbytes),)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

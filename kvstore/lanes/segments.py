@@ -113,6 +113,17 @@ class SpanTable(Sequence[Spans]):
         self.held = (total[self.starts[1:]] - total[self.starts[:-1]]).astype(np.int64)
 
     @classmethod
+    def singles(cls, addresses: Sequence[int], lengths: Sequence[int]) -> SpanTable:
+        """One span a block (a buffer each, the common Get): no counts to add up."""
+        table = cls.__new__(cls)
+        table.table = np.empty((len(addresses), 2), dtype=np.uint64)
+        table.table[:, 0] = addresses
+        table.table[:, 1] = lengths
+        table.starts = np.arange(len(addresses) + 1, dtype=np.int64)
+        table.held = np.array(lengths, dtype=np.int64)
+        return table
+
+    @classmethod
     def from_wire(cls, counts: Sequence[int], addresses: Sequence[int], lengths: Sequence[int]) -> SpanTable:
         table = np.empty((len(addresses), 2), dtype=np.uint64)
         table[:, 0] = addresses

@@ -35,6 +35,15 @@ def direct_outs(out: Sequence[Any]) -> SpanTable | None:
     """The (address, bytes) spans of each output buffer (its segments' for ``Segments``) as one table, or None
     when one is not plain host memory. A ``Segments``'s span table (known already for a vLLM block, from
     ``SegmentRows``) joins the table as it is: a tuple per span cost 0.25 ms a 62-block load."""
+    addresses: list[int] = []
+    lengths: list[int] = []
+    for buf in out:  # the common case first, every buffer a writable contiguous array: 65 -> 40 us for 32
+        if type(buf) is not np.ndarray or (address := _array_address(buf)) is None:
+            break
+        addresses.append(address)
+        lengths.append(buf.nbytes)
+    else:
+        return SpanTable.singles(addresses, lengths)
     counts: list[int] = []
     tables: list[np.ndarray] = []
     singles: list[tuple[int, int]] = []  # one-span buffers since the last Segments, joined as one array
