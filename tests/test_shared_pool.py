@@ -281,12 +281,16 @@ def test_dram_hits_are_copied_into_a_shared_pool_with_their_checksums(make_serve
         blocks = [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(PREFIX)]
         assert all(r.ok for r in kv.put("t", keys, blocks, chained=False))
         pool = kv.shared_pool(PREFIX // 2 * BLOCK)
-        for verify in (True, False):
+        for verify, alternate in ((True, False), (False, False), (True, True)):
             pool.array[:] = 0
-            out = slots(pool)[: PREFIX // 2] + [np.zeros(BLOCK, np.uint8) for _ in range(PREFIX // 2)]
+            inside, plain = slots(pool)[: PREFIX // 2], [np.zeros(BLOCK, np.uint8) for _ in range(PREFIX // 2)]
+            if alternate:  # pool slots and plain buffers in turn, the pool's in reverse order
+                out = [b for pair in zip(inside[::-1], plain) for b in pair]
+            else:
+                out = inside + plain
             kv.get("t", keys, out=out, verify=verify)
             assert [o.tobytes() for o in out] == [b.tobytes() for b in blocks]
-        assert pooled_bytes(kv) == 2 * (PREFIX // 2) * BLOCK
+        assert pooled_bytes(kv) == 3 * (PREFIX // 2) * BLOCK
 
 
 def test_huge_pages_likely_reads_shmem_enabled(monkeypatch):

@@ -19,6 +19,7 @@ each unmaps once no Get still holds a view of it (an ``mmap`` is not closed unde
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -26,6 +27,7 @@ import threading
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.direct import DirectPeer
@@ -41,6 +43,7 @@ class MappedPool:
     length: int
     view: memoryview  # our mapping of the same bytes
     huge: bool  # in huge pages: O_DIRECT reads land in it as fast as in the store's own buffers
+    base: int  # our mapping's address (its bytes stay mapped while this pool, and so ``view``, is held)
 
 
 class MappedPools:
@@ -77,7 +80,8 @@ class MappedPools:
         finally:
             os.close(ours)
         with self._lock:
-            self._pools.append(MappedPool(address, length, view, huge))
+            base = ctypes.addressof(ctypes.c_char.from_buffer(view))
+            self._pools.append(MappedPool(address, length, view, huge, base))
 
     def view(self, spans: Spans, n: int, huge: bool | None = None) -> memoryview | None:
         """Our mapping of the first ``n`` bytes of a destination given as one span inside a pool (in huge pages,
@@ -93,6 +97,20 @@ class MappedPools:
             if p.address <= address and address + n <= p.address + p.length and huge in (None, p.huge):
                 return p.view[address - p.address : address - p.address + n]
         return None
+
+    def addresses(self, heads: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, list[MappedPool]]:
+        """``at`` of many destinations at once (client addresses ``heads``, ``sizes`` bytes each, int64): our
+        address of each that one pool holds whole, 0 for the others; and the pools used, which the caller holds
+        until it is done with those addresses (a pool's mapping lasts while it is referenced)."""
+        ours = np.zeros(len(heads), dtype=np.int64)
+        used: list[MappedPool] = []
+        ends = heads + sizes
+        for p in self._pools:  # at most MAX_POOLS
+            inside = (heads >= p.address) & (ends <= p.address + p.length) & (ours == 0)
+            if inside.any():
+                ours[inside] = heads[inside] - p.address + p.base
+                used.append(p)
+        return ours, used
 
     def close(self) -> None:
         with self._lock:
