@@ -364,7 +364,7 @@ class TcpLaneServer:
                         self._status(conn, err.code, err.message)
                         return
                     if lease is not None:
-                        payload.append(host_bytes(ops.servable(lease, accepted)[1]))
+                        payload.append(host_bytes(ops.servable(lease, accepted)))
                 if payload:
                     framing.send_frame(conn, framing.DATA, b"", payload)
                     sent += sum(len(p) for p in payload)
@@ -437,7 +437,7 @@ def _send_named(
     for j in positions:
         lease = window[j]
         if lease is not None:
-            payload.append(host_bytes(ops.servable(lease, accepted)[1]))
+            payload.append(host_bytes(ops.servable(lease, accepted)))
             names.append(first + j)
     if payload:
         framing.send_frame(conn, framing.DATA, struct.pack(f"<{len(names)}I", *names), payload)
