@@ -202,7 +202,7 @@ class LanePutResponse(_message.Message):
     def __init__(self, grant: _Optional[_Union[LaneGrant, _Mapping]] = ..., committed: _Optional[_Union[LaneCommitted, _Mapping]] = ...) -> None: ...
 
 class LaneGetRequest(_message.Message):
-    __slots__ = ("lane", "request", "release", "crc_at_copy", "out_addresses", "out_lengths", "out_segment_counts", "out_segment_addresses", "out_segment_lengths", "read_dram", "read_disk", "written_columns", "named_columns")
+    __slots__ = ("lane", "request", "release", "crc_at_copy", "out_addresses", "out_lengths", "out_segment_counts", "out_segment_addresses", "out_segment_lengths", "read_dram", "read_disk", "written_columns", "named_columns", "disk_columns")
     LANE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class LaneGetRequest(_message.Message):
     READ_DISK_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     NAMED_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    DISK_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     lane: LaneRef
     request: _kvstore_pb2.GetRequest
     release: _containers.RepeatedScalarFieldContainer[int]
@@ -229,7 +230,8 @@ class LaneGetRequest(_message.Message):
     read_disk: bool
     written_columns: bool
     named_columns: bool
-    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ..., out_addresses: _Optional[_Iterable[int]] = ..., out_lengths: _Optional[_Iterable[int]] = ..., out_segment_counts: _Optional[_Iterable[int]] = ..., out_segment_addresses: _Optional[_Iterable[int]] = ..., out_segment_lengths: _Optional[_Iterable[int]] = ..., read_dram: _Optional[bool] = ..., read_disk: _Optional[bool] = ..., written_columns: _Optional[bool] = ..., named_columns: _Optional[bool] = ...) -> None: ...
+    disk_columns: bool
+    def __init__(self, lane: _Optional[_Union[LaneRef, _Mapping]] = ..., request: _Optional[_Union[_kvstore_pb2.GetRequest, _Mapping]] = ..., release: _Optional[_Iterable[int]] = ..., crc_at_copy: _Optional[bool] = ..., out_addresses: _Optional[_Iterable[int]] = ..., out_lengths: _Optional[_Iterable[int]] = ..., out_segment_counts: _Optional[_Iterable[int]] = ..., out_segment_addresses: _Optional[_Iterable[int]] = ..., out_segment_lengths: _Optional[_Iterable[int]] = ..., read_dram: _Optional[bool] = ..., read_disk: _Optional[bool] = ..., written_columns: _Optional[bool] = ..., named_columns: _Optional[bool] = ..., disk_columns: _Optional[bool] = ...) -> None: ...
 
 class WrittenBlocks(_message.Message):
     __slots__ = ("index", "length", "crc32c", "stored_crc32c")
@@ -255,8 +257,24 @@ class NamedBlocks(_message.Message):
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, index: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class DiskBlocks(_message.Message):
+    __slots__ = ("index", "files", "file", "offset", "length", "crc32c")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    index: _containers.RepeatedScalarFieldContainer[int]
+    files: _containers.RepeatedScalarFieldContainer[str]
+    file: _containers.RepeatedScalarFieldContainer[int]
+    offset: _containers.RepeatedScalarFieldContainer[int]
+    length: _containers.RepeatedScalarFieldContainer[int]
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[_Iterable[int]] = ..., files: _Optional[_Iterable[str]] = ..., file: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class LaneGetResponse(_message.Message):
-    __slots__ = ("grant_id", "blocks", "handled", "last", "crcs_at_copy", "written_direct", "written", "named")
+    __slots__ = ("grant_id", "blocks", "handled", "last", "crcs_at_copy", "written_direct", "written", "named", "disk")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HANDLED_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +283,7 @@ class LaneGetResponse(_message.Message):
     WRITTEN_DIRECT_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_FIELD_NUMBER: _ClassVar[int]
     NAMED_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     grant_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockDescriptor]
     handled: int
@@ -273,7 +292,8 @@ class LaneGetResponse(_message.Message):
     written_direct: bool
     written: WrittenBlocks
     named: NamedBlocks
-    def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., handled: _Optional[int] = ..., last: _Optional[bool] = ..., crcs_at_copy: _Optional[bool] = ..., written_direct: _Optional[bool] = ..., written: _Optional[_Union[WrittenBlocks, _Mapping]] = ..., named: _Optional[_Union[NamedBlocks, _Mapping]] = ...) -> None: ...
+    disk: DiskBlocks
+    def __init__(self, grant_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., handled: _Optional[int] = ..., last: _Optional[bool] = ..., crcs_at_copy: _Optional[bool] = ..., written_direct: _Optional[bool] = ..., written: _Optional[_Union[WrittenBlocks, _Mapping]] = ..., named: _Optional[_Union[NamedBlocks, _Mapping]] = ..., disk: _Optional[_Union[DiskBlocks, _Mapping]] = ...) -> None: ...
 
 class LaneTouch(_message.Message):
     __slots__ = ("lane", "touched", "release")

@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-import numpy as np
 
 from kvstore.arena_index import OnDisk
 from kvstore.arena_index_layout import segment_name
@@ -34,6 +33,7 @@ from kvstore.lanes.base import LaneBroken
 from kvstore.lanes.buffers import alloc_blocks
 from kvstore.lanes.client.channel import ShmChannel
 from kvstore.lanes.client.disk import DiskBlock, DiskReader
+from kvstore.lanes.client.disk_gets import DiskColumns, read_named
 from kvstore.lanes.client.indexed import IndexedGets
 from kvstore.lanes.client.loans import Lender, Loan
 from kvstore.lanes.client.outputs import SpanCopy, buffer_addresses, copy_outs, direct_outs
@@ -184,6 +184,7 @@ class ShmGets:
                 read_disk=read_disk,
                 written_columns=outs is not None,
                 named_columns=read_dram,
+                disk_columns=read_disk,
             )
             if outs is not None and segmented:  # the server writes each block across our buffers itself
                 rows = outs.table[outs.starts[start] :]
@@ -210,16 +211,20 @@ class ShmGets:
     ) -> int:
         handled = -1
         for msg in self._replies(request):
-            if msg.HasField("written"):
-                self._take_columns(msg.written, request.request.hashes, start, out, verify, results)
-            present = [d for d in msg.blocks if not d.header.missing]
-            if any(d.disk_file for d in present):
-                self._take_disk([d for d in present if d.disk_file], start, out, spans, results, failed)
-                present = [d for d in present if not d.disk_file]
-            lend = out is None and bool(present) and self._lender.can_lend(sum(d.length for d in present))
-            loan = self._lender.open(msg.grant_id) if lend else None
-            try:
-                if msg.HasField("named"):  # in the try: a failed check still gives the grant (its pins) back
+            loan: Loan | None = None
+            try:  # whatever fails, the grant (the store's leases and pins for this message) goes back
+                if msg.HasField("written"):
+                    self._take_columns(msg.written, request.request.hashes, start, out, verify, results)
+                if msg.HasField("disk"):  # a Get of blocks all only on NVMe, named as columns
+                    self._take_disk(DiskColumns.of_message(msg.disk, start), out, spans, results, failed)
+                present = [d for d in msg.blocks if not d.header.missing]
+                if any(d.disk_file for d in present):
+                    named = [d for d in present if d.disk_file]
+                    self._take_disk(DiskColumns.of_descriptors(named, start), out, spans, results, failed)
+                    present = [d for d in present if not d.disk_file]
+                lend = out is None and bool(present) and self._lender.can_lend(sum(d.length for d in present))
+                loan = self._lender.open(msg.grant_id) if lend else None
+                if msg.HasField("named"):
                     self._take_named(msg.named, request.request.hashes, start, out, verify, results)
                 if msg.written_direct:  # blocks named in the DRAM arena are ours to copy; the store wrote the rest
                     named = [d for d in present if d.in_dram]
@@ -248,8 +253,7 @@ class ShmGets:
 
     def _take_disk(
         self,
-        named: list[lpb.BlockDescriptor],
-        start: int,
+        columns: DiskColumns,
         out: Sequence[Any] | None,
         spans: SpanTable | None,
         results: list[Any],
@@ -259,47 +263,9 @@ class ShmGets:
         (the store read nothing); those that fail go in ``failed``, for the store to read itself."""
         if self.disk is None or out is None or spans is None or failed is None:
             raise KVStoreError(grpc.StatusCode.INTERNAL, "the store named blocks on disk for a Get that did not ask")
-        run_failed = self._read_disk_runs(self.disk, named, start, spans)
-        if run_failed is not None:
-            failed.extend(run_failed)
-            for d in named:
-                results[start + d.index] = out[start + d.index]
-            return
-        blocks = []
-        for d in named:
-            i = start + d.index
-            if span_bytes(spans[i]) < d.length:
-                raise short_buffer(i, span_bytes(spans[i]), d.length)
-            blocks.append(DiskBlock(i, d.disk_file, d.disk_offset, d.length, d.crc32c, clip(spans[i], d.length)))
+        failed.extend(read_named(self.disk, columns, spans))
+        for i in columns.positions.tolist():
             results[i] = out[i]
-        failed.extend(self.disk.read(blocks))
-
-    @staticmethod
-    def _read_disk_runs(
-        disk: DiskReader, named: list[lpb.BlockDescriptor], start: int, spans: SpanTable
-    ) -> list[int] | None:
-        """``_take_disk``'s common case, the blocks each into one page-aligned buffer of the Get: read and checked
-        per file in one compiled call (``DiskReader.read_run``); None when they are not such a run (``read``
-        takes them). Through ``read``, a 32 x 64 KiB Get planned and checked its blocks in Python."""
-        n = len(named)
-        positions = np.fromiter((start + d.index for d in named), np.int64, n)
-        lengths = np.fromiter((d.length for d in named), np.int64, n)
-        heads = spans.starts[positions]
-        if (spans.starts[positions + 1] - heads != 1).any():
-            return None  # a block across several buffers
-        rows = spans.table[heads]
-        if (rows[:, 1] < lengths.astype(np.uint64)).any():
-            return None  # a short buffer: ``read``'s way says which
-        addresses = rows[:, 0].astype(np.int64)
-        offsets = np.fromiter((d.disk_offset for d in named), np.int64, n)
-        crcs = np.fromiter((d.crc32c for d in named), np.int64, n)
-        files = [d.disk_file for d in named]
-        if files.count(files[0]) == n:  # one file, as a rule
-            return disk.read_run(files[0], positions, offsets, lengths, crcs, addresses)
-        names = sorted(set(files))
-        ids = {name: k for k, name in enumerate(names)}
-        segments = np.fromiter((ids[f] for f in files), np.int64, n)
-        return disk.read_runs(segments, names.__getitem__, positions, offsets, lengths, crcs, addresses)
 
     @staticmethod
     def _take_columns(

@@ -183,6 +183,7 @@ def _answer(conn: socket.socket, request: lpb.LaneGetRequest, bound: _Bound) -> 
                 request.read_disk,
                 request.written_columns,
                 request.named_columns,
+                request.disk_columns,
             )
             for msg in replies:
                 framing.send_frame(conn, framing.GET_REPLY, msg.SerializeToString())

@@ -9,6 +9,7 @@ client releases the message's grant (with its next request), or when the lane cl
 
 Verbs of ``DiskNames`` (one per lane, thread-safe):
 
+- ``all_raw_on_disk(leases)``: whether every block of a Get is one ``name`` could name.
 - ``name(window) -> DiskBatch``: where each NVMe-only raw lease of the window lies (None for the others and
   past this lane's budget of named bytes); the segments are pinned.
 - ``hold(grant_id, leases, batches) -> bytes``: named leases and the batches' pins now belong to a sent
@@ -36,6 +37,11 @@ class DiskBatch:
     where: list[tuple[str, int] | None]  # per lease of the window: (file name, payload offset) or None
     handles: list[Any] = field(default_factory=list)  # segment pins (BlockStore.disk_extents)
     nbytes: int = 0  # of the named blocks, counted against the budget
+
+
+def all_raw_on_disk(leases: Sequence[Lease | None]) -> bool:
+    """Every block present, raw and in no memory tier: a Get ``DiskNames`` could name whole."""
+    return all(x is not None and x.buffer is None and x.codec == CODEC_NONE for x in leases)
 
 
 class DiskNames:

@@ -234,6 +234,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                     request.read_disk,
                     request.written_columns,
                     request.named_columns,
+                    request.disk_columns,
                 ),
             )
             while True:

@@ -1,12 +1,14 @@
 """The Get half of the shared-memory lane (``ShmServerLane.get``; the lane and its Puts are in shm.py).
 
-``get(request, release, crc_at_copy, outs, read_dram, read_disk, columns, named_columns) -> iterator of
-LaneGetResponse``: lease the blocks, then
+``get(request, release, crc_at_copy, outs, read_dram, read_disk, columns, named_columns, disk_columns) ->
+iterator of LaneGetResponse``: lease the blocks, then
 
 - all raw DRAM hits of a direct Get whose client reads columns: written into the client's memory and
   described in one message's ``WrittenBlocks`` (kvstore/lanes/server/written.py);
 - all raw DRAM hits in the shared arena of a ``read_dram`` Get whose client reads ``named_columns``: named
   where they lie in one message's ``NamedBlocks``, pinned until the client releases its grant;
+- all raw blocks only on NVMe, of a ``read_disk`` Get whose client reads ``disk_columns``, within the lane's
+  budget: named in their segment files in one message's ``DiskBlocks``, held until the client releases its grant;
 - raw blocks of a direct Get whose client reads columns, some only on NVMe (and no DRAM hit to name in the
   shared arena): each window's NVMe reads written into the client's memory piece by piece as they are
   verified, the DRAM hits as above, all described in one message's ``WrittenBlocks``;
@@ -36,7 +38,7 @@ from kvstore.lanes.direct import DirectPeer
 from kvstore.lanes.segments import Spans, clip, span_bytes
 from kvstore.lanes.server.access import LaneAccess
 from kvstore.lanes.server.copyout import CopyOut, copy_one, copy_out, host_bytes, runnable, write_blocks
-from kvstore.lanes.server.disk_names import DiskBatch, DiskNames
+from kvstore.lanes.server.disk_names import DiskBatch, DiskNames, all_raw_on_disk
 from kvstore.lanes.server.dram_pins import DramPins
 from kvstore.lanes.server.grants import Grant, GrantTable
 from kvstore.lanes.server.pools import MappedPools
@@ -92,6 +94,7 @@ class ShmGets:
         read_disk: bool = False,
         columns: bool = False,
         named_columns: bool = False,
+        disk_columns: bool = False,
     ) -> Iterator[lpb.LaneGetResponse]:
         ended = self._end_grants(release)  # their DRAM-arena leases end after this Get's reply, off its path
         accepted = accepted_codecs(request)
@@ -128,6 +131,12 @@ class ShmGets:
             if offsets is not None:  # all raw DRAM hits in the shared arena: one message of columns (``named``)
                 yield from self._get_named(leases, offsets, ended)  # type: ignore[arg-type]
                 return
+        if disk_columns and on_disk is not None and self.disk is not None and leases and all_raw_on_disk(leases):
+            batch = self.disk.name(leases)
+            if all(where is not None for where in batch.where):  # all named: one message of columns (``disk``)
+                yield from self._get_disk(leases, batch, ended)  # type: ignore[arg-type]
+                return
+            self.disk.drop(batch)  # past the lane's budget: the general way names what fits and reads the rest
         if (
             columns
             and outs
@@ -405,6 +414,40 @@ class ShmGets:
                     self.pins.unpin(leases)
                     self.ops.release(leases)
                 self._release_grants([grant.id])  # ends the held ones' leases too
+            self.ops.release(ended, touch=True)
+
+    def _get_disk(self, leases: list[Lease], batch: DiskBatch, ended: list[Lease]) -> Iterator[lpb.LaneGetResponse]:
+        """``get`` of raw blocks only NVMe holds, named where they lie in its segment files (``batch``, every one
+        named), described as columns (``disk``). Their leases and the segments' pins go with the message's grant:
+        the client's release of it ends them. A descriptor a block cost a 32 x 64 KiB Get 0.2 ms here."""
+        assert self.disk is not None
+        issued = self.grants.grant_get()
+        grant: Grant | None = issued
+        held = False
+        try:
+            where = cast(list[tuple[str, int]], batch.where)
+            files: dict[str, int] = {}
+            for name, _ in where:
+                files.setdefault(name, len(files))
+            reply = lpb.LaneGetResponse(grant_id=issued.id, handled=len(leases), last=True)
+            disk = reply.disk
+            disk.index.extend(range(len(leases)))
+            disk.files.extend(files)
+            disk.file.extend([files[name] for name, _ in where])
+            disk.offset.extend([offset for _, offset in where])
+            disk.length.extend([lease.stored_length for lease in leases])
+            disk.crc32c.extend([lease.crc32c for lease in leases])
+            nbytes = self.disk.hold(issued.id, leases, [batch])  # from here the grant's release ends them
+            held = True
+            self._count_sent(nbytes, "lane_shm_disk_get_bytes")
+            yield reply
+            grant = None  # the client releases it
+        finally:
+            if grant is not None:  # never sent
+                if not held:
+                    self.disk.drop(batch)
+                    self.ops.release(leases)
+                self._release_grants([grant.id])  # ends the held ones' leases and pins too
             self.ops.release(ended, touch=True)
 
     def _place_out(
