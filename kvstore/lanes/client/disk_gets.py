@@ -83,7 +83,7 @@ def read_named(disk: DiskReader, columns: DiskColumns, spans: SpanTable) -> list
             columns.offsets.tolist(),
             columns.lengths.tolist(),
             columns.crcs.tolist(),
-        )  # fmt: skip
+        )
     ]
     return disk.read(blocks)
 

@@ -419,7 +419,8 @@ class ShmGets:
     def _get_disk(self, leases: list[Lease], batch: DiskBatch, ended: list[Lease]) -> Iterator[lpb.LaneGetResponse]:
         """``get`` of raw blocks only NVMe holds, named where they lie in its segment files (``batch``, every one
         named), described as columns (``disk``). Their leases and the segments' pins go with the message's grant:
-        the client's release of it ends them. A descriptor a block cost a 32 x 64 KiB Get 0.2 ms here."""
+        the client's release of it ends them. Against a descriptor a block, a 32 x 64 KiB Get in one process,
+        switched Get by Get: 3.57 -> 3.45 ms (forty-ninth session)."""
         assert self.disk is not None
         issued = self.grants.grant_get()
         grant: Grant | None = issued
