@@ -291,6 +291,13 @@ def test_dram_hits_are_copied_into_a_shared_pool_with_their_checksums(make_serve
             kv.get("t", keys, out=out, verify=verify)
             assert [o.tobytes() for o in out] == [b.tobytes() for b in blocks]
         assert pooled_bytes(kv) == 3 * (PREFIX // 2) * BLOCK
+        other = kv.shared_pool(PREFIX // 2 * BLOCK)  # two pools in one Get, in turn
+        out = [b for pair in zip(slots(pool)[: PREFIX // 2], slots(other)[: PREFIX // 2]) for b in pair]
+        for o in out:
+            o[:] = 0
+        kv.get("t", keys, out=out)
+        assert [o.tobytes() for o in out] == [b.tobytes() for b in blocks]
+        assert pooled_bytes(kv) == 3 * (PREFIX // 2) * BLOCK + PREFIX * BLOCK
 
 
 def test_huge_pages_likely_reads_shmem_enabled(monkeypatch):
