@@ -115,3 +115,21 @@ def test_columns_that_do_not_add_up_are_refused():
         with pytest.raises(KVStoreError) as err:
             DiskColumns.of_message(bad, 0)
         assert err.value.code == grpc.StatusCode.INTERNAL
+
+
+def test_a_store_failing_to_name_the_blocks_fails_the_get_and_keeps_no_lease(server, monkeypatch):
+    from kvstore.lanes.server.disk_names import DiskNames
+
+    def broken(self, window):
+        raise RuntimeError("a segment could not be pinned")
+
+    with lane_client(server, "shm-disk") as kv:
+        keys, blocks = fill(kv, 8)[0]
+        with monkeypatch.context() as patch:
+            patch.setattr(DiskNames, "name", broken)
+            with pytest.raises(KVStoreError) as err:
+                kv.get("t", keys, out=[aligned_buffer(BLOCK) for _ in keys])
+            assert "segment could not be pinned" in str(err.value)
+        assert int(np.asarray(server.store.table.leases).sum()) == 0  # with the client still there
+        assert_gets_exact(kv, "shm-disk", keys, blocks)  # the lane lives on
+    quiet(server)

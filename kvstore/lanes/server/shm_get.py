@@ -132,7 +132,12 @@ class ShmGets:
                 yield from self._get_named(leases, offsets, ended)  # type: ignore[arg-type]
                 return
         if disk_columns and on_disk is not None and self.disk is not None and leases and all_raw_on_disk(leases):
-            batch = self.disk.name(leases)
+            try:
+                batch = self.disk.name(leases)
+            except BaseException:  # nothing holds the leases yet: they end here
+                self.ops.release(leases)
+                self.ops.release(ended, touch=True)
+                raise
             if all(where is not None for where in batch.where):  # all named: one message of columns (``disk``)
                 yield from self._get_disk(leases, batch, ended)  # type: ignore[arg-type]
                 return
