@@ -87,10 +87,7 @@ def _copy_into_pools(
     single = np.flatnonzero(counts == 1)
     if not len(single):
         return
-    if isinstance(spans, SpanTable):
-        heads = spans.table[spans.starts[run.start + single], 0].astype(np.int64)
-    else:
-        heads = np.array([spans[run[j]][0][0] for j in single.tolist()], dtype=np.int64)
+    heads = _heads(spans, run, single).astype(np.int64)
     lengths = np.array([sizes[run[j]] for j in single.tolist()], dtype=np.int64)
     ours, held = shared.addresses(heads, lengths)
     inside = np.flatnonzero(ours)
@@ -98,7 +95,7 @@ def _copy_into_pools(
         return
     picked = single[inside].tolist()
     rows = np.empty((len(picked), 4), dtype=np.int64)  # (source, our address in the pool, bytes, block)
-    rows[:, :1] = addresses_of([sources[run[j]] for j in picked])[:, :1]
+    rows[:, 0] = addresses_of([sources[run[j]] for j in picked])[:, 0]
     rows[:, 1], rows[:, 2], rows[:, 3] = ours[inside], lengths[inside], np.arange(len(picked))
     values = run_rows(rows, len(picked), crc)
     del held  # the copies are done: the pools' mappings may go
@@ -106,6 +103,14 @@ def _copy_into_pools(
         crcs[j], left[j] = (value if crc else 0), False
     if pooled is not None:
         pooled.extend(lengths[inside].tolist())
+
+
+def _heads(spans: Sequence[Spans], run: range, picked: np.ndarray) -> np.ndarray:
+    """The address of the one buffer of each block ``run[j]``, ``j`` in ``picked`` (uint64)."""
+    if isinstance(spans, SpanTable):
+        heads: np.ndarray = spans.table[spans.starts[run.start + picked], 0]
+        return heads
+    return np.array([spans[run[j]][0][0] for j in picked.tolist()], dtype=np.uint64)
 
 
 def _copy_run(run: list[CopyOut], direct: DirectPeer | None) -> None:
@@ -215,11 +220,7 @@ def write_blocks(
             for j, value in zip(rest.tolist(), crcs_at(local)):
                 crcs[j] = value
         if local is not None and len(single):
-            if isinstance(spans, SpanTable):
-                remote = spans.table[spans.starts[run.start + single], 0]
-            else:
-                remote = np.array([spans[run[j]][0][0] for j in single.tolist()], dtype=np.uint64)
-            direct.write_table(local[np.searchsorted(rest, single)], remote)
+            direct.write_table(local[np.searchsorted(rest, single)], _heads(spans, run, single))
         scattered: list[tuple[Spans | np.ndarray, Any]]
         if isinstance(spans, SpanTable):
             scattered = [(spans.rows(k), sources[k]) for k, n in zip(run, counts.tolist()) if n != 1]
