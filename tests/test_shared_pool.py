@@ -210,9 +210,11 @@ def test_the_store_refuses_memory_it_could_not_map_safely(make_server, tmp_path)
         assert "sealed" in offer(kv, unsealed, address, 1 << 20)
 
         other = SharedPool(1 << 20, hugetlb=False)  # 1 MiB, not a huge page of 2; sealed, named at another address
-        beyond = other.address + other.nbytes  # never this file's mapping, whatever lies there (another, or none)
-        why = offer(kv, other.fd, beyond, 1 << 20)
-        assert "does not map" in why or "maps nothing" in why
+        # an address this process maps, but not that file: another pool may lie right past ``other`` (mmap places
+        # them side by side), and naming it would be refused as an overlap instead
+        elsewhere = mmap.mmap(-1, 1 << 20)
+        why = offer(kv, other.fd, int(np.frombuffer(elsewhere, np.uint8).ctypes.data), 1 << 20)
+        assert "does not map" in why
         assert "fewer than" in offer(kv, other.fd, other.address, 2 << 20)
         assert "whole pages" in offer(kv, other.fd, other.address + 1, 4096)
         assert "fd" in offer(kv, 999_999, other.address, 1 << 20)
@@ -220,6 +222,7 @@ def test_the_store_refuses_memory_it_could_not_map_safely(make_server, tmp_path)
         for p in (pool, other):
             p.close()
         os.close(unsealed)
+        elsewhere.close()
 
 
 def test_a_pool_frame_without_a_direct_lane_is_refused(make_server, tmp_path):
