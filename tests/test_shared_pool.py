@@ -209,19 +209,19 @@ def test_the_store_refuses_memory_it_could_not_map_safely(make_server, tmp_path)
         address = int(np.frombuffer(mapping, np.uint8).ctypes.data)
         assert "sealed" in offer(kv, unsealed, address, 1 << 20)
 
+        os.close(unsealed)
+    # on a lane of its own, where no pool is mapped yet: ``pool`` may lie right past ``other`` (mmap places them
+    # side by side), and a range that reached it would be refused as an overlap before anything else was checked
+    with Client(f"127.0.0.1:{server.port}", timeout=30, lane="shm") as kv:
         other = SharedPool(1 << 20, hugetlb=False)  # 1 MiB, not a huge page of 2; sealed, named at another address
-        # an address this process maps, but not that file: another pool may lie right past ``other`` (mmap places
-        # them side by side), and naming it would be refused as an overlap instead
-        elsewhere = mmap.mmap(-1, 1 << 20)
-        why = offer(kv, other.fd, int(np.frombuffer(elsewhere, np.uint8).ctypes.data), 1 << 20)
-        assert "does not map" in why
+        elsewhere = mmap.mmap(-1, 1 << 20)  # an address this process maps, with another file
+        assert "does not map" in offer(kv, other.fd, int(np.frombuffer(elsewhere, np.uint8).ctypes.data), 1 << 20)
         assert "fewer than" in offer(kv, other.fd, other.address, 2 << 20)
         assert "whole pages" in offer(kv, other.fd, other.address + 1, 4096)
         assert "fd" in offer(kv, 999_999, other.address, 1 << 20)
         assert offer(kv, other.fd, other.address, other.nbytes) == ""  # the channel went on after each refusal
         for p in (pool, other):
             p.close()
-        os.close(unsealed)
         elsewhere.close()
 
 
