@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from kvstore.memops import copy_crc
+from kvstore.memops import addresses_of, run_rows
 from kvstore.store.counters import StoreCounters
 from kvstore.store.index import NO_LOC, EntryTable
 from kvstore.store.leases import DataLossError, Lease
@@ -207,25 +207,35 @@ class LowerReads:
     def _fill_promotions(self, leases: Sequence[Lease]) -> list[int]:
         """Copy each verified block read elsewhere (a staging slot, a client's shared pool) into the top-tier slot
         reserved for it (``promote_copy``), before ``_promote`` makes that slot the block's copy: one memcpy at
-        release, after the bytes went out. A raw block's copy is checked against its CRC32C as it goes (a client
-        may have written its pool since the reply): one that fails is not promoted, and its slot is returned for
-        the caller to free with the lock held. Lock not held here: both slots belong to the lease alone."""
-        unpromoted: list[int] = []
+        release, after the bytes went out, every block's in one compiled call with its CRC32C (``memops.run_rows``:
+        0.21 against 0.25 ms a MiB with a call a block at 64 KiB, 0.20 against 0.24 at 512 KiB, 2 MiB even; in one
+        store, calls alternated, fiftieth session). A raw block's copy is checked
+        against its CRC32C (a client may have written its pool since the reply): one that fails is not promoted,
+        and its slot is returned for the caller to free with the lock held. Lock not held here: both slots belong
+        to the lease alone."""
+        filled = [lease for lease in leases if lease.promote is not None]  # None: its read failed, slot went back
         for lease in leases:
-            loc = lease.promote
-            if loc is not None:  # None: its read failed, and the reserved slot went back then
-                n = lease.stored_length
-                slot, source = self.top.view(loc, n), memoryview(lease.buffer).cast("B")[:n]
-                if lease.codec != CODEC_NONE:
-                    np.copyto(np.frombuffer(slot, np.uint8), np.frombuffer(source, np.uint8))
-                elif copy_crc(memoryview(slot).cast("B"), source) != lease.crc32c:
-                    log.info(
-                        "block %s changed in its Get's buffer before its promotion: not promoted", lease.hash.hex()
-                    )
-                    lease.promote = None
-                    unpromoted.append(loc)
             lease.promote_copy = False
-        return unpromoted
+        if not filled:
+            return []
+        assert self.top.rank == DRAM  # materialize reserves such copies in host memory only
+        sizes = np.fromiter((lease.stored_length for lease in filled), dtype=np.int64, count=len(filled))
+        slots = self.top.views([cast(int, lease.promote) for lease in filled], sizes.tolist())
+        sources, targets = addresses_of([lease.buffer for lease in filled]), addresses_of(slots)
+        assert (sources[:, 1] >= sizes).all() and (targets[:, 1] >= sizes).all()
+        rows = np.stack([sources[:, 0], targets[:, 0], sizes, np.arange(len(filled))], axis=1)
+        values = run_rows(rows, len(filled))  # a block not raw is only copied: its CRC32C is not the index's
+        return [
+            self._unpromoted(lease)
+            for lease, crc in zip(filled, values)
+            if lease.codec == CODEC_NONE and crc != lease.crc32c
+        ]
+
+    @staticmethod
+    def _unpromoted(lease: Lease) -> int:
+        log.info("block %s changed in its Get's buffer before its promotion: not promoted", lease.hash.hex())
+        loc, lease.promote = lease.promote, None
+        return cast(int, loc)
 
     def _promote(self, leases: list[Lease]) -> bool:
         """Make each lease's ``promote`` slot (verified bytes read from below) the block's top-tier copy, unless
