@@ -444,3 +444,36 @@ def test_tcp_sends_blocks_as_their_reads_complete(make_server, tmp_path, monkeyp
         assert sorted(order) == list(range(PREFIX)) and order != sorted(order)  # some came before a block ahead of them
     else:
         assert frames == []  # no frame named its blocks: all came in order
+
+
+def test_promotions_copied_at_release_are_checked_and_the_unfit_are_not_promoted():
+    """``_fill_promotions`` (the copy of blocks read into a client's pool or staging into the DRAM slots reserved
+    for them, in one compiled call): a raw block whose bytes no longer match its CRC32C, or whose buffer is shorter
+    than the block, is not promoted and its slot comes back; a coded block is copied unchecked; every lease's
+    ``promote_copy`` is cleared, whether it had a slot or not."""
+    from kvstore.checksum import crc32c
+    from kvstore.store.blockstore import BlockStore
+    from kvstore.store.leases import Lease
+    from kvstore.tiers.arena import ArenaTier
+
+    store = BlockStore([ArenaTier(8 << 20, page_size=1 << 20)])
+    rng = np.random.default_rng(7)
+    sources = [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(5)]
+
+    def lease(k: int, codec: int = 0, crc: int | None = None, buffer=None, slot: bool = True) -> Lease:
+        return Lease(
+            entry=k, hash=bytes([k]) * 16, codec=codec, dtype="uint8", raw_length=BLOCK, stored_length=BLOCK,
+            crc32c=crc32c(sources[k].tobytes()) if crc is None else crc, rank=0,
+            buffer=sources[k] if buffer is None else buffer, promote=store.top.allocate(BLOCK) if slot else None,
+            promote_copy=True,
+        )  # fmt: skip
+
+    good, changed, short, coded = lease(0), lease(1, crc=1), lease(2, buffer=sources[2][: BLOCK // 2]), lease(3, 2, 5)
+    none = lease(4, slot=False)
+    slots = [x.promote for x in (good, changed, short, coded)]
+    back = store._fill_promotions([good, changed, short, coded, none])
+    assert sorted(back) == sorted([slots[1], slots[2]])
+    assert (good.promote, changed.promote, short.promote, coded.promote) == (slots[0], None, None, slots[3])
+    assert not any(x.promote_copy for x in (good, changed, short, coded, none))
+    for x, k in ((good, 0), (coded, 3)):
+        assert bytes(store.top.view(x.promote, BLOCK)) == sources[k].tobytes()

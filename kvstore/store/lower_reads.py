@@ -218,22 +218,23 @@ class LowerReads:
             lease.promote_copy = False
         if not filled:
             return []
-        assert self.top.rank == DRAM  # materialize reserves such copies in host memory only
+        if self.top.rank != DRAM:  # never so (materialize reserves such copies in host memory): none promoted
+            return [self._unpromoted(lease, "its slot is not host memory") for lease in filled]
         sizes = np.fromiter((lease.stored_length for lease in filled), dtype=np.int64, count=len(filled))
         slots = self.top.views([cast(int, lease.promote) for lease in filled], sizes.tolist())
         sources, targets = addresses_of([lease.buffer for lease in filled]), addresses_of(slots)
-        assert (sources[:, 1] >= sizes).all() and (targets[:, 1] >= sizes).all()
-        rows = np.stack([sources[:, 0], targets[:, 0], sizes, np.arange(len(filled))], axis=1)
+        fits = (sources[:, 1] >= sizes) & (targets[:, 1] >= sizes)  # (always, as materialize gave them out)
+        rows = np.stack([sources[:, 0], targets[:, 0], sizes, np.arange(len(filled))], axis=1)[fits]
         values = run_rows(rows, len(filled))  # a block not raw is only copied: its CRC32C is not the index's
         return [
-            self._unpromoted(lease)
-            for lease, crc in zip(filled, values)
-            if lease.codec == CODEC_NONE and crc != lease.crc32c
+            self._unpromoted(lease, "changed in its Get's buffer" if fit else "a buffer shorter than the block")
+            for lease, crc, fit in zip(filled, values, fits.tolist())
+            if not fit or (lease.codec == CODEC_NONE and crc != lease.crc32c)
         ]
 
     @staticmethod
-    def _unpromoted(lease: Lease) -> int:
-        log.info("block %s changed in its Get's buffer before its promotion: not promoted", lease.hash.hex())
+    def _unpromoted(lease: Lease, why: str) -> int:
+        log.info("block %s %s before its promotion: not promoted", lease.hash.hex(), why)
         loc, lease.promote = lease.promote, None
         return cast(int, loc)
 
