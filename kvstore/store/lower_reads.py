@@ -209,10 +209,9 @@ class LowerReads:
         reserved for it (``promote_copy``), before ``_promote`` makes that slot the block's copy: one memcpy at
         release, after the bytes went out, every block's in one compiled call with its CRC32C (``memops.run_rows``:
         0.21 against 0.25 ms a MiB with a call a block at 64 KiB, 0.20 against 0.24 at 512 KiB, 2 MiB even; in one
-        store, calls alternated, fiftieth session). A raw block's copy is checked
-        against its CRC32C (a client may have written its pool since the reply): one that fails is not promoted,
-        and its slot is returned for the caller to free with the lock held. Lock not held here: both slots belong
-        to the lease alone."""
+        store, calls alternated, fiftieth session). A raw block's copy is checked against its CRC32C (a client may
+        have written its pool since the reply): one that fails is not promoted, and its slot is returned for the
+        caller to free with the lock held. Lock not held here: both slots belong to the lease alone."""
         filled = [lease for lease in leases if lease.promote is not None]  # None: its read failed, slot went back
         for lease in leases:
             lease.promote_copy = False
