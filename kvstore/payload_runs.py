@@ -5,14 +5,34 @@ the ``BackgroundCompile`` behind both (``warm_up()`` compiles on the calling thr
 
 One loader for both callers (the ``--share-nvme`` client and the NVMe tier), so a process that is both compiles
 once. Imports no numba itself.
+
+``GATHER_BLOCK_BYTES``: runs of blocks this small or smaller are read into one piece of scratch memory and copied
+out with their checks (``payload_run_kernels._gather``), which beat reading each payload straight into its own
+destination on this project's virtual disk up to 256 KiB blocks. Where the disk takes scattered memory at no
+cost (a bare-metal NVMe drive may), the copy is all that is left of it: ``KVSTORE_GATHER_BLOCK_BYTES=0`` turns it
+off (a process reads it once, at import).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from kvstore import memops_jit
 from kvstore.background_compile import BackgroundCompile
+
+GATHER_BLOCK_DEFAULT = 256 << 10
+
+
+def _gather_block_bytes(text: str | None) -> int:
+    try:
+        return max(0, int(text)) if text else GATHER_BLOCK_DEFAULT
+    except ValueError:
+        return GATHER_BLOCK_DEFAULT
+
+
+GATHER_BLOCK_BYTES = _gather_block_bytes(os.environ.get("KVSTORE_GATHER_BLOCK_BYTES"))
+GATHER_SPAN_BYTES = 4 << 20  # the scratch a reader keeps for such runs: 32 x 64 KiB span 2.1 MiB
 
 
 def kernels() -> Any:

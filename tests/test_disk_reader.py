@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore import memops_jit
+from kvstore import memops_jit, payload_runs
 from kvstore.arena_index_layout import segment_name
 from kvstore.checksum import crc32c
 from kvstore.lanes.client import disk as client_disk
@@ -207,15 +207,18 @@ class _Ready:
         return self.value
 
 
-@pytest.fixture(params=["compiled", "arrays"])
+@pytest.fixture(params=["compiled", "compiled-direct", "arrays"])
 def runs_allowed(request, monkeypatch):
-    """Both ways of reading a run: the compiled kernel (``disk_kernels.read_run``) and numpy's array operations."""
+    """Every way of reading a run: the compiled kernel (``payload_run_kernels.read_run``), small blocks gathered
+    through scratch or (``-direct``) each read straight into its buffer, and numpy's array operations."""
     monkeypatch.setattr(client_disk, "ALONE_BYTES", 3 << 20)  # the module's fixture turns single pieces off
-    compiled = request.param == "compiled"
+    compiled = request.param != "arrays"
     if compiled:
         if not memops_jit.AVAILABLE:
             pytest.skip("the compiled kernels need numba and a CPU with SSE4.2 and PCLMULQDQ")
         client_disk._compiled.warm_up()
+    if request.param == "compiled-direct":
+        monkeypatch.setattr(payload_runs, "GATHER_BLOCK_BYTES", 0)
     monkeypatch.setattr(client_disk, "_compiled", _Ready(compiled))
 
 
@@ -261,12 +264,15 @@ def test_blocks_that_are_not_such_a_run_are_left_to_read(written, runs_allowed):
         client_disk.ALONE_BYTES, client_disk.RUN_ALONE_BYTES = saved
 
 
-@pytest.fixture
-def compiled_pieces(monkeypatch):
-    """The compiled kernels, and every run longer than a page cut into pieces (``_read_run_pieces``)."""
+@pytest.fixture(params=["gathered", "direct"])
+def compiled_pieces(request, monkeypatch):
+    """The compiled kernels, and every run longer than a page cut into pieces (``_read_run_pieces``), each piece of
+    small blocks gathered through scratch or read straight into its buffers."""
     if not memops_jit.AVAILABLE:
         pytest.skip("the compiled kernels need numba and a CPU with SSE4.2 and PCLMULQDQ")
     client_disk._compiled.warm_up()
+    if request.param == "direct":
+        monkeypatch.setattr(payload_runs, "GATHER_BLOCK_BYTES", 0)
     monkeypatch.setattr(client_disk, "ALONE_BYTES", 4096)
     monkeypatch.setattr(client_disk, "RUN_ALONE_BYTES", 4096)
 

@@ -24,11 +24,15 @@ KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 512 * KiB, 12 * KiB]  # whole pages, as raw KV blocks are
 
 
-@pytest.fixture(autouse=True)
-def compiled() -> None:
+@pytest.fixture(autouse=True, params=["gathered", "direct"])
+def compiled(request, monkeypatch) -> None:
+    """Both ways a run of small blocks is read: into scratch and copied out (``payload_runs.GATHER_BLOCK_BYTES``,
+    blocks up to 256 KiB by default), or each payload straight into its destination."""
     if not memops_jit.AVAILABLE:
         pytest.skip("the compiled kernels need numba and a CPU with SSE4.2 and PCLMULQDQ")
     payload_runs.COMPILED.warm_up()
+    if request.param == "direct":
+        monkeypatch.setattr(payload_runs, "GATHER_BLOCK_BYTES", 0)
 
 
 def make_tier(root: Path, backend=None) -> NvmeTier:

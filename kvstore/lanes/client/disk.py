@@ -15,7 +15,9 @@ would have. The store keeps the file as it is until the client releases the mess
   caller's thread and the CRC32Cs in one compiled call (``kvstore/payload_run_kernels.py``) when the run is at most
   ``RUN_ALONE_BYTES`` (and its headers fit the scratch), else one such call per piece on several threads; numpy
   array operations for a single piece until the kernels are compiled, or without numba; None when the blocks are
-  not such a run (``read`` takes them then).
+  not such a run (``read`` takes them then). A run of blocks of up to ``payload_runs.GATHER_BLOCK_BYTES`` (256
+  KiB) is read whole into the thread's scratch (``GATHER_SPAN_BYTES``, kept once grown) and each payload copied
+  out with its check: on this VM's virtual disk that beat 64 separate pieces of memory in one read.
 - ``read_runs(segments, name_of, positions, offsets, lengths, crcs, addresses) -> failed | None``: ``read_run``
   of blocks in several files (a prefix a segment's end cut in two), one run per file at once.
 - ``unusable``: why this process cannot open the store's files at all, or "": the lane then stops asking for
@@ -204,11 +206,14 @@ class DiskReader:
             fd = self.files.fd(name)
         except (OSError, ValueError):
             return _ints(positions)
-        scratch = self._scratch(0)
+        gather = payload_runs.GATHER_BLOCK_BYTES
+        scratch = self._scratch(payload_runs.GATHER_SPAN_BYTES if gather else 0)
         failed = np.empty(n, dtype=np.int64)
         columns = (_int64s(offsets), _int64s(lengths), _int64s(crcs), _int64s(addresses))
         kernels = _kernels()
-        bad = kernels.read_run(fd, *columns, scratch.address, len(scratch.memory), GAP_BYTES, RUN_ALONE_BYTES, failed)
+        bad = kernels.read_run(
+            fd, *columns, scratch.address, len(scratch.memory), GAP_BYTES, RUN_ALONE_BYTES, failed, gather
+        )
         if bad == kernels.TOO_LONG:
             return self._read_run_pieces(fd, positions, *columns, helpers)
         if bad < 0:
@@ -246,7 +251,7 @@ class DiskReader:
                 at = slice(lo, hi)
                 bad = kernels.read_run(
                     fd, offsets[at], lengths[at], crcs[at], addresses[at], scratch.address, len(scratch.memory),
-                    GAP_BYTES, NO_LIMIT, failed,
+                    GAP_BYTES, NO_LIMIT, failed, payload_runs.GATHER_BLOCK_BYTES,
                 )  # fmt: skip
                 out.extend(range(lo, hi) if bad < 0 else (failed[:bad] + lo).tolist())  # < 0: cut_run rules it out
 

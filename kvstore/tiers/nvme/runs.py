@@ -109,7 +109,7 @@ def read_piece(
     failed = np.empty(len(piece.at), dtype=np.int64)
     bad = payload_runs.kernels().read_run(
         piece.fd, piece.offsets, piece.lengths, piece.crcs, piece.addresses, int(buf.ctypes.data), len(buf),
-        GAP_BYTES, NO_LIMIT, failed,
+        GAP_BYTES, NO_LIMIT, failed, payload_runs.GATHER_BLOCK_BYTES,
     )  # fmt: skip
     lost = piece.at.tolist() if bad < 0 else piece.at[failed[:bad]].tolist()
     return [(t, FAILED) for t in lost], buf
