@@ -15,7 +15,7 @@ would have. The store keeps the file as it is until the client releases the mess
   caller's thread and the CRC32Cs in one compiled call (``kvstore/payload_run_kernels.py``) when the run is at most
   ``RUN_ALONE_BYTES`` (and its headers fit the scratch), else one such call per piece on several threads; numpy
   array operations for a single piece until the kernels are compiled, or without numba; None when the blocks are
-  not such a run (``read`` takes them then). A run of blocks of up to ``payload_runs.GATHER_BLOCK_BYTES`` (256
+  not such a run (``read`` takes them then). A run of blocks of up to ``payload_runs.GATHER_BLOCK_BYTES`` (128
   KiB) is read whole into the thread's scratch (``GATHER_SPAN_BYTES``, kept once grown) and each payload copied
   out with its check: on this VM's virtual disk that beat 64 separate pieces of memory in one read.
 - ``read_runs(segments, name_of, positions, offsets, lengths, crcs, addresses) -> failed | None``: ``read_run``
