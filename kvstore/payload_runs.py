@@ -11,29 +11,38 @@ out with their checks (``payload_run_kernels._gather``), which beat reading each
 destination on this project's virtual disk at 64 KiB (0.61 against 0.68 ms for 32 blocks alone, 0.79-0.82 against
 0.69-0.72 of the raw read in a client's Get loop) and came out even at 128 and 256 KiB in that loop: 128 KiB is
 where it stops. Where the disk takes scattered memory at no cost (a bare-metal NVMe drive may), the copy is all
-that is left of it: ``KVSTORE_GATHER_BLOCK_BYTES=0`` turns it off, another size moves the line (a process reads
-it once, at import).
+that is left of it: ``KVSTORE_GATHER_BLOCK_BYTES=0`` turns it off, another size (``256KiB``) moves the line (a
+process reads it once, at import).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from kvstore import memops_jit
 from kvstore.background_compile import BackgroundCompile
+from kvstore.sizes import parse_size
+
+log = logging.getLogger(__name__)
 
 GATHER_BLOCK_DEFAULT = 128 << 10
 
 
-def _gather_block_bytes(text: str | None) -> int:
+def gather_block_bytes(text: str | None) -> int:
+    """``KVSTORE_GATHER_BLOCK_BYTES`` read: a size (``0``, ``65536``, ``128KiB``), the default when unset or not a
+    size (which is logged)."""
+    if not text:
+        return GATHER_BLOCK_DEFAULT
     try:
-        return max(0, int(text)) if text else GATHER_BLOCK_DEFAULT
-    except ValueError:
+        return max(0, parse_size(text))
+    except ValueError as err:
+        log.warning("KVSTORE_GATHER_BLOCK_BYTES: %s; reads gather blocks up to %d bytes", err, GATHER_BLOCK_DEFAULT)
         return GATHER_BLOCK_DEFAULT
 
 
-GATHER_BLOCK_BYTES = _gather_block_bytes(os.environ.get("KVSTORE_GATHER_BLOCK_BYTES"))
+GATHER_BLOCK_BYTES = gather_block_bytes(os.environ.get("KVSTORE_GATHER_BLOCK_BYTES"))
 GATHER_SPAN_BYTES = 4 << 20  # the scratch a reader keeps for such runs: 32 x 64 KiB span 2.1 MiB
 
 

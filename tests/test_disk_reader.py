@@ -423,3 +423,12 @@ def test_runs_in_several_files_each_too_long_for_one_preadv_never_wait_on_the_po
     assert done == [[]], "read_runs waited on its own pool"
     assert all(b.tobytes() == payloads[i].tobytes() for i, b in zip(picks, bufs))
     reader.close()
+
+
+def test_the_gather_setting_reads_sizes_and_falls_back_on_anything_else(caplog):
+    assert payload_runs.gather_block_bytes(None) == payload_runs.GATHER_BLOCK_DEFAULT
+    assert payload_runs.gather_block_bytes("0") == 0
+    assert payload_runs.gather_block_bytes("256KiB") == 256 << 10
+    assert payload_runs.gather_block_bytes("65536") == 64 << 10
+    assert payload_runs.gather_block_bytes("lots") == payload_runs.GATHER_BLOCK_DEFAULT
+    assert "KVSTORE_GATHER_BLOCK_BYTES" in caplog.text
