@@ -45,8 +45,9 @@ in turn, prefix by prefix, in a rotating order, so that all see the disk and the
 - ``floor_shm`` / ``floor_tcp`` / ``floor_grpc`` (unless ``--floor false``): the same Get of a prefix of its own
   file from a process that only reads it with O_DIRECT, checks its CRC32Cs and hands the blocks to this process
   (``bench/nvme_floor.py``: no index, lease, promotion or lane protocol): the most a store-read lane in Python
-  reaches on this host, so ``shm_nvme_vs_floor`` (``tcp_``, ``grpc_``) is the share of it the real store keeps
-  and ``floor_server_cpu_ms`` its CPU per Get beside ``nvme_store_cpu_ms``;
+  reaches on this host, so ``shm_nvme_vs_floor`` (``tcp_``, ``grpc_``; ``disk_`` and ``pool_`` against the shm
+  floor) is the share of it the real store keeps and ``floor_server_cpu_ms`` its CPU per Get beside
+  ``nvme_store_cpu_ms``;
 - with ``--baseline REV``: the same steps (``old_*``) run by the code of git revision ``REV``, exported to a
   temporary directory, with store processes of its own: today's code against that one, in the same run
   (``--baseline-share-dram true`` starts them with ``--share-dram`` too; ``--baseline-disk-store true`` adds its own
@@ -155,6 +156,11 @@ RATIOS = (
     # and what the real store reaches of it
     *((f"{lane}_floor_vs_raw", "raw", f"floor-{lane}") for lane in ("shm", "tcp", "grpc")),
     *((f"{lane}_nvme_vs_floor", f"floor-{lane}", f"nvme-{lane}") for lane in ("shm", "tcp", "grpc")),
+    # the shm lanes a client reads NVMe through (its own reads, a shared pool) against the same floor: the floor's
+    # code is the same in every run, so this row is the one to compare between runs of one tree against another's
+    # (the raw read's time moves the floor's ratio as much as any lane's: 7 % between two runs here)
+    ("disk_nvme_vs_floor", "floor-shm", "disk-shm"),
+    ("pool_nvme_vs_floor", "floor-shm", "nvme-pool"),
 )
 
 
@@ -473,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{lane}_nvme_vs_floor",
                 f"floor_{lane}_thread_cpu_ms",
             ]
-        cols += ["floor_server_cpu_ms"]
+        cols += ["disk_nvme_vs_floor", "pool_nvme_vs_floor", "floor_server_cpu_ms"]
         cols += ["nvme_store_cpu_ms"]
     if args.baseline:
         cols += ["old_nvme_shm_p50_ms", "old_shm_nvme_vs_raw", "old_nvme_tcp_p50_ms", "old_tcp_nvme_vs_raw"]

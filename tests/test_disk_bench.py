@@ -101,10 +101,14 @@ def test_nvme_get_bench_takes_the_floor_beside_the_stores(tmp_path: Path):
     from bench import nvme_get
 
     try:
-        row = nvme_get.measure(64 << 10, 3, tmp_path, tqdm(disable=True), kinds=("nvme-shm",), with_floor=True)
+        row = nvme_get.measure(
+            64 << 10, 3, tmp_path, tqdm(disable=True), kinds=("nvme-shm", "disk-shm"), with_floor=True
+        )
     except OSError as e:  # a filesystem without O_DIRECT (tmpfs)
         pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
     assert row["shm_floor_vs_raw"] == row["raw_p50_ms"] / row["floor_shm_p50_ms"]
+    assert row["disk_nvme_vs_floor"] == row["floor_shm_p50_ms"] / row["disk_shm_p50_ms"]  # the client's own reads
+    assert "pool_nvme_vs_floor" not in row
     assert row["tcp_floor_vs_raw"] == row["raw_p50_ms"] / row["floor_tcp_p50_ms"]
     assert row["shm_nvme_vs_floor"] == row["floor_shm_p50_ms"] / row["nvme_shm_p50_ms"]
     assert row["grpc_floor_vs_raw"] == row["raw_p50_ms"] / row["floor_grpc_p50_ms"]
