@@ -26,7 +26,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvstore.memops_kernels import READ, STORE, STREAM, copy_crc
+from kvstore.memops_kernels import READ, STREAM, copy_crc
 
 PAGE = 4096
 NOT_A_RUN = -1
@@ -110,8 +110,7 @@ def read_run(
     were not read in full or failed their check into ``failed`` and returns how many. Nothing is read when the
     blocks are not one piece as ``cut_run`` cuts with ``alone_bytes``: ``NOT_A_RUN``, or ``TOO_LONG`` for a run
     of several pieces. A run of blocks of at most ``gather_block`` bytes (0: none) whose whole span fits in
-    ``scratch`` is read there in one piece of memory instead, each payload then copied out with its check
-    (``_gather``)."""
+    ``scratch`` is read there in one piece of memory instead, each payload then copied out with its check."""
     n = offsets.shape[0]
     order, cuts = np.empty(n, dtype=np.int64), np.empty(n + 1, dtype=np.int64)
     pieces = cut_run(offsets, lengths, addresses, gap_bytes, scratch_bytes, alone_bytes, order, cuts)
@@ -121,7 +120,14 @@ def read_run(
     last = order[n - 1]
     span = offsets[last] + lengths[last] - first
     if gather_block > 0 and span <= scratch_bytes and lengths.max() <= gather_block:
-        gathered: int = _gather(fd, offsets, lengths, crcs, addresses, order, scratch, span, failed)
+        # the whole span into scratch in one piece of memory, each payload then copied out as it is checked: on
+        # this VM's virtual disk a read into 64 pieces of memory (32 payloads, the headers between them) cost more
+        # than the copy: 32 x 64 KiB 0.68 against 0.61 ms, 128 KiB 1.24 / 1.14, 256 KiB 2.45 / 2.32, and 512 KiB
+        # 4.66 / 4.78, 2 MiB 18.0 / 18.9 the other way (fifty-first session, docs/nvme_log.md)
+        iov = np.empty((1, 2), dtype=np.int64)
+        iov[0, 0], iov[0, 1] = scratch, span
+        got = _preadv(fd, iov.ctypes.data, 1, first)
+        gathered: int = _check_rows(offsets, lengths, crcs, addresses, order, got, failed, scratch)
         return gathered
     iov = np.empty((2 * n, 2), dtype=np.int64)  # struct iovec: (address, length)
     parts = 0
@@ -137,51 +143,31 @@ def read_run(
         parts += 1
         end = offsets[k] + lengths[k]
     got = _preadv(fd, iov.ctypes.data, parts, first)
-    bad: int = _check_rows(offsets, lengths, crcs, addresses, order, got, failed)
+    bad: int = _check_rows(offsets, lengths, crcs, addresses, order, got, failed, 0)
     return bad
 
 
 @numba.njit(nogil=True, cache=True)
-def _gather(
-    fd: int, offsets: Any, lengths: Any, crcs: Any, addresses: Any, order: Any, scratch: int, span: int, failed: Any
+def _check_rows(
+    offsets: Any, lengths: Any, crcs: Any, addresses: Any, order: Any, got: int, failed: Any, gathered: int
 ) -> int:
-    """``read_run`` of a run of small blocks: its whole span (payloads and the headers between them) read into
-    ``scratch`` with one iovec, then each payload copied into its destination with its CRC32C in the same pass.
-    On this VM's virtual disk a read into 64 pieces of memory (a 32-block run's payloads and the headers between
-    them) costs more than the copy: 32 x 64 KiB 0.68 against 0.61 ms, 128 KiB 1.24 / 1.14, 256 KiB 2.45 / 2.32,
-    and 512 KiB 4.66 / 4.78, 2 MiB 18.0 / 18.9 the other way (fifty-first session, docs/nvme_log.md). A block
-    that was not read in full is not copied; one whose copy fails its check is reported as ``_check_rows`` does
-    (its destination then holds bytes nobody may serve)."""
-    iov = np.empty((1, 2), dtype=np.int64)
-    iov[0, 0], iov[0, 1] = scratch, span
-    first = offsets[order[0]]
-    got = _preadv(fd, iov.ctypes.data, 1, first)
-    bad = 0
-    for j in range(order.shape[0]):
-        k = order[j]
-        if got < 0 or offsets[k] + lengths[k] - first > got:
-            failed[bad] = k
-            bad += 1
-            continue
-        dst = addresses[k]
-        crc = copy_crc(scratch + offsets[k] - first, dst, lengths[k], 0, STREAM if dst & 15 == 0 else STORE)
-        if np.int64(crc) != crcs[k]:
-            failed[bad] = k
-            bad += 1
-    return bad
-
-
-@numba.njit(nogil=True, cache=True)
-def _check_rows(offsets: Any, lengths: Any, crcs: Any, addresses: Any, order: Any, got: int, failed: Any) -> int:
     """The CRC32Cs of the blocks of a run ``read_run`` read (``got`` bytes from its first payload in file order,
-    -1 when the read failed), on one thread (two gained nothing: the checks run at the memory's speed); the
-    indices ``k`` that were not read in full or failed go into ``failed``; returns how many."""
+    -1 when the read failed), on one thread (two gained nothing: the checks run at the memory's speed): each in
+    its destination, or with ``gathered`` (the scratch the whole span was read into; 0: none) copied from there
+    into its destination as it is checked (non-temporal stores: destinations are page aligned, ``cut_run``). A
+    block not read in full is neither checked nor copied; the indices ``k`` that were not read in full or failed
+    go into ``failed`` (a failed block's destination then holds bytes nobody may serve); returns how many."""
     first = offsets[order[0]]
     bad = 0
     for j in range(order.shape[0]):
         k = order[j]
         whole = got >= 0 and offsets[k] + lengths[k] - first <= got
-        if not whole or np.int64(copy_crc(addresses[k], 0, lengths[k], 0, READ)) != crcs[k]:
+        crc = np.uint64(0)
+        if whole and gathered:
+            crc = copy_crc(gathered + offsets[k] - first, addresses[k], lengths[k], 0, STREAM)
+        elif whole:
+            crc = copy_crc(addresses[k], 0, lengths[k], 0, READ)
+        if not whole or np.int64(crc) != crcs[k]:
             failed[bad] = k
             bad += 1
     return bad

@@ -7,7 +7,7 @@ One loader for both callers (the ``--share-nvme`` client and the NVMe tier), so 
 once. Imports no numba itself.
 
 ``GATHER_BLOCK_BYTES``: runs of blocks this small or smaller are read into one piece of scratch memory and copied
-out with their checks (``payload_run_kernels._gather``), which beat reading each payload straight into its own
+out with their checks (``payload_run_kernels.read_run``), which beat reading each payload straight into its own
 destination on this project's virtual disk at 64 KiB (0.61 against 0.68 ms for 32 blocks alone, 0.79-0.82 against
 0.69-0.72 of the raw read in a client's Get loop) and came out even at 128 and 256 KiB in that loop: 128 KiB is
 where it stops. Where the disk takes scattered memory at no cost (a bare-metal NVMe drive may), the copy is all
