@@ -3,7 +3,8 @@
 - ``ready() -> bool``: ``compile`` has run. The first call starts it (numba compiling, or loading from its
   on-disk cache) on a daemon thread and says False until it is done, so callers take their uncompiled path
   meanwhile and no request waits for a compiler. Always False when not ``available``.
-- ``warm_up()``: run ``compile`` now, on the calling thread (a store's start, tests).
+- ``warm_up()``: run ``compile`` now, on the calling thread (a store's start, a client's ``warm_up``, tests);
+  nothing once it has run.
 
 Used by ``kvstore.memops_jit`` (copies and CRC32Cs) and ``kvstore.arena_index`` (the DRAM index probe).
 Imports no numba itself: an engine process that never wants the kernels never loads it.
@@ -32,7 +33,7 @@ class BackgroundCompile:
         return self._ready
 
     def warm_up(self) -> None:
-        if not self.available:
+        if self._ready or not self.available:
             return
         self._compile()
         self._ready = True

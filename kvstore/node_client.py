@@ -80,6 +80,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from kvstore import memops_jit
 from kvstore.addresses import check_target
 from kvstore.checksum import crc32c
 from kvstore.codecs.transfer import DecodeTally, TransferPlan
@@ -169,6 +170,16 @@ class NodeClient:
         """Open a data lane now (its negotiation, shared region and handshake), so that the first Get or Put
         does not pay for it; the lane kind ("grpc" when none opened)."""
         self._lanes.run(lambda lane: None)
+        return self.lane_kind
+
+    def warm_up(self) -> str:
+        """``connect``, and set up now what the first Gets would otherwise pay for: the copy and CRC32C kernels
+        and, on an shm lane, the reader of the store's NVMe files (its compiled runs and its threads) and the DRAM
+        index's kernels, compiled or loaded from numba's cache on this thread. Imports numba where it is
+        installed: an engine whose start that breaks (vLLM 0.32, kvstore/memops_kernels.py) calls it once it
+        has started. The lane kind, as ``connect``."""
+        memops_jit.warm_up()
+        self._lanes.run(lambda lane: lane.warm_up())
         return self.lane_kind
 
     def shared_pool(self, nbytes: int, name: str = "kvstore-pool") -> SharedPool:

@@ -100,6 +100,9 @@ class Lane(ABC):
     def share(self, pools: Sequence[SharedPool]) -> None:  # noqa: B027 - only the shm lane maps client memory
         """Offer the client's shared pools to the store (once each); lanes that cannot use them ignore them."""
 
+    def warm_up(self) -> None:  # noqa: B027 - only the shm lane has readers and kernels of its own
+        """Set up now what this lane's first Gets would (``NodeClient.warm_up``)."""
+
     @abstractmethod
     def close(self) -> None:
         """Release the lane on the server; the object is unusable afterwards."""

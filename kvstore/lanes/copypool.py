@@ -4,7 +4,8 @@
 ``CopyPool(threads).run(fn, items, weights) -> [fn(item) ...]`` splits ``items`` into at most ``threads``
 contiguous runs of about equal weight (bytes), runs the first on the calling thread and the others on the
 pool, and returns the results in order (``run_batches(fn, items, weights)`` hands each thread its whole run in
-one call); ``side_by_side(jobs)`` runs different jobs at once, the first here. Batches under ``SPLIT_BYTES`` (or the caller's ``split_bytes``) stay on
+one call); ``side_by_side(jobs)`` runs different jobs at once, the first here; ``start(each)`` starts every
+thread now, each running ``each`` once. Batches under ``SPLIT_BYTES`` (or the caller's ``split_bytes``) stay on
 the calling thread: handing work to another thread costs tens of microseconds. ``fn`` must let go of the GIL for its bulk (numpy copies,
 CRC32C and process_vm_readv/writev all do). When one run fails, ``run`` still waits for the others before it
 raises: none of them may touch the caller's buffers once it returns.
@@ -13,6 +14,7 @@ raises: none of them may touch the caller's buffers once it returns.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
@@ -70,6 +72,23 @@ class CopyPool:
         finally:
             wait(futures)
         return [first, *(f.result() for f in futures)]
+
+    def start(self, each: Callable[[], object], timeout: float = 10.0) -> None:
+        """Start every thread of the pool now (an executor starts them as jobs come), each running ``each`` once
+        (a thread-local buffer faulted in, say); returns when all have, or after ``timeout``."""
+        if self._pool is None:
+            return
+        n = self.threads - 1
+        started = threading.Barrier(n, timeout=timeout)
+
+        def job() -> None:  # held until every thread has one: no job lands on a thread that finished its own
+            each()
+            try:
+                started.wait()
+            except threading.BrokenBarrierError:
+                pass
+
+        wait([self._pool.submit(job) for _ in range(n)], timeout=timeout)
 
     def close(self) -> None:
         if self._pool is not None:

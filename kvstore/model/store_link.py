@@ -150,13 +150,15 @@ class StoreLink:
         self.planner.seed(counters, codec_stats() if codec_stats else {}, self.lane_kind())
 
     def connect(self) -> str:
-        """Open the data lane now, so that a worker's first request does not pay for it (its negotiation, shared
-        region and handshake: 50-110 ms here before a first Get of 64 x 720 KiB, measured in the forty-seventh
+        """Open the data lane now and warm it (``NodeClient.warm_up``), so that a worker's first requests do not
+        pay for it: its negotiation, shared region and handshake (50-110 ms here before a first Get of 64 x 720
+        KiB, forty-seventh session), then the kernels and the NVMe reader's threads (the first three Gets of 49
+        x 720 KiB from NVMe 25-28, 20-23 and 13-15 ms after the lane alone, against 10-11 warm: fifty-second
         session); the lane's kind, "cluster" for a cluster client (one lane per node, opened as used), "" with
         no store or none reachable (the worker starts anyway, and recomputes)."""
         if self.client is None:
             return ""
-        connect = getattr(self.client, "connect", None)
+        connect = getattr(self.client, "warm_up", None)
         if connect is None:
             return "cluster"
         try:

@@ -545,4 +545,4 @@ def _rows(staging: torch.Tensor) -> list[Any]:
 
 def _connect(client: Any) -> None:
     if isinstance(client, NodeClient):  # a cluster's clients open each node's lanes as they first use them
-        client.connect()
+        client.warm_up()  # after register: the engine has started, numba may load

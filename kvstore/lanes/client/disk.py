@@ -20,6 +20,9 @@ would have. The store keeps the file as it is until the client releases the mess
   out with its check: on this VM's virtual disk that beat 64 separate pieces of memory in one read.
 - ``read_runs(segments, name_of, positions, offsets, lengths, crcs, addresses) -> failed | None``: ``read_run``
   of blocks in several files (a prefix a segment's end cut in two), one run per file at once.
+- ``start()``: what the first Gets would set up, now: the compiled runs compiled (or loaded from numba's cache) on
+  this thread, the reading threads started, each with its scratch, and ``SPARE_SCRATCHES`` more for the first
+  threads that call a Get, faulted in.
 - ``unusable``: why this process cannot open the store's files at all, or "": the lane then stops asking for
   disk reads. The open files, and the closing of those the store deleted, are ``segment_files.SegmentFiles``'.
 
@@ -83,6 +86,7 @@ RUN_ALONE_BYTES = 32 << 20
 NO_LIMIT = 1 << 62  # ``read_run``'s alone_bytes for a piece ``cut_run`` already cut: read it whole
 MAX_IOVECS = 1024
 SCRATCH_BYTES = MAX_PIECE_BYTES + 2 * GAP_BYTES  # a thread's scratch, enough for any piece whose blocks fit
+SPARE_SCRATCHES = 2  # faulted in by start for the threads that call Gets: a worker's engine and its loader
 
 
 @dataclass(slots=True)
@@ -121,6 +125,17 @@ class DiskReader:
         self._lock = threading.Lock()
         self._pool: CopyPool | None = None
         self._local = threading.local()  # each reading thread's _Scratch
+        self._spares: list[_Scratch] = []  # made by start, for the first threads that call a Get
+
+    def start(self) -> None:
+        """See the module docstring. Without it a fresh process's first Gets read through ``read`` while the
+        kernels compiled in the background (holding the GIL for much of it) and started the reading threads."""
+        _compiled.warm_up()
+        self._threads().start(lambda: self._scratch(0))  # before the spares: those are for other threads
+        size = max(payload_runs.GATHER_SPAN_BYTES if payload_runs.GATHER_BLOCK_BYTES else 0, SCRATCH_BYTES)
+        spares = [_Scratch(size) for _ in range(SPARE_SCRATCHES)]
+        with self._lock:
+            self._spares = spares
 
     @property
     def unusable(self) -> str:
@@ -325,7 +340,9 @@ class DiskReader:
         """This thread's scratch, of at least ``n`` bytes (kept for its next pieces)."""
         scratch: _Scratch | None = getattr(self._local, "scratch", None)
         if scratch is None or len(scratch.memory) < n:
-            scratch = self._local.scratch = _Scratch(max(n, SCRATCH_BYTES))
+            with self._lock:
+                spare = self._spares.pop() if self._spares and len(self._spares[-1].memory) >= n else None
+            scratch = self._local.scratch = spare or _Scratch(max(n, SCRATCH_BYTES))
         return scratch
 
     def _plan(self, piece: list[DiskBlock]) -> _Planned:
@@ -411,10 +428,13 @@ class DiskReader:
         on the pool must not call this itself: waiting there on jobs queued behind it could take every thread."""
         if not theirs:
             return [mine()]
+        return self._threads().side_by_side([mine, *theirs])
+
+    def _threads(self) -> CopyPool:
         with self._lock:
             if self._pool is None:
                 self._pool = CopyPool(self.threads, name="kvstore-disk-read")
-        return self._pool.side_by_side([mine, *theirs])
+            return self._pool
 
 
 def _piece_count(total: int, threads: int) -> int:

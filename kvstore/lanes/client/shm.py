@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from kvstore.arena_index import ArenaIndexView
+from kvstore import arena_index
 from kvstore.lanes.base import Lane, LaneBroken, lane_failure
 from kvstore.lanes.client.channel import ShmChannel
 from kvstore.lanes.client.disk import DiskReader
@@ -99,7 +99,7 @@ class ShmClientLane(ShmGets, Lane):
             try:  # its hits are reported on the channel: without one, every Get asks the store
                 index = attach(opened.dram_index_path, opened.dram_index_bytes, readonly=True)
                 self._index_region = index
-                self.indexed = IndexedGets(ArenaIndexView.attach(index.view))
+                self.indexed = IndexedGets(arena_index.ArenaIndexView.attach(index.view))
             except (RegionError, ValueError) as err:
                 log.info("shm lane %s: DRAM hits are asked of the store (%s)", opened.lane_id, err)
 
@@ -117,6 +117,14 @@ class ShmClientLane(ShmGets, Lane):
             why_not = self._channel.send_pool(msg)
             if why_not:
                 log.warning("shm lane %s: the store did not map a shared pool (%s)", self.ref.lane_id, why_not)
+
+    def warm_up(self) -> None:
+        """The reader of the store's NVMe files started (``DiskReader.start``) and the DRAM index's kernels
+        compiled, where this lane has them."""
+        if self.disk is not None and not self.disk.unusable:
+            self.disk.start()
+        if self.indexed is not None:
+            arena_index.warm_up()
 
     # -- put ------------------------------------------------------------------------------
     def put(
