@@ -186,3 +186,22 @@ def test_nvme_floor_stops_a_server_its_start_left_halfway(tmp_path: Path, monkey
     t0 = time.monotonic()
     floor.close()  # at once, not after the 60 s a connected server is given to finish
     assert time.monotonic() - t0 < 10 and server.poll() is not None and floor.server is None
+
+
+def test_first_gets_bench_times_fresh_clients_reading_nvme_on_every_lane(tmp_path: Path):
+    from tqdm import tqdm
+
+    from bench import first_gets
+
+    try:
+        rows = first_gets.measure(64 << 10, 4, 1, tmp_path, tqdm(disable=True))
+    except OSError as e:  # a filesystem without O_DIRECT (tmpfs)
+        pytest.skip(f"O_DIRECT refused under {tmp_path}: {e}")
+    assert [(r["lane"], r["start"]) for r in rows] == [
+        (lane, s) for lane in first_gets.LANES for s in first_gets.STARTS
+    ]
+    for r in rows:
+        assert r["processes"] == 1 and min(r["start_ms"], r["get1_ms"], r["later_ms"], r["warm_ms"]) > 0
+        assert r["get1_vs_warm"] == r["get1_ms"] / r["warm_ms"]
+        # both ways' Gets, each of 4 blocks only on NVMe
+        assert r["lane_nvme_hits"] == len(first_gets.STARTS) * first_gets.GETS * 4
