@@ -152,9 +152,9 @@ class StoreLink:
     def connect(self) -> str:
         """Open the data lane now and warm it (``NodeClient.warm_up``), so that a worker's first requests do not
         pay for it: its negotiation, shared region and handshake (50-110 ms here before a first Get of 64 x 720
-        KiB, forty-seventh session), then the kernels and the NVMe reader's threads (the first three Gets of 49
-        x 720 KiB from NVMe 25-28, 20-23 and 13-15 ms after the lane alone, against 10-11 warm: fifty-second
-        session); the lane's kind, "cluster" for a cluster client (one lane per node, opened as used), "" with
+        KiB, forty-seventh session), then the kernels and the NVMe reader's threads (``bench.first_gets``, 49 x
+        720 KiB from NVMe: the first Get 2.40x a warm one's time on the ``--share-nvme`` lane and 4.50x on TCP
+        after the lane alone, 1.03x and 1.09x warmed; fifty-second session); the lane's kind, "cluster" for a cluster client (one lane per node, opened as used), "" with
         no store or none reachable (the worker starts anyway, and recomputes)."""
         if self.client is None:
             return ""

@@ -20,9 +20,9 @@ would have. The store keeps the file as it is until the client releases the mess
   out with its check: on this VM's virtual disk that beat 64 separate pieces of memory in one read.
 - ``read_runs(segments, name_of, positions, offsets, lengths, crcs, addresses) -> failed | None``: ``read_run``
   of blocks in several files (a prefix a segment's end cut in two), one run per file at once.
-- ``start()``: what the first Gets would set up, now: the compiled runs compiled (or loaded from numba's cache) on
-  this thread, the reading threads started, each with its scratch, and ``SPARE_SCRATCHES`` more for the first
-  threads that call a Get, faulted in.
+- ``start()``: what the first Gets would set up, now (once): the compiled runs compiled (or loaded from numba's
+  cache) on this thread, the reading threads started, each with its scratch, and ``SPARE_SCRATCHES`` more for the
+  first threads that call a Get, faulted in.
 - ``unusable``: why this process cannot open the store's files at all, or "": the lane then stops asking for
   disk reads. The open files, and the closing of those the store deleted, are ``segment_files.SegmentFiles``'.
 
@@ -126,10 +126,15 @@ class DiskReader:
         self._pool: CopyPool | None = None
         self._local = threading.local()  # each reading thread's _Scratch
         self._spares: list[_Scratch] = []  # made by start, for the first threads that call a Get
+        self._started = False
 
     def start(self) -> None:
         """See the module docstring. Without it a fresh process's first Gets read through ``read`` while the
         kernels compiled in the background (holding the GIL for much of it) and started the reading threads."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
         _compiled.warm_up()
         self._threads().start(lambda: self._scratch(0))  # before the spares: those are for other threads
         size = max(payload_runs.GATHER_SPAN_BYTES if payload_runs.GATHER_BLOCK_BYTES else 0, SCRATCH_BYTES)
