@@ -66,6 +66,7 @@ def test_prefix_put_by_one_client_is_found_and_fetched_by_another(make_server, l
     chains = [chain(6) for _ in range(9)]
     with Client(local_redis.url, refresh=0.1) as a, Client(local_redis.url, refresh=0.1) as b:
         assert isinstance(a, ClusterClient)
+        assert b.warm_up() == "cluster"  # the kernels now; each node's lane at its first use
         for hashes, data in chains:
             assert all(r.status == "stored" for r in a.put("ns", hashes, data))
         used = set()

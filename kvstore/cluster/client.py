@@ -64,6 +64,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvstore import memops_jit, payload_runs
 from kvstore.cluster import index, routing
 from kvstore.cluster.connect import REDIS_ERRORS, RedisConnector
 from kvstore.cluster.directory import Directory
@@ -132,6 +133,15 @@ class ClusterClient:
         pool = SharedPool(nbytes, name)
         self.directory.add_pool(pool)
         return pool
+
+    def warm_up(self) -> str:
+        """What ``NodeClient.warm_up`` does for a cluster, as far as it can before a node is chosen: the copy and
+        CRC32C kernels and the NVMe reader's compiled runs, compiled (or loaded from numba's cache) on this thread.
+        Each node's lane still opens, and its reader starts, at its first use. Imports numba where installed
+        (see ``NodeClient.warm_up``). Returns "cluster"."""
+        memops_jit.warm_up()
+        payload_runs.COMPILED.warm_up()
+        return "cluster"
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -54,7 +54,6 @@ from kvstore.integrations.vllm.cache_blocks import CacheBlocks
 from kvstore.integrations.vllm.plan import BlockRun, LoadReport, StepPlan, StepReport
 from kvstore.integrations.vllm.settings import STAGINGS, ClientSlot
 from kvstore.integrations.vllm.stats import StatsFile
-from kvstore.node_client import NodeClient
 
 log = logging.getLogger(__name__)
 
@@ -544,5 +543,6 @@ def _rows(staging: torch.Tensor) -> list[Any]:
 
 
 def _connect(client: Any) -> None:
-    if isinstance(client, NodeClient):  # a cluster's clients open each node's lanes as they first use them
-        client.warm_up()  # after register: the engine has started, numba may load
+    # after register: the engine has started, numba may load; a cluster client compiles the kernels, and opens
+    # each node's lane as it first uses it
+    client.warm_up()
