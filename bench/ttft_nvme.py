@@ -96,3 +96,9 @@ def nvme_row(rows: list[dict[str, Any]], results: list[Result], speeds: list[flo
             row["floor_s"] = round(
                 statistics.mean(r.compute_s + r.transfer_bytes / s for r, s in zip(results, speeds)), 4
             )
+            row["ttft_over_floor_p50"] = round(
+                statistics.median(
+                    r.ttft_s / max(r.compute_s + r.transfer_bytes / s, 1e-9) for r, s in zip(results, speeds)
+                ),
+                3,
+            )
