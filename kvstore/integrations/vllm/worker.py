@@ -239,8 +239,8 @@ class WorkerSide:
         return self.blocks.new_staging(n, on_host=self.staging_place == "host").zero_()
 
     def _connect_streams(self) -> None:
-        """Open every load stream's client and lane now, off the engine's thread: the first load paid for them
-        (turn 1 of ``make run`` loaded 37 blocks in 150-180 ms, later turns 38-40 in 37-42)."""
+        """Open and warm every load stream's client and lane now (``warm_up``), off the engine's thread: the first
+        load paid for them (turn 1 of ``make run`` loaded 37 blocks in 150-180 ms, later turns 38-40 in 37-42)."""
         for _ in self._all_slots:
             if self._closing:
                 return
