@@ -73,6 +73,7 @@ client's controller (choices, bandwidth, ratio and speed estimates).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -97,6 +98,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import CHUNK_BYTES, TIER_NAMES, PutResult, put_results
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class NodeClient:
@@ -177,8 +179,12 @@ class NodeClient:
         and, on an shm lane, the reader of the store's NVMe files (its compiled runs and its threads) and the DRAM
         index's kernels, compiled or loaded from numba's cache on this thread. Imports numba where it is
         installed: an engine whose start that breaks (vLLM 0.32, kvstore/memops_kernels.py) calls it once it
-        has started. The lane kind, as ``connect``."""
-        memops_jit.warm_up()
+        has started. A kernel that fails to compile is logged, not raised: its uncompiled path serves, as before
+        it compiles. The lane kind, as ``connect``."""
+        try:
+            memops_jit.warm_up()
+        except Exception as err:  # noqa: BLE001 - a broken numba must not stop an engine's start
+            log.warning("kvstore client: the copy and CRC32C kernels did not compile (%s); slower paths serve", err)
         self._lanes.run(lambda lane: lane.warm_up())
         return self.lane_kind
 

@@ -34,6 +34,26 @@ def test_warm_up_starts_the_nvme_reader_before_the_first_get(make_server, tmp_pa
     quiet(server)
 
 
+def test_kernels_that_fail_to_compile_are_logged_and_gets_still_work(make_server, tmp_path, monkeypatch, caplog):
+    """A broken numba must not stop an engine's start: warm_up logs it and the uncompiled paths serve."""
+    from kvstore import memops_jit, payload_runs
+
+    def broken() -> None:
+        raise RuntimeError("LLVM said no")
+
+    server = nvme_store(make_server, tmp_path, promote_on_hit=False, share_nvme=True, shm_direct=True)
+    with lane_client(server, "shm-disk") as kv:
+        data = fill(kv, 8)
+    monkeypatch.setattr(memops_jit, "warm_up", broken)
+    monkeypatch.setattr(payload_runs.COMPILED, "warm_up", broken)
+    with lane_client(server, "shm-disk") as kv, caplog.at_level("WARNING"):
+        assert kv.warm_up() == "shm"
+        assert "did not compile" in caplog.text and "not warmed up" in caplog.text
+        keys, blocks = data[0]
+        assert_gets_exact(kv, "shm-disk", keys, blocks)
+    quiet(server)
+
+
 def test_warm_up_without_a_lane_is_harmless(make_server, tmp_path):
     server = nvme_store(make_server, tmp_path)
     with Client(f"127.0.0.1:{server.port}", timeout=30, lane="grpc") as kv:

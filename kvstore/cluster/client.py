@@ -138,9 +138,12 @@ class ClusterClient:
         """What ``NodeClient.warm_up`` does for a cluster, as far as it can before a node is chosen: the copy and
         CRC32C kernels and the NVMe reader's compiled runs, compiled (or loaded from numba's cache) on this thread.
         Each node's lane still opens, and its reader starts, at its first use. Imports numba where installed
-        (see ``NodeClient.warm_up``). Returns "cluster"."""
-        memops_jit.warm_up()
-        payload_runs.COMPILED.warm_up()
+        (see ``NodeClient.warm_up``); a kernel that fails to compile is logged, not raised. Returns "cluster"."""
+        try:
+            memops_jit.warm_up()
+            payload_runs.COMPILED.warm_up()
+        except Exception as err:  # noqa: BLE001 - a broken numba must not stop an engine's start
+            log.warning("the kernels did not compile (%s); slower paths serve", err)
         return "cluster"
 
     def close(self) -> None:

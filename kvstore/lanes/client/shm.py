@@ -120,11 +120,14 @@ class ShmClientLane(ShmGets, Lane):
 
     def warm_up(self) -> None:
         """The reader of the store's NVMe files started (``DiskReader.start``) and the DRAM index's kernels
-        compiled, where this lane has them."""
-        if self.disk is not None and not self.disk.unusable:
-            self.disk.start()
-        if self.indexed is not None:
-            arena_index.warm_up()
+        compiled, where this lane has them; a failure is logged (the first Gets set up what is left, as before)."""
+        try:
+            if self.disk is not None and not self.disk.unusable:
+                self.disk.start()
+            if self.indexed is not None:
+                arena_index.warm_up()
+        except Exception as err:  # noqa: BLE001 - a broken numba must not stop an engine's start
+            log.warning("shm lane %s: not warmed up (%s); its first Gets set up the rest", self.ref.lane_id, err)
 
     # -- put ------------------------------------------------------------------------------
     def put(
