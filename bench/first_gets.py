@@ -1,6 +1,7 @@
 """What a fresh client's first Gets from NVMe cost, and what ``NodeClient.warm_up`` takes off them.
 
     python -m bench.first_gets [--quick] [--out bench/results/first_gets.json] [--block BYTES] [--count N]
+                               [--processes N] [--dir DIR]
 
 A worker that starts (a decode worker scaled out, a vLLM engine restarted) meets its store with a new process:
 its first Gets used to compile the client's kernels, start the NVMe reader's threads and fault their memory
@@ -27,7 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -151,7 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     def configure(p: argparse.ArgumentParser) -> None:
         p.add_argument("--block", type=positive(int), default=737280, help="block bytes (default 720 KiB)")
         p.add_argument("--count", type=positive(int), default=49, help="blocks a prefix (default 49)")
-        p.add_argument("--processes", type=positive(int), default=None, help="fresh clients per lane and way")
+        p.add_argument(
+            "--processes",
+            type=positive(int),
+            default=None,
+            help="fresh clients per lane and way (default 5; --quick 2)",
+        )
         p.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="where the stores keep their NVMe tiers")
 
     args = parse_args("a fresh client's first Gets from NVMe: connect() against warm_up()", argv, configure)
@@ -161,12 +167,9 @@ def main(argv: list[str] | None = None) -> None:
         with tqdm(total=processes * len(LANES) * len(STARTS), desc="fresh clients", unit="process") as bar:
             rows = measure(args.block, args.count, processes, root, bar)
     finally:
-        import shutil
-
         shutil.rmtree(root, ignore_errors=True)
     report(rows, args, title="a fresh client's first Gets from NVMe, ms (p50 over processes)", bench="first_gets")
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()
