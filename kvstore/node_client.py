@@ -73,7 +73,6 @@ client's controller (choices, bandwidth, ratio and speed estimates).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -83,6 +82,7 @@ import numpy as np
 
 from kvstore import memops_jit
 from kvstore.addresses import check_target
+from kvstore.background_compile import warm_up_logged
 from kvstore.checksum import crc32c
 from kvstore.codecs.transfer import DecodeTally, TransferPlan
 from kvstore.codecs.transfer_client import ClientCoding
@@ -98,7 +98,6 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import CHUNK_BYTES, TIER_NAMES, PutResult, put_results
 
 T = TypeVar("T")
-log = logging.getLogger(__name__)
 
 
 class NodeClient:
@@ -181,10 +180,7 @@ class NodeClient:
         installed: an engine whose start that breaks (vLLM 0.32, kvstore/memops_kernels.py) calls it once it
         has started. A kernel that fails to compile is logged, not raised: its uncompiled path serves, as before
         it compiles. The lane kind, as ``connect``."""
-        try:
-            memops_jit.warm_up()
-        except Exception as err:  # noqa: BLE001 - a broken numba must not stop an engine's start
-            log.warning("kvstore client: the copy and CRC32C kernels did not compile (%s); slower paths serve", err)
+        warm_up_logged(memops_jit.warm_up, "the copy and CRC32C kernels")
         self._lanes.run(lambda lane: lane.warm_up())
         return self.lane_kind
 

@@ -65,6 +65,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstore import memops_jit, payload_runs
+from kvstore.background_compile import warm_up_logged
 from kvstore.cluster import index, routing
 from kvstore.cluster.connect import REDIS_ERRORS, RedisConnector
 from kvstore.cluster.directory import Directory
@@ -139,11 +140,8 @@ class ClusterClient:
         CRC32C kernels and the NVMe reader's compiled runs, compiled (or loaded from numba's cache) on this thread.
         Each node's lane still opens, and its reader starts, at its first use. Imports numba where installed
         (see ``NodeClient.warm_up``); a kernel that fails to compile is logged, not raised. Returns "cluster"."""
-        try:
-            memops_jit.warm_up()
-            payload_runs.COMPILED.warm_up()
-        except Exception as err:  # noqa: BLE001 - a broken numba must not stop an engine's start
-            log.warning("the kernels did not compile (%s); slower paths serve", err)
+        warm_up_logged(memops_jit.warm_up, "the copy and CRC32C kernels")
+        warm_up_logged(payload_runs.COMPILED.warm_up, "the NVMe reader's compiled runs")
         return "cluster"
 
     def close(self) -> None:

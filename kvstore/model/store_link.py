@@ -150,19 +150,17 @@ class StoreLink:
         self.planner.seed(counters, codec_stats() if codec_stats else {}, self.lane_kind())
 
     def connect(self) -> str:
-        """Open the data lane now and warm it (``NodeClient.warm_up``), so that a worker's first requests do not
-        pay for it: its negotiation, shared region and handshake (50-110 ms here before a first Get of 64 x 720
-        KiB, forty-seventh session), then the kernels and the NVMe reader's threads (``bench.first_gets``, 49 x
-        720 KiB from NVMe: the first Get 2.40x a warm one's time on the ``--share-nvme`` lane and 4.50x on TCP
-        after the lane alone, 1.03x and 1.09x warmed; fifty-second session); the lane's kind, "cluster" for a cluster client (one lane per node, opened as used), "" with
-        no store or none reachable (the worker starts anyway, and recomputes)."""
+        """Open the data lane now and warm it (``warm_up``), so that a worker's first requests do not pay for it:
+        its negotiation, shared region and handshake (50-110 ms here before a first Get of 64 x 720 KiB,
+        forty-seventh session), then the kernels and the NVMe reader's threads (``bench.first_gets``, 49 x 720 KiB
+        from NVMe: the first Get 2.40x a warm one's time on the ``--share-nvme`` lane and 4.50x on TCP after the
+        lane alone, 1.03x and 1.09x warmed; fifty-second session); the lane's kind, "cluster" for a cluster client
+        (its kernels warmed, one lane per node opened as used), "" with no store or none reachable (the worker
+        starts anyway, and recomputes)."""
         if self.client is None:
             return ""
-        connect = getattr(self.client, "warm_up", None)
-        if connect is None:
-            return "cluster"
         try:
-            kind: str = connect()
+            kind: str = self.client.warm_up()
         except KVStoreError as err:
             log.warning("store unreachable at start-up (%s): its lane opens with the first request", err)
             return ""

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from kvstore import arena_index
+from kvstore.background_compile import warm_up_logged
 from kvstore.lanes.base import Lane, LaneBroken, lane_failure
 from kvstore.lanes.client.channel import ShmChannel
 from kvstore.lanes.client.disk import DiskReader
@@ -121,13 +122,10 @@ class ShmClientLane(ShmGets, Lane):
     def warm_up(self) -> None:
         """The reader of the store's NVMe files started (``DiskReader.start``) and the DRAM index's kernels
         compiled, where this lane has them; a failure is logged (the first Gets set up what is left, as before)."""
-        try:
-            if self.disk is not None and not self.disk.unusable:
-                self.disk.start()
-            if self.indexed is not None:
-                arena_index.warm_up()
-        except Exception as err:  # noqa: BLE001 - a broken numba must not stop an engine's start
-            log.warning("shm lane %s: not warmed up (%s); its first Gets set up the rest", self.ref.lane_id, err)
+        if self.disk is not None and not self.disk.unusable:
+            warm_up_logged(self.disk.start, f"shm lane {self.ref.lane_id}'s reader of the NVMe files")
+        if self.indexed is not None:
+            warm_up_logged(arena_index.warm_up, "the DRAM index's kernels")
 
     # -- put ------------------------------------------------------------------------------
     def put(
