@@ -3,6 +3,7 @@ read by pool workers while the caller hands the verified ones on."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import time
@@ -240,8 +241,20 @@ def test_an_error_handing_on_ends_the_read(hand_on: HandOn) -> None:
     # the lane's copy into a client that went away raises: no piece starts after it, every buffer goes back
     backend, tier, blocks = hand_on.backend, hand_on.tier, hand_on.blocks
     readers = spy_reads(backend)
+    failed = threading.Event()
+    spied, calls = backend.preadv, itertools.count()
+
+    def gated(*args, **kwargs):  # noqa: ANN002, ANN003
+        # two pieces go at once, the rest only once handing on failed: on a loaded host the two workers could
+        # otherwise read all 32 before the caller ran its first on_ready
+        if next(calls) >= 2:
+            failed.wait(10)
+        return spied(*args, **kwargs)
+
+    backend.preadv = gated  # type: ignore[method-assign]
 
     def on_ready(targets: list[int]) -> None:
+        failed.set()
         raise OSError("the client went away")
 
     with pytest.raises(OSError, match="went away"):
