@@ -124,6 +124,27 @@ def test_a_store_that_is_gone_is_a_miss_not_an_error(sglang_store):
     assert backend.batch_set_v1(keys, indices([1])) == [False]
 
 
+def test_registering_the_pool_warms_a_client_up_even_with_the_store_down(sglang_store, monkeypatch):
+    from kvstore.node_client import NodeClient
+
+    warmed: list[str] = []
+    real = NodeClient.warm_up
+
+    def spy(client: NodeClient) -> str:
+        warmed.append(real(client))
+        return warmed[-1]
+
+    monkeypatch.setattr(NodeClient, "warm_up", spy)
+    pool = small_pool(2)
+    backend = _backend(sglang_store, pool)
+    assert warmed == ["shm"]  # at registration, before any verb: the lane is open
+    assert backend.batch_set_v1(["03" * 32], indices([0])) == [True] and len(warmed) == 1  # the same client
+    sglang_store.kill9()
+    late = _backend(sglang_store, pool, timeout=2, retries=0)  # an engine starting while its store is down
+    assert warmed[-1] == "grpc"  # no lane opened, nothing raised
+    assert late.batch_exists(["03" * 32]) == 0  # and it serves misses
+
+
 def test_a_backend_without_a_target_says_so():
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed")
     from kvstore.integrations.sglang import KVStoreHiCacheStorage

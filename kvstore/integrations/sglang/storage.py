@@ -11,6 +11,9 @@ Loaded by SGLang's ``dynamic`` backend factory as ``KVStoreHiCacheStorage(storag
 
 Verbs (SGLang's threads call them concurrently: each thread has its own client):
 
+- ``register_mem_pool_host(pool)``: as SGLang's cache controller calls it at start; also warms up this thread's
+  client (``Client.warm_up``: its lane, and the copy and CRC32C kernels every client of the process shares).
+
 - ``batch_exists(keys)``: one Lookup, the number of leading pages the store holds; 0 when it cannot be asked.
 - ``batch_get_v1(keys, host_indices)``: one Get of the pages straight into SGLang's host pool pages
   (``get_page_buffer_meta``); per page True when it arrived intact. A page missing, a CRC32C mismatch or the
@@ -73,6 +76,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self._keys = PageKeys(fingerprint(self.config, mem_pool_host))  # the pool's geometry is part of the bytes
+        self._warm_up()
 
     # -- the zero-copy verbs (interface_v1) ----------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -167,6 +171,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             raise RuntimeError("kvstore HiCache backend: no host memory pool registered")
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         return page_segments(ptrs, sizes, len(keys))
+
+    def _warm_up(self) -> None:
+        """The registering thread's client connected, and the process's copy and CRC32C kernels compiled, before
+        SGLang's first request (a fresh client's first Gets otherwise take 2-4x a warm one's: bench.first_gets).
+        A store down now raises nothing: the client opens its lane at a later call; any error is logged."""
+        try:
+            self._client().warm_up()
+        except Exception as err:
+            self._drop_client(err, "warm-up")
 
     def _client(self) -> Client:
         client: Client | None = getattr(self._local, "client", None)
