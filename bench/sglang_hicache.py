@@ -54,7 +54,9 @@ class PageFirstPool:
         return self.kv_buffer[:, p * self.page_size : (p + 1) * self.page_size]
 
 
-def _backend(target: str, pool: PageFirstPool) -> Any:
+def backend_for(target: str, pool: PageFirstPool, **extra: Any) -> Any:
+    """A ``KVStoreHiCacheStorage`` on ``target`` with ``pool`` registered, as SGLang's cache controller makes it;
+    ``extra``: more of its ``extra_config``."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     from kvstore.integrations.sglang import KVStoreHiCacheStorage
@@ -62,7 +64,7 @@ def _backend(target: str, pool: PageFirstPool) -> Any:
     config = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
         enable_storage_metrics=False, is_page_first_layout=True, model_name="smollm2",
-        extra_config={"target": target, "interface_v1": 1},
+        extra_config={"target": target, "interface_v1": 1, **extra},
     )  # fmt: skip
     backend = KVStoreHiCacheStorage(config, {})
     backend.register_mem_pool_host(pool)
@@ -87,7 +89,7 @@ def _rows(store: str, extra: list[str], pages: int, reps: int) -> list[Row]:
     with store_process("--dram", "2GiB", *extra) as (target, _):
         if "--dram-prefault" in extra:
             time.sleep(PREFAULT_WAIT_S)  # 2 GiB took 0.6-0.9 s here
-        writer, reader = _backend(target, src), _backend(target, dst)
+        writer, reader = backend_for(target, src), backend_for(target, dst)
         keys = [[f"{r:04x}{i:060x}" for i in range(pages)] for r in range(reps + 1)]
         for verb in ("batch_set_v1", "batch_get_v1"):
             times = []

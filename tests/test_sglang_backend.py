@@ -124,25 +124,57 @@ def test_a_store_that_is_gone_is_a_miss_not_an_error(sglang_store):
     assert backend.batch_set_v1(keys, indices([1])) == [False]
 
 
-def test_registering_the_pool_warms_a_client_up_even_with_the_store_down(sglang_store, monkeypatch):
+def test_registering_the_pool_warms_the_clients_that_move_pages(sglang_store, monkeypatch):
+    import threading
+
     from kvstore.node_client import NodeClient
 
-    warmed: list[str] = []
-    real = NodeClient.warm_up
+    warmed: dict[int, str] = {}
+    used: dict[str, int] = {}
+    real_warm_up, real_get, real_put, real_lookup = (
+        NodeClient.warm_up,
+        NodeClient.get,
+        NodeClient.put,
+        NodeClient.lookup,
+    )
 
-    def spy(client: NodeClient) -> str:
-        warmed.append(real(client))
-        return warmed[-1]
+    def warm_up(client: NodeClient) -> str:
+        warmed[id(client)] = real_warm_up(client)
+        return warmed[id(client)]
 
-    monkeypatch.setattr(NodeClient, "warm_up", spy)
-    pool = small_pool(2)
+    def spy(verb: str, real):  # noqa: ANN001, ANN202
+        def call(client: NodeClient, *args, **kwargs):  # noqa: ANN002, ANN003
+            used[verb] = id(client)
+            return real(client, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(NodeClient, "warm_up", warm_up)
+    for verb, real in (("get", real_get), ("put", real_put), ("lookup", real_lookup)):
+        monkeypatch.setattr(NodeClient, verb, spy(verb, real))
+    pool = small_pool(4)
     backend = _backend(sglang_store, pool)
-    assert warmed == ["shm"]  # at registration, before any verb: the lane is open
-    assert backend.batch_set_v1(["03" * 32], indices([0])) == [True] and len(warmed) == 1  # the same client
+    assert list(warmed.values()) == ["shm", "shm"]  # at registration, before any verb: lanes open
+    keys = ["03" * 32, "04" * 32]
+    threads = [
+        threading.Thread(target=lambda: backend.batch_exists(keys)),  # SGLang's prefetch thread: a lookup only
+        threading.Thread(target=lambda: backend.batch_set_v1(keys, indices([0, 1]))),  # its backup thread
+    ]
+    for t in threads:
+        t.start()
+        t.join()
+    got = threading.Thread(target=lambda: used.setdefault("ok", backend.batch_get_v1(keys, indices([2, 3]))))
+    got.start()
+    got.join()
+    assert used["ok"] == [True, True] and torch.equal(pool.page(2), pool.page(0))
+    assert used["put"] in warmed and used["get"] in warmed and used["put"] != used["get"]
+    assert used["lookup"] not in warmed  # a thread that only looks up left the warm clients to the others
+    assert len(warmed) == 2  # nothing else warmed up
+    backend.clear()
     sglang_store.kill9()
-    late = _backend(sglang_store, pool, timeout=2, retries=0)  # an engine starting while its store is down
-    assert warmed[-1] == "grpc"  # no lane opened, nothing raised
-    assert late.batch_exists(["03" * 32]) == 0  # and it serves misses
+    late = _backend(sglang_store, pool, timeout=2, retries=0, warm_clients=1)  # an engine starting, its store down
+    assert list(warmed.values())[2:] == ["grpc"]  # no lane opened, nothing raised
+    assert late.batch_exists(keys) == 0  # and it serves misses
 
 
 def test_a_backend_without_a_target_says_so():
@@ -162,6 +194,8 @@ def test_a_backend_without_a_target_says_so():
         ({"lane": "warp"}, "lane must be one of auto"),
         ({"codec": "bogus"}, "codec: auto or unknown codec 'bogus'"),
         ({"target": "127.0.0.1:99999"}, "target '127.0.0.1:99999': the port must be 0-65535"),
+        ({"warm_clients": "two"}, "warm_clients: invalid literal"),
+        ({"warm_clients": "-1"}, "warm_clients must be >= 0"),
     ],
 )
 def test_a_backend_refuses_client_options_the_client_would_refuse(extra, says):
@@ -171,3 +205,15 @@ def test_a_backend_refuses_client_options_the_client_would_refuse(extra, says):
     with pytest.raises(ValueError, match=re.escape(f"kvstore HiCache backend: {says}")):
         KVStoreHiCacheStorage(_config(**{"target": "127.0.0.1:1", **extra}), {})
     assert KVStoreHiCacheStorage(_config(target="127.0.0.1:1", lane="tcp", codec="auto", retries="0"), {}).target
+
+
+def test_first_moves_bench_times_fresh_engines_both_ways():
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed")
+    from tqdm import tqdm
+
+    from bench import sglang_first
+
+    rows = sglang_first.measure(2, 1, tqdm(disable=True))  # each child checks every page it moved
+    assert [r["warm_clients"] for r in rows] == list(sglang_first.WARM_CLIENTS)
+    for r in rows:
+        assert r["processes"] == 1 and r["get1_ms"] > 0 and r["put1_ms"] > 0 and r["warm_ms"] > 0

@@ -7,12 +7,14 @@ Loaded by SGLang's ``dynamic`` backend factory as ``KVStoreHiCacheStorage(storag
 - ``target`` (required): ``HOST:PORT`` of a ``kvstore serve``, or ``redis://...`` for a cluster;
 - ``namespace`` (default ``sglang``), ``token``, ``tls_ca``/``tls_cert``/``tls_key``, ``lane``, ``codec``,
   ``timeout``, ``retries``: as for ``kvstore.client.Client``; ``verify`` (default true): check each page's
-  CRC32C before SGLang may use it.
+  CRC32C before SGLang may use it; ``warm_clients`` (default 2, 0 for none): clients warmed up at registration.
 
 Verbs (SGLang's threads call them concurrently: each thread has its own client):
 
-- ``register_mem_pool_host(pool)``: as SGLang's cache controller calls it at start; also warms up this thread's
-  client (``Client.warm_up``: its lane, and the copy and CRC32C kernels every client of the process shares).
+- ``register_mem_pool_host(pool)``: as SGLang's cache controller calls it at start; also warms up
+  ``warm_clients`` clients (default 2, ``extra_config``) for the threads that will move pages
+  (``Client.warm_up``: each one's lane, and the copy and CRC32C kernels of the process), so that their first
+  Get and Put do not open a lane (65 ms of it the store reserving the lane's 256 MiB) nor wait on a compile.
 
 - ``batch_exists(keys)``: one Lookup, the number of leading pages the store holds; 0 when it cannot be asked.
 - ``batch_get_v1(keys, host_indices)``: one Get of the pages straight into SGLang's host pool pages
@@ -39,6 +41,9 @@ from kvstore.integrations.sglang.pages import PageKeys, fingerprint, page_segmen
 log = logging.getLogger(__name__)
 
 FACTORY_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+# SGLang's cache controller moves pages on two threads (prefetch_io_aux_func's Gets, backup_thread_func's Puts); its
+# prefetch thread only looks up, which needs no lane
+WARM_CLIENTS = 2
 CLIENT_KEYS = ("token", "tls_ca", "tls_cert", "tls_key", "lane", "codec")
 
 
@@ -47,7 +52,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         extra = dict(storage_config.extra_config or {})
         if not extra.get("target"):
             raise ValueError('kvstore HiCache backend: extra_config needs "target" (HOST:PORT or redis://...)')
-        known = FACTORY_KEYS | {"target", "namespace", "verify", "timeout", "retries", *CLIENT_KEYS}
+        known = FACTORY_KEYS | {"target", "namespace", "verify", "timeout", "retries", "warm_clients", *CLIENT_KEYS}
         unknown = sorted(set(extra) - known)
         if unknown:
             log.warning("kvstore HiCache backend: ignoring unknown extra_config keys %s", unknown)
@@ -70,6 +75,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._keys = PageKeys(fingerprint(storage_config, None))
         self._local = threading.local()
         self._clients: list[Client] = []
+        self._warm: list[Client] = []  # warmed at registration, each taken by the first thread that moves pages
+        try:
+            self.warm_clients = int(extra["warm_clients"]) if extra.get("warm_clients") is not None else WARM_CLIENTS
+        except ValueError as err:
+            raise ValueError(f"kvstore HiCache backend: warm_clients: {err}") from None
+        if self.warm_clients < 0:
+            raise ValueError(f"kvstore HiCache backend: warm_clients must be >= 0; got {self.warm_clients}")
         self._lock = threading.Lock()
         self.mem_pool_host: Any = None
 
@@ -83,7 +95,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if not keys:
             return 0
         try:
-            return int(self._client().lookup(self.namespace, self._keys.hashes(keys)))
+            return int(self._client(moves_pages=False).lookup(self.namespace, self._keys.hashes(keys)))
         except Exception as err:  # unreachable: nothing is cached, as far as SGLang can tell
             self._drop_client(err, "Lookup")
             return 0
@@ -158,7 +170,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def clear(self) -> None:
         """Closes this backend's clients (the store's blocks stay: other engines share them)."""
         with self._lock:
-            clients, self._clients = self._clients, []
+            clients, self._clients, self._warm = self._clients, [], []
         for client in clients:
             client.close()
         self._local = threading.local()
@@ -173,21 +185,32 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return page_segments(ptrs, sizes, len(keys))
 
     def _warm_up(self) -> None:
-        """The registering thread's client connected, and the process's copy and CRC32C kernels compiled, before
-        SGLang's first request (a fresh client's first Gets otherwise take 2-4x a warm one's: bench.first_gets).
-        A store down now raises nothing: the client opens its lane at a later call; any error is logged."""
-        try:
-            self._client().warm_up()
-        except Exception as err:
-            self._drop_client(err, "warm-up")
-
-    def _client(self) -> Client:
-        client: Client | None = getattr(self._local, "client", None)
-        if client is None:
+        """``warm_clients`` clients with their lanes open and the process's kernels compiled, before SGLang's first
+        request (see the module docstring). A store down now raises nothing: a client opens its lane at a later
+        call; any other error is logged, and the threads make their own clients."""
+        for _ in range(self.warm_clients):
             client = Client(self.target, **self._client_args)
-            self._local.client = client
+            try:
+                client.warm_up()
+            except Exception as err:
+                log.warning("kvstore HiCache backend: warm-up failed: %s", err)
+                client.close()
+                return
             with self._lock:
                 self._clients.append(client)
+                self._warm.append(client)
+
+    def _client(self, moves_pages: bool = True) -> Client:
+        """This thread's client: a warmed one for a thread that moves pages while any is left, else a new one."""
+        client: Client | None = getattr(self._local, "client", None)
+        if client is None:
+            with self._lock:
+                client = self._warm.pop() if moves_pages and self._warm else None
+            if client is None:
+                client = Client(self.target, **self._client_args)
+                with self._lock:
+                    self._clients.append(client)
+            self._local.client = client
         return client
 
     def _drop_client(self, err: Exception, verb: str) -> None:
