@@ -177,7 +177,8 @@ class ServeConfig:
     )
     shm_lane_bytes: int = _opt(
         parse_size("256MiB"),
-        "shared-memory region of each shm lane: a batch in flight plus Get results lent to the client",
+        "shared-memory region of each shm lane: a batch in flight plus Get results lent to the client; its memory is "
+        "reserved as grants reach it, 16 MiB at a time (a direct lane's Gets and Puts seldom do)",
         parse_size,
         "SIZE",
     )
@@ -231,7 +232,7 @@ class ServeConfig:
         "back after it); a lane idle for 10 leases is closed",
         float,
     )
-    lane_max: int = _opt(32, "most lanes open at once (each shm lane holds --shm-lane-bytes of memory)", int)
+    lane_max: int = _opt(32, "most lanes open at once (each shm lane holds at most --shm-lane-bytes of memory)", int)
     # Compression (kvstore/codecs; DESIGN 5)
     lossy_namespaces: str = _opt(
         "",

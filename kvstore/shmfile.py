@@ -6,6 +6,11 @@ tmpfs fails here with the OSError, never later as SIGBUS) and mapped read-write,
 pages (a tmpfs mounted ``huge=advise`` or more grants them; /dev/shm as a rule does not); nothing is left behind when
 it fails. Used by the shm lanes' regions (``kvstore/lanes/shm_region.py``) and the shared DRAM
 arena (``kvstore/tiers/arena.py``); the pid in the name lets a later start sweep files of a killed store.
+
+``create_growing(directory, prefix, size, reserved) -> (path, mapping, fd)``: the same file of ``size`` bytes with
+only its first ``reserved`` reserved; the caller keeps ``fd`` to ``posix_fallocate`` more before it lets anyone
+write there, and closes it. A lane's region is reserved as it is used: most Gets and Puts of a direct lane never
+touch it, and reserving 256 MiB took 65 ms of every lane's opening.
 """
 
 from __future__ import annotations
@@ -21,16 +26,29 @@ DRAM_PREFIX = "kvstore-dram-"  # a store's shared DRAM arena, mapped read-only b
 
 
 def create(directory: str, prefix: str, size: int) -> tuple[str, mmap.mmap]:
+    path, mapping, _ = _create(directory, prefix, size, size, keep_fd=False)
+    return path, mapping
+
+
+def create_growing(directory: str, prefix: str, size: int, reserved: int) -> tuple[str, mmap.mmap, int]:
+    return _create(directory, prefix, size, min(reserved, size), keep_fd=True)
+
+
+def _create(directory: str, prefix: str, size: int, reserved: int, keep_fd: bool) -> tuple[str, mmap.mmap, int]:
     path = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(16)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)
-        os.posix_fallocate(fd, 0, size)
+        os.ftruncate(fd, size)
+        if reserved > 0:
+            os.posix_fallocate(fd, 0, reserved)
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         advise_mapping(mapping)  # huge pages where the tmpfs allows them (mounted huge=advise or more)
     except BaseException:
+        os.close(fd)
         os.unlink(path)
         raise
-    finally:
+    if not keep_fd:
         os.close(fd)
-    return path, mapping
+        fd = -1
+    return path, mapping, fd

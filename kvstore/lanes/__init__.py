@@ -12,7 +12,7 @@ Handshake (``negotiate.py`` on the client, ``servicer.py`` on the server)::
     client                                   server
     OpenLane(kinds=[shm, tcp], host_id) ──▶  same host_id and shm enabled: create
                                              /dev/shm/kvstore-lane-<128 random bits>
-                                             (O_EXCL, mode 0600, fallocated)
+                                             (O_EXCL, mode 0600; fallocated as grants reach it)
     ◀── kind, lane_id, token, host_id,       else tcp: token for the bulk listener
         shm_path+shm_bytes | tcp_port,
         lease_seconds

@@ -1,10 +1,12 @@
 """Shared-memory regions of the shm lane: created by the server, mapped by both sides.
 
-``ShmRegion.create(dir, size)`` (server): a file ``<dir>/kvstore-lane-<server
+``ShmRegion.create(dir, size, reserved=None)`` (server): a file ``<dir>/kvstore-lane-<server
 pid>-<32 hex digits from secrets.token_hex>`` opened with O_CREAT|O_EXCL|O_NOFOLLOW and
 mode 0600 (only this uid can open it; the name is unguessable), its pages
-reserved with ``posix_fallocate`` (a full /dev/shm fails here with ENOSPC,
-never later as SIGBUS), and mapped shared. ``unlink()`` removes the name once
+reserved with ``posix_fallocate`` (a full /dev/shm fails there with ENOSPC,
+never later as SIGBUS), and mapped shared. With ``reserved`` only that much is reserved at once and
+``reserve(end)`` reserves more, ``RESERVE_STEP`` at a time, before anything past it is granted (a lane's
+region, ``lanes/server/grants.py``): False, and ``reserve_failure`` says why, when the directory is full. ``unlink()`` removes the name once
 the client has mapped it (or the lane closes): from then on only the two
 mappings keep the memory, and it is freed when both are gone, even if a
 process is killed.
@@ -22,16 +24,21 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import mmap
 import os
 import stat
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvstore import shmfile
 from kvstore.hugepages import files_get_huge_pages
 
+log = logging.getLogger(__name__)
+
+RESERVE_STEP = 16 << 20  # what a region's reserve grows by (about 4 ms of posix_fallocate on tmpfs here)
 PREFIX = shmfile.LANE_PREFIX
 DRAM_PREFIX = shmfile.DRAM_PREFIX  # a store's shared DRAM arena (kvstore/tiers/arena.py), mapped read-only
 
@@ -48,15 +55,47 @@ class ShmRegion:
     array: np.ndarray  # uint8 view of the whole region
     view: memoryview  # flat byte view of the whole region
     small_pages: bool = False  # in 4 KiB pages: the store reads NVMe blocks elsewhere first (O_DIRECT ran slow here)
+    reserved: int = -1  # bytes from the start whose pages are reserved (-1: all of them)
+    reserve_failure: str = ""  # why the last ``reserve`` failed
+    _fd: int = -1  # the file, kept open to reserve more
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def create(cls, directory: str, size: int) -> ShmRegion:
+    def create(cls, directory: str, size: int, reserved: int | None = None) -> ShmRegion:
+        """A new region of ``size`` bytes, all of it reserved, or only ``reserved`` bytes of it (see the module
+        docstring)."""
+        want = size if reserved is None else min(reserved, size)
         try:
-            path, mapping = shmfile.create(directory, PREFIX, size)
+            if reserved is None:
+                path, mapping = shmfile.create(directory, PREFIX, size)
+                fd = -1
+            else:
+                path, mapping, fd = shmfile.create_growing(directory, PREFIX, size, want)
         except OSError as err:
-            raise RegionError(err.errno, f"cannot reserve {size} bytes in {directory}: {err.strerror}") from None
+            raise RegionError(err.errno, f"cannot reserve {want} bytes in {directory}: {err.strerror}") from None
         array = np.frombuffer(mapping, dtype=np.uint8)
-        return cls(path, size, mapping, array, array.data, files_get_huge_pages(directory) is False)
+        huge = files_get_huge_pages(directory)
+        return cls(path, size, mapping, array, array.data, huge is False, -1 if fd < 0 else want, _fd=fd)
+
+    def reserve(self, end: int) -> bool:
+        """The pages of bytes ``[0, end)`` reserved (see the module docstring)."""
+        if self.reserved < 0 or end <= self.reserved:
+            return True
+        with self._lock:
+            if end <= self.reserved:
+                return True
+            if self._fd < 0:
+                return False  # closed
+            upto = min(self.size, -(-end // RESERVE_STEP) * RESERVE_STEP)
+            try:
+                os.posix_fallocate(self._fd, self.reserved, upto - self.reserved)
+            except OSError as err:
+                self.reserve_failure = f"the shm directory could not reserve more of it: {err.strerror}"
+                log.warning("lane region %s: %s (%d of %d bytes reserved)", self.path, self.reserve_failure,
+                            self.reserved, self.size)  # fmt: skip
+                return False
+            self.reserved = upto
+            return True
 
     @functools.cached_property
     def address(self) -> int:
@@ -72,6 +111,10 @@ class ShmRegion:
     def close(self) -> None:
         """Unlink and drop this side's references; the pages go when the last mapping does."""
         self.unlink()
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
         self.detach()
 
     def detach(self) -> None:
@@ -82,6 +125,12 @@ class ShmRegion:
             self.mapping.close()
         except BufferError:  # a copy in flight still holds a view; the mapping goes with the last one
             pass
+
+
+def short_of_memory(region: object) -> str:
+    """ "; why" when ``region`` could not reserve more of itself (for a region-full error), else ""."""
+    failure = region.reserve_failure if isinstance(region, ShmRegion) else ""
+    return f"; {failure}" if failure else ""
 
 
 def attach(path: str, size: int, *, readonly: bool = False) -> ShmRegion:

@@ -21,7 +21,10 @@
 
 Verbs: ``run(fn) -> result | None`` calls ``fn(lane)`` on a lane held for
 that call alone (None: no lane, use gRPC). A ``LaneBroken`` drops that lane
-and retries ``fn`` once on a fresh one. At most ``max_lanes`` lanes are open;
+and retries ``fn`` once on a fresh one; when that one breaks too, an optional
+pool (auto) answers None (the call goes by gRPC: a store whose shm directory
+cannot reserve more of a lane's region, a block larger than the region) and
+opens no new lane for ``RETRY_SECONDS``, an explicit lane raises UNAVAILABLE. At most ``max_lanes`` lanes are open;
 more concurrent calls wait for one. ``kind`` is the lane in use ("grpc" when
 none); ``close()`` closes every lane.
 """
@@ -105,6 +108,11 @@ class LanePool:
         except LaneBroken as err:
             assert lane is not None
             self._discard(lane)
+            if self.optional:  # a fresh lane failed too: this call goes by gRPC, and new lanes wait a while
+                log.warning("%s lane failed twice (%s): using gRPC, new lanes in %.0f s", lane.kind, err, RETRY_SECONDS)
+                with self._cond:
+                    self._retry_at = time.monotonic() + RETRY_SECONDS
+                return None
             raise KVStoreError(grpc.StatusCode.UNAVAILABLE, f"{lane.kind} lane failed twice: {err}") from None
         except BaseException:
             if lane is not None:

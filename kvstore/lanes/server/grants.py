@@ -30,7 +30,7 @@ import bisect
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,10 +43,12 @@ ALIGN = 4096
 
 
 class RangeAllocator:
-    """First-fit allocator of aligned byte ranges in a region of ``size`` bytes."""
+    """First-fit allocator of aligned byte ranges in a region of ``size`` bytes; ``reserve(end)``, when given, is
+    asked before a range ending at ``end`` is handed out (the region's pages reserved that far) and a False makes
+    that allocation fail as if the region were full."""
 
-    def __init__(self, size: int, align: int = ALIGN):
-        self.size, self.align = size, align
+    def __init__(self, size: int, align: int = ALIGN, reserve: Callable[[int], bool] | None = None):
+        self.size, self.align, self._reserve = size, align, reserve
         self._starts: list[int] = [0]  # free ranges, sorted by start, coalesced
         self._lengths: list[int] = [size]
         self._used: dict[int, int] = {}
@@ -60,6 +62,8 @@ class RangeAllocator:
         for i, length in enumerate(self._lengths):
             if length >= need:
                 start = self._starts[i]
+                if self._reserve is not None and not self._reserve(start + need):
+                    return None
                 if length == need:
                     del self._starts[i], self._lengths[i]
                 else:
@@ -101,8 +105,8 @@ class Grant:
 
 
 class GrantTable:
-    def __init__(self, region_bytes: int, lease_seconds: float):
-        self.ranges = RangeAllocator(region_bytes)
+    def __init__(self, region_bytes: int, lease_seconds: float, reserve: Callable[[int], bool] | None = None):
+        self.ranges = RangeAllocator(region_bytes, reserve=reserve)
         self.lease = lease_seconds
         self._grants: dict[int, Grant] = {}
         self._ids = itertools.count(1)

@@ -37,7 +37,7 @@ from kvstore.lanes.server.registry import LaneRegistry
 from kvstore.lanes.server.shm import ShmServerLane, put_conversation
 from kvstore.lanes.server.storeops import StoreOps
 from kvstore.lanes.server.tcp import TcpLaneServer, TcpServerLane
-from kvstore.lanes.shm_region import RegionError, ShmRegion
+from kvstore.lanes.shm_region import RESERVE_STEP, RegionError, ShmRegion
 from kvstore.v1 import lanes_pb2 as lpb
 from kvstore.v1 import lanes_pb2_grpc as lpb_grpc
 
@@ -97,7 +97,11 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 return None
             shm_dir = self.shm_dir
             opened = self._region_lane(
-                "shm", lambda: ShmRegion.create(shm_dir, self.shm_bytes), ShmServerLane, reasons, access
+                "shm",
+                lambda: ShmRegion.create(shm_dir, self.shm_bytes, reserved=RESERVE_STEP),  # the rest as it is granted
+                ShmServerLane,
+                reasons,
+                access,
             )
             if opened is None:
                 return None

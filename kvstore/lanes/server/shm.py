@@ -46,7 +46,7 @@ from kvstore.lanes.server.lane import ServerLane
 from kvstore.lanes.server.pools import MappedPools
 from kvstore.lanes.server.shm_get import ShmGets
 from kvstore.lanes.server.storeops import Reservation, StoreOps
-from kvstore.lanes.shm_region import ShmRegion
+from kvstore.lanes.shm_region import ShmRegion, short_of_memory
 from kvstore.memops import copy_crc, copy_into, crcs_of, host_view
 from kvstore.store import Lease
 from kvstore.v1 import kvstore_pb2 as pb
@@ -64,7 +64,8 @@ class ShmServerLane(ShmGets, ServerLane):
     def __init__(self, region: ShmRegion | DeviceRegion, ops: StoreOps, lease_seconds: float):
         super().__init__()
         self.region, self.ops, self.lease = region, ops, lease_seconds
-        self.grants = GrantTable(region.size, lease_seconds)
+        reserve = region.reserve if isinstance(region, ShmRegion) else None  # reserved as it is granted
+        self.grants = GrantTable(region.size, lease_seconds, reserve)
         self._attached = threading.Event()
         self._created = self.last_used
         self.direct: DirectPeer | None = None  # set by the direct handshake: puts may name client addresses
@@ -133,7 +134,7 @@ class ShmServerLane(ShmGets, ServerLane):
             raise LaneError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"block 0 of {metas[0].stored_length} bytes does not fit what is free of the lane's "
-                f"{self.region.size}-byte region",
+                f"{self.region.size}-byte region{short_of_memory(self.region)}",
             )
         return reply
 

@@ -50,6 +50,7 @@ from kvstore.lanes.server.written import (
     raw_in_host_or_lower,
     write_reply,
 )
+from kvstore.lanes.shm_region import short_of_memory
 from kvstore.memops import host_view
 from kvstore.store import Lease
 from kvstore.store.readahead import has_cold
@@ -242,7 +243,8 @@ class ShmGets:
             if handled == 0 and leases:  # the client's region is taken by blocks it still holds: another lane
                 raise LaneError(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"block 0 does not fit what is free of the lane's {self.region.size}-byte region",
+                    f"block 0 does not fit what is free of the lane's {self.region.size}-byte region"
+                    f"{short_of_memory(self.region)}",
                 )
             pending.handled, pending.last = handled, True
             self._copy_out(copies)
