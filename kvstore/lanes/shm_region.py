@@ -4,9 +4,11 @@
 pid>-<32 hex digits from secrets.token_hex>`` opened with O_CREAT|O_EXCL|O_NOFOLLOW and
 mode 0600 (only this uid can open it; the name is unguessable), its pages
 reserved with ``posix_fallocate`` (a full /dev/shm fails there with ENOSPC,
-never later as SIGBUS), and mapped shared. With ``reserved`` only that much is reserved at once and
-``reserve(end)`` reserves more, ``RESERVE_STEP`` at a time, before anything past it is granted (a lane's
-region, ``lanes/server/grants.py``): False, and ``reserve_failure`` says why, when the directory is full. ``unlink()`` removes the name once
+never later as SIGBUS), and mapped shared. With ``reserved`` only that much
+is reserved at once, and ``reserve(end)`` reserves more, ``RESERVE_STEP`` at
+a time, before anything past it is granted (a lane's region: the store's
+``lanes/server/grants.py`` asks): False, with ``reserve_failure`` saying why,
+when the directory is full. ``unlink()`` removes the name once
 the client has mapped it (or the lane closes): from then on only the two
 mappings keep the memory, and it is freed when both are gone, even if a
 process is killed.
@@ -94,7 +96,7 @@ class ShmRegion:
                 log.warning("lane region %s: %s (%d of %d bytes reserved)", self.path, self.reserve_failure,
                             self.reserved, self.size)  # fmt: skip
                 return False
-            self.reserved = upto
+            self.reserved, self.reserve_failure = upto, ""
             return True
 
     @functools.cached_property

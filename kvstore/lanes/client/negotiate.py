@@ -24,9 +24,9 @@ that call alone (None: no lane, use gRPC). A ``LaneBroken`` drops that lane
 and retries ``fn`` once on a fresh one; when that one breaks too, an optional
 pool (auto) answers None (the call goes by gRPC: a store whose shm directory
 cannot reserve more of a lane's region, a block larger than the region) and
-opens no new lane for ``RETRY_SECONDS``, an explicit lane raises UNAVAILABLE. At most ``max_lanes`` lanes are open;
-more concurrent calls wait for one. ``kind`` is the lane in use ("grpc" when
-none); ``close()`` closes every lane.
+opens no new lane for ``RETRY_SECONDS``; an explicit lane raises UNAVAILABLE.
+At most ``max_lanes`` lanes are open; more concurrent calls wait for one.
+``kind`` is the lane in use ("grpc" when none); ``close()`` closes every lane.
 """
 
 from __future__ import annotations
