@@ -84,6 +84,7 @@ def test_a_region_reserves_in_steps_and_says_why_it_cannot(monkeypatch: pytest.M
             patched.setattr(os, "posix_fallocate", full)
             assert not region.reserve(3 * RESERVE_STEP) and region.reserved == 2 * RESERVE_STEP
         assert "could not reserve more of it: No space left on device" in region.reserve_failure
+        assert region.reserve(3 * RESERVE_STEP) and region.reserve_failure == ""  # room again: no stale reason
     finally:
         region.close()
     assert not region.reserve(4 * RESERVE_STEP)  # closed: nothing more
