@@ -35,10 +35,10 @@ def first_fit(held: list[tuple[int, int]], need: int) -> int | None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    ops=st.lists(st.one_of(st.integers(1, 6 * ALIGN), st.just(-1)), max_size=60),
+    ops=st.lists(st.one_of(st.tuples(st.integers(1, 6 * ALIGN), st.booleans()), st.just(None)), max_size=60),
     limit=st.integers(0, 24).map(lambda pages: pages * ALIGN),
 )
-def test_no_range_is_handed_out_past_what_was_reserved(ops: list[int], limit: int) -> None:
+def test_no_range_is_handed_out_past_what_was_reserved(ops: list[tuple[int, bool] | None], limit: int) -> None:
     reserved = [0]
 
     def reserve(end: int) -> bool:
@@ -50,17 +50,23 @@ def test_no_range_is_handed_out_past_what_was_reserved(ops: list[int], limit: in
     alloc = RangeAllocator(SIZE, reserve=reserve)
     held: list[tuple[int, int]] = []
     for op in ops:
-        if op < 0:
+        if op is None:
             if held:
                 alloc.free(held.pop(0)[0])
             continue
-        need = -(-op // ALIGN) * ALIGN
+        nbytes, written = op
+        need = -(-nbytes // ALIGN) * ALIGN
         expected = first_fit(held, need)
-        offset = alloc.allocate(op)
-        if expected is None or expected + need > limit:  # no room, or none reserved there: refused, nothing taken
+        was = reserved[0]
+        offset = alloc.allocate(nbytes, reserve=written)
+        if expected is None or (written and expected + need > limit):  # no room, or no pages: refused, none taken
             assert offset is None
             continue
-        assert offset == expected and offset + need <= reserved[0] <= limit
+        assert offset == expected
+        if written:
+            assert offset + need <= reserved[0] <= limit
+        else:  # a range nobody writes (a direct Put's) reserves nothing
+            assert reserved[0] == was
         held.append((offset, need))
     assert alloc.used_bytes == sum(n for _, n in held)
 
@@ -121,6 +127,22 @@ def test_a_lane_reserves_what_its_grants_use(make_server) -> None:
         assert [bytes(b) for b in kv.get("ns", keys(10))] == blocks
         (grown,) = (v for k, v in _lane_regions().items() if k in opened)
         assert 40 * MiB <= grown <= 48 * MiB  # what the grants reached, in steps
+
+
+def test_a_direct_lane_reserves_nothing_past_its_first_step(make_server) -> None:
+    """A direct Put's ranges are never written (the store reads the client's memory) and a direct Get takes none."""
+    import numpy as np
+
+    server = make_server(dram=256 * MiB, shm_lane_bytes=256 * MiB)
+    blocks = [np.full(2 * MiB, i, dtype=np.uint8) for i in range(24)]  # 48 MiB in one reserve
+    before = _lane_regions()
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        assert all(r.ok for r in kv.put("ns", keys(24), blocks))
+        out = [np.empty(2 * MiB, dtype=np.uint8) for _ in blocks]
+        kv.get("ns", keys(24), out=out)
+        assert all((o == b).all() for o, b in zip(out, blocks))
+        assert server.metrics.counters()["lane_shm_direct_put_bytes"] == 48 * MiB
+        assert [v for k, v in _lane_regions().items() if k not in before] == [RESERVE_STEP]
 
 
 def test_a_full_shm_directory_fails_only_what_does_not_fit(make_server, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,7 @@
 
 Verbs of ``GrantTable`` (thread-safe; one per shared-memory lane):
 
-- ``open_put() -> grant``, ``add_put(grant, hash, length, item) -> bool``
+- ``open_put() -> grant``, ``add_put(grant, hash, length, item, written=True) -> bool``
   (a region range for each block whose bytes are wanted, False once the region
   is full), ``arm(grant)``: the grant expires ``lease`` seconds from then.
 - ``claim(grant_id, descriptors) -> slots``: the client commits. Every
@@ -57,12 +57,14 @@ class RangeAllocator:
     def used_bytes(self) -> int:
         return sum(self._used.values())
 
-    def allocate(self, nbytes: int) -> int | None:
+    def allocate(self, nbytes: int, reserve: bool = True) -> int | None:
+        """The offset of ``nbytes`` (rounded up to ``align``), or None; ``reserve=False``: a range nobody writes
+        (a direct Put's, whose bytes come from the client's memory) needs no reserved pages."""
         need = -(-max(nbytes, 1) // self.align) * self.align
         for i, length in enumerate(self._lengths):
             if length >= need:
                 start = self._starts[i]
-                if self._reserve is not None and not self._reserve(start + need):
+                if reserve and self._reserve is not None and not self._reserve(start + need):
                     return None
                 if length == need:
                     del self._starts[i], self._lengths[i]
@@ -124,15 +126,16 @@ class GrantTable:
             self._grants[grant.id] = grant
             return grant
 
-    def add_put(self, grant: Grant, key: bytes, length: int, item: Any) -> bool:
-        """Append a slot: with a range when ``item`` (a reservation) needs the bytes written,
-        without one when its result is already final. False when the region is full."""
+    def add_put(self, grant: Grant, key: bytes, length: int, item: Any, written: bool = True) -> bool:
+        """Append a slot: with a range when ``item`` (a reservation) needs the bytes written (``written=False``: a
+        direct Put's, read from the client's memory, so its pages are not reserved), without one when its result
+        is already final. False when the region is full."""
         with self._lock:
             index = len(grant.slots)
             if item is None:
                 grant.slots.append(Slot(index, -1, length, key, None, DONE))
                 return True
-            offset = self.ranges.allocate(length)
+            offset = self.ranges.allocate(length, reserve=written)
             if offset is None:
                 return False
             grant.slots.append(Slot(index, offset, length, key, item))

@@ -107,7 +107,11 @@ class ShmServerLane(ShmGets, ServerLane):
         self.ops.touch(touch.touched, self.access)
 
     # -- put --------------------------------------------------------------------------
-    def reserve(self, namespace: str, headers: Sequence[pb.BlockHeader], release: Sequence[int]) -> lpb.LaneGrant:
+    def reserve(
+        self, namespace: str, headers: Sequence[pb.BlockHeader], release: Sequence[int], direct: bool = False
+    ) -> lpb.LaneGrant:
+        """A grant of region ranges for the blocks the store wants (``direct``: a direct reserve, committed from the
+        client's memory at once: its ranges are never written, so their pages are not reserved)."""
         self._release_grants(release)
         ns = self.ops.namespace(namespace, self.access)
         metas = self.ops.headers(ns, headers)
@@ -119,7 +123,9 @@ class ShmServerLane(ShmGets, ServerLane):
                 res = self.ops.reserve(ns, meta, i, self.access)
                 if res.full and held:
                     break  # the tier is full of this grant's own slots: commit them, then reserve the rest
-                if not self.grants.add_put(grant, meta.hash, meta.stored_length, res if res.ticket else None):
+                if not self.grants.add_put(
+                    grant, meta.hash, meta.stored_length, res if res.ticket else None, written=not direct
+                ):
                     self.ops.abort([res])
                     break
                 held = held or res.ticket is not None
@@ -293,10 +299,11 @@ def put_conversation(
             step = msg.WhichOneof("step")
             if step == "reserve":
                 r = msg.reserve
-                grant = lane.reserve(r.namespace, r.headers, r.release)
+                direct = bool(r.addresses or r.segment_counts)
+                grant = lane.reserve(r.namespace, r.headers, r.release, direct)
                 grants.append(grant.grant_id)
                 yield lpb.LanePutResponse(grant=grant)
-                if r.addresses or r.segment_counts:  # a direct round: read and commit what was granted, now
+                if direct:  # a direct round: read and commit what was granted, now
                     yield lpb.LanePutResponse(committed=lane.commit_direct(grant, r.headers, reserve_sources(r)))
             elif step == "commit":
                 c = msg.commit
