@@ -183,3 +183,20 @@ def test_lane_open_bench_measures_both_kinds_and_the_memory_held() -> None:
     assert (shm["lane"], tcp["lane"]) == ("shm", "tcp") and shm["connect_ms"] > 0 and tcp["grpc_ms"] > 0
     assert shm["region_mib_total"] == 512 and "shm_mib_held" in shm  # /dev/shm is shared with parallel tests: the
     # figure itself is the bench's to report; test_a_lane_reserves_what_its_grants_use checks a lane's own region
+
+
+def test_a_lane_that_fails_to_start_leaves_no_region_behind(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.lanes.server import servicer
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("the lane's set-up failed")
+
+    monkeypatch.setattr(servicer, "ShmServerLane", broken)
+    server = make_server()
+    mine = f"kvstore-lane-{os.getpid()}-"
+    names, fds = {n for n in os.listdir("/dev/shm") if n.startswith(mine)}, _lane_regions()
+    with Client(f"127.0.0.1:{server.port}", retries=0) as kv:
+        assert kv.connect() == "tcp"  # the shm lane was refused: the next kind
+        assert kv.put("ns", keys(1), [b"x" * 4096])[0].ok and bytes(kv.get("ns", keys(1))[0]) == b"x" * 4096
+    assert {n for n in os.listdir("/dev/shm") if n.startswith(mine)} <= names  # no name left
+    assert set(_lane_regions()) <= set(fds)  # no file held open

@@ -192,7 +192,13 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
             log.warning("cannot create a %s lane region: %s", name, err)
             reasons.append(f"{name} region: {err}")
             return None
-        lane = lane_class(region, self.ops, self.registry.lease)
+        try:
+            lane = lane_class(region, self.ops, self.registry.lease)
+        except Exception as err:  # a bug, not the client's: the next kind may still serve it
+            region.close()  # its fd, its reserved pages and its name
+            log.exception("cannot set up a %s lane", name)
+            reasons.append(f"{name} lane: {err}")
+            return None
         lane.access = access
         try:
             self.registry.add(lane)
