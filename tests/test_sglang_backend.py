@@ -155,6 +155,8 @@ def test_registering_the_pool_warms_the_clients_that_move_pages(sglang_store, mo
     pool = small_pool(4)
     backend = _backend(sglang_store, pool)
     assert list(warmed.values()) == ["shm", "shm"]  # at registration, before any verb: lanes open
+    backend.register_mem_pool_host(pool)  # registered again: nothing more to warm
+    assert len(warmed) == 2
     keys = ["03" * 32, "04" * 32]
     threads = [
         threading.Thread(target=lambda: backend.batch_exists(keys)),  # SGLang's prefetch thread: a lookup only

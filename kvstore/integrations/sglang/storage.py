@@ -188,7 +188,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """``warm_clients`` clients with their lanes open and the process's kernels compiled, before SGLang's first
         request (see the module docstring). A store down now raises nothing: a client opens its lane at a later
         call; any other error is logged, and the threads make their own clients."""
-        for _ in range(self.warm_clients):
+        with self._lock:
+            wanted = self.warm_clients - len(self._warm)  # registered again: only what is missing
+        for _ in range(wanted):
             client = Client(self.target, **self._client_args)
             try:
                 client.warm_up()
