@@ -4,7 +4,8 @@
   give: ``shm`` when the client's host id equals this node's and a region can
   be created, ``cuda_ipc`` likewise with a device region (and a client process
   other than the server's), ``tcp`` when the bulk listener runs; else
-  ``LANE_UNSPECIFIED`` with the reason (the client keeps using gRPC).
+  ``LANE_UNSPECIFIED`` with the reason (the client keeps using gRPC). A kind
+  whose region or set-up fails is a reason, and the next kind is tried.
 - ``LanePut`` (a stream of reserves and commits) / ``LaneGet``: the shm and
   cuda_ipc lanes' verbs (``shm_server``, ``cuda_server``); the first of them
   unlinks the region's file.
