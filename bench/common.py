@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -145,6 +146,19 @@ def write_json(path: Path, rows: Sequence[Row], args: argparse.Namespace | None 
         "rows": list(rows),
     }
     path.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+
+
+def child_row(module: str, *args: str, timeout: float = 300) -> Row:
+    """Run ``python -m bench.<module> --child ARGS`` in a fresh process (from the project's root) and return the
+    JSON object its last line of stdout prints; RuntimeError with the tail of its stderr when it fails."""
+    done = subprocess.run(
+        [sys.executable, "-m", f"bench.{module}", "--child", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"bench.{module} --child {' '.join(args)} failed: {done.stderr[-2000:]}")
+    row: Row = json.loads(done.stdout.strip().splitlines()[-1])
+    return row
 
 
 def _json_default(value: Any) -> Any:

@@ -30,7 +30,6 @@ import contextlib
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import parse_args, positive, report
+from bench.common import child_row, parse_args, positive, report
 
 LANES = ("shm-disk", "shm", "tcp")
 STARTS = ("connect", "warm_up")
@@ -112,14 +111,9 @@ def measure(block: int, count: int, processes: int, root: Path, bar: tqdm) -> li
                 keys_file = root / f"keys-{lane}-{start}-{r}.json"
                 keys_file.write_text(json.dumps(keys[lane][taken[lane] : taken[lane] + GETS]))
                 taken[lane] += GETS
-                run = subprocess.run(
-                    [sys.executable, "-m", "bench.first_gets", "--child", targets[lane], lane, start, str(keys_file),
-                     str(block)],
-                    capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent,
-                )  # fmt: skip
-                if run.returncode != 0:
-                    raise RuntimeError(f"a {lane} client ({start}) failed: {run.stderr[-2000:]}")
-                seen[(lane, start)].append(json.loads(run.stdout.strip().splitlines()[-1]))
+                seen[(lane, start)].append(
+                    child_row("first_gets", targets[lane], lane, start, str(keys_file), str(block))
+                )
                 bar.update(1)
         hits = {}
         for lane in LANES:  # every Get above read NVMe: the stores' own count

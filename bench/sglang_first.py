@@ -19,17 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from bench.common import parse_args, positive, report
+from bench.common import child_row, parse_args, positive, report
 from bench.sglang_hicache import PAGE, PageFirstPool, backend_for
 
 GETS = 8
@@ -87,14 +85,7 @@ def measure(pages: int, processes: int, bar: tqdm) -> list[dict[str, Any]]:
         for r in range(processes):
             order = WARM_CLIENTS if r % 2 == 0 else WARM_CLIENTS[::-1]  # each way meets the host alike
             for warm_clients in order:
-                done = subprocess.run(
-                    [sys.executable, "-m", "bench.sglang_first", "--child", target, str(warm_clients), str(pages),
-                     str(r)],
-                    capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent,
-                )  # fmt: skip
-                if done.returncode != 0:
-                    raise RuntimeError(f"a fresh engine (warm_clients {warm_clients}) failed: {done.stderr[-2000:]}")
-                runs[warm_clients].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                runs[warm_clients].append(child_row("sglang_first", target, str(warm_clients), str(pages), str(r)))
                 bar.update(1)
     p50 = statistics.median
     warm_ms = p50([g for run in runs[max(WARM_CLIENTS)] for g in run["gets_ms"][3:]])
