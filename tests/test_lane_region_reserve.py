@@ -58,7 +58,7 @@ def test_no_range_is_handed_out_past_what_was_reserved(ops: list[tuple[int, bool
         need = -(-nbytes // ALIGN) * ALIGN
         expected = first_fit(held, need)
         was = reserved[0]
-        offset = alloc.allocate(nbytes, reserve=written)
+        offset = alloc.allocate(nbytes, written)
         if expected is None or (written and expected + need > limit):  # no room, or no pages: refused, none taken
             assert offset is None
             continue

@@ -57,14 +57,14 @@ class RangeAllocator:
     def used_bytes(self) -> int:
         return sum(self._used.values())
 
-    def allocate(self, nbytes: int, reserve: bool = True) -> int | None:
-        """The offset of ``nbytes`` (rounded up to ``align``), or None; ``reserve=False``: a range nobody writes
+    def allocate(self, nbytes: int, written: bool = True) -> int | None:
+        """The offset of ``nbytes`` (rounded up to ``align``), or None; ``written=False``: a range nobody writes
         (a direct Put's, whose bytes come from the client's memory) needs no reserved pages."""
         need = -(-max(nbytes, 1) // self.align) * self.align
         for i, length in enumerate(self._lengths):
             if length >= need:
                 start = self._starts[i]
-                if reserve and self._reserve is not None and not self._reserve(start + need):
+                if written and self._reserve is not None and not self._reserve(start + need):
                     return None
                 if length == need:
                     del self._starts[i], self._lengths[i]
@@ -135,7 +135,7 @@ class GrantTable:
             if item is None:
                 grant.slots.append(Slot(index, -1, length, key, None, DONE))
                 return True
-            offset = self.ranges.allocate(length, reserve=written)
+            offset = self.ranges.allocate(length, written)
             if offset is None:
                 return False
             grant.slots.append(Slot(index, offset, length, key, item))
