@@ -129,8 +129,8 @@ def test_registering_the_pool_warms_the_clients_that_move_pages(sglang_store, mo
 
     from kvstore.node_client import NodeClient
 
-    warmed: dict[int, str] = {}
-    used: dict[str, int] = {}
+    warmed: list[tuple[NodeClient, str]] = []  # holds the clients: an id() could be reused once one is freed
+    used: dict[str, object] = {}
     real_warm_up, real_get, real_put, real_lookup = (
         NodeClient.warm_up,
         NodeClient.get,
@@ -139,12 +139,15 @@ def test_registering_the_pool_warms_the_clients_that_move_pages(sglang_store, mo
     )
 
     def warm_up(client: NodeClient) -> str:
-        warmed[id(client)] = real_warm_up(client)
-        return warmed[id(client)]
+        warmed.append((client, real_warm_up(client)))
+        return warmed[-1][1]
+
+    def is_warm(client: object) -> bool:
+        return any(client is warm for warm, _ in warmed)
 
     def spy(verb: str, real):  # noqa: ANN001, ANN202
         def call(client: NodeClient, *args, **kwargs):  # noqa: ANN002, ANN003
-            used[verb] = id(client)
+            used[verb] = client
             return real(client, *args, **kwargs)
 
         return call
@@ -154,7 +157,7 @@ def test_registering_the_pool_warms_the_clients_that_move_pages(sglang_store, mo
         monkeypatch.setattr(NodeClient, verb, spy(verb, real))
     pool = small_pool(4)
     backend = _backend(sglang_store, pool)
-    assert list(warmed.values()) == ["shm", "shm"]  # at registration, before any verb: lanes open
+    assert [mode for _, mode in warmed] == ["shm", "shm"]  # at registration, before any verb: lanes open
     backend.register_mem_pool_host(pool)  # registered again: nothing more to warm
     assert len(warmed) == 2
     keys = ["03" * 32, "04" * 32]
@@ -169,13 +172,13 @@ def test_registering_the_pool_warms_the_clients_that_move_pages(sglang_store, mo
     got.start()
     got.join()
     assert used["ok"] == [True, True] and torch.equal(pool.page(2), pool.page(0))
-    assert used["put"] in warmed and used["get"] in warmed and used["put"] != used["get"]
-    assert used["lookup"] not in warmed  # a thread that only looks up left the warm clients to the others
+    assert is_warm(used["put"]) and is_warm(used["get"]) and used["put"] is not used["get"]
+    assert not is_warm(used["lookup"])  # a thread that only looks up left the warm clients to the others
     assert len(warmed) == 2  # nothing else warmed up
     backend.clear()
     sglang_store.kill9()
     late = _backend(sglang_store, pool, timeout=2, retries=0, warm_clients=1)  # an engine starting, its store down
-    assert list(warmed.values())[2:] == ["grpc"]  # no lane opened, nothing raised
+    assert [mode for _, mode in warmed[2:]] == ["grpc"]  # no lane opened, nothing raised
     assert late.batch_exists(keys) == 0  # and it serves misses
 
 
