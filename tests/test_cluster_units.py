@@ -96,14 +96,15 @@ def test_membership_ttl_deregistration_and_lost_registration(local_redis):
     conn = RedisConnector(local_redis.url)
     lost: list[bool] = []
     a = Membership(
-        conn, NodeInfo(id="a", addr="127.0.0.1:1", incarnation="i1"), ttl=0.6, on_lost=lambda: lost.append(True)
+        conn, NodeInfo(id="a", addr="127.0.0.1:1", incarnation="i1"), ttl=1.5, on_lost=lambda: lost.append(True)
     )
     b = Membership(conn, NodeInfo(id="b", addr="127.0.0.1:2", incarnation="i2"), ttl=30)
-    a.beat()
     b.beat()
     r = conn.get()
+    read_members(r, KeyLayout())  # its script loaded, so that a's beat is fresh when it is read
+    a.beat()
     assert [m.id for m in read_members(r, KeyLayout())] == ["a", "b"]
-    time.sleep(0.7)  # a stops heartbeating: gone after its TTL
+    time.sleep(1.6)  # a stops heartbeating: gone after its TTL
     assert [m.id for m in read_members(r, KeyLayout())] == ["b"]
     a.beat()  # back after its entry expired: its index may be gone too
     assert lost == [True]
@@ -240,7 +241,7 @@ def test_redis_memory_per_indexed_block_is_small(local_redis):
     member.start()
     pub.start()
     try:
-        wait_until(lambda: pub.index_id > 0 and pub.pending == 0, what="snapshot of 20000 blocks")
+        wait_until(lambda: pub.index_id > 0 and pub.pending == 0, timeout=30, what="snapshot of 20000 blocks")
         per_block = (r.info("memory")["used_memory"] - before) / n
         assert per_block < 120, f"{per_block:.0f} bytes of Redis memory per indexed block"
     finally:

@@ -81,7 +81,7 @@ def test_last_block_of_a_frame_does_not_wait_for_the_low_water_mark():
             view = memoryview(bytearray(len(data)))
             start = time.monotonic()
             assert framing.recv_into_crc(conn, view, after=0) == crc32c(data)
-            assert time.monotonic() - start < 2.0  # a stall lasts until the 5 s receive timeout
+            assert time.monotonic() - start < 4.0  # a stall lasts until the 5 s receive timeout
             assert bytes(view) == data
         done.set()
         sender.join(5)

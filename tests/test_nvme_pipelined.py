@@ -7,6 +7,7 @@ import itertools
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvstore.tiers.base import CorruptBlock
-from kvstore.tiers.nvme import NvmeTier, PosixBackend
+from kvstore.tiers.nvme import NvmeTier, PosixBackend, pipeline
 from kvstore.tiers.nvme.faults import InstrumentedBackend
 from kvstore.tiers.nvme.format import PAGE, split_loc
 from kvstore.tiers.nvme.io import aligned_buffer
@@ -201,7 +202,12 @@ def spy_reads(backend: InstrumentedBackend) -> list[str]:
 
 
 @pytest.mark.usefixtures("record_checks")
-def test_workers_read_and_the_caller_hands_each_verified_piece_on(tmp_path: Path, hand_on: HandOn) -> None:
+def test_workers_read_and_the_caller_hands_each_verified_piece_on(
+    tmp_path: Path, hand_on: HandOn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a caller waits STALL_S for its workers before it reads a piece itself: long here, so that a loaded host's
+    # slow start of a worker cannot make the caller a reader
+    monkeypatch.setattr(pipeline, "STALL_S", 10.0)
     backend, tier, blocks = hand_on.backend, hand_on.tier, hand_on.blocks
     locs = list(blocks)
     bad = locs[20]
@@ -296,5 +302,6 @@ def test_without_on_caller_each_reader_hands_on_its_own_pieces(hand_on: HandOn) 
     dests = wiped_dests(32)
     tier.read(list(blocks), [BLOCK] * 32, dests, lambda targets: callers.extend([threading.current_thread().name]))
     assert [d.tobytes() for d in dests] == list(blocks.values())
-    assert len(callers) == 32 and threading.current_thread().name in readers
-    assert set(callers) == set(readers)  # each piece handed on by the thread that read it
+    # each piece handed on by the thread that read it (which threads read how many is the scheduler's: on a loaded
+    # host the pool's worker can read all 32 before the caller takes one)
+    assert len(callers) == 32 and Counter(callers) == Counter(readers)

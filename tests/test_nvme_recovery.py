@@ -276,5 +276,6 @@ def test_recovery_of_many_small_blocks_is_fast(tmp_path: Path) -> None:
     count = sum(1 for _ in again.recover())
     seconds = time.perf_counter() - t0
     assert count == n
-    assert seconds < 2.0, f"recovering {n} blocks took {seconds:.2f} s"
+    # loose (0.34 s on the 2-core dev VM) so that a loaded CI host passes it: the speed itself is bench.nvme_recovery's
+    assert seconds < 10.0, f"recovering {n} blocks took {seconds:.2f} s"
     again.close()

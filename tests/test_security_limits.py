@@ -161,7 +161,7 @@ def test_stalled_put_is_cut_off_and_its_slot_freed(make_server, tmp_path):
     release.set()
     elapsed = time.monotonic() - started
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "--max-rpc-seconds" in err.value.details()
-    assert 0.9 < elapsed < 3.0
+    assert 0.9 < elapsed < 10.0  # cut by the watchdog (the call's own timeout is 30 s), late only on a loaded host
     wait_for(lambda: server.gate.slots.open("a") == 0 and server.store.top.used_bytes == 0)
     assert server.store.stats()["blocks"] == 0
     assert server.metrics.counters()["rpc_deadline_expired"] == 1
