@@ -61,9 +61,9 @@ from typing import Any
 import numpy as np
 
 from bench.common import Row, best_seconds, parse_args, report
+from kvstore.free_port import free_port
 from kvstore.integrations.vllm.identity import EngineShape, prompt_hashes
 from kvstore.integrations.vllm_engine import EngineProcess, EngineSpec
-from kvstore.server.process import free_port
 
 BLOCK = 32
 ROOT = Path(__file__).resolve().parents[1]

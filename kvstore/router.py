@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.server.process import ROOT, free_port, store_process
+from kvstore.free_port import free_port
+from kvstore.server.process import ROOT, store_process
 from kvstore.v1 import workers_pb2 as wpb
 from kvstore.v1 import workers_pb2_grpc as wpb_grpc
 

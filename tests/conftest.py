@@ -6,7 +6,6 @@ import faulthandler
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,15 +15,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from kvstore.client import Client
 from kvstore.config import ServeConfig
+from kvstore.free_port import free_port
 from kvstore.server.app import StoreServer
 from kvstore.server.process import serving
 
 ROOT = Path(__file__).resolve().parent.parent
 STOP_SECONDS = 60.0  # an in-process store that takes longer to stop is hung (a deadlock): fail, do not wait
 _hung: list[str] = []
+
+# hypothesis's 200 ms per example is a timing assertion: a loaded CI host stalls an example past it now and then
+settings.register_profile("kvstore", deadline=None)
+settings.load_profile("kvstore")
 
 
 @pytest.fixture(autouse=True)
@@ -127,12 +132,6 @@ def server(make_server) -> StoreServer:
 def client(server) -> Iterator[Client]:
     with Client(f"127.0.0.1:{server.port}", timeout=30) as c:
         yield c
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

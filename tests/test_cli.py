@@ -18,10 +18,11 @@ import pytest
 
 from kvstore import config
 from kvstore.client import Client
+from kvstore.free_port import free_port
 from kvstore.server.app import dram_allocation_error, nvme_room_shortfall
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.config import ServeConfig
+from kvstore.free_port import free_port
 from kvstore.server.app import StoreServer
 from kvstore.server.ports import Listener, PortError, probe
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT
 
 DEFAULT_METRICS_PORT = ServeConfig().metrics_port
 
@@ -148,3 +149,14 @@ def test_a_shm_dir_too_long_for_the_lanes_socket_is_one_line_naming_it(tmp_path)
     code, lines = refused(*flags, "--shm-dir", str(deep))
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"kvstore: --shm-dir {deep}: too long for the shm lane's socket"), lines
+
+
+def test_free_port_is_drawn_below_the_ephemeral_range():
+    # an outgoing connection's local port cannot take it between the pick and the server's bind
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    for _ in range(20):
+        port = free_port()
+        assert port < ephemeral
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

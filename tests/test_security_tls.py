@@ -21,6 +21,7 @@ import yaml
 
 from kvstore.client import Client
 from kvstore.config import ServeConfig
+from kvstore.free_port import free_port
 from kvstore.server.app import StoreServer
 from kvstore.server.tls import InsecureTransport, client_ssl_context, is_loopback, server_ssl_context
 from kvstore.v1 import kvstore_pb2 as pb
@@ -129,7 +130,7 @@ def test_sighup_reloads_certificate_and_tenants(pki, tmp_path):
     tenants = tmp_path / "tenants.yaml"
     old, new = "first-tenant-token-0000000", "second-tenant-token-000000"
     tenants.write_text(yaml.safe_dump([{"name": "t", "token": old, "namespaces": ["ns"]}]))
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -177,12 +178,6 @@ def test_sighup_reloads_certificate_and_tenants(pki, tmp_path):
     assert old not in err and new not in err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- the plaintext rule -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "listen, loopback",
@@ -222,7 +217,7 @@ def test_cli_refuses_plaintext_on_all_interfaces():
             "kvstore",
             "serve",
             "--listen",
-            f"0.0.0.0:{_free_port()}",
+            f"0.0.0.0:{free_port('0.0.0.0')}",
             "--metrics-port",
             "0",
             "--dram",

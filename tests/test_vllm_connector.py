@@ -23,8 +23,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvstore.free_port import free_port  # noqa: E402
 from kvstore.integrations.vllm_engine import EngineProcess, EngineSpec  # noqa: E402
-from kvstore.server.process import free_port, serving  # noqa: E402
+from kvstore.server.process import serving  # noqa: E402
 
 # one xdist worker runs every module of this group in turn: their vLLM engines side by side outgrew 24 GiB
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("vllm-engines")]

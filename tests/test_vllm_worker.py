@@ -186,7 +186,7 @@ def test_a_corrupt_block_is_never_loaded(server, lane: str) -> None:
 
 
 def test_store_down_fails_the_load_and_the_save_quietly() -> None:
-    from kvstore.server.process import free_port
+    from kvstore.free_port import free_port
 
     target = f"127.0.0.1:{free_port()}"
     side, _ = worker(target)

@@ -19,16 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.free_port import free_port
+
 
 class RedisNotAvailable(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _free_cluster_port() -> int:
@@ -70,7 +65,7 @@ class LocalRedis:
 
     def __init__(self, port: int | None = None, *, extra: tuple[str, ...] = (), workdir: str | None = None):
         self.exe = _exe("redis-server")
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.extra = extra
         self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvstore-redis-"))

@@ -7,7 +7,6 @@ poll cost about 0.3 s of a core each, three or four times per start, beside the 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvstore.free_port import free_port
+
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository root: `python -m kvstore` runs this tree
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def serving(target: str, timeout: float = 1.0) -> bool:
