@@ -109,32 +109,33 @@ class ArenaTier(MemoryTier):
         self.rank = HBM if device.startswith("cuda") else DRAM
         self.name = TIER_NAMES[self.rank]
         page_size = min(page_size, max(capacity_bytes, 4096) // 4096 * 4096)
-        self.slabs = SlabAllocator(capacity_bytes, page_size)
+        capacity = capacity_bytes // page_size * page_size  # whole pages: the slab allocator's
         self.shared: SharedArena | None = None
         self.index: ArenaIndex | None = None  # published by the BlockStore, read by clients (share_index)
         if self.rank == HBM:
             import torch
 
-            self._tensor = torch.empty(self.slabs.capacity, dtype=torch.uint8, device=device)
+            self._tensor = torch.empty(capacity, dtype=torch.uint8, device=device)
             self._host: np.ndarray | None = None
             self.backend = f"torch:{device}"
         else:
             if share_dir is not None:
-                self._host, self._keepalive, path = _shared_buffer(self.slabs.capacity, share_dir)
+                self._host, self._keepalive, path = _shared_buffer(capacity, share_dir)
                 self.small_pages = files_get_huge_pages(share_dir) is False
                 if share_index and arena_index.supported():
-                    self.index = ArenaIndex.create(share_dir, self.slabs.capacity + index_disk_bytes)
+                    self.index = ArenaIndex.create(share_dir, capacity + index_disk_bytes)
                 index_path, index_bytes = (self.index.path, self.index.nbytes) if self.index is not None else ("", 0)
-                self.shared = SharedArena(
-                    path, self.slabs.capacity, int(self._host.ctypes.data), index_path, index_bytes
-                )
+                self.shared = SharedArena(path, capacity, int(self._host.ctypes.data), index_path, index_bytes)
                 self.backend = "shared"
             else:
                 if pinned is None:
                     pinned = cuda_available()
-                self._host, self._keepalive = _host_buffer(self.slabs.capacity, pinned)
+                self._host, self._keepalive = _host_buffer(capacity, pinned)
                 self.backend = "pinned" if pinned else "pageable"
             self._view = self._host.data
+        # after the memory: a size too large for the host fails at once, before a page table of that size is made
+        # (--dram 64TiB took 20 s to say so)
+        self.slabs = SlabAllocator(capacity_bytes, page_size)
         self.prefaulter: Prefaulter | None = None  # making the pages (prefault=True)
         if prefault and self._host is not None and self.backend != "pinned":  # pinned memory has its pages
             self.prefaulter = Prefaulter(int(self._host.ctypes.data), self.slabs.capacity)
