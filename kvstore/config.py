@@ -346,6 +346,8 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
         raise ValueError(f"option --nvme-eviction: one of {', '.join(NVME_EVICTIONS)}")
     if cfg.nvme_admit_uses > 1 and cfg.eviction_policy not in ("adaptive", "freq"):
         raise ValueError("option --nvme-admit-uses above 1 needs --eviction-policy adaptive or freq (they count uses)")
+    if 1 <= cfg.dram < 4096:  # a number without a unit is bytes: "--dram 512" meant MiB, and holds no block
+        raise ValueError(f"option --dram: at least 4KiB (one page); got {cfg.dram} bytes: give a unit, as in 512MiB")
     for name in ("dram", "max_block", "max_stream", "max_hashes", "workers", "lane_max", "cuda_lane_bytes"):
         if getattr(cfg, name) < 1:  # each would start a store that refuses every Put, every call or every lane
             raise ValueError(f"option {_flag(name)}: 1 or more; got {getattr(cfg, name)}")

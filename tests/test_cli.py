@@ -120,6 +120,7 @@ def test_an_nvme_tier_larger_than_its_disk_is_warned_of(tmp_path):
         (["--tcp-lane-listen", "127.0.0.1:x"], "option --tcp-lane-listen: not HOST:PORT"),
         (["--metrics-port", "-1"], "option --metrics-port: 0-65535"),
         (["--lane-max", "0"], "option --lane-max: 1 or more"),
+        (["--dram", "512"], "option --dram: at least 4KiB (one page); got 512 bytes: give a unit, as in 512MiB"),
         (["--cuda-lane-bytes", "0"], "option --cuda-lane-bytes: 1 or more"),
         (["--lane-lease", "0"], "option --lane-lease: seconds above 0"),
         (["--cluster-ttl", "nan"], "option --cluster-ttl: seconds above 0"),
