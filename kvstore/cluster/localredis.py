@@ -31,7 +31,7 @@ def _free_cluster_port() -> int:
     import random
 
     for _ in range(200):
-        port = random.randint(20000, 45000)
+        port = random.randint(10000, 22000)  # both below the ephemeral range, as free_port's
         try:
             for p in (port, port + 10000):
                 with socket.socket() as s:
