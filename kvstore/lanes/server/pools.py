@@ -1,5 +1,5 @@
 """A shm lane's client pools (``kvstore.lanes.shared_pool.SharedPool``): client memory the store maps, so a
-direct Get's NVMe blocks reach the client's buffers without ``process_vm_writev`` (``ShmGets._get_read_written``).
+direct Get's NVMe blocks reach the client's buffers without ``process_vm_writev`` (``ShmColumnGets._get_read_written``).
 
 ``MappedPools.add(peer, fd, address, length)`` (a POOL frame on the lane's channel) takes the client's ``fd``
 (``DirectPeer.take_fd``: pidfd_getfd, the permission a direct lane already has) and maps it only if

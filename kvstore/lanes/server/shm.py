@@ -21,7 +21,8 @@ Verbs of ``ShmServerLane`` (called by ``servicer.LaneServicer``):
   slots still uncommitted are taken back at once (a killed client's too).
 - ``get(request, release, crc_at_copy, ...) -> iterator of LaneGetResponse``: lease the blocks and send
   them (written as columns, copied into the region, written into the client's memory or named in the shared
-  DRAM arena or NVMe files), each message with its own get grant (kvstore/lanes/server/shm_get.py).
+  DRAM arena or NVMe files), each message with its own get grant (kvstore/lanes/server/shm_get.py and
+  shm_get_columns.py).
 - ``add_pool(pool)``: map a client's shared pool (a POOL frame on the channel; ``pools.py``).
 - ``expire(now)`` / ``close()``: abort the store tickets of expired or
   outstanding put grants; ``close`` also unlinks and unmaps the region and lets go of the pools.

@@ -12,7 +12,7 @@ store answers in one message whose ``WrittenBlocks`` columns say it all:
   (the caller holds the leases).
 - ``raw_in_host_or_lower(leases) -> bool``: all present and raw, each in host memory or in no memory tier (an
   NVMe-only block that ``materialize`` reads into host memory, ``copyout.host_bytes`` its bytes then): a direct
-  Get the lane answers in columns after reading them (``ShmGets._get_read_written``);
+  Get the lane answers in columns after reading them (``ShmColumnGets._get_read_written``);
 - ``checked_targets(outs, lengths)``: each block's destination clipped to it, INVALID_ARGUMENT for the first too
   small; ``columns_reply(leases, lengths, crcs, crc_at_copy)``: the one message that describes them;
 - ``write_reply(leases, sources, outs, direct, pool, crc_at_copy, shared, pooled) -> LaneGetResponse``: check
