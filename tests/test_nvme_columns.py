@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVStoreError
-from kvstore.lanes.server import shm_get
+from kvstore.lanes.server import shm_get_columns
 from kvstore.lanes.server.storeops import StoreOps
 from kvstore.lanes.server.written import columns_reply
 from kvstore.store.leases import lease_windows
@@ -30,7 +30,7 @@ def columns_seen(monkeypatch) -> list[list[int]]:
         seen.append(list(reply.written.index))
         return reply
 
-    monkeypatch.setattr(shm_get, "columns_reply", spy)
+    monkeypatch.setattr(shm_get_columns, "columns_reply", spy)
     return seen
 
 
