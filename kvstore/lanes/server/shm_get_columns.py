@@ -67,11 +67,7 @@ class ShmColumnGets:
         try:
             reply = write_reply(leases, sources, outs, self.direct, self.ops.copies, crc_at_copy, self.pools, pooled)
             assert grant is not None
-            reply.grant_id = grant.id
-            self._count_sent(sum(reply.written.length), "lane_shm_direct_get_bytes")
-            if pooled:
-                self.ops.metrics.add("lane_shm_pool_get_bytes", sum(pooled))
-            yield reply
+            yield self._written(reply, grant, sum(reply.written.length), pooled)
             grant = None  # the client releases it
         finally:
             if grant is not None:
@@ -143,18 +139,21 @@ class ShmColumnGets:
                     self.ops.release(leases[released:first], touch=True)
                     released = first
             assert grant is not None
-            reply = columns_reply(leases, lengths, crcs, crc_at_copy)
-            reply.grant_id = grant.id
-            self._count_sent(sum(lengths), "lane_shm_direct_get_bytes")
-            if pooled:
-                self.ops.metrics.add("lane_shm_pool_get_bytes", sum(pooled))
-            yield reply
+            yield self._written(columns_reply(leases, lengths, crcs, crc_at_copy), grant, sum(lengths), pooled)
             grant = None  # the client releases it
         finally:
             if grant is not None:
                 self._release_grants([grant.id])
             self.ops.release(leases[released:], touch=True)  # after the reply: promotions and touches off its path
             self.ops.release(ended, touch=True)
+
+    def _written(self, reply: lpb.LaneGetResponse, grant: Grant, sent: int, pooled: list[int]) -> lpb.LaneGetResponse:
+        """A ``written`` reply under ``grant``, its bytes counted (``pooled``: those that reached a shared pool)."""
+        reply.grant_id = grant.id
+        self._count_sent(sent, "lane_shm_direct_get_bytes")
+        if pooled:
+            self.ops.metrics.add("lane_shm_pool_get_bytes", sum(pooled))
+        return reply
 
     def _count_sent(self, sent: int, path: str) -> None:
         """A columns reply's bytes: the lane's, its path's (``path`` names the counter) and the store's out."""
