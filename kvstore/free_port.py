@@ -14,12 +14,15 @@ import socket
 LOWEST = 10_000  # above the well-known and the usual fixed service ports
 DEFAULT_EPHEMERAL_START = 32_768
 TRIES = 100
+# not the random module's shared generator: pytest-randomly seeds it alike in every xdist worker before each test, so
+# two workers starting a server at once would draw the same port
+_draw = random.SystemRandom()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     low, high = LOWEST, _ephemeral_start()
     for _ in range(TRIES if high - low > 1000 else 0):
-        port = random.randrange(low, high)
+        port = _draw.randrange(low, high)
         with socket.socket() as s:
             try:
                 s.bind((host, port))

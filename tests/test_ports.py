@@ -160,3 +160,13 @@ def test_free_port_is_drawn_below_the_ephemeral_range():
         assert port < ephemeral
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_free_port_ignores_the_shared_random_generator():
+    # a test runner that seeds `random` alike in every worker must not make two workers draw the same ports
+    import random
+
+    random.seed(7)
+    first = [free_port() for _ in range(5)]
+    random.seed(7)
+    assert [free_port() for _ in range(5)] != first

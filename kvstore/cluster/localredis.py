@@ -30,8 +30,9 @@ def _free_cluster_port() -> int:
     """A free port whose cluster bus port (port + 10000) is free and valid too."""
     import random
 
+    draw = random.SystemRandom()  # not the shared generator, which test runners seed alike in every worker
     for _ in range(200):
-        port = random.randint(10000, 22000)  # both below the ephemeral range, as free_port's
+        port = draw.randint(10000, 22000)  # both below the ephemeral range, as free_port's
         try:
             for p in (port, port + 10000):
                 with socket.socket() as s:
