@@ -9,6 +9,7 @@ and a request that does not ask for columns (an older client) still gets descrip
 from __future__ import annotations
 
 import os
+import time
 
 import grpc
 import numpy as np
@@ -30,6 +31,17 @@ SIZE = 65536
 def _no_leases(server, hashes: list[bytes]) -> bool:
     ids = server.store.table.find_many(server.store.table.namespace_id("ns"), hashes)
     return int(server.store.table.column("leases").take(ids[ids >= 0]).sum()) == 0
+
+
+def _leases_end(server, hashes: list[bytes], timeout: float = 10.0) -> bool:
+    """No leases on ``hashes`` within ``timeout``: a served Get's last leases end just after its reply is sent,
+    so a client can hold the reply before they do."""
+    deadline = time.monotonic() + timeout
+    while not _no_leases(server, hashes):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _request(ref: lpb.LaneRef, hashes: list[bytes], outs: list[np.ndarray], columns: bool) -> lpb.LaneGetRequest:
@@ -69,7 +81,7 @@ def test_dram_hits_come_as_columns_and_an_older_request_gets_descriptors(make_se
     finally:
         shm.close()
         raw.close()
-    assert _no_leases(server, keys(4))
+    assert _leases_end(server, keys(4))
 
 
 def test_the_client_takes_columns_and_checks_each_crc(make_server):
@@ -89,7 +101,7 @@ def test_the_client_takes_columns_and_checks_each_crc(make_server):
             kv.get("ns", keys(40), out=outs)
         assert err.value.code == grpc.StatusCode.DATA_LOSS and "block 33 " in err.value.message
         assert kv.get("ns", keys(40)[:33], out=outs[:33])[0] is outs[0]  # the others are still served
-    assert _no_leases(server, keys(40))
+    assert _leases_end(server, keys(40))
 
 
 def test_a_short_buffer_is_refused_before_any_write_and_leaves_no_lease(make_server):
@@ -116,7 +128,7 @@ def test_a_missing_block_takes_the_descriptor_path(make_server):
         outs = [np.zeros(SIZE, dtype=np.uint8) for _ in range(3)]
         got = kv.get("ns", hashes, out=outs, allow_missing=True)
         assert got[1] is None and got[0].tobytes() == blocks[0] and got[2].tobytes() == blocks[2]
-    assert _no_leases(server, keys(3))
+    assert _leases_end(server, keys(3))
 
 
 CHILD = r"""
@@ -135,7 +147,6 @@ def test_a_client_killed_mid_get_leaves_no_lease(make_server):
     import signal
     import subprocess
     import sys
-    import time
 
     from tests.conftest import ROOT
 
