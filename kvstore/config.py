@@ -72,7 +72,13 @@ class ServeConfig:
         "eviction order inside a tier, always leaves first: adaptive (protects reused blocks for as long as "
         "shadow caches find pays, from none, as LRU, up), freq (LRU that protects blocks seen twice) or lru",
     )
-    promote_on_hit: bool = _opt(True, "copy blocks read from NVMe back into DRAM when there is room", _bool)
+    promote_on_hit: bool = _opt(
+        True,
+        "copy blocks read from NVMe back into DRAM when there is room (a Get's blocks as the store reads them; "
+        "those a --share-nvme client read from the files itself afterwards, by a second read, only into room "
+        "under DRAM's high watermark)",
+        _bool,
+    )
     warm_up: bool = _opt(
         True,
         "compile the index's and eviction policy's kernels on a background thread at start, so the first "

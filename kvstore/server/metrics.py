@@ -61,6 +61,13 @@ class _StoreCollector:
         )
         for key in ("lookup_hits", "lookup_misses", "puts", "already_present", "rejected", "corrupt"):
             yield CounterMetricFamily(f"kvstore_{key}", f"Blocks: {key.replace('_', ' ')}", value=s[key])
+        queued = s.get("queued_promotions", {})
+        for key in ("candidates", "promoted", "skipped"):
+            yield CounterMetricFamily(
+                f"kvstore_share_nvme_promotions_{key}",
+                f"Blocks --share-nvme clients read from NVMe themselves, to promote in the background: {key}",
+                value=queued.get(key, 0),
+            )
         for key, value in self._extra().items():
             yield GaugeMetricFamily(f"kvstore_{key}", key.replace("_", " "), value=value)
 

@@ -21,7 +21,8 @@ Verbs (thread-safe; the transport layers call only these):
 - ``hint(ns, hashes, hint) -> n``: an engine's reuse hint for present blocks, to each tier's policy.
 - ``touch(ns, hashes) -> n``: accesses made without a lease (a client's reads through a shared arena's
   index, ``kvstore/arena_index.py``, which this store keeps current: ``store/published.py``).
-- ``stats()``; ``start()`` / ``close()`` run the background demoter.
+- ``stats()``; ``start()`` / ``close()`` run the background demoter, and the promoter of blocks clients read
+  from NVMe themselves (kvstore/store/background_promotions.py).
 - ``subscribe(fn)``: ``fn(event, namespace, key, rank)`` is called (lock held:
   keep it to an append onto a queue) with event "add" when a copy of a block
   appears in the tier of that rank and "remove" when it leaves; a block is gone
@@ -44,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.store.background_promotions import BackgroundPromotions
 from kvstore.store.cascade import NVME_EVICTIONS, CapacityError, Cascade
 from kvstore.store.counters import StoreCounters, TierCounters
 from kvstore.store.index import DTYPES, NO_LOC, EntryTable, dtype_id
@@ -60,7 +62,7 @@ log = logging.getLogger(__name__)
 STORED, ALREADY_PRESENT = 1, 2  # kvstore.v1.PutStatus values
 
 
-class BlockStore(Cascade, LowerReads):
+class BlockStore(Cascade, LowerReads, BackgroundPromotions):
     def __init__(
         self,
         tiers: Sequence[Tier],
@@ -108,6 +110,9 @@ class BlockStore(Cascade, LowerReads):
         self._listeners: list[Callable[[str, str, bytes, int], None]] = []
         self.max_block_bytes: int = min(getattr(t, "max_block_bytes") for t in self.tiers if isinstance(t, MemoryTier))  # noqa: B009 - arenas have it
         self._memory = {t.rank: t for t in self.tiers if isinstance(t, MemoryTier)}  # where acquire finds bytes
+        self._queued: dict[int, None] = {}  # entries a client read from NVMe itself, to promote (background_promotions)
+        self._promote_wake = threading.Event()
+        self._promoter: threading.Thread | None = None
         self.staging = Staging(staging_bytes if len(self.tiers) > 1 else 0)  # NVMe reads DRAM cannot take
         # a shared DRAM arena's table of where its raw blocks lie (below an HBM tier too)
         shared = [t for t in self.tiers if getattr(t, "index", None) is not None]
@@ -273,24 +278,12 @@ class BlockStore(Cascade, LowerReads):
                 ranks_l = ranks.tolist()
             if touch:
                 self._touch_many(ids)
-            stored = t.column("stored_len").take(ids).tolist()
-            leases = list(
-                map(
-                    Lease,
-                    ids.tolist(),
-                    hashes if pos is None else [hashes[i] for i in pos.tolist()],
-                    t.column("codec").take(ids).tolist(),
-                    [DTYPES[d] for d in t.column("dtype").take(ids).tolist()],
-                    t.column("raw_len").take(ids).tolist(),
-                    stored,
-                    t.column("crc").take(ids).tolist(),
-                    ranks_l,
-                )
-            )
+            leases = self._new_leases(ids, hashes if pos is None else [hashes[i] for i in pos.tolist()], ranks_l)
             locs_l = locs.tolist()
             for rank, tier in self._memory.items():  # the bytes of memory-tier copies, one call per tier
                 here = range(len(leases)) if len(self._ranks) == 1 else [k for k, r in enumerate(ranks_l) if r == rank]
-                for k, view in zip(here, tier.views([locs_l[k] for k in here], [stored[k] for k in here])):
+                views = tier.views([locs_l[k] for k in here], [leases[k].stored_length for k in here])
+                for k, view in zip(here, views):
                     leases[k].buffer = view
         if pos is None:
             return leases  # type: ignore[return-value]  # list is invariant: no None among them here
@@ -298,6 +291,23 @@ class BlockStore(Cascade, LowerReads):
         for i, lease in zip(pos.tolist(), leases):
             out[i] = lease
         return out
+
+    def _new_leases(self, ids: np.ndarray, keys: Sequence[bytes], ranks: list[int]) -> list[Lease]:
+        """Leases of leased entries ``ids`` (lock held), their bytes in tier ``ranks[i]``; no buffers yet."""
+        t = self.table
+        return list(
+            map(
+                Lease,
+                ids.tolist(),
+                keys,
+                t.column("codec").take(ids).tolist(),
+                [DTYPES[d] for d in t.column("dtype").take(ids).tolist()],
+                t.column("raw_len").take(ids).tolist(),
+                t.column("stored_len").take(ids).tolist(),
+                t.column("crc").take(ids).tolist(),
+                ranks,
+            )
+        )
 
     def release(self, leases: Sequence[Lease | None], touch: bool = False) -> None:
         """End the leases; with ``touch`` the access an ``acquire(touch=False)`` left out is counted now."""
@@ -312,6 +322,8 @@ class BlockStore(Cascade, LowerReads):
             promoted = self._promote([x for x in held if x.promote is not None])
             if touch:
                 self._touch_many(ids[np.asarray(self.table.mapped[ids], dtype=bool)])  # not a deleted one
+                # a lease never given bytes ended after its Get: the client read the block from its file
+                self._queue_promotions([x.entry for x in held if x.buffer is None and x.rank not in self._memory])
             for lease in held:
                 if lease.hold is not None:
                     self._let_go(lease)  # the staging or DRAM slot a cold read held
@@ -337,6 +349,8 @@ class BlockStore(Cascade, LowerReads):
             ids = ids[ids >= 0]
             if len(ids):
                 self._touch_many(ids)
+                tops = t.top_ranks(ids, self._ranks)
+                self._queue_promotions(ids[~np.isin(tops, list(self._memory))].tolist())  # read from NVMe's files
                 named = self._published.rank if self._published is not None else self.top.rank
                 ranks, counts = np.unique(t.top_ranks(ids, [r for r in self._ranks if r >= named]), return_counts=True)
                 for rank, n in zip(ranks.tolist(), counts.tolist()):
@@ -496,12 +510,19 @@ class BlockStore(Cascade, LowerReads):
         copies.clear()
         deferred.unmapped.clear()
 
+    def start(self) -> None:
+        """Start the background demoter and the promoter of what clients read from NVMe themselves."""
+        super().start()
+        self._start_promoter()
+
     def close(self, flush: bool = True) -> None:
-        """Stop the demoter; with `flush`, make memory-only blocks durable first (graceful shutdown)."""
+        """Stop the demoter and promoter; with `flush`, make memory-only blocks durable first (graceful shutdown)."""
         self._stop.set()
         self._wake.set()
-        if self._demoter is not None:
-            self._demoter.join(timeout=10)
+        self._promote_wake.set()
+        for thread in (self._demoter, self._promoter):
+            if thread is not None:
+                thread.join(timeout=10)
         if flush and len(self.tiers) > 1 and not self._degraded(self.tiers[-1]):
             n = self.flush()
             if n:
@@ -544,6 +565,12 @@ class BlockStore(Cascade, LowerReads):
                 "already_present": sc.already_present,
                 "rejected": sc.rejected,
                 "corrupt": sc.corrupt,
+                "queued_promotions": {
+                    "candidates": sc.promotion_candidates,
+                    "promoted": sc.promoted_later,
+                    "skipped": sc.promotions_skipped,
+                    "waiting": len(self._queued),
+                },
                 "index_bytes": self.table.nbytes() + sum(p.nbytes() for p in self.policies.values()),
             }
 

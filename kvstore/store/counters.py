@@ -23,4 +23,10 @@ class StoreCounters:
     already_present: int = 0
     rejected: int = 0
     corrupt: int = 0
+    # blocks a client read from NVMe itself (kvstore/store/background_promotions.py): candidates for a promotion,
+    # then promoted, or skipped (the queue full, no room under the top tier's high watermark, deleted, promoted by
+    # a Get meanwhile, or a read that failed)
+    promotion_candidates: int = 0
+    promoted_later: int = 0
+    promotions_skipped: int = 0
     tiers: dict[int, TierCounters] = field(default_factory=dict)

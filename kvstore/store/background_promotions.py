@@ -1,0 +1,150 @@
+"""Promotions of blocks a client read from NVMe itself (``serve --share-nvme``), made later on a thread of their own.
+
+A Get the store serves from NVMe promotes its blocks as it reads them (``LowerReads.materialize``: the read is
+the Get's own). A client that reads a block straight out of the tier's segment files (named by the store, or
+by the shared DRAM index) leaves the store no bytes to keep, so without this a block such clients read stays
+on NVMe however often they read it, with DRAM idle. ``BackgroundPromotions`` is the part of ``BlockStore``
+that brings such blocks up:
+
+- ``_queue_promotions(ids)`` (lock held): entries a client just read from a lower tier (the leases of a disk
+  read ending, ``release(..., touch=True)`` of leases with no bytes; the index's hits reported by ``touch``)
+  wait in an ordered set of at most ``QUEUE_MAX`` entries (more are skipped);
+- ``promote_queued(batch_bytes) -> int``: the promoter's thread (``kvstore-promoter``, started with the store)
+  takes queued entries, leases those still only below the top tier, reads them into top-tier slots
+  (``materialize``: verified, coalesced as any Get's) and makes those the blocks' copies (``release``); how
+  many it promoted.
+
+Such a promotion costs a second read of the block, where a Get's costs none, so it only takes room below the
+top tier's high watermark: it never evicts a block, nor pushes the tier over the mark at which the demoter
+would (a scan that reads more than DRAM holds cannot turn into promotions and evictions of each other). The
+entries that do not fit are dropped, and none is queued while the tier has no room for the first of them (the
+steady state of a full store costs its Gets one comparison); a client that reads them again queues them again. ``StoreCounters`` counts
+the candidates, those promoted and those skipped (``stats()["queued_promotions"]``, with those waiting). Off with
+``promote_on_hit=False``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstore.store.counters import StoreCounters
+from kvstore.store.index import NO_LOC, EntryTable
+from kvstore.store.leases import DataLossError, Lease
+from kvstore.tiers.base import MemoryTier, Tier
+
+log = logging.getLogger("kvstore.store.blockstore")
+
+QUEUE_MAX = 1 << 16  # entries waiting (an int key each): a client reading faster than the promoter loses some
+
+
+class BackgroundPromotions:
+    """Mixed into BlockStore; uses its table, tiers, lock, watermark, counters and lease verbs."""
+
+    if TYPE_CHECKING:  # provided by BlockStore
+        table: EntryTable
+        tiers: list[Tier]
+        top: MemoryTier
+        counters: StoreCounters
+        promote_on_hit: bool
+        high: float
+        _lock: threading.RLock
+        _stop: threading.Event
+        _ranks: list[int]
+        _queued: dict[int, None]
+        _promote_wake: threading.Event
+        _promoter: threading.Thread | None
+
+        def _new_leases(self, ids: np.ndarray, keys: Sequence[bytes], ranks: list[int]) -> list[Lease]: ...
+        def materialize(self, leases: Sequence[Lease | None]) -> None: ...
+        def release(self, leases: Sequence[Lease | None], touch: bool = False) -> None: ...
+
+    def _start_promoter(self) -> None:
+        if self._promoter is None and len(self.tiers) > 1:
+            self._promoter = threading.Thread(target=self._promote_loop, name="kvstore-promoter", daemon=True)
+            self._promoter.start()
+
+    def _promote_loop(self) -> None:
+        while not self._stop.is_set():
+            self._promote_wake.wait(0.5)
+            self._promote_wake.clear()
+            try:
+                self.promote_queued()
+            except Exception:  # keep the promoter alive: a failed read was logged and its blocks skipped
+                log.exception("queued promotions failed")
+
+    def _room(self) -> int:
+        """Bytes the top tier can take before its high watermark."""
+        return int(self.high * self.top.capacity_bytes) - self.top.used_bytes
+
+    def _queue_promotions(self, ids: Sequence[int]) -> None:
+        """Queue entries a client read from a lower tier itself (lock held) and wake the promoter."""
+        if not ids or not self.promote_on_hit or len(self.tiers) < 2:
+            return
+        queued, c = self._queued, self.counters
+        if self._room() < int(self.table.stored_len[ids[0]]):  # (a Get's blocks are alike in size)
+            c.promotion_candidates += len(ids)
+            c.promotions_skipped += len(ids)
+            return
+        fresh = [e for e in ids if e not in queued]
+        kept = fresh[: max(QUEUE_MAX - len(queued), 0)]
+        queued.update(dict.fromkeys(kept))
+        c.promotion_candidates += len(fresh)
+        c.promotions_skipped += len(fresh) - len(kept)
+        if kept:
+            self._promote_wake.set()
+
+    def promote_queued(self, batch_bytes: int = 16 << 20) -> int:
+        """Promote queued entries, about ``batch_bytes`` at a time, while the top tier has room under its high
+        watermark; the rest of the queue is dropped once it has none. Returns how many were promoted."""
+        promoted = 0
+        counters = self.counters
+        while not self._stop.is_set():
+            leases = self._lease_queued(batch_bytes)
+            if not leases:
+                break
+            try:
+                self.materialize(leases)  # into free top-tier slots, verified; a corrupt copy is dropped
+            except DataLossError as err:  # every promotion of the batch is called off; the rest keep their copies
+                log.warning("a queued promotion found a corrupt copy (dropped): %s", err)
+            except Exception:
+                log.exception("queued promotions failed")
+            before = counters.tiers[self.top.rank].promotions
+            self.release(leases)
+            done = counters.tiers[self.top.rank].promotions - before
+            counters.promoted_later += done
+            counters.promotions_skipped += len(leases) - done
+            promoted += done
+        return promoted
+
+    def _lease_queued(self, batch_bytes: int) -> list[Lease]:
+        """Lease the next queued entries that are still only below the top tier and fit under its high mark."""
+        t, top, queued = self.table, self.top, self._queued
+        with self._lock:
+            room = self._room()
+            taken: list[int] = []
+            size = skipped = 0
+            while queued and size < batch_bytes:
+                e = next(iter(queued))
+                del queued[e]
+                if not t.is_mapped(e) or t.loc_of(e, top.rank) != NO_LOC:
+                    skipped += 1  # deleted, or a Get promoted it meanwhile
+                    continue
+                n = int(t.stored_len[e])
+                if size + n > room:
+                    skipped += 1 + len(queued)
+                    queued.clear()  # no room: whatever waits is stale by the time there is
+                    break
+                taken.append(e)
+                size += n
+            self.counters.promotions_skipped += skipped
+            if not taken:
+                return []
+            ids = np.array(taken, dtype=np.int64)
+            t.lease_many(ids)
+            ranks = t.top_ranks(ids, self._ranks).tolist()
+            return self._new_leases(ids, [t.key(e) for e in taken], ranks)

@@ -1,0 +1,190 @@
+"""Blocks a client reads from NVMe itself (``serve --share-nvme``) are promoted later, by the store's demoter thread
+(kvstore/store/background_promotions.py), through real in-process servers and shm clients: they come back to
+DRAM whether the store named them or the DRAM index did, and are then served from there, exact; a full DRAM tier
+takes none and loses nothing to them; a corrupt record met by such a promotion is dropped alone; concurrent Gets
+stay exact while it runs; ``promote_on_hit=False`` leaves them on NVMe; the queue is bounded.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+
+from kvstore import arena_index
+from kvstore.store import background_promotions
+from tests.nvme_gets_support import (
+    BLOCK,
+    PREFIX,
+    assert_gets_exact,
+    corrupt,
+    fill,
+    lane_client,
+    nvme_only,
+    nvme_store,
+    quiet,
+    run_concurrently,
+)
+
+LANE = "shm-disk"  # an shm lane whose client reads NVMe-only blocks from the segment files
+
+
+def disk_store(make_server, tmp_path, **options):
+    return nvme_store(make_server, tmp_path, shm_direct=True, share_nvme=True, **options)
+
+
+def queued(server) -> dict[str, int]:
+    return server.store.stats()["queued_promotions"]
+
+
+def settled(server, timeout: float = 20.0) -> dict[str, int]:
+    """The queued promotions once every one is promoted or skipped (none waiting, none in flight)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        q = queued(server)
+        if q["waiting"] == 0 and q["promoted"] + q["skipped"] == q["candidates"]:
+            return q
+        time.sleep(0.02)
+    raise AssertionError(f"queued promotions still pending: {queued(server)}")
+
+
+def room_in_dram(kv, data) -> None:
+    """Delete the prefixes written last (those DRAM holds): room for promotions."""
+    for keys, _ in data[4:]:
+        kv.delete("t", keys)
+
+
+def dram_rank(server) -> int:
+    return server.store.top.rank
+
+
+index_modes = [
+    pytest.param(False, id="asked"),
+    pytest.param(
+        True,
+        id="index",
+        marks=pytest.mark.skipif(not arena_index.supported(), reason="the index is built on x86-64 only"),
+    ),
+]
+
+
+@pytest.mark.parametrize("index", index_modes)
+def test_blocks_a_client_reads_from_nvme_come_back_to_dram(make_server, tmp_path, index):
+    server = disk_store(make_server, tmp_path, share_dram=index)
+    with lane_client(server, LANE) as kv:
+        data = fill(kv, 8)
+        keys, blocks = data[0]
+        assert nvme_only(server, keys) == PREFIX
+        room_in_dram(kv, data)
+        deadline = time.monotonic() + 20
+        while nvme_only(server, keys) and time.monotonic() < deadline:  # a Get also carries the index's hits
+            assert_gets_exact(kv, LANE, keys, blocks)
+            time.sleep(0.05)
+        assert nvme_only(server, keys) == 0
+        assert set(server.store.lookup("t", keys)[1]) == {dram_rank(server)}
+        disk_bytes = server.metrics.counters().get("lane_shm_disk_get_bytes", 0)
+        assert_gets_exact(kv, LANE, keys, blocks)  # from DRAM now: the client reads no file
+        assert server.metrics.counters().get("lane_shm_disk_get_bytes", 0) == disk_bytes
+    q = settled(server)
+    assert q["promoted"] >= PREFIX and q["candidates"] >= PREFIX
+    scrape = generate_latest(server.metrics.registry).decode()
+    assert f"kvstore_share_nvme_promotions_promoted_total {float(q['promoted'])}" in scrape
+    top = server.store.top
+    assert top.used_bytes <= server.store.high * top.capacity_bytes
+    quiet(server)
+
+
+def test_a_full_dram_tier_takes_only_its_room_and_evicts_nothing(make_server, tmp_path):
+    server = disk_store(make_server, tmp_path)
+    store, top = server.store, server.store.top
+    with lane_client(server, LANE) as kv:
+        data = fill(kv, 8)
+        keys, blocks = data[0]
+        time.sleep(0.5)  # the demoter brought DRAM under its low watermark
+        in_dram = [k for prefix, _ in data for k in prefix if store.lookup("t", [k])[1] == [top.rank]]
+        evictions = store.counters.tiers[top.rank].evictions
+        room = store.high * top.capacity_bytes - top.used_bytes
+        assert in_dram and room < PREFIX * BLOCK
+        assert_gets_exact(kv, LANE, keys, blocks)  # read from the files: queued once the lane lets the blocks go
+    q = settled(server)  # (with its next request, or here as it closes)
+    assert q["candidates"] == PREFIX and q["promoted"] + q["skipped"] == PREFIX and q["skipped"] > 0
+    assert q["promoted"] * BLOCK <= room
+    assert store.counters.tiers[top.rank].evictions == evictions
+    assert all(store.lookup("t", [k])[1] == [top.rank] for k in in_dram)  # every block DRAM held, still there
+    assert top.used_bytes <= store.high * top.capacity_bytes
+    quiet(server)
+
+
+def test_a_corrupt_record_met_by_a_queued_promotion_is_dropped_alone(make_server, tmp_path):
+    server = disk_store(make_server, tmp_path)
+    store = server.store
+    with lane_client(server, LANE) as kv:
+        data = fill(kv, 8)
+        keys, blocks = data[0]
+        room_in_dram(kv, data)
+        corrupt(server, keys[5])
+        # what a client's read of the files leaves the store: leases with no bytes, ended with a touch
+        store.release(store.acquire("t", keys, touch=False), touch=True)
+        q = settled(server)
+        assert q["candidates"] == PREFIX and q["promoted"] == 0 and q["skipped"] == PREFIX  # the batch called off
+        assert store.counters.corrupt >= 1
+        assert store.lookup("t", keys)[0] == 5  # the damaged record is gone; nothing after it is a prefix hit
+        rest = keys[:5] + keys[6:]
+        deadline = time.monotonic() + 20
+        while nvme_only(server, rest) and time.monotonic() < deadline:  # read from the files again: queued again
+            assert_gets_exact(kv, LANE, rest, blocks[:5] + blocks[6:])
+            time.sleep(0.05)
+        assert nvme_only(server, rest) == 0
+        assert_gets_exact(kv, LANE, rest, blocks[:5] + blocks[6:])
+    settled(server)
+    quiet(server)
+
+
+def test_concurrent_gets_stay_exact_while_their_blocks_are_promoted(make_server, tmp_path):
+    server = disk_store(make_server, tmp_path)
+    with lane_client(server, LANE) as kv:
+        data = fill(kv, 8)
+        room_in_dram(kv, data)
+
+    def reader(i: int) -> None:
+        keys, blocks = data[i % 2]
+        with lane_client(server, LANE) as own:
+            for _ in range(6):
+                assert_gets_exact(own, LANE, keys, blocks)
+
+    run_concurrently(reader, threads=4)
+    q = settled(server)
+    assert q["promoted"] > 0
+    quiet(server)
+
+
+def test_promote_on_hit_false_leaves_them_on_nvme(make_server, tmp_path):
+    server = disk_store(make_server, tmp_path, promote_on_hit=False)
+    with lane_client(server, LANE) as kv:
+        data = fill(kv, 8)
+        keys, blocks = data[0]
+        room_in_dram(kv, data)
+        for _ in range(3):
+            assert_gets_exact(kv, LANE, keys, blocks)
+        time.sleep(0.6)  # a demoter pass or more
+        assert nvme_only(server, keys) == PREFIX
+    assert queued(server)["candidates"] == 0
+    quiet(server)
+
+
+def test_the_queue_is_bounded(make_server, tmp_path, monkeypatch):
+    server = disk_store(make_server, tmp_path)
+    store = server.store
+    monkeypatch.setattr(background_promotions, "QUEUE_MAX", 8)
+    with lane_client(server, LANE) as kv:
+        data = fill(kv, 8)
+        keys, _ = data[0]
+        room_in_dram(kv, data)
+        store.release(store.acquire("t", keys, touch=False), touch=True)  # 32 at once into a queue of 8
+        q = settled(server)
+    assert q["candidates"] == PREFIX and q["promoted"] == 8 and q["skipped"] == PREFIX - 8
+    assert nvme_only(server, keys) == PREFIX - 8
+    assert np.count_nonzero(np.asarray(store.table.leases)) == 0
+    quiet(server)
