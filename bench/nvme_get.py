@@ -13,7 +13,9 @@ the page-aligned slots of one pool (``Client.get(out=...)``), as a paged KV pool
 in turn, prefix by prefix, in a rotating order, so that all see the disk and the loaded host in the same state:
 
 - ``disk_shm``: a Get of a prefix that NVMe holds from the ``--share-nvme`` store, on the shared-memory lane:
-  the store names each block's file and offset and the client reads it into its buffers itself;
+  the store names each block's file and offset and the client reads it into its buffers itself (the store then
+  promotes what the client read into the room DRAM has under its high watermark, in the background: here the
+  first prefixes' blocks only, since DRAM is near that mark; ``bench.nvme_reread`` measures what it is for);
 - ``nvme_shm`` / ``nvme_tcp`` / ``nvme_grpc``: a Get of a prefix that NVMe holds, on the shared-memory lane
   (direct: the store reads each block and writes it into the client's buffers), on the TCP lane and on the gRPC
   stream (``lane="grpc"``);
