@@ -113,9 +113,8 @@ class BackgroundPromotions:
                 log.warning("a queued promotion found a corrupt copy (dropped): %s", err)
             except Exception:
                 log.exception("queued promotions failed")
-            before = counters.tiers[self.top.rank].promotions
-            self.release(leases)
-            done = counters.tiers[self.top.rank].promotions - before
+            done = sum(1 for lease in leases if lease.promote is not None)  # verified in their slots
+            self.release(leases)  # (a Get that promoted one of them meanwhile keeps its copy: promoted too)
             counters.promoted_later += done
             counters.promotions_skipped += len(leases) - done
             promoted += done
