@@ -44,12 +44,15 @@ def _each_test_may_pick_its_store() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def compiled_kernels() -> None:
-    """The copy and CRC32C kernels compiled (or loaded from numba's cache) before a module's tests run, so they
-    test the compiled paths, not the fallbacks taken while compiling."""
-    from kvstore import memops_jit
+    """The copy and CRC32C kernels and the compiled runs compiled (or loaded from numba's cache) before a module's
+    tests run, so they test the compiled paths, not the fallbacks taken while compiling (an shm lane client reads
+    the store's NVMe files only once its runs are compiled: the store reads them until then)."""
+    from kvstore import memops_jit, payload_runs
 
     memops_jit.warm_up()
     assert memops_jit.ready()
+    payload_runs.COMPILED.warm_up()
+    assert payload_runs.ready()
 
 
 @pytest.fixture

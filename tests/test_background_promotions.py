@@ -28,6 +28,8 @@ from tests.nvme_gets_support import (
     run_concurrently,
 )
 
+pytestmark = pytest.mark.usefixtures("compiled_kernels")  # clients read the NVMe files only once compiled
+
 LANE = "shm-disk"  # an shm lane whose client reads NVMe-only blocks from the segment files
 
 

@@ -38,7 +38,10 @@ MiB = 1 << 20
 KiB = 1 << 10
 BLOCK = 256 * KiB
 
-pytestmark = pytest.mark.skipif(not arena_index.supported(), reason="the index is built on x86-64 only")
+pytestmark = [
+    pytest.mark.skipif(not arena_index.supported(), reason="the index is built on x86-64 only"),
+    pytest.mark.usefixtures("compiled_kernels"),  # a client reads the NVMe files only once its runs are compiled
+]
 
 
 def hashes(n: int, seed: int = 0) -> list[bytes]:

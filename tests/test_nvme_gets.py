@@ -23,6 +23,7 @@ import pytest
 from kvstore.client import KVStoreError
 from kvstore.hugepages import files_get_huge_pages
 from kvstore.lanes import framing
+from kvstore.lanes.client.disk import DiskReader
 from kvstore.tiers.nvme.io import aligned_buffer
 from tests.conftest import ROOT
 from tests.nvme_gets_support import (
@@ -42,6 +43,8 @@ from tests.nvme_gets_support import (
     run_concurrently,
     start_store,
 )
+
+pytestmark = pytest.mark.usefixtures("compiled_kernels")  # clients read the NVMe files only once compiled
 
 
 @pytest.mark.parametrize("promote", [False, True], ids=["no-promote", "promote"])
@@ -71,6 +74,24 @@ def test_nvme_only_blocks_come_back_exact_on_every_lane(make_server, tmp_path, l
         assert server.store.tiers[-1].stats().extra["extents_lent"] >= 2 * PREFIX
     elif promote:
         assert tiers["dram"]["promotions"] > 0
+
+
+def test_a_client_whose_runs_are_not_compiled_yet_has_the_store_read_them(make_server, tmp_path, monkeypatch):
+    """Until the client's compiled runs are ready (a fresh process, compiling or loading them in the background) an
+    shm lane whose store shares its NVMe files lets the store read them: the uncompiled reads were slower."""
+    server = start_store(make_server, tmp_path, "shm-disk", promote=False)
+    with lane_client(server, "shm-disk") as kv:
+        keys, blocks = prefix_on_nvme(server, kv)
+        monkeypatch.setattr(DiskReader, "ready", property(lambda self: False))
+        assert_gets_exact(kv, "shm-disk", keys, blocks)
+        assert server.metrics.counters().get("lane_shm_disk_get_bytes", 0) == 0
+        monkeypatch.undo()  # compiled: the client reads them from the files
+        assert_gets_exact(kv, "shm-disk", keys, blocks)
+        deadline = time.monotonic() + 10  # (the server counts after the reply)
+        while server.metrics.counters().get("lane_shm_disk_get_bytes", 0) < PREFIX * BLOCK:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    quiet(server)
 
 
 @pytest.mark.parametrize("lane", LANES)
@@ -215,6 +236,7 @@ CHILD = r"""
 import sys, numpy as np
 from kvstore.client import Client
 from kvstore.tiers.nvme.io import aligned_buffer
+
 target, lane, keys = sys.argv[1], sys.argv[2], [bytes.fromhex(k) for k in sys.argv[3].split(",")]
 with Client(target, timeout=30, lane=lane.split("-")[0]) as kv:
     if lane == "shm-pool":  # into a pool the store maps (its NVMe reads land there)

@@ -19,6 +19,8 @@ from kvstore.tiers.nvme.io import aligned_buffer
 from kvstore.v1 import lanes_pb2 as lpb
 from tests.nvme_gets_support import BLOCK, PREFIX, assert_gets_exact, fill, lane_client, nvme_only, nvme_store, quiet
 
+pytestmark = pytest.mark.usefixtures("compiled_kernels")  # clients read the NVMe files only once compiled
+
 
 @pytest.fixture
 def server(make_server, tmp_path):

@@ -80,7 +80,8 @@ class ShmGets:
         if self.indexed is not None and out is not None:
             if self._channel is None or not self._channel.alive():  # a store that is gone keeps no index
                 raise LaneBroken("the store closed the lane's channel: its DRAM index is not kept any more")
-            read_disk = self._read_named_on_disk if self.disk is not None and not self.disk.unusable else None
+            reads = self.disk is not None and not self.disk.unusable and self.disk.ready
+            read_disk = self._read_named_on_disk if reads else None
             found = self.indexed.get(namespace, hashes, out, verify, self._copy_from_arena, read_disk)
             if found is not None:
                 self._send_touches()
@@ -140,8 +141,9 @@ class ShmGets:
         self, namespace: str, hashes: Sequence[bytes], out: Sequence[Any] | None, allow_missing: bool, verify: bool
     ) -> list[Any]:
         """A Get the store answers (the index did not serve it)."""
-        spans = direct_outs(out) if out is not None and (self.direct or self.disk is not None) else None
-        read_disk = self.disk is not None and spans is not None  # NVMe blocks read by us, from the store's files
+        reads = self.disk is not None and self.disk.ready  # (until its kernels are, the store reads them)
+        spans = direct_outs(out) if out is not None and (self.direct or reads) else None
+        read_disk = reads and spans is not None  # NVMe blocks read by us, from the store's files
         failed: list[int] = []  # read from disk but not readable or not matching their CRC32C
         results = self._get(namespace, hashes, out, allow_missing, verify, spans, read_disk, failed)
         if self.disk is not None and self.disk.unusable:  # another mount namespace, say: the store reads them
