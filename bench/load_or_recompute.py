@@ -161,6 +161,7 @@ def local_regimes(args: argparse.Namespace, regimes: list[str], spec: dict[str, 
         if "nvme" in regimes:
             nvme_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="lor-nvme-"))
             flags = ["--dram", "512MiB", "--nvme-dir", nvme_dir, "--nvme", "2GiB", "--promote-on-hit", "false"]
+            flags += ["--share-nvme", "false"]  # the store reads them, as when this regime was first measured
             flags += ["--lanes", "shm"]
             with store_process(*flags) as (target, _):
                 worker.call("connect", target=target, lane="shm")

@@ -29,12 +29,14 @@ import json
 import os
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kvstore.client import Client
+from kvstore.config import ServeConfig
 from kvstore.server.process import store_process
 from kvstore.tiers.nvme.io import aligned_buffer
 
@@ -64,6 +66,13 @@ WARM = 4  # prefixes of the all-DRAM store, taken in turn
 DRAM_KINDS = ("dram-shm", "dram-tcp", "dram-grpc", "dram-pool")  # each with WARM prefixes of its own there
 
 
+# the store-read kinds' store reads every NVMe block itself; a tree whose --share-nvme is auto (on without tenants)
+# is told so, older trees (a --baseline) read them that way by default
+STORE_READS = (
+    ("--share-nvme", "false") if {f.name: f.default for f in fields(ServeConfig)}.get("share_nvme") == "auto" else ()
+)
+
+
 def write_prefix(kv: Client, payloads: list[np.ndarray], p: int, rng: np.random.Generator) -> list[bytes]:
     """One unchained 32-block prefix (the 8 distinct payloads reused in turn); its keys."""
     keys = [rng.bytes(16) for _ in range(PREFIX)]
@@ -91,7 +100,7 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
         cold_target, cold = stack.enter_context(
             store_process(
                 *("--dram", f"{cold_dram >> 20}MiB", "--nvme-dir", str(root / "nvme"), "--nvme", "16GiB"),
-                *("--write-policy", "write-through", "--shm-direct", "true", *extra),
+                *("--write-policy", "write-through", "--shm-direct", "true", *STORE_READS, *extra),
             )
         )
         warm_target, warm = stack.enter_context(

@@ -37,6 +37,16 @@ def _bool(text: Any) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def _auto_bool(text: Any) -> str:
+    """auto, true or false (any spelling ``_bool`` takes)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return "true" if _bool(text) else "false"
+    except ValueError:
+        raise ValueError(f"auto, true or false; got {text!r}") from None
+
+
 def _opt(default: Any, help: str, parse: Callable[[Any], Any] = str, metavar: str | None = None) -> Any:
     return field(default=default, metadata={"help": help, "parse": parse, "metavar": metavar})
 
@@ -218,13 +228,15 @@ class ServeConfig:
         "too, the table also names NVMe-only blocks in their segment files, which the client then reads unasked",
         _bool,
     )
-    share_nvme: bool = _opt(
-        False,
+    share_nvme: str = _opt(
+        "auto",
         "let shm lane clients of this user read the NVMe tier's segment files (mode 0600) themselves: a Get "
         "names each NVMe-only block by file and offset and the client reads it straight into its buffers with "
-        "O_DIRECT (no copy on either side) and checks its CRC32C. Every local client of this user can then read "
-        "every tenant's NVMe blocks: for a store serving one trust domain",
-        _bool,
+        "O_DIRECT (no copy on either side) and checks its CRC32C; a client that cannot open them (another user, "
+        "another mount namespace) has the store read them. Every local client of this user can then read every "
+        "tenant's NVMe blocks, so auto shares them only when there is no --tenants file (where any client may "
+        "read any block anyway); true shares them with tenants too (one trust domain), false never",
+        _auto_bool,
     )
     cuda_lane_bytes: int = _opt(parse_size("256MiB"), "device memory region of each cuda_ipc lane", parse_size, "SIZE")
     cuda_lane_device: str = _opt(
@@ -254,6 +266,14 @@ class ServeConfig:
         "the reader accepts it, else none)",
         metavar="CODEC",
     )
+
+    @property
+    def nvme_shared(self) -> bool:
+        """Whether shm clients may read the NVMe tier's files (``--share-nvme``; auto: with no --tenants file)."""
+        mode = _auto_bool(self.share_nvme)  # (a ServeConfig made in code may hold a bool)
+        if not self.nvme_dir or mode == "false":
+            return False
+        return mode == "true" or not self.tenants
 
     @property
     def host_port(self) -> tuple[str, int]:

@@ -23,8 +23,11 @@ LANES = ["shm-direct", "shm-disk", "shm-region", "shm-loan", "tcp", "grpc"]  # s
 
 
 def nvme_store(make_server, tmp_path: Path, **options):
-    """A store whose 8 MiB of DRAM holds a few prefixes, over a write-through NVMe tier (``options`` override)."""
-    defaults = dict(dram=8 << 20, nvme_dir=str(tmp_path / "nvme"), nvme=1 << 30, nvme_segment=64 << 20)
+    """A store whose 8 MiB of DRAM holds a few prefixes, over a write-through NVMe tier, which reads the NVMe blocks
+    of every Get itself (``share_nvme`` false: these tests are of its reads; ``options`` override)."""
+    defaults = dict(
+        dram=8 << 20, nvme_dir=str(tmp_path / "nvme"), nvme=1 << 30, nvme_segment=64 << 20, share_nvme=False
+    )
     return make_server(**{**defaults, "write_policy": "write-through", **options})
 
 

@@ -131,6 +131,7 @@ def test_an_nvme_tier_larger_than_its_disk_is_warned_of(tmp_path):
         (["--nvme-sync", "never"], "option --nvme-sync: direct or fdatasync"),
         (["--nvme", "100GiB"], "option --nvme needs --nvme-dir"),  # else: a store with no NVMe tier, silently
         (["--share-nvme", "true"], "option --share-nvme needs --nvme-dir"),
+        (["--share-nvme", "maybe"], "option --share-nvme: auto, true or false; got 'maybe'"),
         (["--nvme", "16GiB"], "option --nvme needs --nvme-dir"),  # the default's size, but asked for
     ],
 )
@@ -151,7 +152,26 @@ def test_options_at_their_limits_and_defaults_are_taken(tmp_path):
     example.write_text(config.example_yaml())
     assert config.load(parser.parse_args(["--config", str(example)]), env={}) == config.ServeConfig(config=str(example))
     nvme = config.load(parser.parse_args(["--nvme-dir", str(tmp_path), "--nvme", "1GiB", "--share-nvme", "1"]), env={})
-    assert (nvme.nvme, nvme.share_nvme) == (1 << 30, True)
+    assert (nvme.nvme, nvme.share_nvme, nvme.nvme_shared) == (1 << 30, "true", True)
+
+
+@pytest.mark.parametrize(
+    "flags, shared",
+    [
+        ([], False),  # no NVMe tier: nothing to share
+        (["--nvme-dir", "D"], True),  # auto, no tenants: any client may read any block anyway
+        (["--nvme-dir", "D", "--tenants", "T"], False),  # auto with tenants: a client would read every tenant's
+        (["--nvme-dir", "D", "--tenants", "T", "--share-nvme", "true"], True),  # one trust domain, said so
+        (["--nvme-dir", "D", "--share-nvme", "off"], False),
+        (["--nvme-dir", "D", "--share-nvme", "AUTO"], True),
+    ],
+)
+def test_share_nvme_auto_shares_the_files_only_without_tenants(tmp_path, flags, shared):
+    (tmp_path / "T").write_text("- {name: a, token: aaaaaaaaaaaaaaaa, namespaces: [a]}\n")
+    parser = __import__("argparse").ArgumentParser()
+    config.add_arguments(parser)
+    args = [str(tmp_path / a) if a in ("D", "T") else a for a in flags]
+    assert config.load(parser.parse_args(args), env={}).nvme_shared is shared
 
 
 def test_serve_env_health_stats_metrics_and_sigterm(spawn_server):

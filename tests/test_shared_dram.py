@@ -22,6 +22,8 @@ from kvstore.lanes.server.shm_get import ShmGets
 from kvstore.tiers.arena import SHARED_PREFIX, ArenaTier
 from tests.test_lanes_support import keys
 
+pytestmark = pytest.mark.usefixtures("compiled_kernels")  # clients read the NVMe files only once compiled
+
 MiB = 1 << 20
 
 
@@ -172,9 +174,16 @@ def test_a_corrupt_dram_block_fails_the_clients_check(shared):
         assert leased(shared, 3) == 3  # the failed Get's pins ended with the next request, not at the lane's close
 
 
-def test_nvme_and_dram_blocks_in_one_get(make_server, tmp_path):
+@pytest.mark.parametrize("share_nvme", ["false", "auto"])
+def test_nvme_and_dram_blocks_in_one_get(make_server, tmp_path, share_nvme):
     server = make_server(
-        share_dram=True, dram=8 * MiB, nvme_dir=str(tmp_path), nvme=256 * MiB, nvme_segment=16 * MiB, max_block=MiB
+        share_dram=True,
+        dram=8 * MiB,
+        nvme_dir=str(tmp_path),
+        nvme=256 * MiB,
+        nvme_segment=16 * MiB,
+        max_block=MiB,
+        share_nvme=share_nvme,
     )
     data = blocks(24, 512 << 10)
     with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:
@@ -185,7 +194,11 @@ def test_nvme_and_dram_blocks_in_one_get(make_server, tmp_path):
         kv.get("ns", keys(24), out=out)
         assert all(np.array_equal(a, b) for a, b in zip(out, data))
         assert counter(server, "lane_shm_dram_get_bytes") > 0  # DRAM hits named in the arena
-        assert counter(server, "lane_shm_direct_get_bytes") > 0  # NVMe reads written into our buffers by the store
+        if share_nvme == "false":
+            assert counter(server, "lane_shm_direct_get_bytes") > 0  # NVMe reads written into our buffers by the store
+        else:  # the default, with no --tenants: the client read the NVMe blocks from the segment files itself
+            assert counter(server, "lane_shm_disk_get_bytes") > 0
+            assert server.metrics.counters().get("lane_shm_direct_get_bytes", 0) == 0
     assert leased(server, 0) == 0
 
 

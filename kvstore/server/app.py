@@ -145,7 +145,7 @@ def nvme_room_shortfall(nvme_dir: str, capacity: int) -> NvmeRoom | None:
 
 def index_names_disk(cfg: ServeConfig) -> bool:
     """Whether the DRAM index also names NVMe-only blocks in their segment files (clients may read those)."""
-    return bool(cfg.share_dram and cfg.dram_index and cfg.share_nvme and cfg.nvme_dir)
+    return bool(cfg.share_dram and cfg.dram_index and cfg.nvme_shared)
 
 
 def metrics_token(cfg: ServeConfig) -> str | None:
@@ -300,6 +300,12 @@ class StoreServer:
             self.port,
             ", ".join(f"{t.name}={t.capacity_bytes}" for t in self.store.tiers),
         )
+        if self.cfg.nvme_shared:
+            log.info(
+                "shm clients of this user read NVMe blocks from %s themselves (--share-nvme %s)",
+                self.cfg.nvme_dir,
+                self.cfg.share_nvme,
+            )
         return self
 
     def _bind(self, server: grpc.Server) -> int:

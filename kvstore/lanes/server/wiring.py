@@ -49,7 +49,7 @@ class LaneServer:
         kinds = lane_kinds(cfg.lanes)
         if "shm" in kinds and cfg.shm_lane_bytes < cfg.max_block:
             raise ValueError(f"--shm-lane-bytes ({cfg.shm_lane_bytes}) must hold the largest block ({cfg.max_block})")
-        self.ops = StoreOps(node.store, node.limits, node.metrics, share_nvme=cfg.share_nvme)
+        self.ops = StoreOps(node.store, node.limits, node.metrics, share_nvme=cfg.nvme_shared)
         self.registry = LaneRegistry(
             node.metrics,
             lease_seconds=cfg.lane_lease,
