@@ -94,6 +94,26 @@ def test_a_client_whose_runs_are_not_compiled_yet_has_the_store_read_them(make_s
     quiet(server)
 
 
+def test_a_client_that_cannot_see_the_store_s_files_has_the_store_read_them(make_server, tmp_path, monkeypatch):
+    """A store with the default ``--share-nvme auto`` and a client in another mount namespace (a pod without the
+    store's volume: here its DiskReader is pointed at a directory that is not there): every Get is exact, the
+    first by asking again for what it could not read, the rest by the store alone."""
+    server = nvme_store(make_server, tmp_path, share_nvme="auto", shm_direct=True, promote_on_hit=False)
+    opened = DiskReader.__init__
+    elsewhere = str(tmp_path / "not-mounted")
+    monkeypatch.setattr(DiskReader, "__init__", lambda self, directory, *a, **k: opened(self, elsewhere, *a, **k))
+    with lane_client(server, "shm-disk") as kv:
+        keys, blocks = prefix_on_nvme(server, kv)
+        for _ in range(3):
+            assert_gets_exact(kv, "shm-disk", keys, blocks)
+        assert server.metrics.counters().get("lane_shm_disk_get_bytes", 0) <= PREFIX * BLOCK  # named once at most
+        deadline = time.monotonic() + 10  # (the server counts after the reply)
+        while server.metrics.counters().get("lane_shm_direct_get_bytes", 0) < 3 * PREFIX * BLOCK:
+            assert time.monotonic() < deadline, server.metrics.counters()
+            time.sleep(0.02)
+    quiet(server)
+
+
 @pytest.mark.parametrize("lane", LANES)
 def test_a_corrupt_record_fails_alone_and_is_dropped(make_server, tmp_path, lane):
     server = start_store(make_server, tmp_path, lane, promote=True)
