@@ -24,8 +24,9 @@ would have. The store keeps the file as it is until the client releases the mess
   cache) on this thread, the reading threads started, each with its scratch, and ``SPARE_SCRATCHES`` more for the
   first threads that call a Get, faulted in.
 - ``unusable``: why this process cannot open the store's files at all, or "": the lane then stops asking for
-  disk reads. ``ready``: whether its compiled runs are (a lane asks for disk reads only then: until they are, the
-  store reads, faster than the uncompiled path here). The open files, and the closing of those the store deleted, are ``segment_files.SegmentFiles``'.
+  disk reads. The open files, and the closing of those the store deleted, are ``segment_files.SegmentFiles``'.
+- ``ready``: whether its compiled runs are ready: a lane asks for disk reads only then (until they are, the store
+  reads, faster than the uncompiled path here).
 
 How: the blocks are sorted by file and offset; neighbours at most ``GAP_BYTES`` apart (a record's 4 KiB header
 and padding) are read in one ``preadv``, whose iovec list puts each payload's page-aligned part straight in its
