@@ -1,8 +1,9 @@
-"""Blocks a client reads from NVMe itself (``serve --share-nvme``) are promoted later, by the store's demoter thread
+"""Blocks a client reads from NVMe itself (``serve --share-nvme``) are promoted later, by the store's promoter thread
 (kvstore/store/background_promotions.py), through real in-process servers and shm clients: they come back to
-DRAM whether the store named them or the DRAM index did, and are then served from there, exact; a full DRAM tier
-takes none and loses nothing to them; a corrupt record met by such a promotion is dropped alone; concurrent Gets
-stay exact while it runs; ``promote_on_hit=False`` leaves them on NVMe; the queue is bounded.
+DRAM whether the store named them or the DRAM index did, and are then served from there, exact (the metrics
+count them); a full DRAM tier takes only the room under its high watermark and loses nothing to them; a corrupt
+record met by such a promotion is dropped alone; concurrent Gets stay exact while it runs;
+``promote_on_hit=False`` leaves them on NVMe; the queue is bounded.
 """
 
 from __future__ import annotations
