@@ -21,8 +21,9 @@ Verbs (thread-safe; the transport layers call only these):
 - ``hint(ns, hashes, hint) -> n``: an engine's reuse hint for present blocks, to each tier's policy.
 - ``touch(ns, hashes) -> n``: accesses made without a lease (a client's reads through a shared arena's
   index, ``kvstore/arena_index.py``, which this store keeps current: ``store/published.py``).
-- ``stats()``; ``start()`` / ``close()`` run the background demoter, and the promoter of blocks clients read
-  from NVMe themselves (kvstore/store/background_promotions.py).
+- ``stats()`` and ``check_invariants()`` (kvstore/store/inspection.py); ``start()`` / ``close()`` run the
+  background demoter, and the promoter of blocks clients read from NVMe themselves
+  (kvstore/store/background_promotions.py).
 - ``subscribe(fn)``: ``fn(event, namespace, key, rank)`` is called (lock held:
   keep it to an append onto a queue) with event "add" when a copy of a block
   appears in the tier of that rank and "remove" when it leaves; a block is gone
@@ -49,6 +50,7 @@ from kvstore.store.background_promotions import BackgroundPromotions
 from kvstore.store.cascade import NVME_EVICTIONS, CapacityError, Cascade
 from kvstore.store.counters import StoreCounters, TierCounters
 from kvstore.store.index import DTYPES, NO_LOC, EntryTable, dtype_id
+from kvstore.store.inspection import StoreInspection
 from kvstore.store.leases import GET_WINDOW_BYTES, Lease, NotFoundError, PutTicket
 from kvstore.store.lower_reads import LowerReads
 from kvstore.store.policy import LeafLRU
@@ -62,7 +64,7 @@ log = logging.getLogger(__name__)
 STORED, ALREADY_PRESENT = 1, 2  # kvstore.v1.PutStatus values
 
 
-class BlockStore(Cascade, LowerReads, BackgroundPromotions):
+class BlockStore(Cascade, LowerReads, BackgroundPromotions, StoreInspection):
     def __init__(
         self,
         tiers: Sequence[Tier],
@@ -529,78 +531,3 @@ class BlockStore(Cascade, LowerReads, BackgroundPromotions):
                 log.info("flushed %d memory-only blocks to %s before exit", n, self.tiers[-1].name)
         for tier in self.tiers:
             tier.close()
-
-    # -- stats ------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            tiers = []
-            for tier in self.tiers:
-                s = tier.stats()
-                c = self.counters.tiers[tier.rank]
-                tiers.append(
-                    {
-                        "name": s.name,
-                        "capacity_bytes": s.capacity_bytes,
-                        "used_bytes": s.used_bytes,
-                        "blocks": len(self.policies[tier.rank]),
-                        "hits": c.hits,
-                        "evictions": c.evictions,
-                        "demotions": c.demotions,
-                        "promotions": c.promotions,
-                        "not_admitted": c.not_admitted,
-                        "backend": s.backend,
-                        "degraded": s.degraded,
-                        "fault": s.fault,
-                        **s.extra,
-                    }
-                )
-            sc = self.counters
-            return {
-                "blocks": len(self.table),
-                "tiers": tiers,
-                "lookups": sc.lookups,
-                "lookup_hits": sc.lookup_hits,
-                "lookup_misses": sc.lookup_misses,
-                "puts": sc.puts,
-                "already_present": sc.already_present,
-                "rejected": sc.rejected,
-                "corrupt": sc.corrupt,
-                "queued_promotions": {
-                    "candidates": sc.promotion_candidates,
-                    "promoted": sc.promoted_later,
-                    "skipped": sc.promotions_skipped,
-                    "waiting": len(self._queued),
-                },
-                "index_bytes": self.table.nbytes() + sum(p.nbytes() for p in self.policies.values()),
-            }
-
-    def check_invariants(self, quiet: bool = False) -> None:
-        """For tests: capacity bounds, leaf structure and per-tier accounting agree. With ``quiet`` (no Get or Put
-        in flight) no lease and no staging byte is held, and every slab tier's used bytes are its blocks' slots:
-        none leaked by a promotion or a cold read. All under the lock, so no demotion lands midway."""
-        with self._lock:
-            t = self.table
-            if quiet:
-                assert int(np.asarray(t.leases).sum()) == 0, "a lease outlived its Get"
-                assert self.staging.used_bytes == 0, "a staging slot outlived its Get"
-                for memory in self._memory.values():
-                    slabs = getattr(memory, "slabs", None)
-                    if slabs is not None:
-                        slots = [slabs.slot_size(t.loc_of(e, memory.rank)) for e in t.resident(memory.rank).tolist()]
-                        assert memory.used_bytes == sum(slots), (memory.name, memory.used_bytes, sum(slots))
-            for tier in self.tiers:
-                assert tier.used_bytes <= tier.capacity_bytes, tier.name
-                resident = t.resident(tier.rank).tolist()
-                assert len(resident) == len(self.policies[tier.rank]), tier.name
-                for e in resident:
-                    p = t.parent_of(e)
-                    if p is not None and p not in self._doomed:
-                        assert t.loc_of(p, tier.rank) != NO_LOC or self._has_copy(p), "orphaned parent"
-                counts: dict[int, int] = {}
-                for e in resident:
-                    p = t.parent_of(e)
-                    if p is not None:
-                        counts[p] = counts.get(p, 0) + 1
-                nchild = t.nchild[:, tier.rank]
-                for e in np.nonzero(t.live[:])[0].tolist():
-                    assert nchild[e] == counts.get(e, 0), (tier.name, e)
