@@ -37,18 +37,11 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.common import parse_args, positive, report
+from bench.nvme_get_worker import PREFIX, write_prefix
 from kvstore.sizes import parse_size
 
-PREFIX = 32
 MODES = ("asked", "index")
 STORES = ("promote", "stay")
-
-
-def _prefix(kv: Any, rng: np.random.Generator, payload: np.ndarray) -> list[bytes]:
-    keys = [rng.bytes(16) for _ in range(PREFIX)]
-    if not all(r.ok for r in kv.put("bench", keys, [payload] * PREFIX, chained=False)):
-        raise RuntimeError("the store refused a Put")
-    return keys
 
 
 def measure_size(block: int, mode: str, prefixes: int, bar: tqdm) -> dict[str, Any]:
@@ -58,7 +51,7 @@ def measure_size(block: int, mode: str, prefixes: int, bar: tqdm) -> dict[str, A
 
     dram = max(2 * prefixes * PREFIX * block, 64 << 20)  # room for every prefix, twice
     rng = np.random.default_rng(block)
-    payload = rng.integers(0, 256, block, dtype=np.uint8)
+    payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(8)]
     pool = aligned_buffer(PREFIX * block)
     pool[:] = 1
     out = [pool[k * block : (k + 1) * block] for k in range(PREFIX)]
@@ -77,8 +70,8 @@ def measure_size(block: int, mode: str, prefixes: int, bar: tqdm) -> dict[str, A
             )
             pids[store] = proc.pid
             kv = clients[store] = stack.enter_context(Client(target, timeout=120, lane="shm"))
-            keys[store] = [_prefix(kv, rng, payload) for _ in range(prefixes)]
-            pushers = [_prefix(kv, rng, payload) for _ in range(dram // (PREFIX * block) + 1)]
+            keys[store] = [write_prefix(kv, payloads, p, rng) for p in range(prefixes)]
+            pushers = [write_prefix(kv, payloads, p, rng) for p in range(dram // (PREFIX * block) + 1)]
             time.sleep(1.0)  # the demoter made room for the pushers: the prefixes are only on NVMe
             for pushed in pushers:
                 kv.delete("bench", pushed)
