@@ -19,7 +19,10 @@ from kvstore.tiers.nvme.io import aligned_buffer
 
 BLOCK = 64 << 10
 PREFIX = 32
-LANES = ["shm-direct", "shm-disk", "shm-region", "shm-loan", "tcp", "grpc"]  # shm-disk: --share-nvme
+# shm-disk: --share-nvme, every Get asked of the store, which names its NVMe blocks in their files; shm-index: the
+# same found in the store's index of NVMe-only blocks, unasked (the default without --share-dram)
+LANES = ["shm-direct", "shm-disk", "shm-index", "shm-region", "shm-loan", "tcp", "grpc"]
+SHARED_FILES = ("shm-disk", "shm-index")  # lanes whose client reads the NVMe files
 
 
 def nvme_store(make_server, tmp_path: Path, **options):
@@ -37,8 +40,9 @@ def start_store(make_server, tmp_path: Path, lane: str, promote: bool, dram: int
         tmp_path,
         dram=dram,
         promote_on_hit=promote,
-        shm_direct=lane in ("shm-direct", "shm-disk", "shm-pool"),
-        share_nvme=lane == "shm-disk",
+        shm_direct=lane in ("shm-direct", *SHARED_FILES, "shm-pool"),
+        share_nvme=lane in SHARED_FILES,
+        dram_index=lane != "shm-disk",
     )
 
 

@@ -63,19 +63,18 @@ def dram_rank(server) -> int:
     return server.store.top.rank
 
 
-index_modes = [
-    pytest.param(False, id="asked"),
-    pytest.param(
-        True,
-        id="index",
-        marks=pytest.mark.skipif(not arena_index.supported(), reason="the index is built on x86-64 only"),
-    ),
+x86_only = pytest.mark.skipif(not arena_index.supported(), reason="the index is built on x86-64 only")
+index_modes = [  # (--share-dram, --dram-index): every Get asked; found in the index beside the shared arena, or alone
+    pytest.param(False, False, id="asked"),
+    pytest.param(True, True, id="index", marks=x86_only),
+    pytest.param(False, True, id="nvme-index", marks=x86_only),
 ]
 
 
-@pytest.mark.parametrize("index", index_modes)
-def test_blocks_a_client_reads_from_nvme_come_back_to_dram(make_server, tmp_path, index):
-    server = disk_store(make_server, tmp_path, share_dram=index)
+@pytest.mark.parametrize(("share_dram", "dram_index"), index_modes)
+def test_blocks_a_client_reads_from_nvme_come_back_to_dram(make_server, tmp_path, share_dram, dram_index):
+    """Promoted, a block is withdrawn from an index of NVMe-only blocks: its next Get asks, and DRAM serves it."""
+    server = disk_store(make_server, tmp_path, share_dram=share_dram, dram_index=dram_index)
     with lane_client(server, LANE) as kv:
         data = fill(kv, 8)
         keys, blocks = data[0]

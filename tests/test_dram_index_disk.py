@@ -55,10 +55,11 @@ def blocks(n: int, size: int, seed: int = 0) -> list[np.ndarray]:
 
 
 # -- the publisher, against the store's table ----------------------------------------------------------------
-def index_store(root) -> BlockStore:
-    arena = ArenaTier(
-        4 * MiB, page_size=MiB, pinned=False, share_dir=str(root), index_disk_bytes=64 * MiB
-    )  # fmt: skip
+def index_store(root, names_memory: bool = True) -> BlockStore:
+    """A store whose index names its DRAM blocks in a shared arena and its NVMe-only ones in their files, or
+    (``names_memory`` False: an arena clients cannot map) the NVMe-only ones alone."""
+    where = {"share_dir": str(root)} if names_memory else {"index_dir": str(root)}
+    arena = ArenaTier(4 * MiB, page_size=MiB, pinned=False, index_disk_bytes=64 * MiB, **where)  # type: ignore[arg-type]
     nvme = NvmeTier(root / "nvme", 64 * MiB, segment_bytes=2 * MiB)
     store = BlockStore([arena, nvme], index_disk=True)
     nvme.on_relocate = lambda moves: store.relocate(nvme.rank, moves)
@@ -73,15 +74,16 @@ def put(store: BlockStore, key: bytes, seed: int) -> None:
         store.commit_put(ticket)
 
 
-def expected_entry(store: BlockStore, key: bytes) -> int | None:
-    """The offset word the index should hold for ``key``: its DRAM slot, else its NVMe payload, else none."""
+def expected_entry(store: BlockStore, key: bytes, names_memory: bool = True) -> int | None:
+    """The offset word the index should hold for ``key``: its DRAM slot (none when the index names NVMe-only
+    blocks alone), else its NVMe payload, else none."""
     t = store.table
     e = t.find(t.namespace_id("ns"), key)
     if e is None:
         return None
     dram, nvme = store.tiers[0], store.tiers[1]
     if t.loc_of(e, dram.rank) != NO_LOC:
-        return int(t.loc_of(e, dram.rank))
+        return int(t.loc_of(e, dram.rank)) if names_memory else None
     loc = t.loc_of(e, nvme.rank)
     if loc == NO_LOC:
         return None
@@ -112,9 +114,13 @@ OPS = st.lists(
     ops=[("put", 0), ("evict", 0), ("hold", 0), ("delete", 0), ("put", 0), ("let_go", 0)]
 )
 @example(ops=[("put", 0), ("hold", 0), ("delete", 0), ("put", 0), ("evict", 0), ("let_go", 0)])
-def test_the_index_names_each_block_in_dram_else_in_its_segment_file(tmp_path_factory, ops):
+@example(  # promoted, so withdrawn from an index of NVMe-only blocks; named again once evicted
+    ops=[("put", 0), ("evict", 0), ("read", 0), ("evict", 0), ("read", 0)]
+)
+@pytest.mark.parametrize("names_memory", [True, False], ids=["arena", "nvme-alone"])
+def test_the_index_names_each_block_in_dram_else_in_its_segment_file(tmp_path_factory, ops, names_memory):
     root = tmp_path_factory.mktemp("store")
-    store = index_store(root)
+    store = index_store(root, names_memory)
     held: list = []  # leases of Gets still in flight ("hold"), ended by "let_go" or at the end
     try:
         keys = hashes(24, seed=9)
@@ -144,7 +150,7 @@ def test_the_index_names_each_block_in_dram_else_in_its_segment_file(tmp_path_fa
         view = ArenaIndexView(np.frombuffer(index._region, dtype=np.uint64))  # noqa: SLF001 - the same memory
         named = 0
         for k, key in enumerate(keys):
-            want = expected_entry(store, key)
+            want = expected_entry(store, key, names_memory)
             found = view.find("ns", [key])
             assert (found is None) == (want is None), (k, want)
             if found is not None:
@@ -296,10 +302,12 @@ def lane_of(kv: Client):
     return kv._lanes.run(lambda lane: lane)  # noqa: SLF001 - the shm lane the client opened
 
 
-@pytest.fixture
-def server(make_server, tmp_path):
+@pytest.fixture(params=[True, False], ids=["arena", "nvme-alone"])
+def server(make_server, tmp_path, request):
+    """A store whose index names its NVMe-only blocks beside its shared arena's, or (``--share-dram false``, the
+    default) alone."""
     return make_server(
-        share_dram=True,
+        share_dram=request.param,
         share_nvme=True,
         dram=16 * MiB,
         nvme_dir=str(tmp_path / "nvme"),

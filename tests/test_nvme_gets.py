@@ -72,6 +72,9 @@ def test_nvme_only_blocks_come_back_exact_on_every_lane(make_server, tmp_path, l
     if lane == "shm-disk":  # read by the client from the segment files: the store read none of them
         assert counters["lane_shm_disk_get_bytes"] >= 2 * PREFIX * BLOCK
         assert server.store.tiers[-1].stats().extra["extents_lent"] >= 2 * PREFIX
+    elif lane == "shm-index":  # the first Get named by the store, the second found in its index (or promoted)
+        assert counters["lane_shm_disk_get_bytes"] >= PREFIX * BLOCK
+        assert counters.get("lane_shm_index_hits", 0) >= PREFIX or (promote and tiers["dram"]["promotions"] > 0)
     elif promote:
         assert tiers["dram"]["promotions"] > 0
 
@@ -230,7 +233,7 @@ def test_a_store_bug_mid_get_is_internal_and_the_lane_lives_on(make_server, tmp_
     quiet(server)
 
 
-@pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "tcp", "grpc"])
+@pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "shm-index", "tcp", "grpc"])
 def test_concurrent_gets_of_the_same_nvme_blocks(make_server, tmp_path, lane):
     server = start_store(make_server, tmp_path, lane, promote=True, dram=12 << 20)
     with lane_client(server, lane) as kv:
@@ -270,7 +273,7 @@ with Client(target, timeout=30, lane=lane.split("-")[0]) as kv:
 """
 
 
-@pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "shm-pool", "tcp"])
+@pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "shm-index", "shm-pool", "tcp"])
 def test_a_client_killed_mid_get_leaks_no_lease_and_no_slot(make_server, tmp_path, lane):
     server = start_store(make_server, tmp_path, lane, promote=False)
     with lane_client(server, lane) as kv:

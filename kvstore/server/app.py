@@ -64,6 +64,7 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
             prefault=cfg.dram_prefault,
             share_index=cfg.dram_index,
             index_disk_bytes=cfg.nvme if index_names_disk(cfg) else 0,
+            index_dir=disk_index_dir(cfg),
         )
     except OSError as err:
         raise dram_allocation_error(err, cfg.dram, share_dir) from err
@@ -144,8 +145,22 @@ def nvme_room_shortfall(nvme_dir: str, capacity: int) -> NvmeRoom | None:
 
 
 def index_names_disk(cfg: ServeConfig) -> bool:
-    """Whether the DRAM index also names NVMe-only blocks in their segment files (clients may read those)."""
-    return bool(cfg.share_dram and cfg.dram_index and cfg.nvme_shared)
+    """Whether the DRAM index names NVMe-only blocks in their segment files (clients may read those): beside the
+    shared arena's blocks with --share-dram, else in a table of its own in --shm-dir."""
+    return bool(cfg.dram_index and cfg.nvme_shared)
+
+
+def disk_index_dir(cfg: ServeConfig) -> str | None:
+    """Where the index of NVMe-only blocks goes when there is no shared DRAM arena to hold it beside: the shm
+    lanes' directory, when their clients can read the index (a direct channel reports their hits back)."""
+    from kvstore.lanes import cma
+    from kvstore.lanes.server.wiring import lane_kinds
+
+    if cfg.share_dram or not (cfg.shm_direct and cma.available()) or "shm" not in lane_kinds(cfg.lanes):
+        return None
+    if not os.path.isdir(cfg.shm_dir):
+        return None
+    return cfg.shm_dir
 
 
 def metrics_token(cfg: ServeConfig) -> str | None:
@@ -301,10 +316,12 @@ class StoreServer:
             ", ".join(f"{t.name}={t.capacity_bytes}" for t in self.store.tiers),
         )
         if self.cfg.nvme_shared:
+            index = next((i for t in self.store.tiers if (i := getattr(t, "index", None)) is not None), None)
             log.info(
-                "shm clients of this user read NVMe blocks from %s themselves (--share-nvme %s)",
+                "shm clients of this user read NVMe blocks from %s themselves (--share-nvme %s)%s",
                 self.cfg.nvme_dir,
                 self.cfg.share_nvme,
+                f", finding them unasked in {index.path}" if index is not None else "",
             )
         return self
 

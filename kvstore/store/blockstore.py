@@ -116,13 +116,13 @@ class BlockStore(Cascade, LowerReads, BackgroundPromotions, StoreInspection):
         self._promote_wake = threading.Event()
         self._promoter: threading.Thread | None = None
         self.staging = Staging(staging_bytes if len(self.tiers) > 1 else 0)  # NVMe reads DRAM cannot take
-        # a shared DRAM arena's table of where its raw blocks lie (below an HBM tier too)
-        shared = [t for t in self.tiers if getattr(t, "index", None) is not None]
+        # a shared DRAM arena's table of where its raw blocks lie (below an HBM tier too), or one of NVMe's alone
+        indexed: Any = next((t for t in self.tiers if getattr(t, "index", None) is not None), None)
         # with index_disk, blocks only on NVMe are named there too, in their segment files (serve --share-nvme)
         disk = self.tiers[-1] if index_disk and hasattr(self.tiers[-1], "payload_places") else None
         self._published = (
-            ArenaPublisher(self.table, shared[0].index, shared[0].rank, disk)  # type: ignore[attr-defined]
-            if shared
+            ArenaPublisher(self.table, indexed.index, indexed.rank, disk, getattr(indexed, "index_names_memory", True))
+            if indexed is not None
             else None
         )
         for tier in self.tiers[1:]:

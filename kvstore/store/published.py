@@ -18,6 +18,10 @@ it), so its copies going, a promotion or a write-back finishing never name it ag
 the new one.
 
 Only raw blocks (codec none) are named: a client copies the bytes as they lie.
+
+``names_memory=False`` (an index beside an arena clients cannot map: ``serve --share-nvme`` without
+``--share-dram``): only blocks NVMe alone holds are named; one that gains a DRAM copy (a promotion) is withdrawn, so
+its next Get asks the store, which serves it from DRAM.
 """
 
 from __future__ import annotations
@@ -42,12 +46,23 @@ class PayloadFiles(Protocol):
 
 
 class ArenaPublisher:
-    def __init__(self, table: EntryTable, index: ArenaIndex, rank: int, disk: PayloadFiles | None = None):
+    def __init__(
+        self,
+        table: EntryTable,
+        index: ArenaIndex,
+        rank: int,
+        disk: PayloadFiles | None = None,
+        names_memory: bool = True,
+    ):
         self.table, self.index, self.rank, self.disk = table, index, rank, disk
+        self.names_memory = names_memory
 
     def added(self, ids: np.ndarray, rank: int) -> None:
         ids = self._mapped(ids)
-        if rank == self.rank:
+        if rank == self.rank and not self.names_memory:
+            if self.disk is not None:  # named on disk until now (a new block has no NVMe copy: nothing to probe)
+                self._withdraw(ids[np.asarray(self.table.locs(ids, self.disk.rank)) != NO_LOC])
+        elif rank == self.rank:
             self._publish(ids, rank)
         elif self.disk is not None and rank == self.disk.rank:
             self._publish(self._not_in_dram(ids), rank)  # a DRAM copy keeps being the one named
@@ -59,7 +74,8 @@ class ArenaPublisher:
                 on_disk = np.asarray(self.table.locs(ids, self.disk.rank)) != NO_LOC
                 self._publish(ids[on_disk], self.disk.rank)  # replaces the DRAM entry: its seq moves
                 ids = ids[~on_disk]
-            self._withdraw(ids)
+            if self.names_memory:
+                self._withdraw(ids)
         elif self.disk is not None and rank == self.disk.rank:
             self._withdraw(self._not_in_dram(ids))
 

@@ -15,7 +15,9 @@ Get can name a DRAM block where it lies instead of copying it
 block lies (``kvstore/arena_index.py``), for clients that find DRAM hits
 without asking the store; the BlockStore keeps it current. ``index_disk_bytes``: the
 table also names that many bytes of NVMe blocks (``serve --share-nvme``), and is sized
-for them.
+for them. Without ``share_dir``, ``index_dir=DIR`` with ``index_disk_bytes`` makes that table
+alone, in DIR: it names only the blocks NVMe alone holds (``index_names_memory`` False), since
+clients cannot map this arena; a DIR too small for it leaves the tier without one (logged).
 
 ``prefault=True`` (host memory): the arena's pages are made in the background from the start
 (``kvstore/prefault.py``), so Puts into slots not used yet pay no page fault and zero-fill in their copy.
@@ -90,6 +92,20 @@ def _shared_buffer(nbytes: int, directory: str) -> tuple[np.ndarray, mmap.mmap, 
     return np.frombuffer(region, dtype=np.uint8, count=nbytes), region, path
 
 
+def _disk_index(directory: str, disk_bytes: int) -> ArenaIndex | None:
+    """A table of the NVMe-only blocks of ``disk_bytes`` in ``directory``, or None (logged) when it has no room."""
+    try:
+        return ArenaIndex.create(directory, disk_bytes)
+    except OSError as err:
+        log.warning(
+            "no index of the NVMe tier's blocks for shm clients in %s (%s): they ask the store for every Get; "
+            "pass --shm-dir on a larger tmpfs",
+            directory,
+            err,
+        )
+        return None
+
+
 class ArenaTier(MemoryTier):
     """A memory tier: ``device`` is "cpu" (DRAM) or "cuda[:N]" (HBM)."""
 
@@ -104,6 +120,7 @@ class ArenaTier(MemoryTier):
         prefault: bool = False,
         share_index: bool = True,
         index_disk_bytes: int = 0,
+        index_dir: str | None = None,
     ):
         self.device = device
         self.rank = HBM if device.startswith("cuda") else DRAM
@@ -112,6 +129,7 @@ class ArenaTier(MemoryTier):
         capacity = capacity_bytes // page_size * page_size  # whole pages: the slab allocator's
         self.shared: SharedArena | None = None
         self.index: ArenaIndex | None = None  # published by the BlockStore, read by clients (share_index)
+        self.index_names_memory = share_dir is not None  # else the index names NVMe-only blocks alone
         if self.rank == HBM:
             import torch
 
@@ -132,6 +150,8 @@ class ArenaTier(MemoryTier):
                     pinned = cuda_available()
                 self._host, self._keepalive = _host_buffer(capacity, pinned)
                 self.backend = "pinned" if pinned else "pageable"
+                if index_dir is not None and index_disk_bytes and share_index and arena_index.supported():
+                    self.index = _disk_index(index_dir, index_disk_bytes)
             self._view = self._host.data
         # after the memory: a size too large for the host fails at once, before a page table of that size is made
         # (--dram 64TiB took 20 s to say so)

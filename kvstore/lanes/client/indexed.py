@@ -1,15 +1,16 @@
 """Gets of hits that ask the store nothing: the client finds the blocks in the store's DRAM index
 (``kvstore/arena_index.py``, ``serve --share-dram``), copies them out of the mapped arena (or, for blocks the
-index names in the NVMe tier's files, ``--share-nvme``, reads them from there) and checks that no entry changed
-meanwhile. The store hears of the hits afterwards, in batches (TOUCH frames on the channel).
+index names in the NVMe tier's files, ``--share-nvme``, reads them from there; a store that shares no arena
+keeps an index of those alone) and checks that no entry changed meanwhile. The store hears of the hits
+afterwards, in batches (TOUCH frames on the channel).
 
 Verbs of ``IndexedGets`` (one per shm lane, thread-safe):
 
 - ``get(namespace, hashes, out, verify, copy_from, read_disk) -> results | None``: every block copied into
-  ``out`` and checked, or None (one is not named, or its entry changed while it was copied, or one named on
-  disk could not be read or failed its CRC32C): the caller asks the store, as before, which reads and drops a
-  corrupt record itself. A DRAM block whose CRC32C does not match while its entry stayed put is corrupt:
-  DATA_LOSS, as a named block's would be.
+  ``out`` and checked, or None (one is not named, or named in an arena the lane does not map: ``copy_from``
+  None, or its entry changed while it was copied, or one named on disk could not be read or failed its
+  CRC32C): the caller asks the store, as before, which reads and drops a corrupt record itself. A DRAM block
+  whose CRC32C does not match while its entry stayed put is corrupt: DATA_LOSS, as a named block's would be.
 - ``allow(namespace)``: the store served this lane a Get in it (its tenant may read it); only such namespaces
   are read through the index, so tenancy decides what an honest client reads, as it does over requests.
 - ``take_touches(force) -> [TouchedBlocks] | None``: the hits to report, once ``TOUCH_BLOCKS`` are pending or
@@ -58,7 +59,7 @@ class IndexedGets:
         hashes: Sequence[bytes],
         out: Sequence[Any],
         verify: bool,
-        copy_from: CopyFrom,
+        copy_from: CopyFrom | None,
         read_disk: ReadDisk | None = None,
     ) -> list[Any] | None:
         if namespace not in self._namespaces or len(out) < len(hashes):
@@ -77,7 +78,12 @@ class IndexedGets:
         elif on_disk:
             disk_positions = set(on_disk.positions.tolist())
             in_dram = [i for i in in_dram if i not in disk_positions]
-        copies = [(*copy_from(found.offsets[i], found.lengths[i], out, i), verify) for i in in_dram]
+        if in_dram and copy_from is None:  # named in an arena this lane does not map
+            self.fallbacks += 1
+            return None
+        copies = (
+            [(*copy_from(found.offsets[i], found.lengths[i], out, i), verify) for i in in_dram] if copy_from else []
+        )
         crcs = copy_outs(copies) if copies else []
         read = not on_disk or (read_disk is not None and read_disk(on_disk, out))
         if not read or not found.unchanged():  # unreadable, or moved, evicted or rewritten meanwhile: ask instead

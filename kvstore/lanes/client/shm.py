@@ -96,7 +96,9 @@ class ShmClientLane(ShmGets, Lane):
                 self.dram = attach(opened.dram_path, opened.dram_bytes, readonly=True)
             except RegionError as err:
                 log.info("shm lane %s: Gets copy through the region (%s)", opened.lane_id, err)
-        if self.dram is not None and opened.dram_index_path and self._channel is not None:
+        # the index names the arena's blocks (and NVMe's), or with no arena offered NVMe's alone, read from their files
+        readable = self.dram is not None or (not opened.dram_path and self.disk is not None)
+        if readable and opened.dram_index_path and self._channel is not None:
             try:  # its hits are reported on the channel: without one, every Get asks the store
                 index = attach(opened.dram_index_path, opened.dram_index_bytes, readonly=True)
                 self._index_region = index

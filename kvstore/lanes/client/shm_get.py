@@ -82,7 +82,8 @@ class ShmGets:
                 raise LaneBroken("the store closed the lane's channel: its DRAM index is not kept any more")
             reads = self.disk is not None and not self.disk.unusable and self.disk.ready
             read_disk = self._read_named_on_disk if reads else None
-            found = self.indexed.get(namespace, hashes, out, verify, self._copy_from_arena, read_disk)
+            copy_from = self._copy_from_arena if self.dram is not None else None  # (an index of NVMe blocks alone)
+            found = self.indexed.get(namespace, hashes, out, verify, copy_from, read_disk)
             if found is not None:
                 self._send_touches()
                 return found
@@ -150,6 +151,8 @@ class ShmGets:
             log.info("shm lane %s: %s; Gets of NVMe blocks go through the store", self.ref.lane_id, self.disk.unusable)
             self.disk.close()
             self.disk = None
+            if self.dram is None:  # an index of NVMe blocks alone names nothing this lane can read now
+                self.indexed = None
         if failed:  # the store reads these itself: a corrupt record is dropped there and reported as DATA_LOSS
             again = self._get(
                 namespace, [hashes[i] for i in failed], [out[i] for i in failed] if out is not None else None,

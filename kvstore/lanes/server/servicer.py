@@ -108,6 +108,7 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 return None
             lane, region = opened
             dram = lane.pins.arena if lane.pins is not None else None
+            index = self.ops.disk_index() if lane.disk is not None and dram is None else None  # NVMe blocks alone
             return lpb.OpenLaneResponse(
                 kind=kind,
                 lane_id=lane.lane_id,
@@ -120,8 +121,8 @@ class LaneServicer(lpb_grpc.KVStoreLanesServicer):
                 lease_seconds=self.registry.lease,
                 dram_path=dram.path if dram is not None else "",
                 dram_bytes=dram.size if dram is not None else 0,
-                dram_index_path=dram.index_path if dram is not None else "",
-                dram_index_bytes=dram.index_bytes if dram is not None else 0,
+                dram_index_path=dram.index_path if dram is not None else index.path if index is not None else "",
+                dram_index_bytes=dram.index_bytes if dram is not None else index.nbytes if index is not None else 0,
                 nvme_dir=(self.ops.disk_dir() or "") if lane.disk is not None else "",
             )
         if kind == lpb.LANE_CUDA_IPC:

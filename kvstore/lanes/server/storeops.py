@@ -37,6 +37,7 @@ from typing import Any, TypeVar, cast
 
 import grpc
 
+from kvstore.arena_index import ArenaIndex
 from kvstore.codecs.verify import crc_mismatch_reason, verify_crc
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.copypool import CopyPool
@@ -250,6 +251,14 @@ class StoreOps:
         for tier in self.store.tiers:
             if isinstance(tier, ArenaTier) and tier.shared is not None:
                 return tier.shared
+        return None
+
+    def disk_index(self) -> ArenaIndex | None:
+        """The table of NVMe-only blocks clients may find their Gets' blocks in, unasked, when no shared DRAM arena
+        holds it (``serve --share-nvme`` without ``--share-dram``), else None."""
+        for tier in self.store.tiers:
+            if isinstance(tier, ArenaTier) and tier.shared is None and tier.index is not None and self.share_nvme:
+                return tier.index
         return None
 
     def disk_dir(self) -> str | None:
