@@ -67,11 +67,13 @@ Gets in turn with the raw reads (and the floor with ``dram-shm``): a lane with n
 session). The stores of the other kinds still start and are written to; they idle.
 
 With ``--share-dram true`` this tree's stores share their DRAM arena, and (unless ``--dram-index false``) their
-DRAM index: ``dram_shm`` Gets after a prefix's first are then served by the client from the index, unasked. With
-both, the ``--share-nvme`` store's index names its NVMe-only blocks too, and ``disk_shm`` Gets after the first
-read them unasked; a second such store without the index (``diskasked_shm``, every Get asked) runs beside it in
-the same worker, and ``disk_index_speedup`` is its p50 over ``disk_shm``'s: what the index saves, measured
-without the bias between two trees' workers (docs/nvme_log.md).
+DRAM index: ``dram_shm`` Gets after a prefix's first are then served by the client from the index, unasked. The
+``--share-nvme`` store's index names its NVMe-only blocks (beside the arena's with ``--share-dram true``, else
+alone, as a default store's does), and ``disk_shm`` Gets after the first read them unasked; unless
+``--dram-index false``, a second such store without the index (``diskasked_shm``, every Get asked, as a default
+store's were before the fifty-sixth session) runs beside it in the same worker, and ``disk_index_speedup`` is its
+p50 over ``disk_shm``'s: what the index saves, measured without the bias between two trees' workers
+(docs/nvme_log.md).
 
 ``--shm-dir DIR`` puts every store's shared files (the shared DRAM arena, the lanes' regions) in ``DIR``: /dev/shm
 gives them 4 KiB pages as a rule, a tmpfs mounted ``huge=within_size`` huge pages, and the store-read lanes' NVMe
@@ -342,6 +344,9 @@ def measure(
     row["tcp_ceiling_vs_raw"] = min(1.0, row["socket_gbps"] / row["raw_extent_gbps"])
     row["nvme_hits"], row["dram_hits"] = hits["nvme"], hits["dram"]
     row["disk_named_bytes"] = hits.get("disk_named_bytes", 0)
+    for store in ("disk", "diskasked"):  # the blocks each --share-nvme store promoted into DRAM, in the background
+        if f"{store}_promotions" in hits:
+            row[f"{store}_promotions"] = hits[f"{store}_promotions"]
     if "pool_bytes" in hits:  # what reached the shared pool without process_vm_writev, and whether in huge pages
         row["pool_bytes"], row["pool_huge_pages"] = hits["pool_bytes"], hits["pool_huge_pages"]
     return row
@@ -382,7 +387,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(
             "--dram-index",
             default="true",
-            help="with --share-dram: this tree's stores share their DRAM index (false: every Get is asked)",
+            help="this tree's stores share their DRAM index (of the --share-nvme store's NVMe-only blocks alone "
+            "without --share-dram; false: every Get is asked, and no diskasked-shm store runs)",
         )
         p.add_argument(
             "--settle-ms",
@@ -432,12 +438,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         baseline = export_tree(args.baseline, root / "baseline") if args.baseline else None
         with tqdm(total=sum(sizes.values()), unit="prefix", desc="nvme gets") as bar:
-            extra = ("--share-dram", "true", "--dram-index", args.dram_index) if args.share_dram == "true" else ()
+            extra = ("--share-dram", "true") if args.share_dram == "true" else ()
+            extra += ("--dram-index", args.dram_index)
             old: tuple[str, ...] = ("--share-dram", "true") if args.baseline_share_dram == "true" else ()
             old += ("--with-disk-store",) if args.baseline_disk_store == "true" else ()
             if args.shm_dir:
                 extra, old = (*extra, "--shm-dir", args.shm_dir), (*old, "--shm-dir", args.shm_dir)
-            index_ab = args.share_dram == "true" and args.dram_index == "true"
+            index_ab = args.dram_index == "true"
             rows = [
                 measure(
                     block,
@@ -466,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     cols = ["block_bytes", "prefixes", "raw_p50_ms", "raw_crc_p50_ms", "raw_dst_p50_ms", "disk_shm_p50_ms"]
     cols += ["disk_nvme_vs_raw", "disk_nvme_vs_raw_dst"]
-    if args.share_dram == "true" and args.dram_index == "true":
+    if args.dram_index == "true":
         cols += ["diskasked_shm_p50_ms", "diskasked_nvme_vs_raw", "disk_index_speedup"]
     cols += ["nvme_shm_p50_ms", "shm_nvme_vs_raw", "nvme_pool_p50_ms", "pool_nvme_vs_raw", "pool_vs_shm_speedup"]
     cols += ["nvme_tcp_p50_ms", "tcp_nvme_vs_raw", "nvme_grpc_p50_ms"]

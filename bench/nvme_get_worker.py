@@ -8,7 +8,9 @@ Starts a store with an NVMe tier (write-through, DRAM ``COLD_DRAM``), with ``--w
 ``--share-nvme`` (its clients read NVMe blocks from the tier's files themselves: kind ``disk-shm``; with
 ``--with-asked-disk-store`` a second such store with ``--dram-index false``, whose every Get is asked: kind
 ``diskasked-shm``), and one whose DRAM holds everything, all
-``kvstore serve`` processes of the tree on ``PYTHONPATH``, writes ``WARM`` 32-block prefixes per DRAM kind,
+``kvstore serve`` processes of the tree on ``PYTHONPATH``, warms every client up (``Client.warm_up``, where the
+tree has it: until its kernels were compiled an shm client had the store read its NVMe blocks, which promoted
+them, beside the measured Gets), writes ``WARM`` 32-block prefixes per DRAM kind,
 prints ``ready``, then answers lines on stdin: ``write I`` writes prefix ``I`` of each NVMe kind (each such
 Get reads a prefix once: a repeated read could come from a cache); ``flush`` then writes more than DRAM holds
 of other prefixes to each NVMe store, which push the last measured ones out of DRAM (write-through keeps the newest
@@ -132,6 +134,10 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
             for kind in KINDS
             if kind.split("-")[0] in targets
         }
+        for kv in clients.values():  # lanes opened and kernels compiled before any Get, as the connectors do
+            warm = getattr(kv, "warm_up", None)  # (an older tree's client may not have it)
+            if warm is not None:
+                warm()
         shared: dict[str, list[np.ndarray]] = {}  # each pool kind's slots: in a pool the store maps
         pool_huge = False
         for kind in POOL_KINDS:
@@ -186,6 +192,10 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
                     tiers["disk_named_bytes"] = (
                         clients["disk-shm"].stats()["counters"].get("lane_shm_disk_get_bytes", 0)
                     )
+                for kind in ("disk-shm", "diskasked-shm"):  # blocks promoted into DRAM (in the background)
+                    if kind in clients:
+                        counters = clients[kind].stats()["counters"]
+                        tiers[f"{kind.split('-')[0]}_promotions"] = counters.get("tier_dram_promotions", 0)
                 if "nvme-pool" in clients:  # bytes its Gets' NVMe blocks reached the pool with, and its pages
                     counters = clients["nvme-pool"].stats()["counters"]
                     tiers["pool_bytes"] = counters.get("lane_shm_pool_get_bytes", 0)

@@ -3,7 +3,8 @@
 DRAM whether the store named them or the DRAM index did, and are then served from there, exact (the metrics
 count them); a full DRAM tier takes only the room under its high watermark and loses nothing to them; a corrupt
 record met by such a promotion is dropped alone; concurrent Gets stay exact while it runs;
-``promote_on_hit=False`` leaves them on NVMe; the queue is bounded.
+``promote_on_hit=False`` leaves them on NVMe; a block read once waits for a second read (a scan costs the disk no
+second read), and the marks of first reads are bounded; the queue is bounded.
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ def room_in_dram(kv, data) -> None:
         kv.delete("t", keys)
 
 
+def read_by_a_client_twice(store, keys: list[bytes]) -> None:
+    """What two client reads of the files leave the store: leases with no bytes, ended with a touch."""
+    for _ in range(2):
+        store.release(store.acquire("t", keys, touch=False), touch=True)
+
+
 def dram_rank(server) -> int:
     return server.store.top.rank
 
@@ -109,7 +116,8 @@ def test_a_full_dram_tier_takes_only_its_room_and_evicts_nothing(make_server, tm
         evictions = store.counters.tiers[top.rank].evictions
         room = store.high * top.capacity_bytes - top.used_bytes
         assert in_dram and room < PREFIX * BLOCK
-        assert_gets_exact(kv, LANE, keys, blocks)  # read from the files: queued once the lane lets the blocks go
+        for _ in range(2):  # read from the files twice: queued once the lane lets the second read's blocks go
+            assert_gets_exact(kv, LANE, keys, blocks)
     q = settled(server)  # (with its next request, or here as it closes)
     assert q["candidates"] == PREFIX and q["promoted"] + q["skipped"] == PREFIX and q["skipped"] > 0
     assert q["promoted"] * BLOCK <= room
@@ -127,8 +135,7 @@ def test_a_corrupt_record_met_by_a_queued_promotion_is_dropped_alone(make_server
         keys, blocks = data[0]
         room_in_dram(kv, data)
         corrupt(server, keys[5])
-        # what a client's read of the files leaves the store: leases with no bytes, ended with a touch
-        store.release(store.acquire("t", keys, touch=False), touch=True)
+        read_by_a_client_twice(store, keys)
         q = settled(server)
         assert q["candidates"] == PREFIX and q["promoted"] == 0 and q["skipped"] == PREFIX  # the batch called off
         assert store.counters.corrupt >= 1
@@ -176,6 +183,32 @@ def test_promote_on_hit_false_leaves_them_on_nvme(make_server, tmp_path):
     quiet(server)
 
 
+def test_a_block_read_once_waits_for_a_second_read_and_the_oldest_marks_are_forgotten(
+    make_server, tmp_path, monkeypatch
+):
+    """A promotion costs a second disk read: a prefix a client read once (a scan) costs none, one read again is
+    promoted; only the latest ``READ_ONCE_MAX`` first reads are remembered."""
+    server = disk_store(make_server, tmp_path, dram_index=False)  # every Get asked: its release comes with the next
+    store = server.store
+    monkeypatch.setattr(background_promotions, "READ_ONCE_MAX", 40)
+    with lane_client(server, LANE) as kv:
+        data = fill(kv, 8)
+        room_in_dram(kv, data)
+        (first, first_blocks), (second, second_blocks), (third, _) = data[:3]
+        assert_gets_exact(kv, LANE, first, first_blocks)
+        assert_gets_exact(kv, LANE, second, second_blocks)  # carries the end of the first Get's leases
+        assert queued(server)["read_once"] == PREFIX
+        time.sleep(0.6)  # a promoter pass or more
+        assert nvme_only(server, first) == PREFIX and queued(server)["candidates"] == 0
+        store.release(store.acquire("t", third, touch=False), touch=True)  # 32 more: the first prefix's oldest go
+        assert queued(server)["read_once"] == 40
+        read_by_a_client_twice(store, first)  # the 24 still marked are queued at once, the 8 forgotten next time
+        q = settled(server)
+        assert q["candidates"] == PREFIX and q["promoted"] == PREFIX
+        assert nvme_only(server, first) == 0
+    quiet(server)
+
+
 def test_the_queue_is_bounded(make_server, tmp_path, monkeypatch):
     server = disk_store(make_server, tmp_path)
     store = server.store
@@ -184,7 +217,7 @@ def test_the_queue_is_bounded(make_server, tmp_path, monkeypatch):
         data = fill(kv, 8)
         keys, _ = data[0]
         room_in_dram(kv, data)
-        store.release(store.acquire("t", keys, touch=False), touch=True)  # 32 at once into a queue of 8
+        read_by_a_client_twice(store, keys)  # 32 at once into a queue of 8
         q = settled(server)
     assert q["candidates"] == PREFIX and q["promoted"] == 8 and q["skipped"] == PREFIX - 8
     assert nvme_only(server, keys) == PREFIX - 8

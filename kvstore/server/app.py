@@ -257,7 +257,8 @@ class StoreServer:
         from kvstore.store.warmup import warm_up
 
         try:
-            seconds = warm_up(policy_factory(self.cfg.eviction_policy))
+            indexed = any(getattr(t, "index", None) is not None for t in self.store.tiers)
+            seconds = warm_up(policy_factory(self.cfg.eviction_policy), index=indexed)
         except Exception:  # noqa: BLE001 - a failed warm-up leaves compiling to the first requests, no more
             log.exception("warming up the store's kernels failed; the first requests compile them")
             return

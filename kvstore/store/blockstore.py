@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -113,6 +113,7 @@ class BlockStore(Cascade, LowerReads, BackgroundPromotions, StoreInspection):
         self.max_block_bytes: int = min(getattr(t, "max_block_bytes") for t in self.tiers if isinstance(t, MemoryTier))  # noqa: B009 - arenas have it
         self._memory = {t.rank: t for t in self.tiers if isinstance(t, MemoryTier)}  # where acquire finds bytes
         self._queued: dict[int, None] = {}  # entries a client read from NVMe itself, to promote (background_promotions)
+        self._read_once: OrderedDict[int, None] = OrderedDict()  # ... and those read once so far (promoted if again)
         self._promote_wake = threading.Event()
         self._promoter: threading.Thread | None = None
         self.staging = Staging(staging_bytes if len(self.tiers) > 1 else 0)  # NVMe reads DRAM cannot take

@@ -4,6 +4,7 @@ and the metrics) and ``check_invariants(quiet)`` (for tests: capacity, leaf stru
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,6 +29,7 @@ class StoreInspection:
         _memory: dict[int, MemoryTier]
         _doomed: set[int]
         _queued: dict[int, None]
+        _read_once: OrderedDict[int, None]
 
         def _has_copy(self, e: int) -> bool: ...
 
@@ -70,6 +72,7 @@ class StoreInspection:
                     "promoted": sc.promoted_later,
                     "skipped": sc.promotions_skipped,
                     "waiting": len(self._queued),
+                    "read_once": len(self._read_once),  # promoted if a client reads them again
                 },
                 "index_bytes": self.table.nbytes() + sum(p.nbytes() for p in self.policies.values()),
             }

@@ -7,10 +7,12 @@ use and cached on disk beside their sources. Measured on this project's 2-core m
 Put took 9.7 s and its first two Gets 2.0 s and 1.0 s, against 0.58 s, 14 ms and 19 ms once cached. A pod
 started from an image without that cache, or a new checkout, would make its first requests wait that long.
 
-- ``warm_up(policy_factory) -> seconds``: run a throwaway store (accounting tiers: DRAM over a disk rank,
+- ``warm_up(policy_factory, index) -> seconds``: run a throwaway store (accounting tiers: DRAM over a disk rank,
   nothing allocated) through every hot path once: chained Puts in batches, lookups, Gets with their
   touches, eviction and demotion past capacity, deletes. The kernels are process-wide, so the real store
-  finds them compiled (or loaded from the cache). ``kvstore serve`` runs it on a background thread at start.
+  finds them compiled (or loaded from the cache). ``kvstore serve`` runs it on a background thread at start;
+  with ``index`` (a store that shares a DRAM index, or one of its NVMe-only blocks) the index's writer too, which
+  otherwise ran as numpy calls until compiled (or loaded) in the background from the first block it named.
 - ``python -m kvstore.store.warmup``: the same, to fill the on-disk cache (an image build runs it).
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvstore import memops_jit, payload_runs
+from kvstore import arena_index, memops_jit, payload_runs
 from kvstore.hashing import block_hashes
 from kvstore.store.blockstore import BlockStore
 from kvstore.store.policies import policy_factory as make_factory
@@ -32,11 +34,13 @@ CHAIN = 64
 WARM_NAMESPACE = "kvstore-warm-up"
 
 
-def warm_up(policy_factory: Callable[[], LeafLRU] | None = None) -> float:
+def warm_up(policy_factory: Callable[[], LeafLRU] | None = None, index: bool = True) -> float:
     """Seconds spent running a throwaway store through its compiled paths (see the module docstring)."""
     t0 = time.perf_counter()
     memops_jit.warm_up()  # the lanes' copy and CRC32C kernels
     payload_runs.COMPILED.warm_up()  # the NVMe tier's compiled runs (and a --share-nvme client's reads)
+    if index and arena_index.supported():
+        arena_index.warm_up()  # the shared index's writer (and its clients' find)
     store = BlockStore(
         [AccountingMemoryTier(3 * CHAIN * BLOCK), AccountingDiskTier(16 * CHAIN * BLOCK)],
         policy_factory=policy_factory or make_factory(),
