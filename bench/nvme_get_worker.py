@@ -135,9 +135,9 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
             if kind.split("-")[0] in targets
         }
         for kv in clients.values():  # lanes opened and kernels compiled before any Get, as the connectors do
-            warm = getattr(kv, "warm_up", None)  # (an older tree's client may not have it)
-            if warm is not None:
-                warm()
+            warm_up = getattr(kv, "warm_up", None)  # (an older tree's client may not have it)
+            if warm_up is not None:
+                warm_up()
         shared: dict[str, list[np.ndarray]] = {}  # each pool kind's slots: in a pool the store maps
         pool_huge = False
         for kind in POOL_KINDS:
