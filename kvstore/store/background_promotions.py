@@ -110,6 +110,7 @@ class BackgroundPromotions:
     def _read_again(self, ids: Sequence[int]) -> list[int]:
         """Those of ``ids`` read before (lock held); the others are marked as read once, the oldest forgotten."""
         seen = self._read_once
+        ids = list(dict.fromkeys(ids))  # (the index's hits of one report may name a block twice)
         again = [e for e in ids if e in seen]
         for e in again:
             del seen[e]

@@ -81,6 +81,7 @@ class ShmClientLane(ShmGets, Lane):
         self._lender = Lender(region, self._give_back, budget=region.size // 2)
         self.direct = False  # puts name client memory for the server to read (one copy)
         self._offered: set[int] = set()  # the shared pools offered to the store (ids)
+        self._read_files = False  # the asked Get under way read blocks from the NVMe files (shm_get)
         self.direct_segments = opened.direct_segments  # ... and blocks in several buffers (Segments)
         if opened.direct_socket:
             why_not, sock = handshake(opened.direct_socket, opened.lane_id, opened.token)

@@ -68,6 +68,7 @@ class ShmGets:
         _timeout: float
         _channel: ShmChannel | None
         _lender: Lender
+        _read_files: bool  # the asked Get under way read blocks from the NVMe files
 
         def _give_back(self, grant_id: int) -> None: ...
         def _take_release(self) -> list[int]: ...
@@ -83,9 +84,10 @@ class ShmGets:
             reads = self.disk is not None and not self.disk.unusable and self.disk.ready
             read_disk = self._read_named_on_disk if reads else None
             copy_from = self._copy_from_arena if self.dram is not None else None  # (an index of NVMe blocks alone)
+            from_disk = self.indexed.disk_hits
             found = self.indexed.get(namespace, hashes, out, verify, copy_from, read_disk)
-            if found is not None:
-                self._send_touches()
+            if found is not None:  # hits of blocks read from the files go at once: a second read is promoted
+                self._send_touches(force=self.indexed.disk_hits > from_disk)
                 return found
         results = self._get_asked(namespace, hashes, out, allow_missing, verify)
         if self.indexed is not None:
@@ -126,15 +128,17 @@ class ShmGets:
         return not self.disk.read(todo)
 
     def _send_touches(self, force: bool = False) -> None:
-        """Report the hits read through the index, when enough are pending (``IndexedGets.take_touches``)."""
-        if self.indexed is None or self._channel is None:
+        """Report the hits read through the index, when enough are pending (``IndexedGets.take_touches``), and end
+        what the last asked Get held now, not at the next request."""
+        if self._channel is None:
             return
-        release = self._take_release()  # what the last asked Get held ends now, not at the next request
-        touched = self.indexed.take_touches(force or bool(release)) or []
+        release = self._take_release()
+        touched = (self.indexed.take_touches(force or bool(release)) or []) if self.indexed is not None else []
         if not (release or touched):
             return
         if not self._channel.send_touch(lpb.LaneTouch(lane=self.ref, touched=touched, release=release)):
-            self.indexed.put_back(touched)
+            if self.indexed is not None:
+                self.indexed.put_back(touched)
             for grant_id in release:
                 self._give_back(grant_id)
 
@@ -146,6 +150,7 @@ class ShmGets:
         spans = direct_outs(out) if out is not None and (self.direct or reads) else None
         read_disk = reads and spans is not None  # NVMe blocks read by us, from the store's files
         failed: list[int] = []  # read from disk but not readable or not matching their CRC32C
+        self._read_files = False
         results = self._get(namespace, hashes, out, allow_missing, verify, spans, read_disk, failed)
         if self.disk is not None and self.disk.unusable:  # another mount namespace, say: the store reads them
             log.info("shm lane %s: %s; Gets of NVMe blocks go through the store", self.ref.lane_id, self.disk.unusable)
@@ -161,6 +166,8 @@ class ShmGets:
             )  # fmt: skip
             for i, result in zip(failed, again):
                 results[i] = result
+        if self._read_files:  # their leases and segment pins end now: a second read is promoted, not a third
+            self._send_touches()
         return results
 
     def _get(
@@ -269,6 +276,7 @@ class ShmGets:
         if self.disk is None or out is None or spans is None or failed is None:
             raise KVStoreError(grpc.StatusCode.INTERNAL, "the store named blocks on disk for a Get that did not ask")
         failed.extend(read_named(self.disk, columns, spans))
+        self._read_files = True
         for i in columns.positions.tolist():
             results[i] = out[i]
 
