@@ -17,6 +17,7 @@ import pytest
 from kvstore import arena_index
 from kvstore.config import ServeConfig
 from kvstore.lanes.client.disk import DiskReader
+from kvstore.lanes.server import channel as server_channel
 from kvstore.server.app import build_tiers
 from kvstore.tiers.arena import ArenaTier
 from tests.nvme_gets_support import (
@@ -139,4 +140,31 @@ def test_a_client_that_cannot_read_the_files_drops_the_index(make_server, tmp_pa
         lane = lane_of(kv)
         assert lane.disk is None and lane.indexed is None  # it names nothing this lane can read
         assert server.metrics.counters().get("lane_shm_direct_get_bytes", 0) >= 2 * PREFIX * BLOCK
+    quiet(server)
+
+
+def test_the_hits_a_lane_reports_as_it_closes_are_counted_before_it_is_gone(make_server, tmp_path, monkeypatch):
+    """A lane's last hits go in a TOUCH frame as it closes, and its CloseLane is served by another of the store's
+    threads: closing waits for the store to have read the channel (its end closes), so none is lost, even when
+    the store reads that frame late (here 0.2 s)."""
+    touch = server_channel._touch  # noqa: SLF001 - slowed, as on a loaded store
+
+    def late(*args):  # noqa: ANN002, ANN202
+        time.sleep(0.2)
+        return touch(*args)
+
+    monkeypatch.setattr(server_channel, "_touch", late)
+    server = nvme_store(make_server, tmp_path, shm_direct=True, share_nvme="auto", promote_on_hit=False)
+    for round_ in range(2):
+        with lane_client(server, LANE) as kv:
+            if round_ == 0:
+                keys, blocks = fill(kv, 8)[0]
+            assert_gets_exact(kv, LANE, keys, blocks)  # asked: the namespace is this lane's to read through the index
+            reported = server.metrics.counters().get("lane_shm_index_hits", 0)
+            channel = lane_of(kv)._channel  # noqa: SLF001 - held back: the hits wait for the lane's close
+            channel.send_touch = lambda touch: False
+            assert_gets_exact(kv, LANE, keys, blocks)
+            assert lane_of(kv).indexed.disk_hits == PREFIX
+            del channel.send_touch
+        assert server.metrics.counters().get("lane_shm_index_hits", 0) == reported + PREFIX
     quiet(server)

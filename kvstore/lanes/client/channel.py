@@ -168,6 +168,25 @@ class ShmChannel:
     def _status_error(self, status: lpb.LaneStatus) -> Exception:
         return lane_failure(status_code(status.code), status.message)
 
+    def drain(self, timeout: float) -> None:
+        """Close the channel once the store has read every frame sent on it: its end closes after the last, so a
+        TOUCH sent just before (the lane's last hits and releases) is counted before the lane's CloseLane, which
+        another of the store's threads serves. Waits at most ``timeout`` for that; closed either way."""
+        sock = self._sock
+        if sock is None or not self._busy.acquire(timeout=timeout):
+            self.close()
+            return
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(timeout)
+            while sock.recv(4096):  # the store sends nothing between requests: b"" is its end closing
+                pass
+        except OSError:
+            pass
+        finally:
+            self._busy.release()
+            self.close()
+
     def close(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:

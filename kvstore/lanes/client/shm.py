@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from kvstore.lanes.cuda_region import DeviceRegion
     from kvstore.lanes.shared_pool import SharedPool
 
+DRAIN_SECONDS = 1.0  # how long closing waits for the store to read the channel's last frames (its last hits)
 log = logging.getLogger(__name__)
 COMMIT_BYTES = 16 << 20
 T = TypeVar("T")
@@ -234,7 +235,7 @@ class ShmClientLane(ShmGets, Lane):
     def close(self) -> None:
         self._send_touches(force=True)
         if self._channel is not None:
-            self._channel.close()
+            self._channel.drain(DRAIN_SECONDS)
         try:
             self._stub.CloseLane(lpb.CloseLaneRequest(lane=self.ref), timeout=5, metadata=self._metadata)
         except grpc.RpcError:
