@@ -434,15 +434,18 @@ def test_share_nvme_names_at_most_the_lanes_budget_and_the_store_reads_the_rest(
 
 
 class _FirstReadLate:
-    """The NVMe tier's backend with its next ``preadv`` held back ``seconds`` (a disk that serves a request late)."""
+    """The NVMe tier's backend with the next ``preadv`` that starts at or before ``at_most`` (the read of a Get's
+    first block) held back ``seconds``: a disk that serves that request late. Not simply the next ``preadv``: a
+    small Get's two pieces are read at once, and under load the second one's read could start first."""
 
     def __init__(self, inner, seconds: float):
-        self.inner, self.seconds, self.armed = inner, seconds, False
+        self.inner, self.seconds, self.armed, self.at_most = inner, seconds, False, 0
         self._lock = threading.Lock()
 
     def preadv(self, fh, bufs, offset):
         with self._lock:
-            late, self.armed = self.armed, False
+            late = self.armed and offset <= self.at_most
+            self.armed = self.armed and not late
         if late:
             time.sleep(self.seconds)
         return self.inner.preadv(fh, bufs, offset)
@@ -480,7 +483,9 @@ def test_tcp_sends_blocks_as_their_reads_complete(make_server, tmp_path, monkeyp
     nvme.backend = late = _FirstReadLate(nvme.backend, 0.3)
     with lane_client(server, "tcp") as kv:
         keys, blocks = prefix_on_nvme(server, kv)
-        late.armed = True
+        t = server.store.table
+        _, first = nvme.payload_places(np.array([t.loc_of(t.find(t.namespace_id("t"), keys[0]), nvme.rank)]))
+        late.at_most, late.armed = int(first[0]), True
         got = get_into(kv, "tcp", keys)
         assert all(bytes(memoryview(g)) == b.tobytes() for g, b in zip(got, blocks))
         assert not late.armed
