@@ -13,9 +13,9 @@ the page-aligned slots of one pool (``Client.get(out=...)``), as a paged KV pool
 in turn, prefix by prefix, in a rotating order, so that all see the disk and the loaded host in the same state:
 
 - ``disk_shm``: a Get of a prefix that NVMe holds from the ``--share-nvme`` store, on the shared-memory lane:
-  the store names each block's file and offset and the client reads it into its buffers itself (the store then
-  promotes what the client read into the room DRAM has under its high watermark, in the background: here the
-  first prefixes' blocks only, since DRAM is near that mark; ``bench.nvme_reread`` measures what it is for);
+  the store names each block's file and offset and the client reads it into its buffers itself (a block such a
+  client reads again is promoted in the background; here each prefix is read once, so none is:
+  ``disk_promotions`` counts what was, and ``bench.nvme_reread`` measures rereads);
 - ``nvme_shm`` / ``nvme_tcp`` / ``nvme_grpc``: a Get of a prefix that NVMe holds, on the shared-memory lane
   (direct: the store reads each block and writes it into the client's buffers), on the TCP lane and on the gRPC
   stream (``lane="grpc"``);
@@ -344,7 +344,7 @@ def measure(
     row["tcp_ceiling_vs_raw"] = min(1.0, row["socket_gbps"] / row["raw_extent_gbps"])
     row["nvme_hits"], row["dram_hits"] = hits["nvme"], hits["dram"]
     row["disk_named_bytes"] = hits.get("disk_named_bytes", 0)
-    for store in ("disk", "diskasked"):  # the blocks each --share-nvme store promoted into DRAM, in the background
+    for store in ("disk", "diskasked"):  # the blocks each --share-nvme store promoted into DRAM, by any path
         if f"{store}_promotions" in hits:
             row[f"{store}_promotions"] = hits[f"{store}_promotions"]
     if "pool_bytes" in hits:  # what reached the shared pool without process_vm_writev, and whether in huge pages

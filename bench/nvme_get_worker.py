@@ -192,7 +192,7 @@ def main(block: int, count: int, root: Path, cold_dram: int, extra: list[str]) -
                     tiers["disk_named_bytes"] = (
                         clients["disk-shm"].stats()["counters"].get("lane_shm_disk_get_bytes", 0)
                     )
-                for kind in ("disk-shm", "diskasked-shm"):  # blocks promoted into DRAM (in the background)
+                for kind in ("disk-shm", "diskasked-shm"):  # blocks promoted into DRAM (by a Get, or in the background)
                     if kind in clients:
                         counters = clients[kind].stats()["counters"]
                         tiers[f"{kind.split('-')[0]}_promotions"] = counters.get("tier_dram_promotions", 0)

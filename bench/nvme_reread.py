@@ -10,8 +10,8 @@ NVMe-only blocks does, unasked, the default; ``index``: with ``--share-dram`` th
 serve --share-nvme --write-policy write-through`` processes of this tree: ``promote`` (the default,
 ``--promote-on-hit true``: the blocks a client read again are queued and promoted by the store's promoter thread
 while DRAM has room under its high watermark) and ``stay`` (``--promote-on-hit false``: what every ``--share-nvme``
-store did before the fifty-fifth session, the baseline, measured in the same run). Each writes ``--prefixes`` 32-block prefixes, then
-pushes them out of DRAM with as many more and deletes those: the prefixes are only on NVMe, with DRAM room for
+store did before the fifty-fifth session, the baseline, measured in the same run). Each writes ``--prefixes``
+32-block prefixes, then pushes them out of DRAM with as many more and deletes those: the prefixes are only on NVMe, with DRAM room for
 all. Then, prefix by prefix, the two stores in a rotating order, each Get into one page-aligned pool:
 
 - ``first``: the prefix's first Get (from the files, on both);
@@ -23,7 +23,8 @@ all. Then, prefix by prefix, the two stores in a rotating order, each Get into o
   ``stay``.
 
 Rows: p50 ms of each Get per store, ``reread_speedup`` (``stay`` third / ``promote`` third), ``second_cost``
-(``promote`` second / ``stay`` second: what a promotion beside a Get costs it), ``promoted_share`` (the
+(``promote`` second / ``stay`` second: what the Get that sets a promotion off pays for it; the promotion ran
+beside it until the fifty-sixth session), ``promoted_share`` (the
 ``promote`` store's blocks in DRAM at the end, of those read).
 """
 

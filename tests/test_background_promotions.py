@@ -211,6 +211,22 @@ def test_a_block_read_once_waits_for_a_second_read_and_the_oldest_marks_are_forg
     quiet(server)
 
 
+def test_a_first_read_is_marked_even_without_room_and_its_reread_counted_as_skipped(make_server, tmp_path, monkeypatch):
+    """Marks do not wait for room: a block read once while DRAM is full is a reread the next time, whenever that
+    comes; with no room then, that reread is a candidate, skipped."""
+    server = disk_store(make_server, tmp_path)
+    store = server.store
+    monkeypatch.setattr(background_promotions.BackgroundPromotions, "_room", lambda self: 0)
+    with lane_client(server, LANE) as kv:
+        keys, _ = fill(kv, 8)[0]
+        store.release(store.acquire("t", keys, touch=False), touch=True)
+        assert queued(server)["read_once"] == PREFIX and queued(server)["candidates"] == 0
+        store.release(store.acquire("t", keys, touch=False), touch=True)
+        q = queued(server)
+        assert q["read_once"] == 0 and q["candidates"] == PREFIX and q["skipped"] == PREFIX and q["waiting"] == 0
+    quiet(server)
+
+
 def test_the_queue_is_bounded(make_server, tmp_path, monkeypatch):
     server = disk_store(make_server, tmp_path)
     store = server.store

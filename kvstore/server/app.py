@@ -257,8 +257,7 @@ class StoreServer:
         from kvstore.store.warmup import warm_up
 
         try:
-            indexed = any(getattr(t, "index", None) is not None for t in self.store.tiers)
-            seconds = warm_up(policy_factory(self.cfg.eviction_policy), index=indexed)
+            seconds = warm_up(policy_factory(self.cfg.eviction_policy), index=self.store.published_index is not None)
         except Exception:  # noqa: BLE001 - a failed warm-up leaves compiling to the first requests, no more
             log.exception("warming up the store's kernels failed; the first requests compile them")
             return
@@ -317,7 +316,7 @@ class StoreServer:
             ", ".join(f"{t.name}={t.capacity_bytes}" for t in self.store.tiers),
         )
         if self.cfg.nvme_shared:
-            index = next((i for t in self.store.tiers if (i := getattr(t, "index", None)) is not None), None)
+            index = self.store.published_index
             log.info(
                 "shm clients of this user read NVMe blocks from %s themselves (--share-nvme %s)%s",
                 self.cfg.nvme_dir,

@@ -65,7 +65,7 @@ class _StoreCollector:
         for key in ("candidates", "promoted", "skipped"):
             yield CounterMetricFamily(
                 f"kvstore_share_nvme_promotions_{key}",
-                f"Blocks --share-nvme clients read from NVMe themselves, to promote in the background: {key}",
+                f"Blocks --share-nvme clients read from NVMe themselves again, to promote in the background: {key}",
                 value=queued.get(key, 0),
             )
         for key, value in self._extra().items():

@@ -22,8 +22,9 @@ prefix's second Get no longer runs beside the promotion of its blocks (``bench.n
 since). It only takes room below the top tier's high watermark: it never evicts a block, nor pushes the tier over
 the mark at which the demoter would (a scan that reads more than DRAM holds cannot turn into promotions and
 evictions of each other). The entries that do not fit are dropped, and none is queued while the tier has no room
-for the first of them (the steady state of a full store costs its Gets one comparison); a client that reads them
-again queues them again. ``StoreCounters`` counts the candidates, those promoted and those skipped
+for the first of them (the steady state of a full store costs a Get's release its blocks' marks and one
+comparison); a client that reads them again queues them again. Candidates are blocks read again: first reads are
+counted only as ``read_once`` marks. ``StoreCounters`` counts the candidates, those promoted and those skipped
 (``stats()["queued_promotions"]``, with those waiting and those read once). Off with ``promote_on_hit=False``.
 """
 
@@ -93,11 +94,13 @@ class BackgroundPromotions:
         if not ids or not self.promote_on_hit or len(self.tiers) < 2:
             return
         queued, c = self._queued, self.counters
+        ids = self._read_again(ids)  # marked whatever the room: a reread is one whenever it comes
+        if not ids:
+            return
         if self._room() < int(self.table.stored_len[ids[0]]):  # (a Get's blocks are alike in size)
             c.promotion_candidates += len(ids)
             c.promotions_skipped += len(ids)
             return
-        ids = self._read_again(ids)
         fresh = [e for e in ids if e not in queued]
         kept = fresh[: max(QUEUE_MAX - len(queued), 0)]
         queued.update(dict.fromkeys(kept))

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.arena_index import ArenaIndex
 from kvstore.store.background_promotions import BackgroundPromotions
 from kvstore.store.cascade import NVME_EVICTIONS, CapacityError, Cascade
 from kvstore.store.counters import StoreCounters, TierCounters
@@ -128,6 +129,11 @@ class BlockStore(Cascade, LowerReads, BackgroundPromotions, StoreInspection):
         )
         for tier in self.tiers[1:]:
             self._recover(tier)
+
+    @property
+    def published_index(self) -> ArenaIndex | None:
+        """The table clients find blocks in unasked (a shared arena's, or one of NVMe-only blocks), or None."""
+        return self._published.index if self._published is not None else None
 
     def subscribe(self, fn: Callable[[str, str, bytes, int], None]) -> None:
         self._listeners.append(fn)

@@ -23,7 +23,7 @@ class StoreCounters:
     already_present: int = 0
     rejected: int = 0
     corrupt: int = 0
-    # blocks a client read from NVMe itself (kvstore/store/background_promotions.py): candidates for a promotion,
+    # blocks a client read from NVMe itself again (kvstore/store/background_promotions.py): candidates for a promotion,
     # then promoted, or skipped (the queue full, no room under the top tier's high watermark, deleted, promoted by
     # a Get meanwhile, or a read that failed)
     promotion_candidates: int = 0

@@ -129,7 +129,6 @@ class ArenaTier(MemoryTier):
         capacity = capacity_bytes // page_size * page_size  # whole pages: the slab allocator's
         self.shared: SharedArena | None = None
         self.index: ArenaIndex | None = None  # published by the BlockStore, read by clients (share_index)
-        self.index_names_memory = share_dir is not None  # else the index names NVMe-only blocks alone
         if self.rank == HBM:
             import torch
 
@@ -228,6 +227,11 @@ class ArenaTier(MemoryTier):
 
     def stats(self) -> TierStats:
         return TierStats(self.name, self.capacity_bytes, self.used_bytes, backend=self.backend)
+
+    @property
+    def index_names_memory(self) -> bool:
+        """Whether ``index`` names this arena's blocks (clients map it), else NVMe-only blocks alone."""
+        return self.shared is not None
 
     def close(self) -> None:
         """Remove a shared arena's file (the mappings keep the memory until they go)."""

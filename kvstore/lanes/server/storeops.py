@@ -257,7 +257,12 @@ class StoreOps:
         """The table of NVMe-only blocks clients may find their Gets' blocks in, unasked, when no shared DRAM arena
         holds it (``serve --share-nvme`` without ``--share-dram``), else None."""
         for tier in self.store.tiers:
-            if isinstance(tier, ArenaTier) and tier.shared is None and tier.index is not None and self.share_nvme:
+            if (
+                isinstance(tier, ArenaTier)
+                and not tier.index_names_memory
+                and tier.index is not None
+                and self.share_nvme
+            ):
                 return tier.index
         return None
 
