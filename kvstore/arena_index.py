@@ -81,6 +81,7 @@ def supported() -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)
 def namespace_mix(namespace: str) -> tuple[int, int]:
     """Two uint64 XORed into a block's hash, so equal hashes of two namespaces are two keys."""
     digest = hashlib.blake2b(namespace.encode(), digest_size=16, person=b"kvstore-dramidx").digest()
@@ -236,6 +237,11 @@ class Found:
     def __init__(self, view: ArenaIndexView, rows: np.ndarray):
         self._view = view
         self._rows = rows  # (n, 4) uint64: offset, lencrc, entry, seq
+
+    @property
+    def rows(self) -> np.ndarray:
+        """(n, 4) uint64, a row per block: offset word, length and CRC32C, entry, its ``seq`` when probed."""
+        return self._rows
 
     @functools.cached_property
     def offsets(self) -> list[int]:

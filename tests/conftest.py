@@ -47,12 +47,14 @@ def compiled_kernels() -> None:
     """The copy and CRC32C kernels and the compiled runs compiled (or loaded from numba's cache) before a module's
     tests run, so they test the compiled paths, not the fallbacks taken while compiling (an shm lane client reads
     the store's NVMe files only once its runs are compiled: the store reads them until then)."""
-    from kvstore import memops_jit, payload_runs
+    from kvstore import indexed_runs, memops_jit, payload_runs
 
     memops_jit.warm_up()
     assert memops_jit.ready()
     payload_runs.COMPILED.warm_up()
     assert payload_runs.ready()
+    indexed_runs.COMPILED.warm_up()
+    assert indexed_runs.ready()
 
 
 @pytest.fixture

@@ -227,6 +227,46 @@ def test_a_first_read_is_marked_even_without_room_and_its_reread_counted_as_skip
     quiet(server)
 
 
+def test_a_block_named_twice_in_one_report_was_read_twice(make_server, tmp_path, monkeypatch):
+    """A lane's report of its index's hits holds a first read with the reread that made it due: a candidate."""
+    server = disk_store(make_server, tmp_path)
+    store = server.store
+    monkeypatch.setattr(background_promotions.BackgroundPromotions, "_room", lambda self: 1 << 40)
+    with lane_client(server, LANE) as kv:
+        first, second = [keys for keys, _ in fill(kv, 8)[:2]]
+        store.touch("t", first)
+        assert queued(server)["read_once"] == PREFIX and queued(server)["candidates"] == 0
+        store.touch("t", second + second)
+        q = settled(server)
+        assert q["candidates"] == PREFIX and q["read_once"] == PREFIX  # the first prefix's marks still wait
+    quiet(server)
+
+
+@pytest.mark.parametrize(("share_dram", "dram_index"), index_modes[1:])
+def test_an_index_lane_reports_a_first_read_with_its_batch_and_a_reread_at_once(
+    make_server, tmp_path, share_dram, dram_index
+):
+    """A first read of a record from the files costs no frame of its own; the lane's second read of it goes at
+    once, with the first, and the store promotes the prefix on it."""
+    server = disk_store(make_server, tmp_path, share_dram=share_dram, dram_index=dram_index)
+    with lane_client(server, LANE) as kv:
+        data = fill(kv, 8)
+        (keys, blocks), (other, other_blocks) = data[0], data[1]
+        room_in_dram(kv, data)
+        assert_gets_exact(kv, LANE, other, other_blocks)  # asked: the store serves the namespace to this lane
+        marks = queued(server)["read_once"]
+        lane = kv._lanes.run(lambda lane: lane)  # noqa: SLF001 - the shm lane the client opened
+        assert_gets_exact(kv, LANE, keys, blocks)
+        assert lane.indexed.disk_hits == PREFIX
+        time.sleep(0.2)
+        assert queued(server)["read_once"] == marks and queued(server)["candidates"] == 0  # still in the batch
+        assert_gets_exact(kv, LANE, keys, blocks)  # read again: due now
+        q = settled(server)
+        assert lane.indexed.disk_hits == 2 * PREFIX and q["candidates"] == PREFIX and q["promoted"] == PREFIX
+        assert nvme_only(server, keys) == 0
+    quiet(server)
+
+
 def test_the_queue_is_bounded(make_server, tmp_path, monkeypatch):
     server = disk_store(make_server, tmp_path)
     store = server.store

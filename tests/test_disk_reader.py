@@ -19,6 +19,7 @@ from kvstore import memops_jit, payload_runs
 from kvstore.arena_index_layout import segment_name
 from kvstore.checksum import crc32c
 from kvstore.lanes.client import disk as client_disk
+from kvstore.lanes.client import segment_files
 from kvstore.lanes.client.disk import DiskBlock, DiskReader
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.nvme import NvmeTier
@@ -432,3 +433,35 @@ def test_the_gather_setting_reads_sizes_and_falls_back_on_anything_else(caplog):
     assert payload_runs.gather_block_bytes("65536") == 64 << 10
     assert payload_runs.gather_block_bytes("lots") == payload_runs.GATHER_BLOCK_DEFAULT
     assert "KVSTORE_GATHER_BLOCK_BYTES" in caplog.text
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["open", "delete", "sweep", "close"]), st.integers(0, 5)), max_size=30))
+def test_the_table_of_open_files_names_only_open_descriptors(tmp_path_factory, monkeypatch, ops):
+    """``SegmentFiles.table`` (what the compiled Get reads descriptors from): each row it fills holds a file open
+    now, under its segment id, at the row ``id & (FILE_SLOTS - 1)``, whatever opens (ids that share a row among
+    them), evictions past ``MAX_OPEN_FILES``, sweeps of deleted files and closes came before."""
+    monkeypatch.setattr(segment_files, "MAX_OPEN_FILES", 3)
+    monkeypatch.setattr(segment_files, "SWEEP_SECONDS", 0.0)
+    root = tmp_path_factory.mktemp("segments")
+    ids = [1, 1 + segment_files.FILE_SLOTS, 2, 3, 4 + 2 * segment_files.FILE_SLOTS, 5]
+    files = segment_files.SegmentFiles(str(root))
+    for op, k in ops:
+        name = segment_name(ids[k])
+        if op == "open":
+            (root / name).touch()
+            assert files.fd(name) >= 0
+        elif op == "delete":
+            (root / name).unlink(missing_ok=True)
+        elif op == "sweep":
+            files.sweep_if_due()
+        else:
+            files.close()
+        opened = files.opened()
+        for row, (segment, fd) in enumerate(files.table.tolist()):
+            if fd >= 0:
+                assert row == segment & (segment_files.FILE_SLOTS - 1) and opened[segment_name(segment)] == fd
+        if op == "open":  # the file just asked for is listed
+            assert files.table[ids[k] & (segment_files.FILE_SLOTS - 1)].tolist() == [ids[k], files.fd(name)]
+    files.close()
+    assert (files.table == -1).all()

@@ -376,27 +376,59 @@ def test_a_corrupt_record_named_on_disk_is_dropped_by_the_store(server, tmp_path
         assert all(np.array_equal(g, d) for g, d in zip(got, data[:2]))
 
 
-def test_a_prefix_of_small_blocks_into_page_aligned_buffers_is_read_as_one_run(server, tmp_path):
-    """The common Get (``DiskReader.read_run``: one preadv, one batch of CRC32Cs): exact bytes, and a corrupt
-    record among them is not served: the Get is asked, the store drops the record and says DATA_LOSS."""
+def test_buffers_too_small_for_their_blocks_are_never_read_into(server):
+    """The one-call read checks each block's length against its buffer before any read: a Get into buffers a page
+    short is asked, the store says which buffer is short, and the memory after each is untouched."""
+    hs, data = hashes(8, seed=8), blocks(8, 64 << 10, seed=8)
+    with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:
+        on_nvme_only(server, kv, hs, data)
+        good = [aligned_buffer(64 << 10) for _ in hs]
+        kv.get("ns", hs, out=good)  # asked: the store serves the namespace to this lane
+        lane_of(kv).disk.start()
+        memory = aligned_buffer(len(hs) * (64 << 10))
+        memory[:] = 0xAB
+        short = [memory[i * (64 << 10) : (i + 1) * (64 << 10) - 4096] for i in range(len(hs))]
+        with pytest.raises(KVStoreError) as err:
+            kv.get("ns", hs, out=short)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "holds" in err.value.message
+        for i in range(len(hs)):
+            assert (memory[(i + 1) * (64 << 10) - 4096 : (i + 1) * (64 << 10)] == 0xAB).all()
+        got = kv.get("ns", hs, out=good)
+        assert all(np.array_equal(g, d) for g, d in zip(got, data))
+
+
+@pytest.mark.parametrize("path", ["one-call", "read-run"])
+def test_a_prefix_of_small_blocks_into_page_aligned_buffers_is_read_as_one_run(server, tmp_path, path):
+    """The common Get: probed, read, checked and confirmed in one compiled call (``DiskReader.read_indexed``), or
+    through the general path (``read_run``: one preadv, one batch of CRC32Cs) when that call is not there: exact
+    bytes, and a corrupt record among them is not served: the Get is asked, the store drops the record and says
+    DATA_LOSS."""
     hs, data = hashes(16, seed=6), blocks(16, 64 << 10, seed=6)
     with Client(f"127.0.0.1:{server.port}", lane="shm", timeout=30) as kv:
         on_nvme_only(server, kv, hs, data)
         out = [aligned_buffer(64 << 10) for _ in hs]
         kv.get("ns", hs, out=out)  # asked: the store serves the namespace to this lane
         lane = lane_of(kv)
-        runs: list[list[int] | None] = []
-        read_run = lane.disk.read_run
-        lane.disk.read_run = lambda *a: runs.append(read_run(*a)) or runs[-1]
+        lane.disk.start()
+        runs: list[list[int] | None] = []  # what read_run returned, or the one call's status
+        if path == "one-call":
+            read_indexed = lane.disk.read_indexed
+            lane.disk.read_indexed = lambda *a: runs.append(read_indexed(*a)) or runs[-1]
+        else:
+            read_run = lane.disk.read_run
+            lane.disk.read_indexed = lambda *a: None
+            lane.disk.read_run = lambda *a: runs.append(read_run(*a)) or runs[-1]
         for o in out:
             o[:] = 0
         got = kv.get("ns", hs, out=out)
         assert all(np.array_equal(g, d) for g, d in zip(got, data))
-        assert runs == [[]] and lane.indexed.disk_hits == 16
+        served = [r.status if path == "one-call" else r for r in runs]
+        assert served == ([0] if path == "one-call" else [[]]) and lane.indexed.disk_hits == 16
         corrupt_on_disk(server, tmp_path / "nvme", hs[5], 7)
         with pytest.raises(KVStoreError) as err:
             kv.get("ns", hs, out=out)
-        assert err.value.code == grpc.StatusCode.DATA_LOSS and runs[-1] == [5]
+        assert err.value.code == grpc.StatusCode.DATA_LOSS
+        assert (runs[-1].status == 1) if path == "one-call" else (runs[-1] == [5])  # one block failed its check
         assert kv.get("ns", hs, out=out, allow_missing=True)[5] is None
 
 

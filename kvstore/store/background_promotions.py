@@ -9,7 +9,9 @@ that brings such blocks up:
 - ``_queue_promotions(ids)`` (lock held): entries a client just read from a lower tier (the leases of a disk
   read ending, ``release(..., touch=True)`` of leases with no bytes; the index's hits reported by ``touch``)
   wait in an ordered set of at most ``QUEUE_MAX`` entries (more are skipped), from their second such read: a
-  first one only marks the entry (``_read_once``, the ``READ_ONCE_MAX`` latest);
+  first one only marks the entry (``_read_once``, the ``READ_ONCE_MAX`` latest). A block named twice in one
+  report was read twice: a lane sends its index's first reads in a batch, and that batch goes with the reread
+  that made it due (``IndexedGets.take_touches``);
 - ``promote_queued(batch_bytes) -> int``: the promoter's thread (``kvstore-promoter``, started with the store)
   takes queued entries, leases those still only below the top tier, reads them into top-tier slots
   (``materialize``: verified, coalesced as any Get's) and makes those the blocks' copies (``release``); how
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -110,9 +112,14 @@ class BackgroundPromotions:
             self._promote_wake.set()
 
     def _read_again(self, ids: Sequence[int]) -> list[int]:
-        """Those of ``ids`` read before (lock held); the others are marked as read once, the oldest forgotten."""
+        """Those of ``ids`` read before, or twice among them (lock held); the others are marked as read once, the
+        oldest forgotten."""
         seen = self._read_once
-        ids = list(dict.fromkeys(ids))  # (the index's hits of one report may name a block twice)
+        unique = list(dict.fromkeys(ids))
+        if len(unique) < len(ids):  # a report of the index's hits holds a lane's first read with its reread
+            twice = {e for e, n in Counter(ids).items() if n > 1}
+            seen.update(dict.fromkeys(e for e in twice if e not in seen))
+        ids = unique
         again = [e for e in ids if e in seen]
         for e in again:
             del seen[e]

@@ -20,9 +20,13 @@ would have. The store keeps the file as it is until the client releases the mess
   out with its check: on this VM's virtual disk that beat 64 separate pieces of memory in one read.
 - ``read_runs(segments, name_of, positions, offsets, lengths, crcs, addresses) -> failed | None``: ``read_run``
   of blocks in several files (a prefix a segment's end cut in two), one run per file at once.
+- ``read_indexed(view, namespace, hashes, addresses, sizes) -> IndexedRead | None``: a Get of blocks the store's
+  index names, when they are one such run of one file, probed in the index, read, checked and confirmed unchanged
+  in one compiled call (``indexed_run_kernels.find_and_read``, descriptors from ``SegmentFiles.table``); else the
+  probe's rows for the caller's general path (``IndexedGets``).
 - ``start()``: what the first Gets would set up, now (once): the compiled runs compiled (or loaded from numba's
   cache) on this thread, the reading threads started, each with its scratch, and ``SPARE_SCRATCHES`` more for the
-  first threads that call a Get, faulted in.
+  first threads that call a Get, faulted in; ``read_indexed``'s kernel compiled too.
 - ``unusable``: why this process cannot open the store's files at all, or "": the lane then stops asking for
   disk reads. The open files, and the closing of those the store deleted, are ``segment_files.SegmentFiles``'.
 - ``ready``: whether its compiled runs are ready: a lane asks for disk reads only then (until they are, the store
@@ -55,7 +59,9 @@ from typing import TypeVar, cast
 
 import numpy as np
 
-from kvstore import payload_runs
+from kvstore import indexed_runs, payload_runs
+from kvstore.arena_index import ArenaIndexView, namespace_mix
+from kvstore.arena_index_layout import segment_name
 from kvstore.hugepages import huge_buffer
 from kvstore.lanes.client.segment_files import SegmentFiles, preadv
 from kvstore.lanes.copypool import CopyPool
@@ -146,6 +152,7 @@ class DiskReader:
                 return
             self._started = True
         _compiled.warm_up()
+        indexed_runs.COMPILED.warm_up()
         self._threads().start(lambda: self._scratch(0))  # before the spares: those are for other threads
         size = max(payload_runs.GATHER_SPAN_BYTES if payload_runs.GATHER_BLOCK_BYTES else 0, SCRATCH_BYTES)
         spares = [_Scratch(size) for _ in range(SPARE_SCRATCHES)]
@@ -222,6 +229,38 @@ class DiskReader:
         if any(r is None for r in results):
             return None
         return [p for r in results for p in cast(list[int], r)]
+
+    def read_indexed(
+        self, view: ArenaIndexView, namespace: str, hashes: Sequence[bytes], addresses: np.ndarray, sizes: np.ndarray
+    ) -> indexed_runs.IndexedRead | None:
+        """A Get of blocks the store's index names (``view``; the caller checked that every hash has 16 bytes),
+        each into its buffer (int64 columns: address, size), probed, read, checked and confirmed in one compiled
+        call when they are one run of one segment file (``indexed_run_kernels.find_and_read``: a file opened
+        here for the first time costs a second call); None until that kernel is ready."""
+        if not indexed_runs.ready():
+            return None
+        self.files.sweep_if_due()
+        n = len(hashes)
+        mix0, mix1 = namespace_mix(namespace)
+        rows = np.empty((n, 4), dtype=np.uint64)
+        columns = np.empty((4, n), dtype=np.int64)  # offsets, lengths, CRC32Cs, failed
+        info = np.zeros(1, dtype=np.int64)
+        gather = payload_runs.GATHER_BLOCK_BYTES
+        scratch = self._scratch(payload_runs.GATHER_SPAN_BYTES if gather else 0)
+        joined = b"".join(hashes)
+        for _ in range(2):
+            status = indexed_runs.kernels().find_and_read(
+                view.entries, np.uint64(view.buckets - 1), joined, np.uint64(mix0), np.uint64(mix1), rows,
+                self.files.table, columns[0], columns[1], columns[2], addresses, sizes, scratch.address,
+                len(scratch.memory), GAP_BYTES, RUN_ALONE_BYTES, columns[3], gather, info,
+            )  # fmt: skip
+            if status != indexed_runs.NO_FILE:
+                break
+            try:
+                self.files.fd(segment_name(int(info[0])))
+            except (OSError, ValueError):
+                break  # the general path finds it unreadable too, and asks
+        return indexed_runs.IndexedRead(int(status), rows)
 
     def _run(
         self, name: str, positions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, crcs: np.ndarray,

@@ -5,6 +5,8 @@
   and a ``--share-nvme`` Get reads into.
 - ``buffer_addresses(out, lengths) -> int64 array | None``: each buffer's address when each is one span of host
   memory of at least its block's length (a ``--share-nvme`` Get's compiled read), else None.
+- ``buffer_extents(out) -> (addresses, sizes) | None``: each buffer's address and size, when all are writable
+  contiguous numpy arrays (the one-call Get of blocks the index names, which checks the sizes itself).
 - ``SpanCopy(spans, source)``: a copy out of mapped memory at an address into host spans.
 - ``copy_outs(copies) -> [crc | None]``: ``copy_out`` of a batch over ``copy_pool()``, a thread's run of blocks in one
   compiled call.
@@ -84,6 +86,21 @@ def buffer_addresses(out: Sequence[Any], lengths: np.ndarray) -> np.ndarray | No
             return None
         addresses.append(spans[0][0][0])
     return np.array(addresses, dtype=np.int64)
+
+
+def buffer_extents(out: Sequence[Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each buffer's address and size (int64 columns), when every one is a writable contiguous numpy array; else
+    None (the general paths take the others)."""
+    addresses, sizes = [], []
+    for buf in out:
+        if type(buf) is not np.ndarray:
+            return None
+        address = _array_address(buf)
+        if address is None:
+            return None
+        addresses.append(address)
+        sizes.append(buf.nbytes)
+    return np.array(addresses, dtype=np.int64), np.array(sizes, dtype=np.int64)
 
 
 def _array_address(buf: np.ndarray) -> int | None:

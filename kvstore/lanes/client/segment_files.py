@@ -6,7 +6,9 @@ closed first: segment ids only grow). ``sweep_if_due()`` closes, at most every `
 store has deleted since (segments retired by compaction), so an open descriptor does not keep their disk space from
 the store; the reader calls it between reads, where no thread uses a descriptor. ``unusable`` says why this process
 cannot open the store's files at all (the directory is not there, as in a container that does not mount it, or not
-readable), or is "".
+readable), or is "". ``table``: the open descriptors for compiled code, an int64 row (segment id, fd) per file at
+``segment & (FILE_SLOTS - 1)`` ((-1, -1) where none; two open files of one row keep the later there), cleared
+before a descriptor is closed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 MAX_OPEN_FILES = 64
 SEGMENT_NAME = re.compile(r"seg-[0-9]+\.log")
 SWEEP_SECONDS = 1.0  # how often open files are checked for having been deleted
+FILE_SLOTS = 256  # rows of ``table``: more than MAX_OPEN_FILES, a power of two
 
 
 class SegmentFiles:
@@ -31,6 +34,7 @@ class SegmentFiles:
         self.unusable = ""  # why this process cannot open the store's files (another mount namespace, say)
         self._files: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.table = np.full((FILE_SLOTS, 2), -1, dtype=np.int64)
         self._swept = time.monotonic()
 
     def fd(self, name: str) -> int:
@@ -41,6 +45,7 @@ class SegmentFiles:
         with self._lock:
             fd = self._files.get(name)
             if fd is not None:
+                self._list(name, fd)
                 return fd
         path = os.path.join(self.directory, name)
         try:
@@ -59,8 +64,10 @@ class SegmentFiles:
                 os.close(fd)
                 return self._files[name]
             if len(self._files) >= MAX_OPEN_FILES:
-                os.close(self._files.pop(next(iter(self._files))))
+                oldest = next(iter(self._files))
+                self._close(oldest, self._files.pop(oldest))
             self._files[name] = fd
+            self._list(name, fd)
         return fd
 
     def opened(self) -> dict[str, int]:
@@ -82,13 +89,31 @@ class SegmentFiles:
                     gone = True
                 if gone:
                     del self._files[name]
-                    os.close(fd)
+                    self._close(name, fd)
 
     def close(self) -> None:
         with self._lock:
             files, self._files = self._files, {}
+            self.table[:] = -1
         for fd in files.values():
             os.close(fd)
+
+    def _list(self, name: str, fd: int) -> None:
+        """(lock held) In ``table``, in place of another file of its row."""
+        row = self.table[_segment(name) & (FILE_SLOTS - 1)]
+        if row[1] != fd:
+            row[:] = (_segment(name), fd)
+
+    def _close(self, name: str, fd: int) -> None:
+        """(lock held) Out of ``table`` first: compiled code never reads a closed number, nor one reused."""
+        row = self.table[_segment(name) & (FILE_SLOTS - 1)]
+        if row[1] == fd:
+            row[:] = -1
+        os.close(fd)
+
+
+def _segment(name: str) -> int:
+    return int(name[4:-4])  # a SEGMENT_NAME: seg-<id>.log
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from kvstore.arena_index import OnDisk
+from kvstore.arena_index import ArenaIndexView, OnDisk
 from kvstore.arena_index_layout import segment_name
 from kvstore.checksum import crc32c
 from kvstore.errors import KVStoreError, corrupt_block, short_buffer
+from kvstore.indexed_runs import IndexedRead
 from kvstore.lanes.base import LaneBroken
 from kvstore.lanes.buffers import alloc_blocks
 from kvstore.lanes.client.channel import ShmChannel
@@ -36,7 +37,7 @@ from kvstore.lanes.client.disk import DiskBlock, DiskReader
 from kvstore.lanes.client.disk_gets import DiskColumns, read_named
 from kvstore.lanes.client.indexed import IndexedGets
 from kvstore.lanes.client.loans import Lender, Loan
-from kvstore.lanes.client.outputs import SpanCopy, buffer_addresses, copy_outs, direct_outs
+from kvstore.lanes.client.outputs import SpanCopy, buffer_addresses, buffer_extents, copy_outs, direct_outs
 from kvstore.lanes.cma import address_of
 from kvstore.lanes.segments import SpanTable, clip, clip_table, span_bytes
 from kvstore.lanes.shm_region import ShmRegion
@@ -82,12 +83,11 @@ class ShmGets:
             if self._channel is None or not self._channel.alive():  # a store that is gone keeps no index
                 raise LaneBroken("the store closed the lane's channel: its DRAM index is not kept any more")
             reads = self.disk is not None and not self.disk.unusable and self.disk.ready
-            read_disk = self._read_named_on_disk if reads else None
+            read_disk, read_indexed = (self._read_named_on_disk, self._read_indexed) if reads else (None, None)
             copy_from = self._copy_from_arena if self.dram is not None else None  # (an index of NVMe blocks alone)
-            from_disk = self.indexed.disk_hits
-            found = self.indexed.get(namespace, hashes, out, verify, copy_from, read_disk)
-            if found is not None:  # hits of blocks read from the files go at once: a second read is promoted
-                self._send_touches(force=self.indexed.disk_hits > from_disk)
+            found = self.indexed.get(namespace, hashes, out, verify, copy_from, read_disk, read_indexed)
+            if found is not None:  # (a second read of a record from the files is reported at once: it is promoted)
+                self._send_touches()
                 return found
         results = self._get_asked(namespace, hashes, out, allow_missing, verify)
         if self.indexed is not None:
@@ -96,6 +96,15 @@ class ShmGets:
 
     def _copy_from_arena(self, offset: int, n: int, out: Sequence[Any], i: int) -> tuple[Any, memoryview]:
         return self._copy_from(self.dram, offset, n, out, i, None)
+
+    def _read_indexed(
+        self, view: ArenaIndexView, namespace: str, hashes: Sequence[bytes], out: Sequence[Any]
+    ) -> IndexedRead | None:
+        """A Get named whole in one segment file, read in one compiled call (``DiskReader.read_indexed``); None
+        when ``out`` is not numpy arrays (the general path takes it)."""
+        assert self.disk is not None
+        extents = buffer_extents(out[: len(hashes)])
+        return self.disk.read_indexed(view, namespace, hashes, *extents) if extents is not None else None
 
     def _read_named_on_disk(self, named: OnDisk, out: Sequence[Any]) -> bool:
         """Blocks the DRAM index names in the NVMe tier's files, read straight into ``out`` and checked; False

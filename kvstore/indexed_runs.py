@@ -1,0 +1,58 @@
+"""The compiled Get of a prefix that the store's index names whole in one NVMe segment file
+(``indexed_run_kernels.py``): ``ready()`` (the first call starts compiling, or loading numba's cache, on a daemon
+thread; False until done, and always without numba or a CPU the kernels take), ``kernels()`` (the module, once
+ready) and ``COMPILED``, the ``BackgroundCompile`` behind both (``warm_up()`` compiles on the calling thread: a
+client's ``DiskReader.start``, tests). Imports no numba itself.
+
+``IndexedRead(status, rows)``: what one such Get came to (``DiskReader.read_indexed``): ``served`` (every block
+read, checked and still named as probed), else whether ``rows`` (the probe's, as ``ArenaIndexView.find`` makes
+them) can take the Get on through the general path (``rows_usable``: the blocks are named, not as one run of one
+open file), or the store is to be asked (a block not named, one that failed its read or check, or an entry that
+changed meanwhile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore import arena_index, memops_jit
+from kvstore.background_compile import BackgroundCompile
+
+# ``indexed_run_kernels.find_and_read``'s statuses below 0 (0 and above: how many blocks failed)
+NOT_A_RUN, TOO_LONG = -1, -2  # payload_run_kernels': a destination too small, unaligned memory, a long run
+NOT_NAMED, NOT_ONE_FILE, NO_FILE, CHANGED = -10, -11, -12, -13
+_GENERAL = (NOT_A_RUN, TOO_LONG, NOT_ONE_FILE, NO_FILE)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedRead:
+    status: int
+    rows: np.ndarray
+
+    @property
+    def served(self) -> bool:
+        return self.status == 0
+
+    @property
+    def rows_usable(self) -> bool:
+        return self.status in _GENERAL
+
+
+def kernels() -> Any:
+    from kvstore import indexed_run_kernels
+
+    return indexed_run_kernels
+
+
+def _compile() -> None:
+    kernels().warm_up()
+
+
+COMPILED = BackgroundCompile("kvstore-indexed-runs-jit", memops_jit.AVAILABLE and arena_index.AVAILABLE, _compile)
+
+
+def ready() -> bool:
+    return COMPILED.ready()
