@@ -4,7 +4,7 @@ thread; False until done, and always without numba or a CPU the kernels take), `
 ready) and ``COMPILED``, the ``BackgroundCompile`` behind both (``warm_up()`` compiles on the calling thread: a
 client's ``DiskReader.start``, tests). Imports no numba itself.
 
-``IndexedRead(status, rows)``: what one such Get came to (``DiskReader.read_indexed``): ``served`` (every block
+``IndexedRead(status, rows, again)``: what one such Get came to (``DiskReader.read_indexed``): ``served`` (every block
 read, checked and still named as probed), else whether ``rows`` (the probe's, as ``ArenaIndexView.find`` makes
 them) can take the Get on through the general path (``rows_usable``: the blocks are named, not as one run of one
 open file), or the store is to be asked (a block not named, one that failed its read or check, or an entry that
@@ -31,6 +31,7 @@ _GENERAL = (NOT_A_RUN, TOO_LONG, NOT_ONE_FILE, NO_FILE)
 class IndexedRead:
     status: int
     rows: np.ndarray
+    again: bool = False  # served, and this reader had read one of the records before
 
     @property
     def served(self) -> bool:
@@ -56,3 +57,13 @@ COMPILED = BackgroundCompile("kvstore-indexed-runs-jit", memops_jit.AVAILABLE an
 
 def ready() -> bool:
     return COMPILED.ready()
+
+
+def read_before(marks: np.ndarray, rows: np.ndarray) -> bool:
+    """``indexed_run_kernels.read_before`` (compiled once ready, else as numpy array operations)."""
+    if ready():
+        return bool(kernels().read_before(marks, rows))
+    entries, seqs = rows[:, 2].astype(np.int64), rows[:, 3].astype(np.uint32)
+    again = bool((marks[entries] == seqs).any())
+    marks[entries] = seqs
+    return again

@@ -231,12 +231,14 @@ class DiskReader:
         return [p for r in results for p in cast(list[int], r)]
 
     def read_indexed(
-        self, view: ArenaIndexView, namespace: str, hashes: Sequence[bytes], addresses: np.ndarray, sizes: np.ndarray
-    ) -> indexed_runs.IndexedRead | None:
+        self, view: ArenaIndexView, namespace: str, hashes: Sequence[bytes], addresses: np.ndarray,
+        sizes: np.ndarray, marks: np.ndarray,
+    ) -> indexed_runs.IndexedRead | None:  # fmt: skip
         """A Get of blocks the store's index names (``view``; the caller checked that every hash has 16 bytes),
         each into its buffer (int64 columns: address, size), probed, read, checked and confirmed in one compiled
         call when they are one run of one segment file (``indexed_run_kernels.find_and_read``: a file opened
-        here for the first time costs a second call); None until that kernel is ready."""
+        here for the first time costs a second call), its records then marked as read in ``marks``
+        (``IndexedRead.again``: one was read before); None until that kernel is ready."""
         if not indexed_runs.ready():
             return None
         self.files.sweep_if_due()
@@ -244,7 +246,7 @@ class DiskReader:
         mix0, mix1 = namespace_mix(namespace)
         rows = np.empty((n, 4), dtype=np.uint64)
         columns = np.empty((4, n), dtype=np.int64)  # offsets, lengths, CRC32Cs, failed
-        info = np.zeros(1, dtype=np.int64)
+        info = np.zeros(2, dtype=np.int64)  # the segment not open yet; whether a record was read before
         gather = payload_runs.GATHER_BLOCK_BYTES
         scratch = self._scratch(payload_runs.GATHER_SPAN_BYTES if gather else 0)
         joined = b"".join(hashes)
@@ -252,7 +254,7 @@ class DiskReader:
             status = indexed_runs.kernels().find_and_read(
                 view.entries, np.uint64(view.buckets - 1), joined, np.uint64(mix0), np.uint64(mix1), rows,
                 self.files.table, columns[0], columns[1], columns[2], addresses, sizes, scratch.address,
-                len(scratch.memory), GAP_BYTES, RUN_ALONE_BYTES, columns[3], gather, info,
+                len(scratch.memory), GAP_BYTES, RUN_ALONE_BYTES, columns[3], gather, marks, info,
             )  # fmt: skip
             if status != indexed_runs.NO_FILE:
                 break
@@ -260,7 +262,7 @@ class DiskReader:
                 self.files.fd(segment_name(int(info[0])))
             except (OSError, ValueError):
                 break  # the general path finds it unreadable too, and asks
-        return indexed_runs.IndexedRead(int(status), rows)
+        return indexed_runs.IndexedRead(int(status), rows, bool(info[1]))
 
     def _run(
         self, name: str, positions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, crcs: np.ndarray,

@@ -34,7 +34,7 @@ import numpy as np
 
 from kvstore.arena_index import ArenaIndexView, Found, OnDisk
 from kvstore.errors import corrupt_block
-from kvstore.indexed_runs import IndexedRead
+from kvstore.indexed_runs import IndexedRead, read_before
 from kvstore.lanes.client.outputs import copy_outs
 from kvstore.v1 import lanes_pb2 as lpb
 
@@ -46,7 +46,7 @@ CopyFrom = Callable[[int, int, Sequence[Any], int], tuple[Any, memoryview]]
 # the blocks named on disk and the caller's buffers: True when every one was read into its buffer and checked
 ReadDisk = Callable[[OnDisk, Sequence[Any]], bool]
 # a Get of blocks named in one run of one segment file, probed and read in one compiled call (None: not tried)
-ReadIndexed = Callable[[ArenaIndexView, str, Sequence[bytes], Sequence[Any]], IndexedRead | None]
+ReadIndexed = Callable[[ArenaIndexView, str, Sequence[bytes], Sequence[Any], np.ndarray], IndexedRead | None]
 
 
 class IndexedGets:
@@ -61,9 +61,11 @@ class IndexedGets:
         self.disk_hits = 0  # of which read from the NVMe tier's files
         self.fallbacks = 0  # Gets it could not serve (a block not named, or moved meanwhile)
         self._due = False  # a Get read a record from the files again: its hits go now (the store promotes it)
-        # the seq of each entry as this lane last read its record from the files (uint32: a rewrite changes it);
-        # zeros, so pages the OS lends as they are first written: at most 4 MiB for the largest table
-        self._marks = np.zeros(len(view.entries), dtype=np.uint32)
+        # the seq of each entry as this lane last read its record from the files (uint32: a rewrite changes it), 2
+        # MiB for the default --nvme's table (4 at most), faulted in now: left to fault as Gets first touched its
+        # pages, marking a 32-block prefix took 0.15 ms (its entries lie on 32 pages)
+        self._marks = np.empty(len(view.entries), dtype=np.uint32)
+        self._marks[:] = 0
 
     def allow(self, namespace: str) -> None:
         self._namespaces.add(namespace)
@@ -83,10 +85,10 @@ class IndexedGets:
         found: Found | None = None
         done: IndexedRead | None = None
         if read_indexed is not None and all(len(h) == 16 for h in hashes):
-            done = read_indexed(self.view, namespace, hashes, out)
+            done = read_indexed(self.view, namespace, hashes, out, self._marks)
         if done is not None:
             if done.served:
-                self._note(namespace, hashes, len(hashes), done.rows)
+                self._note(namespace, hashes, len(hashes), done.again)
                 return list(out[: len(hashes)])
             if not done.rows_usable:  # not named, unreadable, corrupt or moved: ask
                 self.fallbacks += 1
@@ -122,24 +124,17 @@ class IndexedGets:
             for i, crc in zip(in_dram, crcs):
                 if crc != found.crcs[i]:
                     raise corrupt_block(i, hashes[i])
-        self._note(namespace, hashes, len(on_disk), found.rows[on_disk.positions] if on_disk else None)
+        again = bool(on_disk) and read_before(self._marks, found.rows[on_disk.positions])
+        self._note(namespace, hashes, len(on_disk), again)
         return list(out[: len(hashes)])
 
-    def _note(self, namespace: str, hashes: Sequence[bytes], from_disk: int, disk_rows: np.ndarray | None) -> None:
+    def _note(self, namespace: str, hashes: Sequence[bytes], from_disk: int, again: bool) -> None:
         """Count a Get's hits and keep them to report; one that read a record from the files again makes them due."""
-        again = disk_rows is not None and self._read_before(disk_rows)
         with self._lock:
             self.hits += len(hashes)
             self.disk_hits += from_disk
             self._due |= again
             self._pend(namespace, hashes)
-
-    def _read_before(self, rows: np.ndarray) -> bool:
-        """Whether this lane read one of these records (rows of a probe) from the files before; marks them all."""
-        entries, seqs = rows[:, 2].astype(np.int64), rows[:, 3].astype(np.uint32)
-        again = bool((self._marks[entries] == seqs).any())
-        self._marks[entries] = seqs
-        return again
 
     def _pend(self, namespace: str, hashes: Sequence[bytes]) -> bool:
         """Keep hits to report (lock held); False when ``MAX_PENDING`` are waiting already: nothing could be sent
@@ -163,8 +158,9 @@ class IndexedGets:
         return [lpb.TouchedBlocks(namespace=ns, hashes=hs) for ns, hs in pending.items()]
 
     def put_back(self, touched: list[lpb.TouchedBlocks]) -> None:
-        """Touches that could not be sent now (the channel was busy): kept for the next try."""
+        """Touches that could not be sent now (the channel was busy): kept for the next try, due as they were."""
         with self._lock:
+            self._due = True
             for blocks in touched:
                 if not self._pend(blocks.namespace, blocks.hashes):
                     return

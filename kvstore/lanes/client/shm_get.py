@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+import numpy as np
 
 from kvstore.arena_index import ArenaIndexView, OnDisk
 from kvstore.arena_index_layout import segment_name
@@ -98,13 +99,13 @@ class ShmGets:
         return self._copy_from(self.dram, offset, n, out, i, None)
 
     def _read_indexed(
-        self, view: ArenaIndexView, namespace: str, hashes: Sequence[bytes], out: Sequence[Any]
+        self, view: ArenaIndexView, namespace: str, hashes: Sequence[bytes], out: Sequence[Any], marks: np.ndarray
     ) -> IndexedRead | None:
         """A Get named whole in one segment file, read in one compiled call (``DiskReader.read_indexed``); None
         when ``out`` is not numpy arrays (the general path takes it)."""
         assert self.disk is not None
         extents = buffer_extents(out[: len(hashes)])
-        return self.disk.read_indexed(view, namespace, hashes, *extents) if extents is not None else None
+        return self.disk.read_indexed(view, namespace, hashes, *extents, marks) if extents is not None else None
 
     def _read_named_on_disk(self, named: OnDisk, out: Sequence[Any]) -> bool:
         """Blocks the DRAM index names in the NVMe tier's files, read straight into ``out`` and checked; False
