@@ -35,6 +35,13 @@ pytestmark = pytest.mark.usefixtures("compiled_kernels")  # clients read the NVM
 LANE = "shm-disk"  # an shm lane whose client reads NVMe-only blocks from the segment files
 
 
+@pytest.fixture(autouse=True)
+def small_blocks_promoted(monkeypatch):
+    """These tests' 64 KiB blocks are promoted through an index of NVMe-only blocks too: the size rule
+    (``INDEX_PROMOTE_MIN_BYTES``) has a test of its own, which sets it back."""
+    monkeypatch.setattr(background_promotions, "INDEX_PROMOTE_MIN_BYTES", 0)
+
+
 def disk_store(make_server, tmp_path, **options):
     return nvme_store(make_server, tmp_path, shm_direct=True, share_nvme=True, **options)
 
@@ -268,6 +275,31 @@ def test_an_index_lane_reports_a_first_read_with_its_batch_and_a_reread_at_once(
         q = settled(server)
         assert lane.indexed.disk_hits == 2 * PREFIX and q["candidates"] == PREFIX and q["promoted"] == PREFIX
         assert nvme_only(server, keys) == 0
+    quiet(server)
+
+
+@pytest.mark.parametrize(
+    ("share_dram", "min_bytes", "promoted"), [(False, BLOCK + 1, 0), (False, BLOCK, PREFIX), (True, BLOCK + 1, PREFIX)]
+)
+def test_small_blocks_read_through_an_index_of_nvme_blocks_alone_stay_on_nvme(
+    make_server, tmp_path, monkeypatch, share_dram, min_bytes, promoted
+):
+    """Promoted, a block leaves an index of NVMe-only blocks and its next Get is asked: blocks under
+    ``INDEX_PROMOTE_MIN_BYTES`` read through such an index are not promoted; through ``--share-dram``'s index
+    (which names DRAM copies too) they are."""
+    monkeypatch.setattr(background_promotions, "INDEX_PROMOTE_MIN_BYTES", min_bytes)
+    server = disk_store(make_server, tmp_path, share_dram=share_dram)
+    with lane_client(server, LANE) as kv:
+        data = fill(kv, 8)
+        keys = data[0][0]
+        room_in_dram(kv, data)
+        server.store.touch("t", keys + keys)  # what a lane's reread reports
+        deadline = time.monotonic() + 10
+        while queued(server)["promoted"] < promoted:
+            assert time.monotonic() < deadline, queued(server)
+            time.sleep(0.02)
+        q = settled(server)
+        assert q["candidates"] == promoted and nvme_only(server, keys) == PREFIX - promoted
     quiet(server)
 
 

@@ -359,7 +359,8 @@ class BlockStore(Cascade, LowerReads, BackgroundPromotions, StoreInspection):
             if len(ids):
                 self._touch_many(ids)
                 tops = t.top_ranks(ids, self._ranks)
-                self._queue_promotions(ids[~np.isin(tops, list(self._memory))].tolist())  # read from NVMe's files
+                from_files = ids[~np.isin(tops, list(self._memory))]  # read from NVMe's files, not the arena
+                self._queue_promotions(self._index_reads(from_files).tolist())
                 named = self._published.rank if self._published is not None else self.top.rank
                 ranks, counts = np.unique(t.top_ranks(ids, [r for r in self._ranks if r >= named]), return_counts=True)
                 for rank, n in zip(ranks.tolist(), counts.tolist()):
