@@ -81,7 +81,6 @@ def supported() -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=1024)
 def namespace_mix(namespace: str) -> tuple[int, int]:
     """Two uint64 XORed into a block's hash, so equal hashes of two namespaces are two keys."""
     digest = hashlib.blake2b(namespace.encode(), digest_size=16, person=b"kvstore-dramidx").digest()

@@ -3,23 +3,23 @@ one NVMe segment file: the probe, the read, the checks and the seqlock's second 
 (``DiskReader.read_indexed``, kvstore/lanes/client/disk.py). Loaded through ``kvstore.indexed_runs``.
 
 - ``find_and_read(entries, mask, joined, mix0, mix1, rows, files, offsets, lengths, crcs, addresses, sizes,
-  scratch, scratch_bytes, gap_bytes, alone_bytes, failed, gather_block, marks, info) -> status``: ``arena_index_kernels.find``
-  into ``rows``; when every block lies in one segment file (``one_file``) whose descriptor ``files`` holds (rows of
-  (segment id, fd), the row ``segment & (len - 1)``), and each fits its destination (``sizes``), the blocks are read
-  and checked as ``payload_run_kernels.read_run`` does, then ``unchanged``. Returns how many blocks failed their
-  read or check (0: all served) or why nothing was read: ``NOT_NAMED`` (a block the index does not name: ``rows``
-  is not filled), ``NOT_ONE_FILE``, ``NO_FILE`` (``info[0]`` = the segment, not open yet), ``NOT_A_RUN`` or
-  ``TOO_LONG`` (``read_run``'s, a destination too small included) and ``CHANGED`` (an entry moved while it was
-  read: the bytes are not to be served). After ``NOT_ONE_FILE``, ``NO_FILE`` and the two of ``read_run`` the rows
-  are the probe's, for the caller's general path. Served, ``info[1]`` says whether this reader had read one of
-  those records before (``read_before``).
+  scratch, scratch_bytes, gap_bytes, alone_bytes, failed, gather_block, marks, info) -> status``:
+  ``arena_index_kernels.find`` into ``rows``; when every block lies in one segment file (``one_file``) whose
+  descriptor ``files`` holds (rows of (segment id, fd), the row ``segment & (len - 1)``), and each fits its
+  destination (``sizes``), the blocks are read and checked as ``payload_run_kernels.read_run`` does, then
+  ``unchanged``. Returns how many blocks failed their read or check (0: all served) or why nothing was read:
+  ``NOT_NAMED`` (a block the index does not name: ``rows`` is not filled), ``NOT_ONE_FILE``, ``NO_FILE``
+  (``info[0]`` = the segment, not open yet), ``NOT_A_RUN`` or ``TOO_LONG`` (``read_run``'s, a destination too small
+  included) and ``CHANGED`` (an entry moved while it was read: the bytes are not to be served). After
+  ``NOT_ONE_FILE``, ``NO_FILE`` and the two of ``read_run`` the rows are the probe's, for the caller's general path.
+  Served, ``info[1]`` says whether this reader had read one of those records before (``read_before``).
 - ``read_before(marks, rows) -> bool``: whether ``marks`` (each entry's ``seq`` as this reader last read its
   record, uint32) holds one of the probed records as it is now; marks them all (``IndexedGets``: a reread's hits
   go to the store at once).
 
 Where the same Get took four calls (``find``, ``one_file``, ``read_run``, ``unchanged``) and the Python between
-them: a 32 x 64 KiB Get after 0.1 s idle, the two switched Get by Get in one process, 1.35 against 1.20 ms
-(fifty-seventh session, docs/nvme_log.md).
+them: a 32 x 64 KiB Get after 0.1 s idle, the two switched Get by Get in one process, 1.44 against 1.21 ms; 32 x
+512 KiB 6.16 against 5.78 (fifty-seventh session, docs/nvme_log.md).
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from typing import Any
 import numba
 
 from kvstore import arena_index_kernels, payload_run_kernels
-from kvstore.indexed_runs import CHANGED, NO_FILE, NOT_A_RUN, NOT_NAMED, NOT_ONE_FILE, TOO_LONG
 
-assert (NOT_A_RUN, TOO_LONG) == (payload_run_kernels.NOT_A_RUN, payload_run_kernels.TOO_LONG)
+# statuses below 0 (0 and above: how many blocks failed their read or check)
+NOT_A_RUN, TOO_LONG = payload_run_kernels.NOT_A_RUN, payload_run_kernels.TOO_LONG
+NOT_NAMED, NOT_ONE_FILE, NO_FILE, CHANGED = -10, -11, -12, -13
+ROWS_USABLE = (NOT_A_RUN, TOO_LONG, NOT_ONE_FILE, NO_FILE)  # named, not as one run of one open file
 
 
 @numba.njit(nogil=True, cache=True)

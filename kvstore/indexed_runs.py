@@ -4,7 +4,7 @@ thread; False until done, and always without numba or a CPU the kernels take), `
 ready) and ``COMPILED``, the ``BackgroundCompile`` behind both (``warm_up()`` compiles on the calling thread: a
 client's ``DiskReader.start``, tests). Imports no numba itself.
 
-``IndexedRead(status, rows, again)``: what one such Get came to (``DiskReader.read_indexed``): ``served`` (every block
+``IndexedRead(status, rows, rows_usable, again)``: what one such Get came to (``DiskReader.read_indexed``): ``served`` (every block
 read, checked and still named as probed), else whether ``rows`` (the probe's, as ``ArenaIndexView.find`` makes
 them) can take the Get on through the general path (``rows_usable``: the blocks are named, not as one run of one
 open file), or the store is to be asked (a block not named, one that failed its read or check, or an entry that
@@ -21,25 +21,17 @@ import numpy as np
 from kvstore import arena_index, memops_jit
 from kvstore.background_compile import BackgroundCompile
 
-# ``indexed_run_kernels.find_and_read``'s statuses below 0 (0 and above: how many blocks failed)
-NOT_A_RUN, TOO_LONG = -1, -2  # payload_run_kernels': a destination too small, unaligned memory, a long run
-NOT_NAMED, NOT_ONE_FILE, NO_FILE, CHANGED = -10, -11, -12, -13
-_GENERAL = (NOT_A_RUN, TOO_LONG, NOT_ONE_FILE, NO_FILE)
-
 
 @dataclass(frozen=True, slots=True)
 class IndexedRead:
-    status: int
+    status: int  # ``indexed_run_kernels.find_and_read``'s
     rows: np.ndarray
+    rows_usable: bool = False
     again: bool = False  # served, and this reader had read one of the records before
 
     @property
     def served(self) -> bool:
         return self.status == 0
-
-    @property
-    def rows_usable(self) -> bool:
-        return self.status in _GENERAL
 
 
 def kernels() -> Any:

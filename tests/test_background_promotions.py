@@ -261,6 +261,10 @@ def test_an_index_lane_reports_a_first_read_with_its_batch_and_a_reread_at_once(
         (keys, blocks), (other, other_blocks) = data[0], data[1]
         room_in_dram(kv, data)
         assert_gets_exact(kv, LANE, other, other_blocks)  # asked: the store serves the namespace to this lane
+        deadline = time.monotonic() + 10
+        while queued(server)["read_once"] < PREFIX:  # that Get's own first read, marked once its frame is read
+            assert time.monotonic() < deadline, queued(server)
+            time.sleep(0.02)
         marks = queued(server)["read_once"]
         lane = kv._lanes.run(lambda lane: lane)  # noqa: SLF001 - the shm lane the client opened
         assert_gets_exact(kv, LANE, keys, blocks)

@@ -18,15 +18,15 @@ that brings such blocks up:
   many it promoted.
 
 Such a promotion costs a second read of the block, where a Get's costs none, so it waits for the block to be read
-again: a prefix read once (a scan, or each prefix of ``bench.nvme_get``) costs the disk nothing more, and a
-prefix's second Get no longer runs beside the promotion of its blocks (``bench.nvme_reread``, asked: that Get took
-1.25-1.46x as long as without promotions when they came from the first read, fifty-fifth session; 0.89-1.11x
-since). It only takes room below the top tier's high watermark: it never evicts a block, nor pushes the tier over
-the mark at which the demoter would (a scan that reads more than DRAM holds cannot turn into promotions and
-evictions of each other). Blocks under ``INDEX_PROMOTE_MIN_BYTES`` that clients read through an index of NVMe-only
-blocks (a default store's) are not promoted at all: promoted, they leave that index, and their next Get, asked of
-the store, took longer here than the client's own read of the files. The entries that do not fit are dropped, and none is queued while the tier has no room
-for the first of them (the steady state of a full store costs a Get's release its blocks' marks and one
+again: a prefix read once (a scan, or each prefix of ``bench.nvme_get``) costs the disk nothing more, and a prefix's
+second Get no longer runs beside the promotion of its blocks (``bench.nvme_reread``, asked: that Get took 1.25-1.46x
+as long as without promotions when they came from the first read, fifty-fifth session; 0.89-1.11x since). It only
+takes room below the top tier's high watermark: it never evicts a block, nor pushes the tier over the mark at which
+the demoter would (a scan that reads more than DRAM holds cannot turn into promotions and evictions of each other).
+Blocks under ``INDEX_PROMOTE_MIN_BYTES`` that clients read through an index of NVMe-only blocks (a default store's)
+are not promoted at all: promoted, they leave that index, and their next Get, asked of the store, took longer here
+than the client's own read of the files. The entries that do not fit are dropped, and none is queued while the tier
+has no room for the first of them (the steady state of a full store costs a Get's release its blocks' marks and one
 comparison); a client that reads them again queues them again. Candidates are blocks read again: first reads are
 counted only as ``read_once`` marks. ``StoreCounters`` counts the candidates, those promoted and those skipped
 (``stats()["queued_promotions"]``, with those waiting and those read once). Off with ``promote_on_hit=False``.

@@ -250,19 +250,20 @@ class DiskReader:
         gather = payload_runs.GATHER_BLOCK_BYTES
         scratch = self._scratch(payload_runs.GATHER_SPAN_BYTES if gather else 0)
         joined = b"".join(hashes)
+        kernels = indexed_runs.kernels()
         for _ in range(2):
-            status = indexed_runs.kernels().find_and_read(
+            status = kernels.find_and_read(
                 view.entries, np.uint64(view.buckets - 1), joined, np.uint64(mix0), np.uint64(mix1), rows,
                 self.files.table, columns[0], columns[1], columns[2], addresses, sizes, scratch.address,
                 len(scratch.memory), GAP_BYTES, RUN_ALONE_BYTES, columns[3], gather, marks, info,
             )  # fmt: skip
-            if status != indexed_runs.NO_FILE:
+            if status != kernels.NO_FILE:
                 break
             try:
                 self.files.fd(segment_name(int(info[0])))
             except (OSError, ValueError):
                 break  # the general path finds it unreadable too, and asks
-        return indexed_runs.IndexedRead(int(status), rows, bool(info[1]))
+        return indexed_runs.IndexedRead(int(status), rows, status in kernels.ROWS_USABLE, bool(info[1]))
 
     def _run(
         self, name: str, positions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, crcs: np.ndarray,
