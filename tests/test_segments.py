@@ -24,7 +24,16 @@ from kvstore.checksum import crc32c
 from kvstore.client import Client, KVStoreError, Segments
 from kvstore.lanes import cma, framing
 from kvstore.lanes.client.outputs import direct_outs
-from kvstore.lanes.segments import clip, describe_source, descriptor_spans, flatten, pieces, unflatten
+from kvstore.lanes.segments import (
+    clip,
+    describe_source,
+    descriptor_spans,
+    flatten,
+    page_aligned,
+    pieces,
+    skip,
+    unflatten,
+)
 from kvstore.memops import address_of
 from kvstore.payload import SegmentRows, SegmentsWriter
 from kvstore.v1 import kvstore_pb2 as pb
@@ -319,6 +328,33 @@ def test_clip_keeps_the_first_bytes(spans, n):
     clipped = clip(tuple(spans), n)
     model = [(a + k) for a, length in spans for k in range(length)][:n]
     assert [(a + k) for a, length in clipped for k in range(length)] == model
+
+
+@given(spans=st.lists(st.tuples(st.integers(1, 1 << 40), st.integers(0, 99)), max_size=20), n=st.integers(0, 3000))
+def test_skip_keeps_every_byte_but_the_first(spans, n):
+    rest = skip(tuple(spans), n)
+    model = [(a + k) for a, length in spans for k in range(length)][n:]
+    assert [(a + k) for a, length in rest for k in range(length)] == model
+    assert all(length > 0 for _, length in rest)
+
+
+@given(
+    spans=st.lists(st.tuples(st.integers(0, 64), st.integers(0, 3)), max_size=8),
+    shift=st.sampled_from([0, 512]),
+    pages=st.integers(0, 12),
+)
+def test_page_aligned_says_whether_the_first_pages_lie_in_whole_aligned_pages(spans, shift, pages):
+    """Spans of whole pages, one of them shifted by half a page or not: aligned exactly when each span the first
+    ``pages`` pages touch starts on a page and the part of it they take is whole pages."""
+    table = tuple((page * 4096 + (shift if i == 1 else 0), n * 4096) for i, (page, n) in enumerate(spans))
+    n = min(pages, sum(n for _, n in spans)) * 4096
+    taken, left = [], n
+    for address, length in table:
+        if left <= 0:
+            break
+        taken.append((address, min(length, left)))
+        left -= length
+    assert page_aligned(table, n) == all(a % 4096 == 0 and t % 4096 == 0 for a, t in taken)
 
 
 @given(blocks=st.lists(st.lists(st.tuples(st.integers(1, 1 << 40), st.integers(1, 1 << 20)), max_size=6), max_size=8))

@@ -7,7 +7,8 @@ gathering it into one buffer first. What they share:
   ``piece`` bytes and ``iov_max`` entries, each entry (buffer, offset in it, length), never empty. A run is one
   ``process_vm_readv``/``writev`` or ``recvmsg_into`` call, CRC32C'd right after it moved, while it is in cache
   (Linux takes at most IOV_MAX = 1024 entries per call).
-- ``clip(spans, n)``: the first ``n`` bytes of a list of (address, length) spans.
+- ``clip(spans, n)``: the first ``n`` bytes of a list of (address, length) spans; ``skip(spans, n)`` all but them;
+  ``page_aligned(spans, n)``: whether they lie in page-aligned spans of whole pages (O_DIRECT reads them in place).
 - ``gather(dst, views, crc, spans)`` / ``scatter(views, src, crc)``: segments copied into or out of one
   contiguous range (the shm lane's region), with the CRC32C of the contiguous side taken in one call;
   ``copy_to_spans(spans, address, check)``: the same out of host memory at a known address, into (address,
@@ -75,6 +76,32 @@ def clip(spans: Spans, n: int) -> Spans:
         out.append((address, min(length, n)))
         n -= length
     return tuple(out)
+
+
+def skip(spans: Spans, n: int) -> Spans:
+    """The spans without their first ``n`` bytes."""
+    out: list[Span] = []
+    for address, length in spans:
+        if n >= length:
+            n -= length
+            continue
+        out.append((address + n, length - n))
+        n = 0
+    return tuple(out)
+
+
+def page_aligned(spans: Spans, n: int, page: int = 4096) -> bool:
+    """Whether the first ``n`` bytes of ``spans`` (``n`` a multiple of ``page``) lie in page-aligned spans of
+    whole pages (where O_DIRECT reads them in place)."""
+    left = n
+    for address, length in spans:
+        if left <= 0:
+            break
+        take = min(length, left)
+        if address % page or take % page:
+            return False
+        left -= take
+    return left <= 0
 
 
 def clip_table(table: np.ndarray, n: int) -> np.ndarray:

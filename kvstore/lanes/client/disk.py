@@ -49,7 +49,6 @@ page aligned and all of a load goes through scratch; a fresh mapping per piece c
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -65,7 +64,7 @@ from kvstore.arena_index_layout import segment_name
 from kvstore.hugepages import huge_buffer
 from kvstore.lanes.client.segment_files import SegmentFiles, preadv
 from kvstore.lanes.copypool import CopyPool
-from kvstore.lanes.segments import Spans
+from kvstore.lanes.segments import Spans, clip, copy_to_spans, page_aligned, skip
 from kvstore.memops import run_rows
 
 T = TypeVar("T")
@@ -415,8 +414,8 @@ class DiskReader:
                 sp += b.offset - pos
             padded = -(-b.length // PAGE) * PAGE
             aligned = b.length - b.length % PAGE
-            if aligned and _aligned_spans(b.spans, aligned):
-                iov.extend(_leading(b.spans, aligned))
+            if aligned and page_aligned(b.spans, aligned):
+                iov.extend(clip(b.spans, aligned))
                 if padded != aligned:
                     iov.append((-1 - sp, padded - aligned))
                     tails.append((b, sp, b.length - aligned))
@@ -466,7 +465,7 @@ class DiskReader:
                     rows.append((source, address, length, k))
                     source += length
                 continue
-            for address, length in _leading(b.spans, b.length - n):  # read straight into place
+            for address, length in clip(b.spans, b.length - n):  # read straight into place
                 rows.append((address, 0, length, k))
             if n:
                 rows.append((base + at, 0, n, k))
@@ -476,7 +475,7 @@ class DiskReader:
                 failed.append(b.position)
             elif n > 0:
                 assert planned.scratch is not None
-                _scatter(_skip(b.spans, b.length - n), planned.scratch.memory[at : at + n])
+                copy_to_spans(clip(skip(b.spans, b.length - n), n), planned.scratch.address + at)
         return failed
 
     def _alongside(self, mine: Callable[[], T], theirs: Sequence[Callable[[], T]]) -> list[T]:
@@ -515,50 +514,3 @@ def _int64s(values: np.ndarray) -> np.ndarray:
 
 def _ints(values: np.ndarray) -> list[int]:
     return cast(list[int], values.tolist())  # Python ints already: numpy's stubs say Any
-
-
-def _aligned_spans(spans: Spans, n: int) -> bool:
-    """Whether the first ``n`` bytes of ``spans`` (n a multiple of PAGE) lie in page-aligned, page-sized spans."""
-    left = n
-    for address, length in spans:
-        if left <= 0:
-            break
-        take = min(length, left)
-        if address % PAGE or take % PAGE:
-            return False
-        left -= take
-    return left <= 0
-
-
-def _leading(spans: Spans, n: int) -> list[tuple[int, int]]:
-    """The (address, length) parts of the first ``n`` bytes of ``spans``."""
-    out: list[tuple[int, int]] = []
-    for address, length in spans:
-        if n <= 0:
-            break
-        out.append((address, min(length, n)))
-        n -= length
-    return out
-
-
-def _skip(spans: Spans, n: int) -> Spans:
-    """``spans`` without their first ``n`` bytes."""
-    out: list[tuple[int, int]] = []
-    for address, length in spans:
-        if n >= length:
-            n -= length
-            continue
-        out.append((address + n, length - n))
-        n = 0
-    return tuple(out)
-
-
-def _scatter(spans: Spans, src: np.ndarray) -> None:
-    source, left = int(src.ctypes.data), len(src)
-    for address, length in spans:
-        if left <= 0:
-            break
-        take = min(length, left)
-        ctypes.memmove(address, source, take)
-        source += take
-        left -= take
