@@ -1,7 +1,7 @@
 """What a decode worker sees for a prefix cached on NVMe: client Gets through a `kvstore serve` process.
 
     python -m bench.nvme_get [--quick] [--baseline REV] [--out bench/results/nvme_get.json]
-                             [--share-dram true [--dram-index false]] [--baseline-share-dram true]
+                             [--share-dram auto|true|false] [--dram-index false] [--baseline-share-dram true]
                              [--baseline-disk-store true] [--baseline-pool true] [--settle-ms MS] [--shm-dir DIR]
                              [--kinds KIND,...] [--floor false]
 
@@ -66,10 +66,10 @@ Gets in turn with the raw reads (and the floor with ``dram-shm``): a lane with n
 ``disk_shm`` Get of 32 x 64 KiB ran at 0.910 ms alone and 1.409 beside the seven other kinds here, thirty-fifth
 session). The stores of the other kinds still start and are written to; they idle.
 
-With ``--share-dram true`` this tree's stores share their DRAM arena, and (unless ``--dram-index false``) their
-DRAM index: ``dram_shm`` Gets after a prefix's first are then served by the client from the index, unasked. The
-``--share-nvme`` store's index names its NVMe-only blocks (beside the arena's with ``--share-dram true``, else
-alone, as a default store's does), and ``disk_shm`` Gets after the first read them unasked; unless
+``--share-dram`` (auto by default: the stores' own default, which on a host like this one shares the arena) is
+passed to this tree's stores. Sharing their DRAM arena, they share (unless ``--dram-index false``) their DRAM index
+too: ``dram_shm`` Gets after a prefix's first are then served by the client from the index, unasked. The
+``--share-nvme`` store's index names its NVMe-only blocks (beside the arena's where it is shared, else alone), and ``disk_shm`` Gets after the first read them unasked; unless
 ``--dram-index false``, a second such store without the index (``diskasked_shm``, every Get asked, as a default
 store's were before the fifty-sixth session) runs beside it in the same worker, and ``disk_index_speedup`` is its
 p50 over ``disk_shm``'s: what the index saves, measured without the bias between two trees' workers
@@ -362,8 +362,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         p.add_argument(
             "--share-dram",
-            default="false",
-            help="true: this tree's stores run with --share-dram (shm Gets of DRAM blocks copied by the client)",
+            choices=("auto", "true", "false"),
+            default="auto",
+            help="this tree's stores' --share-dram (auto: the store's default, which shares the DRAM arena on a host "
+            "like this one; shm Gets of DRAM blocks are then copied by the client)",
         )
         p.add_argument(
             "--baseline-share-dram",
@@ -438,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         baseline = export_tree(args.baseline, root / "baseline") if args.baseline else None
         with tqdm(total=sum(sizes.values()), unit="prefix", desc="nvme gets") as bar:
-            extra = ("--share-dram", "true") if args.share_dram == "true" else ()
+            extra: tuple[str, ...] = ("--share-dram", args.share_dram) if args.share_dram != "auto" else ()
             extra += ("--dram-index", args.dram_index)
             old: tuple[str, ...] = ("--share-dram", "true") if args.baseline_share_dram == "true" else ()
             old += ("--with-disk-store",) if args.baseline_disk_store == "true" else ()

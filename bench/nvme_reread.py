@@ -6,7 +6,8 @@ Such a client reads NVMe-only blocks straight out of the tier's segment files, s
 bytes: before the background promotions (kvstore/store/background_promotions.py) a block such clients read
 stayed on NVMe however often they read it, with DRAM idle. For each block size and each way the client learns
 where a block lies (``asked``: the store names it, ``--dram-index false``; ``nvme-index``: the store's index of its
-NVMe-only blocks does, unasked, the default; ``index``: with ``--share-dram`` the DRAM index does), two ``kvstore
+NVMe-only blocks does, unasked, ``--share-dram false``: the default where the DRAM arena stays private;
+``index``: with ``--share-dram true`` the DRAM index does, the default where ``auto`` shares it), two ``kvstore
 serve --share-nvme --write-policy write-through`` processes of this tree: ``promote`` (the default,
 ``--promote-on-hit true``: the blocks a client read again are queued and promoted by the store's promoter thread
 while DRAM has room under its high watermark) and ``stay`` (``--promote-on-hit false``: what every ``--share-nvme``

@@ -26,7 +26,11 @@ from kvstore.server.process import store_process
 
 LAYERS, HEADS, DIM, PAGE = 30, 3, 64, 64
 PREFAULT_WAIT_S = 3.0
-STORES = {"copy": [], "prefault": ["--dram-prefault", "true"], "shared": ["--share-dram", "true"]}
+STORES = {
+    "copy": ["--share-dram", "false"],
+    "prefault": ["--share-dram", "false", "--dram-prefault", "true"],
+    "shared": ["--share-dram", "true"],
+}
 
 
 class PageFirstPool:

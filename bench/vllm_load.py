@@ -215,7 +215,9 @@ def measure(
     rows: list[Row] = []
     top = max(sizes)
     for store in stores:
-        extra = {"shared": ["--share-dram", "true"], "nvme": ["--share-nvme", "true"]}.get(store, [])
+        extra = {"shared": ["--share-dram", "true"], "nvme": ["--share-nvme", "true"]}.get(
+            store, ["--share-dram", "false"]
+        )
         if device == "cpu":
             lanes = ("shm", "tcp") if store == "copy" else ("shm",)
             rows += _store_rows(store, extra, lanes, streams, verifies, sizes, top, reps, tokens=tokens, huge=huge)

@@ -212,13 +212,16 @@ class ServeConfig:
         "(Puts of 94 MB into a fresh store took 2-4x as long until every slot had been used once)",
         _bool,
     )
-    share_dram: bool = _opt(
-        False,
-        "put the DRAM arena in a file of --shm-dir (mode 0600, reserved at start) that shm lane clients of this "
-        "user map read-only: a Get names DRAM blocks where they lie and the client copies them once, at memcpy "
-        "speed (the server copies nothing). Every local client of this user can then read every tenant's DRAM "
-        "blocks: for a store serving one trust domain",
-        _bool,
+    share_dram: str = _opt(
+        "auto",
+        "put the DRAM arena in a file of --shm-dir (mode 0600, reserved whole at start) that shm lane clients of "
+        "this user map read-only: they find DRAM hits in its index and copy them once, at memcpy speed, without "
+        "asking the store (32 x 64 KiB Gets 2.9x as fast). Every local client of this user can then read every "
+        "tenant's DRAM blocks, so auto shares it only with no --tenants file, an shm lane with --shm-direct, no "
+        "CUDA device (whose arena is pinned) and a tmpfs --shm-dir where arena and index take at most 3/4 of the "
+        "free space and of available memory (not a container's 64 MiB /dev/shm); the log says which. true: "
+        "shared regardless (one trust domain), false: never",
+        _auto_bool,
     )
     dram_index: bool = _opt(
         True,
@@ -275,6 +278,12 @@ class ServeConfig:
         if not self.nvme_dir or mode == "false":
             return False
         return mode == "true" or not self.tenants
+
+    @property
+    def share_dram_mode(self) -> str:
+        """``--share-dram`` as auto, true or false (a ServeConfig made in code may hold a bool);
+        ``kvstore.server.dram_sharing`` decides what auto gives."""
+        return _auto_bool(self.share_dram)
 
     @property
     def host_port(self) -> tuple[str, int]:

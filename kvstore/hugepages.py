@@ -128,11 +128,9 @@ def _unescape(field: str) -> str:
     return field
 
 
-def huge_pages_of_mount(mountinfo: str, path: str, shmem_enabled: str = "") -> bool | None:
-    """Whether files under ``path`` (absolute, symlinks resolved) are mapped with huge pages: hugetlbfs always, a
-    tmpfs mounted ``huge=always|within_size|advise`` (the arena and regions advise theirs), any tmpfs when
-    ``shmem_enabled`` is ``[force]`` and none when it is ``[deny]``; another file system never. None: no mount of
-    ``mountinfo`` holds ``path``."""
+def mount_of(mountinfo: str, path: str) -> tuple[str, list[str]] | None:
+    """The file system type and super options of the mount of ``mountinfo`` that holds ``path`` (absolute,
+    symlinks resolved): the deepest, and of equal points the last (on top); None when no mount holds it."""
     best: tuple[str, str, list[str]] | None = None
     for line in mountinfo.splitlines():
         fields = line.split()
@@ -140,12 +138,21 @@ def huge_pages_of_mount(mountinfo: str, path: str, shmem_enabled: str = "") -> b
             continue
         point = _unescape(fields[4])
         inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best[0])):  # the last of equal points is on top
+        if inside and (best is None or len(point) >= len(best[0])):
             tail = line.split(" - ", 1)[1].split()  # fstype, source, super options
             best = (point, tail[0] if tail else "", tail[2].split(",") if len(tail) > 2 else [])
-    if best is None:
+    return None if best is None else (best[1], best[2])
+
+
+def huge_pages_of_mount(mountinfo: str, path: str, shmem_enabled: str = "") -> bool | None:
+    """Whether files under ``path`` (absolute, symlinks resolved) are mapped with huge pages: hugetlbfs always, a
+    tmpfs mounted ``huge=always|within_size|advise`` (the arena and regions advise theirs), any tmpfs when
+    ``shmem_enabled`` is ``[force]`` and none when it is ``[deny]``; another file system never. None: no mount of
+    ``mountinfo`` holds ``path``."""
+    mount = mount_of(mountinfo, path)
+    if mount is None:
         return None
-    _, fstype, options = best
+    fstype, options = mount
     if fstype == "hugetlbfs":
         return True
     if fstype != "tmpfs":
@@ -172,6 +179,13 @@ def files_get_huge_pages(directory: str) -> bool | None:
     if mountinfo is None:
         return None
     return huge_pages_of_mount(mountinfo, os.path.realpath(directory), read_setting(SHMEM_ENABLED) or "")
+
+
+def filesystem_of(directory: str) -> str | None:
+    """The file system type of the mount holding ``directory`` (tmpfs, ext4, ...); None where it cannot be read."""
+    mountinfo = read_setting("/proc/self/mountinfo")
+    mount = None if mountinfo is None else mount_of(mountinfo, os.path.realpath(directory))
+    return None if mount is None else mount[0]
 
 
 def anonymous_huge_pages(enabled: str | None = None) -> bool | None:

@@ -27,9 +27,15 @@ SHARED_FILES = ("shm-disk", "shm-index")  # lanes whose client reads the NVMe fi
 
 def nvme_store(make_server, tmp_path: Path, **options):
     """A store whose 8 MiB of DRAM holds a few prefixes, over a write-through NVMe tier, which reads the NVMe blocks
-    of every Get itself (``share_nvme`` false: these tests are of its reads; ``options`` override)."""
+    of every Get itself (``share_nvme`` false: these tests are of its reads; its DRAM arena private, as
+    ``--share-dram auto`` leaves it on a host without room in /dev/shm; ``options`` override)."""
     defaults = dict(
-        dram=8 << 20, nvme_dir=str(tmp_path / "nvme"), nvme=1 << 30, nvme_segment=64 << 20, share_nvme=False
+        dram=8 << 20,
+        nvme_dir=str(tmp_path / "nvme"),
+        nvme=1 << 30,
+        nvme_segment=64 << 20,
+        share_nvme=False,
+        share_dram=False,
     )
     return make_server(**{**defaults, "write_policy": "write-through", **options})
 

@@ -6,6 +6,7 @@ in the client's memory; a client can only make the store read its own memory.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -23,6 +24,14 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import lanes_pb2 as lpb
 from tests.conftest import ROOT
 from tests.test_lanes_support import RawLanes, header, keys
+
+
+@pytest.fixture
+def make_server(make_server):
+    """These tests are of the store writing Gets into the client's memory: its DRAM arena private (``--share-dram
+    false``; a test may pass its own)."""
+    return functools.partial(make_server, share_dram=False)
+
 
 pytestmark = pytest.mark.skipif(not cma.available(), reason="process_vm_readv is Linux-only")
 
@@ -353,7 +362,8 @@ def test_one_client_is_direct_with_two_store_processes():
 
     yama = os.path.exists("/proc/sys/kernel/yama/ptrace_scope")
     blocks = [np.full(1 << 20, i, dtype=np.uint8) for i in range(4)]
-    with store_process("--dram", "64MiB") as (first, _), store_process("--dram", "64MiB") as (second, _):
+    private = ("--dram", "64MiB", "--share-dram", "false")  # the store writes the Gets into the client's memory
+    with store_process(*private) as (first, _), store_process(*private) as (second, _):
         direct_bytes = []
         for target in (first, second):
             with Client(target, lane="shm") as kv:

@@ -41,8 +41,8 @@ from kvstore.v1 import lanes_pb2 as lpb
 from tests.test_lanes_support import RawLanes, header, keys
 
 LANES = {  # name: (Client lane, server options)
-    "shm-direct": ("shm", {"shm_direct": True}),
-    "shm-region": ("shm", {"shm_direct": False}),
+    "shm-direct": ("shm", {"shm_direct": True, "share_dram": False}),  # the store writes into the client's memory
+    "shm-region": ("shm", {"shm_direct": False, "share_dram": False}),
     "shm-dram": ("shm", {"share_dram": True, "dram_index": False}),  # the store names blocks in its mapped arena
     "shm-index": ("shm", {"share_dram": True}),  # the client finds them in the store's DRAM index itself
     "tcp": ("tcp", {}),

@@ -105,7 +105,9 @@ def test_sketch_count_many_vectorized_path_is_taken_and_exact():
 
 @pytest.mark.parametrize("lane", ["shm", "tcp"])
 def test_a_lane_get_counts_as_an_access_once_its_reply_is_out(make_server, lane):
-    server = make_server(eviction_policy="freq", shm_direct=True)
+    server = make_server(
+        eviction_policy="freq", shm_direct=True, share_dram=False
+    )  # asked: a shared index reports later
     keys = [_key(1000 + i) for i in range(8)]
     with Client(f"127.0.0.1:{server.port}", timeout=30, lane=lane) as kv:
         assert all(r.ok for r in kv.put("ns", keys, [np.full(4096, i, np.uint8) for i in range(8)], chained=False))

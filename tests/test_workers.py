@@ -69,8 +69,11 @@ PROMPT = [(i * 37 + 11) % 250 + 1 for i in range(150)]  # 9 full blocks of 16 an
 
 
 def pooled_bytes(link: StoreLink) -> int:
-    """Bytes the store wrote into clients' shared pools through its own mapping of them."""
-    return int(link.client.stats()["counters"].get("lane_shm_pool_get_bytes", 0))
+    """Bytes of Gets that came into the decode worker's shared pool with one copy: written there by the store
+    through its own mapping of the pool, or (a shared DRAM arena, ``--share-dram auto``) named in the arena and
+    copied there by the worker (a namespace's first Get is asked: the later ones find the blocks in the index)."""
+    counters = link.client.stats()["counters"]
+    return int(counters.get("lane_shm_pool_get_bytes", 0) + counters.get("lane_shm_dram_get_bytes", 0))
 
 
 def test_disaggregated_equals_one_process(tiny, workers):
@@ -82,7 +85,7 @@ def test_disaggregated_equals_one_process(tiny, workers):
     tokens, first = generate(decode, PROMPT, 12)
     assert first.cached_blocks == 9 and not first.recomputed and first.transfer_bytes > 0
     assert tokens == reference(tiny, PROMPT, 12)
-    # the decode worker's pool is shared with its local store, which wrote the 9 blocks there itself
+    # the decode worker's pool is shared with its local store: the 9 blocks came into it with one copy
     assert pooled_bytes(link) == first.transfer_bytes
     again = prefill.Prefill(
         wpb.PrefillRequest(prompt=wpb.Prompt(tokens=wpb.TokenIds(ids=PROMPT + [5] * 40)), namespace="t"), timeout=60

@@ -8,6 +8,7 @@ and a request that does not ask for columns (an older client) still gets descrip
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -26,6 +27,13 @@ from tests.test_lanes_support import RawLanes, keys
 pytestmark = pytest.mark.skipif(not cma.available(), reason="process_vm_writev is Linux-only")
 
 SIZE = 65536
+
+
+@pytest.fixture
+def make_server(make_server):
+    """These tests are of the store writing Gets into the client's memory: its DRAM arena private (``--share-dram
+    false``; a test may pass its own)."""
+    return functools.partial(make_server, share_dram=False)
 
 
 def _no_leases(server, hashes: list[bytes]) -> bool:
@@ -104,8 +112,11 @@ def test_the_client_takes_columns_and_checks_each_crc(make_server):
     assert _leases_end(server, keys(40))
 
 
-def test_a_short_buffer_is_refused_before_any_write_and_leaves_no_lease(make_server):
-    server = make_server()
+@pytest.mark.parametrize("named", [False, True], ids=["written", "named-in-shared-arena"])
+def test_a_short_buffer_is_refused_before_any_write_and_leaves_no_lease(make_server, named):
+    """Also where the store names the blocks in its shared DRAM arena (every Get asked: no index) and the client
+    copies them: there a refused Get's blocks stay leased until the lane's next request or its close."""
+    server = make_server(share_dram=named, dram_index=False)
     blocks = [os.urandom(SIZE) for _ in range(3)]
     with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
         kv.put("ns", keys(3), blocks)
@@ -114,9 +125,10 @@ def test_a_short_buffer_is_refused_before_any_write_and_leaves_no_lease(make_ser
             kv.get("ns", keys(3), out=outs)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "output buffer 1" in err.value.message
         assert not any(o.any() for o in outs)  # checked before the first write
-        assert _no_leases(server, keys(3))
+        assert named or _no_leases(server, keys(3))
         outs[1] = np.zeros(SIZE, dtype=np.uint8)
         assert [g.tobytes() for g in kv.get("ns", keys(3), out=outs)] == blocks
+    assert _leases_end(server, keys(3))
 
 
 def test_a_missing_block_takes_the_descriptor_path(make_server):
@@ -143,14 +155,16 @@ with Client(target, timeout=30, lane="shm") as kv:
 """
 
 
-def test_a_client_killed_mid_get_leaves_no_lease(make_server):
+@pytest.mark.parametrize("named", [False, True], ids=["written", "named-in-shared-arena"])
+def test_a_client_killed_mid_get_leaves_no_lease(make_server, named):
     import signal
     import subprocess
     import sys
 
     from tests.conftest import ROOT
 
-    server = make_server()
+    server = make_server(share_dram=named, dram_index=False)  # named: the killed lane's arena leases must end
+    served = "lane_shm_dram_get_bytes" if named else "lane_shm_direct_get_bytes"
     blocks = [os.urandom(SIZE) for _ in range(64)]
     hashes = keys(64)
     with Client(f"127.0.0.1:{server.port}", lane="grpc") as kv:
@@ -164,7 +178,7 @@ def test_a_client_killed_mid_get_leaves_no_lease(make_server):
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 20
-        while server.metrics.counters().get("lane_shm_direct_get_bytes", 0) < 20 * 64 * SIZE:
+        while server.metrics.counters().get(served, 0) < 20 * 64 * SIZE:
             assert time.monotonic() < deadline, "the child's Gets did not come"
             time.sleep(0.01)
         for _ in range(500):  # kill it while the server is inside a Get

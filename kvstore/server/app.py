@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.codecs.policy import LossyPolicy
 from kvstore.config import ServeConfig
 from kvstore.hugepages import SHMEM_ENABLED, THP_ENABLED, anonymous_huge_pages
-from kvstore.server import drain, ports, reflection, tls
+from kvstore.server import drain, dram_sharing, ports, reflection, tls
 from kvstore.server.auth import Gatekeeper
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import KVStoreService, add_to_server
@@ -53,9 +53,12 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
     hbm = cfg.hbm or hbm_from_fraction(cfg.hbm_device, cfg.hbm_fraction)
     if hbm:
         tiers.append(ArenaTier(hbm, device=cfg.hbm_device, page_size=_page_size(cfg)))
-    share_dir = cfg.shm_dir if cfg.share_dram else None
-    try:
-        dram = ArenaTier(
+    index_disk_bytes = cfg.nvme if index_names_disk(cfg) else 0
+    sharing = dram_sharing.decide(cfg, dram_sharing.HostFacts.read(cfg.shm_dir), index_disk_bytes)
+    log.info("DRAM arena: %s", sharing.reason)
+
+    def dram_tier(share_dir: str | None) -> ArenaTier:
+        return ArenaTier(
             cfg.dram,
             device="cpu",
             page_size=_page_size(cfg),
@@ -63,11 +66,22 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
             share_dir=share_dir,
             prefault=cfg.dram_prefault,
             share_index=cfg.dram_index,
-            index_disk_bytes=cfg.nvme if index_names_disk(cfg) else 0,
-            index_dir=disk_index_dir(cfg),
+            index_disk_bytes=index_disk_bytes,
+            index_dir=None if share_dir else disk_index_dir(cfg),
         )
+
+    share_dir = sharing.directory
+    try:
+        dram = dram_tier(share_dir)
     except OSError as err:
-        raise dram_allocation_error(err, cfg.dram, share_dir) from err
+        if share_dir is None or sharing.asked:
+            raise dram_allocation_error(err, cfg.dram, share_dir) from err
+        log.warning("--share-dram auto: no shared DRAM arena in %s (%s); it is private", share_dir, err)
+        share_dir = None
+        try:
+            dram = dram_tier(None)
+        except OSError as err2:
+            raise dram_allocation_error(err2, cfg.dram, None) from err2
     tiers.append(dram)
     if cfg.nvme_dir:
         from kvstore.tiers.nvme import NvmeTier
@@ -93,8 +107,9 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
             )
         top = tiers[0]
         if cfg.promote_on_hit and isinstance(top, MemoryTier) and top.small_pages:  # the arena's own finding
-            log.warning(
-                "--share-dram: files in %s get 4 KiB pages, into which NVMe reads ran at half the speed of reads "
+            log.log(
+                logging.WARNING if sharing.asked else logging.INFO,  # auto chose the file: advice, not a fault
+                "shared DRAM arena: files in %s get 4 KiB pages, into which NVMe reads ran at half the speed of reads "
                 "into huge pages, so promotions are read into private memory and copied into the shared DRAM arena "
                 "after each Get (docs/nvme.md); pass --shm-dir on a tmpfs mounted huge=within_size, or set %s to "
                 "advise, to read them in place",
@@ -123,12 +138,10 @@ def dram_allocation_error(err: OSError, size: int, share_dir: str | None) -> OSE
 
 def available_memory() -> str:
     """This host's available memory as /proc/meminfo gives it, in words."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return f"{format_size(int(fields['MemAvailable'].split()[0]) << 10)} available on this host"
-    except (OSError, KeyError, ValueError):
+    available = dram_sharing.available_memory_bytes()
+    if available is None:
         return "this host's available memory is unknown"
+    return f"{format_size(available)} available on this host"
 
 
 @dataclass(frozen=True)
@@ -156,7 +169,7 @@ def disk_index_dir(cfg: ServeConfig) -> str | None:
     from kvstore.lanes import cma
     from kvstore.lanes.server.wiring import lane_kinds
 
-    if cfg.share_dram or not (cfg.shm_direct and cma.available()) or "shm" not in lane_kinds(cfg.lanes):
+    if not (cfg.shm_direct and cma.available()) or "shm" not in lane_kinds(cfg.lanes):
         return None
     if not os.path.isdir(cfg.shm_dir):
         return None

@@ -1,0 +1,138 @@
+"""Where the DRAM arena lives (``serve --share-dram``, ``kvstore/server/dram_sharing.py``).
+
+The rule is pure logic over the host's facts, checked case by case; then real in-process stores: a default one on
+this host's /dev/shm (a tmpfs) shares its arena and a shm client reads a DRAM hit from it; one whose --shm-dir is
+on disk keeps it private; and an arena file that cannot be made leaves auto's store private (logged), where
+``--share-dram true`` fails the start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvstore.client import Client
+from kvstore.config import ServeConfig
+from kvstore.server import dram_sharing
+from kvstore.server.app import build_tiers
+from kvstore.server.dram_sharing import DramSharing, HostFacts, decide, shared_bytes
+from kvstore.tiers.arena import ArenaTier
+from tests.test_lanes_support import keys
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+ROOMY = HostFacts(file_system="tmpfs", free_bytes=24 * GiB, available_bytes=23 * GiB, cuda=False, cross_memory=True)
+
+
+def cfg(**overrides) -> ServeConfig:
+    return ServeConfig(**{"dram": GiB, "shm_dir": "/dev/shm", **overrides})
+
+
+def test_auto_shares_on_a_roomy_tmpfs_with_an_shm_lane_and_no_tenants() -> None:
+    sharing = decide(cfg(), ROOMY)
+    assert sharing.directory == "/dev/shm"
+    assert not sharing.asked
+    assert "shared" in sharing.reason
+
+
+@pytest.mark.parametrize(
+    ("overrides", "facts", "why"),
+    [
+        ({"tenants": "/etc/kvstore/tenants.json"}, {}, "--tenants"),
+        ({"lanes": "tcp"}, {}, "shm lane"),
+        ({"shm_direct": False}, {}, "shm lane"),
+        ({}, {"cross_memory": False}, "shm lane"),
+        ({}, {"cuda": True}, "CUDA"),
+        ({}, {"file_system": "ext4"}, "not a tmpfs"),
+        ({}, {"file_system": None}, "no such directory"),
+        ({}, {"free_bytes": 64 * MiB}, "free"),  # a container's /dev/shm
+        ({}, {"available_bytes": GiB}, "available"),
+    ],
+)
+def test_auto_keeps_the_arena_private_and_says_why(overrides: dict, facts: dict, why: str) -> None:
+    sharing = decide(cfg(**overrides), dataclasses.replace(ROOMY, **facts))
+    assert sharing.directory is None
+    assert why in sharing.reason
+
+
+def test_auto_may_take_three_quarters_of_the_free_space_and_no_more() -> None:
+    need = shared_bytes(cfg(), 0)
+    assert need > GiB  # the index beside the arena counts
+    at_most = need * 4 // 3 + 4
+    assert decide(cfg(), dataclasses.replace(ROOMY, free_bytes=at_most)).directory == "/dev/shm"
+    assert decide(cfg(), dataclasses.replace(ROOMY, free_bytes=at_most - 8)).directory is None
+    # the index of NVMe-only blocks beside the arena takes room too
+    assert shared_bytes(cfg(), 16 * GiB) > need
+    assert shared_bytes(cfg(dram_index=False), 16 * GiB) == GiB
+
+
+@pytest.mark.parametrize("facts", [{"cuda": True}, {"file_system": "ext4"}, {"free_bytes": 0}])
+def test_true_and_false_are_obeyed_whatever_the_host(facts: dict) -> None:
+    host = dataclasses.replace(ROOMY, **facts)
+    assert decide(cfg(share_dram="true", tenants="t.json"), host) == DramSharing("/dev/shm", "--share-dram true", True)
+    assert decide(cfg(share_dram=True), host).directory == "/dev/shm"  # a ServeConfig made in code holds a bool
+    assert decide(cfg(share_dram="false"), ROOMY).directory is None
+    assert decide(cfg(share_dram=False), ROOMY).directory is None
+
+
+def test_host_facts_name_this_hosts_file_systems(tmp_path) -> None:
+    on_disk = HostFacts.read(str(tmp_path))
+    assert on_disk.file_system not in (None, "tmpfs", "hugetlbfs") or tmp_path.as_posix().startswith("/dev/shm")
+    assert on_disk.free_bytes > 0
+    missing = HostFacts.read(str(tmp_path / "missing"))
+    assert (missing.file_system, missing.free_bytes) == (None, 0)
+    if os.path.isdir("/dev/shm"):
+        assert HostFacts.read("/dev/shm").file_system == "tmpfs"
+
+
+def _dram(server) -> ArenaTier:
+    return next(t for t in server.store.tiers if isinstance(t, ArenaTier) and t.device == "cpu")
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_a_default_store_shares_its_arena_where_auto_allows_and_a_client_reads_hits_from_it(make_server) -> None:
+    if decide(cfg(dram=256 * MiB), HostFacts.read("/dev/shm")).directory is None:
+        pytest.skip("auto keeps the arena private on this host (no roomy tmpfs /dev/shm, or a CUDA device)")
+    server = make_server()  # the tests' default store: 256 MiB of DRAM, every option at its default
+    arena = _dram(server)
+    assert arena.shared is not None and arena.shared.path.startswith("/dev/shm/")
+    rng = np.random.default_rng(3)
+    data = [rng.integers(0, 256, 64 << 10, dtype=np.uint8) for _ in range(8)]
+    hashes = keys(8, 58)
+    with Client(f"127.0.0.1:{server.port}", lane="shm") as kv:
+        assert all(r.ok for r in kv.put("ns", hashes, data, chained=False))
+        for _ in range(2):  # the second Get finds the blocks in the shared index (the first named the namespace)
+            out = [np.zeros(64 << 10, dtype=np.uint8) for _ in range(8)]
+            got = kv.get("ns", hashes, out=out)
+            assert all(g is o for g, o in zip(got, out))
+            assert all(np.array_equal(o, d) for o, d in zip(out, data))
+    deadline = time.monotonic() + 5  # the client reports the hits it found itself, in a batch or as its lane closes
+    while server.metrics.counters().get("lane_shm_index_hits", 0) < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.metrics.counters().get("lane_shm_index_hits", 0) >= 8
+
+
+def test_a_store_whose_shm_dir_is_on_disk_keeps_its_arena_private(make_server, short_dir) -> None:
+    if HostFacts.read(str(short_dir)).file_system in dram_sharing.SHARED_FILE_SYSTEMS:
+        pytest.skip("the temporary directory is a tmpfs here")
+    server = make_server(shm_dir=str(short_dir))
+    assert _dram(server).shared is None
+    assert not [name for name in os.listdir(short_dir) if name.startswith("kvstore-dram-")]
+
+
+def test_an_arena_file_that_cannot_be_made_leaves_auto_private_and_fails_true(monkeypatch, tmp_path, caplog) -> None:
+    missing = str(tmp_path / "gone")  # shared, says the rule; the file cannot be created there
+    monkeypatch.setattr(dram_sharing, "decide", lambda cfg, host, disk=0: DramSharing(missing, "auto: shared", False))
+    with caplog.at_level(logging.WARNING, logger="kvstore.server"):
+        tiers = build_tiers(cfg(dram=16 * MiB, shm_dir=missing))
+    assert [t for t in tiers if isinstance(t, ArenaTier)][0].shared is None
+    assert "it is private" in caplog.text
+    monkeypatch.setattr(dram_sharing, "decide", lambda cfg, host, disk=0: DramSharing(missing, "true", True))
+    with pytest.raises(OSError):
+        build_tiers(cfg(dram=16 * MiB, shm_dir=missing))
