@@ -47,6 +47,7 @@ PAGE = mmap.PAGESIZE
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)  # linux/mman.h
 MADV_COLLAPSE = 25  # Linux 6.1+; Python's mmap module does not export it
+MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)  # frees a shared mapping's backing pages (tmpfs: a hole punched)
 # MADV_COLLAPSE answers EAGAIN for a range it found busy (a page locked or in flight) and leaves it 4 KiB; a CI run
 # had 14 of a cache's 15 huge pages collapse once, so a busy range is asked again (already huge pages are skipped)
 COLLAPSE_TRIES = 3

@@ -8,6 +8,7 @@ on disk keeps it private; and an arena file that cannot be made leaves auto's st
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -81,6 +82,45 @@ def test_true_and_false_are_obeyed_whatever_the_host(facts: dict) -> None:
     assert decide(cfg(share_dram=False), ROOMY).directory is None
 
 
+V1 = "4:memory:/kube/pod1\n0::/\n"
+V2 = "0::/kube/pod1\n"
+
+
+@pytest.mark.parametrize(
+    ("proc_cgroup", "files", "room"),
+    [
+        (
+            V1,
+            {
+                "/c/memory/kube/pod1/memory.limit_in_bytes": "8589934592\n",
+                "/c/memory/kube/pod1/memory.usage_in_bytes": "1073741824\n",
+            },
+            7 * GiB,
+        ),
+        (
+            V1,
+            {
+                "/c/memory/kube/pod1/memory.limit_in_bytes": "9223372036854771712",
+                "/c/memory/kube/pod1/memory.usage_in_bytes": "5",
+            },
+            None,
+        ),
+        (
+            V1,
+            {"/c/memory/memory.limit_in_bytes": "2147483648", "/c/memory/memory.usage_in_bytes": "0"},
+            2 * GiB,
+        ),  # its own root
+        (V2, {"/c/kube/pod1/memory.max": "4294967296\n", "/c/kube/pod1/memory.current": "5368709120\n"}, 0),  # over it
+        (V2, {"/c/kube/pod1/memory.max": "max\n", "/c/kube/pod1/memory.current": "1"}, None),
+        (V2, {"/c/memory.max": "1073741824", "/c/memory.current": "0"}, GiB),
+        (V2, {}, None),  # nothing readable
+        ("", {}, None),
+    ],
+)
+def test_the_room_under_a_memory_cgroups_limit(proc_cgroup: str, files: dict, room: int | None) -> None:
+    assert dram_sharing.cgroup_memory_room(proc_cgroup, files.get, root="/c") == room
+
+
 def test_host_facts_name_this_hosts_file_systems(tmp_path) -> None:
     on_disk = HostFacts.read(str(tmp_path))
     assert on_disk.file_system not in (None, "tmpfs", "hugetlbfs") or tmp_path.as_posix().startswith("/dev/shm")
@@ -136,3 +176,18 @@ def test_an_arena_file_that_cannot_be_made_leaves_auto_private_and_fails_true(mo
     monkeypatch.setattr(dram_sharing, "decide", lambda cfg, host, disk=0: DramSharing(missing, "true", True))
     with pytest.raises(OSError):
         build_tiers(cfg(dram=16 * MiB, shm_dir=missing))
+
+
+def test_a_closed_shared_arena_gives_its_memory_back_while_its_tier_object_lives() -> None:
+    """The file is reserved whole: a mapping that outlived its store (a tier kept by a test's traceback, a process
+    that embeds stores) held all of it, and the suite ran out of memory so. Its pages go at close now."""
+    if HostFacts.read("/dev/shm").file_system != "tmpfs":
+        pytest.skip("no tmpfs /dev/shm here")
+    tier = ArenaTier(8 * MiB, share_dir="/dev/shm", share_index=False)
+    assert tier.shared is not None
+    ctypes.memset(tier.shared.base, 0xAB, tier.shared.size)
+    assert ctypes.string_at(tier.shared.base + 4096, 16) == b"\xab" * 16
+    tier.close()
+    assert not os.path.exists(tier.shared.path)
+    assert ctypes.string_at(tier.shared.base, 4096) == bytes(4096)  # still mapped; its pages are gone
+    assert ctypes.string_at(tier.shared.base + tier.shared.size - 4096, 4096) == bytes(4096)

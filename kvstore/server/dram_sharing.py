@@ -11,7 +11,7 @@ true`` and ``false`` are obeyed; ``auto`` (the default) shares the arena only wh
 - no CUDA device (there the private arena is pinned host memory, which the HBM tier and the cuda_ipc lane
   copy through);
 - ``--shm-dir`` is a tmpfs (or hugetlbfs) where the arena and its index take at most ``SHARE_AT_MOST`` of the
-  free space, and of the host's available memory: the file is reserved whole at start (``posix_fallocate``),
+  free space, and of the memory available (the host's, or the room left under its memory cgroup's limit): the file is reserved whole at start (``posix_fallocate``),
   where private memory is faulted in as it is used, and a container's 64 MiB /dev/shm leaves the arena
   private.
 
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore import arena_index
 from kvstore.config import ServeConfig
-from kvstore.hugepages import filesystem_of
+from kvstore.hugepages import filesystem_of, read_setting
 from kvstore.sizes import format_size
 
 SHARE_AT_MOST = 0.75  # of --shm-dir's free space and of available memory, for auto
@@ -39,7 +40,8 @@ SHARED_FILE_SYSTEMS = ("tmpfs", "hugetlbfs")
 class HostFacts:
     file_system: str | None  # --shm-dir's file system type (None: not a directory, or no mount names it)
     free_bytes: int  # --shm-dir's free space
-    available_bytes: int | None  # MemAvailable (None: unknown)
+    # MemAvailable, or less where this process's memory cgroup has less room under its limit (None: unknown)
+    available_bytes: int | None
     cuda: bool  # a CUDA device is visible
     cross_memory: bool  # process_vm_readv / process_vm_writev are there (the shm lane's direct channel)
 
@@ -52,7 +54,7 @@ class HostFacts:
         return cls(
             file_system=filesystem_of(directory) if is_dir else None,
             free_bytes=shutil.disk_usage(directory).free if is_dir else 0,
-            available_bytes=available_memory_bytes(),
+            available_bytes=_least(available_memory_bytes(), cgroup_memory_room()),
             cuda=cuda_available(),
             cross_memory=cma.available(),
         )
@@ -100,8 +102,8 @@ def decide(cfg: ServeConfig, host: HostFacts, index_disk_bytes: int = 0) -> Dram
         )
     if host.available_bytes is not None and need > host.available_bytes * SHARE_AT_MOST:
         return private(
-            f"as the host has {format_size(host.available_bytes)} of memory available and the shared arena, "
-            f"reserved whole at start, takes {format_size(need)}"
+            f"as {format_size(host.available_bytes)} of memory is available (the host's, or its memory cgroup's "
+            f"room) and the shared arena, reserved whole at start, takes {format_size(need)}"
         )
     return DramSharing(
         cfg.shm_dir,
@@ -121,3 +123,41 @@ def available_memory_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+NO_LIMIT = 1 << 60  # a cgroup v1 memory limit this large is no limit ("max" in v2)
+
+
+def cgroup_memory_room(
+    proc_cgroup: str | None = None, read: Callable[[str], str | None] = read_setting, root: str = "/sys/fs/cgroup"
+) -> int | None:
+    """Bytes this process's memory cgroup (v1 or v2) may still charge: its limit less its usage. None where it has
+    no limit or none can be read. A container's limit is what a shared arena, reserved whole at start, must fit in
+    beside everything else the process holds."""
+    proc_cgroup = read("/proc/self/cgroup") if proc_cgroup is None else proc_cgroup
+    files = None
+    for line in (proc_cgroup or "").splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if "memory" in controllers.split(","):  # v1 (also where v2 is mounted beside it, without memory)
+            files = ("/memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes")
+            break
+        if hierarchy == "0" and not controllers and files is None:
+            files = ("", path, "memory.max", "memory.current")
+    if files is None:
+        return None
+    mount, path, limit_file, usage_file = files
+    for base in (f"{root}{mount}{path.rstrip('/')}", f"{root}{mount}"):  # a container sees its own cgroup as the root
+        limit, usage = read(f"{base}/{limit_file}"), read(f"{base}/{usage_file}")
+        if limit is None or usage is None:
+            continue
+        limit = limit.strip()
+        if limit == "max" or not limit.isdigit() or int(limit) >= NO_LIMIT:
+            return None
+        return max(0, int(limit) - int(usage.strip() or 0))
+    return None
+
+
+def _least(*values: int | None) -> int | None:
+    known = [v for v in values if v is not None]
+    return min(known) if known else None

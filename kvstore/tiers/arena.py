@@ -37,7 +37,7 @@ import numpy as np
 from kvstore import arena_index, shmfile
 from kvstore.arena_index import ArenaIndex
 from kvstore.devices import Copier
-from kvstore.hugepages import files_get_huge_pages, huge_buffer
+from kvstore.hugepages import MADV_REMOVE, files_get_huge_pages, huge_buffer, madvise
 from kvstore.prefault import Prefaulter
 from kvstore.tiers.base import DRAM, HBM, TIER_NAMES, BlockMeta, MemoryTier, TierFull, TierStats
 from kvstore.tiers.slab import SlabAllocator
@@ -234,7 +234,10 @@ class ArenaTier(MemoryTier):
         return self.shared is not None
 
     def close(self) -> None:
-        """Remove a shared arena's file (the mappings keep the memory until they go)."""
+        """Remove a shared arena's file and give its memory back: the file is reserved whole, so a mapping that
+        outlived the store (a tier object still referenced in a process that embeds stores, as the tests do) held
+        all of it (the suite ran out of memory so). A client that still maps it reads zeros, which its CRC32Cs
+        refuse."""
         if self.prefaulter is not None:
             self.prefaulter.stop()
         if self.index is not None:
@@ -244,3 +247,4 @@ class ArenaTier(MemoryTier):
                 os.unlink(self.shared.path)
             except FileNotFoundError:
                 pass
+            madvise(self.shared.base, self.shared.size, MADV_REMOVE)
