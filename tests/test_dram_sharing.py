@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from kvstore import arena_index
 from kvstore.client import Client
 from kvstore.config import ServeConfig
 from kvstore.server import dram_sharing
@@ -191,3 +193,20 @@ def test_a_closed_shared_arena_gives_its_memory_back_while_its_tier_object_lives
     assert not os.path.exists(tier.shared.path)
     assert ctypes.string_at(tier.shared.base, 4096) == bytes(4096)  # still mapped; its pages are gone
     assert ctypes.string_at(tier.shared.base + tier.shared.size - 4096, 4096) == bytes(4096)
+
+
+def test_an_index_with_no_room_takes_its_arenas_file_with_it(monkeypatch) -> None:
+    """The arena's file is made first; an index that then finds no room must not leave it holding memory (auto's
+    store goes on with a private arena)."""
+    if HostFacts.read("/dev/shm").file_system != "tmpfs":
+        pytest.skip("no tmpfs /dev/shm here")
+
+    def no_room(directory: str, named_bytes: int):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    mine = f"kvstore-dram-{os.getpid()}-"
+    before = {name for name in os.listdir("/dev/shm") if name.startswith(mine)}
+    monkeypatch.setattr(arena_index.ArenaIndex, "create", staticmethod(no_room))
+    with pytest.raises(OSError):
+        ArenaTier(8 * MiB, share_dir="/dev/shm")
+    assert {name for name in os.listdir("/dev/shm") if name.startswith(mine)} == before

@@ -140,7 +140,12 @@ class ArenaTier(MemoryTier):
                 self._host, self._keepalive, path = _shared_buffer(capacity, share_dir)
                 self.small_pages = files_get_huge_pages(share_dir) is False
                 if share_index and arena_index.supported():
-                    self.index = ArenaIndex.create(share_dir, capacity + index_disk_bytes)
+                    try:
+                        self.index = ArenaIndex.create(share_dir, capacity + index_disk_bytes)
+                    except OSError:  # (no room for it): the arena's file goes too, and its memory with it
+                        os.unlink(path)
+                        madvise(int(self._host.ctypes.data), capacity, MADV_REMOVE)
+                        raise
                 index_path, index_bytes = (self.index.path, self.index.nbytes) if self.index is not None else ("", 0)
                 self.shared = SharedArena(path, capacity, int(self._host.ctypes.data), index_path, index_bytes)
                 self.backend = "shared"
