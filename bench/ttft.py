@@ -2,7 +2,7 @@
 
     python -m bench.ttft [--quick] [--out FILE.json] [--plot FILE.png (default: beside --out)]
                          [--prefill HOST:PORT --decode HOST:PORT --store HOST:PORT]
-                         [--workload chat|trace] [--trace FILE] [--rate R] [--nvme [--dir DIR] [--share-dram true]]
+                         [--workload chat|trace] [--trace FILE] [--rate R] [--nvme [--dir DIR] [--share-dram auto|true|false]]
                          [--shared-pool auto|always|never]
 
 Without addresses it starts a store, a prefill worker and a decode worker on
@@ -227,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--share-dram",
-        choices=["true", "false"],
-        default="false",
-        help="--nvme: the store also runs with --share-dram, so its DRAM index names the NVMe-only blocks and the "
-        "decode worker reads them without asking the store (with --share-nvme true)",
+        choices=["auto", "true", "false"],
+        default="auto",
+        help="--nvme: the store's --share-dram (auto: its default). Shared, its DRAM index names the NVMe-only blocks "
+        "too; otherwise (with --share-nvme true) an index of those alone does; the decode worker reads them "
+        "without asking the store either way",
     )
     p.add_argument(
         "--shared-pool",
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.new_tokens,
                     args.dir,
                     args.share_nvme == "true",
-                    args.share_dram == "true",
+                    args.share_dram,
                     worker_args,
                 )
                 results += nvme_results

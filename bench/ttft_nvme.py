@@ -38,12 +38,13 @@ def run_nvme(
     new_tokens: int,
     root: Path,
     share_nvme: bool = True,
-    share_dram: bool = False,
+    share_dram: str = "auto",
     worker_args: Sequence[str] = (),
 ) -> tuple[list[Result], list[float]]:
     """The ``store_nvme`` results (mode renamed) and the disk's read speed (bytes/s) measured before each.
     ``share_nvme``: the store runs with ``--share-nvme`` (the decode worker reads the NVMe blocks itself);
-    ``share_dram`` too: with ``--share-dram``, whose index names those blocks (read without a request);
+    ``share_dram``: the store's ``--share-dram`` (auto: its default, which shares the arena where the host allows;
+    shared, the arena's index names those blocks beside its own, read without a request);
     ``worker_args``: flags for both workers."""
     results: list[Result] = []
     speeds: list[float] = []
@@ -53,7 +54,7 @@ def run_nvme(
         with ExitStack() as stack:
             store_args: tuple[str, ...] = ("--nvme-dir", str(tmp / "nvme"), "--write-policy", "write-through")
             store_args += ("--promote-on-hit", "false", "--share-nvme", "true" if share_nvme else "false")
-            store_args += ("--share-dram", "true" if share_dram else "false")
+            store_args += ("--share-dram", share_dram) if share_dram != "auto" else ()
             store, prefill, decode = stack.enter_context(
                 local_stack(model, dram=f"{DRAM >> 20}MiB", store_args=store_args, worker_args=worker_args)
             )
