@@ -15,9 +15,10 @@ true`` and ``false`` are obeyed; ``auto`` (the default) shares the arena only wh
   where private memory is faulted in as it is used, and a container's 64 MiB /dev/shm leaves the arena
   private.
 
-Measured (``python -m bench.nvme_get --kinds dram-shm``, and the fifty-eighth session's A/B in
-``docs/nvme_log.md``): a 32 x 64 KiB DRAM-hit Get through the shm lane is read by the client from the arena
-with no request, 2.9x as fast as the code issue 19 was filed against, where a private arena gave 1.2-1.3x.
+Measured (``python -m bench.nvme_get --kinds dram-shm --baseline REV``, docs/nvme_log.md, fifty-eighth session):
+a 32 x 64 KiB DRAM-hit Get through the shm lane, read by the client from the arena with no request, ran 2.4-2.9x
+as fast as a private arena's (asked of the store) in the same run, and 3.2-3.6x as fast as the code issue 19 was
+filed against.
 """
 
 from __future__ import annotations
