@@ -216,8 +216,8 @@ class ServeConfig:
         "auto",
         "put the DRAM arena in a file of --shm-dir (mode 0600, reserved whole at start) that shm lane clients of "
         "this user map read-only: they find DRAM hits in its index and copy them once, at memcpy speed, without "
-        "asking the store (32 x 64 KiB Gets 2.4-2.9x as fast here). Every local client of this user can then read every "
-        "tenant's DRAM blocks, so auto shares it only with no --tenants file, an shm lane with --shm-direct, no "
+        "asking the store (32 x 64 KiB Gets 2.4-2.9x as fast here). Every local client of this user can then "
+        "read every tenant's DRAM blocks, so auto shares it only with no --tenants file, an shm lane with --shm-direct, no "
         "CUDA device (whose arena is pinned) and a tmpfs --shm-dir where arena and index take at most 3/4 of the "
         "free space and of available memory (not a container's 64 MiB /dev/shm); the log says which. true: "
         "shared regardless (one trust domain), false: never",

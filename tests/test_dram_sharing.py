@@ -116,6 +116,7 @@ V2 = "0::/kube/pod1\n"
         (V2, {"/c/kube/pod1/memory.max": "max\n", "/c/kube/pod1/memory.current": "1"}, None),
         (V2, {"/c/memory.max": "1073741824", "/c/memory.current": "0"}, GiB),
         (V2, {}, None),  # nothing readable
+        (V2, {"/c/kube/pod1/memory.max": "1073741824", "/c/kube/pod1/memory.current": "garbage"}, None),
         ("", {}, None),
     ],
 )

@@ -11,9 +11,9 @@ true`` and ``false`` are obeyed; ``auto`` (the default) shares the arena only wh
 - no CUDA device (there the private arena is pinned host memory, which the HBM tier and the cuda_ipc lane
   copy through);
 - ``--shm-dir`` is a tmpfs (or hugetlbfs) where the arena and its index take at most ``SHARE_AT_MOST`` of the
-  free space, and of the memory available (the host's, or the room left under its memory cgroup's limit): the file is reserved whole at start (``posix_fallocate``),
-  where private memory is faulted in as it is used, and a container's 64 MiB /dev/shm leaves the arena
-  private.
+  free space, and of the memory available (the host's, or the room left under the process's memory cgroup
+  limit): the file is reserved whole at start (``posix_fallocate``), where private memory is faulted in as it
+  is used, and a container's 64 MiB /dev/shm leaves the arena private.
 
 Measured (``python -m bench.nvme_get --kinds dram-shm --baseline REV``, docs/nvme_log.md, fifty-eighth session):
 a 32 x 64 KiB DRAM-hit Get through the shm lane, read by the client from the arena with no request, ran 2.4-2.9x
@@ -152,10 +152,10 @@ def cgroup_memory_room(
         limit, usage = read(f"{base}/{limit_file}"), read(f"{base}/{usage_file}")
         if limit is None or usage is None:
             continue
-        limit = limit.strip()
-        if limit == "max" or not limit.isdigit() or int(limit) >= NO_LIMIT:
+        limit, usage = limit.strip(), usage.strip()
+        if not (limit.isdigit() and usage.isdigit()) or int(limit) >= NO_LIMIT:  # "max" (v2): no limit
             return None
-        return max(0, int(limit) - int(usage.strip() or 0))
+        return max(0, int(limit) - int(usage))
     return None
 
 

@@ -139,10 +139,9 @@ class BackgroundPromotions:
         again = [e for e in ids if e in seen]
         for e in again:
             del seen[e]
-        if len(again) < len(ids):  # the rest are marked; those read again are not (they were marked again, which
-            # pushed other marks out and, with the promoter fast enough, made the next read a third candidate)
+        if len(again) < len(ids):  # only first reads are marked (a reread marked again pushed older marks out)
             taken = set(again)
-            seen.update(dict.fromkeys(e for e in ids if e not in seen and e not in taken))
+            seen.update(dict.fromkeys(e for e in ids if e not in taken))
             for _ in range(len(seen) - READ_ONCE_MAX):
                 seen.popitem(last=False)
         return again
