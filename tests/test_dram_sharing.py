@@ -13,16 +13,19 @@ import dataclasses
 import errno
 import logging
 import os
+import socket
 import time
 
 import numpy as np
 import pytest
 
-from kvstore import arena_index
+from kvstore import arena_index, shmfile
 from kvstore.client import Client
 from kvstore.config import ServeConfig
+from kvstore.free_port import free_port
+from kvstore.lanes.shm_region import sweep
 from kvstore.server import dram_sharing
-from kvstore.server.app import build_tiers
+from kvstore.server.app import StoreServer, build_tiers
 from kvstore.server.dram_sharing import DramSharing, HostFacts, decide, shared_bytes
 from kvstore.tiers.arena import ArenaTier
 from tests.test_lanes_support import keys
@@ -211,3 +214,42 @@ def test_an_index_with_no_room_takes_its_arenas_file_with_it(monkeypatch) -> Non
     with pytest.raises(OSError):
         ArenaTier(8 * MiB, share_dir="/dev/shm")
     assert {name for name in os.listdir("/dev/shm") if name.startswith(mine)} == before
+
+
+def _files_of_this_process(directory: str) -> set[str]:
+    return {name for name in os.listdir(directory) if name.startswith(f"kvstore-dram-{os.getpid()}-")}
+
+
+@pytest.mark.parametrize("stage", ["constructor", "start", "bind"])
+def test_a_store_that_fails_to_start_leaves_no_file_behind(stage: str, tmp_path) -> None:
+    """Its arena and index were made before the config was refused; they held --dram of /dev/shm (1 GiB by default)
+    until a later start swept them, and a process that embeds stores (the tests) kept every one."""
+    if HostFacts.read("/dev/shm").file_system != "tmpfs":
+        pytest.skip("no tmpfs /dev/shm here")
+    (tmp_path / "empty").write_text("\n")
+    taken = socket.create_server(("127.0.0.1", 0))
+    refused = {
+        "constructor": {"listen": "0.0.0.0:0"},  # plaintext beyond loopback, without --insecure-plaintext
+        "start": {"metrics_port": free_port(), "metrics_token_file": str(tmp_path / "empty")},
+        "bind": {"listen": f"127.0.0.1:{taken.getsockname()[1]}"},
+    }[stage]
+    before = _files_of_this_process("/dev/shm")
+    try:
+        with pytest.raises(ValueError):
+            StoreServer(cfg(**{"dram": 16 * MiB, "share_dram": "true", "listen": "127.0.0.1:0", **refused})).start()
+    finally:
+        taken.close()
+    assert _files_of_this_process("/dev/shm") == before
+
+
+def test_a_sweep_takes_what_a_killed_store_of_the_same_pid_left(tmp_path) -> None:
+    """A container's store is pid 1 at every restart: a file with this pid and another process's mark is a killed
+    predecessor's, and goes; this process's own files stay."""
+    mine = tmp_path / shmfile.name_of(shmfile.DRAM_PREFIX)
+    my_mark = mine.name.rpartition("-")[2][: shmfile.MARK_HEX]
+    other_mark = "0" * shmfile.MARK_HEX if my_mark != "0" * shmfile.MARK_HEX else "1" * shmfile.MARK_HEX
+    predecessors = tmp_path / f"{shmfile.DRAM_PREFIX}{os.getpid()}-{other_mark}{'a' * 24}"
+    for path in (mine, predecessors):
+        path.write_bytes(b"")
+    assert sweep(str(tmp_path)) == 1
+    assert mine.exists() and not predecessors.exists()

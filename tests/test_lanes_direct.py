@@ -320,14 +320,15 @@ def test_client_killed_during_a_direct_put_leaves_only_whole_blocks(make_server,
 
 
 def test_sweep_removes_what_killed_servers_left(tmp_path):
+    from kvstore import shmfile
     from kvstore.lanes.shm_region import sweep
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     left = [tmp_path / f"kvstore-lane-{dead.pid}-abc", tmp_path / f"kvstore-direct-{dead.pid}-def.sock"]
     mine = [
-        tmp_path / f"kvstore-lane-{os.getpid()}-abc",
-        tmp_path / f"kvstore-direct-{os.getpid()}-def.sock",
+        tmp_path / shmfile.name_of(shmfile.LANE_PREFIX),
+        tmp_path / shmfile.name_of(shmfile.DIRECT_PREFIX, ".sock"),
         tmp_path / "unrelated",
     ]
     for p in left + mine:

@@ -203,11 +203,13 @@ def test_a_tenants_lane_reaches_only_its_namespaces(make_server, tmp_path, lane)
 def test_region_files_of_killed_servers_are_swept(make_server, short_dir):
     import subprocess
 
+    from kvstore import shmfile
+
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale = short_dir / f"{PREFIX}{dead.pid}-{'ab' * 16}"
     stale.write_bytes(b"x")
-    live = short_dir / f"{PREFIX}{os.getpid()}-{'cd' * 16}"
+    live = short_dir / shmfile.name_of(PREFIX)  # this process's: its pid and its mark
     live.write_bytes(b"x")
     unrelated = short_dir / "other-file"
     unrelated.write_bytes(b"x")

@@ -45,6 +45,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from kvstore import shmfile
 from kvstore.lanes import cma
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.segments import Spans
@@ -169,7 +170,7 @@ class DirectListener:
     """
 
     def __init__(self, directory: str, lookup: Any, on_bound: Any = None):
-        self.path = os.path.join(directory, f"kvstore-direct-{os.getpid()}-{secrets.token_hex(8)}.sock")
+        self.path = os.path.join(directory, shmfile.name_of(shmfile.DIRECT_PREFIX, ".sock", random_hex=8))
         if len(os.fsencode(self.path)) > UNIX_PATH_MAX:
             raise ValueError(
                 f"--shm-dir {directory}: too long for the shm lane's socket in it ({len(os.fsencode(self.path))} "

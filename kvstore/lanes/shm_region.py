@@ -1,7 +1,7 @@
 """Shared-memory regions of the shm lane: created by the server, mapped by both sides.
 
 ``ShmRegion.create(dir, size, reserved=None)`` (server): a file ``<dir>/kvstore-lane-<server
-pid>-<32 hex digits from secrets.token_hex>`` opened with O_CREAT|O_EXCL|O_NOFOLLOW and
+pid>-<32 hex digits>`` (``shmfile.name_of``) opened with O_CREAT|O_EXCL|O_NOFOLLOW and
 mode 0600 (only this uid can open it; the name is unguessable), its pages
 reserved with ``posix_fallocate`` (a full /dev/shm fails there with ENOSPC,
 never later as SIGBUS), and mapped shared. With ``reserved`` only that much
@@ -18,8 +18,8 @@ checks it is a regular file of this uid, mode 0600 and the announced size
 before mapping it.
 
 ``sweep(dir)`` (server start): a server killed with SIGKILL before its client
-mapped a region leaves the name behind; files of this uid whose server pid no
-longer runs are removed.
+mapped a region leaves the name behind; files of this uid whose server is gone
+(``shmfile.maker_is_gone``: its pid no longer runs, or is this process's under another mark) are removed.
 """
 
 from __future__ import annotations
@@ -161,9 +161,9 @@ def attach(path: str, size: int, *, readonly: bool = False) -> ShmRegion:
     return ShmRegion(path, size, mapping, array, array.data)
 
 
-def sweep(directory: str, prefixes: tuple[str, ...] = (PREFIX, "kvstore-direct-", DRAM_PREFIX)) -> int:
-    """Remove region files (direct-put sockets, shared DRAM arenas) of this uid left by servers that are gone;
-    how many."""
+def sweep(directory: str, prefixes: tuple[str, ...] = (PREFIX, shmfile.DIRECT_PREFIX, DRAM_PREFIX)) -> int:
+    """Remove region files (direct-put sockets, shared DRAM arenas) of this uid left by servers that are gone
+    (``shmfile.maker_is_gone``); how many."""
     removed = 0
     try:
         names = os.listdir(directory)
@@ -171,20 +171,14 @@ def sweep(directory: str, prefixes: tuple[str, ...] = (PREFIX, "kvstore-direct-"
         return 0
     for name in names:
         prefix = next((p for p in prefixes if name.startswith(p)), None)
-        pid_text = name[len(prefix) :].partition("-")[0] if prefix else ""
-        if not pid_text.isdigit():
+        if prefix is None:
             continue
         path = os.path.join(directory, name)
         try:
-            if os.lstat(path).st_uid != os.geteuid():
+            if os.lstat(path).st_uid != os.geteuid() or not shmfile.maker_is_gone(name, prefix):
                 continue
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(path)
-                removed += 1
-            except OSError:
-                pass
+            os.unlink(path)
+            removed += 1
         except OSError:
-            continue  # not ours to judge (no permission), or the file is gone already
+            continue  # gone already
     return removed

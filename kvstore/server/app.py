@@ -233,28 +233,33 @@ class StoreServer:
     def __init__(self, cfg: ServeConfig, store: BlockStore | None = None):
         self.cfg = cfg
         self.store = store or build_store(cfg)
-        self.metrics = Metrics(self.store.stats)
-        self.limits = Limits(
-            max_block_bytes=cfg.max_block,
-            max_message_bytes=cfg.max_message,
-            max_hashes=cfg.max_hashes,
-            max_stream_bytes=cfg.max_stream,
-            lossy=LossyPolicy.from_spec(cfg.lossy_namespaces),
-        )
-        self.node_id = cfg.node_id or cfg.advertise or cfg.listen
-        self.health = health.HealthServicer()
-        tls.transport(cfg)  # refuse an unsafe transport before anything starts
-        self.gate = Gatekeeper.from_config(cfg, self.store, self.metrics)  # tokens, tenants, quotas, deadlines
-        self.calls = drain.CallsInFlight()
-        self.service = KVStoreService(
-            self.store, self.limits, self.metrics, self.node_id, gate=self.gate, get_codec=cfg.get_codec
-        )
-        self.tls: tls.CertReloader | None = None
-        self.server: grpc.Server | None = None
-        self.port = 0
-        self._metrics_http: Any = None
-        self._stopped = threading.Event()
-        self.cluster: Any = None  # kvstore.cluster.node.ClusterNode when cfg.redis is set
+        try:  # what fails here is the config's: a store built for it closes with it, its files with it
+            self.metrics = Metrics(self.store.stats)
+            self.limits = Limits(
+                max_block_bytes=cfg.max_block,
+                max_message_bytes=cfg.max_message,
+                max_hashes=cfg.max_hashes,
+                max_stream_bytes=cfg.max_stream,
+                lossy=LossyPolicy.from_spec(cfg.lossy_namespaces),
+            )
+            self.node_id = cfg.node_id or cfg.advertise or cfg.listen
+            self.health = health.HealthServicer()
+            tls.transport(cfg)  # refuse an unsafe transport before anything starts
+            self.gate = Gatekeeper.from_config(cfg, self.store, self.metrics)  # tokens, tenants, quotas, deadlines
+            self.calls = drain.CallsInFlight()
+            self.service = KVStoreService(
+                self.store, self.limits, self.metrics, self.node_id, gate=self.gate, get_codec=cfg.get_codec
+            )
+            self.tls: tls.CertReloader | None = None
+            self.server: grpc.Server | None = None
+            self.port = 0
+            self._metrics_http: Any = None
+            self._stopped = threading.Event()
+            self.cluster: Any = None  # kvstore.cluster.node.ClusterNode when cfg.redis is set
+        except BaseException:
+            if store is None:  # a shared arena held --dram of /dev/shm until the next start swept it
+                self.store.close(flush=False)
+            raise
 
     def grpc_options(self) -> list[tuple[str, Any]]:
         return [
@@ -278,6 +283,15 @@ class StoreServer:
         log.info("store kernels warmed up in %.2f s", seconds)
 
     def start(self) -> StoreServer:
+        """Bind and serve. A start that fails stops what it started and closes the store, whose files would
+        otherwise outlive it (a shared DRAM arena held --dram of /dev/shm until the next start swept it)."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop(grace=0)
+            raise
+
+    def _start(self) -> StoreServer:
         token = metrics_token(self.cfg) if self.cfg.metrics_port else None  # a bad token file fails before binding
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="kvstore-rpc"),
