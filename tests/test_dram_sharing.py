@@ -220,7 +220,7 @@ def _files_of_this_process(directory: str) -> set[str]:
     return {name for name in os.listdir(directory) if name.startswith(f"kvstore-dram-{os.getpid()}-")}
 
 
-@pytest.mark.parametrize("stage", ["constructor", "start", "bind"])
+@pytest.mark.parametrize("stage", ["nvme", "constructor", "start", "bind"])
 def test_a_store_that_fails_to_start_leaves_no_file_behind(stage: str, tmp_path) -> None:
     """Its arena and index were made before the config was refused; they held --dram of /dev/shm (1 GiB by default)
     until a later start swept them, and a process that embeds stores (the tests) kept every one."""
@@ -228,14 +228,16 @@ def test_a_store_that_fails_to_start_leaves_no_file_behind(stage: str, tmp_path)
         pytest.skip("no tmpfs /dev/shm here")
     (tmp_path / "empty").write_text("\n")
     taken = socket.create_server(("127.0.0.1", 0))
+    (tmp_path / "a-file").write_text("not a directory")
     refused = {
+        "nvme": {"nvme_dir": str(tmp_path / "a-file" / "nvme")},  # made after the arena, and it cannot be
         "constructor": {"listen": "0.0.0.0:0"},  # plaintext beyond loopback, without --insecure-plaintext
         "start": {"metrics_port": free_port(), "metrics_token_file": str(tmp_path / "empty")},
         "bind": {"listen": f"127.0.0.1:{taken.getsockname()[1]}"},
     }[stage]
     before = _files_of_this_process("/dev/shm")
     try:
-        with pytest.raises(ValueError):
+        with pytest.raises((ValueError, OSError)):
             StoreServer(cfg(**{"dram": 16 * MiB, "share_dram": "true", "listen": "127.0.0.1:0", **refused})).start()
     finally:
         taken.close()

@@ -86,9 +86,14 @@ def build_tiers(cfg: ServeConfig) -> list[Tier]:
     if cfg.nvme_dir:
         from kvstore.tiers.nvme import NvmeTier
 
-        tiers.append(
-            NvmeTier(cfg.nvme_dir, capacity_bytes=cfg.nvme, segment_bytes=cfg.nvme_segment, write_policy=cfg.nvme_sync)
-        )
+        try:
+            nvme = NvmeTier(
+                cfg.nvme_dir, capacity_bytes=cfg.nvme, segment_bytes=cfg.nvme_segment, write_policy=cfg.nvme_sync
+            )
+        except BaseException:  # (an unusable --nvme-dir): the arenas' files must not outlive the start
+            close_tiers(tiers)
+            raise
+        tiers.append(nvme)
         if (short := nvme_room_shortfall(cfg.nvme_dir, cfg.nvme)) is not None:
             log.warning(
                 "--nvme %s, but %s has %s free and its files hold %s: once the disk fills, the tier's writes fail "
@@ -208,18 +213,33 @@ def _page_size(cfg: ServeConfig) -> int:
     return max(8 << 20, -(-cfg.max_block // 4096) * 4096)
 
 
+def close_tiers(tiers: list[Tier]) -> None:
+    """Close tiers a start that failed built: a shared arena's file would hold its memory until a later sweep."""
+    for tier in tiers:
+        try:
+            tier.close()
+        except Exception:  # noqa: BLE001 - the start's own error is the one to report
+            log.exception("closing the %s tier after a failed start", tier.name)
+
+
 def build_store(cfg: ServeConfig, tiers: list[Tier] | None = None) -> BlockStore:
     from kvstore.store.policies import policy_factory
 
-    store = BlockStore(
-        tiers or build_tiers(cfg),
-        promote_on_hit=cfg.promote_on_hit,
-        policy_factory=policy_factory(cfg.eviction_policy),
-        write_through=cfg.write_policy == "write-through",
-        nvme_admit_uses=cfg.nvme_admit_uses,
-        nvme_eviction=cfg.nvme_eviction,
-        index_disk=index_names_disk(cfg),
-    )
+    built = tiers or build_tiers(cfg)
+    try:
+        store = BlockStore(
+            built,
+            promote_on_hit=cfg.promote_on_hit,
+            policy_factory=policy_factory(cfg.eviction_policy),
+            write_through=cfg.write_policy == "write-through",
+            nvme_admit_uses=cfg.nvme_admit_uses,
+            nvme_eviction=cfg.nvme_eviction,
+            index_disk=index_names_disk(cfg),
+        )
+    except BaseException:
+        if tiers is None:  # ours
+            close_tiers(built)
+        raise
     for tier in store.tiers:
         if hasattr(tier, "on_relocate"):
             tier.on_relocate = lambda moves, rank=tier.rank: store.relocate(rank, moves)
