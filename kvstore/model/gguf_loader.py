@@ -13,9 +13,10 @@ Promises:
   RoPE layout (as transformers' GGUF loader does) so the standard
   ``rotate_half`` RoPE applies.
 - ``load_gguf(path)``: all three, through an on-disk cache
-  (``$KVSTORE_CACHE_DIR`` or ``~/.cache/kvstore``) keyed by the file's name,
-  size and mtime: the first load dequantizes and writes a safetensors file,
-  later loads read it back. An unwritable cache only costs speed.
+  (``model_cache.py``: ``$KVSTORE_CACHE_DIR`` or ``~/.cache/kvstore``) keyed by
+  the file's name, size and a digest of its bytes: the first load dequantizes
+  and writes a safetensors file (dropping the entries an older file of that
+  name left), later loads read it back. An unwritable cache only costs speed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from kvstore.model.config import ModelConfig
+from kvstore.model.model_cache import cache_dir, cache_key, drop_stale_entries
 from kvstore.model.tokenizer import TokenizerSpec
 
 _GLOBAL_NAMES = {
@@ -164,16 +166,6 @@ def read_gguf_state_dict(
     return out
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVSTORE_CACHE_DIR") or Path.home() / ".cache" / "kvstore")
-
-
-def cache_key(path: Path) -> str:
-    """Name of a GGUF's cache entries: changes whenever the file does."""
-    st = path.stat()
-    return f"{path.name.removesuffix('.gguf')}-{st.st_size}-{st.st_mtime_ns}"
-
-
 def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerSpec]:
     """Config, fp32 HF-named weights and tokenizer of a GGUF, through the disk cache."""
     from safetensors.torch import load_file, save_file
@@ -198,6 +190,7 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
             json.dumps({"config": config.to_dict(), "tokenizer": json.loads(spec.to_json())}), encoding="utf-8"
         )
         os.replace(tmp_meta, meta_file)
+        drop_stale_entries(stem)
     except OSError:
         pass  # read-only home or full disk: the next load dequantizes again
     return config, state, spec

@@ -13,7 +13,7 @@ Verbs and promises:
   ``config.json`` and ``model.safetensors`` is complete.
 - ``export_model(name, dest, ...)``: the CLI's entry; only ``smollm2`` exists.
 - ``exported_smollm2(dtype="float32") -> Path``: a directory under the model cache (``$KVSTORE_CACHE_DIR`` or
-  ``~/.cache/kvstore``), exported on first use and reused after (keyed by the GGUF's name, size and mtime):
+  ``~/.cache/kvstore``), exported on first use and reused after (keyed by the GGUF's name, size and bytes: ``model_cache.py``):
   what tests, benchmarks and demos hand to vLLM.
 
 fp32 is the default dtype: this VM's cores have AVX2 but no AVX512-BF16/AMX, so
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from kvstore.model.gguf_loader import cache_dir, cache_key, find_smollm2_gguf, load_gguf
+from kvstore.model.gguf_loader import find_smollm2_gguf, load_gguf
+from kvstore.model.model_cache import cache_dir, cache_key
 
 MODELS = ("smollm2",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

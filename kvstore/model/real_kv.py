@@ -146,7 +146,8 @@ def smollm2_kv_blocks(
 
 
 def _cache_path(n_blocks: int, block_size: int, dtype: torch.dtype, seed: int) -> Path | None:
-    from kvstore.model.gguf_loader import cache_dir, cache_key, find_smollm2_gguf
+    from kvstore.model.gguf_loader import find_smollm2_gguf
+    from kvstore.model.model_cache import cache_dir, cache_key
 
     try:
         stem = cache_key(find_smollm2_gguf())
