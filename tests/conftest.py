@@ -42,6 +42,28 @@ def _each_test_may_pick_its_store() -> Iterator[None]:
     cma.forget_reader()
 
 
+_PASSED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report: pytest.TestReport = yield
+    if report.when == "call":
+        item.stash[_PASSED] = report.passed
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _a_passed_test_gives_its_disk_back(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A passed test's ``tmp_path`` is removed once the fixtures set up after this one (a store on it) have stopped;
+    a failed test's stays for a look. Kept to the end of the run, they took 14 GB (NVMe segments of 64 MiB, bench
+    runs' files): more free disk than a CI runner may have."""
+    tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if tmp is not None and request.node.stash.get(_PASSED, False):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def compiled_kernels() -> None:
     """The copy and CRC32C kernels and the compiled runs compiled (or loaded from numba's cache) before a module's
