@@ -51,8 +51,10 @@ def maker_is_gone(name: str, prefix: str) -> bool | None:
     """Whether the process that made ``name`` (``name_of(prefix, ...)``) is gone: no process has its pid, or this
     one has it under another mark (a restarted container's pid 1). None when the name is not such a name, or the
     process may not be asked (another user's pid)."""
+    if not name.startswith(prefix):
+        return None
     pid_text, dash, rest = name[len(prefix) :].partition("-")
-    if not name.startswith(prefix) or not pid_text.isdigit() or not dash:
+    if not pid_text.isdigit() or not dash:
         return None
     pid = int(pid_text)
     if pid == os.getpid():

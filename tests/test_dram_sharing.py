@@ -199,6 +199,10 @@ def test_a_closed_shared_arena_gives_its_memory_back_while_its_tier_object_lives
     assert ctypes.string_at(tier.shared.base + tier.shared.size - 4096, 4096) == bytes(4096)
 
 
+def _files_of_this_process(directory: str) -> set[str]:
+    return {name for name in os.listdir(directory) if name.startswith(f"kvstore-dram-{os.getpid()}-")}
+
+
 def test_an_index_with_no_room_takes_its_arenas_file_with_it(monkeypatch) -> None:
     """The arena's file is made first; an index that then finds no room must not leave it holding memory (auto's
     store goes on with a private arena)."""
@@ -208,16 +212,11 @@ def test_an_index_with_no_room_takes_its_arenas_file_with_it(monkeypatch) -> Non
     def no_room(directory: str, named_bytes: int):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    mine = f"kvstore-dram-{os.getpid()}-"
-    before = {name for name in os.listdir("/dev/shm") if name.startswith(mine)}
+    before = _files_of_this_process("/dev/shm")
     monkeypatch.setattr(arena_index.ArenaIndex, "create", staticmethod(no_room))
     with pytest.raises(OSError):
         ArenaTier(8 * MiB, share_dir="/dev/shm")
-    assert {name for name in os.listdir("/dev/shm") if name.startswith(mine)} == before
-
-
-def _files_of_this_process(directory: str) -> set[str]:
-    return {name for name in os.listdir(directory) if name.startswith(f"kvstore-dram-{os.getpid()}-")}
+    assert _files_of_this_process("/dev/shm") == before
 
 
 @pytest.mark.parametrize("stage", ["nvme", "constructor", "start", "bind"])

@@ -12,9 +12,9 @@ Verbs and promises:
   Files are written to a temporary name and renamed, so a directory that has
   ``config.json`` and ``model.safetensors`` is complete.
 - ``export_model(name, dest, ...)``: the CLI's entry; only ``smollm2`` exists.
-- ``exported_smollm2(dtype="float32") -> Path``: a directory under the model cache (``$KVSTORE_CACHE_DIR`` or
-  ``~/.cache/kvstore``), exported on first use and reused after (keyed by the GGUF's name, size and bytes: ``model_cache.py``):
-  what tests, benchmarks and demos hand to vLLM.
+- ``exported_smollm2(dtype="float32") -> Path``: a directory under the model cache (``model_cache.py``), exported
+  on first use and reused after (keyed by the GGUF's name, size and bytes): what tests, benchmarks and demos hand
+  to vLLM.
 
 fp32 is the default dtype: this VM's cores have AVX2 but no AVX512-BF16/AMX, so
 vLLM's CPU kernels run bf16 slower than fp32 here (see the report of issue 16).
