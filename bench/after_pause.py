@@ -4,9 +4,11 @@
 
 Every other bench here takes its steps one after another with waits between them (a driver's pipe, another
 process's step, a raw read), so a figure depends on how long the cores idled before it. This measures that
-alone. Each step moves 16 MiB and is timed after each pause in turn (``--pauses`` ms), ``--reps`` times, each
-time after 30 ms of the same step run untimed and then the pause (0: back to back, the cores busy; one step
-before it was not enough to warm them: a TCP Get of 16 MiB took 7.7 ms after one, 3.0 after ten):
+alone. Each step moves 16 MiB and is timed in series of ``--reps / 2`` steps of one kind, each step after the
+same pause (``--pauses`` ms; 0: back to back, the cores kept busy), after 30 ms of the step run untimed; every
+series twice, in turn with the others. A paused step so meets what a bench's step meets: the pause, and before it
+one step of its kind. (How long the cores were busy before a pause matters too: a TCP Get of 16 MiB after 50 ms
+took 3.5 ms when 30 ms of Gets came before the pause, 7.8 when one did.) The steps:
 
 - ``memcpy``: one ``numpy.copyto`` between two 16 MiB buffers (the CPU and memory alone);
 - ``socket``: 16 MiB over loopback TCP from another process, after a one-byte request (the kernel's copies and
@@ -46,7 +48,8 @@ if TYPE_CHECKING:  # numpy's stubs give ndarray __buffer__ only from Python 3.12
 BYTES = 16 << 20
 PREFIX = 32  # blocks a Get
 EXTENTS = 8  # of the disk's file, read in turn
-WARM_SECONDS = 0.03  # of the same step, untimed, before the pause: the cores warm up over tens of ms here, not one step
+WARM_SECONDS = 0.03  # of the same step, untimed, before a series
+ROUNDS = 2  # every series taken this many times, in turn with the others (the host drifts)
 
 
 def _sender(port_q: Any) -> None:
@@ -88,6 +91,7 @@ def measure(pauses: list[float], reps: int, root: Path, bar: tqdm) -> list[dict[
     from kvstore.server.process import store_process
     from kvstore.tiers.nvme.io import aligned_buffer
 
+    series = max(1, reps // ROUNDS)
     src, dst = np.ones(BYTES, np.uint8), np.zeros(BYTES, np.uint8)
     disk_buf = aligned_buffer(BYTES)
     disk_buf[:] = 7
@@ -137,18 +141,19 @@ def measure(pauses: list[float], reps: int, root: Path, bar: tqdm) -> list[dict[
                     raise RuntimeError(f"{name}: a Get came back different")
                 steps[name] = _get_step(kv, prefixes, out)
             times: dict[tuple[str, float], list[float]] = {(s, p): [] for s in steps for p in pauses}
-            for i in range(reps):
+            for _ in range(ROUNDS):
                 for pause in pauses:
                     for name, step in steps.items():
-                        busy_until = time.perf_counter() + WARM_SECONDS
-                        while time.perf_counter() < busy_until:  # so that the pause alone sets what the step meets
-                            step(i)
-                        if pause:
-                            time.sleep(pause / 1e3)
-                        t0 = time.perf_counter()
-                        step(i + 1)
-                        times[name, pause].append(time.perf_counter() - t0)
-                bar.update(1)
+                        busy_until = time.perf_counter() + WARM_SECONDS  # the series starts from busy cores
+                        while time.perf_counter() < busy_until:
+                            step(0)
+                        for i in range(series):
+                            if pause:
+                                time.sleep(pause / 1e3)
+                            t0 = time.perf_counter()
+                            step(i + 1)
+                            times[name, pause].append(time.perf_counter() - t0)
+                    bar.update(1)
     finally:
         os.close(fd)
         sender.terminate()
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="kvstore-after-pause-", dir=args.dir))
     try:
-        with tqdm(total=reps, desc="after a pause", unit="round") as bar:
+        with tqdm(total=ROUNDS * len(pauses), desc="after a pause", unit="series") as bar:
             rows = measure(pauses, reps, root, bar)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -30,7 +30,9 @@ in turn, prefix by prefix, in a rotating order, so that all see the disk and the
 - ``dram_shm`` / ``dram_tcp`` / ``dram_grpc``: the same Get from the all-DRAM store (what the lane and server cost;
   ``grpc_dram_vs_raw``, ``tcp_dram_vs_raw``, ``shm_dram_vs_raw``: what each lane reaches of the raw read with no
   disk under it: a lane whose figure is under 1 hands out even DRAM blocks slower than the disk reads them, so its
-  NVMe Gets cannot reach the disk's speed whatever the reads do; the bound of its ``nvme_vs_raw``);
+  NVMe Gets cannot reach the disk's speed whatever the reads do; the bound of its ``nvme_vs_raw``. On this VM
+  these carry the cores' idle between steps as well: ``bench.after_pause`` measures a TCP Get of DRAM hits 2.5x
+  slower after 50 ms idle, the raw read 1.1x, and back to back at the bare socket's speed);
 - ``raw``: one O_DIRECT ``preadv`` of a prefix-sized extent (32 x (4 KiB + block), as the tier lays a prefix
   down) of a file written beside the stores' segments, each extent read once (the disk's speed at the same
   amount of data: the baseline of ``nvme_vs_raw``). Every side's prefixes and extents are written interleaved,
