@@ -13,6 +13,7 @@ import dataclasses
 import errno
 import logging
 import os
+import signal
 import socket
 import time
 
@@ -27,6 +28,7 @@ from kvstore.lanes.shm_region import sweep
 from kvstore.server import dram_sharing
 from kvstore.server.app import StoreServer, build_tiers
 from kvstore.server.dram_sharing import DramSharing, HostFacts, decide, shared_bytes
+from kvstore.server.process import shm_dir_of, store_process
 from kvstore.tiers.arena import ArenaTier
 from tests.test_lanes_support import keys
 
@@ -254,3 +256,25 @@ def test_a_sweep_takes_what_a_killed_store_of_the_same_pid_left(tmp_path) -> Non
         path.write_bytes(b"")
     assert sweep(str(tmp_path)) == 1
     assert mine.exists() and not predecessors.exists()
+
+
+def test_a_store_process_that_will_not_stop_is_killed_and_its_files_swept(caplog) -> None:
+    """store_process (benches, demos, tests) waited for SIGTERM, then killed: the killed store's shared arena and
+    index stayed in /dev/shm, holding --dram of memory, until some later store's start swept them."""
+    if HostFacts.read("/dev/shm").file_system != "tmpfs":
+        pytest.skip("no tmpfs /dev/shm here")
+    with caplog.at_level(logging.WARNING, logger="kvstore.server.process"):
+        with store_process("--dram", "64MiB", "--share-dram", "true", stop_seconds=1) as (_, proc):
+            made = {n for n in os.listdir("/dev/shm") if n.startswith(f"kvstore-dram-{proc.pid}-")}
+            assert made  # the arena and its index
+            os.kill(proc.pid, signal.SIGSTOP)  # a SIGTERM now waits, as a store stuck in its stop would
+    assert proc.returncode == -signal.SIGKILL
+    assert not made & set(os.listdir("/dev/shm"))
+    assert f"pid {proc.pid}) did not stop in 1 s: killed" in caplog.text
+
+
+def test_the_shm_dir_a_store_process_uses() -> None:
+    assert shm_dir_of(["--dram", "1GiB"], {}) == ServeConfig.shm_dir
+    assert shm_dir_of(["--shm-dir", "/a"], {"KVSTORE_SHM_DIR": "/b"}) == "/a"
+    assert shm_dir_of(["--shm-dir=/a"], {}) == "/a"
+    assert shm_dir_of([], {"KVSTORE_SHM_DIR": "/b"}) == "/b"

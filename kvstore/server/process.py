@@ -6,17 +6,33 @@ poll cost about 0.3 s of a core each, three or four times per start, beside the 
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvstore.config import ServeConfig
 from kvstore.free_port import free_port
+from kvstore.lanes.shm_region import sweep
+
+log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository root: `python -m kvstore` runs this tree
+
+
+def shm_dir_of(args: Sequence[str], env: Mapping[str, str]) -> str:
+    """The ``--shm-dir`` a ``kvstore serve`` with these arguments and environment uses (flag, env var, default; a
+    ``--config`` file's is not read)."""
+    for i, arg in enumerate(args):
+        if arg == "--shm-dir" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--shm-dir="):
+            return arg.split("=", 1)[1]
+    return env.get("KVSTORE_SHM_DIR", ServeConfig.shm_dir)
 
 
 def serving(target: str, timeout: float = 1.0) -> bool:
@@ -34,9 +50,11 @@ def serving(target: str, timeout: float = 1.0) -> bool:
 
 @contextmanager
 def store_process(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 30.0
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30.0, stop_seconds: float = 30.0
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Yields (target, process) once the node reports SERVING; SIGTERM and wait at exit."""
+    """Yields (target, process) once the node reports SERVING; SIGTERM and wait at exit. A store still running
+    ``stop_seconds`` later is killed, and what it left in its ``--shm-dir`` (its shared DRAM arena, up to ``--dram``
+    of memory, and its lanes' files) is swept then, not at the next store's start."""
     target = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
         [
@@ -69,6 +87,11 @@ def store_process(
     finally:
         proc.terminate()
         try:
-            proc.wait(30)
+            proc.wait(stop_seconds)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+            swept = sweep(shm_dir_of(args, {**os.environ, **(env or {})}))
+            log.warning(
+                "kvstore serve (pid %d) did not stop in %.0f s: killed, %d files swept", proc.pid, stop_seconds, swept
+            )
