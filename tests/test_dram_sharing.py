@@ -273,8 +273,10 @@ def test_a_store_process_that_will_not_stop_is_killed_and_its_files_swept(caplog
     assert f"pid {proc.pid}) did not stop in 1 s: killed" in caplog.text
 
 
-def test_the_shm_dir_a_store_process_uses() -> None:
-    assert shm_dir_of(["--dram", "1GiB"], {}) == ServeConfig.shm_dir
+def test_the_shm_dir_a_store_process_uses(tmp_path) -> None:
+    assert shm_dir_of(["--listen", "127.0.0.1:1", "--dram", "1GiB"], {}) == ServeConfig.shm_dir
+    (tmp_path / "serve.yaml").write_text("shm-dir: /c\n")
+    assert shm_dir_of(["--config", str(tmp_path / "serve.yaml")], {}) == "/c"
     assert shm_dir_of(["--shm-dir", "/a"], {"KVSTORE_SHM_DIR": "/b"}) == "/a"
     assert shm_dir_of(["--shm-dir=/a"], {}) == "/a"
     assert shm_dir_of([], {"KVSTORE_SHM_DIR": "/b"}) == "/b"

@@ -6,6 +6,7 @@ poll cost about 0.3 s of a core each, three or four times per start, beside the 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import subprocess
@@ -15,7 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvstore.config import ServeConfig
+from kvstore import config
 from kvstore.free_port import free_port
 from kvstore.lanes.shm_region import sweep
 
@@ -25,14 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent.parent  # the repository root: `py
 
 
 def shm_dir_of(args: Sequence[str], env: Mapping[str, str]) -> str:
-    """The ``--shm-dir`` a ``kvstore serve`` with these arguments and environment uses (flag, env var, default; a
-    ``--config`` file's is not read)."""
-    for i, arg in enumerate(args):
-        if arg == "--shm-dir" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--shm-dir="):
-            return arg.split("=", 1)[1]
-    return env.get("KVSTORE_SHM_DIR", ServeConfig.shm_dir)
+    """The ``--shm-dir`` a ``kvstore serve`` with these arguments and environment uses, as its own config loader
+    reads it (flag, ``KVSTORE_SHM_DIR``, ``--config`` file, default)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    config.add_arguments(parser)
+    flags, _ = parser.parse_known_args(list(args))  # the serve command's other flags (--listen, ...) pass by
+    return config.load(flags, dict(env)).shm_dir
 
 
 def serving(target: str, timeout: float = 1.0) -> bool:

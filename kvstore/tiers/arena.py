@@ -87,6 +87,16 @@ class SharedArena:
         return offset if 0 <= offset and offset + nbytes <= self.size else None
 
 
+def _remove_shared(path: str, base: int, nbytes: int) -> None:
+    """Unlink a shared arena's file and punch its pages out of the mapping at ``base``: the file is reserved whole,
+    so a mapping that outlives it would otherwise hold all of its memory."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    madvise(base, nbytes, MADV_REMOVE)
+
+
 def _shared_buffer(nbytes: int, directory: str) -> tuple[np.ndarray, mmap.mmap, str]:
     path, region = shmfile.create(directory, SHARED_PREFIX, max(nbytes, 1))
     return np.frombuffer(region, dtype=np.uint8, count=nbytes), region, path
@@ -143,8 +153,7 @@ class ArenaTier(MemoryTier):
                     try:
                         self.index = ArenaIndex.create(share_dir, capacity + index_disk_bytes)
                     except OSError:  # (no room for it): the arena's file goes too, and its memory with it
-                        os.unlink(path)
-                        madvise(int(self._host.ctypes.data), capacity, MADV_REMOVE)
+                        _remove_shared(path, int(self._host.ctypes.data), capacity)
                         raise
                 index_path, index_bytes = (self.index.path, self.index.nbytes) if self.index is not None else ("", 0)
                 self.shared = SharedArena(path, capacity, int(self._host.ctypes.data), index_path, index_bytes)
@@ -248,8 +257,4 @@ class ArenaTier(MemoryTier):
         if self.index is not None:
             self.index.close()
         if self.shared is not None:
-            try:
-                os.unlink(self.shared.path)
-            except FileNotFoundError:
-                pass
-            madvise(self.shared.base, self.shared.size, MADV_REMOVE)
+            _remove_shared(self.shared.path, self.shared.base, self.shared.size)
