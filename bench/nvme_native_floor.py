@@ -50,6 +50,7 @@ SOURCE = Path(__file__).parent / "native" / "tcp_floor.c"
 BLOCKS = (64 << 10, 512 << 10, 2 << 20)
 ROUNDS = {64 << 10: 40, 512 << 10: 24, 2 << 20: 12}  # about 2.3 GB of extents a run at 2 MiB
 QUICK_ROUNDS = 4
+RUN_SECONDS = 600  # a run takes 2-10 s here; past this it is stuck (a disk that stopped answering)
 
 
 def build(into: Path) -> Path:
@@ -73,13 +74,11 @@ def crc_of(binary: Path, path: Path) -> int:
 def run_once(binary: Path, root: Path, block: int, rounds: int, piece: int, readers: int) -> dict[str, Any]:
     """One run of the native floor on a file of its own, removed after."""
     path = root / f"floor-{block}-{readers}.dat"
+    cmd = [str(binary), str(path), str(block), str(rounds), str(piece), str(readers)]
     try:
-        done = subprocess.run(
-            [str(binary), str(path), str(block), str(rounds), str(piece), str(readers)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_SECONDS)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"tcp_floor ran past {RUN_SECONDS} s: {' '.join(cmd)}") from None
     finally:
         path.unlink(missing_ok=True)
     if done.returncode:

@@ -289,7 +289,12 @@ static double client_get(int sock, uint8_t *dst, int64_t extent, int piped) {
             size_t n = block_bytes - at < RECV_PIECE ? block_bytes - at : RECV_PIECE;
             to_come -= n;
             if (lowat && to_come < LOWAT) set_lowat(sock, 1), lowat = 0;
-            if (recv(sock, block + at, n, MSG_WAITALL) != (ssize_t)n) die("client recv");
+            ssize_t got = recv(sock, block + at, n, MSG_WAITALL);
+        if (got == 0) {
+            fprintf(stderr, "client: the server closed the connection mid-Get (its error is above)\n");
+            exit(3);
+        }
+        if (got != (ssize_t)n) die("client recv");
             crc = crc32c_more(crc, block + at, n);
         }
         if (crc != crcs[extent * PREFIX + k]) {
