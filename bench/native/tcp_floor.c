@@ -255,7 +255,8 @@ static void write_extents(const char *path, int64_t extents) {
     uint8_t *buf = aligned(extent_bytes);
     for (int64_t e = 0; e < extents; e++) {
         fill_random(buf, extent_bytes);
-        for (int k = 0; k < PREFIX; k++) crcs[e * PREFIX + k] = crc32c(buf + (size_t)k * record_bytes + PAGE, block_bytes);
+        for (int k = 0; k < PREFIX; k++)
+            crcs[e * PREFIX + k] = crc32c(buf + (size_t)k * record_bytes + PAGE, block_bytes);
         size_t done = 0;
         while (done < extent_bytes) {
             ssize_t put = pwrite(fd, buf + done, extent_bytes - done, (off_t)(e * (int64_t)extent_bytes) + (off_t)done);
