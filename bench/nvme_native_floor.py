@@ -5,7 +5,8 @@
 
 ``bench.nvme_get`` has the store-read TCP lane at 0.3-0.7 of the disk's speed, and ``bench.nvme_floor`` puts
 even a Python process that only reads, checks and sends under 0.6 at 64 KiB. This asks whether that is Python or
-the machine. ``bench/native/tcp_floor.c`` (built here with the host's C compiler, ``$CC`` or ``cc``) writes
+the machine. ``bench/native/tcp_floor.c`` (built here with the host's C compiler, ``$CC`` or ``cc``, for x86-64: it takes
+the SSE4.2 CRC32C instruction) writes
 prefixes of 32 records (a 4 KiB header page and a random block, as the NVMe tier lays them down) and then, in
 two processes over loopback TCP, takes three steps a round in a rotating order, each on an extent read once:
 
