@@ -55,6 +55,9 @@ from kvstore.tiers.nvme.reader import Wanted, compiled_checks, plan_pieces
 from kvstore.tiers.nvme.segments import Segment, SegmentState
 from kvstore.tiers.nvme.sidecar import RecordColumns
 
+# Reads and checks a read's compiled runs itself: the (verified, failed) targets, or None (``NvmeTier.read``).
+RunReader = Callable[[list[runs.RunPiece]], tuple[list[int], list[int]] | None]
+
 log = logging.getLogger("kvstore.nvme")
 
 WRITE_POLICIES = ("fdatasync", "direct")
@@ -279,12 +282,16 @@ class NvmeTier(Tier):
         on_ready: Callable[[list[int]], None] | None = None,
         crcs: Sequence[int | None] | None = None,
         on_caller: bool = False,
+        run_reader: RunReader | None = None,
     ) -> None:
         """Fill ``dests[i]`` with the verified payload at ``locs[i]``; ``on_ready(indices)`` (optional) is called
         from a reading thread, or with ``on_caller`` from this one (``pipeline.read_pipelined``), as each piece's
         records pass their checks (failed ones left out). ``crcs[i]`` (optional) is the payload CRC32C the caller's index holds:
         a record whose own differs fails too, so a verified payload's CRC32C is known to the caller without
-        computing it again."""
+        computing it again. ``run_reader`` (optional) reads and checks the compiled runs (``runs.RunPiece``) on this
+        thread instead of the tier's readers, as a lane that sends each piece as it lands does
+        (``kvstore.send_runs``): it returns the (verified, failed) targets, or None to leave them to the tier;
+        ``on_ready`` then names the verified ones at once, and the failed ones are read again record by record."""
         if not (len(locs) == len(lengths) == len(dests)):
             raise ValueError("locs, lengths and dests must have the same length")
         if self.backend.name.startswith("kvikio") and any(is_device_dest(d) for d in dests):
@@ -298,7 +305,14 @@ class NvmeTier(Tier):
         try:
             todo: Iterable[int] = range(len(locs))
             run_pieces = runs.plan(resolved, lengths, crcs, dests, self.backend, self.read_threads, self.max_read_bytes)
-            if run_pieces is not None:  # one compiled call a piece; what fails is read again below, record by record
+            handled = run_reader(run_pieces) if run_reader is not None and run_pieces is not None else None
+            if handled is not None:
+                verified, failed_runs = handled
+                if on_ready is not None and verified:
+                    on_ready(verified)
+                todo = sorted(failed_runs)
+                self._counts["run_read_ios"] += len(run_pieces)  # type: ignore[arg-type]
+            elif run_pieces is not None:  # one compiled call a piece; what fails is read again below, record by record
                 retry = read_pipelined(
                     self.backend, self._pool, self._buffers, run_pieces, dests, self.read_threads, on_ready, on_caller,
                     runs.read_piece, runs.verified,
