@@ -314,32 +314,57 @@ def test_a_client_killed_mid_get_leaks_no_lease_and_no_slot(make_server, tmp_pat
         assert [bytes(memoryview(g)) for g in got] == [b.tobytes() for b in data[0][1]]
 
 
-def test_a_tcp_send_failing_mid_read_ends_the_connection_and_leaks_nothing(make_server, tmp_path, monkeypatch):
-    """A small TCP Get's pieces are sent by the threads that verified them (``_send_read``); when a send fails
-    (the client gone), the read ends, the connection closes as for any failed send (not a DATA_LOSS or
-    UNAVAILABLE status for a disk that did nothing wrong), and no lease, staging slot or segment pin is left.
-    The client retries the broken lane and gets every byte."""
+@pytest.mark.parametrize("sender", ["python", "compiled"])
+def test_a_tcp_send_failing_mid_read_ends_the_connection_and_leaks_nothing(make_server, tmp_path, monkeypatch, sender):
+    """A TCP Get's pieces are sent as they are verified: by the threads that verified them (``_send_read``), or
+    read, checked and sent by one compiled call (``send_runs.RunSender``). When a send fails (the client gone),
+    the read ends, the connection closes as for any failed send (not a DATA_LOSS or UNAVAILABLE status for a disk
+    that did nothing wrong), and no lease, staging slot or segment pin is left. The client retries the broken
+    lane and gets every byte."""
     import types
 
     import kvstore.lanes.server.tcp as tcp_server
+    from kvstore import send_runs
 
     failed: list[object] = []  # the connection whose send failed
     after: list[int] = []  # the kinds of frames the server sent on it afterwards: no STATUS (it would be a lie)
 
     def failing_once(conn, kind, meta=b"", payload=()):
-        if failed and conn is failed[0]:
+        if failed and failed[0] in (conn, conn.fileno()):
             after.append(kind)
-        if kind == framing.DATA and not failed:
+        if kind == framing.DATA and not failed and sender == "python":
             failed.append(conn)
             raise BrokenPipeError("the client went away")
         return framing.send_frame(conn, kind, meta, payload)
 
     monkeypatch.setattr(tcp_server, "framing", types.SimpleNamespace(**{**vars(framing), "send_frame": failing_once}))
+    compiled_send = send_runs.RunSender.send
+    if sender == "python":
+        monkeypatch.setattr(send_runs.RunSender, "send", lambda self, pieces, names: None)
+    else:
+        if not send_runs.COMPILED.available:
+            pytest.skip("no compiled send here (numba, SSE4.2 and PCLMULQDQ, Linux on x86-64)")
+        send_runs.warm_up()
+        bad_fd = os.open(tmp_path / "read-only", os.O_RDONLY | os.O_CREAT, 0o644)
+
+        def send_failing_once(self, pieces, names):  # the kernel's writev fails: a descriptor it cannot write
+            if failed:
+                return compiled_send(self, pieces, names)
+            failed.append(self._fd)  # the connection's
+            fd, self._fd = self._fd, bad_fd
+            try:
+                return compiled_send(self, pieces, names)
+            finally:
+                self._fd = fd
+
+        monkeypatch.setattr(send_runs.RunSender, "send", send_failing_once)
     server = start_store(make_server, tmp_path, "tcp", promote=False)
     with lane_client(server, "tcp") as kv:
         assert_gets_exact(kv, "tcp", *prefix_on_nvme(server, kv))
     assert failed and framing.STATUS not in after  # another piece's DATA may have been on its way
     quiet(server)
+    if sender == "compiled":
+        os.close(bad_fd)
 
 
 def test_a_corrupt_record_on_tcp_is_data_loss_even_when_the_read_ends_first(make_server, tmp_path, monkeypatch):

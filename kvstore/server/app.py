@@ -296,6 +296,10 @@ class StoreServer:
 
         try:
             seconds = warm_up(policy_factory(self.cfg.eviction_policy), index=self.store.published_index is not None)
+            if "tcp" in self.cfg.lanes.split(",") and self.cfg.nvme_dir:  # TCP Gets of NVMe blocks, compiled
+                from kvstore import send_runs
+
+                send_runs.warm_up()
         except Exception:  # noqa: BLE001 - a failed warm-up leaves compiling to the first requests, no more
             log.exception("warming up the store's kernels failed; the first requests compile them")
             return

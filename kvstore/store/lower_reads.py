@@ -60,6 +60,7 @@ class LowerReads:
         dest_for: Callable[[int], Any] | None = None,
         on_caller: bool = False,
         final_dests: bool = False,
+        run_reader: Callable[[list[Any], np.ndarray], tuple[list[int], list[int]] | None] | None = None,
     ) -> None:
         """Read the batch's NVMe-only blocks (coalesced by the tier) straight into where they go.
 
@@ -81,6 +82,7 @@ class LowerReads:
         With ``final_dests`` a block that ``dest_for`` gives a buffer (a client's shared pool) is read there even
         when it is promoted: its slot is filled at ``release`` by a copy checked against its CRC32C, since the
         client may change its memory once the reply is out (a copy that fails is not promoted).
+        ``run_reader(pieces, positions)``: ``NvmeTier.read``'s, with each target's position in ``leases``.
         """
         cold = [i for i, lease in enumerate(leases) if lease is not None and lease.buffer is None]
         if not cold:
@@ -145,8 +147,9 @@ class LowerReads:
                 try:
                     if getattr(tier, "streams_reads", False):  # raw blocks: the record's CRC must be the index's
                         crcs = [x.crc32c if x.codec == CODEC_NONE else None for x in group]  # type: ignore[union-attr]
+                        runs = None if run_reader is None else lambda p, at=np.asarray(pos): run_reader(p, at)
                         cast(Any, tier).read(
-                            locs, lengths, bufs, lambda idx, pos=pos: done([pos[k] for k in idx]), crcs, on_caller
+                            locs, lengths, bufs, lambda idx, pos=pos: done([pos[k] for k in idx]), crcs, on_caller, runs
                         )  # NvmeTier.read
                     else:
                         tier.read(locs, lengths, bufs)

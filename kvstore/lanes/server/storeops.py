@@ -212,11 +212,12 @@ class StoreOps:
         dest_for: Callable[[int], Any] | None = None,
         on_caller: bool = False,
         final_dests: bool = False,
+        run_reader: Any = None,
     ) -> None:
         """``BlockStore.materialize`` (NVMe reads straight into place, handed on piece by piece) with DATA_LOSS
         and UNAVAILABLE (an I/O error) as ``LaneError``."""
         try:
-            self.store.materialize(leases, on_ready, dest_for, on_caller, final_dests)
+            self.store.materialize(leases, on_ready, dest_for, on_caller, final_dests, run_reader)
         except DataLossError as err:
             raise LaneError(grpc.StatusCode.DATA_LOSS, f"{err}; the block was dropped") from None
         except (TierFault, OSError) as err:

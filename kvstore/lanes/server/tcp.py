@@ -20,7 +20,12 @@ Verbs (frames in ``framing.py``):
   ``readahead.INLINE_BYTES`` to read) from a client that takes DATA frames in
   any order is read on this thread and the tier's readers, each piece sent by
   the thread that verified it (``_send_read``), so no thread hop starts the
-  read and no piece waits for the others.
+  read and no piece waits for the others. Where the compiled send runs
+  (``kvstore.send_runs``: numba, Linux on x86-64), such a client's every
+  window is read on this thread: its raw NVMe blocks read with the kernel's
+  asynchronous I/O, checked and ``writev``d as DATA frames by one call
+  without the GIL, two reads in flight while the last piece is checked and
+  sent.
 
 Socket reads and writes inside a frame time out after ``frame_seconds``
 (kernel SO_RCVTIMEO/SO_SNDTIMEO), so a stalled peer cannot hold slots or
@@ -38,8 +43,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
+from kvstore import send_runs
 from kvstore.lanes import framing
 from kvstore.lanes.base import LaneError
 from kvstore.lanes.server.access import LaneAccess
@@ -47,6 +54,7 @@ from kvstore.lanes.server.lane import ServerLane
 from kvstore.lanes.server.registry import LaneRegistry
 from kvstore.lanes.server.storeops import Reservation, StoreOps, accepted_codecs
 from kvstore.memops import copy_into, host_bytes, host_view
+from kvstore.send_runs import RunSender
 from kvstore.store import Lease
 from kvstore.store.readahead import ReadAhead
 from kvstore.v1 import kvstore_pb2 as pb
@@ -126,11 +134,14 @@ class TcpLaneServer:
 
     def _serve(self, conn: socket.socket) -> None:
         lane: ServerLane | None = None
+        runs: RunSender | None = None
         try:
             lane = self._hello(conn)
             if lane is not None:
                 framing.set_timeouts(conn, self.frame_seconds)
-                self._frames(conn, lane)
+                if getattr(lane, "unordered_data", False) and send_runs.COMPILED.available:
+                    runs = RunSender(conn)
+                self._frames(conn, lane, runs)
         except OSError as err:
             log.debug("tcp lane connection ended: %s", err)
         except Exception:
@@ -140,6 +151,8 @@ class TcpLaneServer:
                 self._conns.pop(conn, None)
                 self._idle.notify_all()
             conn.close()
+            if runs is not None:
+                runs.close()
             if lane is not None:
                 self.registry.close(lane.lane_id, lane.token)
 
@@ -168,7 +181,7 @@ class TcpLaneServer:
         self._status(conn, grpc.StatusCode.OK, "")
         return lane
 
-    def _frames(self, conn: socket.socket, lane: ServerLane) -> None:
+    def _frames(self, conn: socket.socket, lane: ServerLane, runs: RunSender | None = None) -> None:
         while not self._stopping.is_set():
             if not select.select([conn], [], [], POLL_SECONDS)[0]:
                 if lane.closed.is_set():
@@ -192,7 +205,7 @@ class TcpLaneServer:
                 elif frame.kind == framing.GET and not frame.data_len:
                     with self.ops.metrics.rpc("TcpLaneGet"):
                         try:
-                            self._get(conn, frame, lane.access, getattr(lane, "unordered_data", False))
+                            self._get(conn, frame, lane.access, getattr(lane, "unordered_data", False), runs)
                         except (OSError, framing.FrameError):
                             raise  # the client went away: the connection ends
                         except Exception as err:  # a bug of ours: this Get fails as gRPC would fail it (UNKNOWN),
@@ -313,10 +326,19 @@ class TcpLaneServer:
         return crc
 
     # -- get ------------------------------------------------------------------------------------
-    def _get(self, conn: socket.socket, frame: framing.Frame, access: LaneAccess, unordered: bool = False) -> None:
+    def _get(
+        self,
+        conn: socket.socket,
+        frame: framing.Frame,
+        access: LaneAccess,
+        unordered: bool = False,
+        runs: RunSender | None = None,
+    ) -> None:
         """With ``unordered`` (the client's hello asked for it), each DATA frame names its blocks and holds those
         whose reads completed, in any order: a read the disk serves late (this VM's disk starved one 2 MiB read
-        for 39 ms while 25 later ones completed) no longer holds back the verified blocks behind it."""
+        for 39 ms while 25 later ones completed) no longer holds back the verified blocks behind it. With ``runs``
+        too, every window is read on this thread, its raw NVMe blocks read, checked and sent by one compiled call
+        (``_send_read``)."""
         ops = self.ops
         try:
             request = _parse(pb.GetRequest, frame.meta, "get")
@@ -336,8 +358,8 @@ class TcpLaneServer:
                 if unordered:
                     counted = [0]
                     try:
-                        if reads.inline:  # one small window: read here, each piece sent as it is verified
-                            self._send_read(conn, ops, accepted, window, counted)
+                        if reads.inline or runs is not None:  # read here, each piece sent as it is verified
+                            self._send_read(conn, ops, accepted, window, counted, first, runs)
                         else:
                             self._send_unordered(conn, ops, accepted, reads, w, window, first, counted)
                     except LaneError as err:
@@ -379,10 +401,16 @@ class TcpLaneServer:
 
     @staticmethod
     def _send_read(
-        conn: socket.socket, ops: StoreOps, accepted: Any, window: list[Lease | None], counted: list[int]
+        conn: socket.socket,
+        ops: StoreOps,
+        accepted: Any,
+        window: list[Lease | None],
+        counted: list[int],
+        first: int = 0,
+        runs: RunSender | None = None,
     ) -> None:
-        """Send a one-window Get's blocks as DATA frames that name them (one window: a block's header index is its
-        position): its DRAM hits at once, then each piece of its NVMe reads as soon as it is verified
+        """Send a window's blocks as DATA frames that name them (``first``: the window's first header index): its
+        DRAM hits at once, then each piece of its NVMe reads as soon as it is verified
         (``materialize`` with ``on_caller``: sent by the thread that read it, this one or a reader, or with more
         pieces than readers by this thread while the readers read), a lock keeping frames whole; ``counted[0]``
         adds the bytes sent. A corrupt or unreadable block raises the read's LaneError after the pieces verified
@@ -393,18 +421,37 @@ class TcpLaneServer:
         0.297, Get p50 3.98 ms) against 0.265-0.279 (0.272, 4.22 ms) with ``ReadAhead``'s inline read, which sent
         nothing until both pieces were read. Larger Gets keep ``ReadAhead``: sent this way, with this way's runs
         always second (a place that favoured them by up to 0.03), they measured even at 512 KiB and slower at 2 MiB
-        (0.768-0.791 against 0.802-0.815)."""
+        (0.768-0.791 against 0.802-0.815).
+        With ``runs`` (a connection's ``RunSender``) the tier hands its compiled runs to ``read_and_send`` instead:
+        read, checked and sent by one call without the GIL, on this thread; what that call could not verify is
+        read again by the tier and sent as above."""
         lock = threading.Lock()
+        sent_here: set[int] = set()  # positions ``runs`` sent: the tier names them verified afterwards
 
         def send(positions: list[int]) -> None:
             with lock:
                 try:
-                    counted[0] += _send_named(conn, ops, accepted, window, positions, 0)
+                    todo = [j for j in positions if j not in sent_here] if sent_here else positions
+                    counted[0] += _send_named(conn, ops, accepted, window, todo, first)
                 except OSError as err:
                     raise _SendFailed(err) from err
 
+        def read_and_send(pieces: list[Any], at: np.ndarray) -> tuple[list[int], list[int]] | None:
+            """``NvmeTier.read``'s run reader: the runs read, checked and sent by one compiled call."""
+            assert runs is not None
+            with lock:
+                try:
+                    done = runs.send(pieces, first + at)
+                except OSError as err:
+                    raise _SendFailed(err) from err
+                if done is None:
+                    return None
+                counted[0] += done.nbytes
+                sent_here.update(at[done.verified].tolist())
+                return done.verified, done.failed
+
         send([j for j, lease in enumerate(window) if lease is not None and lease.buffer is not None])
-        ops.materialize(window, send, on_caller=True)
+        ops.materialize(window, send, on_caller=True, run_reader=read_and_send if runs is not None else None)
 
     @staticmethod
     def _send_unordered(
