@@ -11,7 +11,8 @@ GIL (``send_run_kernels.read_check_send``): ``RunSender(sock)``, one per connect
 - ``close()``: the AIO context ends (a connection's end).
 
 ``ready()`` says whether the kernels are compiled (the first call starts it on a daemon thread, like
-``kvstore.payload_runs``); ``warm_up()`` compiles now.
+``kvstore.payload_runs``); ``warm_up()`` compiles now. ``KVSTORE_COMPILED_SEND=0`` in a store's environment turns
+the compiled send off (its TCP lane then reads on the tier's threads and sends in Python, as before it).
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ def _compile() -> None:
 
 COMPILED = BackgroundCompile(
     "kvstore-send-runs-jit",
-    memops_jit.AVAILABLE and sys.platform == "linux" and platform.machine() == "x86_64",
+    memops_jit.AVAILABLE
+    and sys.platform == "linux"
+    and platform.machine() == "x86_64"
+    and os.environ.get("KVSTORE_COMPILED_SEND", "1") != "0",
     _compile,
 )
 

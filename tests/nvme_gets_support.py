@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore import send_runs
 from kvstore.client import Client
 from kvstore.tiers.nvme.format import HEADER_BYTES, OFFSET_MASK
 from kvstore.tiers.nvme.io import aligned_buffer
@@ -21,7 +22,9 @@ BLOCK = 64 << 10
 PREFIX = 32
 # shm-disk: --share-nvme, every Get asked of the store, which names its NVMe blocks in their files; shm-index: the
 # same found in the store's index of NVMe-only blocks, unasked (the default without --share-dram)
-LANES = ["shm-direct", "shm-disk", "shm-index", "shm-region", "shm-loan", "tcp", "grpc"]
+# tcp: NVMe blocks read, checked and sent by the compiled send where it runs (kvstore.send_runs); tcp-python: by the
+# tier's threads and the lane's Python, as everywhere else
+LANES = ["shm-direct", "shm-disk", "shm-index", "shm-region", "shm-loan", "tcp", "tcp-python", "grpc"]
 SHARED_FILES = ("shm-disk", "shm-index")  # lanes whose client reads the NVMe files
 
 
@@ -41,7 +44,7 @@ def nvme_store(make_server, tmp_path: Path, **options):
 
 
 def start_store(make_server, tmp_path: Path, lane: str, promote: bool, dram: int = 8 << 20):
-    return nvme_store(
+    server = nvme_store(
         make_server,
         tmp_path,
         dram=dram,
@@ -50,6 +53,11 @@ def start_store(make_server, tmp_path: Path, lane: str, promote: bool, dram: int
         share_nvme=lane in SHARED_FILES,
         dram_index=lane != "shm-disk",
     )
+    if lane == "tcp-python":
+        server.lanes.tcp.compiled_send = False
+    elif lane == "tcp" and send_runs.COMPILED.available:
+        send_runs.warm_up()  # compiled before the first Get: these tests take the compiled send where it runs
+    return server
 
 
 def lane_client(server, lane: str) -> Client:

@@ -78,6 +78,10 @@ def test_nvme_only_blocks_come_back_exact_on_every_lane(make_server, tmp_path, l
         assert indexed is not None and indexed.disk_hits >= PREFIX
     elif promote:
         assert tiers["dram"]["promotions"] > 0
+    if lane == "tcp" and server.lanes.tcp.compiled_send:  # sent by the compiled send, as a store here sends them
+        assert counters["lane_tcp_compiled_get_bytes"] >= PREFIX * BLOCK
+    elif lane == "tcp-python":
+        assert "lane_tcp_compiled_get_bytes" not in counters
 
 
 def test_a_client_whose_runs_are_not_compiled_yet_has_the_store_read_them(make_server, tmp_path, monkeypatch):
@@ -234,7 +238,7 @@ def test_a_store_bug_mid_get_is_internal_and_the_lane_lives_on(make_server, tmp_
     quiet(server)
 
 
-@pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "shm-index", "tcp", "grpc"])
+@pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "shm-index", "tcp", "tcp-python", "grpc"])
 def test_concurrent_gets_of_the_same_nvme_blocks(make_server, tmp_path, lane):
     server = start_store(make_server, tmp_path, lane, promote=True, dram=12 << 20)
     with lane_client(server, lane) as kv:
@@ -274,7 +278,7 @@ with Client(target, timeout=30, lane=lane.split("-")[0]) as kv:
 """
 
 
-@pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "shm-index", "shm-pool", "tcp"])
+@pytest.mark.parametrize("lane", ["shm-direct", "shm-disk", "shm-index", "shm-pool", "tcp", "tcp-python"])
 def test_a_client_killed_mid_get_leaks_no_lease_and_no_slot(make_server, tmp_path, lane):
     server = start_store(make_server, tmp_path, lane, promote=False)
     with lane_client(server, lane) as kv:

@@ -84,6 +84,7 @@ class TcpServerLane(ServerLane):
 class TcpLaneServer:
     def __init__(self, host: str, port: int, registry: LaneRegistry, ops: StoreOps, frame_seconds: float):
         self.registry, self.ops, self.frame_seconds = registry, ops, frame_seconds
+        self.compiled_send = send_runs.COMPILED.available  # Gets of NVMe blocks by send_runs (False: tests, Python)
         self._listener = socket.create_server(
             (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128
         )
@@ -139,7 +140,7 @@ class TcpLaneServer:
             lane = self._hello(conn)
             if lane is not None:
                 framing.set_timeouts(conn, self.frame_seconds)
-                if getattr(lane, "unordered_data", False) and send_runs.COMPILED.available:
+                if getattr(lane, "unordered_data", False) and self.compiled_send:
                     runs = RunSender(conn)
                 self._frames(conn, lane, runs)
         except OSError as err:
@@ -447,6 +448,7 @@ class TcpLaneServer:
                 if done is None:
                     return None
                 counted[0] += done.nbytes
+                ops.metrics.add("lane_tcp_compiled_get_bytes", done.nbytes)
                 sent_here.update(at[done.verified].tolist())
                 return done.verified, done.failed
 
