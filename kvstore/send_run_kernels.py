@@ -1,12 +1,14 @@
 """The numba kernel that reads runs of NVMe record payloads, checks them and sends them as TCP lane DATA frames, all
 in one call that holds no GIL (``read_check_send``): the reads go to the kernel's asynchronous I/O (``io_submit``
-on the O_DIRECT segment files, a few pieces in flight), and as each piece lands this thread checks its CRC32Cs and
-``writev``s the verified blocks, straight from where they were read, while the disk reads the next pieces. Loaded
-through ``kvstore.send_runs``.
+on the O_DIRECT segment files, two pieces in flight), and as each piece lands this thread submits the next read,
+checks the piece's CRC32Cs and ``writev``s its verified blocks, straight from where they were read. Loaded through
+``kvstore.send_runs``.
 
 Why: the store-read TCP lane's Get ran its pieces on reading threads and handed each verified piece to the
 connection's thread, a wake-up and a Python send a piece; a Get doing the same in C (``bench.nvme_native_floor``)
-reached 0.85 of the raw read at 32 x 512 KiB where the store reached 0.56 (sixty-first session, docs/nvme_log.md).
+reached 0.85 of the raw read at 32 x 512 KiB where the store reached 0.56 (sixty-first session). Measured with
+``bench.compiled_send`` (sixty-second session, docs/nvme_log.md): Gets 1.05-1.08x as fast at 512 KiB and 2 MiB,
+the store's CPU per Get 7-15 % lower; the rest of the gap is the Get's Python before its first read.
 
 Imported only once ``kvstore.memops_jit`` has found numba and a CPU with SSE4.2 and PCLMULQDQ, and Linux on x86-64
 (the system call numbers below).

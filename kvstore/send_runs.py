@@ -10,6 +10,10 @@ GIL (``send_run_kernels.read_check_send``): ``RunSender(sock)``, one per connect
   not to be had (no numba, not Linux on x86-64, ``io_setup`` refused): nothing was read.
 - ``close()``: the AIO context ends (a connection's end).
 
+Each connection's AIO context counts against the host's ``fs.aio-max-nr`` (65536 by default): Linux reserves
+``max(depth, 4 x CPUs) x 2`` events a context, 16 on a 2-core host, 1024 on a 128-core one (64 connections). A
+context refused is logged and that connection reads on the tier's threads; raise the sysctl for many connections.
+
 ``ready()`` says whether the kernels are compiled (the first call starts it on a daemon thread, like
 ``kvstore.payload_runs``); ``warm_up()`` compiles now. ``KVSTORE_COMPILED_SEND=0`` in a store's environment turns
 the compiled send off (its TCP lane then reads on the tier's threads and sends in Python, as before it).
