@@ -33,6 +33,7 @@ IOCB_CMD_PREADV = 7  # (8 is PWRITEV)
 EINTR = 4
 IOCB_WORDS, EVENT_WORDS = 8, 4  # struct iocb: 64 bytes; struct io_event: 32
 HEAD_BYTES = 20  # framing.HEADER: magic, kind, 3 pad bytes, u32 metadata length, u64 payload length
+PIECE_BLOCKS = 512  # the most blocks a piece may hold (runs.MAX_BLOCKS): its iovecs and frame are sized for it
 SUBMIT_FAILED = -(1 << 40)  # minus errno: io_submit refused the first piece (no I/O was started)
 
 
@@ -174,12 +175,12 @@ def read_check_send(
     slots = 2 * depth
     state[0] = state[1] = 0
     iocbs = np.zeros((slots, IOCB_WORDS), dtype=np.int64)
-    reads = np.empty((slots, 2 * 512 + 2, 2), dtype=np.int64)  # a piece's preadv iovecs (runs.MAX_BLOCKS)
+    reads = np.empty((slots, 2 * PIECE_BLOCKS, 2), dtype=np.int64)  # a piece's preadv iovecs: payloads and gaps
     gathered = np.zeros(slots, dtype=np.int64)
     events = np.zeros((depth, EVENT_WORDS), dtype=np.int64)
     pointer = np.zeros(1, dtype=np.int64)
-    out = np.empty((2 + 512, 2), dtype=np.int64)
-    frame_names = np.empty(512, dtype=np.uint32)
+    out = np.empty((2 + PIECE_BLOCKS, 2), dtype=np.int64)
+    frame_names = np.empty(PIECE_BLOCKS, dtype=np.uint32)
     frame_sizes = np.zeros(2, dtype=np.int64)  # the header's metadata and payload lengths, as bytes below
     free = np.arange(slots)
     nfree = slots

@@ -7,7 +7,8 @@ GIL (``send_run_kernels.read_check_send``): ``RunSender(sock)``, one per connect
   stay in their destinations); ``Sent.failed``: those that were not read in full or failed their CRC32C
   (neither sent nor servable: the caller reads them again its own way, which tells a corrupt record from a short
   read); an ``OSError`` when a send failed (the connection is broken). None when the kernel's asynchronous I/O is
-  not to be had (no numba, not Linux on x86-64, ``io_setup`` refused): nothing was read.
+  not to be had (no numba, not Linux on x86-64, ``io_setup`` refused) or a piece holds more blocks than the
+  kernel's ``PIECE_BLOCKS``: nothing was read.
 - ``close()``: the AIO context ends (a connection's end).
 
 Each connection's AIO context counts against the host's ``fs.aio-max-nr`` (65536 by default): Linux reserves
@@ -95,7 +96,7 @@ class RunSender:
         return self._usable
 
     def send(self, pieces: Sequence[Any], names: np.ndarray) -> Sent | None:
-        if not pieces or not ready() or not self._open():
+        if not pieces or not ready() or max(len(p.at) for p in pieces) > kernels().PIECE_BLOCKS or not self._open():
             return None
         from kvstore.tiers.nvme.io import aligned_buffer
 

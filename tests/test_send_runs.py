@@ -11,6 +11,7 @@ import socket
 import struct
 import sys
 import threading
+import types
 from pathlib import Path
 
 import numpy as np
@@ -186,11 +187,20 @@ def test_a_failed_send_raises_after_the_reads_landed_and_leaves_no_pin(written, 
     assert all(s.readers == 0 for s in tier._log.segments.values())
 
 
+def test_the_kernel_takes_every_piece_the_tier_cuts():
+    from kvstore import send_run_kernels
+    from kvstore.tiers.nvme import runs
+
+    assert runs.MAX_BLOCKS <= send_run_kernels.PIECE_BLOCKS  # a piece's iovecs: a payload and a gap a block
+
+
 def test_no_pieces_or_no_kernels_leave_the_read_to_the_tier(monkeypatch):
     a, b = socket.socketpair()
     try:
         sender = send_runs.RunSender(a)
         assert sender.send([], np.zeros(0, dtype=np.int64)) is None
+        too_many = types.SimpleNamespace(at=np.arange(send_runs.kernels().PIECE_BLOCKS + 1))
+        assert sender.send([too_many], np.zeros(len(too_many.at), dtype=np.int64)) is None
         monkeypatch.setattr(send_runs, "ready", lambda: False)
         assert sender.send([object()], np.zeros(1, dtype=np.int64)) is None
         sender.close()
