@@ -155,58 +155,78 @@ def _submit(
     return err
 
 
+# ``state``'s words, kept between the two calls of a read (``read_check_send``'s ``first_reads``)
+FAILED, SENT_BLOCKS, SUBMITTED, INFLIGHT, FREE, SENT_BYTES, ERROR, LANDED = range(8)
+
+
+@numba.njit(nogil=True, cache=True)
+def workspace(depth: int) -> Any:
+    """The arrays ``read_check_send`` works in for ``depth`` reads in flight (made once a connection): each of
+    ``2 * depth`` slots' iocb and preadv iovecs, which slots hold gathered spans, the landed events, the pointer
+    io_submit takes, a frame's iovecs, names and sizes, the free slots."""
+    slots = 2 * depth
+    return (
+        np.zeros((slots, IOCB_WORDS), dtype=np.int64),
+        np.empty((slots, 2 * PIECE_BLOCKS, 2), dtype=np.int64),  # a piece's preadv iovecs: payloads and gaps
+        np.zeros(slots, dtype=np.int64),
+        np.zeros((depth, EVENT_WORDS), dtype=np.int64),
+        np.zeros(1, dtype=np.int64),
+        np.empty((2 + PIECE_BLOCKS, 2), dtype=np.int64),
+        np.empty(PIECE_BLOCKS, dtype=np.uint32),
+        np.zeros(2, dtype=np.int64),  # the header's metadata and payload lengths, as bytes below
+        np.arange(slots),
+    )
+
+
 @numba.njit(nogil=True, cache=True)
 def read_check_send(
     ctx: int, sock: int, fds: Any, starts: Any, offsets: Any, lengths: Any, crcs: Any, addresses: Any, names: Any,
-    scratch: int, scratch_bytes: int, depth: int, gather_block: int, head: Any, failed: Any, state: Any,
+    scratch: int, scratch_bytes: int, depth: int, gather_block: int, head: Any, failed: Any, state: Any, work: Any,
+    first_reads: bool,
 ) -> int:  # fmt: skip
     """Read, check and send pieces ``p`` (blocks ``starts[p]:starts[p + 1]`` of file ``fds[p]``, in file order:
     int64 columns of payload offset, length, CRC32C and destination address, and ``names``, each block's u32 name in
-    its DATA frame) with up to ``depth`` reads in flight on AIO context ``ctx``. ``scratch`` holds ``2 * depth``
-    slots of ``scratch_bytes``, one a piece being read or checked: its gaps, or its whole span, gathered when its
-    blocks are at most ``gather_block`` bytes. As reads land the next ones are submitted first, so the disk never
-    waits for this thread's checks and sends; then each landed piece's verified blocks go out in one DATA frame on
-    ``sock`` (``head``: a 20-byte frame header whose magic and kind are set). Blocks not read in full or failing
-    their check are neither sent nor served: their indices go into ``failed`` (``state[0]`` how many). Returns the
-    payload bytes sent, or a negative errno when a send failed (the reads in flight are waited for first: no DMA
-    outlives the call) and ``SUBMIT_FAILED - errno`` when the first read could not be submitted (nothing was read
-    or sent). ``state[1]`` counts the blocks sent."""
+    its DATA frame) with up to ``depth`` reads in flight on AIO context ``ctx`` (``work``: ``workspace(depth)``).
+    ``scratch`` holds ``2 * depth`` slots of ``scratch_bytes``, one a piece being read or checked: its gaps, or its
+    whole span, gathered when its blocks are at most ``gather_block`` bytes. As reads land the next ones are
+    submitted first, so the disk never waits for this thread's checks and sends; then each landed piece's verified
+    blocks go out in one DATA frame on ``sock`` (``head``: a 20-byte frame header whose magic and kind are set).
+    Blocks not read in full or failing their check are neither sent nor served: their indices go into ``failed``
+    (``state[FAILED]`` how many; ``state[SENT_BLOCKS]`` counts those sent).
+
+    With ``first_reads`` the call only submits the first reads and returns 0 (the caller may send what must go
+    before the data meanwhile), or ``SUBMIT_FAILED - errno`` when the first could not be submitted (nothing was
+    read); a second call, without it, goes on from there. Returns the payload bytes sent, or a negative errno when
+    a send failed (the reads in flight are waited for first: no DMA outlives the call)."""
+    iocbs, reads, gathered, events, pointer, out, frame_names, frame_sizes, free = work
     pieces = fds.shape[0]
     slots = 2 * depth
-    state[0] = state[1] = 0
-    iocbs = np.zeros((slots, IOCB_WORDS), dtype=np.int64)
-    reads = np.empty((slots, 2 * PIECE_BLOCKS, 2), dtype=np.int64)  # a piece's preadv iovecs: payloads and gaps
-    gathered = np.zeros(slots, dtype=np.int64)
-    events = np.zeros((depth, EVENT_WORDS), dtype=np.int64)
-    pointer = np.zeros(1, dtype=np.int64)
-    out = np.empty((2 + PIECE_BLOCKS, 2), dtype=np.int64)
-    frame_names = np.empty(PIECE_BLOCKS, dtype=np.uint32)
-    frame_sizes = np.zeros(2, dtype=np.int64)  # the header's metadata and payload lengths, as bytes below
-    free = np.arange(slots)
-    nfree = slots
-    submitted = inflight = 0
-    sent = 0
-    error = 0
-    got = 0
+    if first_reads:
+        state[:] = 0
+        free[:] = np.arange(slots)
+        state[FREE] = slots
     while True:
-        while error == 0 and submitted < pieces and inflight < depth:  # the next reads first
-            nfree -= 1
+        while state[ERROR] == 0 and state[SUBMITTED] < pieces and state[INFLIGHT] < depth:  # the next reads first
+            p = state[SUBMITTED]
+            state[FREE] -= 1
             err: int = _submit(
-                ctx, fds, starts, offsets, lengths, addresses, scratch, scratch_bytes, gather_block, slots, submitted,
-                free[nfree], iocbs, reads, gathered, pointer,
+                ctx, fds, starts, offsets, lengths, addresses, scratch, scratch_bytes, gather_block, slots, p,
+                free[state[FREE]], iocbs, reads, gathered, pointer,
             )  # fmt: skip
             if err:
-                nfree += 1
-                if submitted == 0:
+                state[FREE] += 1
+                if p == 0:
                     return SUBMIT_FAILED + err
-                for k in range(starts[submitted], starts[pieces]):  # never read: left to the caller's reads
-                    failed[state[0]] = k
-                    state[0] += 1
-                submitted = pieces
+                for k in range(starts[p], starts[pieces]):  # never read: left to the caller's reads
+                    failed[state[FAILED]] = k
+                    state[FAILED] += 1
+                state[SUBMITTED] = pieces
                 break
-            submitted += 1
-            inflight += 1
-        for e in range(got):  # the pieces that landed, checked and sent while the next are read
+            state[SUBMITTED] += 1
+            state[INFLIGHT] += 1
+        if first_reads:
+            return 0
+        for e in range(state[LANDED]):  # the pieces that landed, checked and sent while the next are read
             p, slot = events[e, 0] // slots, events[e, 0] % slots
             landed = events[e, 2]
             lo, hi = starts[p], starts[p + 1]
@@ -221,36 +241,38 @@ def read_check_send(
                 elif whole:
                     crc = copy_crc(addresses[k], 0, lengths[k], 0, READ)
                 if not whole or np.int64(crc) != crcs[k]:
-                    failed[state[0]] = k
-                    state[0] += 1
+                    failed[state[FAILED]] = k
+                    state[FAILED] += 1
                     continue
                 frame_names[m] = names[k]
                 out[2 + m, 0], out[2 + m, 1] = addresses[k], lengths[k]
                 m += 1
                 nbytes += lengths[k]
-            free[nfree] = slot
-            nfree += 1
-            if m == 0 or error:
+            free[state[FREE]] = slot
+            state[FREE] += 1
+            if m == 0 or state[ERROR]:
                 continue
             frame_sizes[0], frame_sizes[1] = 4 * m, nbytes
             head[8:12] = frame_sizes[:1].view(np.uint8)[:4]
             head[12:20] = frame_sizes[1:].view(np.uint8)
             out[0, 0], out[0, 1] = head.ctypes.data, HEAD_BYTES
             out[1, 0], out[1, 1] = frame_names.ctypes.data, 4 * m
-            error = _send(sock, out, 2 + m)
-            if error == 0:
-                sent += nbytes
-                state[1] += m
-        got = 0
-        if not inflight:
+            state[ERROR] = _send(sock, out, 2 + m)
+            if state[ERROR] == 0:
+                state[SENT_BYTES] += nbytes
+                state[SENT_BLOCKS] += m
+        state[LANDED] = 0
+        if not state[INFLIGHT]:
             break
-        while True:
+        got = -1
+        while got < 0:
             got = _syscall(IO_GETEVENTS, ctx, 1, depth, events.ctypes.data, 0)
-            if got >= 0 or _errno() != EINTR:
-                break
-        got = max(got, 0)  # an error cannot happen with a valid context; a read in flight is never abandoned
-        inflight -= got
-    return error if error else sent
+            if got < 0 and _errno() != EINTR:
+                got = 0  # cannot happen with a valid context; a read in flight is never abandoned
+        state[LANDED] = got
+        state[INFLIGHT] -= got
+    result: int = state[ERROR] if state[ERROR] else state[SENT_BYTES]
+    return result
 
 
 def warm_up() -> None:
@@ -260,5 +282,10 @@ def warm_up() -> None:
         destroy(ctx[0])
     one = np.ones(1, dtype=np.int64)
     head = np.zeros(HEAD_BYTES, dtype=np.uint8)
-    state = np.zeros(2, dtype=np.int64)
-    read_check_send(0, -1, one[:0], one * 0, one, one, one, one, one.astype(np.uint32), 0, 0, 1, 0, head, one, state)
+    state = np.zeros(8, dtype=np.int64)
+    work = workspace(1)
+    for first_reads in (True, False):
+        read_check_send(
+            0, -1, one[:0], one * 0, one, one, one, one, one.astype(np.uint32), 0, 0, 1, 0, head, one, state, work,
+            first_reads,
+        )  # fmt: skip

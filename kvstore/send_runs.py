@@ -26,7 +26,7 @@ import logging
 import os
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +83,7 @@ class RunSender:
         self._ctx = np.zeros(1, dtype=np.int64)
         self._scratch: np.ndarray | None = None
         self._usable: bool | None = None  # None: no context tried yet
+        self._work: Any = None  # the kernel's arrays (``send_run_kernels.workspace``), made with the context
         self._head = np.zeros(20, dtype=np.uint8)
         self._head[:4] = np.frombuffer(FRAME_MAGIC, dtype=np.uint8)
         self._head[4] = FRAME_DATA
@@ -93,9 +94,13 @@ class RunSender:
             self._usable = err == 0
             if err:
                 log.info("io_setup refused (%s): TCP Gets from NVMe read on the tier's threads", os.strerror(-err))
+            else:
+                self._work = kernels().workspace(self._depth)
         return self._usable
 
-    def send(self, pieces: Sequence[Any], names: np.ndarray) -> Sent | None:
+    def send(self, pieces: Sequence[Any], names: np.ndarray, before: Callable[[], None] | None = None) -> Sent | None:
+        """The module's ``send``; ``before()`` (optional) runs once the first reads are submitted and before any
+        block is sent: what must precede the data on the socket (the Get's reply) goes out while the disk reads."""
         if not pieces or not ready() or max(len(p.at) for p in pieces) > kernels().PIECE_BLOCKS or not self._open():
             return None
         from kvstore.tiers.nvme.io import aligned_buffer
@@ -107,20 +112,32 @@ class RunSender:
         starts = np.zeros(len(pieces) + 1, dtype=np.int64)
         np.cumsum([len(p.at) for p in pieces], out=starts[1:])
         failed = np.empty(len(at), dtype=np.int64)
-        state = np.zeros(2, dtype=np.int64)
-        result = kernels().read_check_send(
+        state = np.zeros(8, dtype=np.int64)
+        k = kernels()
+        args = [
             int(self._ctx[0]), self._fd, np.array([p.fd for p in pieces], dtype=np.int64), starts,
             np.concatenate([p.offsets for p in pieces]), np.concatenate([p.lengths for p in pieces]),
             np.concatenate([p.crcs for p in pieces]), np.concatenate([p.addresses for p in pieces]),
             names[at].astype(np.uint32), int(self._scratch.ctypes.data), scratch_bytes, self._depth,
-            payload_runs.GATHER_BLOCK_BYTES, self._head, failed, state,
-        )  # fmt: skip
-        if result <= kernels().SUBMIT_FAILED // 2:
-            err = kernels().SUBMIT_FAILED - result
-            log.info("io_submit refused (%s): TCP Gets from NVMe read on the tier's threads", os.strerror(err))
+            payload_runs.GATHER_BLOCK_BYTES, self._head, failed, state, self._work,
+        ]  # fmt: skip
+        started = k.read_check_send(*args, True)
+        if started <= k.SUBMIT_FAILED // 2:
+            log.info(
+                "io_submit refused (%s): TCP Gets from NVMe read on the tier's threads",
+                os.strerror(-started + k.SUBMIT_FAILED),
+            )
             self._usable = False
             return None
-        bad = at[failed[: state[0]]]
+        try:
+            if before is not None:
+                before()
+        except BaseException:
+            args[1] = -1  # nothing more is sent: the reads in flight land, then the call ends
+            k.read_check_send(*args, False)
+            raise
+        result = k.read_check_send(*args, False)
+        bad = at[failed[: state[k.FAILED]]]
         lost = set(bad.tolist())
         if result < 0:
             raise OSError(-result, os.strerror(-result))

@@ -344,20 +344,20 @@ def test_a_tcp_send_failing_mid_read_ends_the_connection_and_leaks_nothing(make_
     monkeypatch.setattr(tcp_server, "framing", types.SimpleNamespace(**{**vars(framing), "send_frame": failing_once}))
     compiled_send = send_runs.RunSender.send
     if sender == "python":
-        monkeypatch.setattr(send_runs.RunSender, "send", lambda self, pieces, names: None)
+        monkeypatch.setattr(send_runs.RunSender, "send", lambda self, pieces, names, before=None: None)
     else:
         if not send_runs.COMPILED.available:
             pytest.skip("no compiled send here (numba, SSE4.2 and PCLMULQDQ, Linux on x86-64)")
         send_runs.warm_up()
         bad_fd = os.open(tmp_path / "read-only", os.O_RDONLY | os.O_CREAT, 0o644)
 
-        def send_failing_once(self, pieces, names):  # the kernel's writev fails: a descriptor it cannot write
-            if failed:
-                return compiled_send(self, pieces, names)
+        def send_failing_once(self, pieces, names, before=None):  # the kernel's writev fails: a descriptor it
+            if failed:  # cannot write
+                return compiled_send(self, pieces, names, before)
             failed.append(self._fd)  # the connection's
             fd, self._fd = self._fd, bad_fd
             try:
-                return compiled_send(self, pieces, names)
+                return compiled_send(self, pieces, names, before)
             finally:
                 self._fd = fd
 

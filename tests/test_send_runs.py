@@ -70,11 +70,15 @@ class Receiver:
         self.sock, self.sizes = sock, sizes
         self.blocks: dict[int, bytes] = {}
         self.repeated: list[int] = []
+        self.kinds: list[int] = []  # of every frame, in order
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while (frame := framing.recv_frame(self.sock)) is not None:
+            self.kinds.append(frame.kind)
+            if frame.kind == framing.GET_REPLY:  # what ``before`` sent
+                continue
             assert frame.kind == framing.DATA
             names = struct.unpack(f"<{len(frame.meta) // 4}I", frame.meta)
             assert frame.data_len == sum(self.sizes[n] for n in names)
@@ -90,7 +94,7 @@ class Receiver:
         assert not self.thread.is_alive()
 
 
-def read_and_send(tier, locs, payloads, picks, names, crcs=None, fail_fd: int | None = None):
+def read_and_send(tier, locs, payloads, picks, names, crcs=None, fail_fd: int | None = None, before=None):
     """``tier.read`` of ``picks`` with a ``RunSender`` as its run reader; (what the receiver got, the verified and
     failed targets the sender reported, the destinations, the error raised)."""
     server, client = socket.socketpair()
@@ -101,7 +105,7 @@ def read_and_send(tier, locs, payloads, picks, names, crcs=None, fail_fd: int | 
     reported: list[tuple[list[int], list[int]]] = []
 
     def runs(pieces):
-        sent = sender.send(pieces, np.asarray(names, dtype=np.int64))
+        sent = sender.send(pieces, np.asarray(names, dtype=np.int64), before and (lambda: before(server)))
         assert sent is not None
         reported.append((sent.verified, sent.failed))
         return sent.verified, sent.failed
@@ -111,7 +115,7 @@ def read_and_send(tier, locs, payloads, picks, names, crcs=None, fail_fd: int | 
     error = None
     try:
         tier.read([locs[i] for i in picks], [len(payloads[i]) for i in picks], dests, None, crcs, True, runs)
-    except (CorruptBlock, OSError) as err:
+    except (CorruptBlock, OSError, RuntimeError) as err:
         error = err
     finally:
         sender.close()
@@ -133,6 +137,33 @@ def test_every_block_arrives_once_exact_under_its_name(written, start, count, sh
     assert receiver.blocks == {names[k]: payloads[i].tobytes() for k, i in enumerate(picks)}
     assert all(d.tobytes() == payloads[i].tobytes() for d, i in zip(dests, picks))  # served from there too
     assert sorted(reported[0][0]) == list(range(len(picks))) and reported[0][1] == []
+
+
+def test_what_goes_before_the_data_goes_once_the_first_reads_are_submitted(written, monkeypatch):
+    tier, locs, payloads = written
+    monkeypatch.setattr(tier, "max_read_bytes", 1 * MiB)  # more pieces than reads in flight
+    calls: list[int] = []
+
+    def reply(sock):  # the Get's reply, as the lane sends it
+        calls.append(1)
+        framing.send_frame(sock, framing.GET_REPLY, b"reply")
+
+    picks = list(range(len(locs)))
+    receiver, _, _, error = read_and_send(tier, locs, payloads, picks, picks, before=reply)
+    assert error is None and calls == [1]
+    assert receiver.kinds[0] == framing.GET_REPLY and receiver.kinds[1:] == [framing.DATA] * (len(receiver.kinds) - 1)
+    assert receiver.blocks == {i: payloads[i].tobytes() for i in picks}
+
+
+def test_a_failure_before_the_data_waits_for_the_reads_and_sends_nothing(written):
+    tier, locs, payloads = written
+
+    def broken(sock):
+        raise RuntimeError("the reply could not be built")
+
+    receiver, _, _, error = read_and_send(tier, locs, payloads, list(range(12)), list(range(12)), before=broken)
+    assert isinstance(error, RuntimeError) and receiver.blocks == {} and receiver.kinds == []
+    assert all(s.readers == 0 for s in tier._log.segments.values())
 
 
 def test_many_pieces_in_flight_across_a_segment_end(written, monkeypatch):

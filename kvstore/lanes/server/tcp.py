@@ -39,7 +39,7 @@ import select
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -352,15 +352,23 @@ class TcpLaneServer:
         released = 0
         sent = 0
         try:
-            reply = lpb.TcpGetReply(headers=[ops.header_of(lease, accepted) for lease in leases])
-            framing.send_frame(conn, framing.GET_REPLY, reply.SerializeToString())
+            reply = lpb.TcpGetReply(headers=[ops.header_of(lease, accepted) for lease in leases]).SerializeToString()
+            replied = [False]
+
+            def send_reply() -> None:
+                if not replied[0]:
+                    framing.send_frame(conn, framing.GET_REPLY, reply)
+                    replied[0] = True
+
+            if not (unordered and runs is not None):  # else sent once the first reads are submitted (_send_read)
+                send_reply()
             first = 0  # header index of the window's first lease
             for w, window in enumerate(windows):
                 if unordered:
                     counted = [0]
                     try:
                         if reads.inline or runs is not None:  # read here, each piece sent as it is verified
-                            self._send_read(conn, ops, accepted, window, counted, first, runs)
+                            self._send_read(conn, ops, accepted, window, counted, first, runs, send_reply)
                         else:
                             self._send_unordered(conn, ops, accepted, reads, w, window, first, counted)
                     except LaneError as err:
@@ -409,6 +417,7 @@ class TcpLaneServer:
         counted: list[int],
         first: int = 0,
         runs: RunSender | None = None,
+        before: Callable[[], None] | None = None,
     ) -> None:
         """Send a window's blocks as DATA frames that name them (``first``: the window's first header index): its
         DRAM hits at once, then each piece of its NVMe reads as soon as it is verified
@@ -425,13 +434,17 @@ class TcpLaneServer:
         (0.768-0.791 against 0.802-0.815).
         With ``runs`` (a connection's ``RunSender``) the tier hands its compiled runs to ``read_and_send`` instead:
         read, checked and sent by one call without the GIL, on this thread; what that call could not verify is
-        read again by the tier and sent as above."""
+        read again by the tier and sent as above. ``before()`` (the Get's reply, sent once) goes out before the
+        first block: with ``runs``, once the first reads are submitted, so the disk reads while it is built and sent
+        (``materialize`` plans the read before that)."""
         lock = threading.Lock()
         sent_here: set[int] = set()  # positions ``runs`` sent: the tier names them verified afterwards
 
         def send(positions: list[int]) -> None:
             with lock:
                 try:
+                    if before is not None:
+                        before()
                     todo = [j for j in positions if j not in sent_here] if sent_here else positions
                     counted[0] += _send_named(conn, ops, accepted, window, todo, first)
                 except OSError as err:
@@ -442,7 +455,7 @@ class TcpLaneServer:
             assert runs is not None
             with lock:
                 try:
-                    done = runs.send(pieces, first + at)
+                    done = runs.send(pieces, first + at, before)
                 except OSError as err:
                     raise _SendFailed(err) from err
                 if done is None:
@@ -452,8 +465,11 @@ class TcpLaneServer:
                 sent_here.update(at[done.verified].tolist())
                 return done.verified, done.failed
 
-        send([j for j, lease in enumerate(window) if lease is not None and lease.buffer is not None])
+        hits = [j for j, lease in enumerate(window) if lease is not None and lease.buffer is not None]
+        if hits or runs is None:  # DRAM hits first (after the reply, if it has yet to go)
+            send(hits)
         ops.materialize(window, send, on_caller=True, run_reader=read_and_send if runs is not None else None)
+        send([])  # the reply, where no block was sent
 
     @staticmethod
     def _send_unordered(
