@@ -7,8 +7,9 @@ checks the piece's CRC32Cs and ``writev``s its verified blocks, straight from wh
 Why: the store-read TCP lane's Get ran its pieces on reading threads and handed each verified piece to the
 connection's thread, a wake-up and a Python send a piece; a Get doing the same in C (``bench.nvme_native_floor``)
 reached 0.85 of the raw read at 32 x 512 KiB where the store reached 0.56 (sixty-first session). Measured with
-``bench.compiled_send`` (sixty-second session, docs/nvme_log.md): Gets 1.05-1.08x as fast at 512 KiB and 2 MiB,
-the store's CPU per Get 7-15 % lower; the rest of the gap is the Get's Python before its first read.
+``bench.compiled_send`` (sixty-second session, docs/nvme_log.md): Gets 1.19 / 1.00 / 1.15x as fast at 64 KiB /
+512 KiB / 2 MiB, the store's CPU per Get 9-25 % lower; the rest of the gap is the Get's Python before its first
+read and the promotion after its reply.
 
 Imported only once ``kvstore.memops_jit`` has found numba and a CPU with SSE4.2 and PCLMULQDQ, and Linux on x86-64
 (the system call numbers below).
