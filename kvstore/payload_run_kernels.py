@@ -130,9 +130,22 @@ def read_run(
         gathered: int = _check_rows(offsets, lengths, crcs, addresses, order, got, failed, scratch)
         return gathered
     iov = np.empty((2 * n, 2), dtype=np.int64)  # struct iovec: (address, length)
+    parts = payload_iovecs(offsets, lengths, addresses, order, 0, n, scratch, iov)
+    got = _preadv(fd, iov.ctypes.data, parts, first)
+    bad: int = _check_rows(offsets, lengths, crcs, addresses, order, got, failed, 0)
+    return bad
+
+
+@numba.njit(nogil=True, cache=True)
+def payload_iovecs(
+    offsets: Any, lengths: Any, addresses: Any, order: Any, lo: int, hi: int, scratch: int, iov: Any
+) -> int:
+    """Into ``iov``, the iovecs of one read from the payload of block ``order[lo]`` to that of ``order[hi - 1]``
+    (in file order): each payload into its destination address, each gap between two (the record headers) into
+    ``scratch``, one after another; how many (at most ``2 * (hi - lo) - 1``)."""
     parts = 0
-    end = first
-    for j in range(n):
+    end = offsets[order[lo]]
+    for j in range(lo, hi):
         k = order[j]
         gap = offsets[k] - end
         if gap:
@@ -142,9 +155,7 @@ def read_run(
         iov[parts, 0], iov[parts, 1] = addresses[k], lengths[k]
         parts += 1
         end = offsets[k] + lengths[k]
-    got = _preadv(fd, iov.ctypes.data, parts, first)
-    bad: int = _check_rows(offsets, lengths, crcs, addresses, order, got, failed, 0)
-    return bad
+    return parts
 
 
 @numba.njit(nogil=True, cache=True)

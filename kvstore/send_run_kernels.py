@@ -27,6 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kvstore.memops_kernels import READ, STREAM, copy_crc
+from kvstore.payload_run_kernels import payload_iovecs
 
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 IO_SETUP, IO_DESTROY, IO_GETEVENTS, IO_SUBMIT = 206, 207, 208, 209  # x86-64
@@ -89,29 +90,19 @@ def destroy(ctx: int) -> int:
 
 @numba.njit(nogil=True, cache=True)
 def _plan(
-    p: int, starts: Any, offsets: Any, lengths: Any, addresses: Any, scratch: int, scratch_bytes: int,
+    p: int, starts: Any, offsets: Any, lengths: Any, addresses: Any, order: Any, scratch: int, scratch_bytes: int,
     gather_block: int, iov: Any,
 ) -> tuple[int, int, int]:  # fmt: skip
     """Piece ``p``'s iovecs into ``iov`` (each payload into its destination, the gaps between into ``scratch``; or,
-    gathered, the whole span into ``scratch``): (iovec count, first file offset, gathered scratch or 0)."""
+    gathered, the whole span into ``scratch``): (iovec count, first file offset, gathered scratch or 0). ``order``:
+    every block's index, the blocks being in file order already."""
     lo, hi = starts[p], starts[p + 1]
     first = offsets[lo]
     span = offsets[hi - 1] + lengths[hi - 1] - first
     if gather_block > 0 and span <= scratch_bytes and lengths[lo:hi].max() <= gather_block:
         iov[0, 0], iov[0, 1] = scratch, span
         return 1, first, scratch
-    parts = 0
-    end = first
-    for k in range(lo, hi):
-        gap = offsets[k] - end
-        if gap:
-            iov[parts, 0], iov[parts, 1] = scratch, gap
-            scratch += gap
-            parts += 1
-        iov[parts, 0], iov[parts, 1] = addresses[k], lengths[k]
-        parts += 1
-        end = offsets[k] + lengths[k]
-    return parts, first, 0
+    return payload_iovecs(offsets, lengths, addresses, order, lo, hi, scratch, iov), first, 0
 
 
 @numba.njit(nogil=True, cache=True)
@@ -138,13 +129,15 @@ def _send(sock: int, iov: Any, count: int) -> int:
 
 @numba.njit(nogil=True, cache=True)
 def _submit(
-    ctx: int, fds: Any, starts: Any, offsets: Any, lengths: Any, addresses: Any, scratch: int, scratch_bytes: int,
-    gather_block: int, slots: int, p: int, slot: int, iocbs: Any, reads: Any, gathered: Any, pointer: Any,
+    ctx: int, fds: Any, starts: Any, offsets: Any, lengths: Any, addresses: Any, order: Any, scratch: int,
+    scratch_bytes: int, gather_block: int, slots: int, p: int, slot: int, iocbs: Any, reads: Any, gathered: Any,
+    pointer: Any,
 ) -> int:  # fmt: skip
     """Submit piece ``p``'s read into scratch slot ``slot``: 0, or -errno."""
     parts, first, gathered[slot] = _plan(
-        p, starts, offsets, lengths, addresses, scratch + slot * scratch_bytes, scratch_bytes, gather_block, reads[slot]
-    )
+        p, starts, offsets, lengths, addresses, order, scratch + slot * scratch_bytes, scratch_bytes, gather_block,
+        reads[slot],
+    )  # fmt: skip
     b = iocbs[slot]
     b[0] = p * slots + slot  # aio_data: the piece and its slot
     b[2] = IOCB_CMD_PREADV | (fds[p] << 32)
@@ -202,6 +195,7 @@ def read_check_send(
     iocbs, reads, gathered, events, pointer, out, frame_names, frame_sizes, free = work
     pieces = fds.shape[0]
     slots = 2 * depth
+    order = np.arange(offsets.shape[0])  # the blocks of each piece lie in file order
     if first_reads:
         state[:] = 0
         free[:] = np.arange(slots)
@@ -211,7 +205,7 @@ def read_check_send(
             p = state[SUBMITTED]
             state[FREE] -= 1
             err: int = _submit(
-                ctx, fds, starts, offsets, lengths, addresses, scratch, scratch_bytes, gather_block, slots, p,
+                ctx, fds, starts, offsets, lengths, addresses, order, scratch, scratch_bytes, gather_block, slots, p,
                 free[state[FREE]], iocbs, reads, gathered, pointer,
             )  # fmt: skip
             if err:

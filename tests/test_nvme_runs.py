@@ -14,11 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore import memops_jit, payload_runs
-from kvstore.tiers.base import BlockMeta, CorruptBlock
+from kvstore.tiers.base import CorruptBlock
 from kvstore.tiers.nvme import NvmeTier, PosixBackend, runs
 from kvstore.tiers.nvme.faults import InstrumentedBackend
-from kvstore.tiers.nvme.format import HEADER_BYTES, crc32c, split_loc
+from kvstore.tiers.nvme.format import crc32c, split_loc
 from kvstore.tiers.nvme.io import aligned_buffer
+from tests.nvme_runs_support import damage, make_tier, write
+from tests.nvme_runs_support import written as written_records
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 512 * KiB, 12 * KiB]  # whole pages, as raw KV blocks are
@@ -35,23 +37,10 @@ def compiled(request, monkeypatch) -> None:
         monkeypatch.setattr(payload_runs, "GATHER_BLOCK_BYTES", 0)
 
 
-def make_tier(root: Path, backend=None) -> NvmeTier:
-    more = {} if backend is None else {"backend": backend}
-    return NvmeTier(root, 64 * MiB, segment_bytes=4 * MiB, write_io_bytes=256 * KiB, **more)
-
-
-def write(tier: NvmeTier, payloads: list[np.ndarray], rng: np.random.Generator) -> list[int]:
-    metas = [BlockMeta("ns", rng.bytes(16), b"", 0, "uint8", len(p), len(p), crc32c(p)) for p in payloads]
-    return tier.write(metas, payloads)
-
-
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[NvmeTier, list[int], list[np.ndarray]]:
     """40 records of whole-page sizes over segments of 4 MiB (so some runs cross a segment's end)."""
-    tier = make_tier(tmp_path_factory.mktemp("runs"))
-    rng = np.random.default_rng(5)
-    payloads = [rng.integers(0, 256, SIZES[k % len(SIZES)], dtype=np.uint8) for k in range(40)]
-    return tier, write(tier, payloads, rng), payloads
+    return written_records(tmp_path_factory.mktemp("runs"), SIZES, 40, 5)
 
 
 def counts(tier: NvmeTier) -> tuple[int, int]:
@@ -103,12 +92,7 @@ def test_a_damaged_payload_is_read_again_and_reported_alone(tmp_path: Path):
     rng = np.random.default_rng(9)
     payloads = [rng.integers(0, 256, 64 * KiB, dtype=np.uint8) for _ in range(6)]
     locs = write(tier, payloads, rng)
-    seg, offset = split_loc(locs[2])
-    with open(tmp_path / f"seg-{seg:010d}.log", "r+b") as f:  # a bad sector in record 2's payload
-        f.seek(offset + HEADER_BYTES + 100)
-        byte = f.read(1)
-        f.seek(offset + HEADER_BYTES + 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    damage(tmp_path, locs[2])  # a bad sector in record 2's payload
     ready: list[int] = []
     dests = [aligned_buffer(64 * KiB) for _ in payloads]
     for d in dests:

@@ -21,10 +21,12 @@ from hypothesis import strategies as st
 
 from kvstore import memops_jit, payload_runs, send_runs
 from kvstore.lanes import framing
-from kvstore.tiers.base import BlockMeta, CorruptBlock
+from kvstore.tiers.base import CorruptBlock
 from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.nvme.format import HEADER_BYTES, crc32c, split_loc
+from kvstore.tiers.nvme.format import crc32c, split_loc
 from kvstore.tiers.nvme.io import aligned_buffer
+from tests.nvme_runs_support import damage, make_tier, write
+from tests.nvme_runs_support import written as written_records
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [64 * KiB, 512 * KiB, 4 * KiB, 128 * KiB]
@@ -45,22 +47,10 @@ def test_the_frame_header_constants_are_the_lanes():
     assert framing.HEADER.size == 20
 
 
-def make_tier(root: Path) -> NvmeTier:
-    return NvmeTier(root, 64 * MiB, segment_bytes=4 * MiB, write_io_bytes=256 * KiB)
-
-
-def write(tier: NvmeTier, payloads: list[np.ndarray], rng: np.random.Generator) -> list[int]:
-    metas = [BlockMeta("ns", rng.bytes(16), b"", 0, "uint8", len(p), len(p), crc32c(p)) for p in payloads]
-    return tier.write(metas, payloads)
-
-
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[NvmeTier, list[int], list[np.ndarray]]:
     """24 records over segments of 4 MiB (some runs cross a segment's end)."""
-    tier = make_tier(tmp_path_factory.mktemp("send-runs"))
-    rng = np.random.default_rng(7)
-    payloads = [rng.integers(0, 256, SIZES[k % len(SIZES)], dtype=np.uint8) for k in range(24)]
-    return tier, write(tier, payloads, rng), payloads
+    return written_records(tmp_path_factory.mktemp("send-runs"), SIZES, 24, 7)
 
 
 class Receiver:
@@ -181,12 +171,7 @@ def test_a_damaged_record_is_not_sent_and_is_reported_alone(tmp_path: Path):
     rng = np.random.default_rng(9)
     payloads = [rng.integers(0, 256, 64 * KiB, dtype=np.uint8) for _ in range(6)]
     locs = write(tier, payloads, rng)
-    seg, offset = split_loc(locs[2])
-    with open(tmp_path / f"seg-{seg:010d}.log", "r+b") as f:  # a bad sector in record 2's payload
-        f.seek(offset + HEADER_BYTES + 100)
-        byte = f.read(1)
-        f.seek(offset + HEADER_BYTES + 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    damage(tmp_path, locs[2])  # a bad sector in record 2's payload
     picks = list(range(6))
     receiver, reported, dests, error = read_and_send(tier, locs, payloads, picks, picks)
     assert isinstance(error, CorruptBlock) and error.locs == [locs[2]]
